@@ -1,0 +1,423 @@
+"""The configuration tree: pydantic models loaded from YAML, with ``--set`` overrides.
+
+Every section forbids unknown keys and every field has a working default and a
+docstring (the attribute docstring becomes the field's description, which is what
+``docs/config.md`` is generated from). This module imports no jax, flax or
+transformers, so validating a config and printing it are instant.
+
+Errors are :class:`~asyncrl.errors.ConfigError` with one line per problem, each
+naming the dotted path, what was given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from asyncrl.errors import ConfigError
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, docstrings are docs."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class ComponentRef(Section):
+    """A pluggable component given by import path or alias, with constructor kwargs."""
+
+    target: str
+    """A registered alias or an import path ``pkg.module:Symbol``."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments bound to the component when it is built."""
+
+
+ComponentSpec = Union[str, ComponentRef]
+"""A built-in alias, an import path ``pkg.module:Symbol``, or ``{target, kwargs}``."""
+
+
+class RunConfig(Section):
+    """Identity, output location, seeding and length of a run."""
+
+    name: str = "asyncrl"
+    """Run name, used in the default output directory and in logs."""
+    output_dir: Optional[str] = None
+    """Directory for metrics, checkpoints and exports; defaults to ``runs/<name>``."""
+    seed: int = 0
+    """Root seed; every random stream of the run is derived from it."""
+    total_steps: int = Field(default=100, ge=1)
+    """Number of trainer steps (each consumes ``rollout.batch_size`` groups and publishes once)."""
+
+    @property
+    def resolved_output_dir(self) -> Path:
+        return Path(self.output_dir) if self.output_dir else Path("runs") / self.name
+
+
+class ModelConfig(Section):
+    """The policy model: where its weights come from and the dtypes it runs in."""
+
+    path: str = "tiny"
+    """Local Hugging Face directory, hub id, or built-in spec such as ``tiny``."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype the parameters are stored and updated in."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of activations and matmuls; norms and log-probs always run in float32."""
+
+
+class RolloutConfig(Section):
+    """How episodes are generated, and how stale their tokens may be when trained."""
+
+    batch_size: int = Field(default=8, ge=1)
+    """Groups (prompts) consumed by one trainer step: B."""
+    group_size: int = Field(default=4, ge=1)
+    """Sequences sampled per prompt; a group is kept or dropped whole."""
+    max_staleness: int = Field(default=1, ge=0)
+    """η: the most versions a trained token may lag the weights being trained; 0 is synchronous."""
+    max_concurrent: int = Field(default=16, ge=1)
+    """Most episodes running at once (rollout threads)."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature of training rollouts (log-probs are taken at this temperature)."""
+    max_new_tokens: int = Field(default=32, ge=1)
+    """Most tokens generated per completion."""
+    batch_order: Literal["admission", "completion"] = "admission"
+    """``admission``: batches take the oldest tickets (lag <= η, no stale drops); ``completion``: the first finished groups."""
+
+
+class LoggingConfig(Section):
+    """What the run reports and how."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Python logging level of asyncrl's own loggers."""
+
+
+class Config(Section):
+    """The whole configuration of a run."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Identity, output location, seeding and length of the run."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Rollout generation and staleness control."""
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """Logging."""
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: typing.Sequence[str] = (),
+    *,
+    data: dict | None = None,
+) -> Config:
+    """Build a :class:`Config` from a YAML file (or a dict) and ``a.b=VALUE`` overrides.
+
+    Raises :class:`ConfigError` naming every problem by dotted path.
+    """
+    if path is not None and data is not None:
+        raise ValueError("give a config path or a dict, not both")
+    raw = read_yaml(path) if path is not None else dict(data or {})
+    problems: list[str] = []
+    for item in overrides:
+        try:
+            apply_override(raw, Config, item)
+        except ConfigError as err:
+            problems.extend(err.problems)
+    if problems:
+        raise ConfigError(problems)
+    return validate_config(raw, source=str(path) if path is not None else None)
+
+
+def read_yaml(path: str | Path) -> dict:
+    """Read a YAML mapping with ``yaml.safe_load``; errors name the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+    return loaded
+
+
+def validate_config(raw: dict, source: str | None = None) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, Config, source)) from None
+
+
+def format_validation_error(err: ValidationError, root: type[BaseModel], source: str | None = None) -> list[str]:
+    """One line per problem: ``path: what is wrong (given ...; allowed ...)``."""
+    lines = []
+    prefix = f"{source}: " if source else ""
+    for item in err.errors():
+        loc = _clean_loc(item["loc"])
+        dotted = ".".join(str(p) for p in loc) or "<root>"
+        if item["type"] == "extra_forbidden":
+            siblings = _field_names_at(root, loc[:-1])
+            hint = _closest(str(loc[-1]), siblings)
+            allowed = f"did you mean '{_join(loc[:-1], hint)}'?" if hint else f"allowed keys: {', '.join(siblings)}"
+            lines.append(f"{prefix}{dotted}: unknown key; {allowed}")
+            continue
+        given = item.get("input")
+        msg = item["msg"]
+        if item["type"] == "missing":
+            lines.append(f"{prefix}{dotted}: required field is missing")
+        else:
+            lines.append(f"{prefix}{dotted}: {msg} (given {_short(given)})")
+    return lines
+
+
+def _clean_loc(loc: tuple) -> tuple:
+    # Union members appear in pydantic's loc as type tags ("str", "ComponentRef",
+    # "function-after[...]"); they are not part of the user's path.
+    out = []
+    for part in loc:
+        if isinstance(part, str) and (part in {"str", "int", "float", "bool", "none"} or "[" in part or part[:1].isupper()):
+            continue
+        out.append(part)
+    return tuple(out)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _join(prefix: tuple, name: str) -> str:
+    return ".".join([*(str(p) for p in prefix), name])
+
+
+def _closest(name: str, options: list[str]) -> str | None:
+    found = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return found[0] if found else None
+
+
+# --------------------------------------------------------------------------- schema walking
+
+
+def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
+    """Strip ``Optional``/``Annotated``; return (inner annotation, allows None)."""
+    allows_none = False
+    while True:
+        origin = typing.get_origin(annotation)
+        if origin is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
+            continue
+        if origin in (Union, types.UnionType):
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(args) < len(typing.get_args(annotation)):
+                allows_none = True
+            if len(args) == 1:
+                annotation = args[0]
+                continue
+            annotation = Union[tuple(args)] if len(args) > 1 else annotation
+        return annotation, allows_none
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _child_annotation(annotation: Any, key: str | int) -> Any:
+    """Annotation of ``annotation[key]``; raises KeyError when there is no such child."""
+    annotation, _ = _unwrap_optional(annotation)
+    if _is_model(annotation):
+        if key not in annotation.model_fields:
+            raise KeyError(key)
+        return annotation.model_fields[key].annotation
+    origin = typing.get_origin(annotation)
+    if origin in (list, tuple) and isinstance(key, int):
+        return typing.get_args(annotation)[0]
+    if origin is dict:
+        return typing.get_args(annotation)[1]
+    if annotation is Any:
+        return Any
+    # Unions of a model with other things (component specs): look inside the model member.
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            try:
+                return _child_annotation(arg, key)
+            except KeyError:
+                continue
+    raise KeyError(key)
+
+
+def _field_names_at(root: type[BaseModel], loc: tuple) -> list[str]:
+    annotation: Any = root
+    try:
+        for part in loc:
+            annotation = _child_annotation(annotation, part)
+    except KeyError:
+        return []
+    annotation, _ = _unwrap_optional(annotation)
+    if _is_model(annotation):
+        return list(annotation.model_fields)
+    for arg in typing.get_args(annotation):
+        if _is_model(arg):
+            return list(arg.model_fields)
+    return []
+
+
+def _takes_raw_text(annotation: Any) -> bool:
+    """True for fields whose values are plain strings (``str`` or a union led by str
+    with nothing but models beside it): ``--set`` gives those the raw text."""
+    annotation, _ = _unwrap_optional(annotation)
+    if annotation is str:
+        return True
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        args = typing.get_args(annotation)
+        return str in args and all(a is str or _is_model(a) for a in args)
+    return False
+
+
+def apply_override(raw: dict, root: type[BaseModel], item: str) -> None:
+    """Apply one ``a.b.c=VALUE`` override to the raw (unvalidated) config mapping.
+
+    VALUE is parsed as YAML, except that a field of type ``str`` takes the raw text
+    (YAML 1.1 would turn ``no`` into false and ``0123`` into 83); ``null`` still means
+    None where the field allows it, and a value that is a YAML mapping still builds
+    a component spec. Integer parts index lists. A path that is not in the schema is
+    an error.
+    """
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected PATH=VALUE, e.g. rollout.batch_size=16")
+    dotted, text = item.split("=", 1)
+    dotted = dotted.strip()
+    parts: list[str | int] = [int(p) if p.lstrip("-").isdigit() else p for p in dotted.split(".")]
+    if not dotted or any(p == "" for p in parts):
+        raise ConfigError(f"--set {item!r}: empty path")
+
+    annotation: Any = root
+    container: Any = raw
+    for depth, part in enumerate(parts):
+        where = ".".join(str(p) for p in parts[: depth + 1])
+        try:
+            annotation = _child_annotation(annotation, part)
+        except KeyError:
+            siblings = _field_names_at(root, tuple(parts[:depth]))
+            hint = _closest(str(part), siblings) if isinstance(part, str) else None
+            if hint:
+                suggestion = f"did you mean '{_join(tuple(parts[:depth]), hint)}'?"
+            elif siblings:
+                suggestion = f"allowed keys: {', '.join(siblings)}"
+            else:
+                suggestion = "it is not a section or a list"
+            raise ConfigError(f"--set {dotted}: '{where}' does not exist; {suggestion}") from None
+        last = depth == len(parts) - 1
+        if isinstance(part, int):
+            if not isinstance(container, list) or not -len(container) <= part < len(container):
+                size = len(container) if isinstance(container, list) else 0
+                raise ConfigError(f"--set {dotted}: index {part} is out of range ('{where}' has {size} items)")
+        elif not isinstance(container, dict):
+            raise ConfigError(f"--set {dotted}: '{where}' is inside a value that is not a mapping")
+        if last:
+            container[part] = _parse_value(text, annotation)
+            return
+        child = container[part] if (isinstance(part, int) or part in container) else None
+        if child is None:
+            child = {}
+            container[part] = child
+        container = child
+
+
+def _parse_value(text: str, annotation: Any) -> Any:
+    _, allows_none = _unwrap_optional(annotation)
+    stripped = text.strip()
+    if _takes_raw_text(annotation):
+        if allows_none and stripped in ("null", "~", "None"):
+            return None
+        if stripped.startswith("{"):
+            return _yaml_value(text)
+        return text
+    return _yaml_value(text)
+
+
+def _yaml_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+# --------------------------------------------------------------------------- output
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML; :func:`load_config` reads it back to an equal config."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def config_reference_markdown() -> str:
+    """The config reference (``docs/config.md``), generated from the models."""
+    lines = [
+        "# Config reference",
+        "",
+        "Generated from `asyncrl/config.py` by `python scripts/gen_config_docs.py`; do not edit by hand.",
+        "Every section rejects unknown keys. Override any field on the command line with",
+        "`--set section.field=VALUE` (YAML, except that `str` fields take the raw text).",
+        "",
+    ]
+    seen: set[type] = set()
+
+    def section(model: type[BaseModel], dotted: str) -> None:
+        lines.append(f"## `{dotted}`")
+        lines.append("")
+        if model.__doc__:
+            lines.append(model.__doc__.strip().splitlines()[0])
+            lines.append("")
+        lines.append("| field | type | default | description |")
+        lines.append("|---|---|---|---|")
+        nested = []
+        for name, field in model.model_fields.items():
+            inner, _ = _unwrap_optional(field.annotation)
+            if _is_model(inner) and inner is not ComponentRef:
+                nested.append((inner, f"{dotted}.{name}"))
+                default = "see below"
+            else:
+                default = _default_text(field)
+            description = (field.description or "").replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| `{name}` | {_type_text(field.annotation)} | {default} | {description} |")
+            inner_list = typing.get_args(inner) if typing.get_origin(inner) is list else ()
+            if inner_list and _is_model(inner_list[0]) and inner_list[0] not in seen:
+                nested.append((inner_list[0], f"{dotted}.{name}[]"))
+        lines.append("")
+        for model_, path in nested:
+            seen.add(model_)
+            section(model_, path)
+
+    for name, field in Config.model_fields.items():
+        section(field.annotation, name)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _default_text(field: Any) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()
+        if isinstance(value, BaseModel):
+            value = value.model_dump(mode="json")
+    else:
+        value = field.default
+    return "`" + yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip() + "`"
+
+
+def _type_text(annotation: Any) -> str:
+    text = repr(annotation) if not isinstance(annotation, type) else annotation.__name__
+    text = text.replace("typing.", "").replace("asyncrl.config.", "").replace("NoneType", "None")
+    return text.replace("|", "\\|")

@@ -1,0 +1,39 @@
+"""Test-wide settings: JAX's persistent compilation cache, CPU only, and the slow marker.
+
+The settings go through environment variables so that subprocesses started by tests
+(mesh and multi-process tests) inherit them too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+
+
+def pytest_configure(config):
+    cache_dir = config.cache.mkdir("jax-compilation-cache") if config.cache is not None else None
+    if cache_dir is not None:
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_dir))
+    # Cache every compilation, however small: tests recompile the same tiny models
+    # across processes, and small programs are most of what they compile.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow") or "slow" in (config.getoption("-m") or ""):
+        return
+    # A slow test named explicitly on the command line (path::name) runs too.
+    named = {arg.split("[")[0] for arg in config.args if "::" in arg}
+    skip = pytest.mark.skip(reason="slow: run with --runslow, -m slow, or by node id")
+    for item in items:
+        if "slow" in item.keywords and item.nodeid.split("[")[0] not in named:
+            item.add_marker(skip)
