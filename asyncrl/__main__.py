@@ -1,0 +1,3 @@
+from asyncrl.cli import main
+
+raise SystemExit(main())
