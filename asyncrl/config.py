@@ -11,6 +11,7 @@ naming the dotted path, what was given and what is allowed.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import types
 import typing
@@ -124,16 +125,21 @@ def load_config(
     """
     if path is not None and data is not None:
         raise ValueError("give a config path or a dict, not both")
-    raw = read_yaml(path) if path is not None else dict(data or {})
+    raw = read_yaml(path) if path is not None else copy.deepcopy(data or {})
     problems: list[str] = []
     for item in overrides:
         try:
             apply_override(raw, Config, item)
         except ConfigError as err:
             problems.extend(err.problems)
+    # Report the bad overrides together with whatever else is wrong, in one go.
+    try:
+        cfg = validate_config(raw, source=str(path) if path is not None else None)
+    except ConfigError as err:
+        problems.extend(err.problems)
     if problems:
         raise ConfigError(problems)
-    return validate_config(raw, source=str(path) if path is not None else None)
+    return cfg
 
 
 def read_yaml(path: str | Path) -> dict:
