@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from asyncrl.errors import ConfigError
 
@@ -90,6 +90,55 @@ class RolloutConfig(Section):
     """``admission``: batches take the oldest tickets (lag <= η, no stale drops); ``completion``: the first finished groups."""
 
 
+class AlgoConfig(Section):
+    """The RL objective: advantages, the clipped policy loss, KL, entropy and aggregation (``docs/algorithms.md``)."""
+
+    estimator: ComponentSpec = "grpo"
+    """Advantage estimator: ``grpo``, ``dr_grpo``, ``rloo``, ``batch``, or an import path; kwargs such as ``{eps: 1e-4}``."""
+    reward_scale: float = 1.0
+    """Rewards are multiplied by this before the estimator sees them."""
+    reward_bias: float = 0.0
+    """Added to rewards (after scaling) before the estimator sees them."""
+    truncated: Literal["keep", "mask", "penalty"] = "keep"
+    """Completions cut at ``rollout.max_new_tokens``: ``keep`` as is, ``mask`` out of the loss, or DAPO's soft overlong ``penalty``."""
+    overlong_buffer: int = Field(default=8, ge=1)
+    """DAPO's L_cache: with ``truncated: penalty`` the reward falls linearly to -``overlong_penalty`` over the last this many tokens."""
+    overlong_penalty: float = Field(default=1.0, ge=0)
+    """Largest overlong penalty (reward units) with ``truncated: penalty``; reached at ``rollout.max_new_tokens``."""
+    ratio: Literal["token", "sequence"] = "token"
+    """Importance ratio per ``token`` (PPO/GRPO) or per ``sequence`` (GSPO: exp of the mean token log-ratio)."""
+    clip_low: float = Field(default=0.2, ge=0, lt=1)
+    """The ratio is clipped below at 1 - clip_low."""
+    clip_high: float = Field(default=0.2, ge=0)
+    """The ratio is clipped above at 1 + clip_high (DAPO's clip-higher: 0.28)."""
+    dual_clip: Optional[float] = Field(default=None, gt=1)
+    """Dual clip c: for A < 0 the loss is at most -c*A (3.0 in the dual-clip paper); null is off."""
+    decoupled: bool = False
+    """AReaL's decoupled PPO: ratio against the proximal policy (weights at the step's start), times w = pi_prox/pi_behave."""
+    prox_logp: Literal["recompute", "behave"] = "recompute"
+    """With ``decoupled``: ``recompute`` pi_prox at the step's start, or take the behaviour logprobs (valid only when every token has the step's version)."""
+    mismatch_correction: bool = False
+    """Train/inference mismatch correction (truncated importance sampling): the same w, with pi_prox recomputed; exclusive with ``decoupled``."""
+    behave_weight_cap: Optional[float] = Field(default=5.0, gt=1)
+    """Cap of w = pi_prox/pi_behave (decoupled or mismatch correction); null is no cap."""
+    behave_weight_mode: Literal["truncate", "mask"] = "truncate"
+    """``truncate``: w = min(w, cap); ``mask``: tokens with w outside [1/cap, cap] get no loss."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Coefficient of the KL penalty to the frozen reference model; 0 is off (no reference model is loaded)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman's k1, k2, k3) with delta = log pi - log pi_ref."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Entropy bonus: the loss is reduced by this times the token entropy."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses of a mini-batch become one scalar (real rows only)."""
+    loss_norm_tokens: Optional[int] = Field(default=None, ge=1)
+    """Constant token count of ``seq-mean-token-sum-norm`` (Dr. GRPO); null means ``rollout.max_new_tokens``."""
+    ppo_epochs: int = Field(default=1, ge=1)
+    """Passes over each trainer step's batch."""
+    mini_batches: int = Field(default=1, ge=1)
+    """Optimizer updates per epoch: the batch is split into this many mini-batches."""
+
+
 class LoggingConfig(Section):
     """What the run reports and how."""
 
@@ -106,8 +155,38 @@ class Config(Section):
     """The policy model."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """Rollout generation and staleness control."""
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    """The RL objective."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Logging."""
+
+    @model_validator(mode="after")
+    def _check_algo(self) -> "Config":
+        problems = []
+        algo = self.algo
+        if algo.decoupled and algo.mismatch_correction:
+            problems.append(
+                "algo.mismatch_correction: cannot be combined with algo.decoupled (both apply the same weight "
+                "w = pi_prox/pi_behave, so it would be applied twice); set one of them to false"
+            )
+        target = algo.estimator if isinstance(algo.estimator, str) else algo.estimator.target
+        if target in GROUP_NORMALISED_ESTIMATORS and self.rollout.group_size < 2:
+            problems.append(
+                f"rollout.group_size: {self.rollout.group_size} is too small for algo.estimator '{target}', which "
+                "compares each sequence with the rest of its group; use group_size >= 2 or algo.estimator: batch"
+            )
+        if algo.truncated == "penalty" and algo.overlong_buffer > self.rollout.max_new_tokens:
+            problems.append(
+                f"algo.overlong_buffer: {algo.overlong_buffer} exceeds rollout.max_new_tokens "
+                f"({self.rollout.max_new_tokens}); the buffer is the last part of the allowed length"
+            )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
+GROUP_NORMALISED_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+"""Built-in advantage estimators that need at least two sequences per group."""
 
 
 # --------------------------------------------------------------------------- loading
@@ -183,6 +262,10 @@ def format_validation_error(err: ValidationError, root: type[BaseModel], source:
             continue
         given = item.get("input")
         msg = item["msg"]
+        if item["type"] == "value_error" and not loc:
+            # Cross-field validators on the root name their own dotted paths, one per line.
+            lines.extend(f"{prefix}{line}" for line in msg.removeprefix("Value error, ").splitlines())
+            continue
         if item["type"] == "missing":
             lines.append(f"{prefix}{dotted}: required field is missing")
         else:
