@@ -69,6 +69,10 @@ class ModelConfig(Section):
     """Dtype the parameters are stored and updated in."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of activations and matmuls; norms and log-probs always run in float32."""
+    remat: bool = False
+    """Rematerialise each decoder layer in the backward pass (less memory, ~1/3 more compute)."""
+    logprob_chunk_size: Optional[int] = Field(default=None, ge=1)
+    """Sequence positions per lm-head chunk in ``per_token_logprobs`` (bounds [B, chunk, vocab] memory); null: no chunking."""
 
 
 class RolloutConfig(Section):

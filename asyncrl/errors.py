@@ -20,3 +20,9 @@ class ConfigError(AsyncRLError):
             problems = [problems]
         self.problems = list(problems)
         super().__init__("\n".join(self.problems))
+
+
+class ModelError(AsyncRLError):
+    """A model that cannot be loaded, built or exported: unsupported architecture or
+    option, missing/unexpected/mis-shaped tensors, unreadable files. The message names
+    the directory or file and every problem found."""
