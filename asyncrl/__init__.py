@@ -17,6 +17,18 @@ _EXPORTS: dict[str, str] = {
     "Config": "asyncrl.config",
     "register": "asyncrl.registry",
     "resolve": "asyncrl.registry",
+    "InferenceEngine": "asyncrl.engine.protocol",
+    "GenerationRequest": "asyncrl.engine.protocol",
+    "GenerationResponse": "asyncrl.engine.protocol",
+    "FakeEngine": "asyncrl.engine.fake",
+    "Trajectory": "asyncrl.rollout.trajectory",
+    "TrajectoryGroup": "asyncrl.rollout.trajectory",
+    "TrainBatch": "asyncrl.rollout.trajectory",
+    "SimpleDataQueue": "asyncrl.rollout.queue",
+    "RolloutWorkflow": "asyncrl.rollout.workflow",
+    "SingleTurnWorkflow": "asyncrl.rollout.workflow",
+    "WorkflowExecutor": "asyncrl.rollout.executor",
+    "prepare_batch": "asyncrl.rollout.batch",
 }
 
 __all__ = ["__version__", *_EXPORTS]
