@@ -20,6 +20,18 @@ _EXPORTS: dict[str, str] = {
     "per_token_logprobs": "asyncrl.model",
     "register": "asyncrl.registry",
     "resolve": "asyncrl.registry",
+    "InferenceEngine": "asyncrl.engine.protocol",
+    "GenerationRequest": "asyncrl.engine.protocol",
+    "GenerationResponse": "asyncrl.engine.protocol",
+    "FakeEngine": "asyncrl.engine.fake",
+    "Trajectory": "asyncrl.rollout.trajectory",
+    "TrajectoryGroup": "asyncrl.rollout.trajectory",
+    "TrainBatch": "asyncrl.rollout.trajectory",
+    "SimpleDataQueue": "asyncrl.rollout.queue",
+    "RolloutWorkflow": "asyncrl.rollout.workflow",
+    "SingleTurnWorkflow": "asyncrl.rollout.workflow",
+    "WorkflowExecutor": "asyncrl.rollout.executor",
+    "prepare_batch": "asyncrl.rollout.batch",
 }
 
 __all__ = ["__version__", *_EXPORTS]

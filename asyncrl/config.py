@@ -92,6 +92,49 @@ class RolloutConfig(Section):
     """Most tokens generated per completion."""
     batch_order: Literal["admission", "completion"] = "admission"
     """``admission``: batches take the oldest tickets (lag <= η, no stale drops); ``completion``: the first finished groups."""
+    episode_timeout_s: float = Field(default=600.0, gt=0)
+    """An episode running longer is counted ``failed:timeout``; its slot is refilled and its thread abandoned."""
+    reward_timeout_s: float = Field(default=30.0, gt=0)
+    """A reward function call running longer gives ``reward_fallback`` (counted)."""
+    reward_fallback: float = -1.0
+    """Reward given in place of a reward function that raises or times out (counted, logged once)."""
+    max_consecutive_failures: int = Field(default=20, ge=1)
+    """This many failed episodes in a row stop training with the root cause."""
+    length_bucket: int = Field(default=64, ge=1)
+    """Batch length ``L`` is the longest sequence rounded up to a multiple of this (fewer recompilations)."""
+    max_seq_len: Optional[int] = Field(default=None, ge=2)
+    """Cap on ``L``; a longer trajectory drops its group (``dropped:too_long``). Default: ``data.max_prompt_tokens + rollout.max_new_tokens``."""
+    filter_zero_variance: bool = False
+    """Drop groups whose rewards are all equal (they carry no GRPO signal), within ``max_filtered_per_step``."""
+    max_filtered_per_step: Optional[int] = Field(default=None, ge=0)
+    """Most zero-variance groups dropped per trainer step; then they are trained on. Default: ``4 * batch_size``."""
+
+    @property
+    def queue_capacity(self) -> int:
+        """Groups the rollout queue holds: ``(max_staleness + 1) * batch_size``, enough for every admitted group."""
+        return (self.max_staleness + 1) * self.batch_size
+
+    @property
+    def resolved_max_filtered_per_step(self) -> int:
+        return 4 * self.batch_size if self.max_filtered_per_step is None else self.max_filtered_per_step
+
+
+class DataConfig(Section):
+    """The prompts: limits applied to every dataset sample."""
+
+    max_prompt_tokens: int = Field(default=256, ge=1)
+    """A prompt longer than this (in tokens, chat template included) is skipped and counted (``dropped:prompt_too_long``)."""
+
+
+class RewardSpec(Section):
+    """One reward function ``fn(prompt: str, completion: str, **sample_fields) -> float`` and its weight."""
+
+    fn: ComponentSpec
+    """The function: a registered reward alias, ``pkg.module:function``, or ``{target, kwargs}``."""
+    weight: float = 1.0
+    """The reward is the weighted sum of the functions' raw scores."""
+    name: Optional[str] = None
+    """Key of its raw score in ``reward_components``; defaults to the alias or function name."""
 
 
 class AlgoConfig(Section):
@@ -161,6 +204,12 @@ class Config(Section):
     """Rollout generation and staleness control."""
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     """The RL objective."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Prompt limits."""
+    workflow: ComponentSpec = "single_turn"
+    """The rollout workflow (``RolloutWorkflow`` subclass): alias, ``pkg.module:Class``, or ``{target, kwargs}``."""
+    rewards: list[RewardSpec] = Field(default_factory=list)
+    """Reward functions of the workflow, weighted and summed."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Logging."""
 
@@ -187,6 +236,23 @@ class Config(Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> "Config":
+        needed = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        if self.rollout.max_seq_len is not None and self.rollout.max_seq_len < needed:
+            raise ValueError(
+                f"rollout.max_seq_len ({self.rollout.max_seq_len}) must be at least data.max_prompt_tokens + "
+                f"rollout.max_new_tokens ({needed}), or every long completion would be dropped"
+            )
+        return self
+
+    @property
+    def max_seq_len(self) -> int:
+        """The cap on a batch's length ``L``: ``rollout.max_seq_len`` or prompt + completion limits."""
+        if self.rollout.max_seq_len is not None:
+            return self.rollout.max_seq_len
+        return self.data.max_prompt_tokens + self.rollout.max_new_tokens
 
 
 GROUP_NORMALISED_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
@@ -470,7 +536,7 @@ def config_reference_markdown() -> str:
     seen: set[type] = set()
 
     def section(model: type[BaseModel], dotted: str) -> None:
-        lines.append(f"## `{dotted}`")
+        lines.append(f"## `{dotted}`" if dotted else "## Top level")
         lines.append("")
         if model.__doc__:
             lines.append(model.__doc__.strip().splitlines()[0])
@@ -481,7 +547,7 @@ def config_reference_markdown() -> str:
         for name, field in model.model_fields.items():
             inner, _ = _unwrap_optional(field.annotation)
             if _is_model(inner) and inner is not ComponentRef:
-                nested.append((inner, f"{dotted}.{name}"))
+                nested.append((inner, f"{dotted}.{name}".lstrip(".")))
                 default = "see below"
             else:
                 default = _default_text(field)
@@ -489,18 +555,19 @@ def config_reference_markdown() -> str:
             lines.append(f"| `{name}` | {_type_text(field.annotation)} | {default} | {description} |")
             inner_list = typing.get_args(inner) if typing.get_origin(inner) is list else ()
             if inner_list and _is_model(inner_list[0]) and inner_list[0] not in seen:
-                nested.append((inner_list[0], f"{dotted}.{name}[]"))
+                nested.append((inner_list[0], f"{dotted}.{name}[]".lstrip(".")))
         lines.append("")
         for model_, path in nested:
             seen.add(model_)
             section(model_, path)
 
-    for name, field in Config.model_fields.items():
-        section(field.annotation, name)
+    section(Config, "")
     return "\n".join(lines).rstrip() + "\n"
 
 
 def _default_text(field: Any) -> str:
+    if field.is_required():
+        return "required"
     if field.default_factory is not None:
         value = field.default_factory()
         if isinstance(value, BaseModel):

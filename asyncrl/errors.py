@@ -26,3 +26,33 @@ class ModelError(AsyncRLError):
     """A model that cannot be loaded, built or exported: unsupported architecture or
     option, missing/unexpected/mis-shaped tensors, unreadable files. The message names
     the directory or file and every problem found."""
+
+
+class RolloutError(AsyncRLError):
+    """Rollout stopped: too many consecutive episode failures, a bad batch, or a wait that timed out."""
+
+
+class TrajectorySchemaError(RolloutError):
+    """A trajectory or batch broke a schema rule of :mod:`asyncrl.rollout.trajectory`.
+
+    ``rule`` and ``field`` name what was broken; the message also names the workflow,
+    the sample and the trajectory (or batch row) when they are known.
+    """
+
+    def __init__(self, message: str, *, rule: str, field: str):
+        self.rule = rule
+        self.field = field
+        super().__init__(message)
+
+
+class EngineCrashed(RuntimeError):
+    """The inference engine's own thread died; training must stop at once.
+
+    Raised by every later ``generate``/``submit`` of that engine. ``engine_traceback``
+    is the formatted traceback of the engine thread's exception, and is part of the message.
+    """
+
+    def __init__(self, message: str, engine_traceback: str = ""):
+        self.engine_traceback = engine_traceback
+        text = message if not engine_traceback else f"{message}\n--- engine traceback ---\n{engine_traceback.rstrip()}"
+        super().__init__(text)

@@ -1,0 +1,142 @@
+"""The inference-engine contract: what workflows call and what the trainer publishes to.
+
+This module imports no jax: workflows, the executor and :class:`~asyncrl.engine.fake.FakeEngine`
+depend on it alone. The real engine (``asyncrl.engine.jax_engine.JaxEngine``) implements it.
+
+An engine serves one set of weights at a time, tagged with a version ``v`` (the number of
+completed trainer steps; see DESIGN "Versions"). Every generated token records the version
+that produced it. Requests are independent: a request's tokens and log-probs depend only on
+the weights and on its own random key, never on what else is batched with it.
+
+Random key of one sample (DESIGN "Randomness")::
+
+    key = fold_in(fold_in(fold_in(PRNGKey(run.seed), sample_id), index_in_group + i), turn)
+
+for sample ``i`` of a request with ``n`` samples, then folded with the token position. So
+re-issuing an episode after a resume (same ``sample_id``, same ``turn``) draws the same tokens.
+
+Log-probs are ``log_softmax(logits / temperature)`` of the chosen token, taken before any
+top-k/top-p truncation, in float32 (DESIGN "Log-probabilities"). A greedy request reports
+log-probs at temperature 1 and is not trainable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+from typing import Any, Literal, Optional, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+StopReason = Literal["eos", "stop", "length", "aborted"]
+"""Why a sample ended: an EOS/stop token id (``eos``), a stop sequence (``stop``),
+``max_new_tokens`` (``length``), or the engine gave up on it (``aborted``: timeout, shutdown)."""
+
+STOP_REASONS: tuple[str, ...] = ("eos", "stop", "length", "aborted")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt to complete ``n`` times (the ``n`` samples share one prefill).
+
+    Only ``prompt_ids`` is required; the defaults sample at temperature 1 with the
+    model's own stop tokens.
+    """
+
+    prompt_ids: Sequence[int]
+    """Token ids of the prompt (chat template already applied), ``[P]``."""
+    n: int = 1
+    """Samples drawn from this prompt; sample ``i`` uses key index ``index_in_group + i``."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0); log-probs are taken at this temperature."""
+    top_k: int = 0
+    """Keep only the ``top_k`` most likely tokens when sampling; 0 is off (training default)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 is off (training default)."""
+    greedy: bool = False
+    """Take the argmax; log-probs are then reported at temperature 1 (not trainable)."""
+    max_new_tokens: int = 32
+    """Most tokens generated per sample (the final EOS included)."""
+    min_new_tokens: int = 0
+    """Stop tokens are not sampled before this many tokens were generated."""
+    stop_token_ids: Optional[Sequence[int]] = None
+    """Token ids that end a sample (kept in the output, ``stop_reason == "eos"``);
+    ``None``: the model's ``generation_config`` EOS ids."""
+    stop_sequences: Sequence[Sequence[int]] = ()
+    """Token-id sequences that end a sample once generated (kept in the output, ``stop_reason == "stop"``)."""
+    sample_id: int = 0
+    """The dataset draw this request belongs to (first fold of the random key)."""
+    index_in_group: int = 0
+    """Index of this request's first sample within its group (second fold of the key)."""
+    turn: int = 0
+    """Engine call number within the episode (third fold of the key): turn 1 of a multi-turn
+    episode must not repeat turn 0's randomness."""
+    timeout_s: Optional[float] = None
+    """Give up after this long: the unfinished samples come back with ``stop_reason == "aborted"``."""
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_ids) == 0:
+            raise ValueError("GenerationRequest.prompt_ids is empty: a prompt needs at least one token")
+        if self.n < 1:
+            raise ValueError(f"GenerationRequest.n must be >= 1 (given {self.n})")
+        if not self.greedy and not self.temperature > 0:
+            raise ValueError(f"GenerationRequest.temperature must be > 0 (given {self.temperature}); use greedy=True")
+        if self.max_new_tokens < 1 or self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                "GenerationRequest: need 0 <= min_new_tokens <= max_new_tokens and max_new_tokens >= 1 "
+                f"(given min {self.min_new_tokens}, max {self.max_new_tokens})"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResponse:
+    """One generated sample. ``generate`` returns ``request.n`` of these, in sample order.
+
+    All arrays are ``[N]`` for the ``N`` generated tokens (the ending EOS or stop token included).
+    """
+
+    output_ids: np.ndarray
+    """int32 ``[N]``: the generated token ids, EOS included."""
+    logprobs: np.ndarray
+    """float32 ``[N]``: log-prob of each generated token under the serving policy at the
+    request temperature (DESIGN "Log-probabilities")."""
+    versions: np.ndarray
+    """int32 ``[N]``: the weights version that generated each token (changes mid-sample when
+    weights are published during generation)."""
+    stop_reason: StopReason
+    """Why the sample ended: ``eos``, ``stop``, ``length`` or ``aborted``."""
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """What workflows and the trainer need from an inference engine.
+
+    Thread-safety: ``generate``/``submit`` are called concurrently from many rollout
+    threads; ``update_weights`` from the trainer's thread.
+
+    Failure: when the engine's own thread dies, every pending and later call raises
+    :class:`asyncrl.errors.EngineCrashed` carrying that thread's traceback; the executor
+    then stops training at once.
+    """
+
+    @property
+    def version(self) -> int:
+        """Version of the weights now being served (tokens generated from now on carry it)."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> list[GenerationResponse]:
+        """Complete ``request``; blocks until all ``request.n`` samples are done."""
+        ...
+
+    def submit(self, request: GenerationRequest) -> "Future[list[GenerationResponse]]":
+        """Like ``generate`` but returns at once with a future of the same result."""
+        ...
+
+    def update_weights(self, params: Any, version: int) -> None:
+        """Serve ``params`` (an immutable pytree of ``jax.Array``) as ``version``.
+
+        Requires ``version == self.version + 1`` (``ValueError`` otherwise). Returns once
+        installed (at the next chunk boundary, or at once when idle): every token generated
+        after it returns carries ``version``. In-flight requests continue with the new weights.
+        """
+        ...

@@ -1,0 +1,185 @@
+"""prepare_batch: ordered groups in, one validated, padded TrainBatch out. Pure.
+
+``prepare_batch(groups, version, cfg)`` walks ``groups`` in the order given (ticket order or
+completion order: the caller decides) and keeps the first ``B = rollout.batch_size`` groups
+that survive the consumption filters, dropping (with a reason, counted as ``dropped:<reason>``):
+
+* ``aborted``: a trajectory with ``stop_reason == "aborted"``;
+* ``stale``: a trained token older than ``version − rollout.max_staleness`` (the guarantee
+  of DESIGN "Staleness control", in every batch order);
+* ``prompt_too_long``: a prompt longer than ``data.max_prompt_tokens``;
+* ``too_long``: a trajectory longer than the batch length cap (``Config.max_seq_len``);
+* ``zero_variance``: all rewards equal, only with ``rollout.filter_zero_variance``, and at most
+  ``rollout.max_filtered_per_step`` per step; past that budget such groups are trained on.
+
+The walk stops at the B-th kept group, so the groups it examined are exactly the first
+``B + len(dropped)``. A temperature other than ``rollout.temperature`` is rejected
+(:class:`~asyncrl.errors.TrajectorySchemaError`): one batch, one temperature.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import numpy as np
+
+from asyncrl.config import Config
+from asyncrl.errors import TrajectorySchemaError
+from asyncrl.rollout.trajectory import RULES, TrainBatch, TrajectoryGroup, check_batch, violation_message
+
+log = logging.getLogger(__name__)
+
+
+def group_name(group: TrajectoryGroup) -> str:
+    sample_id = group.metadata.get("sample_id")
+    if sample_id is None and group.trajectories:
+        sample_id = group.trajectories[0].metadata.get("sample_id")
+    return f"sample {sample_id}" if sample_id is not None else "sample ?"
+
+
+def drop_reason(group: TrajectoryGroup, version: int, cfg: Config) -> Optional[str]:
+    """Why ``group`` may not be trained at ``version`` (zero variance aside), or None."""
+    if group.aborted:
+        return "aborted"
+    if group.min_version < version - cfg.rollout.max_staleness:
+        return "stale"
+    if any(t.prompt_length > cfg.data.max_prompt_tokens for t in group.trajectories):
+        return "prompt_too_long"
+    if any(t.num_tokens > cfg.max_seq_len for t in group.trajectories):
+        return "too_long"
+    return None
+
+
+def select_groups(
+    groups: Sequence[TrajectoryGroup], version: int, cfg: Config, *, filter_budget: Optional[int] = None
+) -> tuple[list[int], list[tuple[int, str]]]:
+    """The walk of :func:`prepare_batch`: ``(kept indices, [(dropped index, reason)])``.
+
+    Stops once ``B`` groups are kept (fewer when ``groups`` runs out). ``filter_budget``: how
+    many zero-variance drops are still allowed this step (default ``rollout.max_filtered_per_step``).
+    """
+    rollout = cfg.rollout
+    budget = rollout.resolved_max_filtered_per_step if filter_budget is None else filter_budget
+    kept: list[int] = []
+    dropped: list[tuple[int, str]] = []
+    filtered = 0
+    for index, group in enumerate(groups):
+        if len(kept) == rollout.batch_size:
+            break
+        reason = drop_reason(group, version, cfg)
+        if reason is None and rollout.filter_zero_variance and group.zero_variance:
+            if filtered < budget:
+                reason = "zero_variance"
+                filtered += 1
+            elif filtered == budget:
+                log.info("zero-variance filter: budget of %d drops this step is spent; training on zero-variance groups", budget)
+                filtered += 1  # log once
+        if reason is None:
+            kept.append(index)
+        else:
+            dropped.append((index, reason))
+    return kept, dropped
+
+
+def prepare_batch(
+    groups: Sequence[TrajectoryGroup],
+    version: int,
+    cfg: Config,
+    *,
+    row_multiple: int = 1,
+    filter_budget: Optional[int] = None,
+) -> tuple[TrainBatch, list[tuple[TrajectoryGroup, str]]]:
+    """Build the TrainBatch for the trainer step starting from ``version``.
+
+    Args:
+        groups: candidate groups in batch order; at least ``B`` must survive the filters.
+        version: the version the batch is trained at (the served version ``v``).
+        cfg: the run config.
+        row_multiple: rows are padded up to a multiple of this (the trainer's data x fsdp
+            shards x micro-batches x mini-batches).
+        filter_budget: zero-variance drops still allowed this step (default: the configured budget).
+
+    Returns ``(batch, dropped)`` with ``dropped`` the ``(group, reason)`` pairs in walk order.
+    Raises ``ValueError`` when fewer than ``B`` groups survive, and
+    :class:`~asyncrl.errors.TrajectorySchemaError` on a temperature mismatch or a broken rule.
+    """
+    rollout = cfg.rollout
+    kept, dropped_idx = select_groups(groups, version, cfg, filter_budget=filter_budget)
+    if len(kept) < rollout.batch_size:
+        raise ValueError(
+            f"prepare_batch: only {len(kept)} of rollout.batch_size = {rollout.batch_size} groups survive the filters "
+            f"({len(groups)} given, {len(dropped_idx)} dropped)"
+        )
+    chosen = [groups[i] for i in kept]
+    dropped = [(groups[i], reason) for i, reason in dropped_idx]
+    return build_train_batch(chosen, cfg, row_multiple=row_multiple), dropped
+
+
+def build_train_batch(groups: Sequence[TrajectoryGroup], cfg: Config, *, row_multiple: int = 1) -> TrainBatch:
+    """Stack, pad and check ``groups`` (already selected) into a TrainBatch."""
+    if row_multiple < 1:
+        raise ValueError(f"row_multiple must be >= 1 (given {row_multiple})")
+    temperature = cfg.rollout.temperature
+    trajectories = [(k, g, i, t) for k, g in enumerate(groups) for i, t in enumerate(g.trajectories)]
+    for _, group, i, traj in trajectories:
+        if traj.temperature != temperature:
+            rule = "temperature_mismatch"
+            raise TrajectorySchemaError(
+                violation_message(f"prepare_batch, {group_name(group)}, trajectory {i}", rule,
+                                  f"given {traj.temperature}, rollout.temperature is {temperature}"),
+                rule=rule, field=RULES[rule][0],
+            )
+    real_rows = len(trajectories)
+    rows = -(-real_rows // row_multiple) * row_multiple
+    longest = max(t.num_tokens for *_, t in trajectories)
+    bucket = cfg.rollout.length_bucket
+    length = min(-(-longest // bucket) * bucket, cfg.max_seq_len)
+    if longest > length:
+        raise ValueError(f"prepare_batch: a trajectory of {longest} tokens exceeds the length cap {length} (Config.max_seq_len)")
+
+    input_ids = np.zeros((rows, length), np.int32)
+    attention_mask = np.zeros((rows, length), bool)
+    loss_mask = np.zeros((rows, length), bool)
+    behavior_logprobs = np.zeros((rows, length), np.float32)
+    versions = np.full((rows, length), -1, np.int32)
+    rewards = np.zeros(rows, np.float32)
+    group_index = np.full(rows, -1, np.int32)
+    truncated = np.zeros(rows, bool)
+    with_advantages = sum(t.advantages is not None for *_, t in trajectories)
+    if with_advantages not in (0, real_rows):
+        rule = "advantages"
+        raise TrajectorySchemaError(
+            violation_message("prepare_batch", rule, f"{with_advantages} of {real_rows} trajectories carry advantages; all or none must"),
+            rule=rule, field=RULES[rule][0],
+        )
+    advantages = np.zeros((rows, length), np.float32) if with_advantages else None
+
+    names = []
+    for row, (k, group, i, traj) in enumerate(trajectories):
+        n = traj.num_tokens
+        input_ids[row, :n] = traj.input_ids
+        attention_mask[row, :n] = True
+        loss_mask[row, :n] = traj.loss_mask
+        behavior_logprobs[row, :n] = traj.behavior_logprobs
+        versions[row, :n] = traj.versions
+        rewards[row] = traj.reward
+        group_index[row] = k
+        truncated[row] = traj.stop_reason == "length"
+        if advantages is not None:
+            advantages[row, :n] = traj.advantages
+        names.append(f"{group_name(group)}, trajectory {i}")
+    batch = TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        behavior_logprobs=behavior_logprobs,
+        versions=versions,
+        rewards=rewards,
+        group_index=group_index,
+        truncated=truncated,
+        temperature=float(temperature),
+        advantages=advantages,
+    )
+    check_batch(batch, names)
+    return batch

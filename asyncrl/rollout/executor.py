@@ -1,0 +1,437 @@
+"""WorkflowExecutor: rollout threads in the background, validated batches on demand.
+
+One dispatcher thread admits episodes through the :class:`StalenessLedger` and starts a
+daemon thread per episode (at most ``rollout.max_concurrent`` at once). Each episode thread
+runs ``workflow.run_episode(engine, sample)``, checks the group against the trajectory schema,
+and puts it on the :class:`SimpleDataQueue`. The trainer's thread calls
+:meth:`WorkflowExecutor.prepare_batch`, which drains the queue, applies the consumption
+filters through the pure :func:`~asyncrl.rollout.batch.prepare_batch`, and records every
+decision in the ledger.
+
+Failure handling:
+
+* an episode that raises, breaks the schema (``failed:schema:<rule>``) or runs past
+  ``rollout.episode_timeout_s`` (``failed:timeout``; its thread is abandoned) is counted and
+  its slot refilled; ``rollout.max_consecutive_failures`` in a row stop training with the
+  root cause, raised from ``prepare_batch``;
+* :class:`~asyncrl.errors.EngineCrashed` from the engine stops training at once: the queue is
+  closed, admission stops, and ``prepare_batch`` raises it (with the engine's traceback);
+* every wait has a timeout or is woken by ``stop()``/a fatal error; ``stop()`` returns
+  within its timeout. Episode threads still running then are abandoned (daemons); their
+  samples stay ``in_flight`` in the ledger and are re-issued after a restore.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import pydantic
+
+from asyncrl.config import Config
+from asyncrl.engine.protocol import InferenceEngine
+from asyncrl.errors import EngineCrashed, RolloutError, TrajectorySchemaError
+from asyncrl.rollout import batch as batch_lib
+from asyncrl.rollout.ledger import QUEUED, StalenessLedger
+from asyncrl.rollout.queue import QueueClosed, SimpleDataQueue
+from asyncrl.rollout.trajectory import ARRAY_FIELDS, TrainBatch, Trajectory, TrajectoryGroup, check_group
+from asyncrl.rollout.workflow import RolloutWorkflow, SkipSample
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+_MAX_WAIT_S = 1.0  # upper bound of any single wait: a lost wake-up costs at most this
+
+
+@dataclasses.dataclass
+class _Episode:
+    ticket: int
+    sample_id: int
+    started: float
+    deadline: float
+    thread: Optional[threading.Thread] = None
+
+
+class WorkflowExecutor:
+    """Runs ``workflow`` episodes against ``engine`` on ``dataset`` samples, bounded by staleness.
+
+    Args:
+        workflow: the :class:`RolloutWorkflow` whose ``run_episode`` each thread runs.
+        engine: an :class:`~asyncrl.engine.protocol.InferenceEngine`.
+        dataset: a sequence of sample mappings; sample id ``s`` is ``dataset[s % len(dataset)]``.
+        cfg: the run config (``rollout.*``, ``data.*``).
+        version: the version served at start (default: ``engine.version``; ``k`` on resume).
+        row_multiple: batch rows are padded to a multiple of this (the trainer's sharding).
+    """
+
+    def __init__(
+        self,
+        workflow: RolloutWorkflow,
+        engine: InferenceEngine,
+        dataset: Sequence[Mapping[str, Any]],
+        cfg: Config,
+        *,
+        version: Optional[int] = None,
+        row_multiple: int = 1,
+    ):
+        if len(dataset) == 0:
+            raise RolloutError("WorkflowExecutor: the dataset is empty")
+        self.workflow = workflow
+        self.engine = engine
+        self.dataset = dataset
+        self.cfg = cfg
+        self.row_multiple = row_multiple
+        rollout = cfg.rollout
+        self.ledger = StalenessLedger(
+            rollout.batch_size, rollout.max_staleness, rollout.max_concurrent, engine.version if version is None else version
+        )
+        self._queue: SimpleDataQueue = SimpleDataQueue(rollout.queue_capacity)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._ready: dict[int, TrajectoryGroup] = {}
+        self._latency: dict[int, float] = {}
+        self._running: dict[int, _Episode] = {}
+        self._recent_latencies: collections.deque = collections.deque(maxlen=512)
+        self._fatal: Optional[BaseException] = None
+        self._consecutive_failures = 0
+        self._failure_kinds_logged: set[str] = set()
+        self._stopping = threading.Event()
+        self._dispatcher: Optional[threading.Thread] = None
+        self.metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "WorkflowExecutor":
+        """Start admitting episodes (once)."""
+        if self._dispatcher is not None:
+            raise RuntimeError("WorkflowExecutor.start() was already called")
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="asyncrl-dispatcher", daemon=True)
+        self._dispatcher.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop admitting, wake every waiter and return within ``timeout`` seconds."""
+        self._stopping.set()
+        self._queue.close()
+        with self._wake:
+            self._wake.notify_all()
+        if self._dispatcher is not None and self._dispatcher is not threading.current_thread():
+            self._dispatcher.join(timeout)
+
+    def __enter__(self) -> "WorkflowExecutor":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def set_version(self, version: int) -> None:
+        """The engine now serves ``version`` (call after ``engine.update_weights`` returned)."""
+        with self._wake:
+            self.ledger.publish(version)
+            self._wake.notify_all()
+
+    @property
+    def version(self) -> int:
+        with self._lock:
+            return self.ledger.version
+
+    def counts(self) -> dict[str, int]:
+        """Samples per accounting category (DESIGN "Accounting")."""
+        with self._lock:
+            return self.ledger.counts()
+
+    # ------------------------------------------------------------------ dispatcher
+
+    def _dispatch_loop(self) -> None:
+        try:
+            with self._wake:
+                while not self._stopping.is_set() and self._fatal is None:
+                    now = time.monotonic()
+                    for episode in [e for e in self._running.values() if now >= e.deadline]:
+                        del self._running[episode.ticket]
+                        self._record_failure(
+                            episode, "timeout",
+                            f"episode ran past rollout.episode_timeout_s = {self.cfg.rollout.episode_timeout_s} s; thread abandoned",
+                        )
+                    while self._fatal is None and self.ledger.can_admit():
+                        self._start_episode(*self.ledger.admit())
+                    next_deadline = min((e.deadline for e in self._running.values()), default=now + _MAX_WAIT_S)
+                    self._wake.wait(max(0.0, min(_MAX_WAIT_S, next_deadline - time.monotonic())))
+        except BaseException as err:  # noqa: BLE001 - the dispatcher's own bug must reach the trainer
+            with self._lock:
+                self._set_fatal(RolloutError(f"rollout dispatcher thread crashed:\n{traceback.format_exc()}"), err)
+
+    def _start_episode(self, ticket: int, sample_id: int) -> None:
+        now = time.monotonic()
+        episode = _Episode(ticket, sample_id, now, now + self.cfg.rollout.episode_timeout_s)
+        episode.thread = threading.Thread(target=self._run_episode, args=(episode,), name=f"asyncrl-episode-{ticket}", daemon=True)
+        self._running[ticket] = episode
+        episode.thread.start()
+
+    # ------------------------------------------------------------------ episodes
+
+    def _run_episode(self, episode: _Episode) -> None:
+        group: Optional[TrajectoryGroup] = None
+        outcome, detail, error = "ok", "", None
+        try:
+            sample = dict(self.dataset[episode.sample_id % len(self.dataset)])
+            sample["sample_id"] = episode.sample_id
+            group = self.workflow.run_episode(self.engine, sample)
+            if group is not None:
+                check_group(
+                    group,
+                    group_size=self.cfg.rollout.group_size,
+                    workflow=self.workflow.name,
+                    sample_id=episode.sample_id,
+                    expected_temperature=self.cfg.rollout.temperature,
+                )
+        except EngineCrashed as err:
+            outcome, error = "crash", err
+        except SkipSample as err:
+            outcome, detail = "skip", err.reason
+        except TrajectorySchemaError as err:
+            outcome, detail, error = "schema", err.rule, err
+        except pydantic.ValidationError as err:
+            is_schema = err.title in ("Trajectory", "TrajectoryGroup")
+            outcome, detail, error = ("schema", "type", err) if is_schema else ("error", "", err)
+        except BaseException as err:  # noqa: BLE001 - any episode error is a counted failure
+            outcome, error = "error", err
+        text = "".join(traceback.format_exception(error)) if error is not None else ""
+        with self._wake:
+            if self._running.get(episode.ticket) is not episode or self._stopping.is_set():
+                return  # timed out (already counted) or stopped (stays in flight for reissue)
+            del self._running[episode.ticket]
+            self._wake.notify_all()
+            if outcome == "crash":
+                self.ledger.fail(episode.ticket, "engine_crash")
+                self._set_fatal(error, error)
+            elif outcome == "skip":
+                self.ledger.drop(episode.ticket, detail)
+            elif outcome == "schema":
+                where = f"workflow '{self.workflow.name}', sample {episode.sample_id}"
+                if not isinstance(error, TrajectorySchemaError):
+                    text = f"{where}: a Trajectory field has the wrong type (schema rule 'type'):\n{text}"
+                self._record_failure(episode, f"schema:{detail}", text)
+            elif outcome == "error":
+                self._record_failure(episode, "exception", f"workflow '{self.workflow.name}', sample {episode.sample_id}:\n{text}")
+            elif group is None:
+                self.ledger.returned_none(episode.ticket)
+            else:
+                self._consecutive_failures = 0
+                latency = time.monotonic() - episode.started
+                self._recent_latencies.append(latency)
+                self.ledger.complete(episode.ticket, group.min_version)
+                try:
+                    # Never blocks: the admission rule keeps queued groups below the capacity.
+                    self._queue.put((episode.ticket, group), timeout=_MAX_WAIT_S)
+                except QueueClosed:
+                    self._ready[episode.ticket] = group  # keep it for state_dict after stop
+                except Exception as err:  # queue.Full: the capacity invariant is broken
+                    self._set_fatal(RolloutError(f"rollout queue full ({self._queue.capacity}): {err}"), err)
+
+    def _record_failure(self, episode: _Episode, reason: str, text: str) -> None:
+        """Count a failed episode (lock held); too many in a row is fatal."""
+        self.ledger.fail(episode.ticket, reason)
+        self._consecutive_failures += 1
+        first = reason not in self._failure_kinds_logged
+        self._failure_kinds_logged.add(reason)
+        (log.warning if first else log.debug)("episode failed (%s), sample %s: %s", reason, episode.sample_id, text.strip())
+        limit = self.cfg.rollout.max_consecutive_failures
+        if self._consecutive_failures >= limit:
+            self._set_fatal(
+                RolloutError(
+                    f"{self._consecutive_failures} episodes failed in a row (rollout.max_consecutive_failures = {limit}); "
+                    f"last failure: failed:{reason}, sample {episode.sample_id}:\n{text.strip()}"
+                ),
+                None,
+            )
+
+    def _set_fatal(self, error: BaseException, cause: Optional[BaseException]) -> None:
+        if self._fatal is None:
+            if cause is not None and cause is not error:
+                error.__cause__ = cause
+            self._fatal = error
+        self._queue.close()  # wakes prepare_batch at once
+        self._wake.notify_all()
+
+    def _raise_fatal(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+
+    # ------------------------------------------------------------------ batches
+
+    def prepare_batch(self, version: int, timeout: Optional[float] = None) -> TrainBatch:
+        """The batch for the trainer step starting from ``version`` (the served version).
+
+        Waits up to ``timeout`` seconds (None: forever, still woken by errors and ``stop``).
+        Raises the engine's :class:`EngineCrashed`, a :class:`RolloutError` (too many failures,
+        timeout, stopped) or a schema error.
+        """
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        rollout = self.cfg.rollout
+        budget = rollout.resolved_max_filtered_per_step
+        filtered = 0
+        dropped_now: collections.Counter = collections.Counter()
+        while True:
+            with self._wake:
+                self._raise_fatal()
+                if version != self.ledger.version:
+                    raise RolloutError(f"prepare_batch(version={version}) but the executor is at version {self.ledger.version}: call set_version first")
+                for ticket, group in self._queue.get_all():
+                    self._ready[ticket] = group
+                tickets = self.ledger.candidates(rollout.batch_order)
+                groups = [self._ready[t] for t in tickets]
+                kept, dropped = batch_lib.select_groups(groups, version, self.cfg, filter_budget=budget - filtered)
+                for index, reason in dropped:
+                    # Dropped groups leave the counts at once, so their slots are refilled.
+                    self.ledger.drop(tickets[index], reason)
+                    del self._ready[tickets[index]]
+                    dropped_now[reason] += 1
+                    filtered += reason == "zero_variance"
+                if dropped:
+                    self._wake.notify_all()
+                if len(kept) == rollout.batch_size:
+                    chosen = [tickets[i] for i in kept]
+                    batch, more = batch_lib.prepare_batch(
+                        [self._ready[t] for t in chosen], version, self.cfg,
+                        row_multiple=self.row_multiple, filter_budget=budget - filtered,
+                    )
+                    assert not more, "prepare_batch dropped a group select_groups kept"
+                    self.ledger.consume(chosen)
+                    kept_groups = [self._ready.pop(t) for t in chosen]
+                    self._wake.notify_all()
+                    self._update_metrics(batch, kept_groups, version, time.monotonic() - started, dropped_now)
+                    return batch
+                waiting_for = [t for t in self.ledger.in_flight_tickets()][:1]
+            if self._stopping.is_set():
+                raise RolloutError("prepare_batch: the executor was stopped")
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                counts = self.counts()
+                raise RolloutError(
+                    f"prepare_batch timed out after {timeout} s with {len(kept)} of {rollout.batch_size} groups ready "
+                    f"(order {rollout.batch_order}, waiting for ticket {waiting_for or 'none'}); counts: {counts}"
+                )
+            try:
+                ticket, group = self._queue.get(timeout=_MAX_WAIT_S if remaining is None else min(remaining, _MAX_WAIT_S))
+            except QueueClosed:
+                continue  # fatal or stopped: the next iteration raises
+            except Exception:  # queue.Empty
+                continue
+            with self._lock:
+                self._ready[ticket] = group
+
+    def _update_metrics(self, batch: TrainBatch, groups: list[TrajectoryGroup], version: int, waited: float,
+                        dropped_now: Mapping[str, int]) -> None:
+        """Metrics of the step (lock held)."""
+        lag = (version - batch.versions[batch.loss_mask]).astype(np.float64)
+        latencies = np.asarray(self._recent_latencies, dtype=np.float64)
+        metrics: dict[str, float] = {
+            "rollout/queue_depth": float(len(self._ready) + self._queue.qsize()),
+            "rollout/in_flight": float(self.ledger.in_flight),
+            "rollout/lag_max": float(lag.max()) if lag.size else 0.0,
+            "rollout/lag_mean": float(lag.mean()) if lag.size else 0.0,
+            "rollout/lag_p90": float(np.percentile(lag, 90)) if lag.size else 0.0,
+            "rollout/zero_variance_share": float(np.mean([g.zero_variance for g in groups])),
+            "rollout/episode_latency_p50_s": float(np.percentile(latencies, 50)) if latencies.size else 0.0,
+            "rollout/episode_latency_p90_s": float(np.percentile(latencies, 90)) if latencies.size else 0.0,
+            "rollout/wait_s": waited,
+            "rollout/dropped_stale": float(self.ledger.counts().get("dropped:stale", 0)),
+            "rollout/consecutive_failures": float(self._consecutive_failures),
+        }
+        for category, count in self.ledger.counts().items():
+            metrics[f"rollout/count/{category}"] = float(count)
+        for reason, count in dropped_now.items():
+            metrics[f"rollout/step_dropped/{reason}"] = float(count)
+        for name, value in self.workflow.metrics().items():
+            metrics[f"rollout/workflow/{name}"] = float(value)
+        self.metrics = metrics
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"meta": JSON-serialisable dict, "arrays": {name: np.ndarray}}``: ledger, tickets, queued groups.
+
+        Write it with :func:`save_state` (``.npz`` without pickle, plus JSON).
+        """
+        with self._lock:
+            for ticket, group in self._queue.get_all():
+                self._ready[ticket] = group
+            snap = self.ledger.snapshot()
+            groups_meta: dict[str, Any] = {}
+            arrays: dict[str, np.ndarray] = {}
+            for ticket in sorted(self._ready):
+                if self.ledger.state_of(ticket) != QUEUED:
+                    continue
+                group = self._ready[ticket]
+                trajs = []
+                for i, traj in enumerate(group.trajectories):
+                    for name in ARRAY_FIELDS:
+                        arrays[f"g{ticket}_t{i}_{name}"] = getattr(traj, name)
+                    if traj.advantages is not None:
+                        arrays[f"g{ticket}_t{i}_advantages"] = traj.advantages
+                    trajs.append({
+                        "temperature": traj.temperature,
+                        "reward": traj.reward,
+                        "reward_components": traj.reward_components,
+                        "stop_reason": traj.stop_reason,
+                        "metadata": traj.metadata,
+                        "advantages": traj.advantages is not None,
+                    })
+                groups_meta[str(ticket)] = {"metadata": group.metadata, "trajectories": trajs}
+        return {"meta": {"format": STATE_FORMAT, "ledger": snap, "groups": groups_meta}, "arrays": arrays}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore before :meth:`start`: queued groups come back, in-flight samples are re-issued first."""
+        if self._dispatcher is not None:
+            raise RuntimeError("load_state_dict must be called before start()")
+        meta, arrays = state["meta"], state["arrays"]
+        if meta.get("format") != STATE_FORMAT:
+            raise RolloutError(f"rollout state: format {meta.get('format')!r}, this asyncrl reads {STATE_FORMAT}")
+        ready: dict[int, TrajectoryGroup] = {}
+        for key, gmeta in meta["groups"].items():
+            ticket = int(key)
+            trajs = []
+            for i, tmeta in enumerate(gmeta["trajectories"]):
+                fields = {name: np.asarray(arrays[f"g{ticket}_t{i}_{name}"]) for name in ARRAY_FIELDS}
+                if tmeta["advantages"]:
+                    fields["advantages"] = np.asarray(arrays[f"g{ticket}_t{i}_advantages"])
+                trajs.append(Trajectory(**fields, **{k: v for k, v in tmeta.items() if k != "advantages"}))
+            ready[ticket] = TrajectoryGroup(trajectories=trajs, metadata=gmeta["metadata"])
+        with self._lock:
+            self.ledger.load_snapshot(meta["ledger"])
+            missing = [t for t in self.ledger.candidates("completion") if t not in ready]
+            if missing:
+                raise RolloutError(f"rollout state: queued tickets {missing} have no stored group")
+            self._ready = ready
+
+
+def save_state(state: Mapping[str, Any], directory: str | Path, prefix: str = "rollout") -> None:
+    """Write an executor ``state_dict`` as ``<prefix>.json`` and ``<prefix>.npz`` (no pickle), atomically per file."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    npz_tmp = directory / f".{prefix}.npz.tmp"
+    with open(npz_tmp, "wb") as fh:
+        np.savez(fh, **state["arrays"])
+    json_tmp = directory / f".{prefix}.json.tmp"
+    json_tmp.write_text(json.dumps(state["meta"], allow_nan=False))
+    npz_tmp.replace(directory / f"{prefix}.npz")
+    json_tmp.replace(directory / f"{prefix}.json")
+
+
+def load_state(directory: str | Path, prefix: str = "rollout") -> dict[str, Any]:
+    """Read what :func:`save_state` wrote (``np.load(allow_pickle=False)``)."""
+    directory = Path(directory)
+    meta = json.loads((directory / f"{prefix}.json").read_text())
+    with np.load(directory / f"{prefix}.npz", allow_pickle=False) as data:
+        arrays = {name: data[name] for name in data.files}
+    return {"meta": meta, "arrays": arrays}

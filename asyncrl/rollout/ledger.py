@@ -1,0 +1,224 @@
+"""The staleness ledger: admission, tickets and accounting as a pure state machine.
+
+No threads, no clocks, no I/O: the executor calls it under its own lock, the hypothesis
+state machine drives it directly, and its snapshot is part of every checkpoint.
+
+Counts are in groups (1 group = 1 prompt = 1 episode). With ``B`` groups per trainer step,
+``η`` the staleness bound and ``v`` the served version (DESIGN "Staleness control"):
+
+* admission: a new episode starts only while ``in_flight + queued + consumed < (v + η + 1)·B``
+  and ``in_flight < max_concurrent``; it gets the next ticket and the next sample id;
+* an episode ends ``queued`` (completed), ``failed:<reason>``, ``returned_none``, or
+  ``dropped:<reason>``; a queued group ends ``trained`` (consumed) or ``dropped:<reason>``.
+  Failed, none and dropped leave all three counts, so their slot is refilled;
+* ``consumed`` counts groups handed to the trainer, the step in progress included;
+* after :meth:`load_snapshot`, episodes that were in flight are ``reissued``: :meth:`admit`
+  hands them out first, with their original ticket and sample id (hence the same seeds).
+
+Every sample id ever drawn is in exactly one category of :meth:`counts`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any, Literal, Optional
+
+IN_FLIGHT, QUEUED = "in_flight", "queued"
+
+
+@dataclasses.dataclass
+class _Entry:
+    sample_id: int
+    state: str
+    admit_version: int
+    min_version: int = -1
+    done_seq: int = -1
+
+
+class StalenessLedger:
+    """Admission and accounting of episodes; see the module docstring for the rules."""
+
+    def __init__(self, batch_size: int, max_staleness: int, max_concurrent: int, version: int = 0):
+        if batch_size < 1 or max_staleness < 0 or max_concurrent < 1 or version < 0:
+            raise ValueError("StalenessLedger: need batch_size >= 1, max_staleness >= 0, max_concurrent >= 1, version >= 0")
+        self.batch_size = batch_size
+        self.max_staleness = max_staleness
+        self.max_concurrent = max_concurrent
+        self.version = version
+        self.next_ticket = 0
+        self.next_sample_id = 0
+        self.consumed = 0
+        self._done_seq = 0
+        self._entries: dict[int, _Entry] = {}
+        self._reissue: list[tuple[int, int, int]] = []  # (ticket, sample_id, admit_version), ascending tickets
+        self._terminal: Counter[str] = Counter()
+        self.reissued_total = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for e in self._entries.values() if e.state == IN_FLIGHT)
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for e in self._entries.values() if e.state == QUEUED)
+
+    @property
+    def admission_limit(self) -> int:
+        """``(v + η + 1)·B``: bound on ``in_flight + queued + consumed``."""
+        return (self.version + self.max_staleness + 1) * self.batch_size
+
+    def can_admit(self) -> bool:
+        in_flight = self.in_flight
+        return in_flight + self.queued + self.consumed < self.admission_limit and in_flight < self.max_concurrent
+
+    def state_of(self, ticket: int) -> Optional[str]:
+        """``in_flight``, ``queued``, ``reissued`` or None (ended, or never admitted)."""
+        entry = self._entries.get(ticket)
+        if entry is not None:
+            return entry.state
+        return "reissued" if any(t == ticket for t, _, _ in self._reissue) else None
+
+    def sample_id(self, ticket: int) -> int:
+        return self._entries[ticket].sample_id
+
+    def admit_version(self, ticket: int) -> int:
+        return self._entries[ticket].admit_version
+
+    def in_flight_tickets(self) -> list[int]:
+        return sorted(t for t, e in self._entries.items() if e.state == IN_FLIGHT)
+
+    def candidates(self, order: Literal["admission", "completion"]) -> list[int]:
+        """Queued tickets in the order ``prepare_batch`` considers them.
+
+        ``admission``: the smallest live tickets, up to (not past) the first one still in
+        flight or awaiting reissue, since the batch must wait for it. ``completion``: every
+        queued ticket, in completion order.
+        """
+        if order == "completion":
+            queued = [(e.done_seq, t) for t, e in self._entries.items() if e.state == QUEUED]
+            return [t for _, t in sorted(queued)]
+        pending = min((t for t, _, _ in self._reissue), default=None)
+        out = []
+        for ticket in sorted(self._entries):
+            if pending is not None and ticket > pending:
+                break
+            if self._entries[ticket].state != QUEUED:
+                break
+            out.append(ticket)
+        return out
+
+    def is_stale(self, min_version: int) -> bool:
+        """A group whose oldest trained token is older than ``v − η`` must be dropped."""
+        return min_version < self.version - self.max_staleness
+
+    def counts(self) -> dict[str, int]:
+        """Samples per accounting category; they sum to the number of samples drawn."""
+        out = {"in_flight": self.in_flight, "queued": self.queued, "reissued": len(self._reissue)}
+        out.update(self._terminal)
+        out.setdefault("trained", 0)
+        out.setdefault("dropped:stale", 0)
+        out.setdefault("returned_none", 0)
+        return out
+
+    # ------------------------------------------------------------------ transitions
+
+    def admit(self) -> tuple[int, int]:
+        """Start an episode: ``(ticket, sample_id)``. Reissues come first, with their old ticket."""
+        if not self.can_admit():
+            raise ValueError("admit: the admission rule does not allow another episode now")
+        if self._reissue:
+            ticket, sample_id, admit_version = self._reissue.pop(0)
+            self._entries[ticket] = _Entry(sample_id, IN_FLIGHT, admit_version)
+            return ticket, sample_id
+        ticket, sample_id = self.next_ticket, self.next_sample_id
+        self.next_ticket += 1
+        self.next_sample_id += 1
+        self._entries[ticket] = _Entry(sample_id, IN_FLIGHT, self.version)
+        return ticket, sample_id
+
+    def _take(self, ticket: int, states: tuple[str, ...], action: str) -> _Entry:
+        entry = self._entries.get(ticket)
+        if entry is None or entry.state not in states:
+            now = entry.state if entry is not None else "not live"
+            raise ValueError(f"{action}: ticket {ticket} is {now}, expected {' or '.join(states)}")
+        return entry
+
+    def complete(self, ticket: int, min_version: int) -> None:
+        """The episode returned a group whose oldest trained token has ``min_version``."""
+        entry = self._take(ticket, (IN_FLIGHT,), "complete")
+        entry.state, entry.min_version, entry.done_seq = QUEUED, min_version, self._done_seq
+        self._done_seq += 1
+
+    def fail(self, ticket: int, reason: str) -> None:
+        """The episode raised, timed out or broke the schema: ``failed:<reason>``."""
+        self._take(ticket, (IN_FLIGHT,), "fail")
+        del self._entries[ticket]
+        self._terminal[f"failed:{reason}"] += 1
+
+    def returned_none(self, ticket: int) -> None:
+        self._take(ticket, (IN_FLIGHT,), "returned_none")
+        del self._entries[ticket]
+        self._terminal["returned_none"] += 1
+
+    def drop(self, ticket: int, reason: str) -> None:
+        """A group (queued, or an episode that skipped its sample) is dropped: ``dropped:<reason>``."""
+        self._take(ticket, (IN_FLIGHT, QUEUED), "drop")
+        del self._entries[ticket]
+        self._terminal[f"dropped:{reason}"] += 1
+
+    def consume(self, tickets: list[int]) -> None:
+        """Queued groups handed to the trainer for the step starting from the current version."""
+        for ticket in tickets:
+            self._take(ticket, (QUEUED,), "consume")
+        for ticket in tickets:
+            del self._entries[ticket]
+        self.consumed += len(tickets)
+        self._terminal["trained"] += len(tickets)
+
+    def publish(self, version: int) -> None:
+        """The engine now serves ``version``; versions only move forward."""
+        if version < self.version:
+            raise ValueError(f"publish: version {version} is older than the current version {self.version}")
+        self.version = version
+
+    # ------------------------------------------------------------------ snapshot
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole state as JSON-serialisable data."""
+        return {
+            "version": self.version,
+            "next_ticket": self.next_ticket,
+            "next_sample_id": self.next_sample_id,
+            "consumed": self.consumed,
+            "done_seq": self._done_seq,
+            "entries": [
+                [t, e.sample_id, e.state, e.admit_version, e.min_version, e.done_seq] for t, e in sorted(self._entries.items())
+            ],
+            "reissue": [list(r) for r in self._reissue],
+            "terminal": dict(sorted(self._terminal.items())),
+            "reissued_total": self.reissued_total,
+        }
+
+    def load_snapshot(self, snap: dict[str, Any]) -> None:
+        """Continue from ``snap``; its in-flight episodes become ``reissued`` (admitted first).
+
+        Batch size, staleness bound and concurrency stay this ledger's own (a resume may change them).
+        """
+        self.version = int(snap["version"])
+        self.next_ticket = int(snap["next_ticket"])
+        self.next_sample_id = int(snap["next_sample_id"])
+        self.consumed = int(snap["consumed"])
+        self._done_seq = int(snap["done_seq"])
+        self._terminal = Counter({k: int(v) for k, v in snap["terminal"].items()})
+        self._entries = {}
+        reissue = [tuple(int(x) for x in r) for r in snap["reissue"]]
+        for ticket, sample_id, state, admit_version, min_version, done_seq in snap["entries"]:
+            if state == IN_FLIGHT:
+                reissue.append((int(ticket), int(sample_id), int(admit_version)))
+            else:
+                self._entries[int(ticket)] = _Entry(int(sample_id), state, int(admit_version), int(min_version), int(done_seq))
+        self._reissue = sorted(reissue)
+        self.reissued_total = int(snap["reissued_total"]) + sum(1 for e in snap["entries"] if e[2] == IN_FLIGHT)
