@@ -41,51 +41,54 @@ class TaskData:
     info: dict = field(default_factory=dict)
 
 
-class SampleStream:
-    """Draws samples in a seeded order that depends only on (seed, number drawn).
+class SampleOrder(Sequence):
+    """The order samples are drawn in: a pure function of ``(seed, sample_id)``.
 
-    Epoch ``e`` visits every sample once, in a permutation seeded by ``(seed, e)``;
-    each draw gets a new ``sample_id`` (the draw count), so a prompt seen in two epochs
-    is two samples with two random streams. The whole state is one integer, which is
-    what makes resume exact.
+    Sample id ``s`` is draw number ``s``: epoch ``s // n`` visits every one of the ``n``
+    samples once, in a permutation seeded by ``(seed, epoch)``. A prompt drawn in two
+    epochs is two samples (two ids, two random streams). Because the order holds no
+    state, the executor's ledger (which sample ids were drawn) is all a resume needs.
+
+    As a ``Sequence`` it is the ``n`` samples in file order; :meth:`sample` is the draw.
     """
 
-    def __init__(self, samples: Sequence[dict], seed: int, drawn: int = 0):
+    def __init__(self, samples: Sequence[dict], seed: int):
         if len(samples) == 0:
             raise DataError("the train split is empty: nothing to draw samples from")
         self._samples = samples
         self._seed = seed
-        self._drawn = drawn
         self._lock = threading.Lock()
-        self._order_epoch = -1
-        self._order: list[int] = []
+        self._cached_epoch = -1
+        self._cached_order: list[int] = []
 
-    def _index(self, draw: int) -> int:
-        epoch, position = divmod(draw, len(self._samples))
-        if epoch != self._order_epoch:
-            self._order = list(range(len(self._samples)))
-            random.Random(f"{self._seed}/epoch/{epoch}").shuffle(self._order)
-            self._order_epoch = epoch
-        return self._order[position]
+    def __len__(self) -> int:
+        return len(self._samples)
 
-    def next(self) -> tuple[int, dict]:
-        """The next ``(sample_id, sample)``; the sample dict is shared, do not mutate it."""
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._samples[index]
+
+    def index(self, sample_id: int) -> int:  # type: ignore[override]
+        """Position in the split of the sample drawn as ``sample_id``."""
+        if sample_id < 0:
+            raise ValueError(f"sample ids are non-negative (given {sample_id})")
+        epoch, position = divmod(sample_id, len(self._samples))
         with self._lock:
-            sample_id = self._drawn
-            sample = self._samples[self._index(sample_id)]
-            self._drawn += 1
-            return sample_id, sample
+            if epoch != self._cached_epoch:
+                order = list(range(len(self._samples)))
+                random.Random(f"{self._seed}/epoch/{epoch}").shuffle(order)
+                self._cached_epoch, self._cached_order = epoch, order
+            return self._cached_order[position]
 
-    @property
-    def drawn(self) -> int:
-        return self._drawn
+    def sample(self, sample_id: int) -> dict:
+        """The sample drawn as ``sample_id`` (shared: do not mutate it)."""
+        return self._samples[self.index(sample_id)]
 
-    def state_dict(self) -> dict:
-        return {"drawn": self._drawn}
 
-    def load_state_dict(self, state: dict) -> None:
-        with self._lock:
-            self._drawn = int(state["drawn"])
+def sample_at(dataset: Sequence[dict], sample_id: int) -> dict:
+    """Draw ``sample_id`` from a :class:`SampleOrder`, or cycle a plain sequence in order."""
+    if isinstance(dataset, SampleOrder):
+        return dataset.sample(sample_id)
+    return dataset[sample_id % len(dataset)]
 
 
 def read_jsonl(path: str | Path, required: Sequence[str] = ()) -> list[dict]:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from asyncrl.data import DataError, SampleStream, read_jsonl
+from asyncrl.data import DataError, SampleOrder, read_jsonl, sample_at
 from asyncrl.errors import ConfigError
 from asyncrl.registry import resolve
 from tests.helpers import SHARED_DATA
@@ -14,24 +14,27 @@ from workflows.gsm8k import final_answer, gsm8k_answer
 from workflows.synthetic import positional_match, solve, synthetic_task
 
 
-def test_sample_stream_is_a_pure_function_of_seed_and_count():
+def test_sample_order_is_a_pure_function_of_seed_and_id():
     samples = [{"prompt": str(i)} for i in range(7)]
-    first = SampleStream(samples, seed=3)
-    drawn = [first.next() for _ in range(20)]
-    assert [sid for sid, _ in drawn] == list(range(20))
-    # each epoch is a permutation of the whole split
-    assert sorted(s["prompt"] for _, s in drawn[:7]) == sorted(s["prompt"] for s in samples)
-    assert [s["prompt"] for _, s in drawn[:7]] != [s["prompt"] for _, s in drawn[7:14]]
-    resumed = SampleStream(samples, seed=3)
-    resumed.load_state_dict({"drawn": 9})
-    assert [resumed.next() for _ in range(11)] == drawn[9:]
-    other = SampleStream(samples, seed=4)
-    assert [other.next()[1]["prompt"] for _ in range(7)] != [s["prompt"] for _, s in drawn[:7]]
+    order = SampleOrder(samples, seed=3)
+    drawn = [order.sample(i)["prompt"] for i in range(21)]
+    # each epoch is a permutation of the whole split, and epochs differ
+    for epoch in range(3):
+        assert sorted(drawn[7 * epoch : 7 * epoch + 7]) == sorted(s["prompt"] for s in samples)
+    assert drawn[:7] != drawn[7:14]
+    # no state: any id, in any order, from a fresh object, gives the same draw
+    fresh = SampleOrder(samples, seed=3)
+    assert [fresh.sample(i)["prompt"] for i in reversed(range(21))] == drawn[::-1]
+    assert [SampleOrder(samples, seed=4).sample(i)["prompt"] for i in range(7)] != drawn[:7]
+    assert sample_at(order, 9) is order.sample(9)
+    assert sample_at(samples, 9) is samples[2]  # a plain sequence cycles in order
+    with pytest.raises(ValueError, match="non-negative"):
+        order.sample(-1)
 
 
 def test_empty_split_is_an_error():
     with pytest.raises(DataError, match="train split is empty"):
-        SampleStream([], seed=0)
+        SampleOrder([], seed=0)
 
 
 @pytest.mark.parametrize("task", ["copy", "reverse", "add"])
