@@ -186,6 +186,25 @@ class AlgoConfig(Section):
     """Optimizer updates per epoch: the batch is split into this many mini-batches."""
 
 
+class EvalConfig(Section):
+    """Evaluation on the task's held-out split (greedy reward/accuracy, optional pass@k)."""
+
+    every_steps: int = Field(default=10, ge=0)
+    """Evaluate before training, every this many steps, and after the last; 0 turns eval off."""
+    max_prompts: Optional[int] = Field(default=None, ge=1)
+    """Evaluate on at most this many eval prompts (default: the whole eval split)."""
+    n_samples: int = Field(default=0, ge=0)
+    """Sampled completions per prompt for pass@1 and pass@n (0: greedy only)."""
+    temperature: Optional[float] = Field(default=None, gt=0)
+    """Temperature of the pass@k samples (default: ``rollout.temperature``)."""
+    max_new_tokens: Optional[int] = Field(default=None, ge=1)
+    """Most tokens per eval completion (default: ``rollout.max_new_tokens``)."""
+    success_threshold: float = 1.0
+    """A completion counts as correct (accuracy, pass@k) when its reward is at least this."""
+    timeout_s: float = Field(default=300.0, gt=0)
+    """Eval requests still unfinished after this long come back aborted."""
+
+
 class LoggingConfig(Section):
     """What the run reports and how."""
 
@@ -210,6 +229,8 @@ class Config(Section):
     """The rollout workflow (``RolloutWorkflow`` subclass): alias, ``pkg.module:Class``, or ``{target, kwargs}``."""
     rewards: list[RewardSpec] = Field(default_factory=list)
     """Reward functions of the workflow, weighted and summed."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Evaluation on the held-out split."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Logging."""
 
