@@ -207,9 +207,15 @@ def test_on_policy_decoupled_loss_equals_plain_ppo():
     d = make_data()
     d["prox"] = d["behave"] = d["logp"].copy()
     d["ref"] = d["logp"] - 0.1
-    for base in (AlgoParams(dual_clip=3.0, kl_coef=0.1), AlgoParams(ratio="sequence", aggregation="seq-mean-token-mean")):
-        for weighted in (dict(decoupled=True), dict(decoupled=True, behave_weight_mode="mask"), dict(mismatch_correction=True)):
-            plain = jax.value_and_grad(lambda x: call(d, base, jnp.float32, logp=x)[0])(jnp.asarray(d["logp"], jnp.float32))
+    token = AlgoParams(dual_clip=3.0, kl_coef=0.1)
+    sequence = AlgoParams(ratio="sequence", aggregation="seq-mean-token-mean")
+    cases = {
+        token: [dict(decoupled=True), dict(mismatch_correction=True)],
+        sequence: [dict(decoupled=True, behave_weight_mode="mask")],
+    }
+    for base, variants in cases.items():
+        plain = jax.value_and_grad(lambda x: call(d, base, jnp.float32, logp=x)[0])(jnp.asarray(d["logp"], jnp.float32))
+        for weighted in variants:
             coupled = dataclasses.replace(base, **weighted)
             decoupled = jax.value_and_grad(lambda x: call(d, coupled, jnp.float32, logp=x)[0])(
                 jnp.asarray(d["logp"], jnp.float32)
