@@ -72,3 +72,16 @@ def test_field_level_errors_name_paths():
     ):
         with pytest.raises(ConfigError, match=path.replace(".", r"\.")):
             load_config(data=data)
+
+
+def test_recipes_in_the_docs_are_valid_configs():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "algorithms.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    assert len(blocks) == 5
+    for block in blocks:
+        AlgoParams.from_config(load_config(data=yaml.safe_load(block)))
