@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from asyncrl.algo import AlgoParams, accumulate_diagnostics, aggregate, aggregation_denominators, policy_loss
+from tests.helpers import FAST_COMPILE
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -74,7 +75,7 @@ def micro_batch_loss(weights, batch, den, params):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("all_params",))
+@functools.partial(jax.jit, static_argnames=("all_params",), compiler_options=FAST_COMPILE)
 def accumulated(weights, batch, real, all_params):
     """For each params and each micro-batch count k in (1, 2, 4): (loss, gradient) accumulated
     the way a trainer does, with the denominators computed once over the whole mini-batch.
@@ -95,7 +96,7 @@ def accumulated(weights, batch, real, all_params):
     return results
 
 
-@functools.partial(jax.jit, static_argnames=("params", "count"))
+@functools.partial(jax.jit, static_argnames=("params", "count"), compiler_options=FAST_COMPILE)
 def accumulated_diagnostics(weights, batch, real, params, count):
     den = aggregation_denominators(batch["mask"], real)
     micro = jax.tree.map(lambda x: x.reshape(count, ROWS // count, *x.shape[1:]), batch)

@@ -4,6 +4,7 @@ differences in float64), diagnostics, and the decoupled-PPO identities."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from asyncrl.algo import AlgoParams, aggregation_denominators, policy_loss
+from tests.helpers import FAST_COMPILE
 
 # --------------------------------------------------------------------------- reference
 
@@ -117,13 +119,24 @@ def make_data(seed=0, rows=5, length=7):
     return dict(logp=logp, behave=behave, prox=prox, ref=ref, adv=adv, entropy=entropy, mask=mask, real=real)
 
 
+@functools.partial(jax.jit, static_argnames=("params",), compiler_options=FAST_COMPILE)
+def evaluate(logp, prox, behave, adv, mask, real, entropy, ref, params):
+    """(loss, diagnostics, d loss/d logp, d loss/d entropy) in one compiled program."""
+
+    def loss_fn(logp, entropy):
+        den = aggregation_denominators(mask, real)
+        return policy_loss(logp, prox, behave, adv, mask, den, params, entropy=entropy, ref_logprobs=ref)
+
+    (loss, diagnostics), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(logp, entropy)
+    return loss, diagnostics, *grads
+
+
 def call(d, p, dtype, logp=None, entropy=None):
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
-    den = aggregation_denominators(jnp.asarray(d["mask"]), jnp.asarray(d["real"]))
-    return policy_loss(
+    return evaluate(
         cast(d["logp"] if logp is None else logp), cast(d["prox"]), cast(d["behave"]), cast(d["adv"]),
-        jnp.asarray(d["mask"]), den, p,
-        entropy=cast(d["entropy"] if entropy is None else entropy), ref_logprobs=cast(d["ref"]),
+        jnp.asarray(d["mask"]), jnp.asarray(d["real"]),
+        cast(d["entropy"] if entropy is None else entropy), cast(d["ref"]), p,
     )
 
 
@@ -152,7 +165,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_loss_value_matches_reference_in_float32(name):
     p, d = CONFIGS[name], make_data()
-    loss, _ = call(d, p, jnp.float32)
+    loss, *_ = call(d, p, jnp.float32)
     assert loss.dtype == jnp.float32
     np.testing.assert_allclose(float(loss), reference_loss(d, p), rtol=1e-5, atol=1e-6)
 
@@ -161,9 +174,7 @@ def test_loss_value_matches_reference_in_float32(name):
 def test_gradients_match_central_differences_in_float64(name):
     p, d = CONFIGS[name], make_data(seed=1)
     with jax.enable_x64(True):
-        grad_logp, grad_entropy = jax.grad(lambda x, h: call(d, p, jnp.float64, x, h)[0], argnums=(0, 1))(
-            jnp.asarray(d["logp"]), jnp.asarray(d["entropy"])
-        )
+        _, _, grad_logp, grad_entropy = call(d, p, jnp.float64)
         assert grad_logp.dtype == jnp.float64
     step = 1e-6
     for array, got in (("logp", grad_logp), ("entropy", grad_entropy)):
@@ -180,14 +191,14 @@ def test_gradients_match_central_differences_in_float64(name):
 @pytest.mark.parametrize("name", ["clip-higher-dual-seqmean-entropy", "decoupled-truncate-k3-sumnorm"])
 def test_diagnostics_match_reference(name):
     p, d = CONFIGS[name], make_data()
-    _, diagnostics = call(d, p, jnp.float32)
+    _, diagnostics, *_ = call(d, p, jnp.float32)
     want = reference_diagnostics(d, p)
     for key, value in want.items():
         np.testing.assert_allclose(float(diagnostics[key]), value, rtol=1e-5, atol=1e-6, err_msg=key)
     assert float(diagnostics["dual_clip_frac"]) > 0 if p.dual_clip else True
     assert float(diagnostics["clip_low_frac"]) + float(diagnostics["clip_high_frac"]) > 0
     # The loss is the sum of its reported terms.
-    loss, _ = call(d, p, jnp.float32)
+    loss, *_ = call(d, p, jnp.float32)
     total = diagnostics["pg_loss"] + diagnostics["kl_loss"] + diagnostics["entropy_loss"]
     np.testing.assert_allclose(float(loss), float(total), rtol=1e-6)
 
@@ -197,7 +208,7 @@ def test_capped_fraction_counts_truncated_and_masked_tokens():
     w = np.exp(d["prox"] - d["behave"])[d["mask"]]
     for mode, outside in (("truncate", w > 1.25), ("mask", (w > 1.25) | (w < 1 / 1.25))):
         p = AlgoParams(decoupled=True, behave_weight_cap=1.25, behave_weight_mode=mode)
-        _, diagnostics = call(d, p, jnp.float32)
+        _, diagnostics, *_ = call(d, p, jnp.float32)
         assert outside.any()
         np.testing.assert_allclose(float(diagnostics["behave_weight_capped_frac"]), outside.mean(), rtol=1e-6)
 
@@ -214,14 +225,12 @@ def test_on_policy_decoupled_loss_equals_plain_ppo():
         sequence: [dict(decoupled=True, behave_weight_mode="mask")],
     }
     for base, variants in cases.items():
-        plain = jax.value_and_grad(lambda x: call(d, base, jnp.float32, logp=x)[0])(jnp.asarray(d["logp"], jnp.float32))
+        plain = call(d, base, jnp.float32)
         for weighted in variants:
             coupled = dataclasses.replace(base, **weighted)
-            decoupled = jax.value_and_grad(lambda x: call(d, coupled, jnp.float32, logp=x)[0])(
-                jnp.asarray(d["logp"], jnp.float32)
-            )
+            decoupled = call(d, coupled, jnp.float32)
             np.testing.assert_allclose(float(decoupled[0]), float(plain[0]), rtol=1e-6)
-            np.testing.assert_allclose(np.asarray(decoupled[1]), np.asarray(plain[1]), rtol=1e-6, atol=1e-8)
+            np.testing.assert_allclose(np.asarray(decoupled[2]), np.asarray(plain[2]), rtol=1e-6, atol=1e-8)
 
 
 def test_stale_data_applies_w_exactly_once():
@@ -236,7 +245,7 @@ def test_stale_data_applies_w_exactly_once():
     w = np.exp(d["prox"] - d["behave"])
     for flags in (dict(decoupled=True), dict(mismatch_correction=True)):
         p = AlgoParams(behave_weight_cap=None, kl_coef=0.5, kl_estimator="k1", **flags)
-        loss, grad = jax.value_and_grad(lambda x: call(d, p, jnp.float32, logp=x)[0])(jnp.asarray(d["logp"], jnp.float32))
+        loss, _, grad, _ = call(d, p, jnp.float32)
         adv = np.broadcast_to(d["adv"][:, None], mask.shape)
         np.testing.assert_allclose(float(loss), -(w * adv)[mask].sum() / count, rtol=1e-5, atol=1e-6)
         want = np.where(mask, (-w * adv + 0.5 * w) / count, 0.0)  # d(k1)/dlogp = 1, times w once
