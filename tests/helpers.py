@@ -33,3 +33,10 @@ def run_python(code: str, *, timeout: float = 110, env: dict[str, str] | None = 
     if proc.returncode != 0:
         raise AssertionError(f"subprocess exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc
+
+
+# Compiler options for tests whose time is mostly XLA compiling small programs: LLVM's
+# optimisation passes are most of a CPU compile and buy nothing for arrays this small
+# (about half the compile time). Pass as ``jax.jit(f, compiler_options=FAST_COMPILE)``;
+# an outer jit's options apply to the jitted library functions it calls, too.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}

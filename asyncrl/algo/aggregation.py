@@ -48,27 +48,35 @@ def aggregation_denominators(loss_mask: jax.Array, row_is_real: jax.Array) -> De
     )
 
 
-def aggregate(values: jax.Array, loss_mask: jax.Array, denominators: Denominators, params: AlgoParams) -> jax.Array:
+def aggregate(
+    values: jax.Array, loss_mask: jax.Array, denominators: Denominators, params: AlgoParams, axis=None
+) -> jax.Array:
     """This micro-batch's share of the mini-batch loss under ``params.aggregation``.
 
     ``values`` float ``[B, L]`` per-token losses; ``loss_mask`` bool ``[B, L]``. Masked entries
-    are ignored even when they are not finite.
+    are ignored even when they are not finite. ``axis`` (default: all) names the ``(row, token)``
+    axes when ``values`` stacks several ``[B, L]`` arrays, e.g. ``[K, B, L]`` with ``axis=(1, 2)``
+    and a broadcastable ``loss_mask[None]``: then the result is ``[K]``.
     """
+    row_axis, token_axis = axis if axis is not None else (-2, -1)
     masked = jnp.where(loss_mask, values, 0.0)
     if params.aggregation == "token-mean":
-        return jnp.sum(masked) / jnp.maximum(denominators.tokens, 1.0)
+        return jnp.sum(masked, axis=axis) / jnp.maximum(denominators.tokens, 1.0)
     if params.aggregation == "seq-mean-token-mean":
-        row_tokens = jnp.sum(loss_mask, axis=-1).astype(values.dtype)
-        row_means = jnp.sum(masked, axis=-1) / jnp.maximum(row_tokens, 1.0)
-        return jnp.sum(row_means) / jnp.maximum(denominators.rows_with_tokens, 1.0)
+        row_tokens = jnp.sum(loss_mask, axis=token_axis).astype(values.dtype)
+        row_means = jnp.sum(masked, axis=token_axis) / jnp.maximum(row_tokens, 1.0)
+        return jnp.sum(row_means, axis=row_axis if axis is not None else None) / jnp.maximum(
+            denominators.rows_with_tokens, 1.0
+        )
     if params.aggregation == "seq-mean-token-sum-norm":
-        return jnp.sum(masked) / jnp.maximum(denominators.rows * params.loss_norm_tokens, 1.0)
+        return jnp.sum(masked, axis=axis) / jnp.maximum(denominators.rows * params.loss_norm_tokens, 1.0)
     raise ValueError(f"algo.aggregation: unknown mode {params.aggregation!r}")
 
 
-def token_mean(values: jax.Array, loss_mask: jax.Array, denominators: Denominators) -> jax.Array:
-    """This micro-batch's share of the mini-batch token mean of ``values`` (for diagnostics)."""
-    return jnp.sum(jnp.where(loss_mask, values, 0.0)) / jnp.maximum(denominators.tokens, 1.0)
+def token_mean(values: jax.Array, loss_mask: jax.Array, denominators: Denominators, axis=None) -> jax.Array:
+    """This micro-batch's share of the mini-batch token mean of ``values`` (for diagnostics);
+    ``axis`` as in :func:`aggregate`."""
+    return jnp.sum(jnp.where(loss_mask, values, 0.0), axis=axis) / jnp.maximum(denominators.tokens, 1.0)
 
 
 def accumulate_diagnostics(total: dict, new: dict) -> dict:

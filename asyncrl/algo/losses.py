@@ -119,42 +119,49 @@ def policy_loss(
     raw_w, applied_w = behave_weight(prox_logprobs, behavior_logprobs, loss_mask, params)
     weight = applied_w.astype(logprobs.dtype) if params.weighted else jnp.ones_like(logprobs)
 
-    pg_loss = aggregate(weight * pg, loss_mask, denominators, params)
-    loss = pg_loss
-    diagnostics: dict[str, jax.Array] = {"pg_loss": pg_loss}
-    kl_loss = jnp.zeros((), logprobs.dtype)
+    token_loss = weight * pg
+    # Per-token diagnostics, reduced together at the end: one stacked masked mean
+    # compiles to one kernel instead of one per statistic.
+    token_stats: dict[str, jax.Array] = {}
     if params.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("policy_loss: algo.kl_coef > 0 needs ref_logprobs")
-        kl = kl_penalty(logprobs, ref_logprobs, params.kl_estimator)
-        kl_loss = params.kl_coef * aggregate(weight * kl, loss_mask, denominators, params)
-        diagnostics["kl_ref"] = token_mean(jax.lax.stop_gradient(kl), loss_mask, denominators)
-    loss = loss + kl_loss
-    diagnostics["kl_loss"] = kl_loss
-    entropy_loss = jnp.zeros((), logprobs.dtype)
+        # Masked before the estimator: a non-finite value on an untrained token would
+        # otherwise turn its zero cotangent into NaN.
+        kl = kl_penalty(
+            jnp.where(loss_mask, logprobs, 0.0), jnp.where(loss_mask, ref_logprobs, 0.0), params.kl_estimator
+        )
+        token_loss = token_loss + params.kl_coef * weight * kl
+        token_stats["kl_ref"] = kl
     if params.entropy_coef > 0:
         if entropy is None:
             raise ValueError("policy_loss: algo.entropy_coef > 0 needs entropy")
-        entropy_loss = -params.entropy_coef * aggregate(entropy, loss_mask, denominators, params)
-    loss = loss + entropy_loss
-    diagnostics["entropy_loss"] = entropy_loss
+        token_loss = token_loss - params.entropy_coef * entropy
     if entropy is not None:
-        diagnostics["entropy"] = token_mean(jax.lax.stop_gradient(entropy), loss_mask, denominators)
+        token_stats["entropy"] = entropy
+    # One aggregation of the summed token loss (it is linear): one reduction to compile.
+    loss = aggregate(token_loss, loss_mask, denominators, params)
 
     ratio = jax.lax.stop_gradient(ratio)
     logprobs_sg = jax.lax.stop_gradient(logprobs)
-    clip_low = (advantages < 0) & (ratio < 1.0 - params.clip_low)
-    clip_high = (advantages > 0) & (ratio > 1.0 + params.clip_high)
-    dual = (advantages < 0) & (ratio > params.dual_clip) if params.dual_clip is not None else jnp.zeros_like(clip_low)
-    capped = raw_w != applied_w if params.behave_weight_cap is not None else jnp.zeros_like(clip_low)
-    diagnostics.update(
-        clip_low_frac=token_mean(clip_low.astype(logprobs.dtype), loss_mask, denominators),
-        clip_high_frac=token_mean(clip_high.astype(logprobs.dtype), loss_mask, denominators),
-        dual_clip_frac=token_mean(dual.astype(logprobs.dtype), loss_mask, denominators),
-        approx_kl_prox=token_mean(k3(prox_logprobs, logprobs_sg), loss_mask, denominators),
-        approx_kl_behave=token_mean(k3(behavior_logprobs, logprobs_sg), loss_mask, denominators),
-        behave_weight_mean=token_mean(raw_w, loss_mask, denominators),
-        behave_weight_capped_frac=token_mean(capped.astype(logprobs.dtype), loss_mask, denominators),
-        behave_weight_max=jnp.max(jnp.where(loss_mask, raw_w, 0.0)),
+    false = jnp.zeros_like(loss_mask)
+    token_stats.update(
+        clip_low_frac=(advantages < 0) & (ratio < 1.0 - params.clip_low),
+        clip_high_frac=(advantages > 0) & (ratio > 1.0 + params.clip_high),
+        dual_clip_frac=(advantages < 0) & (ratio > params.dual_clip) if params.dual_clip is not None else false,
+        approx_kl_prox=k3(prox_logprobs, logprobs_sg),
+        approx_kl_behave=k3(behavior_logprobs, logprobs_sg),
+        behave_weight_mean=raw_w,
+        behave_weight_capped_frac=raw_w != applied_w if params.behave_weight_cap is not None else false,
     )
+    stacked = jnp.stack([jax.lax.stop_gradient(v).astype(logprobs.dtype) for v in token_stats.values()])
+    means = token_mean(stacked, loss_mask[None], denominators, axis=(1, 2))
+    diagnostics = dict(zip(token_stats, means))
+    # The loss's terms, as shares of the mini-batch loss like the loss itself (diagnostics only).
+    terms = {"pg_loss": weight * pg}
+    terms["kl_loss"] = params.kl_coef * weight * kl if params.kl_coef > 0 else jnp.zeros_like(pg)
+    terms["entropy_loss"] = -params.entropy_coef * entropy if params.entropy_coef > 0 else jnp.zeros_like(pg)
+    stacked_terms = jax.lax.stop_gradient(jnp.stack(list(terms.values())))
+    diagnostics.update(zip(terms, aggregate(stacked_terms, loss_mask[None], denominators, params, axis=(1, 2))))
+    diagnostics["behave_weight_max"] = jnp.max(jnp.where(loss_mask, raw_w, 0.0))
     return loss, diagnostics
