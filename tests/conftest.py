@@ -16,7 +16,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    cache_dir = config.cache.mkdir("jax-compilation-cache") if config.cache is not None else None
+    cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
+    cache_dir = cache.mkdir("jax-compilation-cache") if cache is not None else None
     if cache_dir is not None:
         os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_dir))
     # Cache every compilation, however small: tests recompile the same tiny models
