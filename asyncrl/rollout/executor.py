@@ -106,6 +106,9 @@ class WorkflowExecutor:
         self._stopping = threading.Event()
         self._dispatcher: Optional[threading.Thread] = None
         self.metrics: dict[str, float] = {}
+        """Metrics of the last ``prepare_batch`` (queue depth, in-flight, counts, lag, latency, wait)."""
+        self.last_batch_sample_ids: list[int] = []
+        """Sample ids of the groups in the last batch, in batch (group_index) order."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -306,6 +309,7 @@ class WorkflowExecutor:
                         row_multiple=self.row_multiple, filter_budget=budget - filtered,
                     )
                     assert not more, "prepare_batch dropped a group select_groups kept"
+                    self.last_batch_sample_ids = [self.ledger.sample_id(t) for t in chosen]
                     self.ledger.consume(chosen)
                     kept_groups = [self._ready.pop(t) for t in chosen]
                     self._wake.notify_all()
