@@ -277,3 +277,33 @@ def test_user_multi_turn_workflow_runs_through_the_executor():
         assert (versions[k:k + 3] == -1).all()
         assert mask[3:k].all() and mask[k + 3:].all()  # both generations trained
     assert ex.counts()["trained"] == 3 * cfg.rollout.batch_size
+
+
+@pytest.mark.timeout(30)
+def test_publish_order_and_resume_version_are_enforced():
+    cfg = make_cfg()
+    eng = engine(delay_s=0.0)
+    ex = WorkflowExecutor(TokenWorkflow(cfg), eng, DATASET, cfg)
+    with pytest.raises(RolloutError, match=r"set_version\(1\) while the engine serves version 0: call engine.update_weights"):
+        ex.set_version(1)
+    with pytest.raises(RolloutError, match="executor is at version 0"):
+        ex.prepare_batch(1, timeout=1)
+    state = ex.state_dict()
+    with pytest.raises(RolloutError, match="rollout state is at version 0 but the engine serves 2"):
+        WorkflowExecutor(TokenWorkflow(cfg), engine(version=2), DATASET, cfg).load_state_dict(state)
+
+
+@pytest.mark.timeout(30)
+def test_an_engine_crash_wrapped_by_the_workflow_still_stops_training():
+    cfg = make_cfg()
+
+    class Wrapping(TokenWorkflow):
+        def run_episode(self, eng, sample):
+            try:
+                return super().run_episode(eng, sample)
+            except Exception as err:
+                raise ValueError("tool call failed") from err
+
+    with WorkflowExecutor(Wrapping(cfg), engine(crash_after_calls=0, delay_s=0.0), DATASET, cfg) as ex:
+        with pytest.raises(EngineCrashed, match="scripted crash"):
+            ex.prepare_batch(0, timeout=10)

@@ -137,6 +137,12 @@ class WorkflowExecutor:
 
     def set_version(self, version: int) -> None:
         """The engine now serves ``version`` (call after ``engine.update_weights`` returned)."""
+        served = self.engine.version
+        if version > served:
+            raise RolloutError(
+                f"set_version({version}) while the engine serves version {served}: call engine.update_weights(params, "
+                f"{version}) first, so that no token of the old weights is tagged with the new version"
+            )
         with self._wake:
             self.ledger.publish(version)
             self._wake.notify_all()
@@ -206,7 +212,8 @@ class WorkflowExecutor:
             is_schema = err.title in ("Trajectory", "TrajectoryGroup")
             outcome, detail, error = ("schema", "type", err) if is_schema else ("error", "", err)
         except BaseException as err:  # noqa: BLE001 - any episode error is a counted failure
-            outcome, error = "error", err
+            crash = _engine_crash_in_chain(err)
+            outcome, error = ("crash", crash) if crash is not None else ("error", err)
         text = "".join(traceback.format_exception(error)) if error is not None else ""
         with self._wake:
             if self._running.get(episode.ticket) is not episode or self._stopping.is_set():
@@ -284,11 +291,14 @@ class WorkflowExecutor:
         budget = rollout.resolved_max_filtered_per_step
         filtered = 0
         dropped_now: collections.Counter = collections.Counter()
-        while True:
-            with self._wake:
+        with self._wake:
+            if version != self.ledger.version:
+                raise RolloutError(
+                    f"prepare_batch(version={version}) but the executor is at version {self.ledger.version}: "
+                    "a batch is prepared with the version it will be trained at (publish, then set_version)"
+                )
+            while True:
                 self._raise_fatal()
-                if version != self.ledger.version:
-                    raise RolloutError(f"prepare_batch(version={version}) but the executor is at version {self.ledger.version}: call set_version first")
                 for ticket, group in self._queue.get_all():
                     self._ready[ticket] = group
                 tickets = self.ledger.candidates(rollout.batch_order)
@@ -315,24 +325,18 @@ class WorkflowExecutor:
                     self._wake.notify_all()
                     self._update_metrics(batch, kept_groups, version, time.monotonic() - started, dropped_now)
                     return batch
-                waiting_for = [t for t in self.ledger.in_flight_tickets()][:1]
-            if self._stopping.is_set():
-                raise RolloutError("prepare_batch: the executor was stopped")
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                counts = self.counts()
-                raise RolloutError(
-                    f"prepare_batch timed out after {timeout} s with {len(kept)} of {rollout.batch_size} groups ready "
-                    f"(order {rollout.batch_order}, waiting for ticket {waiting_for or 'none'}); counts: {counts}"
-                )
-            try:
-                ticket, group = self._queue.get(timeout=_MAX_WAIT_S if remaining is None else min(remaining, _MAX_WAIT_S))
-            except QueueClosed:
-                continue  # fatal or stopped: the next iteration raises
-            except Exception:  # queue.Empty
-                continue
-            with self._lock:
-                self._ready[ticket] = group
+                if self._stopping.is_set():
+                    raise RolloutError("prepare_batch: the executor was stopped")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    blocking = self.ledger.in_flight_tickets()[:1]
+                    raise RolloutError(
+                        f"prepare_batch timed out after {timeout} s with {len(kept)} of {rollout.batch_size} groups ready "
+                        f"(batch_order {rollout.batch_order}, oldest in-flight ticket {blocking or 'none'}); "
+                        f"counts: {self.ledger.counts()}"
+                    )
+                # Every episode end, drop, publish, fatal error and stop notifies this condition.
+                self._wake.wait(_MAX_WAIT_S if remaining is None else min(remaining, _MAX_WAIT_S))
 
     def _update_metrics(self, batch: TrainBatch, groups: list[TrajectoryGroup], version: int, waited: float,
                         dropped_now: Mapping[str, int]) -> None:
@@ -411,12 +415,28 @@ class WorkflowExecutor:
                     fields["advantages"] = np.asarray(arrays[f"g{ticket}_t{i}_advantages"])
                 trajs.append(Trajectory(**fields, **{k: v for k, v in tmeta.items() if k != "advantages"}))
             ready[ticket] = TrajectoryGroup(trajectories=trajs, metadata=gmeta["metadata"])
+        if int(meta["ledger"]["version"]) != self.engine.version:
+            raise RolloutError(
+                f"rollout state is at version {meta['ledger']['version']} but the engine serves {self.engine.version}: "
+                "start the engine at the checkpoint's version"
+            )
         with self._lock:
             self.ledger.load_snapshot(meta["ledger"])
             missing = [t for t in self.ledger.candidates("completion") if t not in ready]
             if missing:
                 raise RolloutError(f"rollout state: queued tickets {missing} have no stored group")
             self._ready = ready
+
+
+def _engine_crash_in_chain(err: BaseException) -> Optional[EngineCrashed]:
+    """An EngineCrashed that a workflow wrapped in its own exception still stops training."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, EngineCrashed):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def save_state(state: Mapping[str, Any], directory: str | Path, prefix: str = "rollout") -> None:
