@@ -132,17 +132,6 @@ class RewardSpec(Section):
     """Key of its raw score in ``reward_components``; defaults to the alias or function name."""
 
 
-class WorkflowConfig(Section):
-    """The rollout workflow, built as ``Workflow(cfg, tokenizer, **kwargs)``, and its reward functions."""
-
-    target: str = "single_turn"
-    """A registered workflow alias or an import path ``pkg.module:Class`` (a ``RolloutWorkflow`` subclass)."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of the workflow's constructor (e.g. ``prompt_field`` of ``single_turn``)."""
-    rewards: list[RewardSpec] = Field(default_factory=list)
-    """Reward functions, weighted and summed into each trajectory's reward."""
-
-
 class LoggingConfig(Section):
     """What the run reports and how."""
 
@@ -161,8 +150,10 @@ class Config(Section):
     """Rollout generation and staleness control."""
     data: DataConfig = Field(default_factory=DataConfig)
     """Prompt limits."""
-    workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
-    """The rollout workflow and its reward functions."""
+    workflow: ComponentSpec = "single_turn"
+    """The rollout workflow (``RolloutWorkflow`` subclass): alias, ``pkg.module:Class``, or ``{target, kwargs}``."""
+    rewards: list[RewardSpec] = Field(default_factory=list)
+    """Reward functions of the workflow, weighted and summed."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Logging."""
 
@@ -483,8 +474,6 @@ def config_reference_markdown() -> str:
 
 
 def _default_text(field: Any) -> str:
-    if field.is_required():
-        return "required"
     if field.default_factory is not None:
         value = field.default_factory()
         if isinstance(value, BaseModel):

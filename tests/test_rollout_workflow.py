@@ -103,19 +103,19 @@ def test_prompt_too_long_is_a_counted_skip(tokenizer):
 
 
 def test_build_workflow_from_config(tokenizer):
-    cfg = make_cfg(workflow={
-        "target": "single_turn", "kwargs": {"prompt_field": "question"},
-        "rewards": [{"fn": "tests.test_rollout_workflow:exact_match", "weight": 2.0},
-                    {"fn": {"target": "tests.test_rollout_workflow:length_penalty", "kwargs": {"scale": 1.0}}, "name": "length"}],
-    })
+    cfg = make_cfg(rewards=[{"fn": "tests.test_rollout_workflow:exact_match", "weight": 2.0},
+                            {"fn": {"target": "tests.test_rollout_workflow:length_penalty", "kwargs": {"scale": 1.0}},
+                             "name": "length"}],
+                   workflow={"target": "single_turn", "kwargs": {"prompt_field": "question"}})
     workflow = build_workflow(cfg, tokenizer)
     assert isinstance(workflow, SingleTurnWorkflow) and workflow.prompt_field == "question"
     assert [(f.name, f.weight) for f in workflow.scorer.functions] == [("exact_match", 2.0), ("length", 1.0)]
     group = workflow.run_episode(scripted_engine(tokenizer, ["7", "77", "7", "7"]), {"question": "3+4=?", "answer": "7", "sample_id": 0})
     np.testing.assert_allclose(group.rewards[:2], [2.0 - 1.0, -2.0])
-    with pytest.raises(ConfigError, match="workflow.rewards: SingleTurnWorkflow needs at least one reward function"):
+    with pytest.raises(ConfigError, match="rewards: SingleTurnWorkflow needs at least one reward function"):
         build_workflow(make_cfg(), tokenizer)
-    with pytest.raises(ConfigError, match="workflow.rewards.0.fn: cannot import module"):
-        build_workflow(make_cfg(workflow={"rewards": [{"fn": "no_such_module:f"}]}), tokenizer)
+    with pytest.raises(ConfigError, match="rewards.0.fn: cannot import module"):
+        build_workflow(make_cfg(rewards=[{"fn": "no_such_module:f"}]), tokenizer)
     with pytest.raises(ConfigError, match="workflow.kwargs: got an unexpected keyword argument 'colour'"):
-        build_workflow(make_cfg(workflow={"kwargs": {"colour": 1}, "rewards": [{"fn": "tests.test_rollout_workflow:exact_match"}]}), tokenizer)
+        build_workflow(make_cfg(workflow={"target": "single_turn", "kwargs": {"colour": 1}},
+                                rewards=[{"fn": "tests.test_rollout_workflow:exact_match"}]), tokenizer)

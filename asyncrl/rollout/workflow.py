@@ -86,17 +86,17 @@ def _fn_name(fn: Any) -> str:
 
 
 def build_reward_functions(cfg: Config) -> list[RewardFunction]:
-    """The ``workflow.rewards`` of the config, resolved through the registry."""
+    """The ``rewards`` of the config, resolved through the registry."""
     out = []
-    for i, spec in enumerate(cfg.workflow.rewards):
-        fn = resolve("reward", spec.fn, where=f"workflow.rewards.{i}.fn")
+    for i, spec in enumerate(cfg.rewards):
+        fn = resolve("reward", spec.fn, where=f"rewards.{i}.fn")
         if not callable(fn):
-            raise ConfigError(f"workflow.rewards.{i}.fn: {spec.fn!r} is not callable")
+            raise ConfigError(f"rewards.{i}.fn: {spec.fn!r} is not callable")
         name = spec.name or (spec.fn if isinstance(spec.fn, str) and ":" not in spec.fn else _fn_name(fn))
         out.append(RewardFunction(fn, spec.weight, name))
     names = [r.name for r in out]
     if len(set(names)) != len(names):
-        raise ConfigError(f"workflow.rewards: two reward functions share a name ({', '.join(names)}); set workflow.rewards.N.name")
+        raise ConfigError(f"rewards: two reward functions share a name ({', '.join(names)}); set rewards.N.name")
     return out
 
 
@@ -182,9 +182,9 @@ class SingleTurnWorkflow(RolloutWorkflow):
     """RLVR: one prompt, ``group_size`` completions in one engine call, rewards per completion.
 
     Args:
-        cfg: the run config (``rollout.*``, ``data.max_prompt_tokens``, ``workflow.rewards``).
+        cfg: the run config (``rollout.*``, ``data.max_prompt_tokens``, ``rewards``).
         tokenizer: an HF-style tokenizer (``apply_chat_template``, ``decode``).
-        rewards: reward functions; default: those of ``cfg.workflow.rewards``.
+        rewards: reward functions; default: those of ``cfg.rewards``.
         prompt_field: the sample field holding the prompt text (a ``messages`` field, a list
             of chat messages, is used instead when present).
         system_prompt: an optional system message put before the prompt.
@@ -208,7 +208,7 @@ class SingleTurnWorkflow(RolloutWorkflow):
         self.stop_token_ids = None if stop_token_ids is None else tuple(stop_token_ids)
         functions = build_reward_functions(cfg) if rewards is None else list(rewards)
         if not functions:
-            raise ConfigError("workflow.rewards: SingleTurnWorkflow needs at least one reward function (workflow.rewards: [{fn: ...}])")
+            raise ConfigError("rewards: SingleTurnWorkflow needs at least one reward function (rewards: [{fn: ...}])")
         self.scorer = RewardScorer(functions, timeout_s=cfg.rollout.reward_timeout_s, fallback=cfg.rollout.reward_fallback)
 
     def messages(self, sample: Mapping[str, Any]) -> tuple[list[dict[str, str]], str]:
@@ -263,10 +263,9 @@ class SingleTurnWorkflow(RolloutWorkflow):
 
 
 def build_workflow(cfg: Config, tokenizer: Any) -> RolloutWorkflow:
-    """The workflow of ``cfg.workflow``, built as ``Workflow(cfg, tokenizer, **workflow.kwargs)``."""
-    spec = cfg.workflow
-    factory = resolve("workflow", {"target": spec.target, "kwargs": spec.kwargs}, where="workflow")
+    """The workflow of ``cfg.workflow``, built as ``Workflow(cfg, tokenizer, **kwargs)``."""
+    factory = resolve("workflow", cfg.workflow, where="workflow")
     workflow = factory(cfg, tokenizer)
     if not isinstance(workflow, RolloutWorkflow):
-        raise ConfigError(f"workflow.target: {spec.target!r} built a {type(workflow).__name__}, not a RolloutWorkflow subclass")
+        raise ConfigError(f"workflow: {cfg.workflow!r} built a {type(workflow).__name__}, not a RolloutWorkflow subclass")
     return workflow
