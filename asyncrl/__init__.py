@@ -15,6 +15,9 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "load_config": "asyncrl.config",
     "Config": "asyncrl.config",
+    "load_model": "asyncrl.model",
+    "export_hf": "asyncrl.model",
+    "per_token_logprobs": "asyncrl.model",
     "register": "asyncrl.registry",
     "resolve": "asyncrl.registry",
     "InferenceEngine": "asyncrl.engine.protocol",

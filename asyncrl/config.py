@@ -11,6 +11,7 @@ naming the dotted path, what was given and what is allowed.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import types
 import typing
@@ -68,6 +69,10 @@ class ModelConfig(Section):
     """Dtype the parameters are stored and updated in."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of activations and matmuls; norms and log-probs always run in float32."""
+    remat: bool = False
+    """Rematerialise each decoder layer in the backward pass (less memory, ~1/3 more compute)."""
+    logprob_chunk_size: Optional[int] = Field(default=None, ge=1)
+    """Sequence positions per lm-head chunk in ``per_token_logprobs`` (bounds [B, chunk, vocab] memory); null: no chunking."""
 
 
 class RolloutConfig(Section):
@@ -132,6 +137,74 @@ class RewardSpec(Section):
     """Key of its raw score in ``reward_components``; defaults to the alias or function name."""
 
 
+class AlgoConfig(Section):
+    """The RL objective: advantages, the clipped policy loss, KL, entropy and aggregation (``docs/algorithms.md``)."""
+
+    estimator: ComponentSpec = "grpo"
+    """Advantage estimator: ``grpo``, ``dr_grpo``, ``rloo``, ``batch``, or an import path; kwargs such as ``{eps: 1e-4}``."""
+    reward_scale: float = 1.0
+    """Rewards are multiplied by this before the estimator sees them."""
+    reward_bias: float = 0.0
+    """Added to rewards (after scaling) before the estimator sees them."""
+    truncated: Literal["keep", "mask", "penalty"] = "keep"
+    """Completions cut at ``rollout.max_new_tokens``: ``keep`` as is, ``mask`` out of the loss, or DAPO's soft overlong ``penalty``."""
+    overlong_buffer: int = Field(default=8, ge=1)
+    """DAPO's L_cache: with ``truncated: penalty`` the reward falls linearly to -``overlong_penalty`` over the last this many tokens."""
+    overlong_penalty: float = Field(default=1.0, ge=0)
+    """Largest overlong penalty (reward units) with ``truncated: penalty``; reached at ``rollout.max_new_tokens``."""
+    ratio: Literal["token", "sequence"] = "token"
+    """Importance ratio per ``token`` (PPO/GRPO) or per ``sequence`` (GSPO: exp of the mean token log-ratio)."""
+    clip_low: float = Field(default=0.2, ge=0, lt=1)
+    """The ratio is clipped below at 1 - clip_low."""
+    clip_high: float = Field(default=0.2, ge=0)
+    """The ratio is clipped above at 1 + clip_high (DAPO's clip-higher: 0.28)."""
+    dual_clip: Optional[float] = Field(default=None, gt=1)
+    """Dual clip c: for A < 0 the loss is at most -c*A (3.0 in the dual-clip paper); null is off."""
+    decoupled: bool = False
+    """AReaL's decoupled PPO: ratio against the proximal policy (weights at the step's start), times w = pi_prox/pi_behave."""
+    prox_logp: Literal["recompute", "behave"] = "recompute"
+    """With ``decoupled``: ``recompute`` pi_prox at the step's start, or take the behaviour logprobs (valid only when every token has the step's version)."""
+    mismatch_correction: bool = False
+    """Train/inference mismatch correction (truncated importance sampling): the same w, with pi_prox recomputed; exclusive with ``decoupled``."""
+    behave_weight_cap: Optional[float] = Field(default=5.0, gt=1)
+    """Cap of w = pi_prox/pi_behave (decoupled or mismatch correction); null is no cap."""
+    behave_weight_mode: Literal["truncate", "mask"] = "truncate"
+    """``truncate``: w = min(w, cap); ``mask``: tokens with w outside [1/cap, cap] get no loss."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Coefficient of the KL penalty to the frozen reference model; 0 is off (no reference model is loaded)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman's k1, k2, k3) with delta = log pi - log pi_ref."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Entropy bonus: the loss is reduced by this times the token entropy."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses of a mini-batch become one scalar (real rows only)."""
+    loss_norm_tokens: Optional[int] = Field(default=None, ge=1)
+    """Constant token count of ``seq-mean-token-sum-norm`` (Dr. GRPO); null means ``rollout.max_new_tokens``."""
+    ppo_epochs: int = Field(default=1, ge=1)
+    """Passes over each trainer step's batch."""
+    mini_batches: int = Field(default=1, ge=1)
+    """Optimizer updates per epoch: the batch is split into this many mini-batches."""
+
+
+class EvalConfig(Section):
+    """Evaluation on the task's held-out split (greedy reward/accuracy, optional pass@k)."""
+
+    every_steps: int = Field(default=10, ge=0)
+    """Evaluate before training, every this many steps, and after the last; 0 turns eval off."""
+    max_prompts: Optional[int] = Field(default=None, ge=1)
+    """Evaluate on at most this many eval prompts (default: the whole eval split)."""
+    n_samples: int = Field(default=0, ge=0)
+    """Sampled completions per prompt for pass@1 and pass@n (0: greedy only)."""
+    temperature: Optional[float] = Field(default=None, gt=0)
+    """Temperature of the pass@k samples (default: ``rollout.temperature``)."""
+    max_new_tokens: Optional[int] = Field(default=None, ge=1)
+    """Most tokens per eval completion (default: ``rollout.max_new_tokens``)."""
+    success_threshold: float = 1.0
+    """A completion counts as correct (accuracy, pass@k) when its reward is at least this."""
+    timeout_s: float = Field(default=300.0, gt=0)
+    """Eval requests still unfinished after this long come back aborted."""
+
+
 class LoggingConfig(Section):
     """What the run reports and how."""
 
@@ -148,14 +221,42 @@ class Config(Section):
     """The policy model."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """Rollout generation and staleness control."""
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    """The RL objective."""
     data: DataConfig = Field(default_factory=DataConfig)
     """Prompt limits."""
     workflow: ComponentSpec = "single_turn"
     """The rollout workflow (``RolloutWorkflow`` subclass): alias, ``pkg.module:Class``, or ``{target, kwargs}``."""
     rewards: list[RewardSpec] = Field(default_factory=list)
     """Reward functions of the workflow, weighted and summed."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Evaluation on the held-out split."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Logging."""
+
+    @model_validator(mode="after")
+    def _check_algo(self) -> "Config":
+        problems = []
+        algo = self.algo
+        if algo.decoupled and algo.mismatch_correction:
+            problems.append(
+                "algo.mismatch_correction: cannot be combined with algo.decoupled (both apply the same weight "
+                "w = pi_prox/pi_behave, so it would be applied twice); set one of them to false"
+            )
+        target = algo.estimator if isinstance(algo.estimator, str) else algo.estimator.target
+        if target in GROUP_NORMALISED_ESTIMATORS and self.rollout.group_size < 2:
+            problems.append(
+                f"rollout.group_size: {self.rollout.group_size} is too small for algo.estimator '{target}', which "
+                "compares each sequence with the rest of its group; use group_size >= 2 or algo.estimator: batch"
+            )
+        if algo.truncated == "penalty" and algo.overlong_buffer > self.rollout.max_new_tokens:
+            problems.append(
+                f"algo.overlong_buffer: {algo.overlong_buffer} exceeds rollout.max_new_tokens "
+                f"({self.rollout.max_new_tokens}); the buffer is the last part of the allowed length"
+            )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
 
     @model_validator(mode="after")
     def _check_lengths(self) -> "Config":
@@ -175,6 +276,10 @@ class Config(Section):
         return self.data.max_prompt_tokens + self.rollout.max_new_tokens
 
 
+GROUP_NORMALISED_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+"""Built-in advantage estimators that need at least two sequences per group."""
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -190,16 +295,21 @@ def load_config(
     """
     if path is not None and data is not None:
         raise ValueError("give a config path or a dict, not both")
-    raw = read_yaml(path) if path is not None else dict(data or {})
+    raw = read_yaml(path) if path is not None else copy.deepcopy(data or {})
     problems: list[str] = []
     for item in overrides:
         try:
             apply_override(raw, Config, item)
         except ConfigError as err:
             problems.extend(err.problems)
+    # Report the bad overrides together with whatever else is wrong, in one go.
+    try:
+        cfg = validate_config(raw, source=str(path) if path is not None else None)
+    except ConfigError as err:
+        problems.extend(err.problems)
     if problems:
         raise ConfigError(problems)
-    return validate_config(raw, source=str(path) if path is not None else None)
+    return cfg
 
 
 def read_yaml(path: str | Path) -> dict:
@@ -243,6 +353,10 @@ def format_validation_error(err: ValidationError, root: type[BaseModel], source:
             continue
         given = item.get("input")
         msg = item["msg"]
+        if item["type"] == "value_error" and not loc:
+            # Cross-field validators on the root name their own dotted paths, one per line.
+            lines.extend(f"{prefix}{line}" for line in msg.removeprefix("Value error, ").splitlines())
+            continue
         if item["type"] == "missing":
             lines.append(f"{prefix}{dotted}: required field is missing")
         else:
@@ -443,7 +557,7 @@ def config_reference_markdown() -> str:
     seen: set[type] = set()
 
     def section(model: type[BaseModel], dotted: str) -> None:
-        lines.append(f"## `{dotted}`")
+        lines.append(f"## `{dotted}`" if dotted else "## Top level")
         lines.append("")
         if model.__doc__:
             lines.append(model.__doc__.strip().splitlines()[0])
@@ -454,7 +568,7 @@ def config_reference_markdown() -> str:
         for name, field in model.model_fields.items():
             inner, _ = _unwrap_optional(field.annotation)
             if _is_model(inner) and inner is not ComponentRef:
-                nested.append((inner, f"{dotted}.{name}"))
+                nested.append((inner, f"{dotted}.{name}".lstrip(".")))
                 default = "see below"
             else:
                 default = _default_text(field)
@@ -462,18 +576,19 @@ def config_reference_markdown() -> str:
             lines.append(f"| `{name}` | {_type_text(field.annotation)} | {default} | {description} |")
             inner_list = typing.get_args(inner) if typing.get_origin(inner) is list else ()
             if inner_list and _is_model(inner_list[0]) and inner_list[0] not in seen:
-                nested.append((inner_list[0], f"{dotted}.{name}[]"))
+                nested.append((inner_list[0], f"{dotted}.{name}[]".lstrip(".")))
         lines.append("")
         for model_, path in nested:
             seen.add(model_)
             section(model_, path)
 
-    for name, field in Config.model_fields.items():
-        section(field.annotation, name)
+    section(Config, "")
     return "\n".join(lines).rstrip() + "\n"
 
 
 def _default_text(field: Any) -> str:
+    if field.is_required():
+        return "required"
     if field.default_factory is not None:
         value = field.default_factory()
         if isinstance(value, BaseModel):

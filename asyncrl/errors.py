@@ -22,6 +22,12 @@ class ConfigError(AsyncRLError):
         super().__init__("\n".join(self.problems))
 
 
+class ModelError(AsyncRLError):
+    """A model that cannot be loaded, built or exported: unsupported architecture or
+    option, missing/unexpected/mis-shaped tensors, unreadable files. The message names
+    the directory or file and every problem found."""
+
+
 class RolloutError(AsyncRLError):
     """Rollout stopped: too many consecutive episode failures, a bad batch, or a wait that timed out."""
 

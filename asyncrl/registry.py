@@ -31,7 +31,7 @@ KINDS = ("workflow", "reward", "dataset", "engine", "estimator")
 BUILTIN_MODULES: dict[str, list[str]] = {
     "workflow": ["asyncrl.rollout.workflow", "workflows"],
     "reward": ["workflows"],
-    "dataset": ["workflows"],
+    "dataset": ["asyncrl.data", "workflows"],
     "engine": ["asyncrl.engine"],
     "estimator": ["asyncrl.algo"],
 }

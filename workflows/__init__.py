@@ -1,5 +1,9 @@
 """Ready workflows, tasks and reward functions for asyncrl.
 
-Importing this package registers its components (aliases such as ``gsm8k``); asyncrl's
-registry imports it lazily on the first resolve of a workflow, reward or dataset.
+Importing this package registers its components (datasets ``copy``, ``reverse``,
+``add``, ``gsm8k``; rewards ``positional_match``, ``exact_match``, ``gsm8k_answer``).
+asyncrl's registry imports it lazily on the first resolve of a workflow, reward or
+dataset.
 """
+
+from workflows import gsm8k, synthetic  # noqa: F401  (registration side effects)

@@ -1,0 +1,89 @@
+"""The ``asyncrl`` command line.
+
+Config handling imports no jax, flax or transformers: ``--print-config`` and config
+errors are instant. User errors (:class:`~asyncrl.errors.AsyncRLError`) print one
+line per problem and exit with status 2 for config errors, 1 otherwise; never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from asyncrl import __version__
+from asyncrl.errors import AsyncRLError, ConfigError
+
+EXIT_CONFIG_ERROR = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asyncrl",
+        description="Asynchronous RL post-training of language models in JAX.",
+        epilog="Example: asyncrl train configs/quickstart.yaml --set rollout.batch_size=16",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    commands.add_parser("version", help="print the asyncrl version", description="Print the asyncrl version.")
+
+    train = commands.add_parser(
+        "train",
+        help="run training from a YAML config",
+        description="Run GRPO/PPO training from a YAML config.",
+    )
+    _add_config_args(train)
+    return parser
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="CONFIG", help="path to a YAML config file")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a field, e.g. --set rollout.batch_size=16 or --set stages.0.total_steps=5 "
+        "(VALUE is YAML; str fields take the raw text); repeatable",
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ConfigError as err:
+        print("asyncrl: config error:", file=sys.stderr)
+        for line in err.problems:
+            print(f"  {line}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except AsyncRLError as err:
+        print(f"asyncrl: error: {err}", file=sys.stderr)
+        return 1
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "version":
+        print(f"asyncrl {__version__}")
+        return 0
+
+    from asyncrl.config import dump_config, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        sys.stdout.write(dump_config(cfg))
+        return 0
+    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "train":
+        print("asyncrl: training is not implemented yet (the config is valid)", file=sys.stderr)
+        return 1
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,211 @@
+"""Observability: one tracker any part records into, committed once per step to every sink.
+
+Parts record scalars, distributions and timers under slash names (``reward/mean``,
+``rollout/lag_max``, ``perf/step_time``); :meth:`StatsTracker.commit` reduces what was
+recorded since the last commit into one flat ``{name: float}`` and hands it to each
+sink: ``metrics.jsonl`` (one object per step), TensorBoard via tensorboardX, and the
+console. Recording is thread-safe (rollout threads record too).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator, Protocol
+
+import numpy as np
+
+
+class Sink(Protocol):
+    def write(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class StatsTracker:
+    """Collects values between commits. Reductions: ``mean`` (default), ``sum``, ``last``, ``max``."""
+
+    def __init__(self, sinks: Iterable[Sink] = ()):
+        self._sinks = list(sinks)
+        self._lock = threading.Lock()
+        self._values: dict[str, list[float]] = {}
+        self._reduce: dict[str, str] = {}
+
+    def scalar(self, name: str, value: float, reduce: str = "mean") -> None:
+        if reduce not in ("mean", "sum", "last", "max"):
+            raise ValueError(f"unknown reduction {reduce!r} for metric {name!r}")
+        with self._lock:
+            self._values.setdefault(name, []).append(float(value))
+            self._reduce[name] = reduce
+
+    def scalars(self, values: dict[str, float], reduce: str = "mean", prefix: str = "") -> None:
+        for name, value in values.items():
+            self.scalar(prefix + name, value, reduce)
+
+    def distribution(self, name: str, values, stats: tuple[str, ...] = ("mean", "max", "p90")) -> None:
+        """Summaries of many values, as ``<name>_<stat>`` (stats: mean, min, max, std, pNN)."""
+        array = np.asarray(list(values) if not hasattr(values, "shape") else values, dtype=np.float64).ravel()
+        if array.size == 0:
+            return
+        for stat in stats:
+            self.scalar(f"{name}_{stat}", _statistic(array, stat), reduce="last")
+
+    @contextmanager
+    def timer(self, name: str, reduce: str = "sum") -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.scalar(name, time.perf_counter() - start, reduce)
+
+    def commit(self, step: int) -> dict[str, float]:
+        """Reduce everything recorded since the last commit, send it to every sink, reset."""
+        with self._lock:
+            values, reduce = self._values, self._reduce
+            self._values, self._reduce = {}, {}
+        metrics = {name: _reduce(vals, reduce[name]) for name, vals in sorted(values.items())}
+        for sink in self._sinks:
+            sink.write(step, metrics)
+        return metrics
+
+    def close(self) -> None:
+        for sink in self._sinks:
+            sink.close()
+
+
+def _statistic(array: np.ndarray, stat: str) -> float:
+    if stat == "mean":
+        return float(array.mean())
+    if stat == "min":
+        return float(array.min())
+    if stat == "max":
+        return float(array.max())
+    if stat == "std":
+        return float(array.std())
+    if stat.startswith("p") and stat[1:].isdigit():
+        return float(np.percentile(array, int(stat[1:])))
+    raise ValueError(f"unknown statistic {stat!r}")
+
+
+def _reduce(values: list[float], how: str) -> float:
+    if how == "sum":
+        return float(sum(values))
+    if how == "last":
+        return values[-1]
+    if how == "max":
+        return max(values)
+    return float(sum(values) / len(values))
+
+
+class JsonlSink:
+    """``metrics.jsonl``: one JSON object per step (``step`` plus every metric), flushed per line."""
+
+    def __init__(self, path: str | Path, extra: dict | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = self.path.open("a", encoding="utf-8")
+        self._extra = dict(extra or {})
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **self._extra, **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()}}
+        self._handle.write(json.dumps(record) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+class TensorBoardSink:
+    """TensorBoard event files under ``logdir`` (``tensorboard --logdir <run.output_dir>``)."""
+
+    def __init__(self, logdir: str | Path):
+        from tensorboardX import SummaryWriter
+
+        self._writer = SummaryWriter(logdir=str(logdir))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self._writer.add_scalar(name, value, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class ConsoleSink:
+    """Progress on the console: a tqdm bar on a terminal, one plain line per step otherwise.
+
+    Shows step/total, reward, last eval, version lag, trained tokens/s and the ETA.
+    """
+
+    SHOWN = (
+        ("reward", "reward/mean", "{:.3f}"),
+        ("eval", "eval/reward", "{:.3f}"),
+        ("lag", "rollout/lag_max", "{:.0f}"),
+        ("tok/s", "perf/trained_tokens_per_s", "{:.0f}"),
+    )
+
+    def __init__(self, total_steps: int, start_step: int = 0, stream=None, use_bar: bool | None = None, prefix: str = ""):
+        self._stream = stream or sys.stderr
+        self._total = total_steps
+        self._start_step = start_step
+        self._start_time = time.monotonic()
+        self._prefix = prefix
+        self._last: dict[str, str] = {}
+        use_bar = self._stream.isatty() if use_bar is None else use_bar
+        self._bar = None
+        if use_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, file=self._stream, dynamic_ncols=True, desc=prefix or None)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        for label, name, fmt in self.SHOWN:
+            if name in metrics and math.isfinite(metrics[name]):
+                self._last[label] = fmt.format(metrics[name])
+        fields = " ".join(f"{label} {value}" for label, value in self._last.items())
+        if self._bar is not None:
+            self._bar.set_postfix_str(fields, refresh=False)
+            self._bar.update(step - self._bar.n)
+            return
+        done = step - self._start_step
+        elapsed = time.monotonic() - self._start_time
+        eta = elapsed / done * (self._total - step) if done > 0 else float("nan")
+        eta_text = f"{eta:.0f}s" if math.isfinite(eta) else "?"
+        print(f"{self._prefix}step {step}/{self._total} {fields} eta {eta_text}", file=self._stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def read_tensorboard_scalars(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Scalars from the TensorBoard event files under ``logdir``: ``{tag: [(step, value)]}``.
+
+    Reads the TFRecord framing directly (8-byte length, 4-byte CRC, payload, 4-byte CRC)
+    with tensorboardX's protobufs, so checking what a run logged needs no TensorBoard.
+    """
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(Path(logdir).rglob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            payload = data[offset + 12 : offset + 12 + length]
+            offset += 12 + length + 4
+            if len(payload) < length:
+                break  # a record still being written
+            event = event_pb2.Event.FromString(payload)
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars

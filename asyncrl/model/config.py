@@ -1,0 +1,227 @@
+"""The architecture description of a decoder, translated from and to Hugging Face configs.
+
+:class:`DecoderConfig` is a frozen (hashable) dataclass: it lives inside the NNX
+graphdef as static data, so two models with equal configs share jit compilations.
+It holds the architecture (what ``config.json`` says) and the runtime options that
+change the computation but not the weights (dtypes, remat, log-prob chunking).
+
+Only what the three supported families need is representable; anything else in an
+HF config that would change the model (sliding windows, other rope types, partial
+rotary, a different activation) is a :class:`~asyncrl.errors.ModelError` naming the
+option, never a silently different model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from asyncrl.errors import ModelError
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Architecture plus runtime options of a decoder-only transformer."""
+
+    model_type: str  # qwen2 | qwen3 | llama: decides parameter names on export
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # explicit: Qwen3's differs from hidden_size // num_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | llama3
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_position: int = 8192  # llama3 only
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: true; Llama/Qwen3: attention_bias
+    o_bias: bool = False  # Llama/Qwen3: attention_bias
+    mlp_bias: bool = False  # Llama: mlp_bias
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before rope
+    initializer_range: float = 0.02
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int | tuple[int, ...]] = None
+    pad_token_id: Optional[int] = None
+    # runtime options (not part of the checkpoint)
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: bool = False  # rematerialise each layer in the backward pass
+    logprob_chunk_size: Optional[int] = None  # per_token_logprobs: positions per lm-head chunk
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            problems.append(f"model_type {self.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            problems.append(f"rope_type {self.rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        if self.num_heads % max(self.num_kv_heads, 1) != 0 or self.num_kv_heads < 1:
+            problems.append(f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in DTYPES:
+                problems.append(f"{name}={getattr(self, name)!r} must be one of {', '.join(DTYPES)}")
+        if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
+            problems.append(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1")
+        if problems:
+            raise ModelError("invalid model config: " + "; ".join(problems))
+
+    def replace(self, **changes: Any) -> "DecoderConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    def num_params(self) -> int:
+        """Parameter count (tied head counted once)."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
+        attn += 2 * d if self.qk_norm else 0
+        mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
+        layer = attn + mlp + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * layer + h + head
+
+
+# --------------------------------------------------------------------------- from / to HF
+
+
+def from_hf_config(hf: Any, *, source: str = "config.json", **runtime: Any) -> DecoderConfig:
+    """Translate a ``transformers`` config object (from ``AutoConfig``) into a DecoderConfig.
+
+    ``runtime`` sets the runtime fields (param_dtype, compute_dtype, remat,
+    logprob_chunk_size). Unsupported model types or options raise ModelError naming
+    ``source`` and every offending option.
+    """
+    model_type = getattr(hf, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelError(
+            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    problems = []
+    act = getattr(hf, "hidden_act", "silu")
+    if act != "silu":
+        problems.append(f"hidden_act={act!r} (only 'silu' is supported)")
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        problems.append(f"layer_types={sorted(set(layer_types))} (sliding-window attention is not supported)")
+    if getattr(hf, "use_sliding_window", False):
+        problems.append("use_sliding_window=true (sliding-window attention is not supported)")
+
+    rope = getattr(hf, "rope_parameters", None) or {}
+    if rope and "rope_theta" not in rope and any(isinstance(v, dict) for v in rope.values()):
+        problems.append(f"per-layer-type rope_parameters {sorted(rope)} are not supported")
+        rope = {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        problems.append(f"partial_rotary_factor={partial} (only 1.0 is supported)")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        problems.append(f"rope_type={rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+    if model_type == "qwen2":
+        qkv_bias, o_bias, mlp_bias, qk_norm = True, False, False, False
+    elif model_type == "qwen3":
+        qkv_bias = o_bias = bool(getattr(hf, "attention_bias", False))
+        mlp_bias, qk_norm = False, True
+    else:  # llama
+        qkv_bias = o_bias = bool(getattr(hf, "attention_bias", False))
+        mlp_bias, qk_norm = bool(getattr(hf, "mlp_bias", False)), False
+    if problems:
+        raise ModelError(f"{source}: unsupported option(s) for model_type {model_type!r}: " + "; ".join(problems))
+
+    heads = hf.num_attention_heads
+    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    eos = getattr(hf, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = tuple(eos)
+    cfg = dict(
+        model_type=model_type,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(hf.rms_norm_eps),
+        rope_theta=float(theta),
+        rope_type=rope_type,
+        rope_factor=float(rope.get("factor", 1.0) or 1.0),
+        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192) or 8192),
+        max_position_embeddings=int(getattr(hf, "max_position_embeddings", 2048) or 2048),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
+        qk_norm=qk_norm,
+        initializer_range=float(getattr(hf, "initializer_range", 0.02)),
+        bos_token_id=getattr(hf, "bos_token_id", None),
+        eos_token_id=eos,
+        pad_token_id=getattr(hf, "pad_token_id", None),
+    )
+    cfg.update(runtime)
+    return DecoderConfig(**cfg)
+
+
+def to_hf_config(cfg: DecoderConfig) -> Any:
+    """The ``transformers`` config object describing the same architecture."""
+    from transformers import AutoConfig
+
+    rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_type in ("linear", "llama3"):
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        rope.update(
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_position,
+        )
+    kwargs: dict[str, Any] = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_act="silu",
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters=rope,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        initializer_range=cfg.initializer_range,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
+        pad_token_id=cfg.pad_token_id,
+        dtype=cfg.param_dtype,
+    )
+    if cfg.model_type in ("llama", "qwen3"):
+        if cfg.qkv_bias != cfg.o_bias:
+            raise ModelError(f"{cfg.model_type}: q/k/v and o biases must agree (attention_bias)")
+        kwargs["attention_bias"] = cfg.qkv_bias
+    if cfg.model_type == "llama":
+        kwargs["mlp_bias"] = cfg.mlp_bias
+    if cfg.model_type in ("qwen2", "qwen3"):
+        kwargs["use_sliding_window"] = False
+    return AutoConfig.for_model(cfg.model_type, **kwargs)

@@ -1,0 +1,381 @@
+"""Hugging Face interop: load a checkpoint directory (or hub id, or ``tiny``), export one back.
+
+Loading never needs torch: ``config.json`` is read through ``transformers.AutoConfig``
+(which also normalises older layouts, e.g. top-level ``rope_theta`` + ``rope_scaling``,
+into ``rope_parameters``), tensors through ``safetensors.safe_open(framework="flax")``
+(bfloat16 included), single-file or sharded (``model.safetensors.index.json``).
+Every missing, unexpected or mis-shaped tensor is listed in one ModelError; a tied
+head is not missing (and an ``lm_head.weight`` saved beside tied embeddings is
+accepted and ignored).
+
+Stop ids come from ``generation_config.json``'s ``eos_token_id`` (int or list), else
+``config.json``'s, else the tokenizer's EOS. ``pad_token_id`` is the tokenizer's pad
+when it has one, else the first stop id: padding is always described by masks, so
+pad may equal EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+from asyncrl.errors import ModelError
+from asyncrl.model.config import DecoderConfig, from_hf_config, to_hf_config
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+
+
+class LoadedModel(NamedTuple):
+    """What :func:`load_model` returns; unpack as ``model, tokenizer, stop_ids, *_``."""
+
+    model: Any  # asyncrl.model.transformer.Decoder (NNX module)
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    stop_token_ids: tuple[int, ...]  # from generation_config.json eos_token_id
+    pad_token_id: int  # tokenizer pad, else the first stop id (may equal EOS)
+    path: Path  # the resolved local directory
+
+    @property
+    def config(self) -> DecoderConfig:
+        return self.model.cfg
+
+    def split(self) -> tuple[Any, dict]:
+        """``(graphdef, params)`` with params a pure dict of jax.Array."""
+        from asyncrl.model.transformer import split_params
+
+        return split_params(self.model)
+
+
+# --------------------------------------------------------------------------- locating
+
+
+def resolve_model_dir(path: str | os.PathLike) -> Path:
+    """A local HF directory for ``path``: an existing directory, a built ``tiny`` spec,
+    or (only when no such directory exists) a hub id downloaded with huggingface_hub."""
+    text = os.fspath(path)
+    local = Path(text).expanduser()
+    if local.is_dir():
+        return local
+    if text == "tiny" or text.startswith("tiny:"):
+        from asyncrl.model.tiny import ensure_tiny
+
+        return ensure_tiny(text)
+    looks_local = text.startswith((".", "/", "~")) or text.count("/") != 1 or os.sep + os.sep in text
+    if looks_local:
+        raise ModelError(f"model.path {text!r}: no such directory (and not a hub id 'org/name' or 'tiny')")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(
+                text,
+                allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"],
+            )
+        )
+    except Exception as err:  # network, auth, not found: all the user's to fix
+        raise ModelError(f"model.path {text!r}: not a local directory, and downloading it from the hub failed: {err}") from err
+
+
+def read_hf_config(model_dir: Path) -> Any:
+    """``config.json`` through ``transformers.AutoConfig`` (errors name the file)."""
+    from transformers import AutoConfig
+
+    cfg_file = model_dir / "config.json"
+    if not cfg_file.is_file():
+        raise ModelError(f"{model_dir}: no config.json")
+    try:
+        return AutoConfig.from_pretrained(str(model_dir))
+    except Exception as err:
+        raise ModelError(f"{cfg_file}: transformers cannot read it: {err}") from err
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def read_safetensors(model_dir: Path) -> dict[str, Any]:
+    """All tensors of a directory as jax arrays (bf16 stays bf16): sharded or single file."""
+    from safetensors import safe_open
+
+    index = model_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ModelError(f"{index}: not a valid safetensors index ({err})") from err
+        files = sorted(set(weight_map.values()))
+    elif (model_dir / SAFETENSORS_FILE).is_file():
+        files = [SAFETENSORS_FILE]
+    else:
+        found = sorted(p.name for p in model_dir.iterdir())
+        raise ModelError(
+            f"{model_dir}: no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} (found: {', '.join(found) or 'nothing'}); "
+            "only safetensors checkpoints are supported"
+        )
+    tensors: dict[str, Any] = {}
+    for name in files:
+        file = model_dir / name
+        if not file.is_file():
+            raise ModelError(f"{index}: names shard {name}, which does not exist")
+        try:
+            with safe_open(str(file), framework="flax") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except ModelError:
+            raise
+        except Exception as err:
+            raise ModelError(f"{file}: cannot read safetensors: {err}") from err
+    return tensors
+
+
+def _param_layout(cfg: DecoderConfig) -> dict[tuple, tuple[str, bool, tuple[int, ...]]]:
+    """Our param path -> (HF tensor name, transposed?, our shape)."""
+    import jax
+    from flax import nnx
+
+    from asyncrl.model.transformer import Decoder
+
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    pure = nnx.state(abstract).to_pure_dict()
+    layout = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(pure)[0]:
+        keys = tuple(k.key for k in path)
+        parts = [str(k) for k in keys]
+        last = parts[-1]
+        transposed = last == "kernel"
+        parts[-1] = "weight" if last in ("kernel", "embedding") else last
+        prefix = "" if parts[0] == "lm_head" else "model."
+        layout[keys] = (prefix + ".".join(parts), transposed, tuple(leaf.shape))
+    return layout
+
+
+def params_from_hf(cfg: DecoderConfig, tensors: dict[str, Any], source: str) -> dict:
+    """Our pure params dict from HF tensors; one ModelError lists every problem."""
+    import jax.numpy as jnp
+
+    from asyncrl.model.transformer import dtype_of
+
+    layout = _param_layout(cfg)
+    expected = {hf_name for hf_name, _, _ in layout.values()}
+    missing, mis_shaped = [], []
+    params: dict = {}
+    for keys, (hf_name, transposed, shape) in layout.items():
+        if hf_name not in tensors:
+            missing.append(hf_name)
+            continue
+        tensor = tensors[hf_name]
+        hf_shape = tuple(shape[::-1]) if transposed else shape
+        if tuple(tensor.shape) != hf_shape:
+            mis_shaped.append(f"{hf_name}: file has {list(tensor.shape)}, config needs {list(hf_shape)}")
+            continue
+        value = jnp.asarray(tensor).astype(dtype_of(cfg.param_dtype))
+        node = params
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value.T if transposed else value
+    allowed_extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unexpected = sorted(
+        n for n in tensors if n not in expected and n not in allowed_extra and not n.endswith(_IGNORED_SUFFIXES)
+    )
+    if missing or unexpected or mis_shaped:
+        lines = [f"{source}: the checkpoint does not match its config ({cfg.model_type}, {cfg.num_layers} layers)"]
+        if missing:
+            lines.append(f"  missing tensors ({len(missing)}): {', '.join(sorted(missing))}")
+        if unexpected:
+            lines.append(f"  unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
+        if mis_shaped:
+            lines.append(f"  mis-shaped tensors ({len(mis_shaped)}): {'; '.join(mis_shaped)}")
+        raise ModelError("\n".join(lines))
+    return params
+
+
+def hf_tensors_from_params(cfg: DecoderConfig, params: dict) -> dict[str, Any]:
+    """HF-named jax arrays from our pure params dict (inverse of :func:`params_from_hf`)."""
+    out = {}
+    for keys, (hf_name, transposed, _) in _param_layout(cfg).items():
+        value = params
+        for k in keys:
+            value = value[k]
+        out[hf_name] = value.T if transposed else value
+    return out
+
+
+# --------------------------------------------------------------------------- load
+
+
+def read_stop_token_ids(model_dir: Path, hf_config: Any = None, tokenizer: Any = None) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (int or list), else config.json, else the tokenizer."""
+    gen_file = model_dir / "generation_config.json"
+    candidates = []
+    if gen_file.is_file():
+        try:
+            candidates.append(json.loads(gen_file.read_text()).get("eos_token_id"))
+        except json.JSONDecodeError as err:
+            raise ModelError(f"{gen_file}: not valid JSON ({err})") from err
+    if hf_config is not None:
+        candidates.append(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        candidates.append(tokenizer.eos_token_id)
+    for value in candidates:
+        if value is None:
+            continue
+        ids = [value] if isinstance(value, int) else list(value)
+        if ids:
+            return tuple(int(i) for i in ids)
+    return ()
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as err:
+        raise ModelError(f"{model_dir}: transformers cannot load the tokenizer: {err}") from err
+
+
+def load_model(
+    path: Any = "tiny",
+    *,
+    param_dtype: Optional[str] = None,
+    compute_dtype: Optional[str] = None,
+    remat: Optional[bool] = None,
+    logprob_chunk_size: Optional[int] = None,
+    load_tokenizer_files: bool = True,
+) -> LoadedModel:
+    """Load a policy model: ``path`` is a local HF directory, ``tiny[:options]``, a hub id,
+    or a :class:`asyncrl.config.ModelConfig` (whose fields supply the keyword defaults).
+
+    Returns :class:`LoadedModel` ``(model, tokenizer, stop_token_ids, pad_token_id, path)``.
+    """
+    runtime: dict[str, Any] = {}
+    if hasattr(path, "path") and hasattr(path, "param_dtype"):  # a ModelConfig section
+        section = path
+        path = section.path
+        for name in ("param_dtype", "compute_dtype", "remat", "logprob_chunk_size"):
+            if hasattr(section, name):
+                runtime[name] = getattr(section, name)
+    for name, value in (("param_dtype", param_dtype), ("compute_dtype", compute_dtype), ("remat", remat),
+                        ("logprob_chunk_size", logprob_chunk_size)):
+        if value is not None:
+            runtime[name] = value
+
+    from flax import nnx
+
+    from asyncrl.model.transformer import Decoder
+
+    model_dir = resolve_model_dir(path)
+    hf_config = read_hf_config(model_dir)
+    cfg = from_hf_config(hf_config, source=str(model_dir / "config.json"), **runtime)
+    params = params_from_hf(cfg, read_safetensors(model_dir), str(model_dir))
+    model = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    state = nnx.state(model)
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(model, state)
+    tokenizer = load_tokenizer(model_dir) if load_tokenizer_files else None
+    stop_ids = read_stop_token_ids(model_dir, hf_config, tokenizer)
+    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    if pad is None:
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
+    return LoadedModel(model, tokenizer, stop_ids, int(pad), model_dir)
+
+
+# --------------------------------------------------------------------------- export
+
+
+def export_hf(
+    model: Any,
+    tokenizer: Any,
+    out_dir: str | os.PathLike,
+    *,
+    params: Any = None,
+    stop_token_ids: Optional[tuple[int, ...]] = None,
+    overwrite: bool = False,
+    exist_ok: bool = False,
+) -> Path:
+    """Write an HF directory that ``AutoModelForCausalLM.from_pretrained`` loads:
+    ``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer.
+
+    ``model`` is a Decoder, a LoadedModel, or a graphdef with ``params`` given. The
+    directory is assembled in a temporary sibling and renamed into place, so readers
+    never see half a checkpoint. An existing ``out_dir`` is an error unless
+    ``overwrite`` (replace it) or ``exist_ok`` (keep it, e.g. a parallel builder won).
+    """
+    from flax import nnx
+    from safetensors.flax import save_file
+    from transformers import GenerationConfig
+
+    from asyncrl.model.transformer import Decoder
+
+    if isinstance(model, LoadedModel):
+        stop_token_ids = stop_token_ids if stop_token_ids is not None else model.stop_token_ids
+        tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+        model = model.model
+    if params is not None:
+        model = nnx.merge(model if isinstance(model, nnx.GraphDef) else nnx.split(model)[0], params)
+    if not isinstance(model, Decoder):
+        raise TypeError(f"export_hf needs a Decoder, LoadedModel or graphdef + params, got {type(model).__name__}")
+    cfg: DecoderConfig = model.cfg
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        if exist_ok:
+            return out_dir
+        raise ModelError(f"export_hf: {out_dir} already exists (pass overwrite=True to replace it)")
+    if stop_token_ids is None:
+        stop_token_ids = cfg.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ())
+    pad = cfg.pad_token_id
+    if pad is None and tokenizer is not None:
+        pad = tokenizer.pad_token_id
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        eos: Any = list(stop_token_ids) if len(stop_token_ids) != 1 else stop_token_ids[0]
+        hf_cfg = to_hf_config(cfg.replace(eos_token_id=eos if isinstance(eos, int) or not eos else tuple(eos), pad_token_id=pad))
+        hf_cfg.architectures = [_ARCHITECTURES[cfg.model_type]]
+        hf_cfg.save_pretrained(str(tmp))
+        GenerationConfig(eos_token_id=eos or None, pad_token_id=pad, bos_token_id=cfg.bos_token_id).save_pretrained(str(tmp))
+        params_now = nnx.state(model, nnx.Param).to_pure_dict()
+        tensors = {k: _contiguous(v) for k, v in hf_tensors_from_params(cfg, params_now).items()}
+        save_file(tensors, str(tmp / SAFETENSORS_FILE), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        _install_dir(tmp, out_dir, overwrite=overwrite, exist_ok=exist_ok)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def _contiguous(x: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    return jnp.array(jax.device_get(x), copy=True)
+
+
+def _install_dir(tmp: Path, out_dir: Path, *, overwrite: bool, exist_ok: bool) -> None:
+    """Rename the finished ``tmp`` onto ``out_dir`` (atomic on one filesystem)."""
+    if out_dir.exists() and overwrite:
+        old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:
+        # Someone else installed it between our check and the rename (racing builders).
+        if exist_ok and out_dir.exists():
+            return
+        raise ModelError(f"export_hf: {out_dir} appeared while exporting (pass overwrite=True to replace it)") from None

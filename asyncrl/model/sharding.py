@@ -1,0 +1,100 @@
+"""Partition rules for the decoder's parameters on a mesh with axes ``data``, ``fsdp``, ``tensor``.
+
+Every parameter dimension is assigned a mesh axis or ``None`` (replicated) by the
+rules in :data:`PARTITION_RULES` (first match on the dotted parameter path):
+
+* ``tensor`` splits the Megatron way: attention heads of q/k/v (output) and o (input),
+  the MLP's intermediate dimension, and the vocabulary of the embedding and lm head;
+* ``fsdp`` splits the hidden dimension of every matrix (ZeRO-3 style: gathered per use);
+* ``data`` never splits parameters (they are replicated over data-parallel replicas);
+* vectors along the hidden dimension (norm weights, o/down biases) are replicated.
+
+Fallback: a dimension whose size is not divisible by its axis size is replicated
+(``None``) instead. For head dimensions the test is on heads, not on the flattened
+``heads * head_dim`` size, so 2 KV heads on a ``tensor`` axis of 4 replicate k/v
+rather than splitting a head across devices; q and o stay split when
+``num_heads`` divides. An axis missing from the mesh counts as size 1. The fallback
+is silent by design (the result is still correct, only less memory-efficient);
+:func:`describe_shardings` lists what each parameter got.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from asyncrl.model.config import DecoderConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# (path regex, per-dimension axes, per-dimension unit): unit "heads"/"kv_heads" means
+# the dimension is heads * head_dim and divisibility is checked on the head count.
+PARTITION_RULES: tuple[tuple[str, tuple[Optional[str], ...], tuple[Optional[str], ...]], ...] = (
+    (r"embed_tokens\.embedding$", ("tensor", "fsdp"), (None, None)),
+    (r"lm_head\.kernel$", ("fsdp", "tensor"), (None, None)),
+    (r"self_attn\.q_proj\.kernel$", ("fsdp", "tensor"), (None, "heads")),
+    (r"self_attn\.[kv]_proj\.kernel$", ("fsdp", "tensor"), (None, "kv_heads")),
+    (r"self_attn\.q_proj\.bias$", ("tensor",), ("heads",)),
+    (r"self_attn\.[kv]_proj\.bias$", ("tensor",), ("kv_heads",)),
+    (r"self_attn\.o_proj\.kernel$", ("tensor", "fsdp"), ("heads", None)),
+    (r"self_attn\.o_proj\.bias$", (None,), (None,)),
+    (r"self_attn\.[qk]_norm\.weight$", (None,), (None,)),
+    (r"mlp\.(gate|up)_proj\.kernel$", ("fsdp", "tensor"), (None, None)),
+    (r"mlp\.(gate|up)_proj\.bias$", ("tensor",), (None,)),
+    (r"mlp\.down_proj\.kernel$", ("tensor", "fsdp"), (None, None)),
+    (r"mlp\.down_proj\.bias$", (None,), (None,)),
+    (r"(input_layernorm|post_attention_layernorm|norm)\.weight$", (None,), (None,)),
+)
+
+
+def _dotted(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _axis_size(mesh: Mesh, axis: Optional[str]) -> int:
+    return int(mesh.shape[axis]) if axis is not None and axis in mesh.shape else 1
+
+
+def partition_spec(cfg: DecoderConfig, name: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """The PartitionSpec of parameter ``name`` (dotted path) with ``shape`` on ``mesh``."""
+    for pattern, axes, units in PARTITION_RULES:
+        if re.search(pattern, name):
+            break
+    else:
+        raise ValueError(f"no partition rule matches parameter {name!r}; add one to PARTITION_RULES")
+    if len(axes) != len(shape):
+        raise ValueError(f"partition rule {pattern!r} has {len(axes)} dims, parameter {name!r} has shape {shape}")
+    spec = []
+    for size, axis, unit in zip(shape, axes, units):
+        n = _axis_size(mesh, axis)
+        count = {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads}.get(unit, size)
+        spec.append(axis if axis is not None and n > 1 and count % n == 0 else None)
+    return PartitionSpec(*spec)
+
+
+def param_partition_specs(cfg: DecoderConfig, params: Any, mesh: Mesh) -> Any:
+    """A pytree of PartitionSpec matching ``params`` (pure dict, State, or shape structs)."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: partition_spec(cfg, _dotted(p), tuple(x.shape), mesh), params)
+
+
+def param_shardings(cfg: DecoderConfig, params: Any, mesh: Mesh) -> Any:
+    """A pytree of NamedSharding matching ``params``."""
+    specs = param_partition_specs(cfg, params, mesh)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def shard_params(cfg: DecoderConfig, params: Any, mesh: Mesh) -> Any:
+    """``params`` placed on ``mesh`` by the partition rules (``jax.device_put``)."""
+    return jax.device_put(params, param_shardings(cfg, params, mesh))
+
+
+def describe_shardings(cfg: DecoderConfig, params: Any, mesh: Mesh) -> dict[str, str]:
+    """``{dotted path: "shape -> PartitionSpec"}``, for logs and debugging."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = _dotted(path)
+        out[name] = f"{tuple(leaf.shape)} -> {partition_spec(cfg, name, tuple(leaf.shape), mesh)}"
+    return out

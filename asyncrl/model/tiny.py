@@ -1,0 +1,188 @@
+"""Built-in reference models: ``tiny`` (on disk, cached) and ``bench-40m`` (in memory).
+
+``tiny`` is a random-init, seeded Qwen2-style model (hidden 64, 2 layers, 4 heads /
+2 KV heads, intermediate 128, tied embeddings, attention biases; saved as
+``model_type: llama`` with ``attention_bias: true``, see :func:`tiny_decoder_config`) with a character-level tokenizer over
+:data:`TINY_ALPHABET` plus special tokens, built with the ``tokenizers`` library and
+saved as a ``PreTrainedTokenizerFast`` that ``transformers.AutoTokenizer`` loads, with a
+chat template. It is written as an ordinary HF directory (``export_hf``) into
+``<cache>/tiny-<hash of spec>``: built in a temporary directory and renamed into
+place, so parallel builders race safely (the loser discards its copy).
+
+``model.path: tiny`` uses the defaults; ``tiny:hidden=128,layers=4`` overrides fields
+of :class:`TinySpec`. The cache is ``$ASYNCRL_CACHE_DIR`` or ``~/.cache/asyncrl``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from asyncrl.errors import ModelError
+from asyncrl.model.config import DecoderConfig
+
+TINY_ALPHABET = "0123456789 +-=:ACDMRS\n"
+"""Characters of the synthetic tasks (digits, space, ``+ - = :``, task-tag letters, newline)."""
+
+PAD, UNK, SYSTEM, USER, ASSISTANT, END = "<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"
+TINY_SPECIAL_TOKENS = (PAD, UNK, SYSTEM, USER, ASSISTANT, END)
+
+TINY_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{ raise_exception('tiny chat template: unknown role ' + message['role']) }}"
+    "{%- endif -%}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"
+)
+
+_BUILD_FORMAT = 1  # bump when the build recipe changes, so old cache entries are not reused
+
+
+@dataclasses.dataclass(frozen=True)
+class TinySpec:
+    """Fields settable as ``tiny:name=value,...``."""
+
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 128
+    tied: bool = True
+    seed: int = 0
+    max_positions: int = 1024
+
+
+def parse_tiny_spec(text: str) -> TinySpec:
+    """``tiny`` or ``tiny:hidden=128,layers=4`` -> TinySpec; bad options are a ModelError."""
+    name, _, options = text.partition(":")
+    if name != "tiny":
+        raise ModelError(f"model.path {text!r}: not a tiny spec")
+    fields = {f.name: f.type for f in dataclasses.fields(TinySpec)}
+    values: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in options.split(","))):
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq or key not in fields:
+            raise ModelError(f"model.path {text!r}: bad option {item!r}; options are name=value with name in {', '.join(fields)}")
+        raw = raw.strip()
+        try:
+            if fields[key] in (bool, "bool"):
+                if raw.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(raw)
+                values[key] = raw.lower() in ("true", "1")
+            else:
+                values[key] = int(raw)
+        except ValueError:
+            raise ModelError(f"model.path {text!r}: option {key} needs {'true/false' if key == 'tied' else 'an integer'}, got {raw!r}") from None
+    spec = TinySpec(**values)
+    if spec.hidden % spec.heads or spec.heads % spec.kv_heads or (spec.hidden // spec.heads) % 2:
+        raise ModelError(f"model.path {text!r}: hidden must split into an even head_dim over heads, heads must be a multiple of kv_heads")
+    return spec
+
+
+def tiny_vocab() -> dict[str, int]:
+    chars = list(TINY_ALPHABET)
+    return {tok: i for i, tok in enumerate([*TINY_SPECIAL_TOKENS, *chars])}
+
+
+def build_tiny_tokenizer() -> Any:
+    """The character-level ``PreTrainedTokenizerFast`` of the tiny model."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab=tiny_vocab(), unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character
+    tok.decoder = decoders.Fuse()  # join characters without separators
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token=UNK,
+        pad_token=PAD,
+        eos_token=END,
+        additional_special_tokens=[SYSTEM, USER, ASSISTANT],
+        chat_template=TINY_CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 30,
+    )
+    return fast
+
+
+def tiny_decoder_config(spec: TinySpec) -> DecoderConfig:
+    vocab = tiny_vocab()
+    return DecoderConfig(
+        # Llama architecture with q/k/v/o biases: Qwen2's layout (plus an o_proj bias).
+        # Not model_type qwen2, because transformers 5's AutoTokenizer forces its byte-level
+        # Qwen2Tokenizer on every qwen2 directory, which mangles a character tokenizer.
+        model_type="llama",
+        vocab_size=len(vocab),
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_layers=spec.layers,
+        num_heads=spec.heads,
+        num_kv_heads=spec.kv_heads,
+        head_dim=spec.hidden // spec.heads,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=spec.tied,
+        qkv_bias=True,
+        o_bias=True,
+        eos_token_id=vocab[END],
+        pad_token_id=vocab[PAD],
+    )
+
+
+def bench_40m_config(**runtime: Any) -> DecoderConfig:
+    """DESIGN's ``bench-40m``: hidden 512, 8 layers, 8/4 heads, intermediate 1536, vocab 32000, tied (41.6M)."""
+    return DecoderConfig(
+        model_type="qwen2",
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        **runtime,
+    )
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("ASYNCRL_CACHE_DIR") or Path.home() / ".cache" / "asyncrl")
+
+
+def tiny_dir_name(spec: TinySpec) -> str:
+    import flax
+    import jax
+
+    key = json.dumps(
+        {"spec": dataclasses.asdict(spec), "config": dataclasses.asdict(tiny_decoder_config(spec)),
+         "alphabet": TINY_ALPHABET, "special": TINY_SPECIAL_TOKENS, "template": TINY_CHAT_TEMPLATE,
+         "format": _BUILD_FORMAT, "jax": jax.__version__, "flax": flax.__version__},
+        sort_keys=True,
+    )
+    return "tiny-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def ensure_tiny(path: str = "tiny", cache_dir: Optional[str | Path] = None) -> Path:
+    """The directory of the tiny model ``path`` names, building it first if absent."""
+    from asyncrl.model.hf import export_hf
+    from asyncrl.model.transformer import init_decoder
+
+    spec = parse_tiny_spec(path)
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / tiny_dir_name(spec)
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    model = init_decoder(tiny_decoder_config(spec), seed=spec.seed)
+    export_hf(model, build_tiny_tokenizer(), target, exist_ok=True)
+    return target

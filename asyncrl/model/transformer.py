@@ -1,0 +1,394 @@
+"""The decoder: Qwen2/2.5, Qwen3 and Llama in Flax NNX, and its pure functional forward.
+
+One implementation serves training and inference. The NNX module (:class:`Decoder`)
+holds the parameters; :func:`forward` is the pure function callers jit:
+``forward(graphdef, params, input_ids, positions, attention_mask, kv_cache)``, with
+``graphdef, params = nnx.split(model)`` (``params`` may be the ``nnx.State`` or its
+``to_pure_dict()``: a plain dict of ``jax.Array``).
+
+Numerics follow transformers' PyTorch models: RMSNorm normalises in float32 and
+multiplies by its weight in the compute dtype; rotary embeddings use the rotate-half
+convention with cos/sin computed in float32; attention scores and softmax run in
+float32; logits are float32.
+
+KV cache (:class:`KVCache`)
+---------------------------
+A fixed-capacity pytree ``k, v: [layers, B, capacity, kv_heads, head_dim]`` (compute
+dtype), ``valid: bool [B, capacity]`` (which slots hold a real token) and
+``write_pos: int32 [B]`` (the slot where each row's next token is written). A call
+with ``T`` new tokens writes row ``b``'s token ``t`` into slot ``write_pos[b] + t``
+(slots past the capacity are dropped: the caller keeps rows within capacity), marks
+it valid iff ``attention_mask[b, t]``, and lets it attend to the valid slots
+``<= write_pos[b] + t``. Afterwards ``write_pos[b]`` moves one past row ``b``'s last
+real token of the call (it stays put when the row had none). So:
+
+* a left-padded prompt ``[pad pad a b c]`` fills slots 0..4 (0, 1 invalid) and the
+  next token goes to slot 5; a right-padded one ``[a b c pad pad]`` fills 0..4 (3, 4
+  invalid) and the next token overwrites slot 3;
+* a row whose mask is all false in a call (an idle engine slot) is untouched;
+* positions default to the number of valid slots before the call plus the running
+  count of real tokens in the call (``cumsum(mask) - 1``), so pads never shift the
+  rotary positions; pass ``positions`` only to override.
+
+The continuous-batching engine keeps one cache of ``num_slots`` rows and decodes all
+slots together with ``T = 1`` (``attention_mask[b, 0] = False`` for idle slots). To
+start a request it prefills the prompt into a small cache (batch 1, capacity = the
+prompt's bucket, padded either way) and copies that row into ``n`` free slots with
+:func:`kv_cache_copy_rows` (``src_rows = [0] * n``): the slots get the prefix KV, the
+same ``valid`` and ``write_pos``, and everything past the prefix marked invalid. A
+finished slot is freed with :func:`kv_cache_clear_rows`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from asyncrl.model.config import DecoderConfig
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_MASKED = -1e30  # finite, so fully masked rows (pads) give uniform weights, never NaN
+
+
+def dtype_of(name: str) -> Any:
+    return _DTYPES[name]
+
+
+# --------------------------------------------------------------------------- KV cache
+
+
+class KVCache(NamedTuple):
+    """Fixed-capacity KV cache (a pytree); see the module docstring for the protocol."""
+
+    k: jax.Array  # [layers, B, capacity, kv_heads, head_dim]
+    v: jax.Array  # [layers, B, capacity, kv_heads, head_dim]
+    valid: jax.Array  # bool [B, capacity]: slot holds a real token
+    write_pos: jax.Array  # int32 [B]: slot of the row's next token
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def lengths(self) -> jax.Array:
+        """int32 [B]: real tokens held per row (the next token's default position)."""
+        return self.valid.sum(axis=1).astype(jnp.int32)
+
+
+def init_kv_cache(cfg: DecoderConfig, batch: int, capacity: int, dtype: Any = None) -> KVCache:
+    """An empty cache (every slot invalid, write positions 0) in the compute dtype."""
+    dtype = dtype or dtype_of(cfg.compute_dtype)
+    shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        valid=jnp.zeros((batch, capacity), bool),
+        write_pos=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+def kv_cache_copy_rows(dst: KVCache, src: KVCache, src_rows: jax.Array, dst_rows: jax.Array) -> KVCache:
+    """Copy rows ``src_rows`` of ``src`` into rows ``dst_rows`` of ``dst`` (int32 [n] each).
+
+    ``src``'s capacity may be smaller than ``dst``'s: the copied rows get the source
+    slots at ``[0, src.capacity)`` and invalid slots after. Copying one prefilled
+    prompt into ``n`` sampling slots is ``src_rows = [0] * n``. Pure; jit it with
+    ``donate_argnums=0`` to update in place.
+    """
+    if src.capacity > dst.capacity:
+        raise ValueError(f"source cache capacity {src.capacity} exceeds destination capacity {dst.capacity}")
+    c = src.capacity
+    k = dst.k.at[:, dst_rows, :c].set(src.k[:, src_rows].astype(dst.k.dtype))
+    v = dst.v.at[:, dst_rows, :c].set(src.v[:, src_rows].astype(dst.v.dtype))
+    valid_rows = jnp.zeros((src_rows.shape[0], dst.capacity), bool).at[:, :c].set(src.valid[src_rows])
+    valid = dst.valid.at[dst_rows].set(valid_rows)
+    write_pos = dst.write_pos.at[dst_rows].set(src.write_pos[src_rows])
+    return KVCache(k, v, valid, write_pos)
+
+
+def kv_cache_clear_rows(cache: KVCache, rows: jax.Array) -> KVCache:
+    """Mark rows (bool [B]) empty: every slot invalid, write position 0. K/V are left as is."""
+    valid = jnp.where(rows[:, None], False, cache.valid)
+    write_pos = jnp.where(rows, 0, cache.write_pos).astype(jnp.int32)
+    return KVCache(cache.k, cache.v, valid, write_pos)
+
+
+# --------------------------------------------------------------------------- rotary
+
+
+def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
+    """float32 [head_dim // 2] inverse frequencies, as transformers computes them."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    inv_freq = inv_freq.astype(np.float32)
+    if cfg.rope_type == "linear":
+        inv_freq = inv_freq / np.float32(cfg.rope_factor)
+    elif cfg.rope_type == "llama3":
+        factor = cfg.rope_factor
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        old_len = cfg.rope_original_max_position
+        low_freq_wavelen = old_len / low
+        high_freq_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq
+
+
+def rope_cos_sin(cfg: DecoderConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin float32 [B, T, head_dim] for int positions [B, T] (halves repeated)."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half rotary embedding of x [B, T, heads, D]; cos/sin [B, T, D]."""
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+# --------------------------------------------------------------------------- modules
+
+
+def _normal(std: float):
+    return nnx.initializers.normal(stddev=std)
+
+
+class RMSNorm(nnx.Module):
+    """HF RMSNorm: normalise in float32, cast back, multiply by the weight."""
+
+    def __init__(self, dim: int, eps: float, param_dtype: Any):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = x.dtype
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(dtype) * x32.astype(dtype)
+
+
+def _linear(cfg: DecoderConfig, n_in: int, n_out: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        n_in,
+        n_out,
+        use_bias=bias,
+        dtype=dtype_of(cfg.compute_dtype),
+        param_dtype=dtype_of(cfg.param_dtype),
+        kernel_init=_normal(cfg.initializer_range),
+        rngs=rngs,
+    )
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with rotary embeddings, optional q/k norm and biases."""
+
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = _linear(cfg, h, cfg.num_heads * d, cfg.qkv_bias, rngs)
+        self.k_proj = _linear(cfg, h, cfg.num_kv_heads * d, cfg.qkv_bias, rngs)
+        self.v_proj = _linear(cfg, h, cfg.num_kv_heads * d, cfg.qkv_bias, rngs)
+        self.o_proj = _linear(cfg, cfg.num_heads * d, h, cfg.o_bias, rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype_of(cfg.param_dtype))
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype_of(cfg.param_dtype))
+
+    def __call__(self, x, cos, sin, mask, cache_k=None, cache_v=None, write_idx=None):
+        """x [B, T, H]; mask bool [B, T, S]. Without a cache S = T; with one, the new
+        k/v are scattered into cache_k/cache_v [B, C, KV, D] at write_idx [B, T] first
+        and S = C. Returns (out [B, T, H], (cache_k, cache_v) or None)."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        new_cache = None
+        if cache_k is not None:
+            rows = jnp.arange(b)[:, None]
+            cache_k = cache_k.at[rows, write_idx].set(k.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[rows, write_idx].set(v.astype(cache_v.dtype), mode="drop")
+            k, v = cache_k.astype(q.dtype), cache_v.astype(q.dtype)
+            new_cache = (cache_k, cache_v)
+        groups = cfg.num_heads // cfg.num_kv_heads
+        q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+        scores = scores * (cfg.head_dim**-0.5)
+        scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+        out = out.reshape(b, t, cfg.num_heads * cfg.head_dim)
+        return self.o_proj(out), new_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(cfg, h, i, cfg.mlp_bias, rngs)
+        self.up_proj = _linear(cfg, h, i, cfg.mlp_bias, rngs)
+        self.down_proj = _linear(cfg, i, h, cfg.mlp_bias, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        pd = dtype_of(cfg.param_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, cos, sin, mask, cache_k=None, cache_v=None, write_idx=None):
+        attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_k, cache_v, write_idx)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_cache
+
+
+def _call_layer(layer, x, cos, sin, mask, cache_k, cache_v, write_idx):
+    return layer(x, cos, sin, mask, cache_k, cache_v, write_idx)
+
+
+_call_layer_remat = nnx.remat(_call_layer)
+
+
+class Decoder(nnx.Module):
+    """Decoder-only transformer. Parameter paths mirror HF names (``layers.3.self_attn.q_proj``),
+    with ``kernel [in, out]`` for HF's ``weight [out, in]`` and ``embedding`` for the table."""
+
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=dtype_of(cfg.compute_dtype),
+            param_dtype=dtype_of(cfg.param_dtype),
+            embedding_init=_normal(cfg.initializer_range),
+            rngs=rngs,
+        )
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype_of(cfg.param_dtype))
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
+
+    def hidden_states(
+        self,
+        input_ids: jax.Array,
+        positions: Optional[jax.Array] = None,
+        attention_mask: Optional[jax.Array] = None,
+        kv_cache: Optional[KVCache] = None,
+    ) -> tuple[jax.Array, Optional[KVCache]]:
+        """Final-norm hidden states [B, T, hidden] (compute dtype) and the updated cache."""
+        cfg = self.cfg
+        b, t = input_ids.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((b, t), bool)
+        attention_mask = attention_mask.astype(bool)
+        running = jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1
+        if kv_cache is None:
+            if positions is None:
+                positions = jnp.maximum(running, 0)
+            causal = jnp.tril(jnp.ones((t, t), bool))
+            mask = causal[None] & attention_mask[:, None, :]
+            write_idx = None
+        else:
+            if positions is None:
+                positions = jnp.maximum(kv_cache.lengths[:, None] + running, 0)
+            write_idx = kv_cache.write_pos[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+            rows = jnp.arange(b)[:, None]
+            valid = kv_cache.valid.at[rows, write_idx].set(attention_mask, mode="drop")
+            slots = jnp.arange(kv_cache.capacity, dtype=jnp.int32)
+            mask = valid[:, None, :] & (slots[None, None, :] <= write_idx[:, :, None])
+        cos, sin = rope_cos_sin(cfg, positions)
+        x = self.embed_tokens(input_ids)
+        call = _call_layer_remat if cfg.remat else _call_layer
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            ck = kv_cache.k[i] if kv_cache is not None else None
+            cv = kv_cache.v[i] if kv_cache is not None else None
+            x, layer_cache = call(layer, x, cos, sin, mask, ck, cv, write_idx)
+            if layer_cache is not None:
+                new_k.append(layer_cache[0])
+                new_v.append(layer_cache[1])
+        x = self.norm(x)
+        if kv_cache is None:
+            return x, None
+        t_idx = jnp.arange(t, dtype=jnp.int32)[None, :]
+        last_real = jnp.max(jnp.where(attention_mask, t_idx, -1), axis=1)
+        write_pos = (kv_cache.write_pos + last_real + 1).astype(jnp.int32)
+        return x, KVCache(jnp.stack(new_k), jnp.stack(new_v), valid, write_pos)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits [..., vocab] from final hidden states [..., hidden]."""
+        if self.cfg.tie_word_embeddings:
+            table = self.embed_tokens.embedding[...].astype(hidden.dtype)
+            return jnp.einsum("...h,vh->...v", hidden, table, preferred_element_type=jnp.float32)
+        kernel = self.lm_head.kernel[...].astype(hidden.dtype)
+        return jnp.einsum("...h,hv->...v", hidden, kernel, preferred_element_type=jnp.float32)
+
+    def __call__(self, input_ids, positions=None, attention_mask=None, kv_cache=None):
+        hidden, new_cache = self.hidden_states(input_ids, positions, attention_mask, kv_cache)
+        return self.logits(hidden), new_cache
+
+
+def init_decoder(cfg: DecoderConfig, seed: int = 0) -> Decoder:
+    """A randomly initialised decoder (HF's init: normal(initializer_range), zero biases, unit norms)."""
+    return Decoder(cfg, nnx.Rngs(seed))
+
+
+# --------------------------------------------------------------------------- functional API
+
+
+def forward(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    input_ids: jax.Array,
+    positions: Optional[jax.Array] = None,
+    attention_mask: Optional[jax.Array] = None,
+    kv_cache: Optional[KVCache] = None,
+) -> tuple[jax.Array, Optional[KVCache]]:
+    """Pure forward: ``(logits float32 [B, T, V], new_kv_cache or None)``.
+
+    ``graphdef, params = nnx.split(model)``; ``params`` may be the State or a pure
+    dict. ``input_ids`` int32 [B, T]; ``attention_mask`` bool [B, T] (default all
+    true); ``positions`` int32 [B, T] (default: derived from the masks, see the module
+    docstring). Jit with ``static_argnums=0`` (the graphdef is hashable).
+    """
+    model = nnx.merge(graphdef, params)
+    return model(input_ids, positions, attention_mask, kv_cache)
+
+
+def hidden_states(graphdef, params, input_ids, positions=None, attention_mask=None, kv_cache=None):
+    """Like :func:`forward`, but returns final hidden states instead of logits."""
+    model = nnx.merge(graphdef, params)
+    return model.hidden_states(input_ids, positions, attention_mask, kv_cache)
+
+
+forward_jit = jax.jit(forward, static_argnums=0)
+"""``forward`` jitted at module level (graphdef static), shared by every caller."""
+
+
+def split_params(model: Decoder) -> tuple[nnx.GraphDef, dict]:
+    """``(graphdef, params)`` with params a pure dict of ``jax.Array`` (immutable, publishable)."""
+    graphdef, state = nnx.split(model)
+    return graphdef, state.to_pure_dict()

@@ -1,0 +1,140 @@
+"""Config loading, validation messages and --set overrides."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+from pydantic import Field
+
+from asyncrl.config import Config, Section, apply_override, dump_config, load_config
+from asyncrl.errors import ConfigError
+
+
+def problems_of(**kwargs) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(**kwargs)
+    return info.value.problems
+
+
+def test_defaults_validate():
+    cfg = load_config(data={})
+    assert cfg == Config()
+    assert cfg.run.resolved_output_dir.as_posix() == "runs/asyncrl"
+
+
+def test_unknown_key_names_path_and_closest_key():
+    (line,) = problems_of(data={"rollout": {"batch_sise": 4}})
+    assert line == "rollout.batch_sise: unknown key; did you mean 'rollout.batch_size'?"
+
+
+def test_unknown_key_without_close_match_lists_allowed_keys():
+    (line,) = problems_of(data={"run": {"zzz": 1}})
+    assert line.startswith("run.zzz: unknown key; allowed keys: name, output_dir, seed, total_steps")
+
+
+def test_unknown_section():
+    (line,) = problems_of(data={"rollouts": {}})
+    assert line == "rollouts: unknown key; did you mean 'rollout'?"
+
+
+def test_bad_type_names_path_given_and_allowed():
+    (line,) = problems_of(data={"rollout": {"batch_size": "many"}})
+    assert line.startswith("rollout.batch_size: ")
+    assert "valid integer" in line and "given 'many'" in line
+
+
+def test_bad_value_lists_allowed_values():
+    (line,) = problems_of(data={"rollout": {"batch_order": "fifo"}})
+    assert line == "rollout.batch_order: Input should be 'admission' or 'completion' (given 'fifo')"
+
+
+def test_bound_violation():
+    (line,) = problems_of(data={"rollout": {"temperature": 0}})
+    assert line == "rollout.temperature: Input should be greater than 0 (given 0)"
+
+
+def test_every_problem_reported_at_once():
+    lines = problems_of(data={"rollout": {"temperature": 0, "group_size": 0}, "run": {"seed": "x"}})
+    assert {line.split(":")[0] for line in lines} == {"rollout.temperature", "rollout.group_size", "run.seed"}
+
+
+def test_file_errors_name_the_file(tmp_path):
+    missing = tmp_path / "missing.yaml"
+    assert problems_of(path=missing) == [f"{missing}: no such config file"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run:\n  name: [unclosed\n")
+    (line,) = problems_of(path=bad)
+    assert line.startswith(f"{bad}:") and "not valid YAML" in line
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("- 1\n- 2\n")
+    (line,) = problems_of(path=scalar)
+    assert "top level must be a mapping" in line
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("rollout:\n  batch_size: -1\n")
+    (line,) = problems_of(path=wrong)
+    assert line.startswith(f"{wrong}: rollout.batch_size:")
+
+
+def test_set_nested_bool_null_and_float():
+    cfg = load_config(
+        data={"run": {"output_dir": "x"}},
+        overrides=["rollout.batch_size=16", "run.output_dir=null", "rollout.temperature=1e-5"],
+    )
+    assert cfg.rollout.batch_size == 16
+    assert cfg.run.output_dir is None
+    assert cfg.rollout.temperature == pytest.approx(1e-5)
+
+
+def test_set_str_fields_take_raw_text():
+    # YAML 1.1 would read these as False and 83.
+    cfg = load_config(overrides=["run.name=no", "model.path=0123"])
+    assert cfg.run.name == "no"
+    assert cfg.model.path == "0123"
+
+
+def test_set_path_errors():
+    lines = problems_of(overrides=["model.pth=x", "rollout.batch_size.x=1", "nonsense", "rollout.batch_size=lots"])
+    assert lines[0] == "--set model.pth: 'model.pth' does not exist; did you mean 'model.path'?"
+    assert lines[1].startswith("--set rollout.batch_size.x: 'rollout.batch_size.x' does not exist")
+    assert lines[2].startswith("--set 'nonsense': expected PATH=VALUE")
+    assert lines[3].startswith("rollout.batch_size:") and "given 'lots'" in lines[3]
+
+
+class _Item(Section):
+    name: str = "a"
+    """Name."""
+    weight: float = 1.0
+    """Weight."""
+
+
+class _Root(Section):
+    items: list[_Item] = Field(default_factory=list)
+    """Items."""
+    numbers: list[int] = Field(default_factory=list)
+    """Numbers."""
+    flag: Optional[bool] = None
+    """Flag."""
+
+
+def test_set_list_index_and_whole_list():
+    raw = {"items": [{"name": "x"}, {"name": "y"}], "numbers": [5]}
+    apply_override(raw, _Root, "items.1.weight=0.5")
+    apply_override(raw, _Root, "items.0.name=off")
+    apply_override(raw, _Root, "numbers=[1, 2]")
+    apply_override(raw, _Root, "flag=yes")
+    root = _Root.model_validate(raw)
+    assert root.items[1].weight == 0.5 and root.items[0].name == "off"
+    assert root.numbers == [1, 2]
+    assert root.flag is True
+    with pytest.raises(ConfigError, match=r"index 2 is out of range \('items.2' has 2 items\)"):
+        apply_override(raw, _Root, "items.2.name=z")
+    with pytest.raises(ConfigError, match="'items.0.nam' does not exist; did you mean 'items.0.name'"):
+        apply_override(raw, _Root, "items.0.nam=z")
+
+
+def test_dump_round_trip(tmp_path):
+    cfg = load_config(overrides=["run.name=no", "rollout.temperature=0.7", "rollout.batch_order=completion"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg

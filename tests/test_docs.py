@@ -1,0 +1,41 @@
+"""Generated documentation stays in step with the code."""
+
+from __future__ import annotations
+
+from asyncrl.config import config_reference_markdown
+from tests.helpers import REPO_ROOT
+
+
+def test_config_reference_is_up_to_date():
+    on_disk = (REPO_ROOT / "docs" / "config.md").read_text()
+    assert on_disk == config_reference_markdown(), "docs/config.md is stale: run python scripts/gen_config_docs.py"
+
+
+def test_config_reference_documents_every_field():
+    text = config_reference_markdown()
+    for section in ("run", "model", "rollout", "logging"):
+        assert f"## `{section}`" in text
+    assert "| `max_staleness` |" in text
+
+
+def test_every_config_field_has_a_description():
+    import typing
+
+    from pydantic import BaseModel
+
+    from asyncrl.config import Config
+
+    missing, stack, seen = [], [("", Config)], set()
+    while stack:
+        prefix, model = stack.pop()
+        if model in seen:
+            continue
+        seen.add(model)
+        for name, field in model.model_fields.items():
+            if not (field.description or "").strip():
+                missing.append(f"{prefix}{name}")
+            for candidate in (field.annotation, *typing.get_args(field.annotation)):
+                for inner in (candidate, *typing.get_args(candidate)):
+                    if isinstance(inner, type) and issubclass(inner, BaseModel):
+                        stack.append((f"{prefix}{name}.", inner))
+    assert not missing, f"config fields without a docstring: {missing}"

@@ -1,0 +1,62 @@
+"""Evaluation: greedy reward/accuracy, pass@k against a brute-force count, version checks."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from asyncrl.engine.fake import FakeEngine
+from asyncrl.evaluate import EvalError, evaluate, pass_at_k
+from asyncrl.rollout.workflow import RewardFunction, SingleTurnWorkflow
+from tests.rollout_fakes import char_tokenizer, make_cfg
+from workflows.synthetic import positional_match
+
+
+def test_pass_at_k_matches_brute_force():
+    for n, c, k in [(5, 2, 1), (5, 2, 3), (6, 0, 2), (4, 4, 4), (7, 3, 2)]:
+        outcomes = [1] * c + [0] * (n - c)
+        subsets = list(itertools.combinations(outcomes, k))
+        brute = sum(any(s) for s in subsets) / len(subsets)
+        assert math.isclose(pass_at_k(n, c, k), brute)
+    with pytest.raises(ValueError, match="pass@3 needs at least 3 samples"):
+        pass_at_k(2, 1, 3)
+
+
+def _setup(eval_section=None, **engine_kwargs):
+    tokenizer = char_tokenizer()
+    cfg = make_cfg(eval=eval_section or {})
+    workflow = SingleTurnWorkflow(cfg, tokenizer, rewards=[RewardFunction(positional_match)])
+    samples = [{"prompt": "12", "answer": "12"}, {"prompt": "34", "answer": "34"}, {"prompt": "56", "answer": "65"}]
+
+    def respond(request, i):
+        # echo the digits of the prompt, then EOS: right for copy prompts, half right for "56"->"65"
+        text = tokenizer.decode(list(request.prompt_ids), skip_special_tokens=True)
+        return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    return cfg, workflow, samples, FakeEngine(vocab_size=len(tokenizer), responder=respond, **engine_kwargs)
+
+
+def test_greedy_reward_accuracy_and_pass_at_k():
+    cfg, workflow, samples, engine = _setup({"n_samples": 3})
+    result = evaluate(engine, workflow, samples, cfg)
+    m = result.metrics
+    assert m["eval/reward"] == pytest.approx((1 + 1 + 0) / 3)
+    assert m["eval/accuracy"] == pytest.approx(2 / 3)
+    assert m["eval/pass@1"] == pytest.approx(2 / 3) and m["eval/pass@3"] == pytest.approx(2 / 3)
+    assert m["eval/n_prompts"] == 3 and m["eval/version"] == 0 and m["eval/aborted"] == 0
+    assert [row["completion"] for row in result.rows] == ["12", "34", "56"]
+
+
+def test_max_prompts_and_empty_split():
+    cfg, workflow, samples, engine = _setup({"max_prompts": 1})
+    assert evaluate(engine, workflow, samples, cfg).metrics["eval/n_prompts"] == 1
+    with pytest.raises(EvalError, match="eval split is empty"):
+        evaluate(engine, workflow, [], cfg)
+
+
+def test_workflow_without_prompts_is_a_clear_error():
+    cfg, _, samples, engine = _setup()
+    with pytest.raises(EvalError, match="workflow 'object' has no messages, tokenizer, scorer"):
+        evaluate(engine, object(), samples, cfg)

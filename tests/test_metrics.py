@@ -1,0 +1,74 @@
+"""The stats tracker and its sinks (JSONL, TensorBoard, console)."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+
+import pytest
+
+from asyncrl.metrics import ConsoleSink, JsonlSink, StatsTracker, TensorBoardSink
+
+
+def test_reductions_distributions_timers_and_reset(tmp_path):
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    tracker = StatsTracker([sink])
+    tracker.scalar("reward/mean", 0.0)
+    tracker.scalar("reward/mean", 1.0)
+    tracker.scalar("rollout/dropped_stale", 2, reduce="sum")
+    tracker.scalar("rollout/dropped_stale", 3, reduce="sum")
+    tracker.scalar("engine/version", 4, reduce="last")
+    tracker.scalar("engine/version", 5, reduce="last")
+    tracker.distribution("rollout/lag", [0, 1, 1, 2], stats=("mean", "max", "p50"))
+    with tracker.timer("perf/step_time"):
+        pass
+    first = tracker.commit(step=1)
+    assert first["reward/mean"] == 0.5 and first["rollout/dropped_stale"] == 5 and first["engine/version"] == 5
+    assert first["rollout/lag_mean"] == 1.0 and first["rollout/lag_max"] == 2 and first["rollout/lag_p50"] == 1.0
+    assert first["perf/step_time"] >= 0
+    tracker.scalar("reward/mean", 0.25)
+    assert tracker.commit(step=2) == {"reward/mean": 0.25}
+    tracker.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    assert lines[0]["reward/mean"] == 0.5 and lines[1] == {"step": 2, "reward/mean": 0.25}
+
+
+def test_unknown_reduction_is_an_error():
+    with pytest.raises(ValueError, match="unknown reduction 'median' for metric 'x'"):
+        StatsTracker().scalar("x", 1.0, reduce="median")
+
+
+def test_recording_from_many_threads():
+    tracker = StatsTracker()
+    threads = [threading.Thread(target=lambda: [tracker.scalar("n", 1, reduce="sum") for _ in range(1000)], daemon=True) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert tracker.commit(0)["n"] == 8000
+
+
+def test_tensorboard_events_read_back(tmp_path):
+    from asyncrl.metrics import read_tensorboard_scalars
+
+    tracker = StatsTracker([TensorBoardSink(tmp_path / "tb")])
+    for step in (1, 2):
+        tracker.scalar("reward/mean", step / 4)
+        tracker.scalar("loss/policy", -step)
+        tracker.commit(step)
+    tracker.close()
+    scalars = read_tensorboard_scalars(tmp_path / "tb")
+    assert scalars["reward/mean"] == [(1, 0.25), (2, 0.5)]
+    assert scalars["loss/policy"] == [(1, -1.0), (2, -2.0)]
+
+
+def test_console_plain_lines_keep_last_values_and_eta():
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=4, stream=stream, use_bar=False)
+    sink.write(1, {"reward/mean": 0.5, "eval/reward": 0.25, "rollout/lag_max": 1.0})
+    sink.write(2, {"reward/mean": 0.75, "perf/trained_tokens_per_s": 1234.4})
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("step 1/4 reward 0.500 eval 0.250 lag 1")
+    assert lines[1].startswith("step 2/4 reward 0.750 eval 0.250 lag 1 tok/s 1234 eta ")
