@@ -168,7 +168,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
 TestLedger = LedgerMachine.TestCase
 TestLedger.settings = settings(
-    max_examples=2000, stateful_step_count=10, deadline=None, derandomize=True, database=None,
+    max_examples=1300, stateful_step_count=10, deadline=None, derandomize=True, database=None,
     suppress_health_check=list(HealthCheck),
 )
 

@@ -266,6 +266,7 @@ def test_user_multi_turn_workflow_runs_through_the_executor():
     with WorkflowExecutor(TwoTurnWorkflow(cfg), eng, DATASET, cfg) as ex:
         train(ex, eng, 3, check=lambda b, v: batches.append(b))
     batch = batches[-1]
+    assert [g.metadata["sample_id"] for g in ex.last_groups] == ex.last_batch_sample_ids
     for row in range(batch.input_ids.shape[0]):
         ids = batch.input_ids[row][batch.attention_mask[row]]
         mask = batch.loss_mask[row][batch.attention_mask[row]]
@@ -307,3 +308,22 @@ def test_an_engine_crash_wrapped_by_the_workflow_still_stops_training():
     with WorkflowExecutor(Wrapping(cfg), engine(crash_after_calls=0, delay_s=0.0), DATASET, cfg) as ex:
         with pytest.raises(EngineCrashed, match="scripted crash"):
             ex.prepare_batch(0, timeout=10)
+
+
+@pytest.mark.timeout(30)
+def test_samples_are_drawn_through_the_sample_order():
+    from asyncrl.data import SampleOrder
+
+    cfg = make_cfg({"batch_size": 4})
+    order = SampleOrder(DATASET, seed=5)
+    drawn = {}
+
+    def hook(sample):
+        drawn[sample["sample_id"]] = sample["x"]
+        return None
+
+    eng = engine(delay_s=0.0)
+    with WorkflowExecutor(TokenWorkflow(cfg, hook=hook), eng, order, cfg) as ex:
+        train(ex, eng, 12)
+    assert len(drawn) > len(DATASET)  # more than one epoch
+    assert all(x == order.sample(sid)["x"] for sid, x in drawn.items())

@@ -37,6 +37,7 @@ import numpy as np
 import pydantic
 
 from asyncrl.config import Config
+from asyncrl.data import sample_at
 from asyncrl.engine.protocol import InferenceEngine
 from asyncrl.errors import EngineCrashed, RolloutError, TrajectorySchemaError
 from asyncrl.rollout import batch as batch_lib
@@ -66,7 +67,8 @@ class WorkflowExecutor:
     Args:
         workflow: the :class:`RolloutWorkflow` whose ``run_episode`` each thread runs.
         engine: an :class:`~asyncrl.engine.protocol.InferenceEngine`.
-        dataset: a sequence of sample mappings; sample id ``s`` is ``dataset[s % len(dataset)]``.
+        dataset: a :class:`~asyncrl.data.SampleOrder` (sample id ``s`` is its draw ``s``) or a
+            plain sequence of sample mappings (cycled in order: ``dataset[s % len(dataset)]``).
         cfg: the run config (``rollout.*``, ``data.*``).
         version: the version served at start (default: ``engine.version``; ``k`` on resume).
         row_multiple: batch rows are padded to a multiple of this (the trainer's sharding).
@@ -109,6 +111,8 @@ class WorkflowExecutor:
         """Metrics of the last ``prepare_batch`` (queue depth, in-flight, counts, lag, latency, wait)."""
         self.last_batch_sample_ids: list[int] = []
         """Sample ids of the groups in the last batch, in batch (group_index) order."""
+        self.last_groups: list[TrajectoryGroup] = []
+        """The groups of the last batch, in batch (group_index) order (for reward metrics and dumps)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -191,7 +195,7 @@ class WorkflowExecutor:
         group: Optional[TrajectoryGroup] = None
         outcome, detail, error = "ok", "", None
         try:
-            sample = dict(self.dataset[episode.sample_id % len(self.dataset)])
+            sample = dict(sample_at(self.dataset, episode.sample_id))
             sample["sample_id"] = episode.sample_id
             group = self.workflow.run_episode(self.engine, sample)
             if group is not None:
@@ -322,6 +326,7 @@ class WorkflowExecutor:
                     self.last_batch_sample_ids = [self.ledger.sample_id(t) for t in chosen]
                     self.ledger.consume(chosen)
                     kept_groups = [self._ready.pop(t) for t in chosen]
+                    self.last_groups = kept_groups
                     self._wake.notify_all()
                     self._update_metrics(batch, kept_groups, version, time.monotonic() - started, dropped_now)
                     return batch
