@@ -327,3 +327,20 @@ def test_samples_are_drawn_through_the_sample_order():
         train(ex, eng, 12)
     assert len(drawn) > len(DATASET)  # more than one epoch
     assert all(x == order.sample(sid)["x"] for sid, x in drawn.items())
+
+
+@pytest.mark.timeout(30)
+def test_zero_variance_budget_holds_per_step_in_the_executor():
+    cfg = make_cfg({"batch_size": 4, "group_size": 2, "filter_zero_variance": True, "max_filtered_per_step": 1})
+    eng = engine(delay_s=(0.0, 0.002))
+    per_step, shares = [], []
+
+    def check(batch, v):
+        per_step.append(ex.metrics.get("rollout/step_dropped/zero_variance", 0))
+        shares.append(ex.metrics["rollout/zero_variance_share"])
+
+    with WorkflowExecutor(TokenWorkflow(cfg), eng, DATASET, cfg) as ex:
+        trained = train(ex, eng, 20, check=check)
+    assert max(per_step) == 1 and sum(per_step) == ex.counts()["dropped:zero_variance"]
+    assert max(shares) > 0  # budget spent: zero-variance groups were trained on
+    assert_accounting(ex, trained)

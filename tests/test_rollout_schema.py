@@ -54,6 +54,12 @@ def test_each_rule_names_workflow_sample_trajectory_field_and_rule(rule):
     assert message.startswith(WHERE) and f"rule '{rule}'" in message and f"field '{field}'" in message
 
 
+def test_an_empty_trajectory_has_no_trained_token():
+    empty = make_traj(n_prompt=0, n_gen=0)
+    with pytest.raises(TrajectorySchemaError, match="no_trained_token.*empty"):
+        check_trajectory(empty, WHERE)
+
+
 def test_generated_but_untrained_tokens_keep_their_values():
     # turn-2 prompt tokens are generated-looking but masked: real versions/logprobs are allowed
     traj = make_traj(loss_mask=np.array([0, 0, 0, 1, 0, 1, 1], bool))

@@ -105,6 +105,7 @@ class WorkflowExecutor:
         self._fatal: Optional[BaseException] = None
         self._consecutive_failures = 0
         self._failure_kinds_logged: set[str] = set()
+        self._metrics_error_logged = False
         self._stopping = threading.Event()
         self._dispatcher: Optional[threading.Thread] = None
         self.metrics: dict[str, float] = {}
@@ -365,7 +366,14 @@ class WorkflowExecutor:
             metrics[f"rollout/count/{category}"] = float(count)
         for reason, count in dropped_now.items():
             metrics[f"rollout/step_dropped/{reason}"] = float(count)
-        for name, value in self.workflow.metrics().items():
+        try:
+            workflow_metrics = self.workflow.metrics()
+        except Exception:  # noqa: BLE001 - a metrics bug must not lose a consumed batch
+            if not self._metrics_error_logged:
+                log.exception("workflow %s: metrics() raised; its metrics are left out", self.workflow.name)
+                self._metrics_error_logged = True
+            workflow_metrics = {}
+        for name, value in workflow_metrics.items():
             metrics[f"rollout/workflow/{name}"] = float(value)
         self.metrics = metrics
 
