@@ -143,7 +143,8 @@ class FakeEngine:
             if not tokens:
                 raise ValueError("FakeEngine.responder returned no tokens")
             return tokens, logprobs[: len(tokens)]
-        allowed = np.array([t for t in range(self.first_token_id, self.vocab_size) if t not in stop_ids], dtype=np.int32)
+        allowed = np.setdiff1d(np.arange(self.first_token_id, self.vocab_size, dtype=np.int32),
+                               np.fromiter(stop_ids, dtype=np.int32, count=len(stop_ids)))
         ends = rng.random(request.max_new_tokens) < self.eos_prob
         choices = rng.integers(0, len(allowed), size=request.max_new_tokens)
         eos = self.eos_token_id if self.eos_token_id in stop_ids else min(stop_ids) if stop_ids else None

@@ -37,6 +37,7 @@ import numpy as np
 import pydantic
 
 from asyncrl.config import Config
+from asyncrl.data import sample_at
 from asyncrl.engine.protocol import InferenceEngine
 from asyncrl.errors import EngineCrashed, RolloutError, TrajectorySchemaError
 from asyncrl.rollout import batch as batch_lib
@@ -66,7 +67,8 @@ class WorkflowExecutor:
     Args:
         workflow: the :class:`RolloutWorkflow` whose ``run_episode`` each thread runs.
         engine: an :class:`~asyncrl.engine.protocol.InferenceEngine`.
-        dataset: a sequence of sample mappings; sample id ``s`` is ``dataset[s % len(dataset)]``.
+        dataset: a :class:`~asyncrl.data.SampleOrder` (sample id ``s`` is its draw ``s``) or a
+            plain sequence of sample mappings (cycled in order: ``dataset[s % len(dataset)]``).
         cfg: the run config (``rollout.*``, ``data.*``).
         version: the version served at start (default: ``engine.version``; ``k`` on resume).
         row_multiple: batch rows are padded to a multiple of this (the trainer's sharding).
@@ -103,9 +105,15 @@ class WorkflowExecutor:
         self._fatal: Optional[BaseException] = None
         self._consecutive_failures = 0
         self._failure_kinds_logged: set[str] = set()
+        self._metrics_error_logged = False
         self._stopping = threading.Event()
         self._dispatcher: Optional[threading.Thread] = None
         self.metrics: dict[str, float] = {}
+        """Metrics of the last ``prepare_batch`` (queue depth, in-flight, counts, lag, latency, wait)."""
+        self.last_batch_sample_ids: list[int] = []
+        """Sample ids of the groups in the last batch, in batch (group_index) order."""
+        self.last_groups: list[TrajectoryGroup] = []
+        """The groups of the last batch, in batch (group_index) order (for reward metrics and dumps)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -134,6 +142,12 @@ class WorkflowExecutor:
 
     def set_version(self, version: int) -> None:
         """The engine now serves ``version`` (call after ``engine.update_weights`` returned)."""
+        served = self.engine.version
+        if version > served:
+            raise RolloutError(
+                f"set_version({version}) while the engine serves version {served}: call engine.update_weights(params, "
+                f"{version}) first, so that no token of the old weights is tagged with the new version"
+            )
         with self._wake:
             self.ledger.publish(version)
             self._wake.notify_all()
@@ -182,7 +196,7 @@ class WorkflowExecutor:
         group: Optional[TrajectoryGroup] = None
         outcome, detail, error = "ok", "", None
         try:
-            sample = dict(self.dataset[episode.sample_id % len(self.dataset)])
+            sample = dict(sample_at(self.dataset, episode.sample_id))
             sample["sample_id"] = episode.sample_id
             group = self.workflow.run_episode(self.engine, sample)
             if group is not None:
@@ -203,7 +217,8 @@ class WorkflowExecutor:
             is_schema = err.title in ("Trajectory", "TrajectoryGroup")
             outcome, detail, error = ("schema", "type", err) if is_schema else ("error", "", err)
         except BaseException as err:  # noqa: BLE001 - any episode error is a counted failure
-            outcome, error = "error", err
+            crash = _engine_crash_in_chain(err)
+            outcome, error = ("crash", crash) if crash is not None else ("error", err)
         text = "".join(traceback.format_exception(error)) if error is not None else ""
         with self._wake:
             if self._running.get(episode.ticket) is not episode or self._stopping.is_set():
@@ -281,11 +296,14 @@ class WorkflowExecutor:
         budget = rollout.resolved_max_filtered_per_step
         filtered = 0
         dropped_now: collections.Counter = collections.Counter()
-        while True:
-            with self._wake:
+        with self._wake:
+            if version != self.ledger.version:
+                raise RolloutError(
+                    f"prepare_batch(version={version}) but the executor is at version {self.ledger.version}: "
+                    "a batch is prepared with the version it will be trained at (publish, then set_version)"
+                )
+            while True:
                 self._raise_fatal()
-                if version != self.ledger.version:
-                    raise RolloutError(f"prepare_batch(version={version}) but the executor is at version {self.ledger.version}: call set_version first")
                 for ticket, group in self._queue.get_all():
                     self._ready[ticket] = group
                 tickets = self.ledger.candidates(rollout.batch_order)
@@ -306,29 +324,25 @@ class WorkflowExecutor:
                         row_multiple=self.row_multiple, filter_budget=budget - filtered,
                     )
                     assert not more, "prepare_batch dropped a group select_groups kept"
+                    self.last_batch_sample_ids = [self.ledger.sample_id(t) for t in chosen]
                     self.ledger.consume(chosen)
                     kept_groups = [self._ready.pop(t) for t in chosen]
+                    self.last_groups = kept_groups
                     self._wake.notify_all()
                     self._update_metrics(batch, kept_groups, version, time.monotonic() - started, dropped_now)
                     return batch
-                waiting_for = [t for t in self.ledger.in_flight_tickets()][:1]
-            if self._stopping.is_set():
-                raise RolloutError("prepare_batch: the executor was stopped")
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                counts = self.counts()
-                raise RolloutError(
-                    f"prepare_batch timed out after {timeout} s with {len(kept)} of {rollout.batch_size} groups ready "
-                    f"(order {rollout.batch_order}, waiting for ticket {waiting_for or 'none'}); counts: {counts}"
-                )
-            try:
-                ticket, group = self._queue.get(timeout=_MAX_WAIT_S if remaining is None else min(remaining, _MAX_WAIT_S))
-            except QueueClosed:
-                continue  # fatal or stopped: the next iteration raises
-            except Exception:  # queue.Empty
-                continue
-            with self._lock:
-                self._ready[ticket] = group
+                if self._stopping.is_set():
+                    raise RolloutError("prepare_batch: the executor was stopped")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    blocking = self.ledger.in_flight_tickets()[:1]
+                    raise RolloutError(
+                        f"prepare_batch timed out after {timeout} s with {len(kept)} of {rollout.batch_size} groups ready "
+                        f"(batch_order {rollout.batch_order}, oldest in-flight ticket {blocking or 'none'}); "
+                        f"counts: {self.ledger.counts()}"
+                    )
+                # Every episode end, drop, publish, fatal error and stop notifies this condition.
+                self._wake.wait(_MAX_WAIT_S if remaining is None else min(remaining, _MAX_WAIT_S))
 
     def _update_metrics(self, batch: TrainBatch, groups: list[TrajectoryGroup], version: int, waited: float,
                         dropped_now: Mapping[str, int]) -> None:
@@ -352,7 +366,14 @@ class WorkflowExecutor:
             metrics[f"rollout/count/{category}"] = float(count)
         for reason, count in dropped_now.items():
             metrics[f"rollout/step_dropped/{reason}"] = float(count)
-        for name, value in self.workflow.metrics().items():
+        try:
+            workflow_metrics = self.workflow.metrics()
+        except Exception:  # noqa: BLE001 - a metrics bug must not lose a consumed batch
+            if not self._metrics_error_logged:
+                log.exception("workflow %s: metrics() raised; its metrics are left out", self.workflow.name)
+                self._metrics_error_logged = True
+            workflow_metrics = {}
+        for name, value in workflow_metrics.items():
             metrics[f"rollout/workflow/{name}"] = float(value)
         self.metrics = metrics
 
@@ -407,12 +428,28 @@ class WorkflowExecutor:
                     fields["advantages"] = np.asarray(arrays[f"g{ticket}_t{i}_advantages"])
                 trajs.append(Trajectory(**fields, **{k: v for k, v in tmeta.items() if k != "advantages"}))
             ready[ticket] = TrajectoryGroup(trajectories=trajs, metadata=gmeta["metadata"])
+        if int(meta["ledger"]["version"]) != self.engine.version:
+            raise RolloutError(
+                f"rollout state is at version {meta['ledger']['version']} but the engine serves {self.engine.version}: "
+                "start the engine at the checkpoint's version"
+            )
         with self._lock:
             self.ledger.load_snapshot(meta["ledger"])
             missing = [t for t in self.ledger.candidates("completion") if t not in ready]
             if missing:
                 raise RolloutError(f"rollout state: queued tickets {missing} have no stored group")
             self._ready = ready
+
+
+def _engine_crash_in_chain(err: BaseException) -> Optional[EngineCrashed]:
+    """An EngineCrashed that a workflow wrapped in its own exception still stops training."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, EngineCrashed):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def save_state(state: Mapping[str, Any], directory: str | Path, prefix: str = "rollout") -> None:

@@ -48,7 +48,10 @@ class StalenessLedger:
         self.version = version
         self.next_ticket = 0
         self.next_sample_id = 0
-        self.consumed = 0
+        # Groups consumed by the trainer so far, the step in progress included. Starting at
+        # version k means k steps of B groups were trained: without this, a run resumed (or
+        # started) at k would admit k·B extra groups and train them with lag > η.
+        self.consumed = version * batch_size
         self._done_seq = 0
         self._entries: dict[int, _Entry] = {}
         self._reissue: list[tuple[int, int, int]] = []  # (ticket, sample_id, admit_version), ascending tickets
@@ -193,6 +196,7 @@ class StalenessLedger:
             "next_ticket": self.next_ticket,
             "next_sample_id": self.next_sample_id,
             "consumed": self.consumed,
+            "batch_size": self.batch_size,
             "done_seq": self._done_seq,
             "entries": [
                 [t, e.sample_id, e.state, e.admit_version, e.min_version, e.done_seq] for t, e in sorted(self._entries.items())
@@ -210,7 +214,10 @@ class StalenessLedger:
         self.version = int(snap["version"])
         self.next_ticket = int(snap["next_ticket"])
         self.next_sample_id = int(snap["next_sample_id"])
-        self.consumed = int(snap["consumed"])
+        # Re-base ``consumed`` on this ledger's batch size (a resume may change it): v·B, plus
+        # one batch if a step was in progress when the snapshot was taken.
+        in_progress = int(snap["consumed"]) > self.version * int(snap["batch_size"])
+        self.consumed = (self.version + in_progress) * self.batch_size
         self._done_seq = int(snap["done_seq"])
         self._terminal = Counter({k: int(v) for k, v in snap["terminal"].items()})
         self._entries = {}

@@ -271,6 +271,8 @@ def check_trajectory(traj: Trajectory, where: str, *, expected_temperature: Opti
     lengths = {name: arr.shape[0] for name, arr in arrays.items()}
     if len(set(lengths.values())) != 1:
         fail("equal_length", ", ".join(f"{k}={v}" for k, v in lengths.items()))
+    if lengths["input_ids"] == 0:
+        fail("no_trained_token", "the trajectory is empty")
     row = {name: arr[None, :] for name, arr in arrays.items()}
     violations = array_violations(
         row["input_ids"], np.ones_like(row["loss_mask"]), row["loss_mask"], row["behavior_logprobs"], row["versions"]
