@@ -54,6 +54,8 @@ class RunConfig(Section):
     """Root seed; every random stream of the run is derived from it."""
     total_steps: int = Field(default=100, ge=1)
     """Number of trainer steps (each consumes ``rollout.batch_size`` groups and publishes once)."""
+    overwrite: bool = False
+    """Replace the metrics of an earlier run in ``output_dir`` (otherwise starting there is an error)."""
 
     @property
     def resolved_output_dir(self) -> Path:
@@ -100,6 +102,8 @@ class RolloutConfig(Section):
     """Reward given in place of a reward function that raises or times out (counted, logged once)."""
     max_consecutive_failures: int = Field(default=20, ge=1)
     """This many failed episodes in a row stop training with the root cause."""
+    batch_timeout_s: float = Field(default=600.0, gt=0)
+    """The trainer gives up (and the run stops with the rollout counts) when a batch is not ready after this long."""
     length_bucket: int = Field(default=64, ge=1)
     """Batch length ``L`` is the longest sequence rounded up to a multiple of this (fewer recompilations)."""
     max_seq_len: Optional[int] = Field(default=None, ge=2)
@@ -120,8 +124,10 @@ class RolloutConfig(Section):
 
 
 class DataConfig(Section):
-    """The prompts: limits applied to every dataset sample."""
+    """The prompts: which dataset, and limits applied to every sample."""
 
+    dataset: ComponentSpec = "copy"
+    """Dataset/task: a built-in (``copy``, ``reverse``, ``add``, ``gsm8k``, ``jsonl``, ``hf``), an import path, or ``{target, kwargs}`` (e.g. ``{target: jsonl, kwargs: {path: data.jsonl, eval_size: 64}}``)."""
     max_prompt_tokens: int = Field(default=256, ge=1)
     """A prompt longer than this (in tokens, chat template included) is skipped and counted (``dropped:prompt_too_long``)."""
 
@@ -210,6 +216,10 @@ class LoggingConfig(Section):
 
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Python logging level of asyncrl's own loggers."""
+    dump_every_steps: int = Field(default=10, ge=0)
+    """Append a few of the step's trajectories (prompt, completion, reward components, versions) to ``trajectories.jsonl`` every this many steps; 0 is off."""
+    dump_groups: int = Field(default=2, ge=1)
+    """Groups written per trajectory dump."""
 
 
 class Config(Section):

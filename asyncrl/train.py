@@ -120,13 +120,11 @@ def _dump_trajectories(path: Path, step: int, groups: list, tokenizer: Any, limi
 
 def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) -> TrainResult:
     """Run the whole training job of ``cfg``; returns a summary (also printed)."""
-    import jax
-
     from asyncrl.data import SampleOrder
     from asyncrl.engine.jax_engine import JaxEngine
     from asyncrl.evaluate import evaluate
     from asyncrl.metrics import ConsoleSink, JsonlSink, StatsTracker, TensorBoardSink
-    from asyncrl.model import export_hf, load_model, split_params
+    from asyncrl.model import export_hf, load_model
     from asyncrl.provenance import write_provenance
     from asyncrl.rollout.executor import WorkflowExecutor
     from asyncrl.trainer import Trainer, build_mesh
@@ -137,11 +135,16 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
 
     loaded = load_model(cfg.model)
     cfg, task, workflow = build_task_and_workflow(cfg, loaded.tokenizer)
-    mesh = build_mesh(cfg.mesh)
-    trainer = Trainer(cfg, loaded.model, mesh)
-    engine = JaxEngine.from_config(cfg, loaded, trainer.params_for_publish(), version=0)
+    graphdef, initial_params = loaded.split()
+    trainer = Trainer(cfg, graphdef, initial_params, mesh=build_mesh(cfg.mesh))
+    # The engine serves the trainer's own (never donated) arrays: publishing copies nothing.
+    engine = JaxEngine(
+        graphdef, trainer.params_for_publish(), stop_token_ids=loaded.stop_token_ids,
+        config=cfg.engine, seed=cfg.run.seed, version=trainer.version,
+    )
     executor = WorkflowExecutor(
-        workflow, engine, SampleOrder(task.train, cfg.run.seed), cfg, version=0, row_multiple=trainer.row_multiple
+        workflow, engine, SampleOrder(task.train, cfg.run.seed), cfg, version=trainer.version,
+        row_multiple=trainer.row_multiple,
     )
     tracker = StatsTracker(
         [
@@ -175,6 +178,8 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
             version += 1
             step_time = time.perf_counter() - step_start
 
+            # The trainer times its own compute; the loop's step time covers the whole step.
+            train_metrics["perf/train_time"] = train_metrics.pop("perf/step_time", float("nan"))
             tracker.scalars(train_metrics)
             tracker.scalars(executor.metrics, reduce="last")
             tracker.scalars({f"engine/{k}": v for k, v in engine.metrics().items()}, reduce="last")
@@ -194,12 +199,10 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
         engine.shutdown()
         tracker.close()
 
-    graphdef, _ = split_params(loaded.model)
     export_hf(graphdef, loaded.tokenizer, out / "hf", params=trainer.params_for_publish())
     wall = time.monotonic() - started
     result = TrainResult(steps=version, final_eval=final_eval, wall_time_s=wall, output_dir=out, history=history)
     evals = " ".join(f"{k}={v:.3f}" for k, v in final_eval.items() if k in ("eval/reward", "eval/accuracy"))
     print(f"asyncrl: {version} steps, {evals or 'no eval'}, {wall:.0f} s, outputs in {out}", file=console or sys.stdout)
     print("training completed", file=console or sys.stdout)
-    del jax
     return result
