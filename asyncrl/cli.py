@@ -36,6 +36,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run GRPO/PPO training from a YAML config.",
     )
     _add_config_args(train)
+
+    evaluate = commands.add_parser(
+        "eval",
+        help="evaluate a model on the config's eval split",
+        description="Evaluate model.path (e.g. --set model.path=runs/quickstart/hf) on the eval split of the "
+        "config's dataset, with the config's workflow and rewards; prints a table and a JSON line.",
+    )
+    _add_config_args(evaluate)
+
+    export = commands.add_parser(
+        "export",
+        help="write a run's policy in Hugging Face format",
+        description="Write the policy saved in RUN_DIR (its latest checkpoint, else its final hf/ export) to OUT_DIR "
+        "as a Hugging Face model directory.",
+    )
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a run's output directory (run.output_dir)")
+    export.add_argument("out_dir", metavar="OUT_DIR", help="where to write the Hugging Face directory")
     return parser
 
 
@@ -71,6 +88,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "version":
         print(f"asyncrl {__version__}")
         return 0
+    if args.command == "export":
+        from asyncrl.export import export_run
+
+        written = export_run(args.run_dir, args.out_dir)
+        print(f"asyncrl: wrote {written}")
+        return 0
 
     from asyncrl.config import dump_config, load_config
 
@@ -80,8 +103,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "train":
-        print("asyncrl: training is not implemented yet (the config is valid)", file=sys.stderr)
-        return 1
+        from asyncrl.train import train
+
+        train(cfg, argv=["asyncrl", *sys.argv[1:]])
+        return 0
+    if args.command == "eval":
+        from asyncrl.export import evaluate_model
+
+        evaluate_model(cfg)
+        return 0
     raise AssertionError(f"unhandled command {args.command}")
 
 

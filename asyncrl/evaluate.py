@@ -128,3 +128,32 @@ def evaluate(engine: InferenceEngine, workflow: Any, samples: Sequence[Mapping[s
         raise EvalError(f"eval: weights were published during eval (version {version} -> {engine.version})")
     metrics["eval/time_s"] = time.perf_counter() - start
     return EvalResult(metrics=metrics, rows=rows)
+
+
+def evaluate_model(cfg: Config, stream: Any = None) -> EvalResult:
+    """``asyncrl eval``: load ``model.path``, evaluate it on the dataset's eval split, print
+    a table and one JSON line of the metrics."""
+    import json
+    import sys
+
+    from asyncrl.engine.jax_engine import JaxEngine
+    from asyncrl.model import load_model
+    from asyncrl.train import build_task_and_workflow
+
+    stream = stream or sys.stdout
+    loaded = load_model(cfg.model)
+    cfg, task, workflow = build_task_and_workflow(cfg, loaded.tokenizer)
+    graphdef, params = loaded.split()
+    engine = JaxEngine(graphdef, params, stop_token_ids=loaded.stop_token_ids, config=cfg.engine, seed=cfg.run.seed)
+    try:
+        result = evaluate(engine, workflow, task.eval, cfg)
+    finally:
+        engine.shutdown()
+    width = max(len(name) for name in result.metrics)
+    print(f"{'metric'.ljust(width)}  value", file=stream)
+    for name, value in result.metrics.items():
+        print(f"{name.ljust(width)}  {value:.4f}", file=stream)
+    for row in result.rows[:5]:
+        print(f"  {row['prompt']!r} -> {row['completion']!r}  reward {row['reward']:.3f}", file=stream)
+    print(json.dumps({"model": cfg.model.path, **result.metrics}), file=stream)
+    return result
