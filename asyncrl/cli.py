@@ -101,7 +101,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.print_config:
         sys.stdout.write(dump_config(cfg))
         return 0
-    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Other libraries (jax, transformers) speak at WARNING and up; asyncrl at logging.level.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("asyncrl").setLevel(cfg.logging.level)
     if args.command == "train":
         from asyncrl.train import train
 

@@ -86,6 +86,22 @@ def _prepare_output_dir(cfg: Config) -> Path:
     return out
 
 
+def _rename_train_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Loss terms under ``loss/`` (``train/loss`` -> ``loss/total``, ``train/pg_loss`` ->
+    ``loss/pg``); the trainer's own compute time becomes ``perf/train_time``, since the
+    loop's ``perf/step_time`` covers the whole step (batch wait, train, publish)."""
+    renamed = {}
+    for name, value in metrics.items():
+        if name == "train/loss":
+            name = "loss/total"
+        elif name.startswith("train/") and name.endswith("_loss"):
+            name = "loss/" + name[len("train/") : -len("_loss")]
+        elif name == "perf/step_time":
+            name = "perf/train_time"
+        renamed[name] = value
+    return renamed
+
+
 def _reward_metrics(groups: list, tracker: Any) -> None:
     rewards, components = [], {}
     for group in groups:
@@ -163,6 +179,7 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
         tracker.scalars(result.metrics, reduce="last")
 
     version = 0
+    generated_before = 0.0
     try:
         executor.start()
         if cfg.eval.every_steps:
@@ -178,11 +195,13 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
             version += 1
             step_time = time.perf_counter() - step_start
 
-            # The trainer times its own compute; the loop's step time covers the whole step.
-            train_metrics["perf/train_time"] = train_metrics.pop("perf/step_time", float("nan"))
-            tracker.scalars(train_metrics)
+            tracker.scalars(_rename_train_metrics(train_metrics))
             tracker.scalars(executor.metrics, reduce="last")
-            tracker.scalars({f"engine/{k}": v for k, v in engine.metrics().items()}, reduce="last")
+            engine_metrics = engine.metrics()
+            tracker.scalars(engine_metrics, reduce="last")
+            generated = engine_metrics.get("engine/decode_tokens", 0.0)
+            tracker.scalar("perf/gen_tokens_per_s", (generated - generated_before) / step_time)
+            generated_before = generated
             if groups:
                 _reward_metrics(groups, tracker)
             trained_tokens = float(batch.loss_mask.sum())

@@ -363,7 +363,8 @@ class WorkflowExecutor:
             "rollout/consecutive_failures": float(self._consecutive_failures),
         }
         for category, count in self.ledger.counts().items():
-            metrics[f"rollout/count/{category}"] = float(count)
+            # "dropped:stale" -> "rollout/count/dropped/stale": TensorBoard tags take no colons.
+            metrics[f"rollout/count/{category.replace(':', '/')}"] = float(count)
         for reason, count in dropped_now.items():
             metrics[f"rollout/step_dropped/{reason}"] = float(count)
         try:
