@@ -46,6 +46,8 @@ class TrainResult:
     wall_time_s: float
     output_dir: Path
     history: list[dict[str, float]]
+    final_params: Any = None
+    """The trained weights as host numpy arrays (the same as the ``hf/`` export)."""
 
 
 @dataclass
@@ -136,6 +138,8 @@ def _dump_trajectories(path: Path, step: int, groups: list, tokenizer: Any, limi
 
 def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) -> TrainResult:
     """Run the whole training job of ``cfg``; returns a summary (also printed)."""
+    import jax
+
     from asyncrl.data import SampleOrder
     from asyncrl.engine.jax_engine import JaxEngine
     from asyncrl.evaluate import evaluate
@@ -218,9 +222,12 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
         engine.shutdown()
         tracker.close()
 
-    export_hf(graphdef, loaded.tokenizer, out / "hf", params=trainer.params_for_publish())
+    final_params = jax.tree.map(np.asarray, trainer.params_for_publish())
+    export_hf(graphdef, loaded.tokenizer, out / "hf", params=final_params)
     wall = time.monotonic() - started
-    result = TrainResult(steps=version, final_eval=final_eval, wall_time_s=wall, output_dir=out, history=history)
+    result = TrainResult(
+        steps=version, final_eval=final_eval, wall_time_s=wall, output_dir=out, history=history, final_params=final_params
+    )
     evals = " ".join(f"{k}={v:.3f}" for k, v in final_eval.items() if k in ("eval/reward", "eval/accuracy"))
     print(f"asyncrl: {version} steps, {evals or 'no eval'}, {wall:.0f} s, outputs in {out}", file=console or sys.stdout)
     print("training completed", file=console or sys.stdout)
