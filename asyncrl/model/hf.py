@@ -143,7 +143,7 @@ def _param_layout(cfg: DecoderConfig) -> dict[tuple, tuple[str, bool, tuple[int,
     from asyncrl.model.transformer import Decoder
 
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
-    pure = nnx.state(abstract).to_pure_dict()
+    pure = nnx.to_pure_dict(nnx.state(abstract))
     layout = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(pure)[0]:
         keys = tuple(k.key for k in path)
@@ -342,7 +342,7 @@ def export_hf(
         hf_cfg.architectures = [_ARCHITECTURES[cfg.model_type]]
         hf_cfg.save_pretrained(str(tmp))
         GenerationConfig(eos_token_id=eos or None, pad_token_id=pad, bos_token_id=cfg.bos_token_id).save_pretrained(str(tmp))
-        params_now = nnx.state(model, nnx.Param).to_pure_dict()
+        params_now = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         tensors = {k: _contiguous(v) for k, v in hf_tensors_from_params(cfg, params_now).items()}
         save_file(tensors, str(tmp / SAFETENSORS_FILE), metadata={"format": "pt"})
         if tokenizer is not None:

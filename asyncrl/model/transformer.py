@@ -391,4 +391,4 @@ forward_jit = jax.jit(forward, static_argnums=0)
 def split_params(model: Decoder) -> tuple[nnx.GraphDef, dict]:
     """``(graphdef, params)`` with params a pure dict of ``jax.Array`` (immutable, publishable)."""
     graphdef, state = nnx.split(model)
-    return graphdef, state.to_pure_dict()
+    return graphdef, nnx.to_pure_dict(state)
