@@ -43,7 +43,7 @@ TINY_CHAT_TEMPLATE = (
 )
 
 _BUILD_LOCK = threading.Lock()  # builders in one process wait for each other (and for transformers' lazy imports)
-_BUILD_FORMAT = 1  # bump when the build recipe changes, so old cache entries are not reused
+_BUILD_FORMAT = 2  # bump when the build recipe changes, so old cache entries are not reused
 
 
 @dataclasses.dataclass(frozen=True)
