@@ -39,7 +39,7 @@ def checkpoints(tmp_path_factory):
     for i, family in enumerate(FAMILIES):
         path = root / family
         hf = save_hf_model(family, path, seed=i)
-        out[family] = (path, hf, load_model(str(path), load_tokenizer_files=False))
+        out[family] = (path, hf, load_model(str(path), with_tokenizer=False))
     return out
 
 
@@ -115,13 +115,13 @@ def test_bfloat16_checkpoint_loads(tmp_path):
     ids, mask = padded_batch(FAMILIES["qwen2"]["vocab_size"], seed=3)
     ref = hf_logits(ref_model, ids, mask)
 
-    exact = load_model(str(path), load_tokenizer_files=False)  # bf16 weights upcast to float32
+    exact = load_model(str(path), with_tokenizer=False)  # bf16 weights upcast to float32
     g, p = exact.split()
     assert jax.tree.leaves(p)[0].dtype == jnp.float32
     out = np.asarray(forward_jit(g, p, jnp.asarray(ids), None, jnp.asarray(mask))[0])
     assert np.abs(out - ref)[mask].max() < 1e-4
 
-    low = load_model(str(path), load_tokenizer_files=False, param_dtype="bfloat16", compute_dtype="bfloat16")
+    low = load_model(str(path), with_tokenizer=False, param_dtype="bfloat16", compute_dtype="bfloat16")
     g, p = low.split()
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p))
     out = np.asarray(forward_jit(g, p, jnp.asarray(ids), None, jnp.asarray(mask))[0])
@@ -141,7 +141,7 @@ def test_old_layout_config_gives_same_model(checkpoints, tmp_path):
         rope_theta=rope["rope_theta"],
         rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
     )
-    old = load_model(str(old_dir), load_tokenizer_files=False)
+    old = load_model(str(old_dir), with_tokenizer=False)
     assert old.config == new.config
     ids, mask = padded_batch(FAMILIES["llama"]["vocab_size"])
     a = forward_jit(*old.split(), jnp.asarray(ids), None, jnp.asarray(mask))[0]
@@ -243,7 +243,7 @@ def test_chunked_and_rematerialised_gradients_match_plain(checkpoints):
     from asyncrl.model import per_token_logprobs
 
     path, _, lm = checkpoints["llama"]
-    remat = load_model(str(path), load_tokenizer_files=False, remat=True, logprob_chunk_size=4)
+    remat = load_model(str(path), with_tokenizer=False, remat=True, logprob_chunk_size=4)
     ids, mask = padded_batch(FAMILIES["llama"]["vocab_size"], seed=6)
 
     def grads(graphdef, params):
@@ -269,7 +269,7 @@ def test_export_round_trip_loads_in_transformers(checkpoints, tmp_path, family):
     ids, mask = padded_batch(FAMILIES[family]["vocab_size"], seed=9)
     ours = np.asarray(forward_jit(*lm.split(), jnp.asarray(ids), None, jnp.asarray(mask))[0])
     assert np.abs(ours - hf_logits(hf, ids, mask))[mask].max() < 1e-5
-    reloaded = load_model(str(out), load_tokenizer_files=False)
+    reloaded = load_model(str(out), with_tokenizer=False)
     assert reloaded.config == lm.config and reloaded.stop_token_ids == lm.stop_token_ids
     # exporting from a graphdef + params (what the trainer holds) writes the same weights
     graphdef, params = split_params(lm.model)
