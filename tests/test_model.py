@@ -129,6 +129,13 @@ def test_bfloat16_checkpoint_loads(tmp_path):
     scale = np.abs(ref[mask]).max()
     assert np.abs(out - ref)[mask].max() < 0.05 * scale
 
+    # bf16 parameters export as bf16 tensors and reload bit-identical
+    exported = export_hf(low, None, tmp_path / "bf16-export")
+    with safe_open(str(exported / "model.safetensors"), framework="flax") as f:
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == jnp.bfloat16
+    again = load_model(str(exported), with_tokenizer=False, param_dtype="bfloat16", compute_dtype="bfloat16")
+    assert all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(again.split()[1])))
+
 
 def test_old_layout_config_gives_same_model(checkpoints, tmp_path):
     path, _, new = checkpoints["llama"]

@@ -110,7 +110,10 @@ def test_tiny_resolves_by_name_with_options(tiny_dir, monkeypatch):
     from asyncrl.config import load_config
 
     model_cfg = load_config(data={"model": {"path": "tiny", "logprob_chunk_size": 3, "remat": True}}).model
-    lm = load_model(model_cfg)
+    import asyncrl
+
+    assert asyncrl.load_model is load_model and asyncrl.export_hf is export_hf
+    lm = asyncrl.load_model(model_cfg)
     assert lm.config.logprob_chunk_size == 3 and lm.config.remat
     with pytest.raises(ConfigError, match="model.logprob_chunk_size"):
         load_config(data={"model": {"logprob_chunk_size": 0}})
