@@ -143,7 +143,7 @@ def _param_layout(cfg: DecoderConfig) -> dict[tuple, tuple[str, bool, tuple[int,
     from asyncrl.model.transformer import Decoder
 
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
-    pure = nnx.state(abstract).to_pure_dict()
+    pure = nnx.to_pure_dict(nnx.state(abstract))
     layout = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(pure)[0]:
         keys = tuple(k.key for k in path)
@@ -248,12 +248,14 @@ def load_model(
     compute_dtype: Optional[str] = None,
     remat: Optional[bool] = None,
     logprob_chunk_size: Optional[int] = None,
-    load_tokenizer_files: bool = True,
+    with_tokenizer: bool = True,
 ) -> LoadedModel:
     """Load a policy model: ``path`` is a local HF directory, ``tiny[:options]``, a hub id,
     or a :class:`asyncrl.config.ModelConfig` (whose fields supply the keyword defaults).
 
-    Returns :class:`LoadedModel` ``(model, tokenizer, stop_token_ids, pad_token_id, path)``.
+    Returns :class:`LoadedModel` ``(model, tokenizer, stop_token_ids, pad_token_id, path)``;
+    ``with_tokenizer=False`` skips the tokenizer (``tokenizer`` is then None), for bare
+    checkpoints. The dtype/remat/chunking keywords override the ModelConfig's fields.
     """
     runtime: dict[str, Any] = {}
     if hasattr(path, "path") and hasattr(path, "param_dtype"):  # a ModelConfig section
@@ -279,7 +281,7 @@ def load_model(
     state = nnx.state(model)
     nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
-    tokenizer = load_tokenizer(model_dir) if load_tokenizer_files else None
+    tokenizer = load_tokenizer(model_dir) if with_tokenizer else None
     stop_ids = read_stop_token_ids(model_dir, hf_config, tokenizer)
     pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     if pad is None:
@@ -342,7 +344,7 @@ def export_hf(
         hf_cfg.architectures = [_ARCHITECTURES[cfg.model_type]]
         hf_cfg.save_pretrained(str(tmp))
         GenerationConfig(eos_token_id=eos or None, pad_token_id=pad, bos_token_id=cfg.bos_token_id).save_pretrained(str(tmp))
-        params_now = nnx.state(model, nnx.Param).to_pure_dict()
+        params_now = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         tensors = {k: _contiguous(v) for k, v in hf_tensors_from_params(cfg, params_now).items()}
         save_file(tensors, str(tmp / SAFETENSORS_FILE), metadata={"format": "pt"})
         if tokenizer is not None:

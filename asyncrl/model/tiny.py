@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -41,7 +42,8 @@ TINY_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"
 )
 
-_BUILD_FORMAT = 1  # bump when the build recipe changes, so old cache entries are not reused
+_BUILD_LOCK = threading.Lock()  # builders in one process wait for each other (and for transformers' lazy imports)
+_BUILD_FORMAT = 2  # bump when the build recipe changes, so old cache entries are not reused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +184,12 @@ def ensure_tiny(path: str = "tiny", cache_dir: Optional[str | Path] = None) -> P
     target = root / tiny_dir_name(spec)
     if (target / "config.json").is_file():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    model = init_decoder(tiny_decoder_config(spec), seed=spec.seed)
-    export_hf(model, build_tiny_tokenizer(), target, exist_ok=True)
+    with _BUILD_LOCK:
+        if (target / "config.json").is_file():
+            return target
+        root.mkdir(parents=True, exist_ok=True)
+        model = init_decoder(tiny_decoder_config(spec), seed=spec.seed)
+        # Other processes may build the same spec at once: export_hf assembles a temporary
+        # directory and renames it into place; whoever renames second keeps the winner's.
+        export_hf(model, build_tiny_tokenizer(), target, exist_ok=True)
     return target

@@ -25,7 +25,9 @@ real token of the call (it stays put when the row had none). So:
 * a left-padded prompt ``[pad pad a b c]`` fills slots 0..4 (0, 1 invalid) and the
   next token goes to slot 5; a right-padded one ``[a b c pad pad]`` fills 0..4 (3, 4
   invalid) and the next token overwrites slot 3;
-* a row whose mask is all false in a call (an idle engine slot) is untouched;
+* a row whose mask is all false in a call (an idle engine slot) keeps its valid slots
+  and write position (K/V at and after ``write_pos`` may be overwritten, but those
+  slots are invalid: every valid slot lies before ``write_pos``);
 * positions default to the number of valid slots before the call plus the running
   count of real tokens in the call (``cumsum(mask) - 1``), so pads never shift the
   rotary positions; pass ``positions`` only to override.
@@ -41,6 +43,7 @@ finished slot is freed with :func:`kv_cache_clear_rows`.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any, NamedTuple, Optional
 
@@ -352,8 +355,30 @@ class Decoder(nnx.Module):
 
 
 def init_decoder(cfg: DecoderConfig, seed: int = 0) -> Decoder:
-    """A randomly initialised decoder (HF's init: normal(initializer_range), zero biases, unit norms)."""
-    return Decoder(cfg, nnx.Rngs(seed))
+    """A randomly initialised decoder with HF's scheme: weights ~ normal(0, initializer_range),
+    zero biases, unit norm weights.
+
+    Values come from numpy's PCG64 seeded by ``(seed, parameter path)``: deterministic
+    across jax versions and devices, and free of compilation (jax's threefry initialisers
+    take seconds to compile even for a tiny model, eager or jitted).
+    """
+    model = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    abstract = nnx.to_pure_dict(nnx.state(model))
+    dtype = dtype_of(cfg.param_dtype)
+
+    def fill(path, leaf):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        if name.endswith("bias"):
+            return jnp.zeros(leaf.shape, dtype)
+        if name.endswith("norm/weight"):
+            return jnp.ones(leaf.shape, dtype)
+        digest = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+        rng = np.random.Generator(np.random.PCG64([seed, digest]))
+        values = rng.standard_normal(leaf.shape, dtype=np.float32) * np.float32(cfg.initializer_range)
+        return jnp.asarray(values, dtype)
+
+    nnx.update(model, jax.tree_util.tree_map_with_path(fill, abstract))
+    return model
 
 
 # --------------------------------------------------------------------------- functional API
@@ -391,4 +416,4 @@ forward_jit = jax.jit(forward, static_argnums=0)
 def split_params(model: Decoder) -> tuple[nnx.GraphDef, dict]:
     """``(graphdef, params)`` with params a pure dict of ``jax.Array`` (immutable, publishable)."""
     graphdef, state = nnx.split(model)
-    return graphdef, state.to_pure_dict()
+    return graphdef, nnx.to_pure_dict(state)

@@ -1,0 +1,73 @@
+"""Partition rules on 8 forced CPU devices, in a spawned interpreter (the flag slows other tests)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.helpers import run_python, subprocess_env
+
+CHILD = r"""
+import json
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from asyncrl.model import forward, from_hf_config, init_decoder, split_params
+from asyncrl.model.sharding import param_partition_specs, shard_params
+from tests.model_helpers import FAMILIES, hf_config
+
+assert jax.device_count() == 8
+report = {}
+rng = np.random.RandomState(0)
+for family, mesh_shape in (("qwen2", (2, 2, 2)), ("qwen3", (1, 2, 4)), ("llama", (2, 1, 4))):
+    cfg = from_hf_config(hf_config(family)).replace(num_layers=1)  # one layer: same rules, half the compile
+    graphdef, params = split_params(init_decoder(cfg, seed=1))
+    # perturb every parameter, so zero biases and unit norms cannot hide a sharding error
+    params = jax.tree.map(lambda x: x + jnp.asarray(0.05 * rng.standard_normal(x.shape), x.dtype), params)
+    mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), ("data", "fsdp", "tensor"))
+    sharded = shard_params(cfg, params, mesh)
+    specs = param_partition_specs(cfg, params, mesh)
+    flat = jax.tree_util.tree_flatten_with_path(sharded)[0]
+    named = {".".join(str(k.key) for k in path): leaf for path, leaf in flat}
+    assert len(named) == len(jax.tree.leaves(params))
+    for name, leaf in named.items():
+        assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.mesh is mesh, name
+        assert len(leaf.sharding.spec) == leaf.ndim, name  # every dimension named (axis or None)
+    ids = rng.randint(0, cfg.vocab_size, (4, 9)).astype(np.int32)
+    mask = np.ones((4, 9), bool); mask[1, :2] = False; mask[3, 6:] = False
+    batch = NamedSharding(mesh, P(("data", "fsdp"), None))
+    ref = np.asarray(jax.jit(forward, static_argnums=0)(graphdef, params, jnp.asarray(ids), None, jnp.asarray(mask))[0])
+    out = jax.jit(forward, static_argnums=0)(graphdef, sharded, jax.device_put(ids, batch), None, jax.device_put(mask, batch))[0]
+    report[family] = {
+        "diff": float(np.abs(np.asarray(out) - ref)[mask].max()),
+        "specs": {n: [a if a is None or isinstance(a, str) else list(a) for a in s] for n, s in
+                  ((".".join(str(k.key) for k in p), s) for p, s in jax.tree_util.tree_flatten_with_path(
+                      specs, is_leaf=lambda x: isinstance(x, P))[0])},
+    }
+print("REPORT" + json.dumps(report))
+"""
+
+
+def test_every_parameter_sharded_and_sharded_forward_matches():
+    env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = run_python(CHILD, env=env, timeout=110)
+    report = json.loads(proc.stdout.split("REPORT", 1)[1])
+    for family, result in report.items():
+        assert result["diff"] < 1e-5, (family, result["diff"])
+
+    q2, q3, ll = report["qwen2"]["specs"], report["qwen3"]["specs"], report["llama"]["specs"]
+    # data x fsdp x tensor = 2 x 2 x 2: everything splits as the rules say
+    assert q2["embed_tokens.embedding"] == ["tensor", "fsdp"]
+    assert q2["layers.0.self_attn.q_proj.kernel"] == ["fsdp", "tensor"]
+    assert q2["layers.0.self_attn.k_proj.kernel"] == ["fsdp", "tensor"]  # 2 KV heads / 2
+    assert q2["layers.0.self_attn.k_proj.bias"] == ["tensor"]
+    assert q2["layers.0.self_attn.o_proj.kernel"] == ["tensor", "fsdp"]
+    assert q2["layers.0.mlp.down_proj.kernel"] == ["tensor", "fsdp"]
+    assert q2["layers.0.input_layernorm.weight"] == [None]
+    # tensor = 4 with 2 KV heads: k/v replicate along heads, q/o (4 heads) still split
+    assert q3["layers.0.self_attn.k_proj.kernel"] == ["fsdp", None]
+    assert q3["layers.0.self_attn.q_proj.kernel"] == ["fsdp", "tensor"]
+    assert q3["layers.0.self_attn.q_norm.weight"] == [None]
+    assert q3["lm_head.kernel"] == ["fsdp", "tensor"]  # vocab 40 / 4
+    # fsdp axis of size 1 is not used; vocab 44 / 4 splits; 1 KV head replicates
+    assert ll["layers.0.self_attn.v_proj.kernel"] == [None, None]
+    assert ll["embed_tokens.embedding"] == ["tensor", None]
