@@ -213,7 +213,7 @@ def _train_step_impl(
             return (grads, loss + micro_loss_value, accumulate_diagnostics(diag, micro_diag)), None
 
         (grads, loss, diag), _ = jax.lax.scan(one_micro, (zero_grads, jnp.zeros((), jnp.float32), zero_diag), mini)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         lr = schedule(update_count(state))
         updates, new_state = optimizer.update(grads, state, theta)
@@ -222,7 +222,7 @@ def _train_step_impl(
         theta = jax.lax.with_sharding_constraint(jax.tree.map(keep, new_theta, theta), p_shardings)
         state = jax.lax.with_sharding_constraint(jax.tree.map(keep, new_state, state), o_shardings)
         out = dict(diag, loss=loss, grad_norm=grad_norm, lr=lr, finite=finite,
-                   update_norm=jnp.where(finite, optax.global_norm(updates), 0.0))
+                   update_norm=jnp.where(finite, optax.tree.norm(updates), 0.0))
         return (theta, state), out
 
     (params, opt_state), per_update = jax.lax.scan(one_update, (params, opt_state), jnp.arange(n_updates))
