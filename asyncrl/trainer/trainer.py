@@ -294,13 +294,14 @@ def matmul_params(params: Any, model_cfg: Any) -> int:
     return total
 
 
-def step_flops(params: Any, model_cfg: Any, algo: AlgoParams, epochs: int, rows: int, length: int) -> float:
+def step_flops(n_matmul_params: int, model_cfg: Any, algo: AlgoParams, epochs: int, rows: int, length: int) -> float:
     """Model FLOPs of one step (rematerialisation not counted), on every position of the padded batch.
 
-    A forward pass costs ``2 * matmul_params + 4 * layers * L * heads * head_dim`` per token
-    (the attention is computed over all L positions); a training pass three forwards.
+    A forward pass costs ``2 * n_matmul_params + 4 * layers * L * heads * head_dim`` per token
+    (:func:`matmul_params`; the attention is computed over all L positions); a training pass
+    (forward + backward) three forwards; pi_prox and pi_ref one forward each when computed.
     """
-    per_token = 2 * matmul_params(params, model_cfg) + 4 * model_cfg.num_layers * length * model_cfg.num_heads * model_cfg.head_dim
+    per_token = 2 * n_matmul_params + 4 * model_cfg.num_layers * length * model_cfg.num_heads * model_cfg.head_dim
     passes = 3 * epochs + int(algo.needs_prox_recompute) + int(algo.needs_reference)
     return float(per_token) * rows * length * passes
 
@@ -418,7 +419,7 @@ class Trainer:
         :func:`asyncrl.algo.policy_loss` under ``train/`` (means over the applied updates),
         ``train/grad_norm`` (before clipping), ``train/update_norm``, ``train/lr``,
         ``train/skipped_updates`` (this step), ``train/skipped_updates_total``,
-        ``train/trained_tokens``, ``train/version``, ``perf/step_time``,
+        ``train/trained_tokens``, ``train/version``, ``perf/step_time``, ``perf/trained_tokens_per_s``,
         ``perf/compile_count``, ``perf/flops_per_s`` (model FLOPs, :func:`step_flops`).
         Raises :class:`TrainerError` after ``optim.max_consecutive_nonfinite`` skipped updates in a row.
         """
@@ -447,7 +448,7 @@ class Trainer:
                         self.version, skipped, finite.size)
         self.version += 1
         rows, length = batch.input_ids.shape
-        flops = step_flops(self.params, self.model_cfg, self.algo, self.spec.ppo_epochs,
+        flops = step_flops(self._matmul_params, self.model_cfg, self.algo, self.spec.ppo_epochs,
                            rows * jax.process_count(), length)
         metrics = {f"train/{k}": float(v) for k, v in out.items()}
         metrics.update({
@@ -455,6 +456,7 @@ class Trainer:
             "train/skipped_updates_total": float(self.skipped_updates_total),
             "train/version": float(self.version),
             "perf/step_time": elapsed,
+            "perf/trained_tokens_per_s": float(out["trained_tokens"]) / elapsed,
             "perf/compile_count": float(compile_count()),
             "perf/flops_per_s": flops / elapsed,
         })
