@@ -10,7 +10,7 @@ import pytest
 
 from asyncrl.errors import TrainerError
 from asyncrl.model import load_model, per_token_logprobs_jit
-from asyncrl.trainer import Trainer, learning_rate_schedule, weight_decay_mask
+from asyncrl.trainer import Trainer, compile_count, learning_rate_schedule, weight_decay_mask
 from asyncrl.trainer.optim import OptimParams
 from tests.trainer_fixtures import make_batch, trainer_config
 
@@ -79,8 +79,10 @@ def test_state_dict_round_trip_continues_identically(tiny):
     b = Trainer(cfg, graphdef, params)
     b.load_state_dict(state)
     assert (b.version, b.update_count) == (1, 1)
+    compiled = compile_count()
     a.step(make_batch(seed=7))
-    b.step(make_batch(seed=7))
+    metrics = b.step(make_batch(seed=7))
+    assert compile_count() == compiled == metrics["perf/compile_count"]  # equal configs share the jitted step
     assert max_diff(host(a.params), host(b.params)) == 0.0
 
 

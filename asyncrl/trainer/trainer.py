@@ -218,7 +218,8 @@ def _train_step_impl(
         lr = schedule(update_count(state))
         updates, new_state = optimizer.update(grads, state, theta)
         new_theta = optax.apply_updates(theta, updates)
-        keep = lambda new, old: jnp.where(finite, new, old)
+        # Old values where not finite; dtypes kept (bfloat16 params/moments with float32 gradients).
+        keep = lambda new, old: jnp.where(finite, new, old).astype(old.dtype)
         theta = jax.lax.with_sharding_constraint(jax.tree.map(keep, new_theta, theta), p_shardings)
         state = jax.lax.with_sharding_constraint(jax.tree.map(keep, new_state, state), o_shardings)
         out = dict(diag, loss=loss, grad_norm=grad_norm, lr=lr, finite=finite,
