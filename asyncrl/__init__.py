@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "SingleTurnWorkflow": "asyncrl.rollout.workflow",
     "WorkflowExecutor": "asyncrl.rollout.executor",
     "prepare_batch": "asyncrl.rollout.batch",
+    "Trainer": "asyncrl.trainer",
 }
 
 __all__ = ["__version__", *_EXPORTS]

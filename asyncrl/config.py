@@ -211,6 +211,74 @@ class EvalConfig(Section):
     """Eval requests still unfinished after this long come back aborted."""
 
 
+class OptimConfig(Section):
+    """The optimizer of the trainer: an optax chain of global-norm clipping and AdamW (or SGD), with a schedule.
+
+    The schedule counts optimizer updates (``algo.ppo_epochs * algo.mini_batches`` per trainer
+    step), not trainer steps; a skipped (non-finite) update advances neither Adam's count nor it.
+    The defaults suit the ``tiny`` model on CPU; pretrained LMs usually want ``lr`` 1e-6 to 1e-5.
+    """
+
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """``adamw`` (decoupled weight decay on the parameters not matched by ``no_decay``), or plain ``sgd``."""
+    lr: float = Field(default=1e-3, gt=0)
+    """Peak learning rate (reached after ``warmup_steps`` updates)."""
+    b1: float = Field(default=0.9, ge=0, lt=1)
+    """AdamW's first-moment decay."""
+    b2: float = Field(default=0.999, ge=0, lt=1)
+    """AdamW's second-moment decay."""
+    eps: float = Field(default=1e-8, gt=0)
+    """AdamW's epsilon (added to the root of the second moment)."""
+    weight_decay: float = Field(default=0.01, ge=0)
+    """AdamW's decoupled weight decay, applied to every parameter except those matched by ``no_decay``."""
+    no_decay: list[str] = Field(default_factory=lambda: ["embed", "norm", "bias"])
+    """Regexes searched in each parameter's dotted path (``layers.0.self_attn.q_proj.bias``); a match gets no weight decay. Default: embeddings (and a tied lm head), norms, biases."""
+    max_grad_norm: Optional[float] = Field(default=1.0, gt=0)
+    """Clip the global gradient norm of each update (after accumulating all micro-batches) to this; null: no clipping."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer updates of linear warm-up: update k (from 0) uses ``lr * min(1, (k + 1) / warmup_steps)``."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: ``constant`` at ``lr``, or ``cosine`` decay to ``lr * min_lr_ratio`` over ``decay_steps`` updates."""
+    decay_steps: Optional[int] = Field(default=None, ge=1)
+    """Updates of the cosine decay; null: ``run.total_steps * algo.ppo_epochs * algo.mini_batches - warmup_steps``."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Final learning rate of the cosine schedule, as a fraction of ``lr``."""
+    micro_batches: int = Field(default=1, ge=1)
+    """Gradient-accumulation chunks per optimizer update: each mini-batch is split into this many micro-batches (memory, not math: the update is the same)."""
+    max_consecutive_nonfinite: int = Field(default=5, ge=1)
+    """This many optimizer updates in a row with a non-finite loss or gradient (each skipped) stop training with an error."""
+
+
+class DistributedConfig(Section):
+    """Multi-process (multi-host) SPMD training on JAX's own distributed runtime."""
+
+    enabled: bool = False
+    """Call ``jax.distributed.initialize`` before anything else touches JAX; every process runs the same program."""
+    coordinator_address: Optional[str] = None
+    """``host:port`` of process 0's coordinator; null: JAX's detection (``JAX_COORDINATOR_ADDRESS``, SLURM, Open MPI, Kubernetes, ...)."""
+    num_processes: Optional[int] = Field(default=None, ge=1)
+    """Number of processes; null: JAX's cluster detection."""
+    process_id: Optional[int] = Field(default=None, ge=0)
+    """This process's index in ``[0, num_processes)``; null: JAX's cluster detection."""
+
+
+class MeshConfig(Section):
+    """The trainer's device mesh (axes ``data``, ``fsdp``, ``tensor``) over ``jax.devices()``.
+
+    Parameters and optimizer state are placed by the model's partition rules
+    (``asyncrl/model/sharding.py``); batch rows are split over ``data`` x ``fsdp``.
+    """
+
+    data: Optional[int] = Field(default=None, ge=1)
+    """Data-parallel replicas; null: all devices left over by ``fsdp`` x ``tensor``."""
+    fsdp: int = Field(default=1, ge=1)
+    """Devices each parameter's hidden dimension is split over (ZeRO-3 style); also splits batch rows."""
+    tensor: int = Field(default=1, ge=1)
+    """Devices attention heads, MLP width and vocabulary are split over (Megatron style)."""
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    """Multi-process setup (off by default: one process)."""
+
+
 class LoggingConfig(Section):
     """What the run reports and how."""
 
@@ -235,6 +303,10 @@ class Config(Section):
     """The RL objective."""
     data: DataConfig = Field(default_factory=DataConfig)
     """Prompt limits."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """The trainer's optimizer and schedule."""
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    """The trainer's device mesh and multi-process setup."""
     workflow: ComponentSpec = "single_turn"
     """The rollout workflow (``RolloutWorkflow`` subclass): alias, ``pkg.module:Class``, or ``{target, kwargs}``."""
     rewards: list[RewardSpec] = Field(default_factory=list)

@@ -56,3 +56,9 @@ class EngineCrashed(RuntimeError):
         self.engine_traceback = engine_traceback
         text = message if not engine_traceback else f"{message}\n--- engine traceback ---\n{engine_traceback.rstrip()}"
         super().__init__(text)
+
+
+class TrainerError(AsyncRLError):
+    """The trainer cannot run a step: a batch that does not fit the mesh or the config
+    (row count, shapes, versions), a bad mesh, or too many non-finite updates in a row.
+    The message names the field or config key at fault."""

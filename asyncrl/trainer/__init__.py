@@ -1,0 +1,28 @@
+"""The trainer: jitted optax updates of the policy on a device mesh.
+
+- :mod:`asyncrl.trainer.trainer`: :class:`Trainer` (``step``, ``params_for_publish``,
+  ``state_dict``/``load_state_dict``) and the module-level jitted :func:`train_step`;
+- :mod:`asyncrl.trainer.optim`: the optax chain (clipping, AdamW with a weight-decay mask,
+  warm-up + constant/cosine schedule) from the ``optim`` config section;
+- :mod:`asyncrl.trainer.mesh`: the ``(data, fsdp, tensor)`` mesh and ``jax.distributed`` set-up
+  from the ``mesh`` config section.
+"""
+
+from asyncrl.trainer.mesh import build_mesh, initialize_distributed, row_sharding
+from asyncrl.trainer.optim import OptimParams, build_optimizer, learning_rate_schedule, weight_decay_mask
+from asyncrl.trainer.trainer import StepSpec, Trainer, compile_count, step_flops, train_step
+
+__all__ = [
+    "OptimParams",
+    "StepSpec",
+    "Trainer",
+    "build_mesh",
+    "build_optimizer",
+    "compile_count",
+    "initialize_distributed",
+    "learning_rate_schedule",
+    "row_sharding",
+    "step_flops",
+    "train_step",
+    "weight_decay_mask",
+]

@@ -1,0 +1,521 @@
+"""The trainer: one jitted step per ``TrainBatch`` on a ``(data, fsdp, tensor)`` mesh.
+
+One call of :meth:`Trainer.step` is one trainer step of DESIGN's "Versions": it starts
+from the weights of version ``v`` (:attr:`Trainer.version`, the number of completed
+steps), runs ``algo.ppo_epochs x algo.mini_batches`` optimizer updates, and leaves the
+weights of version ``v + 1`` for :meth:`Trainer.params_for_publish`. Everything of a step
+runs inside one module-level jitted function, :func:`train_step` (static config: the
+model graphdef, :class:`~asyncrl.algo.AlgoParams`, :class:`~asyncrl.trainer.optim.OptimParams`
+and a :class:`StepSpec`), so trainers with equal configs share one compilation:
+
+1. trained mask and advantages from ``rewards`` + ``group_index`` (``asyncrl.algo``),
+   unless the batch carries its own advantages;
+2. pi_prox log-probs of the step's starting weights, once, on the whole batch, no
+   gradient, when ``algo`` needs them recomputed (decoupled with ``prox_logp: recompute``,
+   or mismatch correction); reference log-probs (frozen initial weights) only when
+   ``algo.kl_coef > 0``;
+3. ``lax.scan`` over the updates; each accumulates float32 gradients over
+   ``optim.micro_batches`` (``lax.scan``) with the mini-batch's aggregation denominators,
+   then clips the global norm once and applies the optax update. An update whose loss or
+   gradient norm is not finite keeps the old parameters and optimizer state (Adam's count
+   and the schedule do not advance): ``optax.apply_if_finite`` semantics, counted.
+
+Log-probs everywhere come from :func:`asyncrl.model.per_token_logprobs` at the batch's
+temperature (a traced scalar: a new temperature does not recompile).
+
+Row layout. Rows are split over ``data x fsdp`` (S shards); each mini-batch must take
+rows from every shard, or most devices would idle. The host therefore permutes the
+batch's rows before placing them: logical row ``((i * U + j) * S + s) * b + k`` (mini-batch
+i, micro-batch j, shard s) goes to shard s. Mini-batch i is then the logical rows
+``[i * rows / M, (i + 1) * rows / M)`` whatever the mesh, so the result does not depend on
+the number of devices. With several processes each process permutes its own rows, and
+mini-batch i is the i-th chunk of every process's rows.
+
+Donation. The optimizer state is donated; gradient buffers live inside the one jitted
+step (a ``lax.scan`` carry), where XLA reuses them. Parameters are never donated: the
+weights handed out by :meth:`Trainer.params_for_publish` are the trainer's own buffers
+(``device_put`` onto the same sharding does not copy), so donating them would invalidate
+the engine's copy. The cost is one extra copy of the parameters during a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from asyncrl.algo import (
+    AlgoParams,
+    accumulate_diagnostics,
+    aggregation_denominators,
+    compute_advantages,
+    policy_loss,
+    trained_mask,
+)
+from asyncrl.errors import TrainerError
+from asyncrl.model.logprobs import per_token_logprobs
+from asyncrl.model.sharding import param_shardings
+from asyncrl.trainer.mesh import (
+    ROW_AXES,
+    build_mesh,
+    initialize_distributed,
+    local_row_shards,
+    row_shards,
+    row_sharding,
+)
+from asyncrl.trainer.optim import OptimParams, build_optimizer, dotted_path, learning_rate_schedule, update_count
+
+log = logging.getLogger(__name__)
+
+_TRACE_COUNT = [0]
+"""Traces of the train step in this process (fallback for :func:`compile_count`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Static shape of a step: the mesh, the model config, and the update structure."""
+
+    mesh: Any
+    """``jax.sharding.Mesh`` (hashable)."""
+    model_cfg: Any
+    """``asyncrl.model.DecoderConfig`` (for the partition rules)."""
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    micro_batches: int = 1
+
+    @property
+    def row_shards(self) -> int:
+        return row_shards(self.mesh)
+
+
+BATCH_FIELDS = ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "rewards", "group_index", "truncated")
+"""TrainBatch fields the jitted step reads (plus ``advantages`` when present)."""
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, opt_state: Any, p_shardings: Any, mesh: Any) -> Any:
+    """Shardings of an optax state: per-parameter leaves follow their parameter, the rest replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return optax.tree_map_params(
+        optimizer, lambda _, sharding: sharding, opt_state, p_shardings, transform_non_params=lambda _: replicated
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("optim", "spec"))
+def init_opt_state(params: Any, *, optim: OptimParams, spec: StepSpec) -> Any:
+    """The optimizer state of ``params``, placed like them (module level: shared compilation)."""
+    optimizer = build_optimizer(optim)
+    state = optimizer.init(params)
+    shardings = opt_state_shardings(optimizer, state, param_shardings(spec.model_cfg, params, spec.mesh), spec.mesh)
+    return jax.lax.with_sharding_constraint(state, shardings)
+
+
+def _to_chunks(x: jax.Array, spec: StepSpec) -> jax.Array:
+    """``[rows, ...]`` in device order -> ``[M, U, S * b, ...]`` (mini, micro, rows of that micro-batch)."""
+    s, m, u = spec.row_shards, spec.mini_batches, spec.micro_batches
+    rows, rest = x.shape[0], x.shape[1:]
+    b = rows // (s * m * u)
+    x = x.reshape(s, m, u, b, *rest)
+    x = jnp.moveaxis(x, 0, 2).reshape(m, u, s * b, *rest)
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(spec.mesh, PartitionSpec(None, None, ROW_AXES, *([None] * len(rest))))
+    )
+
+
+def _train_step_impl(
+    graphdef: Any,
+    params: Any,
+    opt_state: Any,
+    ref_params: Optional[Any],
+    batch: dict[str, jax.Array],
+    temperature: jax.Array,
+    *,
+    algo: AlgoParams,
+    optim: OptimParams,
+    spec: StepSpec,
+):
+    """One trainer step. ``batch``: the TrainBatch fields, ``[rows, L]`` / ``[rows]``, rows in
+    device order (see the module docstring). Returns ``(params, opt_state, metrics)``; metrics
+    hold scalars plus ``finite [updates]`` (whether each update was applied, in order)."""
+    _TRACE_COUNT[0] += 1
+    mesh = spec.mesh
+    m_count, u_count = spec.mini_batches, spec.micro_batches
+    n_updates = spec.ppo_epochs * m_count
+    optimizer = build_optimizer(optim)
+    schedule = learning_rate_schedule(optim)
+    p_shardings = param_shardings(spec.model_cfg, params, mesh)
+    o_shardings = opt_state_shardings(optimizer, opt_state, p_shardings, mesh)
+    length = batch["input_ids"].shape[1]
+
+    # 1. Whole-batch quantities: the trained mask and the advantages (group statistics are global).
+    mask = trained_mask(batch["loss_mask"], batch["group_index"], batch["truncated"], algo)
+    if "advantages" in batch:
+        advantages = batch["advantages"].astype(jnp.float32)  # [rows, L], the workflow's own
+    else:
+        advantages = compute_advantages(
+            batch["rewards"], batch["group_index"], jnp.sum(batch["loss_mask"], axis=-1), algo
+        )  # [rows]
+    chunks = {
+        "input_ids": _to_chunks(batch["input_ids"], spec),
+        "attention_mask": _to_chunks(batch["attention_mask"], spec),
+        "mask": _to_chunks(mask, spec),
+        "behavior_logprobs": _to_chunks(batch["behavior_logprobs"].astype(jnp.float32), spec),
+        "advantages": _to_chunks(advantages, spec),
+        "real": _to_chunks(batch["group_index"] >= 0, spec),
+    }
+
+    # 2. pi_prox and pi_ref, once per step on the whole batch (micro-batch by micro-batch), no gradient.
+    def all_logprobs(weights):
+        flat = lambda x: x.reshape(m_count * u_count, *x.shape[2:])
+        one = lambda a: per_token_logprobs(graphdef, weights, a[0], a[1], temperature)[0]
+        out = jax.lax.map(one, (flat(chunks["input_ids"]), flat(chunks["attention_mask"])))
+        return jax.lax.stop_gradient(out.reshape(m_count, u_count, *out.shape[1:]))
+
+    chunks["prox_logprobs"] = all_logprobs(params) if algo.needs_prox_recompute else chunks["behavior_logprobs"]
+    if algo.needs_reference:
+        chunks["ref_logprobs"] = all_logprobs(ref_params)
+
+    # 3. The optimizer updates.
+    def micro_loss(theta, x, denominators):
+        logprobs, entropy = per_token_logprobs(graphdef, theta, x["input_ids"], x["attention_mask"], temperature)
+        return policy_loss(
+            logprobs, x["prox_logprobs"], x["behavior_logprobs"], x["advantages"], x["mask"], denominators, algo,
+            entropy=entropy, ref_logprobs=x.get("ref_logprobs"),
+        )
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def one_update(carry, update_index):
+        theta, state = carry
+        mini = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, update_index % m_count, 0, False), chunks)
+        denominators = aggregation_denominators(
+            mini["mask"].reshape(-1, length), mini["real"].reshape(-1)
+        )  # over the whole mini-batch, passed to every micro-batch
+        first = jax.tree.map(lambda x: x[0], mini)
+        (_, diag_shape), _ = jax.eval_shape(grad_fn, theta, first, denominators)
+        zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), theta)
+        zero_diag = {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0.0, v.dtype)
+                     for k, v in diag_shape.items()}
+
+        def one_micro(acc, x):
+            grads, loss, diag = acc
+            (micro_loss_value, micro_diag), g = grad_fn(theta, x, denominators)
+            # float32 sum (not mean): each micro-batch's loss is its share of the mini-batch loss
+            grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+            grads = jax.lax.with_sharding_constraint(grads, p_shardings)
+            return (grads, loss + micro_loss_value, accumulate_diagnostics(diag, micro_diag)), None
+
+        (grads, loss, diag), _ = jax.lax.scan(one_micro, (zero_grads, jnp.zeros((), jnp.float32), zero_diag), mini)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        lr = schedule(update_count(state))
+        updates, new_state = optimizer.update(grads, state, theta)
+        new_theta = optax.apply_updates(theta, updates)
+        # Old values where not finite; dtypes kept (bfloat16 params/moments with float32 gradients).
+        keep = lambda new, old: jnp.where(finite, new, old).astype(old.dtype)
+        theta = jax.lax.with_sharding_constraint(jax.tree.map(keep, new_theta, theta), p_shardings)
+        state = jax.lax.with_sharding_constraint(jax.tree.map(keep, new_state, state), o_shardings)
+        out = dict(diag, loss=loss, grad_norm=grad_norm, lr=lr, finite=finite,
+                   update_norm=jnp.where(finite, optax.tree.norm(updates), 0.0))
+        return (theta, state), out
+
+    (params, opt_state), per_update = jax.lax.scan(one_update, (params, opt_state), jnp.arange(n_updates))
+
+    # Means over the applied updates (NaN when none was), maxima for ``_max`` keys.
+    finite = per_update.pop("finite")
+    applied = jnp.sum(finite)
+    metrics = {}
+    for key, values in per_update.items():
+        if key.endswith("_max"):
+            metrics[key] = jnp.max(jnp.where(finite, values, -jnp.inf))
+        else:
+            metrics[key] = jnp.sum(jnp.where(finite, values, 0.0)) / applied
+    metrics["lr"] = per_update["lr"][-1]
+    metrics["trained_tokens"] = jnp.sum(mask)
+    metrics["finite"] = finite
+    return params, opt_state, metrics
+
+
+train_step = jax.jit(
+    _train_step_impl, static_argnames=("graphdef", "algo", "optim", "spec"), donate_argnames=("opt_state",)
+)
+"""The jitted step. Donates the optimizer state; never the parameters (they may have been
+published: the engine may hold the very same buffers)."""
+
+
+def compile_count() -> int:
+    """Compilations of :func:`train_step` in this process, all trainers together."""
+    size = getattr(train_step, "_cache_size", None)
+    return int(size()) if callable(size) else _TRACE_COUNT[0]
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    """A (possibly multi-process) jax.Array as a full numpy array on this host."""
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _place(tree: Any, shardings: Any) -> Any:
+    """Put host/jax values (identical on every process) onto ``shardings``."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def one(x, sharding):
+        host = _to_numpy(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def matmul_params(params: Any, model_cfg: Any) -> int:
+    """Parameters that take part in matmuls (every matrix but the embedding table, plus the lm head)."""
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if leaf.ndim == 2 and "embed_tokens" not in dotted_path(path):
+            total += int(np.prod(leaf.shape))
+    if model_cfg.tie_word_embeddings:
+        total += model_cfg.vocab_size * model_cfg.hidden_size
+    return total
+
+
+def step_flops(n_matmul_params: int, model_cfg: Any, algo: AlgoParams, epochs: int, rows: int, length: int) -> float:
+    """Model FLOPs of one step (rematerialisation not counted), on every position of the padded batch.
+
+    A forward pass costs ``2 * n_matmul_params + 4 * layers * L * heads * head_dim`` per token
+    (:func:`matmul_params`; the attention is computed over all L positions); a training pass
+    (forward + backward) three forwards; pi_prox and pi_ref one forward each when computed.
+    """
+    per_token = 2 * n_matmul_params + 4 * model_cfg.num_layers * length * model_cfg.num_heads * model_cfg.head_dim
+    passes = 3 * epochs + int(algo.needs_prox_recompute) + int(algo.needs_reference)
+    return float(per_token) * rows * length * passes
+
+
+class Trainer:
+    """Holds the policy's parameters and optimizer state on the mesh and runs trainer steps.
+
+    ``Trainer(cfg, graphdef, params)`` with ``graphdef, params = split_params(model)``
+    (``params`` a pure dict, e.g. of the initial weights, which the engine may serve), or :meth:`from_config`. Then per step::
+
+        metrics = trainer.step(batch)                       # TrainBatch of this process's rows
+        engine.update_weights(trainer.params_for_publish(), trainer.version)
+
+    With ``mesh.distributed.enabled`` every process constructs the trainer and calls
+    :meth:`step` with a batch of its own whole groups (the same number of rows everywhere).
+    """
+
+    def __init__(self, cfg: Any, graphdef: Any, params: Any, *, mesh: Any = None):
+        from flax import nnx
+
+        initialize_distributed(cfg.mesh)
+        self.cfg = cfg
+        self.graphdef = graphdef
+        self.model_cfg = nnx.merge(graphdef, params).cfg
+        self.algo = AlgoParams.from_config(cfg)
+        self.optim = OptimParams.from_config(cfg)
+        self.mesh = mesh if mesh is not None else build_mesh(cfg.mesh)
+        self.spec = StepSpec(
+            mesh=self.mesh, model_cfg=self.model_cfg, ppo_epochs=cfg.algo.ppo_epochs,
+            mini_batches=cfg.algo.mini_batches, micro_batches=cfg.optim.micro_batches,
+        )
+        self.param_shardings = param_shardings(self.model_cfg, params, self.mesh)
+        self.params = _place(params, self.param_shardings)
+        # The reference is the initial weights (never donated, like every parameter).
+        self.ref_params = self.params if self.algo.needs_reference else None
+        self.opt_state = init_opt_state(self.params, optim=self.optim, spec=self.spec)
+        self.version = 0
+        """Completed trainer steps: the version of :attr:`params` (DESIGN "Versions")."""
+        self.skipped_updates_total = 0
+        self.consecutive_nonfinite = 0
+        self._matmul_params = matmul_params(params, self.model_cfg)
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, mesh: Any = None) -> "Trainer":
+        """Load ``cfg.model`` and build the trainer on its initial weights."""
+        initialize_distributed(cfg.mesh)
+        from asyncrl.model import load_model
+
+        graphdef, params = load_model(cfg.model, load_tokenizer_files=False).split()
+        return cls(cfg, graphdef, params, mesh=mesh)
+
+    # ------------------------------------------------------------------ batches
+
+    @property
+    def row_multiple(self) -> int:
+        """This process's rows must be a multiple of this (``prepare_batch(row_multiple=...)``)."""
+        return local_row_shards(self.mesh) * self.spec.mini_batches * self.spec.micro_batches
+
+    def _device_batch(self, batch: Any) -> tuple[dict[str, jax.Array], float]:
+        """Check the batch, permute its rows into device order and place them on the mesh."""
+        fields = {name: np.asarray(getattr(batch, name)) for name in BATCH_FIELDS}
+        if batch.advantages is not None:
+            fields["advantages"] = np.asarray(batch.advantages)
+        rows, length = fields["input_ids"].shape
+        for name, value in fields.items():
+            expected = (rows, length) if name not in ("rewards", "group_index", "truncated") else (rows,)
+            if value.shape != expected:
+                raise TrainerError(f"Trainer.step: TrainBatch.{name} has shape {value.shape}, expected {expected}")
+        multiple = self.row_multiple
+        if rows == 0 or rows % multiple:
+            local = local_row_shards(self.mesh)
+            raise TrainerError(
+                f"Trainer.step: the batch has {rows} rows, not a multiple of {multiple} = row shards of this process "
+                f"({local}, mesh data x fsdp) x algo.mini_batches ({self.spec.mini_batches}) x optim.micro_batches "
+                f"({self.spec.micro_batches}); build it with prepare_batch(..., row_multiple=trainer.row_multiple)"
+            )
+        temperature = float(batch.temperature)
+        if not temperature > 0:
+            raise TrainerError(f"Trainer.step: TrainBatch.temperature must be > 0 (given {temperature})")
+        if self.algo.decoupled and self.cfg.algo.prox_logp == "behave":
+            stale = fields["loss_mask"] & (np.asarray(batch.versions) != self.version)
+            if stale.any():
+                row, pos = np.argwhere(stale)[0]
+                raise TrainerError(
+                    f"Trainer.step: algo.prox_logp 'behave' needs every trained token at the step's version "
+                    f"{self.version}, but row {row} position {pos} has version {int(batch.versions[row, pos])}; "
+                    "use algo.prox_logp: recompute (or max_staleness 0)"
+                )
+        if jax.process_count() > 1:
+            # Groups of different processes must not share an index: offset by this process's rows.
+            gi = fields["group_index"]
+            fields["group_index"] = np.where(gi >= 0, gi + jax.process_index() * rows, -1).astype(np.int32)
+        s, m, u = local_row_shards(self.mesh), self.spec.mini_batches, self.spec.micro_batches
+        b = rows // (s * m * u)
+
+        def device_order(x: np.ndarray) -> np.ndarray:
+            rest = x.shape[1:]
+            return np.ascontiguousarray(
+                np.moveaxis(x.reshape(m, u, s, b, *rest), 2, 0).reshape(rows, *rest)
+            )
+
+        placed = {}
+        for name, value in fields.items():
+            local = device_order(value)
+            global_shape = (rows * jax.process_count(), *local.shape[1:])
+            placed[name] = jax.make_array_from_process_local_data(row_sharding(self.mesh, local.ndim), local, global_shape)
+        return placed, temperature
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, batch: Any) -> dict[str, float]:
+        """Run one trainer step on ``batch`` (a ``TrainBatch``); returns its metrics.
+
+        Metrics (floats): ``train/loss`` and every term and diagnostic of
+        :func:`asyncrl.algo.policy_loss` under ``train/`` (means over the applied updates),
+        ``train/grad_norm`` (before clipping), ``train/update_norm``, ``train/lr``,
+        ``train/skipped_updates`` (this step), ``train/skipped_updates_total``,
+        ``train/trained_tokens``, ``train/version``, ``perf/step_time``, ``perf/trained_tokens_per_s``,
+        ``perf/compile_count``, ``perf/flops_per_s`` (model FLOPs, :func:`step_flops`).
+        Raises :class:`TrainerError` after ``optim.max_consecutive_nonfinite`` skipped updates in a row.
+        """
+        start = time.perf_counter()
+        arrays, temperature = self._device_batch(batch)
+        self.params, self.opt_state, out = train_step(
+            self.graphdef, self.params, self.opt_state, self.ref_params, arrays, jnp.float32(temperature),
+            algo=self.algo, optim=self.optim, spec=self.spec,
+        )
+        out = jax.tree.map(_to_numpy, out)
+        elapsed = time.perf_counter() - start
+
+        finite = out.pop("finite")
+        skipped = int(np.sum(~finite))
+        self.skipped_updates_total += skipped
+        for ok in finite:
+            self.consecutive_nonfinite = 0 if ok else self.consecutive_nonfinite + 1
+            if self.consecutive_nonfinite >= self.cfg.optim.max_consecutive_nonfinite:
+                raise TrainerError(
+                    f"Trainer.step: {self.consecutive_nonfinite} optimizer updates in a row had a non-finite loss or "
+                    f"gradient (optim.max_consecutive_nonfinite = {self.cfg.optim.max_consecutive_nonfinite}) at "
+                    f"step {self.version}; check rewards, advantages and behavior_logprobs for NaN/inf, or lower optim.lr"
+                )
+        if skipped:
+            log.warning("trainer step %d: skipped %d of %d updates (non-finite loss or gradient)",
+                        self.version, skipped, finite.size)
+        self.version += 1
+        rows, length = batch.input_ids.shape
+        flops = step_flops(self._matmul_params, self.model_cfg, self.algo, self.spec.ppo_epochs,
+                           rows * jax.process_count(), length)
+        metrics = {f"train/{k}": float(v) for k, v in out.items()}
+        metrics.update({
+            "train/skipped_updates": float(skipped),
+            "train/skipped_updates_total": float(self.skipped_updates_total),
+            "train/version": float(self.version),
+            "perf/step_time": elapsed,
+            "perf/trained_tokens_per_s": float(out["trained_tokens"]) / elapsed,
+            "perf/compile_count": float(compile_count()),
+            "perf/flops_per_s": flops / elapsed,
+        })
+        return metrics
+
+    # ------------------------------------------------------------------ publishing and state
+
+    def params_for_publish(self) -> dict:
+        """The current weights (version :attr:`version`) as a fresh pure dict of immutable
+        ``jax.Array`` s, for ``engine.update_weights``. They stay valid after later steps: the
+        trainer never donates weights it has handed out."""
+        return jax.tree.map(lambda x: x, self.params)
+
+    @property
+    def update_count(self) -> int:
+        """Optimizer updates applied so far (the schedule's count)."""
+        return int(_to_numpy(update_count(self.opt_state)))
+
+    def state_dict(self) -> dict:
+        """``{params, opt_state, step, skipped_updates_total, consecutive_nonfinite, update_count}``
+        as numpy: ``params`` a nested dict like the model's, ``opt_state`` a flat
+        ``{dotted path: array}`` of the optax state's leaves (no pickling needed to save it).
+        The reference model is not included: it is the initial weights, rebuilt from the model."""
+        opt_leaves = jax.tree_util.tree_flatten_with_path(self.opt_state)[0]
+        return {
+            "params": jax.tree.map(_to_numpy, self.params),
+            "opt_state": {dotted_path(path) or "root": _to_numpy(leaf) for path, leaf in opt_leaves},
+            "step": self.version,
+            "skipped_updates_total": self.skipped_updates_total,
+            "consecutive_nonfinite": self.consecutive_nonfinite,
+            "update_count": self.update_count,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (onto this trainer's mesh)."""
+        expected = jax.tree.structure(jax.tree.map(lambda x: 0, self.params))
+        given = jax.tree.structure(jax.tree.map(lambda x: 0, state["params"]))
+        if expected != given:
+            raise TrainerError(f"Trainer.load_state_dict: params do not match the model ({given} vs {expected})")
+        params = _place(jax.tree.map(np.asarray, state["params"]), self.param_shardings)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(self.opt_state)
+        leaves = []
+        for path, leaf in paths:
+            key = dotted_path(path) or "root"
+            if key not in state["opt_state"]:
+                raise TrainerError(f"Trainer.load_state_dict: opt_state has no entry {key!r} (optimizer config changed?)")
+            value = np.asarray(state["opt_state"][key])
+            if value.shape != leaf.shape:
+                raise TrainerError(f"Trainer.load_state_dict: opt_state {key!r} has shape {value.shape}, expected {leaf.shape}")
+            leaves.append(value.astype(leaf.dtype))
+        host_state = jax.tree.unflatten(treedef, leaves)
+        self.opt_state = _place(host_state, jax.tree.map(lambda x: x.sharding, self.opt_state))
+        self.params = params
+        self.version = int(state["step"])
+        self.skipped_updates_total = int(state["skipped_updates_total"])
+        self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
+        if self.update_count != int(state["update_count"]):
+            raise TrainerError(
+                f"Trainer.load_state_dict: update_count {state['update_count']} disagrees with the optimizer state's "
+                f"schedule count {self.update_count}"
+            )

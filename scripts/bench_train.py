@@ -1,0 +1,110 @@
+"""Benchmark the jitted trainer step; prints one JSON line.
+
+For each model (``tiny`` and ``bench-40m`` by default) one trainer step on a batch of
+``--rows`` x ``--length`` tokens (every token after an 8-token prompt trained), AdamW,
+one update per step: step time (median of ``--steps`` after a compiling warm-up step),
+trained tokens/s, achieved model FLOP/s (:func:`asyncrl.trainer.step_flops`: matmul FLOPs
+of forward + backward, rematerialisation not counted) and its fraction of the peak
+FLOP/s of a large float32 ``jnp.dot`` measured on the same machine just before.
+
+Usage: PYTHONPATH=. python scripts/bench_train.py [--models tiny,bench-40m] [--rows 16] [--length 96] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+
+def matmul_peak(n: int = 2048, repeats: int = 10) -> float:
+    """FLOP/s of an ``n x n`` float32 ``jnp.dot`` (best of ``repeats``)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    dot(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dot(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n**3 / best
+
+
+def batch(rows: int, length: int, vocab: int, prompt: int = 8):
+    import numpy as np
+
+    from asyncrl.rollout.trajectory import TrainBatch
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, vocab, size=(rows, length)).astype(np.int32)
+    attention = np.ones((rows, length), bool)
+    loss = attention.copy()
+    loss[:, :prompt] = False
+    behavior = np.where(loss, -rng.uniform(0.5, 4.0, size=(rows, length)), 0.0).astype(np.float32)
+    versions = np.where(loss, 0, -1).astype(np.int32)
+    group_index = (np.arange(rows) // 4).astype(np.int32)
+    rewards = rng.normal(size=rows).astype(np.float32)
+    return TrainBatch(ids, attention, loss, behavior, versions, rewards, group_index, np.zeros(rows, bool), 1.0)
+
+
+def bench_model(name: str, rows: int, length: int, steps: int, peak: float) -> dict:
+    from asyncrl.config import load_config
+    from asyncrl.model import bench_40m_config, init_decoder, load_model, split_params
+    from asyncrl.trainer import Trainer
+
+    if name == "bench-40m":
+        graphdef, params = split_params(init_decoder(bench_40m_config(), seed=0))
+    else:
+        graphdef, params = load_model(name, load_tokenizer_files=False).split()
+    cfg = load_config(data={"rollout": {"group_size": 4, "batch_size": rows // 4}})
+    trainer = Trainer(cfg, graphdef, params)
+    data = batch(rows, length, trainer.model_cfg.vocab_size)
+    first = trainer.step(data)  # compiles
+    runs = [trainer.step(data) for _ in range(steps)]
+    step_time = statistics.median(m["perf/step_time"] for m in runs)
+    trained = first["train/trained_tokens"]
+    flops = [m["perf/flops_per_s"] * m["perf/step_time"] for m in runs][0]
+    return {
+        "params": sum(x.size for x in __import__("jax").tree.leaves(params)),
+        "compile_and_first_step_s": round(first["perf/step_time"], 3),
+        "step_time_s": round(step_time, 4),
+        "trained_tokens_per_s": round(trained / step_time, 1),
+        "tokens_per_s": round(rows * length / step_time, 1),
+        "flops_per_step": flops,
+        "achieved_flops_per_s": round(flops / step_time),
+        "fraction_of_matmul_peak": round(flops / step_time / peak, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,bench-40m")
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--length", type=int, default=96)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    load_before = os.getloadavg()
+    peak = matmul_peak()
+    result = {
+        "rows": args.rows,
+        "length": args.length,
+        "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "matmul_peak_flops_per_s": round(peak),
+    }
+    for name in args.models.split(","):
+        result[name] = bench_model(name, args.rows, args.length, args.steps, peak)
+    result["loadavg_1m_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
