@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "WorkflowExecutor": "asyncrl.rollout.executor",
     "prepare_batch": "asyncrl.rollout.batch",
     "Trainer": "asyncrl.trainer",
+    "SFTData": "asyncrl.sft",
 }
 
 __all__ = ["__version__", *_EXPORTS]
