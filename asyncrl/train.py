@@ -167,8 +167,8 @@ class _Run:
         from asyncrl.metrics import StatsTracker, TensorBoardSink
 
         multi = bool(self.cfg.stages)
-        self.jsonl._extra = {"stage": stage.name} if multi else {}
-        self.console._prefix = f"[{stage.name}] " if multi else ""
+        self.jsonl.tags = {"stage": stage.name} if multi else {}
+        self.console.prefix = f"[{stage.name}] " if multi else ""
         tensorboard = TensorBoardSink(self.out / "tensorboard" / stage.name if multi else self.out / "tensorboard")
         return StatsTracker([self.jsonl, tensorboard, self.console]), tensorboard
 
