@@ -297,6 +297,33 @@ class LoggingConfig(Section):
     """Groups written per trajectory dump."""
 
 
+class StageConfig(Section):
+    """One stage of a multi-stage run: SFT or RL, with overrides of the top-level sections."""
+
+    name: str = "rl"
+    """Stage name: tags its metrics (``stage`` in metrics.jsonl, ``tensorboard/<name>/``) and checkpoints."""
+    type: Literal["sft", "rl"] = "rl"
+    """``sft``: cross-entropy on reference responses; ``rl``: GRPO/PPO with rollouts."""
+    total_steps: int = Field(default=100, ge=1)
+    """Trainer steps of this stage."""
+    data: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the top-level ``data`` section for this stage (only the keys given)."""
+    workflow: Optional[ComponentSpec] = None
+    """Overrides the top-level ``workflow`` for this stage."""
+    rewards: Optional[list[RewardSpec]] = None
+    """Overrides the top-level ``rewards`` for this stage."""
+    algo: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the top-level ``algo`` section for this stage."""
+    optim: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the top-level ``optim`` section for this stage (each stage starts a fresh optimizer)."""
+    eval: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the top-level ``eval`` section for this stage."""
+
+
+STAGE_SECTIONS = ("data", "workflow", "rewards", "algo", "optim", "eval")
+"""Top-level sections a stage may override."""
+
+
 class Config(Section):
     """The whole configuration of a run."""
 
@@ -321,7 +348,9 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Evaluation on the held-out split."""
     sft: SFTConfig = Field(default_factory=SFTConfig)
-    """Supervised fine-tuning batches."""
+    """Supervised fine-tuning batches (stages of ``type: sft``)."""
+    stages: list[StageConfig] = Field(default_factory=list)
+    """Stages run in order on one model (e.g. ``[{name: sft, type: sft, total_steps: 50}, {name: rl, total_steps: 100}]``); empty: one RL stage of ``run.total_steps``."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Logging."""
 
@@ -359,6 +388,55 @@ class Config(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_stages(self) -> "Config":
+        if not self.stages:
+            return self
+        problems = []
+        if "total_steps" in self.run.model_fields_set:
+            problems.append("run.total_steps: with stages, set each stage's total_steps instead")
+        names = [stage.name for stage in self.stages]
+        if len(set(names)) != len(names):
+            problems.append(f"stages: stage names must differ (given {names})")
+        for index in range(len(self.stages)):
+            try:
+                self.stage_config(index)
+            except ValidationError as err:
+                problems.extend(
+                    f"stages.{index}.{line}".replace("did you mean '", f"did you mean 'stages.{index}.")
+                    for line in format_validation_error(err, Config)
+                )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def stage_configs(self) -> list[tuple["StageConfig", "Config"]]:
+        """Each stage with its flat config (the top level, overridden by the stage, no stages)."""
+        if not self.stages:
+            return [(StageConfig(name="rl", type="rl", total_steps=self.run.total_steps), self)]
+        return [(stage, self.stage_config(index)) for index, stage in enumerate(self.stages)]
+
+    def stage_config(self, index: int) -> "Config":
+        stage = self.stages[index]
+        raw = self.model_dump(mode="json", exclude={"stages"})
+        for section in STAGE_SECTIONS:
+            override = getattr(stage, section)
+            if override is None or override == {}:
+                continue
+            if isinstance(override, dict) and isinstance(raw.get(section), dict):
+                raw[section] = _deep_merge(raw[section], override)
+            else:
+                raw[section] = override.model_dump(mode="json") if isinstance(override, BaseModel) else (
+                    [r.model_dump(mode="json") for r in override] if isinstance(override, list) else override
+                )
+        raw["run"]["total_steps"] = stage.total_steps
+        return Config.model_validate(raw)
+
+    @property
+    def total_steps(self) -> int:
+        """Trainer steps of the whole run: ``run.total_steps``, or the stages' sum."""
+        return sum(stage.total_steps for stage in self.stages) if self.stages else self.run.total_steps
+
     @property
     def max_seq_len(self) -> int:
         """The cap on a batch's length ``L``: ``rollout.max_seq_len`` or prompt + completion limits."""
@@ -369,6 +447,13 @@ class Config(Section):
 
 GROUP_NORMALISED_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 """Built-in advantage estimators that need at least two sequences per group."""
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    merged = dict(base)
+    for key, value in override.items():
+        merged[key] = _deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
 
 
 # --------------------------------------------------------------------------- loading

@@ -109,10 +109,10 @@ class JsonlSink:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._handle = self.path.open("a", encoding="utf-8")
-        self._extra = dict(extra or {})
+        self.tags = dict(extra or {})
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, **self._extra, **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()}}
+        record = {"step": step, **self.tags, **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()}}
         self._handle.write(json.dumps(record) + "\n")
         self._handle.flush()
 
@@ -155,7 +155,7 @@ class ConsoleSink:
         self._total = total_steps
         self._start_step = start_step
         self._start_time = time.monotonic()
-        self._prefix = prefix
+        self.prefix = prefix
         self._last: dict[str, str] = {}
         use_bar = self._stream.isatty() if use_bar is None else use_bar
         self._bar = None
@@ -177,7 +177,7 @@ class ConsoleSink:
         elapsed = time.monotonic() - self._start_time
         eta = elapsed / done * (self._total - step) if done > 0 else float("nan")
         eta_text = f"{eta:.0f}s" if math.isfinite(eta) else "?"
-        print(f"{self._prefix}step {step}/{self._total} {fields} eta {eta_text}", file=self._stream, flush=True)
+        print(f"{self.prefix}step {step}/{self._total} {fields} eta {eta_text}", file=self._stream, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

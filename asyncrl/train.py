@@ -136,99 +136,158 @@ def _dump_trajectories(path: Path, step: int, groups: list, tokenizer: Any, limi
                 handle.write(json.dumps(record, default=str) + "\n")
 
 
+class _Run:
+    """The state one run shares across its stages: model, mesh, engine, sinks, version."""
+
+    def __init__(self, cfg: Config, out: Path, console: Any):
+        from asyncrl.metrics import ConsoleSink, JsonlSink
+        from asyncrl.model import load_model
+        from asyncrl.trainer import build_mesh
+
+        self.cfg = cfg
+        self.out = out
+        self.loaded = load_model(cfg.model)
+        self.graphdef, self.params = self.loaded.split()
+        self.mesh = build_mesh(cfg.mesh)
+        self.engine: Any = None
+        self.version = 0
+        """Completed trainer steps over all stages: the version the engine serves."""
+        self.console = ConsoleSink(cfg.total_steps, stream=console)
+        self.jsonl = JsonlSink(out / "metrics.jsonl")
+        self.history: list[dict[str, float]] = []
+        self.final_eval: dict[str, float] = {}
+        self.generated_before = 0.0
+
+    # ------------------------------------------------------------------ shared pieces
+
+    def tracker_for(self, stage: Any) -> Any:
+        """Sinks of one stage. With several stages, rows of metrics.jsonl carry ``stage`` and
+        each stage writes its own TensorBoard run (``tensorboard/<stage>/``), so curves of
+        different stages never collide under one name."""
+        from asyncrl.metrics import StatsTracker, TensorBoardSink
+
+        multi = bool(self.cfg.stages)
+        self.jsonl.tags = {"stage": stage.name} if multi else {}
+        self.console.prefix = f"[{stage.name}] " if multi else ""
+        tensorboard = TensorBoardSink(self.out / "tensorboard" / stage.name if multi else self.out / "tensorboard")
+        return StatsTracker([self.jsonl, tensorboard, self.console]), tensorboard
+
+    def ensure_engine(self, trainer: Any, scfg: Config) -> Any:
+        from asyncrl.engine.jax_engine import JaxEngine
+
+        if self.engine is None:
+            # The engine serves the trainer's own (never donated) arrays: publishing copies nothing.
+            self.engine = JaxEngine(
+                self.graphdef, trainer.params_for_publish(), stop_token_ids=self.loaded.stop_token_ids,
+                config=scfg.engine, seed=scfg.run.seed, version=self.version,
+            )
+        return self.engine
+
+    def publish(self, trainer: Any) -> None:
+        self.engine.update_weights(trainer.params_for_publish(), self.version + 1)
+        self.version += 1
+
+    def evaluate(self, scfg: Config, workflow: Any, task: Any, tracker: Any) -> None:
+        from asyncrl.evaluate import evaluate
+
+        result = evaluate(self.engine, workflow, task.eval, scfg)
+        self.final_eval = result.metrics
+        tracker.scalars(result.metrics, reduce="last")
+
+    def record_engine(self, tracker: Any, step_time: float) -> None:
+        engine_metrics = self.engine.metrics()
+        tracker.scalars(engine_metrics, reduce="last")
+        generated = engine_metrics.get("engine/decode_tokens", 0.0)
+        tracker.scalar("perf/gen_tokens_per_s", (generated - self.generated_before) / step_time)
+        self.generated_before = generated
+
+    def eval_due(self, scfg: Config, stage_step: int) -> bool:
+        every = scfg.eval.every_steps
+        return bool(every) and (stage_step % every == 0 or stage_step == scfg.run.total_steps)
+
+    # ------------------------------------------------------------------ stages
+
+    def rl_stage(self, stage: Any, scfg: Config, trainer: Any, first: bool) -> None:
+        from asyncrl.data import SampleOrder
+        from asyncrl.rollout.executor import WorkflowExecutor
+
+        scfg, task, workflow = build_task_and_workflow(scfg, self.loaded.tokenizer)
+        engine = self.ensure_engine(trainer, scfg)
+        executor = WorkflowExecutor(
+            workflow, engine, SampleOrder(task.train, scfg.run.seed), scfg, version=self.version,
+            row_multiple=trainer.row_multiple,
+        )
+        tracker, tensorboard = self.tracker_for(stage)
+        try:
+            executor.start()
+            if first and scfg.eval.every_steps:
+                self.evaluate(scfg, workflow, task, tracker)
+                self.history.append(tracker.commit(self.version))
+            for stage_step in range(1, scfg.run.total_steps + 1):
+                step_start = time.perf_counter()
+                batch = executor.prepare_batch(self.version, timeout=scfg.rollout.batch_timeout_s)
+                groups = list(executor.last_groups)
+                train_metrics = trainer.step(batch)
+                self.publish(trainer)
+                executor.set_version(self.version)
+                step_time = time.perf_counter() - step_start
+
+                tracker.scalars(_rename_train_metrics(train_metrics))
+                tracker.scalars(executor.metrics, reduce="last")
+                self.record_engine(tracker, step_time)
+                _reward_metrics(groups, tracker)
+                tracker.scalar("perf/step_time", step_time)
+                tracker.scalar("perf/trained_tokens_per_s", float(batch.loss_mask.sum()) / step_time)
+                if scfg.logging.dump_every_steps and stage_step % scfg.logging.dump_every_steps == 0:
+                    _dump_trajectories(
+                        self.out / "trajectories.jsonl", self.version, groups, self.loaded.tokenizer, scfg.logging.dump_groups
+                    )
+                if self.eval_due(scfg, stage_step):
+                    self.evaluate(scfg, workflow, task, tracker)
+                self.history.append(tracker.commit(self.version))
+        finally:
+            executor.stop()
+            tensorboard.close()
+
+    def sft_stage(self, stage: Any, scfg: Config, trainer: Any, first: bool) -> None:
+        raise NotImplementedError("SFT stages land with issue 10")
+
+
 def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) -> TrainResult:
-    """Run the whole training job of ``cfg``; returns a summary (also printed)."""
+    """Run the whole training job of ``cfg`` (all its stages); returns a summary (also printed)."""
     import jax
 
-    from asyncrl.data import SampleOrder
-    from asyncrl.engine.jax_engine import JaxEngine
-    from asyncrl.evaluate import evaluate
-    from asyncrl.metrics import ConsoleSink, JsonlSink, StatsTracker, TensorBoardSink
-    from asyncrl.model import export_hf, load_model
+    from asyncrl.model import export_hf
     from asyncrl.provenance import write_provenance
-    from asyncrl.rollout.executor import WorkflowExecutor
-    from asyncrl.trainer import Trainer, build_mesh
+    from asyncrl.trainer import Trainer
 
     started = time.monotonic()
     out = _prepare_output_dir(cfg)
     write_provenance(out, dump_config(cfg), argv)
-
-    loaded = load_model(cfg.model)
-    cfg, task, workflow = build_task_and_workflow(cfg, loaded.tokenizer)
-    graphdef, initial_params = loaded.split()
-    trainer = Trainer(cfg, graphdef, initial_params, mesh=build_mesh(cfg.mesh))
-    # The engine serves the trainer's own (never donated) arrays: publishing copies nothing.
-    engine = JaxEngine(
-        graphdef, trainer.params_for_publish(), stop_token_ids=loaded.stop_token_ids,
-        config=cfg.engine, seed=cfg.run.seed, version=trainer.version,
-    )
-    executor = WorkflowExecutor(
-        workflow, engine, SampleOrder(task.train, cfg.run.seed), cfg, version=trainer.version,
-        row_multiple=trainer.row_multiple,
-    )
-    tracker = StatsTracker(
-        [
-            JsonlSink(out / "metrics.jsonl"),
-            TensorBoardSink(out / "tensorboard"),
-            ConsoleSink(cfg.run.total_steps, stream=console),
-        ]
-    )
-    history: list[dict[str, float]] = []
-    final_eval: dict[str, float] = {}
-
-    def run_eval(step: int) -> None:
-        nonlocal final_eval
-        result = evaluate(engine, workflow, task.eval, cfg)
-        final_eval = result.metrics
-        tracker.scalars(result.metrics, reduce="last")
-
-    version = 0
-    generated_before = 0.0
+    run = _Run(cfg, out, console)
+    params = run.params
     try:
-        executor.start()
-        if cfg.eval.every_steps:
-            run_eval(0)
-            history.append(tracker.commit(0))
-        for step in range(1, cfg.run.total_steps + 1):
-            step_start = time.perf_counter()
-            batch = executor.prepare_batch(version, timeout=cfg.rollout.batch_timeout_s)
-            groups = list(getattr(executor, "last_groups", []))
-            train_metrics = trainer.step(batch)
-            engine.update_weights(trainer.params_for_publish(), version + 1)
-            executor.set_version(version + 1)
-            version += 1
-            step_time = time.perf_counter() - step_start
-
-            tracker.scalars(_rename_train_metrics(train_metrics))
-            tracker.scalars(executor.metrics, reduce="last")
-            engine_metrics = engine.metrics()
-            tracker.scalars(engine_metrics, reduce="last")
-            generated = engine_metrics.get("engine/decode_tokens", 0.0)
-            tracker.scalar("perf/gen_tokens_per_s", (generated - generated_before) / step_time)
-            generated_before = generated
-            if groups:
-                _reward_metrics(groups, tracker)
-            trained_tokens = float(batch.loss_mask.sum())
-            tracker.scalar("perf/step_time", step_time)
-            tracker.scalar("perf/trained_tokens_per_s", trained_tokens / step_time)
-            tracker.scalar("perf/version", version, reduce="last")
-            if cfg.logging.dump_every_steps and step % cfg.logging.dump_every_steps == 0 and groups:
-                _dump_trajectories(out / "trajectories.jsonl", step, groups, loaded.tokenizer, cfg.logging.dump_groups)
-            if cfg.eval.every_steps and (step % cfg.eval.every_steps == 0 or step == cfg.run.total_steps):
-                run_eval(step)
-            history.append(tracker.commit(step))
+        for index, (stage, scfg) in enumerate(cfg.stage_configs()):
+            # Each stage starts from the previous stage's weights with a fresh optimizer.
+            trainer = Trainer(scfg, run.graphdef, params, mesh=run.mesh, version=run.version)
+            runner = run.rl_stage if stage.type == "rl" else run.sft_stage
+            runner(stage, scfg, trainer, first=index == 0)
+            params = trainer.params_for_publish()
     finally:
-        executor.stop()
-        engine.shutdown()
-        tracker.close()
+        if run.engine is not None:
+            run.engine.shutdown()
+        run.jsonl.close()
+        run.console.close()
 
-    final_params = jax.tree.map(np.asarray, trainer.params_for_publish())
-    export_hf(graphdef, loaded.tokenizer, out / "hf", params=final_params)
+    final_params = jax.tree.map(np.asarray, params)
+    export_hf(run.graphdef, run.loaded.tokenizer, out / "hf", params=final_params)
     wall = time.monotonic() - started
     result = TrainResult(
-        steps=version, final_eval=final_eval, wall_time_s=wall, output_dir=out, history=history, final_params=final_params
+        steps=run.version, final_eval=run.final_eval, wall_time_s=wall, output_dir=out, history=run.history,
+        final_params=final_params,
     )
-    evals = " ".join(f"{k}={v:.3f}" for k, v in final_eval.items() if k in ("eval/reward", "eval/accuracy"))
-    print(f"asyncrl: {version} steps, {evals or 'no eval'}, {wall:.0f} s, outputs in {out}", file=console or sys.stdout)
-    print("training completed", file=console or sys.stdout)
+    evals = " ".join(f"{k}={v:.3f}" for k, v in run.final_eval.items() if k in ("eval/reward", "eval/accuracy"))
+    stream = console or sys.stdout
+    print(f"asyncrl: {run.version} steps, {evals or 'no eval'}, {wall:.0f} s, outputs in {out}", file=stream)
+    print("training completed", file=stream)
     return result

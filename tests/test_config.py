@@ -138,3 +138,30 @@ def test_dump_round_trip(tmp_path):
     path = tmp_path / "resolved.yaml"
     path.write_text(dump_config(cfg))
     assert load_config(path) == cfg
+
+
+def test_stages_override_sections_and_report_errors_by_stage():
+    cfg = load_config(
+        data={"stages": [
+            {"name": "sft", "type": "sft", "total_steps": 5, "optim": {"lr": 0.01}},
+            {"name": "rl", "total_steps": 7, "algo": {"clip_high": 0.28}},
+        ]},
+        overrides=["stages.1.total_steps=9", "stages.0.optim.warmup_steps=2"],
+    )
+    (sft, sft_cfg), (rl, rl_cfg) = cfg.stage_configs()
+    assert (sft.type, sft_cfg.run.total_steps, sft_cfg.optim.lr, sft_cfg.optim.warmup_steps) == ("sft", 5, 0.01, 2)
+    assert (rl.type, rl_cfg.run.total_steps, rl_cfg.optim.lr, rl_cfg.algo.clip_high) == ("rl", 9, 1e-3, 0.28)
+    assert cfg.total_steps == 14 and not sft_cfg.stages
+    lines = problems_of(data={"stages": [{"name": "a", "algo": {"clip_hgh": 1}}, {"name": "a", "optim": {"lr": -1}}]})
+    assert "stages: stage names must differ (given ['a', 'a'])" in lines
+    assert "stages.0.algo.clip_hgh: unknown key; did you mean 'stages.0.algo.clip_high'?" in lines
+    assert "stages.1.optim.lr: Input should be greater than 0 (given -1)" in lines
+    assert problems_of(data={"run": {"total_steps": 3}, "stages": [{"name": "x"}]}) == [
+        "run.total_steps: with stages, set each stage's total_steps instead"
+    ]
+
+
+def test_no_stages_is_one_rl_stage():
+    cfg = load_config(overrides=["run.total_steps=4"])
+    ((stage, stage_cfg),) = cfg.stage_configs()
+    assert (stage.type, stage.total_steps) == ("rl", 4) and stage_cfg is cfg and cfg.total_steps == 4

@@ -366,7 +366,9 @@ class Trainer:
 
     OBJECTIVES = ("rl", "sft")
 
-    def __init__(self, cfg: Any, graphdef: Any, params: Any, *, mesh: Any = None, objective: str = "rl"):
+    def __init__(
+        self, cfg: Any, graphdef: Any, params: Any, *, mesh: Any = None, version: int = 0, objective: str = "rl"
+    ):
         from flax import nnx
 
         if objective not in self.OBJECTIVES:
@@ -390,8 +392,9 @@ class Trainer:
         # The reference is the initial weights (never donated, like every parameter).
         self.ref_params = self.params if (self.algo.needs_reference and not sft) else None
         self.opt_state = init_opt_state(self.params, optim=self.optim, spec=self.spec)
-        self.version = 0
-        """Completed trainer steps: the version of :attr:`params` (DESIGN "Versions")."""
+        self.version = int(version)
+        """Completed trainer steps: the version of :attr:`params` (DESIGN "Versions"). A later
+        stage of a multi-stage run starts at the steps its predecessors completed."""
         self.skipped_updates_total = 0
         self.consecutive_nonfinite = 0
         self._matmul_params = matmul_params(params, self.model_cfg)
