@@ -32,6 +32,10 @@ _EXPORTS: dict[str, str] = {
     "SingleTurnWorkflow": "asyncrl.rollout.workflow",
     "WorkflowExecutor": "asyncrl.rollout.executor",
     "prepare_batch": "asyncrl.rollout.batch",
+    "save_checkpoint": "asyncrl.checkpoint",
+    "load_checkpoint": "asyncrl.checkpoint",
+    "latest_checkpoint": "asyncrl.checkpoint",
+    "ShutdownGuard": "asyncrl.shutdown",
 }
 
 __all__ = ["__version__", *_EXPORTS]

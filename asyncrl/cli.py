@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run GRPO/PPO training from a YAML config.",
     )
     _add_config_args(train)
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in run.output_dir, or start fresh if there is none "
+        "(same as --set checkpoint.resume=auto)",
+    )
     return parser
 
 
@@ -74,7 +80,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     from asyncrl.config import dump_config, load_config
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if getattr(args, "resume", False):
+        overrides.append("checkpoint.resume=auto")
+    cfg = load_config(args.config, overrides)
     if args.print_config:
         sys.stdout.write(dump_config(cfg))
         return 0

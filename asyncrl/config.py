@@ -205,6 +205,17 @@ class EvalConfig(Section):
     """Eval requests still unfinished after this long come back aborted."""
 
 
+class CheckpointConfig(Section):
+    """Checkpoints under ``<run.output_dir>/checkpoints/step_<k>/`` and resuming from them (``docs/checkpoints.md``)."""
+
+    every_steps: int = Field(default=50, ge=0)
+    """Write a checkpoint every this many trainer steps, after the last step, and on SIGINT/SIGTERM; 0: only after the last step and on a signal."""
+    keep: Optional[int] = Field(default=3, ge=1)
+    """Keep the newest this many complete checkpoints (older ones are deleted once the new one is in place); null keeps all."""
+    resume: Literal["never", "auto"] = "never"
+    """``auto`` (or ``asyncrl train --resume``): continue from the newest complete checkpoint in ``run.output_dir``, or start fresh if there is none; ``never``: always start fresh."""
+
+
 class LoggingConfig(Section):
     """What the run reports and how."""
 
@@ -231,6 +242,8 @@ class Config(Section):
     """Reward functions of the workflow, weighted and summed."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Evaluation on the held-out split."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoints and resume."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Logging."""
 
