@@ -68,7 +68,7 @@ _TREE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _HASH_CHUNK = 1 << 22
 
 # Called with a stage name after each durable stage of a save ("params.safetensors", ...,
-# "MANIFEST.json", "fsync-dir", "renamed", "pruned"). Only tests set it (to kill a writer at
+# "MANIFEST.json", "fsync-dir", "renamed", "trashed step_<k>", "pruned"). Only tests set it (to kill a writer at
 # a chosen point); it is never set by library code.
 _stage_hook: Optional[Callable[[str], None]] = None
 
@@ -386,6 +386,7 @@ def _remove_dir(path: Path) -> None:
     trash = path.with_name(f"{_TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
     os.rename(path, trash)
     _fsync_dir(path.parent)
+    _stage(f"trashed {path.name}")
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -492,12 +493,18 @@ def save_checkpoint(
         _stage(MANIFEST_FILE)
         _fsync_dir(tmp)
         _stage("fsync-dir")
+        replaced = None
         if final.exists():
+            # The old directory steps aside only for the instant between two renames; it is
+            # deleted once the new one is in place.
             log.warning("replacing the existing checkpoint %s", final)
-            _remove_dir(final)
+            replaced = root / f"{_TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, replaced)
         os.rename(tmp, final)
         _fsync_dir(root)
         _stage("renamed")
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
