@@ -451,6 +451,16 @@ def save_checkpoint(
         state_text = json.dumps(dict(state), allow_nan=False, indent=1, sort_keys=True)
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"save_checkpoint: state is not JSON-serialisable without NaN/inf: {err}") from err
+    if rollout_state is not None:
+        if set(rollout_state) != {"meta", "arrays"}:
+            raise CheckpointError("save_checkpoint: rollout_state must be WorkflowExecutor.state_dict() ({meta, arrays})")
+        try:
+            json.dumps(rollout_state["meta"], allow_nan=False)
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"save_checkpoint: rollout_state['meta'] is not JSON-serialisable: {err}") from err
+        for key, array in rollout_state["arrays"].items():
+            if np.asarray(array).dtype == object:
+                raise CheckpointError(f"save_checkpoint: rollout_state['arrays'][{key!r}] is an object array")
     if not isinstance(config_yaml, str):
         raise CheckpointError("save_checkpoint: config_yaml must be the YAML text of the resolved config")
 
@@ -540,6 +550,9 @@ def _read_manifest(path: Path) -> tuple[Optional[dict], Optional[str]]:
         return None, f"{MANIFEST_FILE} is unreadable ({err})"
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         return None, f"{MANIFEST_FILE} is not a manifest"
+    for filename, entry in manifest["files"].items():
+        if not _TREE_NAME.match(filename) or not isinstance(entry, dict):
+            return None, f"{MANIFEST_FILE} has a malformed entry {filename!r}"
     if manifest.get("format") != CHECKPOINT_FORMAT:
         return None, f"format {manifest.get('format')!r}, this asyncrl reads {CHECKPOINT_FORMAT}"
     step = _step_of(path)

@@ -149,6 +149,14 @@ def test_values_that_cannot_be_stored_are_refused_before_anything_is_written(tmp
     for arrays, state, match in cases:
         with pytest.raises(CheckpointError, match=match):
             ck.save_checkpoint(tmp_path, 1, arrays=arrays, state=state, config_yaml=CONFIG_YAML)
+    bad_rollout = [
+        ({"meta": {"x": float("inf")}, "arrays": {}}, "rollout_state\\['meta'\\] is not JSON-serialisable"),
+        ({"meta": {}, "arrays": {"a": np.array([None])}}, "is an object array"),
+        ({"groups": {}}, "must be WorkflowExecutor.state_dict"),
+    ]
+    for rollout_state, match in bad_rollout:
+        with pytest.raises(CheckpointError, match=match):
+            ck.save_checkpoint(tmp_path, 1, arrays={}, state={}, config_yaml=CONFIG_YAML, rollout_state=rollout_state)
     assert not (tmp_path / "checkpoints").exists()
 
 
@@ -279,6 +287,12 @@ def _unlisted_tree(path: Path) -> None:
     (path / "MANIFEST.json").write_text(json.dumps(manifest))
 
 
+def _foreign_entry(path: Path) -> None:
+    manifest = json.loads((path / "MANIFEST.json").read_text())
+    manifest["files"]["../../outside"] = {"bytes": 1, "sha256": "0"}
+    (path / "MANIFEST.json").write_text(json.dumps(manifest))
+
+
 @pytest.mark.parametrize("corrupt, reason", [
     (_truncate, "params.safetensors has .* bytes, the manifest says"),
     (_flip_byte, "params.safetensors does not match its sha256"),
@@ -287,6 +301,7 @@ def _unlisted_tree(path: Path) -> None:
     (_drop_state, "state.json is missing"),
     (_wrong_step, "MANIFEST.json is of step 2, the directory of step 3"),
     (_unlisted_tree, "does not list params.safetensors"),
+    (_foreign_entry, "malformed entry '../../outside'"),
 ])
 def test_an_incomplete_or_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path, caplog, corrupt, reason):
     save(tmp_path, 1)
