@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("run_dir", metavar="RUN_DIR", help="a run's output directory (run.output_dir)")
     export.add_argument("out_dir", metavar="OUT_DIR", help="where to write the Hugging Face directory")
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in run.output_dir, or start fresh if there is none "
+        "(same as --set checkpoint.resume=auto)",
+    )
     return parser
 
 
@@ -97,7 +103,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     from asyncrl.config import dump_config, load_config
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if getattr(args, "resume", False):
+        overrides.append("checkpoint.resume=auto")
+    cfg = load_config(args.config, overrides)
     if args.print_config:
         sys.stdout.write(dump_config(cfg))
         return 0

@@ -279,6 +279,17 @@ class MeshConfig(Section):
     """Multi-process setup (off by default: one process)."""
 
 
+class CheckpointConfig(Section):
+    """Checkpoints under ``<run.output_dir>/checkpoints/step_<k>/`` and resuming from them (``docs/checkpoints.md``)."""
+
+    every_steps: int = Field(default=50, ge=0)
+    """Write a checkpoint every this many trainer steps, after the last step, and on SIGINT/SIGTERM; 0: only after the last step and on a signal."""
+    keep: Optional[int] = Field(default=3, ge=1)
+    """Keep the newest this many complete checkpoints (older ones are deleted once the new one is in place); null keeps all."""
+    resume: Literal["never", "auto"] = "never"
+    """``auto`` (or ``asyncrl train --resume``): continue from the newest complete checkpoint in ``run.output_dir``, or start fresh if there is none; ``never``: always start fresh."""
+
+
 class LoggingConfig(Section):
     """What the run reports and how."""
 
@@ -342,6 +353,8 @@ class Config(Section):
     """Evaluation on the held-out split."""
     stages: list[StageConfig] = Field(default_factory=list)
     """Stages run in order on one model (e.g. ``[{name: sft, type: sft, total_steps: 50}, {name: rl, total_steps: 100}]``); empty: one RL stage of ``run.total_steps``."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoints and resume."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Logging."""
 

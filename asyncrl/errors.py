@@ -45,6 +45,12 @@ class TrajectorySchemaError(RolloutError):
         super().__init__(message)
 
 
+class CheckpointError(AsyncRLError):
+    """A checkpoint that cannot be written or read: incomplete or corrupt files, a tree that
+    does not match its template, a value that cannot be stored without pickle. The message
+    names the checkpoint directory, the file and the key at fault."""
+
+
 class EngineCrashed(RuntimeError):
     """The inference engine's own thread died; training must stop at once.
 
