@@ -114,9 +114,13 @@ def _dispatch(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("asyncrl").setLevel(cfg.logging.level)
     if args.command == "train":
-        from asyncrl.train import train
+        from asyncrl.train import TrainingInterrupted, train
 
-        train(cfg, argv=["asyncrl", *sys.argv[1:]])
+        try:
+            train(cfg, argv=["asyncrl", *sys.argv[1:]])
+        except TrainingInterrupted as stop:
+            print(f"asyncrl: {stop}", file=sys.stderr)
+            return stop.exit_code
         return 0
     if args.command == "eval":
         from asyncrl.export import evaluate_model
