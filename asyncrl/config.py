@@ -322,9 +322,11 @@ class StageConfig(Section):
     """Overrides of the top-level ``optim`` section for this stage (each stage starts a fresh optimizer)."""
     eval: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the top-level ``eval`` section for this stage."""
+    sft: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the top-level ``sft`` section for this stage (``type: sft``)."""
 
 
-STAGE_SECTIONS = ("data", "workflow", "rewards", "algo", "optim", "eval")
+STAGE_SECTIONS = ("data", "workflow", "rewards", "algo", "optim", "eval", "sft")
 """Top-level sections a stage may override."""
 
 

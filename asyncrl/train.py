@@ -205,20 +205,22 @@ class _Run:
         tensorboard = TensorBoardSink(self.out / "tensorboard" / stage.name if multi else self.out / "tensorboard")
         return StatsTracker([self.jsonl, tensorboard, self.console]), tensorboard
 
-    def trainer_for(self, index: int, scfg: Config, params: Any) -> Any:
+    def trainer_for(self, index: int, stage: Any, scfg: Config, params: Any) -> Any:
         """A fresh trainer (and optimizer) for stage ``index``, or the saved one on resume."""
         from asyncrl.trainer import Trainer
+
+        objective = stage.type
 
         resumed = self.resumed
         if resumed is not None and resumed.state["stage_index"] == index:
             # The reference policy (KL) is the stage's starting weights, saved for stages > 0.
             start = resumed.arrays.get("stage_start_params", params)
-            trainer = Trainer(scfg, self.graphdef, start, mesh=self.mesh, version=self.version)
+            trainer = Trainer(scfg, self.graphdef, start, mesh=self.mesh, version=self.version, objective=objective)
             trainer.load_state_dict(
                 {"params": resumed.arrays["params"], "opt_state": resumed.arrays["opt_state"], **resumed.state["trainer"]}
             )
             return trainer
-        return Trainer(scfg, self.graphdef, params, mesh=self.mesh, version=self.version)
+        return Trainer(scfg, self.graphdef, params, mesh=self.mesh, version=self.version, objective=objective)
 
     def ensure_engine(self, trainer: Any, scfg: Config) -> Any:
         from asyncrl.engine.jax_engine import JaxEngine
@@ -335,7 +337,46 @@ class _Run:
             tensorboard.close()
 
     def sft_stage(self, index: int, stage: Any, scfg: Config, trainer: Any, stage_start: Any) -> None:
-        raise NotImplementedError("SFT stages land with issue 10")
+        """Cross-entropy on reference responses; publishes every step like RL, so eval and
+        the next stage's engine see exactly these weights."""
+        from asyncrl.sft import SFTData, eval_loss
+
+        scfg, task, workflow = build_task_and_workflow(scfg, self.loaded.tokenizer)
+        self.ensure_engine(trainer, scfg)
+        eos = self.loaded.stop_token_ids[0] if self.loaded.stop_token_ids else None
+        data = SFTData.for_task(task, workflow, scfg, eos_token_id=eos, row_multiple=trainer.row_multiple)
+        eval_data = SFTData.for_task(task, workflow, scfg, split="eval", eos_token_id=eos, row_multiple=trainer.row_multiple)
+        done = self.resume_position(index)
+        if done is not None:
+            data.load_state_dict(self.resumed.state["sft"])
+        tracker, tensorboard = self.tracker_for(stage)
+
+        def run_eval() -> None:
+            self.evaluate(scfg, workflow, task, tracker)
+            tracker.scalars(eval_loss(trainer, eval_data), reduce="last")
+
+        try:
+            if index == 0 and done is None and scfg.eval.every_steps:
+                run_eval()
+                self.history.append(tracker.commit(self.version))
+            for stage_step in range((done or 0) + 1, scfg.run.total_steps + 1):
+                step_start = time.perf_counter()
+                batch = data.next_batch()
+                train_metrics = trainer.step(batch)
+                self.publish(trainer)
+                step_time = time.perf_counter() - step_start
+                tracker.scalars(_rename_train_metrics(train_metrics))
+                tracker.scalars(data.metrics(), reduce="last")
+                tracker.scalar("perf/step_time", step_time)
+                tracker.scalar("perf/trained_tokens_per_s", float(batch.loss_mask.sum()) / step_time)
+                if self.eval_due(scfg, stage_step):
+                    run_eval()
+                self.history.append(tracker.commit(self.version))
+                if self.checkpoint_due(stage_step, scfg.run.total_steps):
+                    self.save(index, stage_step, trainer, stage_start, extra={"sft": data.state_dict()})
+                self.stop_if_requested()
+        finally:
+            tensorboard.close()
 
 
 def jax_to_numpy(tree: Any) -> Any:
@@ -369,7 +410,7 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
                 if index < start_stage:
                     continue
                 # Each stage starts from the previous stage's weights with a fresh optimizer.
-                trainer = run.trainer_for(index, scfg, params)
+                trainer = run.trainer_for(index, stage, scfg, params)
                 if run.resume_position(index) != scfg.run.total_steps:
                     runner = run.rl_stage if stage.type == "rl" else run.sft_stage
                     runner(index, stage, scfg, trainer, stage_start=params)
