@@ -249,6 +249,13 @@ class OptimConfig(Section):
     """This many optimizer updates in a row with a non-finite loss or gradient (each skipped) stop training with an error."""
 
 
+class SFTConfig(Section):
+    """Supervised fine-tuning (a stage of ``type: sft``): prompt + reference response, cross-entropy on the response."""
+
+    batch_size: int = Field(default=32, ge=1)
+    """Examples (rows) per SFT step, padded up to the trainer's row multiple; one optimizer update each."""
+
+
 class DistributedConfig(Section):
     """Multi-process (multi-host) SPMD training on JAX's own distributed runtime."""
 
@@ -353,6 +360,8 @@ class Config(Section):
     """Reward functions of the workflow, weighted and summed."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Evaluation on the held-out split."""
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    """Supervised fine-tuning batches (stages of ``type: sft``)."""
     stages: list[StageConfig] = Field(default_factory=list)
     """Stages run in order on one model (e.g. ``[{name: sft, type: sft, total_steps: 50}, {name: rl, total_steps: 100}]``); empty: one RL stage of ``run.total_steps``."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

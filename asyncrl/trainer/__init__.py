@@ -10,7 +10,7 @@
 
 from asyncrl.trainer.mesh import build_mesh, initialize_distributed, row_sharding
 from asyncrl.trainer.optim import OptimParams, build_optimizer, learning_rate_schedule, weight_decay_mask
-from asyncrl.trainer.trainer import StepSpec, Trainer, compile_count, step_flops, train_step
+from asyncrl.trainer.trainer import StepSpec, Trainer, compile_count, nll_sums, sft_loss, step_flops, train_step
 
 __all__ = [
     "OptimParams",
@@ -22,6 +22,8 @@ __all__ = [
     "initialize_distributed",
     "learning_rate_schedule",
     "row_sharding",
+    "nll_sums",
+    "sft_loss",
     "step_flops",
     "train_step",
     "weight_decay_mask",

@@ -47,10 +47,15 @@ class OptimParams:
     micro_batches: int = 1
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "OptimParams":
-        """From the root config (reads ``optim``, ``run.total_steps`` and ``algo``)."""
+    def from_config(cls, cfg: Any, *, updates_per_step: Optional[int] = None) -> "OptimParams":
+        """From the root config (reads ``optim``, ``run.total_steps`` and ``algo``).
+
+        ``updates_per_step``: optimizer updates per trainer step, for the cosine decay's
+        default length; default ``algo.ppo_epochs * algo.mini_batches`` (an SFT step is 1)."""
         o = cfg.optim
-        updates_per_run = cfg.run.total_steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches
+        if updates_per_step is None:
+            updates_per_step = cfg.algo.ppo_epochs * cfg.algo.mini_batches
+        updates_per_run = cfg.run.total_steps * updates_per_step
         decay = o.decay_steps if o.decay_steps is not None else max(updates_per_run - o.warmup_steps, 1)
         return cls(
             optimizer=o.optimizer, lr=o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,

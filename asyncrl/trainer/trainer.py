@@ -57,6 +57,7 @@ from asyncrl.algo import (
     accumulate_diagnostics,
     aggregation_denominators,
     compute_advantages,
+    token_mean,
     policy_loss,
     trained_mask,
 )
@@ -90,6 +91,9 @@ class StepSpec:
     ppo_epochs: int = 1
     mini_batches: int = 1
     micro_batches: int = 1
+    objective: str = "rl"
+    """``rl``: the policy loss of ``asyncrl.algo``; ``sft``: cross-entropy on trained tokens
+    (one optimizer update per step: ``ppo_epochs == mini_batches == 1``)."""
 
     @property
     def row_shards(self) -> int:
@@ -129,6 +133,18 @@ def _to_chunks(x: jax.Array, spec: StepSpec) -> jax.Array:
     )
 
 
+def sft_loss(logprobs: jax.Array, entropy: jax.Array, mask: jax.Array, denominators: Any) -> tuple[jax.Array, dict]:
+    """This micro-batch's share of the mini-batch's token-mean negative log-likelihood.
+
+    ``logprobs``/``entropy`` float32 ``[b, L]`` (from :func:`per_token_logprobs` at T = 1),
+    ``mask`` bool ``[b, L]`` the trained tokens; ``denominators`` are the whole mini-batch's
+    (:func:`~asyncrl.algo.aggregation_denominators`), so the shares of the micro-batches add up
+    to the mini-batch loss exactly. Masked positions never reach the value or the gradient.
+    Returns ``(loss, {"sft_loss", "entropy"})`` (diagnostics are shares too)."""
+    nll = token_mean(-logprobs, mask, denominators)
+    return nll, {"sft_loss": nll, "entropy": token_mean(entropy, mask, denominators)}
+
+
 def _train_step_impl(
     graphdef: Any,
     params: Any,
@@ -153,10 +169,17 @@ def _train_step_impl(
     p_shardings = param_shardings(spec.model_cfg, params, mesh)
     o_shardings = opt_state_shardings(optimizer, opt_state, p_shardings, mesh)
     length = batch["input_ids"].shape[1]
+    sft = spec.objective == "sft"
 
     # 1. Whole-batch quantities: the trained mask and the advantages (group statistics are global).
-    mask = trained_mask(batch["loss_mask"], batch["group_index"], batch["truncated"], algo)
-    if "advantages" in batch:
+    if sft:
+        # Cross-entropy needs neither advantages nor pi_prox / pi_ref: train exactly loss_mask on real rows.
+        mask = batch["loss_mask"] & (batch["group_index"] >= 0)[:, None]
+    else:
+        mask = trained_mask(batch["loss_mask"], batch["group_index"], batch["truncated"], algo)
+    if sft:
+        advantages = jnp.zeros(batch["rewards"].shape, jnp.float32)  # unused
+    elif "advantages" in batch:
         advantages = batch["advantages"].astype(jnp.float32)  # [rows, L], the workflow's own
     else:
         advantages = compute_advantages(
@@ -178,13 +201,16 @@ def _train_step_impl(
         out = jax.lax.map(one, (flat(chunks["input_ids"]), flat(chunks["attention_mask"])))
         return jax.lax.stop_gradient(out.reshape(m_count, u_count, *out.shape[1:]))
 
-    chunks["prox_logprobs"] = all_logprobs(params) if algo.needs_prox_recompute else chunks["behavior_logprobs"]
-    if algo.needs_reference:
-        chunks["ref_logprobs"] = all_logprobs(ref_params)
+    if not sft:
+        chunks["prox_logprobs"] = all_logprobs(params) if algo.needs_prox_recompute else chunks["behavior_logprobs"]
+        if algo.needs_reference:
+            chunks["ref_logprobs"] = all_logprobs(ref_params)
 
     # 3. The optimizer updates.
     def micro_loss(theta, x, denominators):
         logprobs, entropy = per_token_logprobs(graphdef, theta, x["input_ids"], x["attention_mask"], temperature)
+        if sft:
+            return sft_loss(logprobs, entropy, x["mask"], denominators)
         return policy_loss(
             logprobs, x["prox_logprobs"], x["behavior_logprobs"], x["advantages"], x["mask"], denominators, algo,
             entropy=entropy, ref_logprobs=x.get("ref_logprobs"),
@@ -250,6 +276,15 @@ train_step = jax.jit(
 published: the engine may hold the very same buffers)."""
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def nll_sums(graphdef: Any, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """``(sum of -log p, token count)`` over the trained tokens of real rows, at temperature 1
+    (no gradient): SFT's eval loss is ``sum / count`` accumulated over batches."""
+    logprobs, _ = per_token_logprobs(graphdef, params, batch["input_ids"], batch["attention_mask"], 1.0)
+    mask = batch["loss_mask"] & (batch["group_index"] >= 0)[:, None]
+    return jnp.sum(jnp.where(mask, -logprobs, 0.0)), jnp.sum(mask)
+
+
 def compile_count() -> int:
     """Compilations of :func:`train_step` in this process, all trainers together."""
     size = getattr(train_step, "_cache_size", None)
@@ -295,15 +330,18 @@ def matmul_params(params: Any, model_cfg: Any) -> int:
     return total
 
 
-def step_flops(n_matmul_params: int, model_cfg: Any, algo: AlgoParams, epochs: int, rows: int, length: int) -> float:
+def step_flops(n_matmul_params: int, model_cfg: Any, algo: Optional[AlgoParams], epochs: int, rows: int, length: int) -> float:
     """Model FLOPs of one step (rematerialisation not counted), on every position of the padded batch.
 
     A forward pass costs ``2 * n_matmul_params + 4 * layers * L * heads * head_dim`` per token
     (:func:`matmul_params`; the attention is computed over all L positions); a training pass
-    (forward + backward) three forwards; pi_prox and pi_ref one forward each when computed.
+    (forward + backward) three forwards; pi_prox and pi_ref one forward each when computed
+    (``algo=None``: an SFT step, training passes only).
     """
     per_token = 2 * n_matmul_params + 4 * model_cfg.num_layers * length * model_cfg.num_heads * model_cfg.head_dim
-    passes = 3 * epochs + int(algo.needs_prox_recompute) + int(algo.needs_reference)
+    passes = 3 * epochs
+    if algo is not None:
+        passes += int(algo.needs_prox_recompute) + int(algo.needs_reference)
     return float(per_token) * rows * length * passes
 
 
@@ -318,26 +356,41 @@ class Trainer:
 
     With ``mesh.distributed.enabled`` every process constructs the trainer and calls
     :meth:`step` with a batch of its own whole groups (the same number of rows everywhere).
+
+    ``objective="sft"`` makes the same machinery (optax chain, mesh placement, micro-batching,
+    non-finite guard, metrics, state) train supervised: :meth:`step` then minimises the
+    token-mean cross-entropy of ``batch.loss_mask`` tokens at temperature 1 (:func:`sft_loss`),
+    one optimizer update per step (``algo`` is not read); batches come from
+    :class:`asyncrl.sft.SFTData`.
     """
 
-    def __init__(self, cfg: Any, graphdef: Any, params: Any, *, mesh: Any = None, version: int = 0):
+    OBJECTIVES = ("rl", "sft")
+
+    def __init__(
+        self, cfg: Any, graphdef: Any, params: Any, *, mesh: Any = None, version: int = 0, objective: str = "rl"
+    ):
         from flax import nnx
 
+        if objective not in self.OBJECTIVES:
+            raise TrainerError(f"Trainer: objective must be one of {', '.join(self.OBJECTIVES)} (given {objective!r})")
         initialize_distributed(cfg.mesh)
         self.cfg = cfg
+        self.objective = objective
+        sft = objective == "sft"
         self.graphdef = graphdef
         self.model_cfg = nnx.merge(graphdef, params).cfg
         self.algo = AlgoParams.from_config(cfg)
-        self.optim = OptimParams.from_config(cfg)
+        self.optim = OptimParams.from_config(cfg, updates_per_step=1 if sft else None)
         self.mesh = mesh if mesh is not None else build_mesh(cfg.mesh)
         self.spec = StepSpec(
-            mesh=self.mesh, model_cfg=self.model_cfg, ppo_epochs=cfg.algo.ppo_epochs,
-            mini_batches=cfg.algo.mini_batches, micro_batches=cfg.optim.micro_batches,
+            mesh=self.mesh, model_cfg=self.model_cfg, ppo_epochs=1 if sft else cfg.algo.ppo_epochs,
+            mini_batches=1 if sft else cfg.algo.mini_batches, micro_batches=cfg.optim.micro_batches,
+            objective=objective,
         )
         self.param_shardings = param_shardings(self.model_cfg, params, self.mesh)
         self.params = _place(params, self.param_shardings)
         # The reference is the initial weights (never donated, like every parameter).
-        self.ref_params = self.params if self.algo.needs_reference else None
+        self.ref_params = self.params if (self.algo.needs_reference and not sft) else None
         self.opt_state = init_opt_state(self.params, optim=self.optim, spec=self.spec)
         self.version = int(version)
         """Completed trainer steps: the version of :attr:`params` (DESIGN "Versions"). A later
@@ -347,13 +400,18 @@ class Trainer:
         self._matmul_params = matmul_params(params, self.model_cfg)
 
     @classmethod
-    def from_config(cls, cfg: Any, *, mesh: Any = None) -> "Trainer":
+    def from_config(cls, cfg: Any, *, mesh: Any = None, objective: str = "rl") -> "Trainer":
         """Load ``cfg.model`` and build the trainer on its initial weights."""
         initialize_distributed(cfg.mesh)
         from asyncrl.model import load_model
 
         graphdef, params = load_model(cfg.model, load_tokenizer_files=False).split()
-        return cls(cfg, graphdef, params, mesh=mesh)
+        return cls(cfg, graphdef, params, mesh=mesh, objective=objective)
+
+    @property
+    def _step_algo(self) -> Optional[AlgoParams]:
+        """The static ``algo`` of the jitted step (None for SFT: not read, so no recompiles)."""
+        return None if self.objective == "sft" else self.algo
 
     # ------------------------------------------------------------------ batches
 
@@ -383,7 +441,7 @@ class Trainer:
         temperature = float(batch.temperature)
         if not temperature > 0:
             raise TrainerError(f"Trainer.step: TrainBatch.temperature must be > 0 (given {temperature})")
-        if self.algo.decoupled and self.cfg.algo.prox_logp == "behave":
+        if self.objective == "rl" and self.algo.decoupled and self.cfg.algo.prox_logp == "behave":
             stale = fields["loss_mask"] & (np.asarray(batch.versions) != self.version)
             if stale.any():
                 row, pos = np.argwhere(stale)[0]
@@ -424,13 +482,21 @@ class Trainer:
         ``train/trained_tokens``, ``train/version``, ``perf/step_time``, ``perf/trained_tokens_per_s``,
         ``perf/compile_count``, ``perf/flops_per_s`` (model FLOPs, :func:`step_flops`).
         Raises :class:`TrainerError` after ``optim.max_consecutive_nonfinite`` skipped updates in a row.
+
+        With ``objective="sft"`` the loss is ``train/sft_loss`` (token-mean negative log-likelihood
+        of the trained tokens, at temperature 1 whatever ``batch.temperature``; no ``train/loss``)
+        and ``train/entropy``, with the same optimizer, norm, count and perf metrics.
         """
         start = time.perf_counter()
         arrays, temperature = self._device_batch(batch)
+        if self.objective == "sft":
+            temperature = 1.0  # cross-entropy of the model's own distribution
         self.params, self.opt_state, out = train_step(
             self.graphdef, self.params, self.opt_state, self.ref_params, arrays, jnp.float32(temperature),
-            algo=self.algo, optim=self.optim, spec=self.spec,
+            algo=self._step_algo, optim=self.optim, spec=self.spec,
         )
+        if self.objective == "sft":
+            out.pop("loss")  # the same number as sft_loss
         out = jax.tree.map(_to_numpy, out)
         elapsed = time.perf_counter() - start
 
@@ -450,7 +516,7 @@ class Trainer:
                         self.version, skipped, finite.size)
         self.version += 1
         rows, length = batch.input_ids.shape
-        flops = step_flops(self._matmul_params, self.model_cfg, self.algo, self.spec.ppo_epochs,
+        flops = step_flops(self._matmul_params, self.model_cfg, self._step_algo, self.spec.ppo_epochs,
                            rows * jax.process_count(), length)
         metrics = {f"train/{k}": float(v) for k, v in out.items()}
         metrics.update({
@@ -463,6 +529,13 @@ class Trainer:
             "perf/flops_per_s": flops / elapsed,
         })
         return metrics
+
+    def nll(self, batch: Any) -> tuple[float, int]:
+        """``(sum of -log p, trained tokens)`` of ``batch`` under the current weights at T = 1,
+        no update (SFT eval loss; rows as for :meth:`step`)."""
+        arrays, _ = self._device_batch(batch)
+        total, count = nll_sums(self.graphdef, self.params, arrays)
+        return float(_to_numpy(total)), int(_to_numpy(count))
 
     # ------------------------------------------------------------------ publishing and state
 
