@@ -372,3 +372,42 @@ def test_registered_as_jax_engine():
     from asyncrl.registry import resolve
 
     assert resolve("engine", "jax") is JaxEngine
+
+
+# --------------------------------------------------------------------------- sampling math
+
+
+def test_top_k_top_p_mask_matches_sorted_reference():
+    from asyncrl.engine.jax_engine import _top_k_top_p
+
+    rng = np.random.default_rng(0)
+    scaled = rng.normal(size=(6, 50)).astype(np.float32) * 2
+    scaled[5, 10:20] = -np.inf  # masked stop ids
+    top_k = np.array([0, 3, 0, 7, 1, 4], np.int32)
+    top_p = np.array([1.0, 1.0, 0.5, 0.8, 0.3, 0.95], np.float32)
+    got = np.asarray(_top_k_top_p(jnp.asarray(scaled), jnp.asarray(top_k), jnp.asarray(top_p)))
+    for b in range(6):
+        row = scaled[b].astype(np.float64)
+        order = np.argsort(-row, kind="stable")
+        keep = np.ones(50, bool)
+        if top_k[b] > 0:
+            keep[order[top_k[b]:]] = False
+        if top_p[b] < 1:
+            kept = np.where(keep, row, -np.inf)
+            probs = np.exp(kept - kept.max())
+            probs /= probs.sum()
+            mass_before = np.cumsum(probs[order]) - probs[order]
+            keep[order[mass_before >= top_p[b]]] = False
+        np.testing.assert_array_equal(np.isfinite(got[b]), keep & np.isfinite(row), err_msg=f"row {b}")
+        np.testing.assert_array_equal(got[b][keep & np.isfinite(row)], scaled[b][keep & np.isfinite(row)])
+
+
+def test_inverse_cdf_sampler_frequencies():
+    from asyncrl.engine.jax_engine import _sample
+
+    logits = jnp.log(jnp.array([0.5, 0.3, 0.0, 0.15, 0.05], jnp.float32))
+    keys = jax.random.split(jax.random.PRNGKey(0), 40000)
+    draws = np.asarray(jax.jit(jax.vmap(lambda k: _sample(k[None], logits[None])[0]))(keys))
+    freq = np.bincount(draws, minlength=5) / len(draws)
+    np.testing.assert_allclose(freq, [0.5, 0.3, 0.0, 0.15, 0.05], atol=0.01)
+    assert freq[2] == 0
