@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "GenerationRequest": "asyncrl.engine.protocol",
     "GenerationResponse": "asyncrl.engine.protocol",
     "FakeEngine": "asyncrl.engine.fake",
+    "JaxEngine": "asyncrl.engine.jax_engine",
     "Trajectory": "asyncrl.rollout.trajectory",
     "TrajectoryGroup": "asyncrl.rollout.trajectory",
     "TrainBatch": "asyncrl.rollout.trajectory",
