@@ -24,7 +24,8 @@ Compiled programs (module-level jits, shared by every engine with the same model
 * ``prefill_insert``: one per prefill bucket;
 * ``decode_chunk``: up to ``engine.decode_chunk`` steps in a ``lax.while_loop`` (it exits
   early once every slot is done), in two variants: plain sampling, and sampling with
-  top-k/top-p (a vocabulary sort), used only for chunks in which some slot asks for it.
+  top-k/top-p (two threshold searches over the vocabulary), used only for chunks in which
+  some slot asks for it.
 
 So at most ``len(prefill_buckets) + 2`` programs per model; :func:`compile_count` counts
 traces (each trace is one compilation) and is reported as ``engine/compiles``.
@@ -32,8 +33,9 @@ traces (each trace is one compilation) and is reported as ``engine/compiles``.
 Sampling and randomness (DESIGN "Randomness", "Log-probabilities")
 -----------------------------------------------------------------
 Per slot, on float32 logits: stop ids are masked while fewer than ``min_new_tokens`` tokens
-were generated; greedy takes the argmax; otherwise ``categorical(fold_in(key, i), logits / T)``
-for the ``i``-th generated token, after top-k then top-p when asked. The slot key is
+were generated; greedy takes the argmax; otherwise the ``i``-th generated token is drawn from
+``softmax(logits / T)`` (after top-k, then top-p, when asked) by inverting its CDF at
+``uniform(fold_in(key, i))``. The slot key is
 ``fold_in(fold_in(fold_in(PRNGKey(seed), sample_id), index_in_group + j), turn)`` for sample
 ``j``: it never depends on the slot, the batch or the arrival order, and the batch shape is
 fixed, so a seeded request draws the same tokens whatever runs beside it. The reported
@@ -127,21 +129,55 @@ def _prefill_insert(graphdef, params, state: SlotState, prompt_ids, prompt_mask,
     return SlotState(KVCache(k, v, valid, write_pos), keys)
 
 
+def _ordered_int(x: jax.Array) -> jax.Array:
+    """int32 keys that order like the float32 values ``x`` (for exact bisection on floats)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _largest_threshold(keys: jax.Array, ok, lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """Per row, the largest int32 ``t`` in ``[lo, hi]`` with ``ok(keys, t)`` (monotone: true up to
+    some point); ``lo`` when none. 32 halvings of the int32 range, each a pass over ``keys``."""
+
+    def body(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1) + ((lo ^ hi) & 1)  # ceil((lo + hi) / 2) without overflow
+        good = ok(keys, mid[:, None]) & (mid <= hi)
+        return jnp.where(good, mid, lo), jnp.where(good, hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, body, (lo, hi))
+    return lo
+
+
 def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Mask ``scaled`` [S, V] to each row's top-k, then to its top-p nucleus (rows with
-    ``top_k == 0`` / ``top_p >= 1`` are left exactly as they are)."""
-    vocab = scaled.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    kth = jnp.take_along_axis(sorted_desc, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)[:, 0]
-    thresh_k = jnp.where(top_k > 0, kth, -jnp.inf)
-    after_k = jnp.where(sorted_desc >= thresh_k[:, None], sorted_desc, -jnp.inf)
+    """Mask ``scaled`` [S, V] to each row's top-k, then to the smallest set of its most likely
+    remaining tokens with probability mass >= top-p (ties at a threshold are kept). Rows with
+    ``top_k == 0`` / ``top_p >= 1`` are left exactly as they are.
+
+    Thresholds are found by bisection over the float bit patterns rather than by sorting the
+    vocabulary: a sort of [S, V] costs ~100x more than a sampling step on CPU.
+    """
+    rows = scaled.shape[0]
+    int_min = jnp.full((rows,), jnp.iinfo(jnp.int32).min, jnp.int32)
+    int_max = jnp.full((rows,), jnp.iinfo(jnp.int32).max, jnp.int32)
+    keys = _ordered_int(scaled)
+    kth = _largest_threshold(keys, lambda k, t: jnp.sum(k >= t, axis=-1) >= top_k, int_min, int_max)
+    after_k = jnp.where((top_k[:, None] > 0) & (keys < kth[:, None]), -jnp.inf, scaled)
     probs = jax.nn.softmax(after_k, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = mass_before < top_p[:, None]  # the top token always stays (mass_before = 0)
-    thresh_p = jnp.min(jnp.where(keep, after_k, jnp.inf), axis=-1)
-    thresh_p = jnp.where(top_p < 1.0, thresh_p, -jnp.inf)
-    thresh = jnp.maximum(thresh_k, thresh_p)
-    return jnp.where(scaled >= thresh[:, None], scaled, -jnp.inf)
+    prob_keys = _ordered_int(probs)  # probs >= 0: keys are the bit patterns, in [0, inf bits]
+    mass_ok = lambda k, t: jnp.sum(jnp.where(k >= t, probs, 0.0), axis=-1) >= top_p
+    nucleus = _largest_threshold(prob_keys, mass_ok, jnp.zeros((rows,), jnp.int32), jnp.full((rows,), 0x7F800000, jnp.int32))
+    return jnp.where((top_p[:, None] < 1.0) & (prob_keys < nucleus[:, None]), -jnp.inf, after_k)
+
+
+def _sample(keys: jax.Array, scaled: jax.Array) -> jax.Array:
+    """One draw per row from ``softmax(scaled)`` [S, V] by inverting its CDF at one uniform
+    per row (one random number per token instead of V Gumbels: the RNG is most of a
+    sampling step's cost on CPU). Zero-probability tokens are never drawn."""
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+    cdf = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)
+    x = u * cdf[:, -1]
+    return jnp.minimum(jnp.sum(cdf <= x[:, None], axis=-1), scaled.shape[-1] - 1).astype(jnp.int32)
 
 
 def _decode_chunk(graphdef, params, state: SlotState, ints, floats, steps: int, filtered: bool):
@@ -170,7 +206,7 @@ def _decode_chunk(graphdef, params, state: SlotState, ints, floats, steps: int, 
         if filtered:
             scaled = _top_k_top_p(scaled, top_k, top_p)
         step_keys = jax.vmap(jax.random.fold_in)(state.keys, n_gen)
-        drawn = jax.vmap(jax.random.categorical)(step_keys, scaled)
+        drawn = _sample(step_keys, scaled)
         token = jnp.where(greedy, jnp.argmax(masked, axis=-1), drawn).astype(jnp.int32)
         log_p = jax.nn.log_softmax(logits / temp[:, None], axis=-1)[rows, token]
         is_stop = stop_vocab[rows, token] & (n_gen >= min_new)
@@ -464,6 +500,8 @@ class JaxEngine:
             "engine/prefill_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,
             "engine/decode_tokens": float(s["decode_tokens"]),
             "engine/decode_tokens_per_s": s["decode_tokens"] / s["decode_s"] if s["decode_s"] else 0.0,
+            "engine/decode_steps": float(s["decode_steps"]),
+            "engine/decode_s": float(s["decode_s"]),
             "engine/decode_ms_per_step": 1e3 * s["decode_s"] / s["decode_steps"] if s["decode_steps"] else 0.0,
             "engine/swaps": float(s["swaps"]),
             "engine/swap_latency_s": s["swap_s"] / s["swaps"] if s["swaps"] else 0.0,
