@@ -178,7 +178,7 @@ def main() -> None:
     from asyncrl.model import bench_40m_config, export_hf, init_decoder, load_model, split_params
 
     out: dict = {"load_avg_start": os.getloadavg()[0], "repeats": args.repeats, "decode_chunk": args.decode_chunk}
-    tiny = load_model("tiny", load_tokenizer_files=False)
+    tiny = load_model("tiny", with_tokenizer=False)
     g, p = tiny.split()
     res = bench_model(g, p, str(tiny.path), tiny.config.vocab_size, args.repeats, args.decode_chunk)
     out["tiny"] = res

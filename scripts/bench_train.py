@@ -61,7 +61,7 @@ def bench_model(name: str, rows: int, length: int, steps: int, peak: float) -> d
     if name == "bench-40m":
         graphdef, params = split_params(init_decoder(bench_40m_config(), seed=0))
     else:
-        graphdef, params = load_model(name, load_tokenizer_files=False).split()
+        graphdef, params = load_model(name, with_tokenizer=False).split()
     cfg = load_config(data={"rollout": {"group_size": 4, "batch_size": rows // 4}})
     trainer = Trainer(cfg, graphdef, params)
     data = batch(rows, length, trainer.model_cfg.vocab_size)

@@ -30,7 +30,7 @@ REF_LEN = 96  # reference sequences are right-padded to this length (one compila
 
 @pytest.fixture(scope="module")
 def tiny():
-    lm = load_model("tiny", load_tokenizer_files=False)
+    lm = load_model("tiny", with_tokenizer=False)
     graphdef, params = lm.split()
     return lm, graphdef, params
 

@@ -67,7 +67,7 @@ def test_greedy_matches_transformers_generate(family, tmp_path):
     import torch
 
     hf = save_random_hf_model(family, tmp_path)
-    lm = load_model(str(tmp_path), load_tokenizer_files=False)
+    lm = load_model(str(tmp_path), with_tokenizer=False)
     assert set(lm.stop_token_ids) == set(FAMILIES[family]["eos_token_id"])
     graphdef, params = lm.split()
     vocab = FAMILIES[family]["vocab_size"]

@@ -17,7 +17,7 @@ from tests.trainer_fixtures import make_batch, trainer_config
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model("tiny", load_tokenizer_files=False).split()
+    return load_model("tiny", with_tokenizer=False).split()
 
 
 def host(tree):

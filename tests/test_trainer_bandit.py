@@ -50,7 +50,7 @@ def bandit_batch(probs: np.ndarray, target: int, rng: np.random.Generator, versi
 
 
 def run_bandit(seed: int) -> list[float]:
-    graphdef, params = load_model(f"tiny:seed={seed}", load_tokenizer_files=False).split()
+    graphdef, params = load_model(f"tiny:seed={seed}", with_tokenizer=False).split()
     cfg = trainer_config(rollout={"group_size": GROUP_SIZE, "batch_size": PROMPTS_PER_STEP},
                          optim={"lr": 1e-2}, run={"seed": seed})
     trainer = Trainer(cfg, graphdef, params)

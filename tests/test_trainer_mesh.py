@@ -24,7 +24,7 @@ from asyncrl.trainer import Trainer, build_mesh
 from asyncrl.config import MeshConfig
 from tests.trainer_fixtures import SGD, make_batch, trainer_config
 assert jax.device_count() == 8
-graphdef, params = load_model("tiny", load_tokenizer_files=False).split()
+graphdef, params = load_model("tiny", with_tokenizer=False).split()
 batch = make_batch(rows=32, padding_rows=4, seed=11)
 
 def run(mesh, micro):
@@ -67,7 +67,7 @@ from asyncrl.model import load_model
 from asyncrl.trainer import Trainer, initialize_distributed
 initialize_distributed(cfg.mesh)
 assert jax.process_count() == 2 and jax.device_count() == 2
-graphdef, params = load_model("tiny", load_tokenizer_files=False).split()
+graphdef, params = load_model("tiny", with_tokenizer=False).split()
 trainer = Trainer(cfg, graphdef, params)
 full = make_batch(rows=16, padding_rows=0, seed=12)
 # Process p feeds its own whole groups (2 groups of 4 rows each), group indices local.
@@ -103,7 +103,7 @@ def test_two_processes_compute_the_single_process_step(tmp_path):
     from asyncrl.trainer import Trainer
     from tests.trainer_fixtures import SGD, make_batch, trainer_config
 
-    graphdef, params = load_model("tiny", load_tokenizer_files=False).split()
+    graphdef, params = load_model("tiny", with_tokenizer=False).split()
     trainer = Trainer(trainer_config(optim=SGD), graphdef, params)
     metrics = trainer.step(make_batch(rows=16, padding_rows=0, seed=12))
     reference = jax.tree.leaves(jax.tree.map(np.asarray, trainer.params))

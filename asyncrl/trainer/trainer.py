@@ -405,7 +405,7 @@ class Trainer:
         initialize_distributed(cfg.mesh)
         from asyncrl.model import load_model
 
-        graphdef, params = load_model(cfg.model, load_tokenizer_files=False).split()
+        graphdef, params = load_model(cfg.model, with_tokenizer=False).split()
         return cls(cfg, graphdef, params, mesh=mesh, objective=objective)
 
     @property
