@@ -22,7 +22,7 @@ import numpy as np, jax
 from asyncrl.trainer import Trainer
 from tests.trainer_fixtures import SGD, make_batch, tiny_model, trainer_config
 assert jax.device_count() == 8
-graphdef, params = tiny_model()
+graphdef, params = tiny_model(layers=1)  # 4 heads / 2 KV heads: tensor=2 splits both
 batch = make_batch(rows=32, padding_rows=4, seed=11)
 
 def run(mesh, micro):
