@@ -784,7 +784,10 @@ def _yaml_value(text: str) -> Any:
 
 def dump_config(cfg: Config) -> str:
     """The resolved config as YAML; :func:`load_config` reads it back to an equal config."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    data = cfg.model_dump(mode="json")
+    if cfg.stages:
+        del data["run"]["total_steps"]  # each stage has its own; setting both is an error
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def config_reference_markdown() -> str:
