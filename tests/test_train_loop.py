@@ -234,3 +234,16 @@ def test_quickstart_learns(seed, tmp_path):
     assert np.mean(tail) - np.mean(rewards[:5]) >= 0.3
     assert wall < 300
     assert result.steps == cfg.total_steps
+
+
+def test_plot_metrics_writes_the_curves(quick_run, tmp_path, capsys):
+    import importlib.util
+
+    _, _, out, _ = quick_run
+    spec = importlib.util.spec_from_file_location("plot_metrics", REPO_ROOT / "scripts" / "plot_metrics.py")
+    plot_metrics = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_metrics)
+    assert plot_metrics.main([str(out), "-o", str(tmp_path / "curves.png")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 6 and {"reward/mean", "eval/reward", "rollout/lag_max"} <= set(summary["series"])
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
