@@ -12,6 +12,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 # public name -> module that defines it
+# The stable public API (DESIGN "Public API"); everything else is importable from its
+# module and may change.
 _EXPORTS: dict[str, str] = {
     "load_config": "asyncrl.config",
     "Config": "asyncrl.config",
@@ -24,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "GenerationRequest": "asyncrl.engine.protocol",
     "GenerationResponse": "asyncrl.engine.protocol",
     "FakeEngine": "asyncrl.engine.fake",
+    "JaxEngine": "asyncrl.engine.jax_engine",
     "Trajectory": "asyncrl.rollout.trajectory",
     "TrajectoryGroup": "asyncrl.rollout.trajectory",
     "TrainBatch": "asyncrl.rollout.trajectory",
@@ -32,8 +35,7 @@ _EXPORTS: dict[str, str] = {
     "SingleTurnWorkflow": "asyncrl.rollout.workflow",
     "WorkflowExecutor": "asyncrl.rollout.executor",
     "prepare_batch": "asyncrl.rollout.batch",
-    "Trainer": "asyncrl.trainer",
-    "SFTData": "asyncrl.sft",
+    "train": "asyncrl.train",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("run_dir", metavar="RUN_DIR", help="a run's output directory (run.output_dir)")
     export.add_argument("out_dir", metavar="OUT_DIR", help="where to write the Hugging Face directory")
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in run.output_dir, or start fresh if there is none "
+        "(same as --set checkpoint.resume=auto)",
+    )
     return parser
 
 
@@ -97,7 +103,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     from asyncrl.config import dump_config, load_config
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if getattr(args, "resume", False):
+        overrides.append("checkpoint.resume=auto")
+    cfg = load_config(args.config, overrides)
     if args.print_config:
         sys.stdout.write(dump_config(cfg))
         return 0
@@ -105,9 +114,13 @@ def _dispatch(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("asyncrl").setLevel(cfg.logging.level)
     if args.command == "train":
-        from asyncrl.train import train
+        from asyncrl.train import TrainingInterrupted, train
 
-        train(cfg, argv=["asyncrl", *sys.argv[1:]])
+        try:
+            train(cfg, argv=["asyncrl", *sys.argv[1:]])
+        except TrainingInterrupted as stop:
+            print(f"asyncrl: {stop}", file=sys.stderr)
+            return stop.exit_code
         return 0
     if args.command == "eval":
         from asyncrl.export import evaluate_model

@@ -211,6 +211,33 @@ class EvalConfig(Section):
     """Eval requests still unfinished after this long come back aborted."""
 
 
+class EngineConfig(Section):
+    """The JAX inference engine: batch slots, KV cache, and the shapes it compiles for."""
+
+    slots: int = Field(default=16, ge=1)
+    """Sequences decoded together (batch rows of the KV cache); a request's ``n`` samples need ``n`` free slots."""
+    kv_capacity: int = Field(default=512, ge=2)
+    """Tokens one slot holds: prompt + ``max_new_tokens`` of every request must fit."""
+    decode_chunk: int = Field(default=8, ge=1)
+    """Tokens decoded per compiled call; finished slots are refilled and published weights installed between chunks."""
+    prefill_buckets: list[int] = Field(default_factory=lambda: [16, 32, 64, 128, 256, 512])
+    """Prompt lengths prefill is compiled for (one program each); a prompt uses the smallest that holds it."""
+    max_stop_ids: int = Field(default=8, ge=1)
+    """Most stop token ids one request may give (the width of the compiled stop-id table)."""
+    request_timeout_s: Optional[float] = Field(default=None, gt=0)
+    """Default timeout of a request without its own ``timeout_s``; unfinished samples come back ``aborted``. Null: none."""
+
+    @model_validator(mode="after")
+    def _check_buckets(self) -> "EngineConfig":
+        if not self.prefill_buckets or min(self.prefill_buckets) < 1:
+            raise ValueError(f"engine.prefill_buckets: need at least one bucket, all >= 1 (given {self.prefill_buckets})")
+        if max(self.prefill_buckets) > self.kv_capacity:
+            raise ValueError(
+                f"engine.prefill_buckets: {max(self.prefill_buckets)} exceeds engine.kv_capacity ({self.kv_capacity})"
+            )
+        return self
+
+
 class OptimConfig(Section):
     """The optimizer of the trainer: an optax chain of global-norm clipping and AdamW (or SGD), with a schedule.
 
@@ -286,6 +313,17 @@ class MeshConfig(Section):
     """Multi-process setup (off by default: one process)."""
 
 
+class CheckpointConfig(Section):
+    """Checkpoints under ``<run.output_dir>/checkpoints/step_<k>/`` and resuming from them (``docs/checkpoints.md``)."""
+
+    every_steps: int = Field(default=50, ge=0)
+    """Write a checkpoint every this many trainer steps, after the last step, and on SIGINT/SIGTERM; 0: only after the last step and on a signal."""
+    keep: Optional[int] = Field(default=3, ge=1)
+    """Keep the newest this many complete checkpoints (older ones are deleted once the new one is in place); null keeps all."""
+    resume: Literal["never", "auto"] = "never"
+    """``auto`` (or ``asyncrl train --resume``): continue from the newest complete checkpoint in ``run.output_dir``, or start fresh if there is none; ``never``: always start fresh."""
+
+
 class LoggingConfig(Section):
     """What the run reports and how."""
 
@@ -318,9 +356,11 @@ class StageConfig(Section):
     """Overrides of the top-level ``optim`` section for this stage (each stage starts a fresh optimizer)."""
     eval: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the top-level ``eval`` section for this stage."""
+    sft: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the top-level ``sft`` section for this stage (``type: sft``)."""
 
 
-STAGE_SECTIONS = ("data", "workflow", "rewards", "algo", "optim", "eval")
+STAGE_SECTIONS = ("data", "workflow", "rewards", "algo", "optim", "eval", "sft")
 """Top-level sections a stage may override."""
 
 
@@ -337,6 +377,8 @@ class Config(Section):
     """The RL objective."""
     data: DataConfig = Field(default_factory=DataConfig)
     """Prompt limits."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """The JAX inference engine."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
     """The trainer's optimizer and schedule."""
     mesh: MeshConfig = Field(default_factory=MeshConfig)
@@ -351,6 +393,8 @@ class Config(Section):
     """Supervised fine-tuning batches (stages of ``type: sft``)."""
     stages: list[StageConfig] = Field(default_factory=list)
     """Stages run in order on one model (e.g. ``[{name: sft, type: sft, total_steps: 50}, {name: rl, total_steps: 100}]``); empty: one RL stage of ``run.total_steps``."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoints and resume."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Logging."""
 
@@ -386,6 +430,29 @@ class Config(Section):
                 f"rollout.max_seq_len ({self.rollout.max_seq_len}) must be at least data.max_prompt_tokens + "
                 f"rollout.max_new_tokens ({needed}), or every long completion would be dropped"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_engine(self) -> "Config":
+        engine, problems = self.engine, []
+        needed = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        if engine.kv_capacity < needed:
+            problems.append(
+                f"engine.kv_capacity ({engine.kv_capacity}) must be at least data.max_prompt_tokens + "
+                f"rollout.max_new_tokens ({needed}), or long prompts could not be served"
+            )
+        elif max(engine.prefill_buckets) < self.data.max_prompt_tokens - 1:
+            problems.append(
+                f"engine.prefill_buckets: the largest ({max(engine.prefill_buckets)}) must hold data.max_prompt_tokens - 1 "
+                f"({self.data.max_prompt_tokens - 1}) tokens (the last prompt token is decoded)"
+            )
+        if self.rollout.group_size > engine.slots:
+            problems.append(
+                f"engine.slots ({engine.slots}) must be at least rollout.group_size ({self.rollout.group_size}): "
+                "a group's samples share one prefill and decode together"
+            )
+        if problems:
+            raise ValueError("\n".join(problems))
         return self
 
     @model_validator(mode="after")
@@ -717,7 +784,10 @@ def _yaml_value(text: str) -> Any:
 
 def dump_config(cfg: Config) -> str:
     """The resolved config as YAML; :func:`load_config` reads it back to an equal config."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    data = cfg.model_dump(mode="json")
+    if cfg.stages:
+        del data["run"]["total_steps"]  # each stage has its own; setting both is an error
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def config_reference_markdown() -> str:

@@ -45,6 +45,22 @@ class TrajectorySchemaError(RolloutError):
         super().__init__(message)
 
 
+class EngineRequestError(AsyncRLError, ValueError):
+    """A generation request (or engine setting) the inference engine cannot serve: a prompt
+    plus ``max_new_tokens`` beyond the KV capacity, bad sampling parameters, too many samples.
+    Raised on the caller's thread; the message names the field."""
+
+
+class EngineClosed(AsyncRLError, RuntimeError):
+    """The inference engine was shut down: raised by later calls and by the requests it failed."""
+
+
+class CheckpointError(AsyncRLError):
+    """A checkpoint that cannot be written or read: incomplete or corrupt files, a tree that
+    does not match its template, a value that cannot be stored without pickle. The message
+    names the checkpoint directory, the file and the key at fault."""
+
+
 class EngineCrashed(RuntimeError):
     """The inference engine's own thread died; training must stop at once.
 

@@ -32,7 +32,7 @@ BUILTIN_MODULES: dict[str, list[str]] = {
     "workflow": ["asyncrl.rollout.workflow", "workflows"],
     "reward": ["workflows"],
     "dataset": ["asyncrl.data", "workflows"],
-    "engine": ["asyncrl.engine"],
+    "engine": ["asyncrl.engine", "asyncrl.engine.jax_engine"],
     "estimator": ["asyncrl.algo"],
 }
 

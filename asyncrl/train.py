@@ -39,6 +39,15 @@ class RunDirError(AsyncRLError):
     """The output directory already holds a run."""
 
 
+class TrainingInterrupted(Exception):
+    """A signal stopped the run after a checkpoint was written; ``exit_code`` is 130/143."""
+
+    def __init__(self, exit_code: int, checkpoint: Optional[Path]):
+        self.exit_code = exit_code
+        self.checkpoint = checkpoint
+        super().__init__(f"training interrupted (exit {exit_code}); checkpoint: {checkpoint or 'none'}")
+
+
 @dataclass
 class TrainResult:
     steps: int
@@ -75,17 +84,36 @@ def build_task_and_workflow(cfg: Config, tokenizer: Any) -> tuple[Config, Any, A
     return cfg, task, build_workflow(cfg, tokenizer)
 
 
-def _prepare_output_dir(cfg: Config) -> Path:
+RUN_LOGS = ("metrics.jsonl", "trajectories.jsonl")
+
+
+def _prepare_output_dir(cfg: Config, resume_step: Optional[int]) -> Path:
+    """A fresh run needs an empty run directory (or ``run.overwrite``); a resumed run keeps
+    its logs up to the checkpoint's step and drops the rows written after it, which the
+    resumed run writes again."""
     out = cfg.run.resolved_output_dir
-    if (out / "metrics.jsonl").exists() and not cfg.run.overwrite:
+    if resume_step is not None:
+        for name in RUN_LOGS:
+            _truncate_log(out / name, resume_step)
+        return out
+    if (out / "metrics.jsonl").exists() and not cfg.run.overwrite and cfg.checkpoint.resume == "never":
         raise RunDirError(
             f"run.output_dir {out} already holds a run (metrics.jsonl); choose another run.name or run.output_dir, "
-            "or set run.overwrite: true to replace it"
+            "resume it with --resume, or set run.overwrite: true to replace it"
         )
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "trajectories.jsonl"):
-        (out / stale).unlink(missing_ok=True)
+    for name in RUN_LOGS:
+        (out / name).unlink(missing_ok=True)
     return out
+
+
+def _truncate_log(path: Path, last_step: int) -> None:
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    from asyncrl.provenance import atomic_write_text
+
+    atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
 def _rename_train_metrics(metrics: dict[str, float]) -> dict[str, float]:
@@ -137,26 +165,31 @@ def _dump_trajectories(path: Path, step: int, groups: list, tokenizer: Any, limi
 
 
 class _Run:
-    """The state one run shares across its stages: model, mesh, engine, sinks, version."""
+    """The state one run shares across its stages: model, mesh, engine, sinks, version,
+    and the checkpoint it resumed from."""
 
-    def __init__(self, cfg: Config, out: Path, console: Any):
+    def __init__(self, cfg: Config, out: Path, console: Any, resumed: Any, guard: Any):
         from asyncrl.metrics import ConsoleSink, JsonlSink
         from asyncrl.model import load_model
         from asyncrl.trainer import build_mesh
 
         self.cfg = cfg
         self.out = out
+        self.guard = guard
+        self.resumed = resumed
+        """The :class:`~asyncrl.checkpoint.Checkpoint` this run continues, or None."""
         self.loaded = load_model(cfg.model)
         self.graphdef, self.params = self.loaded.split()
         self.mesh = build_mesh(cfg.mesh)
         self.engine: Any = None
-        self.version = 0
+        self.version = resumed.step if resumed is not None else 0
         """Completed trainer steps over all stages: the version the engine serves."""
-        self.console = ConsoleSink(cfg.total_steps, stream=console)
+        self.console = ConsoleSink(cfg.total_steps, start_step=self.version, stream=console)
         self.jsonl = JsonlSink(out / "metrics.jsonl")
         self.history: list[dict[str, float]] = []
-        self.final_eval: dict[str, float] = {}
+        self.final_eval: dict[str, float] = dict(resumed.state.get("final_eval", {})) if resumed else {}
         self.generated_before = 0.0
+        self.last_checkpoint: Optional[Path] = None
 
     # ------------------------------------------------------------------ shared pieces
 
@@ -171,6 +204,23 @@ class _Run:
         self.console.prefix = f"[{stage.name}] " if multi else ""
         tensorboard = TensorBoardSink(self.out / "tensorboard" / stage.name if multi else self.out / "tensorboard")
         return StatsTracker([self.jsonl, tensorboard, self.console]), tensorboard
+
+    def trainer_for(self, index: int, stage: Any, scfg: Config, params: Any) -> Any:
+        """A fresh trainer (and optimizer) for stage ``index``, or the saved one on resume."""
+        from asyncrl.trainer import Trainer
+
+        objective = stage.type
+
+        resumed = self.resumed
+        if resumed is not None and resumed.state["stage_index"] == index:
+            # The reference policy (KL) is the stage's starting weights, saved for stages > 0.
+            start = resumed.arrays.get("stage_start_params", params)
+            trainer = Trainer(scfg, self.graphdef, start, mesh=self.mesh, version=self.version, objective=objective)
+            trainer.load_state_dict(
+                {"params": resumed.arrays["params"], "opt_state": resumed.arrays["opt_state"], **resumed.state["trainer"]}
+            )
+            return trainer
+        return Trainer(scfg, self.graphdef, params, mesh=self.mesh, version=self.version, objective=objective)
 
     def ensure_engine(self, trainer: Any, scfg: Config) -> Any:
         from asyncrl.engine.jax_engine import JaxEngine
@@ -205,9 +255,40 @@ class _Run:
         every = scfg.eval.every_steps
         return bool(every) and (stage_step % every == 0 or stage_step == scfg.run.total_steps)
 
+    def checkpoint_due(self, stage_step: int, stage_total: int) -> bool:
+        every = self.cfg.checkpoint.every_steps
+        return stage_step == stage_total or (every > 0 and self.version % every == 0) or self.guard.requested
+
+    def save(self, index: int, stage_step: int, trainer: Any, stage_start: Any, rollout_state: Any = None,
+             extra: Optional[dict] = None) -> None:
+        from asyncrl.checkpoint import save_checkpoint
+
+        trainer_state = trainer.state_dict()
+        arrays = {"params": trainer_state.pop("params"), "opt_state": trainer_state.pop("opt_state")}
+        if index > 0 and trainer.ref_params is not None:
+            arrays["stage_start_params"] = jax_to_numpy(stage_start)
+        state = {
+            "version": self.version, "stage_index": index, "stage_step": stage_step, "trainer": trainer_state,
+            "final_eval": self.final_eval, **(extra or {}),
+        }
+        self.last_checkpoint = save_checkpoint(
+            self.out, self.version, arrays=arrays, state=state, config_yaml=dump_config(self.cfg),
+            rollout_state=rollout_state, keep=self.cfg.checkpoint.keep,
+        )
+
+    def resume_position(self, index: int) -> Optional[int]:
+        """Steps of stage ``index`` already done according to the checkpoint (None: not resumed there)."""
+        if self.resumed is None or self.resumed.state["stage_index"] != index:
+            return None
+        return int(self.resumed.state["stage_step"])
+
+    def stop_if_requested(self) -> None:
+        if self.guard.requested:
+            raise TrainingInterrupted(self.guard.exit_code, self.last_checkpoint)
+
     # ------------------------------------------------------------------ stages
 
-    def rl_stage(self, stage: Any, scfg: Config, trainer: Any, first: bool) -> None:
+    def rl_stage(self, index: int, stage: Any, scfg: Config, trainer: Any, stage_start: Any) -> None:
         from asyncrl.data import SampleOrder
         from asyncrl.rollout.executor import WorkflowExecutor
 
@@ -217,13 +298,16 @@ class _Run:
             workflow, engine, SampleOrder(task.train, scfg.run.seed), scfg, version=self.version,
             row_multiple=trainer.row_multiple,
         )
+        done = self.resume_position(index)
+        if done is not None:
+            executor.load_state_dict(self.resumed.rollout_state)
         tracker, tensorboard = self.tracker_for(stage)
         try:
             executor.start()
-            if first and scfg.eval.every_steps:
+            if index == 0 and done is None and scfg.eval.every_steps:
                 self.evaluate(scfg, workflow, task, tracker)
                 self.history.append(tracker.commit(self.version))
-            for stage_step in range(1, scfg.run.total_steps + 1):
+            for stage_step in range((done or 0) + 1, scfg.run.total_steps + 1):
                 step_start = time.perf_counter()
                 batch = executor.prepare_batch(self.version, timeout=scfg.rollout.batch_timeout_s)
                 groups = list(executor.last_groups)
@@ -245,41 +329,99 @@ class _Run:
                 if self.eval_due(scfg, stage_step):
                     self.evaluate(scfg, workflow, task, tracker)
                 self.history.append(tracker.commit(self.version))
+                if self.checkpoint_due(stage_step, scfg.run.total_steps):
+                    self.save(index, stage_step, trainer, stage_start, rollout_state=executor.state_dict())
+                self.stop_if_requested()
         finally:
             executor.stop()
             tensorboard.close()
 
-    def sft_stage(self, stage: Any, scfg: Config, trainer: Any, first: bool) -> None:
-        raise NotImplementedError("SFT stages land with issue 10")
+    def sft_stage(self, index: int, stage: Any, scfg: Config, trainer: Any, stage_start: Any) -> None:
+        """Cross-entropy on reference responses; publishes every step like RL, so eval and
+        the next stage's engine see exactly these weights."""
+        from asyncrl.sft import SFTData, eval_loss
+
+        scfg, task, workflow = build_task_and_workflow(scfg, self.loaded.tokenizer)
+        self.ensure_engine(trainer, scfg)
+        eos = self.loaded.stop_token_ids[0] if self.loaded.stop_token_ids else None
+        data = SFTData.for_task(task, workflow, scfg, eos_token_id=eos, row_multiple=trainer.row_multiple)
+        eval_data = SFTData.for_task(task, workflow, scfg, split="eval", eos_token_id=eos, row_multiple=trainer.row_multiple)
+        done = self.resume_position(index)
+        if done is not None:
+            data.load_state_dict(self.resumed.state["sft"])
+        tracker, tensorboard = self.tracker_for(stage)
+
+        def run_eval() -> None:
+            self.evaluate(scfg, workflow, task, tracker)
+            tracker.scalars(eval_loss(trainer, eval_data), reduce="last")
+
+        try:
+            if index == 0 and done is None and scfg.eval.every_steps:
+                run_eval()
+                self.history.append(tracker.commit(self.version))
+            for stage_step in range((done or 0) + 1, scfg.run.total_steps + 1):
+                step_start = time.perf_counter()
+                batch = data.next_batch()
+                train_metrics = trainer.step(batch)
+                self.publish(trainer)
+                step_time = time.perf_counter() - step_start
+                tracker.scalars(_rename_train_metrics(train_metrics))
+                tracker.scalars(data.metrics(), reduce="last")
+                tracker.scalar("perf/step_time", step_time)
+                tracker.scalar("perf/trained_tokens_per_s", float(batch.loss_mask.sum()) / step_time)
+                if self.eval_due(scfg, stage_step):
+                    run_eval()
+                self.history.append(tracker.commit(self.version))
+                if self.checkpoint_due(stage_step, scfg.run.total_steps):
+                    self.save(index, stage_step, trainer, stage_start, extra={"sft": data.state_dict()})
+                self.stop_if_requested()
+        finally:
+            tensorboard.close()
+
+
+def jax_to_numpy(tree: Any) -> Any:
+    import jax
+
+    return jax.tree.map(np.asarray, tree)
 
 
 def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) -> TrainResult:
-    """Run the whole training job of ``cfg`` (all its stages); returns a summary (also printed)."""
-    import jax
+    """Run the whole training job of ``cfg`` (all its stages); returns a summary (also printed).
 
+    With ``checkpoint.resume: auto`` it continues from the newest complete checkpoint in
+    ``run.output_dir``. SIGINT/SIGTERM end the current step, write a checkpoint and raise
+    :class:`TrainingInterrupted` (the CLI exits 130/143); a second signal exits at once.
+    """
+    from asyncrl.checkpoint import resume_checkpoint
     from asyncrl.model import export_hf
     from asyncrl.provenance import write_provenance
-    from asyncrl.trainer import Trainer
+    from asyncrl.shutdown import ShutdownGuard
 
     started = time.monotonic()
-    out = _prepare_output_dir(cfg)
+    resumed = resume_checkpoint(cfg)
+    out = _prepare_output_dir(cfg, resumed.step if resumed is not None else None)
     write_provenance(out, dump_config(cfg), argv)
-    run = _Run(cfg, out, console)
-    params = run.params
-    try:
-        for index, (stage, scfg) in enumerate(cfg.stage_configs()):
-            # Each stage starts from the previous stage's weights with a fresh optimizer.
-            trainer = Trainer(scfg, run.graphdef, params, mesh=run.mesh, version=run.version)
-            runner = run.rl_stage if stage.type == "rl" else run.sft_stage
-            runner(stage, scfg, trainer, first=index == 0)
-            params = trainer.params_for_publish()
-    finally:
-        if run.engine is not None:
-            run.engine.shutdown()
-        run.jsonl.close()
-        run.console.close()
+    with ShutdownGuard() as guard:
+        run = _Run(cfg, out, console, resumed, guard)
+        start_stage = resumed.state["stage_index"] if resumed is not None else 0
+        params = resumed.arrays["params"] if resumed is not None else run.params
+        try:
+            for index, (stage, scfg) in enumerate(cfg.stage_configs()):
+                if index < start_stage:
+                    continue
+                # Each stage starts from the previous stage's weights with a fresh optimizer.
+                trainer = run.trainer_for(index, stage, scfg, params)
+                if run.resume_position(index) != scfg.run.total_steps:
+                    runner = run.rl_stage if stage.type == "rl" else run.sft_stage
+                    runner(index, stage, scfg, trainer, stage_start=params)
+                params = trainer.params_for_publish()
+        finally:
+            if run.engine is not None:
+                run.engine.shutdown()
+            run.jsonl.close()
+            run.console.close()
 
-    final_params = jax.tree.map(np.asarray, params)
+    final_params = jax_to_numpy(params)
     export_hf(run.graphdef, run.loaded.tokenizer, out / "hf", params=final_params)
     wall = time.monotonic() - started
     result = TrainResult(

@@ -5,7 +5,11 @@ batch 16 x 96 tokens, with and without ``logprob_chunk_size``. Each case runs in
 own interpreter so its peak RSS is its own. Prints one JSON line:
 
     {"batch": 16, "seq": 96, "device": ..., "results": [{"model", "chunk", "params",
-     "compile_s", "step_s" (median), "xla_temp_mb", "peak_rss_mb"}, ...]}
+     "compile_s", "step_s" (median wall), "step_cpu_s" (median CPU time of all threads),
+     "xla_temp_mb", "peak_rss_mb"}, ...], "load_avg_1m": ...}
+
+``step_cpu_s`` is the robust number on a shared machine: wall time grows with the
+other processes' load (reported as ``load_avg_1m`` at the end), CPU time much less.
 
 ``xla_temp_mb`` is XLA's own count of the compiled step's temporary buffers (the
 activation memory, deterministic); ``peak_rss_mb`` is the process's peak resident
@@ -55,17 +59,19 @@ def run_case(model: str, chunk: int | None, steps: int) -> dict:
     memory = compiled.memory_analysis()
     temp_mb = getattr(memory, "temp_size_in_bytes", 0) / 2**20 if memory is not None else None
     jax.block_until_ready(compiled(params))  # warm-up
-    times = []
+    times, cpu_times = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         jax.block_until_ready(compiled(params))
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
     return {
         "model": model,
         "chunk": chunk,
         "params": cfg.num_params(),
         "compile_s": round(compile_s, 2),
         "step_s": round(statistics.median(times), 4),
+        "step_cpu_s": round(statistics.median(cpu_times), 4),
         "xla_temp_mb": round(temp_mb, 1) if temp_mb is not None else None,
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "device": jax.devices()[0].device_kind,
@@ -97,7 +103,8 @@ def main() -> None:
     device = results[0].pop("device")
     for r in results[1:]:
         r.pop("device")
-    print(json.dumps({"batch": BATCH, "seq": SEQ, "device": device, "results": results}))
+    print(json.dumps({"batch": BATCH, "seq": SEQ, "device": device, "results": results,
+                      "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()}))
 
 
 if __name__ == "__main__":

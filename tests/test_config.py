@@ -165,3 +165,10 @@ def test_no_stages_is_one_rl_stage():
     cfg = load_config(overrides=["run.total_steps=4"])
     ((stage, stage_cfg),) = cfg.stage_configs()
     assert (stage.type, stage.total_steps) == ("rl", 4) and stage_cfg is cfg and cfg.total_steps == 4
+
+
+def test_dump_round_trip_with_stages(tmp_path):
+    cfg = load_config(data={"stages": [{"name": "sft", "type": "sft", "total_steps": 2}, {"name": "rl", "total_steps": 3}]})
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg

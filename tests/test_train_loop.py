@@ -20,11 +20,14 @@ from asyncrl.rollout.workflow import RolloutWorkflow
 from tests.helpers import REPO_ROOT, subprocess_env
 
 QUICKSTART = REPO_ROOT / "configs" / "quickstart.yaml"
+# 2 SFT steps, then 3 RL steps: versions 1-2 are SFT, 3-5 RL.
 FAST = [
-    "run.total_steps=3",
+    "stages.0.total_steps=2",
+    "stages.1.total_steps=3",
     "eval.every_steps=3",
     "eval.max_prompts=8",
     "logging.dump_every_steps=1",
+    "checkpoint.every_steps=0",
 ]
 
 
@@ -45,30 +48,47 @@ def quick_run(tmp_path_factory):
 
 def test_summary_line_and_completion(quick_run):
     cfg, result, out, console = quick_run
-    assert result.steps == 3 and result.output_dir == out
+    assert result.steps == 5 and result.output_dir == out
     lines = console.strip().splitlines()
     assert lines[-1] == "training completed"
-    assert lines[-2].startswith("asyncrl: 3 steps, eval/reward=") and str(out) in lines[-2]
+    assert lines[-2].startswith("asyncrl: 5 steps, eval/reward=") and str(out) in lines[-2]
+    assert any(line.startswith("[sft] step 2/5") for line in lines)
+    assert any(line.startswith("[rl] step 5/5") for line in lines)
 
 
 def test_metrics_jsonl_and_tensorboard_names(quick_run):
     _, _, out, _ = quick_run
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [0, 1, 2, 3]  # step 0: eval before training
+    # step 0: eval before training; every row tagged with its stage
+    assert [(row["step"], row["stage"]) for row in rows] == [(0, "sft"), (1, "sft"), (2, "sft"), (3, "rl"), (4, "rl"), (5, "rl")]
+    sft_names = {"loss/sft", "sft/samples_drawn", "perf/step_time", "perf/trained_tokens_per_s", "eval/reward", "eval/loss"}
+    assert sft_names <= set(rows[2]), sorted(sft_names - set(rows[2]))
     last = rows[-1]
-    expected = {
+    rl_names = {
         "reward/mean", "reward/positional_match", "eval/reward", "eval/accuracy",
         "rollout/lag_max", "rollout/lag_mean", "rollout/lag_p90", "rollout/dropped_stale", "rollout/queue_depth",
         "rollout/zero_variance_share", "loss/total", "loss/pg", "perf/step_time", "perf/trained_tokens_per_s",
         "perf/gen_tokens_per_s", "engine/decode_tokens_per_s", "engine/version",
     }
-    assert expected <= set(last), sorted(expected - set(last))
-    assert last["engine/version"] == 3
-    assert all(0 <= row["rollout/lag_max"] <= 1 for row in rows[1:])  # quickstart: max_staleness 1
-    scalars = read_tensorboard_scalars(out / "tensorboard")
-    assert expected <= set(scalars), sorted(expected - set(scalars))
-    assert [step for step, _ in scalars["reward/mean"]] == [1, 2, 3]
-    assert not any(":" in name for name in scalars)
+    assert rl_names <= set(last), sorted(rl_names - set(last))
+    assert last["engine/version"] == 5
+    assert all(0 <= row["rollout/lag_max"] <= 1 for row in rows[3:])  # quickstart: max_staleness 1
+    # one TensorBoard run per stage, so the stages' curves never collide
+    sft_scalars = read_tensorboard_scalars(out / "tensorboard" / "sft")
+    rl_scalars = read_tensorboard_scalars(out / "tensorboard" / "rl")
+    assert sft_names <= set(sft_scalars) and rl_names <= set(rl_scalars), sorted(rl_names - set(rl_scalars))
+    assert [step for step, _ in rl_scalars["reward/mean"]] == [3, 4, 5]
+    assert [step for step, _ in sft_scalars["loss/sft"]] == [1, 2]
+    assert not any(":" in name for name in rl_scalars)
+
+
+def test_rl_stage_starts_from_the_sft_weights(quick_run):
+    """The first RL step's behaviour tokens carry version 2: the engine served the last SFT
+    weights when the RL stage began (one engine for the run, versions count every step)."""
+    _, _, out, _ = quick_run
+    dumps = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    first_rl = [d for d in dumps if d["step"] == 3]
+    assert first_rl and all(min(d["versions"]) == 2 for d in first_rl)
 
 
 def test_provenance_and_trajectory_dump(quick_run):
@@ -79,10 +99,10 @@ def test_provenance_and_trajectory_dump(quick_run):
     assert provenance["packages"]["jax"] and provenance["devices"][0]["platform"] == "cpu"
     assert "git_sha" in provenance
     dumps = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
-    assert {d["step"] for d in dumps} == {1, 2, 3}
+    assert {d["step"] for d in dumps} == {3, 4, 5}
     first = dumps[0]
     assert first["prompt"] and "positional_match" in first["reward_components"]
-    assert all(0 <= v <= 3 for v in first["versions"])
+    assert all(2 <= v <= 5 for v in first["versions"])
 
 
 def test_export_loads_in_transformers_with_the_trained_logits(quick_run):
@@ -116,11 +136,13 @@ def test_eval_on_the_export_reproduces_the_final_eval(quick_run, capsys):
 def test_synchronous_run_trains_only_current_tokens(tmp_path):
     from asyncrl.train import train
 
-    cfg = quick_config(tmp_path, "rollout.max_staleness=0", "eval.every_steps=0", "logging.dump_every_steps=0")
+    cfg = quick_config(tmp_path, "rollout.max_staleness=0", "eval.every_steps=0", "logging.dump_every_steps=0",
+                       "stages.0.total_steps=1")
     train(cfg, console=io.StringIO())
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 3
-    assert all(row["rollout/lag_max"] == 0 for row in rows)
+    rl_rows = [row for row in rows if row["stage"] == "rl"]
+    assert len(rl_rows) == 3
+    assert all(row["rollout/lag_max"] == 0 and row["rollout/lag_mean"] == 0 for row in rl_rows)
 
 
 def test_output_dir_of_an_earlier_run_is_refused(quick_run):
@@ -131,37 +153,52 @@ def test_output_dir_of_an_earlier_run_is_refused(quick_run):
         train(cfg)
 
 
-CRASH_SCRIPT = """
-import sys
-from asyncrl.cli import main
-where = sys.argv[1]
-if where == "engine":
+def _crash_config(tmp_path, *extra: str):
+    return quick_config(tmp_path, "eval.every_steps=0", "stages.0.total_steps=1", "stages.1.total_steps=2", *extra)
+
+
+def test_engine_crash_ends_the_run_with_the_engine_traceback(tmp_path, monkeypatch):
     from asyncrl.engine import jax_engine
-    def broken(self, *a, **k):
+    from asyncrl.errors import EngineCrashed
+    from asyncrl.train import train
+
+    def broken(self, *args, **kwargs):
         raise RuntimeError("injected engine failure")
-    jax_engine.JaxEngine._decode = broken
-elif where == "trainer":
+
+    monkeypatch.setattr(jax_engine.JaxEngine, "_decode", broken)
+    with pytest.raises(EngineCrashed) as info:
+        train(_crash_config(tmp_path), console=io.StringIO())
+    assert "injected engine failure" in str(info.value) and "Traceback" in str(info.value)
+
+
+def test_trainer_crash_ends_the_run(tmp_path, monkeypatch):
     from asyncrl.trainer import trainer
+    from asyncrl.train import train
+
+    calls = []
+
     def broken(self, batch):
+        calls.append(self.objective)
         raise RuntimeError("injected trainer failure")
-    trainer.Trainer.step = broken
-sys.exit(main(["train", sys.argv[2], *sys.argv[3:]]))
-"""
+
+    monkeypatch.setattr(trainer.Trainer, "step", broken)
+    with pytest.raises(RuntimeError, match="injected trainer failure"):
+        train(_crash_config(tmp_path), console=io.StringIO())
+    assert calls == ["sft"]
 
 
-@pytest.mark.parametrize("where", ["engine", "trainer", "workflow"])
-def test_a_crash_anywhere_ends_the_run_with_its_traceback(where, tmp_path):
-    extra = [f"--set=run.output_dir={tmp_path}", "--set=eval.every_steps=0", "--set=run.total_steps=2"]
-    if where == "workflow":
-        extra += ["--set=workflow=tests.test_train_loop:FailingWorkflow", "--set=rollout.max_consecutive_failures=3"]
+def test_workflow_failures_beyond_the_limit_exit_non_zero_with_the_traceback(tmp_path):
+    """Through the CLI in its own process: status, printed traceback, no hang."""
+    args = [f"--set=run.output_dir={tmp_path}", "--set=eval.every_steps=0", "--set=stages.0.total_steps=1",
+            "--set=stages.1.total_steps=2", "--set=stages.1.workflow=tests.test_train_loop:FailingWorkflow",
+            "--set=rollout.max_consecutive_failures=3"]
     proc = subprocess.run(
-        [sys.executable, "-c", CRASH_SCRIPT, where, str(QUICKSTART), *extra],
+        [sys.executable, "-m", "asyncrl", "train", str(QUICKSTART), *args],
         capture_output=True, text=True, timeout=110, env=subprocess_env(), cwd=REPO_ROOT,
     )
     assert proc.returncode != 0
-    expected = {"engine": "injected engine failure", "trainer": "injected trainer failure", "workflow": "injected episode failure"}
-    assert expected[where] in proc.stderr
-    assert "Traceback" in proc.stderr
+    assert "injected episode failure" in proc.stderr and "Traceback" in proc.stderr
+    assert "max_consecutive_failures" in proc.stderr
     assert "training completed" not in proc.stdout
 
 
@@ -189,11 +226,24 @@ def test_quickstart_learns(seed, tmp_path):
     wall = time.monotonic() - start
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [row["eval/reward"] for row in rows if "eval/reward" in row]
-    rewards = [row["reward/mean"] for row in rows if "reward/mean" in row]
+    rewards = [row["reward/mean"] for row in rows if "reward/mean" in row]  # the RL stage's training reward
     tail = rewards[-max(1, len(rewards) // 10) :]
     print(json.dumps({"seed": seed, "wall_s": wall, "eval_first": evals[0], "eval_last": evals[-1],
                       "reward_first5": float(np.mean(rewards[:5])), "reward_last10pct": float(np.mean(tail))}))
     assert evals[-1] - evals[0] >= 0.3
     assert np.mean(tail) - np.mean(rewards[:5]) >= 0.3
     assert wall < 300
-    assert result.steps == cfg.run.total_steps
+    assert result.steps == cfg.total_steps
+
+
+def test_plot_metrics_writes_the_curves(quick_run, tmp_path, capsys):
+    import importlib.util
+
+    _, _, out, _ = quick_run
+    spec = importlib.util.spec_from_file_location("plot_metrics", REPO_ROOT / "scripts" / "plot_metrics.py")
+    plot_metrics = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_metrics)
+    assert plot_metrics.main([str(out), "-o", str(tmp_path / "curves.png")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 6 and {"reward/mean", "eval/reward", "rollout/lag_max"} <= set(summary["series"])
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -9,15 +9,15 @@ import jax.numpy as jnp
 import pytest
 
 from asyncrl.errors import TrainerError
-from asyncrl.model import load_model, per_token_logprobs_jit
+from asyncrl.model import per_token_logprobs_jit
 from asyncrl.trainer import Trainer, compile_count, learning_rate_schedule, weight_decay_mask
 from asyncrl.trainer.optim import OptimParams
-from tests.trainer_fixtures import make_batch, trainer_config
+from tests.trainer_fixtures import make_batch, tiny_model, trainer_config
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model("tiny", with_tokenizer=False).split()
+    return tiny_model(layers=1)  # one layer: half the compile time, same code paths
 
 
 def host(tree):

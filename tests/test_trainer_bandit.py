@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from asyncrl.model import forward_jit, load_model
+from asyncrl.model import forward_jit
 from asyncrl.rollout.trajectory import TrainBatch
 from asyncrl.trainer import Trainer
-from tests.trainer_fixtures import trainer_config
+from tests.trainer_fixtures import tiny_model, trainer_config
 
 PROMPT = [3, 7, 17, 8, 5, 4]  # <|user|>1+2<|end|><|assistant|>
 LENGTH = 8  # prompt + 1 generated token, padded
@@ -50,7 +50,7 @@ def bandit_batch(probs: np.ndarray, target: int, rng: np.random.Generator, versi
 
 
 def run_bandit(seed: int) -> list[float]:
-    graphdef, params = load_model(f"tiny:seed={seed}", with_tokenizer=False).split()
+    graphdef, params = tiny_model(seed=seed)
     cfg = trainer_config(rollout={"group_size": GROUP_SIZE, "batch_size": PROMPTS_PER_STEP},
                          optim={"lr": 1e-2}, run={"seed": seed})
     trainer = Trainer(cfg, graphdef, params)

@@ -19,12 +19,10 @@ from tests.helpers import REPO_ROOT, run_python, subprocess_env
 
 MESH_CODE = """
 import numpy as np, jax
-from asyncrl.model import load_model
-from asyncrl.trainer import Trainer, build_mesh
-from asyncrl.config import MeshConfig
-from tests.trainer_fixtures import SGD, make_batch, trainer_config
+from asyncrl.trainer import Trainer
+from tests.trainer_fixtures import SGD, make_batch, tiny_model, trainer_config
 assert jax.device_count() == 8
-graphdef, params = load_model("tiny", with_tokenizer=False).split()
+graphdef, params = tiny_model(layers=1)  # 4 heads / 2 KV heads: tensor=2 splits both
 batch = make_batch(rows=32, padding_rows=4, seed=11)
 
 def run(mesh, micro):
@@ -60,14 +58,13 @@ import sys
 import numpy as np, jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 port, pid, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-from tests.trainer_fixtures import SGD, make_batch, slice_rows, trainer_config
+from tests.trainer_fixtures import SGD, make_batch, slice_rows, tiny_model, trainer_config
 cfg = trainer_config(optim=SGD, mesh={"distributed": {"enabled": True, "coordinator_address": f"127.0.0.1:{port}",
                                                        "num_processes": 2, "process_id": pid}})
-from asyncrl.model import load_model
 from asyncrl.trainer import Trainer, initialize_distributed
 initialize_distributed(cfg.mesh)
 assert jax.process_count() == 2 and jax.device_count() == 2
-graphdef, params = load_model("tiny", with_tokenizer=False).split()
+graphdef, params = tiny_model(layers=1)  # one layer: half the compile time
 trainer = Trainer(cfg, graphdef, params)
 full = make_batch(rows=16, padding_rows=0, seed=12)
 # Process p feeds its own whole groups (2 groups of 4 rows each), group indices local.
@@ -99,11 +96,10 @@ def test_two_processes_compute_the_single_process_step(tmp_path):
         for pid in range(2)
     ]
     # The single-process reference, here, while the two processes run.
-    from asyncrl.model import load_model
     from asyncrl.trainer import Trainer
-    from tests.trainer_fixtures import SGD, make_batch, trainer_config
+    from tests.trainer_fixtures import SGD, make_batch, tiny_model, trainer_config
 
-    graphdef, params = load_model("tiny", with_tokenizer=False).split()
+    graphdef, params = tiny_model(layers=1)
     trainer = Trainer(trainer_config(optim=SGD), graphdef, params)
     metrics = trainer.step(make_batch(rows=16, padding_rows=0, seed=12))
     reference = jax.tree.leaves(jax.tree.map(np.asarray, trainer.params))

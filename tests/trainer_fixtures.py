@@ -12,6 +12,15 @@ import numpy as np
 from asyncrl.config import load_config
 from asyncrl.rollout.trajectory import TrainBatch
 
+
+def tiny_model(seed: int = 0, **spec: Any):
+    """``(graphdef, params)`` of the ``tiny`` model built in memory (the same weights as
+    ``load_model("tiny:seed=...")`` without importing transformers, which takes seconds)."""
+    from asyncrl.model import init_decoder, split_params
+    from asyncrl.model.tiny import TinySpec, tiny_decoder_config
+
+    return split_params(init_decoder(tiny_decoder_config(TinySpec(seed=seed, **spec)), seed=seed))
+
 VOCAB_LOW, VOCAB_HIGH = 6, 28  # the tiny model's character tokens (specials are 0..5)
 
 

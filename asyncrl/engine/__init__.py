@@ -1,6 +1,7 @@
 """Inference engines: the :class:`InferenceEngine` protocol and its implementations.
 
-Importing this package registers the built-in engines (``fake``); it imports no jax.
+Importing this package registers ``fake`` and imports no jax; ``jax`` (:class:`~asyncrl.engine.jax_engine.JaxEngine`)
+registers when ``asyncrl.engine.jax_engine`` is imported (the registry does so on the first engine resolve).
 """
 
 from asyncrl.engine.fake import FakeEngine

@@ -33,9 +33,8 @@ def initialize_distributed(mesh_cfg: Any) -> None:
     if not dist.enabled:
         return
     import jax
-    from jax._src import distributed as _distributed  # the public API has no "is initialized?"
 
-    if _distributed.global_state.client is not None:
+    if jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:

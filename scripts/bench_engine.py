@@ -1,0 +1,216 @@
+"""Benchmark JaxEngine against transformers' generate; prints one JSON line.
+
+    PYTHONPATH=. python scripts/bench_engine.py [--repeats 3] [--skip-40m]
+
+* ``tiny_vs_hf`` / ``bench40m_vs_hf``: new tokens/s of JaxEngine called from 16 threads
+  (one request each: 32-token prompt, 64 new tokens, EOS ignored, temperature 1) over
+  transformers' ``generate`` on the same weights with one batch of 16 (``do_sample=True``,
+  ``top_k=0``, ``top_p=1``, ``min_new_tokens = max_new_tokens = 64``, 2 torch threads, no
+  ``torch.compile``).
+* ``decode_ms_per_step`` of bench-40m at batch 16 (engine metric: wall time of decode
+  chunks / steps, host work included) against its floor
+  ``max(parameter bytes / copy bandwidth, 2 * params * batch / jnp.dot FLOP/s)``, both
+  measured here.
+* ``continuous_vs_static``: 128 requests, 16 slots, ``max_new_tokens`` uniform in [8, 64],
+  EOS ignored, on bench-40m: 16 client threads keeping the slots full (continuous
+  batching) vs batches of 16 submitted together, each waiting for its longest member.
+
+Every figure is the median of ``--repeats`` timed runs after one untimed warm-up run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+BATCH, PROMPT, NEW = 16, 32, 64
+VAR_REQUESTS, VAR_MIN, VAR_MAX = 128, 8, 64
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_engine(graphdef, params, decode_chunk: int):
+    from asyncrl.config import EngineConfig
+    from asyncrl.engine.jax_engine import JaxEngine
+
+    cfg = EngineConfig(slots=BATCH, kv_capacity=PROMPT + VAR_MAX, decode_chunk=decode_chunk, prefill_buckets=[PROMPT])
+    return JaxEngine(graphdef, params, stop_token_ids=(), config=cfg, warmup=True)
+
+
+def prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, vocab, size=PROMPT)] for _ in range(count)]
+
+
+def engine_fixed(engine, vocab: int, repeats: int) -> tuple[float, float]:
+    """(new tokens/s, decode ms/step) for 16 threads x one 64-token request."""
+    from asyncrl.engine.protocol import GenerationRequest
+
+    batch = prompts(vocab, BATCH)
+    counter = iter(range(10**9))
+
+    def run():
+        base = next(counter) * BATCH
+        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=NEW, stop_token_ids=[], sample_id=base + i) for i, p in enumerate(batch)]
+        with ThreadPoolExecutor(BATCH) as pool:
+            out = list(pool.map(engine.generate, reqs))
+        assert all(len(r[0].output_ids) == NEW for r in out)
+
+    run()
+    before = engine.metrics()
+    seconds = median_time(run, repeats)
+    after = engine.metrics()
+    d_steps = after["engine/decode_steps"] - before["engine/decode_steps"]
+    d_time = after["engine/decode_s"] - before["engine/decode_s"]
+    return BATCH * NEW / seconds, 1e3 * d_time / d_steps
+
+
+def hf_fixed(model_dir: str, vocab: int, repeats: int) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts(vocab, BATCH))
+    mask = torch.ones_like(ids)
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                                 max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0)
+        assert out.shape[1] == PROMPT + NEW
+
+    return BATCH * NEW / median_time(run, repeats)
+
+
+def variable_workload(engine, vocab: int, repeats: int) -> tuple[float, float]:
+    """(continuous tokens/s, static tokens/s) on 128 requests of 8..64 new tokens."""
+    from asyncrl.engine.protocol import GenerationRequest
+
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(VAR_MIN, VAR_MAX + 1, size=VAR_REQUESTS)
+    batch = prompts(vocab, VAR_REQUESTS, seed=2)
+    reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=int(n), stop_token_ids=[], sample_id=i) for i, (p, n) in enumerate(zip(batch, lengths))]
+    total = int(lengths.sum())
+
+    def continuous():
+        lock, queue = threading.Lock(), list(reversed(reqs))
+
+        def client():
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    req = queue.pop()
+                engine.generate(req)
+
+        with ThreadPoolExecutor(BATCH) as pool:
+            for f in [pool.submit(client) for _ in range(BATCH)]:
+                f.result()
+
+    def static():
+        for start in range(0, VAR_REQUESTS, BATCH):
+            for f in [engine.submit(r) for r in reqs[start : start + BATCH]]:
+                f.result()
+
+    return total / median_time(continuous, repeats), total / median_time(static, repeats)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a jitted elementwise pass over 256 MiB (read + write counted)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((64 * 1024 * 1024,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    f(x).block_until_ready()
+    seconds = median_time(lambda: f(x).block_until_ready(), 5)
+    return 2 * x.nbytes / seconds
+
+
+def dot_flops() -> float:
+    import jax
+    import jax.numpy as jnp
+
+    n = 1024
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    seconds = median_time(lambda: f(a, a).block_until_ready(), 5)
+    return 2 * n**3 / seconds
+
+
+def bench_model(graphdef, params, model_dir: str, vocab: int, repeats: int, decode_chunk: int) -> dict:
+    engine = make_engine(graphdef, params, decode_chunk)
+    try:
+        tok_s, ms_step = engine_fixed(engine, vocab, repeats)
+    finally:
+        engine.shutdown()
+    hf_tok_s = hf_fixed(model_dir, vocab, repeats)
+    return {"engine_tokens_per_s": tok_s, "hf_tokens_per_s": hf_tok_s, "decode_ms_per_step": ms_step}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-chunk", type=int, default=16)
+    parser.add_argument("--skip-40m", action="store_true", help="tiny only (quick check)")
+    args = parser.parse_args()
+
+    import jax
+
+    from asyncrl.model import bench_40m_config, export_hf, init_decoder, load_model, split_params
+
+    out: dict = {"load_avg_start": os.getloadavg()[0], "repeats": args.repeats, "decode_chunk": args.decode_chunk}
+    tiny = load_model("tiny", with_tokenizer=False)
+    g, p = tiny.split()
+    res = bench_model(g, p, str(tiny.path), tiny.config.vocab_size, args.repeats, args.decode_chunk)
+    out["tiny"] = res
+    out["tiny_vs_hf"] = res["engine_tokens_per_s"] / res["hf_tokens_per_s"]
+
+    if not args.skip_40m:
+        cfg = bench_40m_config()
+        model = init_decoder(cfg, seed=0)
+        g, p = split_params(model)
+        n_params = sum(x.size for x in jax.tree.leaves(p))
+        param_bytes = sum(x.nbytes for x in jax.tree.leaves(p))
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = export_hf(model, None, os.path.join(tmp, "bench-40m"))
+            res = bench_model(g, p, str(model_dir), cfg.vocab_size, args.repeats, args.decode_chunk)
+        out["bench40m"] = res
+        out["bench40m_vs_hf"] = res["engine_tokens_per_s"] / res["hf_tokens_per_s"]
+        bandwidth, flops = copy_bandwidth(), dot_flops()
+        floor_s = max(param_bytes / bandwidth, 2 * n_params * BATCH / flops)
+        out.update(
+            params=int(n_params), copy_GB_per_s=bandwidth / 1e9, dot_GFLOP_per_s=flops / 1e9,
+            decode_floor_ms_per_step=1e3 * floor_s, decode_ms_per_step=res["decode_ms_per_step"],
+            decode_vs_floor=res["decode_ms_per_step"] / (1e3 * floor_s),
+        )
+        engine = make_engine(g, p, args.decode_chunk)
+        try:
+            cont, stat = variable_workload(engine, cfg.vocab_size, args.repeats)
+        finally:
+            engine.shutdown()
+        out.update(continuous_tokens_per_s=cont, static_tokens_per_s=stat, continuous_vs_static=cont / stat)
+    out["load_avg_end"] = os.getloadavg()[0]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
