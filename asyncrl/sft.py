@@ -37,6 +37,7 @@ import numpy as np
 
 from asyncrl.config import Config
 from asyncrl.data import DataError, SampleOrder, sample_at
+from asyncrl.rollout.batch import batch_shape
 from asyncrl.rollout.trajectory import TrainBatch, check_batch
 
 log = logging.getLogger(__name__)
@@ -85,15 +86,8 @@ def build_sft_batch(
     right-padded TrainBatch: ``[rows, L]``, rows a multiple of ``row_multiple``."""
     if not examples:
         raise ValueError("build_sft_batch: no examples")
-    if row_multiple < 1:
-        raise ValueError(f"row_multiple must be >= 1 (given {row_multiple})")
     real = len(examples)
-    rows = -(-real // row_multiple) * row_multiple
-    longest = max(len(ids) for ids, _ in examples)
-    bucket = cfg.rollout.length_bucket
-    length = min(-(-longest // bucket) * bucket, cfg.max_seq_len)
-    if longest > length:
-        raise ValueError(f"build_sft_batch: an example of {longest} tokens exceeds Config.max_seq_len {length}")
+    rows, length = batch_shape(real, max(len(ids) for ids, _ in examples), cfg, row_multiple, "build_sft_batch")
     input_ids = np.zeros((rows, length), np.int32)
     attention_mask = np.zeros((rows, length), bool)
     loss_mask = np.zeros((rows, length), bool)

@@ -116,6 +116,20 @@ def prepare_batch(
     return build_train_batch(chosen, cfg, row_multiple=row_multiple), dropped
 
 
+def batch_shape(real_rows: int, longest: int, cfg: Config, row_multiple: int, where: str) -> tuple[int, int]:
+    """``(rows, L)`` of a TrainBatch (DESIGN "TrainBatch"): rows padded up to a multiple of
+    ``row_multiple``; ``L`` the longest sequence rounded up to ``rollout.length_bucket`` and
+    capped by ``Config.max_seq_len``. RL and SFT batches share this rule."""
+    if row_multiple < 1:
+        raise ValueError(f"{where}: row_multiple must be >= 1 (given {row_multiple})")
+    rows = -(-real_rows // row_multiple) * row_multiple
+    bucket = cfg.rollout.length_bucket
+    length = min(-(-longest // bucket) * bucket, cfg.max_seq_len)
+    if longest > length:
+        raise ValueError(f"{where}: a sequence of {longest} tokens exceeds the length cap {length} (Config.max_seq_len)")
+    return rows, length
+
+
 def build_train_batch(groups: Sequence[TrajectoryGroup], cfg: Config, *, row_multiple: int = 1) -> TrainBatch:
     """Stack, pad and check ``groups`` (already selected) into a TrainBatch."""
     if row_multiple < 1:
@@ -131,12 +145,7 @@ def build_train_batch(groups: Sequence[TrajectoryGroup], cfg: Config, *, row_mul
                 rule=rule, field=RULES[rule][0],
             )
     real_rows = len(trajectories)
-    rows = -(-real_rows // row_multiple) * row_multiple
-    longest = max(t.num_tokens for *_, t in trajectories)
-    bucket = cfg.rollout.length_bucket
-    length = min(-(-longest // bucket) * bucket, cfg.max_seq_len)
-    if longest > length:
-        raise ValueError(f"prepare_batch: a trajectory of {longest} tokens exceeds the length cap {length} (Config.max_seq_len)")
+    rows, length = batch_shape(real_rows, max(t.num_tokens for *_, t in trajectories), cfg, row_multiple, "prepare_batch")
 
     input_ids = np.zeros((rows, length), np.int32)
     attention_mask = np.zeros((rows, length), bool)
