@@ -71,11 +71,12 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path)
     parser.add_argument("-o", "--out", type=Path, default=None, help="output PNG (default: RUN_DIR/curves.png)")
+    parser.add_argument("--title", default=None, help="figure title (default: the run directory)")
     args = parser.parse_args(argv)
     rows = load(args.path)
     run_dir = args.path if args.path.is_dir() else args.path.parent
     out = args.out or run_dir / "curves.png"
-    drawn = plot(rows, out, title=str(run_dir))
+    drawn = plot(rows, out, title=args.title or str(run_dir))
     print(json.dumps({"png": str(out), "steps": len(rows), "series": drawn}))
     return 0
 
