@@ -164,6 +164,12 @@ def _dump_trajectories(path: Path, step: int, groups: list, tokenizer: Any, limi
                 handle.write(json.dumps(record, default=str) + "\n")
 
 
+ENGINE_COUNTERS = ("engine/requests", "engine/samples_aborted", "engine/prefill_tokens", "engine/decode_tokens",
+                   "engine/decode_steps", "engine/swaps")
+"""Cumulative engine counters: saved in checkpoints and continued by a resumed run, so its
+curves go on from where they were (the resumed process's engine counts from zero)."""
+
+
 class _Run:
     """The state one run shares across its stages: model, mesh, engine, sinks, version,
     and the checkpoint it resumed from."""
@@ -188,7 +194,10 @@ class _Run:
         self.jsonl = JsonlSink(out / "metrics.jsonl")
         self.history: list[dict[str, float]] = []
         self.final_eval: dict[str, float] = dict(resumed.state.get("final_eval", {})) if resumed else {}
-        self.generated_before = 0.0
+        self.engine_counter_base: dict[str, float] = dict(resumed.state.get("engine_counters", {})) if resumed else {}
+        """The engine counters of the run before the resume: the new engine counts from zero."""
+        self.engine_counters = dict(self.engine_counter_base)
+        self.generated_before = self.engine_counter_base.get("engine/decode_tokens", 0.0)
         self.last_checkpoint: Optional[Path] = None
 
     # ------------------------------------------------------------------ shared pieces
@@ -244,8 +253,19 @@ class _Run:
         self.final_eval = result.metrics
         tracker.scalars(result.metrics, reduce="last")
 
-    def record_engine(self, tracker: Any, step_time: float) -> None:
+    def engine_metrics(self) -> dict[str, float]:
+        """The engine's metrics, its counters continued from the resumed run's; the counters
+        are kept for the next checkpoint (as of this call: work started later is not counted,
+        since a resume redoes it)."""
         engine_metrics = self.engine.metrics()
+        for name in ENGINE_COUNTERS:
+            if name in engine_metrics:
+                engine_metrics[name] += self.engine_counter_base.get(name, 0.0)
+                self.engine_counters[name] = engine_metrics[name]
+        return engine_metrics
+
+    def record_engine(self, tracker: Any, step_time: float) -> None:
+        engine_metrics = self.engine_metrics()
         tracker.scalars(engine_metrics, reduce="last")
         generated = engine_metrics.get("engine/decode_tokens", 0.0)
         tracker.scalar("perf/gen_tokens_per_s", (generated - self.generated_before) / step_time)
@@ -269,7 +289,7 @@ class _Run:
             arrays["stage_start_params"] = jax_to_numpy(stage_start)
         state = {
             "version": self.version, "stage_index": index, "stage_step": stage_step, "trainer": trainer_state,
-            "final_eval": self.final_eval, **(extra or {}),
+            "final_eval": self.final_eval, "engine_counters": self.engine_counters, **(extra or {}),
         }
         self.last_checkpoint = save_checkpoint(
             self.out, self.version, arrays=arrays, state=state, config_yaml=dump_config(self.cfg),
@@ -365,6 +385,7 @@ class _Run:
                 train_metrics = trainer.step(batch)
                 self.publish(trainer)
                 step_time = time.perf_counter() - step_start
+                self.engine_metrics()  # the counters (weight swaps) for the checkpoint
                 tracker.scalars(_rename_train_metrics(train_metrics))
                 tracker.scalars(data.metrics(), reduce="last")
                 tracker.scalar("perf/step_time", step_time)
