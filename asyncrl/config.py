@@ -784,7 +784,11 @@ def _yaml_value(text: str) -> Any:
 
 def dump_config(cfg: Config) -> str:
     """The resolved config as YAML; :func:`load_config` reads it back to an equal config."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    raw = cfg.model_dump(mode="json")
+    if cfg.stages:
+        # The stages set their own lengths, and load_config refuses run.total_steps beside them.
+        del raw["run"]["total_steps"]
+    return yaml.safe_dump(raw, sort_keys=False)
 
 
 def config_reference_markdown() -> str:
