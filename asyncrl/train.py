@@ -214,17 +214,32 @@ class _Run:
         tensorboard = TensorBoardSink(self.out / "tensorboard" / stage.name if multi else self.out / "tensorboard")
         return StatsTracker([self.jsonl, tensorboard, self.console]), tensorboard
 
+    def stage_start(self, index: int, previous: Any) -> Any:
+        """The weights stage ``index`` started from: ``previous`` (the last stage's result), or
+        on a resume inside this stage the saved ones (stage 0: the loaded model)."""
+        if self.resume_position(index) is None:
+            return previous
+        if "stage_start_params" in self.resumed.arrays:
+            return self.resumed.arrays["stage_start_params"]
+        if index == 0:
+            from asyncrl.checkpoint import flatten_tree, unflatten_nested
+
+            # In the saved trees' spelling (nested dicts, str keys), like the params it is loaded with.
+            return unflatten_nested(flatten_tree(self.params))
+        return self.resumed.arrays["params"]
+
     def trainer_for(self, index: int, stage: Any, scfg: Config, params: Any) -> Any:
-        """A fresh trainer (and optimizer) for stage ``index``, or the saved one on resume."""
+        """A fresh trainer (and optimizer) for stage ``index`` starting from ``params``, or the
+        saved one on resume."""
         from asyncrl.trainer import Trainer
 
         objective = stage.type
 
         resumed = self.resumed
         if resumed is not None and resumed.state["stage_index"] == index:
-            # The reference policy (KL) is the stage's starting weights, saved for stages > 0.
-            start = resumed.arrays.get("stage_start_params", params)
-            trainer = Trainer(scfg, self.graphdef, start, mesh=self.mesh, version=self.version, objective=objective)
+            # ``params`` are the stage's starting weights (the KL reference): saved for stages > 0,
+            # the loaded model for stage 0.
+            trainer = Trainer(scfg, self.graphdef, params, mesh=self.mesh, version=self.version, objective=objective)
             trainer.load_state_dict(
                 {"params": resumed.arrays["params"], "opt_state": resumed.arrays["opt_state"], **resumed.state["trainer"]}
             )
@@ -431,10 +446,12 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
                 if index < start_stage:
                     continue
                 # Each stage starts from the previous stage's weights with a fresh optimizer.
-                trainer = run.trainer_for(index, stage, scfg, params)
+                # A resumed stage keeps its own start (its KL reference, saved again by every checkpoint).
+                stage_start = run.stage_start(index, params)
+                trainer = run.trainer_for(index, stage, scfg, stage_start)
                 if run.resume_position(index) != scfg.run.total_steps:
                     runner = run.rl_stage if stage.type == "rl" else run.sft_stage
-                    runner(index, stage, scfg, trainer, stage_start=params)
+                    runner(index, stage, scfg, trainer, stage_start=stage_start)
                 params = trainer.params_for_publish()
         finally:
             if run.engine is not None:
