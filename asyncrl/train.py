@@ -199,6 +199,7 @@ class _Run:
         self.engine_counters = dict(self.engine_counter_base)
         self.generated_before = self.engine_counter_base.get("engine/decode_tokens", 0.0)
         self.last_checkpoint: Optional[Path] = None
+        self.last_checkpoint_version = -1
 
     # ------------------------------------------------------------------ shared pieces
 
@@ -310,6 +311,7 @@ class _Run:
             self.out, self.version, arrays=arrays, state=state, config_yaml=dump_config(self.cfg),
             rollout_state=rollout_state, keep=self.cfg.checkpoint.keep,
         )
+        self.last_checkpoint_version = self.version
 
     def resume_position(self, index: int) -> Optional[int]:
         """Steps of stage ``index`` already done according to the checkpoint (None: not resumed there)."""
@@ -325,7 +327,7 @@ class _Run:
 
     def rl_stage(self, index: int, stage: Any, scfg: Config, trainer: Any, stage_start: Any) -> None:
         from asyncrl.data import SampleOrder
-        from asyncrl.rollout.executor import WorkflowExecutor
+        from asyncrl.rollout.executor import BatchAbandoned, WorkflowExecutor
 
         scfg, task, workflow = build_task_and_workflow(scfg, self.loaded.tokenizer)
         engine = self.ensure_engine(trainer, scfg)
@@ -344,7 +346,17 @@ class _Run:
                 self.history.append(tracker.commit(self.version))
             for stage_step in range((done or 0) + 1, scfg.run.total_steps + 1):
                 step_start = time.perf_counter()
-                batch = executor.prepare_batch(self.version, timeout=scfg.rollout.batch_timeout_s)
+                try:
+                    batch = executor.prepare_batch(
+                        self.version, timeout=scfg.rollout.batch_timeout_s, abandon_if=lambda: self.guard.requested
+                    )
+                except BatchAbandoned:
+                    # A signal came while waiting for rollouts (which may take longer than the
+                    # guard's grace period): the step never started, so checkpoint the last one.
+                    if self.last_checkpoint_version != self.version:
+                        self.save(index, stage_step - 1, trainer, stage_start, rollout_state=executor.state_dict())
+                    self.stop_if_requested()
+                    raise
                 groups = list(executor.last_groups)
                 train_metrics = trainer.step(batch)
                 self.publish(trainer)
