@@ -472,7 +472,10 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
             run.console.close()
 
     final_params = jax_to_numpy(params)
-    export_hf(run.graphdef, run.loaded.tokenizer, out / "hf", params=final_params)
+    # A resumed run (killed after its last checkpoint, or resumed when already finished)
+    # may find its own earlier export: the final weights are the same, so replace it.
+    export_hf(run.graphdef, run.loaded.tokenizer, out / "hf", params=final_params,
+              overwrite=resumed is not None or cfg.run.overwrite)
     wall = time.monotonic() - started
     result = TrainResult(
         steps=run.version, final_eval=run.final_eval, wall_time_s=wall, output_dir=out, history=run.history,
