@@ -49,12 +49,11 @@ from asyncrl.rollout.workflow import RolloutWorkflow, SkipSample
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
+_MAX_WAIT_S = 1.0  # upper bound of any single wait: a lost wake-up costs at most this
 
 
 class BatchAbandoned(RolloutError):
     """``prepare_batch`` stopped waiting because its ``abandon_if`` said so; nothing was consumed."""
-
-_MAX_WAIT_S = 1.0  # upper bound of any single wait: a lost wake-up costs at most this
 
 
 @dataclasses.dataclass
