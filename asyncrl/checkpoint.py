@@ -788,7 +788,12 @@ def resume_checkpoint(cfg: Config, templates: Optional[Mapping[str, Any]] = None
     out = cfg.run.resolved_output_dir
     path = latest_checkpoint(out)
     if path is None:
-        log.info("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh", checkpoints_root(out))
+        if (Path(out) / "metrics.jsonl").exists():
+            # An earlier run that never finished a checkpoint: say so loudly, its logs are replaced.
+            log.warning("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh (the earlier run's "
+                        "metrics and trajectory logs there are replaced)", checkpoints_root(out))
+        else:
+            log.info("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh", checkpoints_root(out))
         return None
     config_text = (path / CONFIG_FILE).read_text(encoding="utf-8")
     check_resume_compatible(saved_config(config_text, where=str(path / CONFIG_FILE)), cfg, where=str(path))

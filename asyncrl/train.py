@@ -164,6 +164,12 @@ def _dump_trajectories(path: Path, step: int, groups: list, tokenizer: Any, limi
                 handle.write(json.dumps(record, default=str) + "\n")
 
 
+ENGINE_COUNTERS = ("engine/requests", "engine/samples_aborted", "engine/prefill_tokens", "engine/decode_tokens",
+                   "engine/decode_steps", "engine/swaps")
+"""Cumulative engine counters: saved in checkpoints and continued by a resumed run, so its
+curves go on from where they were (the resumed process's engine counts from zero)."""
+
+
 class _Run:
     """The state one run shares across its stages: model, mesh, engine, sinks, version,
     and the checkpoint it resumed from."""
@@ -188,8 +194,12 @@ class _Run:
         self.jsonl = JsonlSink(out / "metrics.jsonl")
         self.history: list[dict[str, float]] = []
         self.final_eval: dict[str, float] = dict(resumed.state.get("final_eval", {})) if resumed else {}
-        self.generated_before = 0.0
+        self.engine_counter_base: dict[str, float] = dict(resumed.state.get("engine_counters", {})) if resumed else {}
+        """The engine counters of the run before the resume: the new engine counts from zero."""
+        self.engine_counters = dict(self.engine_counter_base)
+        self.generated_before = self.engine_counter_base.get("engine/decode_tokens", 0.0)
         self.last_checkpoint: Optional[Path] = None
+        self.last_checkpoint_version = -1
 
     # ------------------------------------------------------------------ shared pieces
 
@@ -205,17 +215,32 @@ class _Run:
         tensorboard = TensorBoardSink(self.out / "tensorboard" / stage.name if multi else self.out / "tensorboard")
         return StatsTracker([self.jsonl, tensorboard, self.console]), tensorboard
 
+    def stage_start(self, index: int, previous: Any) -> Any:
+        """The weights stage ``index`` started from: ``previous`` (the last stage's result), or
+        on a resume inside this stage the saved ones (stage 0: the loaded model)."""
+        if self.resume_position(index) is None:
+            return previous
+        if "stage_start_params" in self.resumed.arrays:
+            return self.resumed.arrays["stage_start_params"]
+        if index == 0:
+            from asyncrl.checkpoint import flatten_tree, unflatten_nested
+
+            # In the saved trees' spelling (nested dicts, str keys), like the params it is loaded with.
+            return unflatten_nested(flatten_tree(self.params))
+        return self.resumed.arrays["params"]
+
     def trainer_for(self, index: int, stage: Any, scfg: Config, params: Any) -> Any:
-        """A fresh trainer (and optimizer) for stage ``index``, or the saved one on resume."""
+        """A fresh trainer (and optimizer) for stage ``index`` starting from ``params``, or the
+        saved one on resume."""
         from asyncrl.trainer import Trainer
 
         objective = stage.type
 
         resumed = self.resumed
         if resumed is not None and resumed.state["stage_index"] == index:
-            # The reference policy (KL) is the stage's starting weights, saved for stages > 0.
-            start = resumed.arrays.get("stage_start_params", params)
-            trainer = Trainer(scfg, self.graphdef, start, mesh=self.mesh, version=self.version, objective=objective)
+            # ``params`` are the stage's starting weights (the KL reference): saved for stages > 0,
+            # the loaded model for stage 0.
+            trainer = Trainer(scfg, self.graphdef, params, mesh=self.mesh, version=self.version, objective=objective)
             trainer.load_state_dict(
                 {"params": resumed.arrays["params"], "opt_state": resumed.arrays["opt_state"], **resumed.state["trainer"]}
             )
@@ -244,8 +269,19 @@ class _Run:
         self.final_eval = result.metrics
         tracker.scalars(result.metrics, reduce="last")
 
-    def record_engine(self, tracker: Any, step_time: float) -> None:
+    def engine_metrics(self) -> dict[str, float]:
+        """The engine's metrics, its counters continued from the resumed run's; the counters
+        are kept for the next checkpoint (as of this call: work started later is not counted,
+        since a resume redoes it)."""
         engine_metrics = self.engine.metrics()
+        for name in ENGINE_COUNTERS:
+            if name in engine_metrics:
+                engine_metrics[name] += self.engine_counter_base.get(name, 0.0)
+                self.engine_counters[name] = engine_metrics[name]
+        return engine_metrics
+
+    def record_engine(self, tracker: Any, step_time: float) -> None:
+        engine_metrics = self.engine_metrics()
         tracker.scalars(engine_metrics, reduce="last")
         generated = engine_metrics.get("engine/decode_tokens", 0.0)
         tracker.scalar("perf/gen_tokens_per_s", (generated - self.generated_before) / step_time)
@@ -269,12 +305,13 @@ class _Run:
             arrays["stage_start_params"] = jax_to_numpy(stage_start)
         state = {
             "version": self.version, "stage_index": index, "stage_step": stage_step, "trainer": trainer_state,
-            "final_eval": self.final_eval, **(extra or {}),
+            "final_eval": self.final_eval, "engine_counters": self.engine_counters, **(extra or {}),
         }
         self.last_checkpoint = save_checkpoint(
             self.out, self.version, arrays=arrays, state=state, config_yaml=dump_config(self.cfg),
             rollout_state=rollout_state, keep=self.cfg.checkpoint.keep,
         )
+        self.last_checkpoint_version = self.version
 
     def resume_position(self, index: int) -> Optional[int]:
         """Steps of stage ``index`` already done according to the checkpoint (None: not resumed there)."""
@@ -290,7 +327,7 @@ class _Run:
 
     def rl_stage(self, index: int, stage: Any, scfg: Config, trainer: Any, stage_start: Any) -> None:
         from asyncrl.data import SampleOrder
-        from asyncrl.rollout.executor import WorkflowExecutor
+        from asyncrl.rollout.executor import BatchAbandoned, WorkflowExecutor
 
         scfg, task, workflow = build_task_and_workflow(scfg, self.loaded.tokenizer)
         engine = self.ensure_engine(trainer, scfg)
@@ -309,7 +346,17 @@ class _Run:
                 self.history.append(tracker.commit(self.version))
             for stage_step in range((done or 0) + 1, scfg.run.total_steps + 1):
                 step_start = time.perf_counter()
-                batch = executor.prepare_batch(self.version, timeout=scfg.rollout.batch_timeout_s)
+                try:
+                    batch = executor.prepare_batch(
+                        self.version, timeout=scfg.rollout.batch_timeout_s, abandon_if=lambda: self.guard.requested
+                    )
+                except BatchAbandoned:
+                    # A signal came while waiting for rollouts (which may take longer than the
+                    # guard's grace period): the step never started, so checkpoint the last one.
+                    if self.last_checkpoint_version != self.version:
+                        self.save(index, stage_step - 1, trainer, stage_start, rollout_state=executor.state_dict())
+                    self.stop_if_requested()
+                    raise
                 groups = list(executor.last_groups)
                 train_metrics = trainer.step(batch)
                 self.publish(trainer)
@@ -365,6 +412,7 @@ class _Run:
                 train_metrics = trainer.step(batch)
                 self.publish(trainer)
                 step_time = time.perf_counter() - step_start
+                self.engine_metrics()  # the counters (weight swaps) for the checkpoint
                 tracker.scalars(_rename_train_metrics(train_metrics))
                 tracker.scalars(data.metrics(), reduce="last")
                 tracker.scalar("perf/step_time", step_time)
@@ -410,10 +458,12 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
                 if index < start_stage:
                     continue
                 # Each stage starts from the previous stage's weights with a fresh optimizer.
-                trainer = run.trainer_for(index, stage, scfg, params)
+                # A resumed stage keeps its own start (its KL reference, saved again by every checkpoint).
+                stage_start = run.stage_start(index, params)
+                trainer = run.trainer_for(index, stage, scfg, stage_start)
                 if run.resume_position(index) != scfg.run.total_steps:
                     runner = run.rl_stage if stage.type == "rl" else run.sft_stage
-                    runner(index, stage, scfg, trainer, stage_start=params)
+                    runner(index, stage, scfg, trainer, stage_start=stage_start)
                 params = trainer.params_for_publish()
         finally:
             if run.engine is not None:
@@ -422,7 +472,10 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
             run.console.close()
 
     final_params = jax_to_numpy(params)
-    export_hf(run.graphdef, run.loaded.tokenizer, out / "hf", params=final_params)
+    # A resumed run (killed after its last checkpoint, or resumed when already finished)
+    # may find its own earlier export: the final weights are the same, so replace it.
+    export_hf(run.graphdef, run.loaded.tokenizer, out / "hf", params=final_params,
+              overwrite=resumed is not None or cfg.run.overwrite)
     wall = time.monotonic() - started
     result = TrainResult(
         steps=run.version, final_eval=run.final_eval, wall_time_s=wall, output_dir=out, history=run.history,

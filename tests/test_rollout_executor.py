@@ -344,3 +344,30 @@ def test_zero_variance_budget_holds_per_step_in_the_executor():
     assert max(per_step) == 1 and sum(per_step) == ex.counts()["dropped:zero_variance"]
     assert max(shares) > 0  # budget spent: zero-variance groups were trained on
     assert_accounting(ex, trained)
+
+
+@pytest.mark.timeout(30)
+def test_prepare_batch_abandoned_while_waiting_consumes_nothing():
+    """A shutdown request ends the wait for rollouts (within a second), nothing consumed; the
+    state saved then re-issues the stuck samples."""
+    from asyncrl.rollout.executor import BatchAbandoned
+
+    release = threading.Event()
+    cfg = make_cfg({"max_staleness": 0, "batch_size": 4, "group_size": 2})
+    # Samples 4.. block until released: step 2's batch never completes.
+    workflow = TokenWorkflow(cfg, hook=lambda sample: release.wait(20) and None if sample["sample_id"] >= 4 else None)
+    eng = engine()
+    requested = threading.Event()
+    with WorkflowExecutor(workflow, eng, DATASET, cfg) as ex:
+        train(ex, eng, 1)
+        threading.Timer(0.2, requested.set).start()
+        started = time.monotonic()
+        with pytest.raises(BatchAbandoned, match="nothing consumed"):
+            ex.prepare_batch(1, timeout=20, abandon_if=requested.is_set)
+        assert time.monotonic() - started < 2.5
+        counts = ex.counts()
+        assert counts["trained"] == 4 and counts["in_flight"] == 4
+        state = ex.state_dict()
+    release.set()
+    ledger = state["meta"]["ledger"]
+    assert ledger["consumed"] == 4 and sorted(e[1] for e in ledger["entries"] if e[2] == "in_flight") == [4, 5, 6, 7]

@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import pydantic
@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
 _MAX_WAIT_S = 1.0  # upper bound of any single wait: a lost wake-up costs at most this
+
+
+class BatchAbandoned(RolloutError):
+    """``prepare_batch`` stopped waiting because its ``abandon_if`` said so; nothing was consumed."""
 
 
 @dataclasses.dataclass
@@ -283,10 +287,13 @@ class WorkflowExecutor:
 
     # ------------------------------------------------------------------ batches
 
-    def prepare_batch(self, version: int, timeout: Optional[float] = None) -> TrainBatch:
+    def prepare_batch(self, version: int, timeout: Optional[float] = None, *,
+                      abandon_if: Optional[Callable[[], bool]] = None) -> TrainBatch:
         """The batch for the trainer step starting from ``version`` (the served version).
 
         Waits up to ``timeout`` seconds (None: forever, still woken by errors and ``stop``).
+        ``abandon_if`` is polled while waiting (at least every second): once it returns True
+        the wait ends with :class:`BatchAbandoned`, nothing consumed (a shutdown request).
         Raises the engine's :class:`EngineCrashed`, a :class:`RolloutError` (too many failures,
         timeout, stopped) or a schema error.
         """
@@ -333,6 +340,10 @@ class WorkflowExecutor:
                     return batch
                 if self._stopping.is_set():
                     raise RolloutError("prepare_batch: the executor was stopped")
+                if abandon_if is not None and abandon_if():
+                    raise BatchAbandoned(
+                        f"prepare_batch abandoned with {len(kept)} of {rollout.batch_size} groups ready; nothing consumed"
+                    )
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     blocking = self.ledger.in_flight_tickets()[:1]
