@@ -411,3 +411,18 @@ def test_inverse_cdf_sampler_frequencies():
     freq = np.bincount(draws, minlength=5) / len(draws)
     np.testing.assert_allclose(freq, [0.5, 0.3, 0.0, 0.15, 0.05], atol=0.01)
     assert freq[2] == 0
+
+
+def test_engine_config_cross_field_checks():
+    from asyncrl.config import load_config
+    from asyncrl.errors import ConfigError
+
+    assert load_config().engine.kv_capacity >= 256 + 32
+    with pytest.raises(ConfigError, match="engine.kv_capacity"):
+        load_config(overrides=["engine.kv_capacity=100", "engine.prefill_buckets=[16]"])
+    with pytest.raises(ConfigError, match="engine.slots"):
+        load_config(overrides=["engine.slots=2", "rollout.group_size=4"])
+    with pytest.raises(ConfigError, match="engine.prefill_buckets"):
+        load_config(overrides=["engine.prefill_buckets=[16, 1024]"])
+    with pytest.raises(ConfigError, match="engine.prefill_buckets"):
+        load_config(overrides=["data.max_prompt_tokens=300", "engine.prefill_buckets=[16, 128]"])
