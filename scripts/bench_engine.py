@@ -171,7 +171,7 @@ def bench_model(graphdef, params, model_dir: str, vocab: int, repeats: int, deco
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--decode-chunk", type=int, default=16)
+    parser.add_argument("--decode-chunk", type=int, default=8, help="engine.decode_chunk (the config default)")
     parser.add_argument("--skip-40m", action="store_true", help="tiny only (quick check)")
     args = parser.parse_args()
 
