@@ -241,7 +241,7 @@ def test_update_weights_at_chunk_boundary_and_not_stale(tiny):
         # tokens < p + switch - 1 was written before the swap; token p + switch - 1 is the
         # first one fed to the new weights.
         prefix = p + switch - 1
-        cache = init_kv_cache(graphdef_cfg(lm), batch=1, capacity=2 * REF_LEN)
+        cache = init_kv_cache(lm.model.cfg, batch=1, capacity=2 * REF_LEN)
         pre_mask = np.zeros((1, REF_LEN), bool)
         pre_mask[0, :prefix] = True
         _, cache = forward_jit(graphdef, params, ids, None, pre_mask, cache)
@@ -273,10 +273,6 @@ def test_update_weights_at_chunk_boundary_and_not_stale(tiny):
         assert m["engine/swaps"] == 1 and m["engine/swap_latency_s"] > 0
     finally:
         eng.shutdown()
-
-
-def graphdef_cfg(lm):
-    return lm.model.cfg
 
 
 def test_update_weights_when_idle_and_bad_params(tiny):
