@@ -81,11 +81,11 @@ def engine_fixed(engine, vocab: int, repeats: int) -> tuple[float, float]:
     return BATCH * NEW / seconds, 1e3 * d_time / d_steps
 
 
-def hf_fixed(model_dir: str, vocab: int, repeats: int) -> float:
+def hf_fixed(model_dir: str, vocab: int, repeats: int, threads: int = 2) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor(prompts(vocab, BATCH))
     mask = torch.ones_like(ids)
@@ -163,13 +163,15 @@ def bench_model(graphdef, params, model_dir: str, vocab: int, repeats: int, deco
     finally:
         engine.shutdown()
     hf_tok_s = hf_fixed(model_dir, vocab, repeats)
-    return {"engine_tokens_per_s": tok_s, "hf_tokens_per_s": hf_tok_s, "decode_ms_per_step": ms_step}
+    # Not part of the ratio: 2 OpenMP threads collapse on a loaded 2-core machine, 1 does not.
+    hf_1 = hf_fixed(model_dir, vocab, repeats, threads=1)
+    return {"engine_tokens_per_s": tok_s, "hf_tokens_per_s": hf_tok_s, "hf_tokens_per_s_1thread": hf_1, "decode_ms_per_step": ms_step}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--decode-chunk", type=int, default=16)
+    parser.add_argument("--decode-chunk", type=int, default=8, help="engine.decode_chunk (the config default)")
     parser.add_argument("--skip-40m", action="store_true", help="tiny only (quick check)")
     args = parser.parse_args()
 

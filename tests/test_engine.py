@@ -241,7 +241,7 @@ def test_update_weights_at_chunk_boundary_and_not_stale(tiny):
         # tokens < p + switch - 1 was written before the swap; token p + switch - 1 is the
         # first one fed to the new weights.
         prefix = p + switch - 1
-        cache = init_kv_cache(graphdef_cfg(lm), batch=1, capacity=2 * REF_LEN)
+        cache = init_kv_cache(lm.model.cfg, batch=1, capacity=2 * REF_LEN)
         pre_mask = np.zeros((1, REF_LEN), bool)
         pre_mask[0, :prefix] = True
         _, cache = forward_jit(graphdef, params, ids, None, pre_mask, cache)
@@ -273,10 +273,6 @@ def test_update_weights_at_chunk_boundary_and_not_stale(tiny):
         assert m["engine/swaps"] == 1 and m["engine/swap_latency_s"] > 0
     finally:
         eng.shutdown()
-
-
-def graphdef_cfg(lm):
-    return lm.model.cfg
 
 
 def test_update_weights_when_idle_and_bad_params(tiny):
@@ -411,3 +407,18 @@ def test_inverse_cdf_sampler_frequencies():
     freq = np.bincount(draws, minlength=5) / len(draws)
     np.testing.assert_allclose(freq, [0.5, 0.3, 0.0, 0.15, 0.05], atol=0.01)
     assert freq[2] == 0
+
+
+def test_engine_config_cross_field_checks():
+    from asyncrl.config import load_config
+    from asyncrl.errors import ConfigError
+
+    assert load_config().engine.kv_capacity >= 256 + 32
+    with pytest.raises(ConfigError, match="engine.kv_capacity"):
+        load_config(overrides=["engine.kv_capacity=100", "engine.prefill_buckets=[16]"])
+    with pytest.raises(ConfigError, match="engine.slots"):
+        load_config(overrides=["engine.slots=2", "rollout.group_size=4"])
+    with pytest.raises(ConfigError, match="engine.prefill_buckets"):
+        load_config(overrides=["engine.prefill_buckets=[16, 1024]"])
+    with pytest.raises(ConfigError, match="engine.prefill_buckets"):
+        load_config(overrides=["data.max_prompt_tokens=300", "engine.prefill_buckets=[16, 128]"])

@@ -15,24 +15,15 @@ from asyncrl.config import EngineConfig
 from asyncrl.engine.jax_engine import JaxEngine
 from asyncrl.engine.protocol import GenerationRequest
 from asyncrl.model import load_model
+from tests.model_helpers import FAMILIES as MODEL_FAMILIES
 
 pytestmark = pytest.mark.timeout(120)
 
+# The model tests' Qwen2 config; their Llama one with q/k/v/o biases and a pad token too
+# (the tiny model's layout), so both engine paths see biases.
 FAMILIES = {
-    "qwen2": dict(
-        model_type="qwen2", vocab_size=48, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=128,
-        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        eos_token_id=[3, 4], pad_token_id=0, use_sliding_window=False,
-    ),
-    "llama": dict(
-        model_type="llama", vocab_size=44, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, rms_norm_eps=1e-5, max_position_embeddings=256,
-        tie_word_embeddings=False, attention_bias=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-        eos_token_id=[1, 2], bos_token_id=1, pad_token_id=0,
-    ),
+    "qwen2": MODEL_FAMILIES["qwen2"],
+    "llama": {**MODEL_FAMILIES["llama"], "attention_bias": True, "pad_token_id": 0},
 }
 PROMPT_LENGTHS = (1, 5, 12, 23)
 MAX_NEW = 16

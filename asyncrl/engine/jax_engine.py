@@ -58,11 +58,12 @@ from typing import Any, NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from asyncrl.config import EngineConfig
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
-from asyncrl.model.transformer import KVCache, forward, hidden_states
+from asyncrl.model.transformer import KVCache, hidden_states, rope_cos_sin
 from asyncrl.registry import register
 
 logger = logging.getLogger("asyncrl.engine")
@@ -89,10 +90,31 @@ def _count_trace(name: str) -> None:
 
 
 class SlotState(NamedTuple):
-    """Device state of the slots (donated to every call)."""
+    """Device state of the slots (donated to every call).
 
-    cache: KVCache  # [layers, slots, capacity, kv_heads, head_dim]
+    The KV cache follows :mod:`asyncrl.model.transformer`'s protocol, but is held as one
+    array per layer: the model's stacked ``[layers, ...]`` cache would be sliced and
+    re-stacked (copied whole) at every decode step, which costs more than the step's
+    attention itself.
+    """
+
+    k: tuple  # per layer: [slots, capacity, kv_heads, head_dim] (compute dtype)
+    v: tuple  # per layer: [slots, capacity, kv_heads, head_dim]
+    valid: jax.Array  # bool [slots, capacity]: slot holds a real token
+    write_pos: jax.Array  # int32 [slots]: where each slot's next token is written
     keys: jax.Array  # uint32 [slots, 2]: each slot's sample key (before the token fold)
+
+
+def init_slot_state(cfg: Any, slots: int, capacity: int) -> SlotState:
+    dtype = jnp.dtype(cfg.compute_dtype)
+    shape = (slots, capacity, cfg.num_kv_heads, cfg.head_dim)
+    return SlotState(
+        k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+        v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+        valid=jnp.zeros((slots, capacity), bool),
+        write_pos=jnp.zeros((slots,), jnp.int32),
+        keys=jnp.zeros((slots, 2), jnp.uint32),
+    )
 
 
 # --------------------------------------------------------------------------- device programs
@@ -106,27 +128,51 @@ def _prefill_insert(graphdef, params, state: SlotState, prompt_ids, prompt_mask,
     [slots]: the key index (``index_in_group + j``) of each destination row.
     """
     _count_trace("prefill_insert")
-    cache = state.cache
-    layers, slots, capacity, kv_heads, head_dim = cache.k.shape
+    slots, capacity, kv_heads, head_dim = state.k[0].shape
+    layers = len(state.k)
     bucket = prompt_ids.shape[1]
     small = KVCache(
-        k=jnp.zeros((layers, 1, bucket, kv_heads, head_dim), cache.k.dtype),
-        v=jnp.zeros((layers, 1, bucket, kv_heads, head_dim), cache.v.dtype),
+        k=jnp.zeros((layers, 1, bucket, kv_heads, head_dim), state.k[0].dtype),
+        v=jnp.zeros((layers, 1, bucket, kv_heads, head_dim), state.v[0].dtype),
         valid=jnp.zeros((1, bucket), bool),
         write_pos=jnp.zeros((1,), jnp.int32),
     )
     _, small = hidden_states(graphdef, params, prompt_ids, None, prompt_mask, small)
-    rows_k = jnp.broadcast_to(small.k, (layers, slots, bucket, kv_heads, head_dim))
-    rows_v = jnp.broadcast_to(small.v, (layers, slots, bucket, kv_heads, head_dim))
-    k = cache.k.at[:, dst_rows, :bucket].set(rows_k, mode="drop")
-    v = cache.v.at[:, dst_rows, :bucket].set(rows_v, mode="drop")
+    row_shape = (slots, bucket, kv_heads, head_dim)
+    k = tuple(state.k[i].at[dst_rows, :bucket].set(jnp.broadcast_to(small.k[i], row_shape), mode="drop") for i in range(layers))
+    v = tuple(state.v[i].at[dst_rows, :bucket].set(jnp.broadcast_to(small.v[i], row_shape), mode="drop") for i in range(layers))
     row_valid = jnp.zeros((capacity,), bool).at[:bucket].set(small.valid[0])
-    valid = cache.valid.at[dst_rows].set(jnp.broadcast_to(row_valid, (slots, capacity)), mode="drop")
-    write_pos = cache.write_pos.at[dst_rows].set(jnp.broadcast_to(small.write_pos[0], (slots,)), mode="drop")
+    valid = state.valid.at[dst_rows].set(jnp.broadcast_to(row_valid, (slots, capacity)), mode="drop")
+    write_pos = state.write_pos.at[dst_rows].set(jnp.broadcast_to(small.write_pos[0], (slots,)), mode="drop")
     base = jax.random.fold_in(root_key, sample_id)
     new_keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(base, i), turn))(key_index)
     keys = state.keys.at[dst_rows].set(new_keys, mode="drop")
-    return SlotState(KVCache(k, v, valid, write_pos), keys)
+    return SlotState(k, v, valid, write_pos, keys)
+
+
+def _decode_logits(model, tokens, active, k, v, valid, write_pos):
+    """One decode step of every slot: the model's KV-cache forward with ``T = 1``
+    (``asyncrl.model.transformer`` protocol) on per-layer cache arrays.
+
+    ``tokens`` int32 [S] (each slot's last token), ``active`` bool [S] (idle slots write
+    nothing valid). Returns float32 logits [S, V] and the updated ``k, v, valid, write_pos``.
+    """
+    cfg = model.cfg
+    slots, capacity = valid.shape
+    rows = jnp.arange(slots)[:, None]
+    positions = valid.sum(axis=1).astype(jnp.int32)[:, None]  # real tokens so far
+    write_idx = write_pos[:, None]  # [S, 1]
+    valid = valid.at[rows, write_idx].set(active[:, None], mode="drop")
+    mask = valid[:, None, :] & (jnp.arange(capacity, dtype=jnp.int32)[None, None, :] <= write_idx[:, :, None])
+    cos, sin = rope_cos_sin(cfg, positions)
+    x = model.embed_tokens(tokens[:, None])
+    new_k, new_v = [], []
+    for i, layer in enumerate(model.layers):
+        x, (k_i, v_i) = layer(x, cos, sin, mask, k[i], v[i], write_idx)
+        new_k.append(k_i)
+        new_v.append(v_i)
+    logits = model.logits(model.norm(x))[:, 0].astype(jnp.float32)
+    return logits, tuple(new_k), tuple(new_v), valid, (write_pos + active.astype(jnp.int32)).astype(jnp.int32)
 
 
 def _ordered_int(x: jax.Array) -> jax.Array:
@@ -197,10 +243,11 @@ def _decode_chunk(graphdef, params, state: SlotState, ints, floats, steps: int, 
     vocab = params["embed_tokens"]["embedding"].shape[0]
     stop_vocab = jax.nn.one_hot(ints[:, _STOP0:], vocab, dtype=bool).any(axis=1)  # [S, V]; -1 pads hit nothing
 
+    model = nnx.merge(graphdef, params)
+
     def body(carry):
-        t, cache, last, n_gen, active, tokens, logprobs, emitted = carry
-        logits, cache = forward(graphdef, params, last[:, None], None, active[:, None], cache)
-        logits = logits[:, 0].astype(jnp.float32)  # [S, V]
+        t, (k, v, valid, write_pos), last, n_gen, active, tokens, logprobs, emitted = carry
+        logits, k, v, valid, write_pos = _decode_logits(model, last, active, k, v, valid, write_pos)
         masked = jnp.where((n_gen < min_new)[:, None] & stop_vocab, -jnp.inf, logits)
         scaled = masked / temp[:, None]
         if filtered:
@@ -216,14 +263,14 @@ def _decode_chunk(graphdef, params, state: SlotState, ints, floats, steps: int, 
         logprobs = logprobs.at[:, t].set(log_p)
         emitted = emitted.at[:, t].set(active)
         last = jnp.where(active, token, last)
-        return t + 1, cache, last, n_next, active & ~done, tokens, logprobs, emitted
+        return t + 1, (k, v, valid, write_pos), last, n_next, active & ~done, tokens, logprobs, emitted
 
     def cond(carry):
         return (carry[0] < steps) & jnp.any(carry[4])
 
     init = (
         jnp.int32(0),
-        state.cache,
+        (state.k, state.v, state.valid, state.write_pos),
         ints[:, _LAST],
         ints[:, _NGEN],
         ints[:, _ACTIVE].astype(bool),
@@ -231,8 +278,8 @@ def _decode_chunk(graphdef, params, state: SlotState, ints, floats, steps: int, 
         jnp.zeros((slots, steps), jnp.float32),
         jnp.zeros((slots, steps), bool),
     )
-    _, cache, _, _, _, tokens, logprobs, emitted = jax.lax.while_loop(cond, body, init)
-    return SlotState(cache, state.keys), tokens, logprobs, emitted
+    _, (k, v, valid, write_pos), _, _, _, tokens, logprobs, emitted = jax.lax.while_loop(cond, body, init)
+    return SlotState(k, v, valid, write_pos, state.keys), tokens, logprobs, emitted
 
 
 prefill_insert_jit = jax.jit(_prefill_insert, static_argnums=0, donate_argnums=2)
@@ -353,17 +400,7 @@ class JaxEngine:
             jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
             if isinstance(first, jax.sharding.NamedSharding) else first
         )
-        dtype = jnp.dtype(nnx_cfg.compute_dtype)
-        layers, kv_heads, head_dim = nnx_cfg.num_layers, nnx_cfg.num_kv_heads, nnx_cfg.head_dim
-        shape = (layers, self.slots, self.capacity, kv_heads, head_dim)
-        self._state = jax.device_put(
-            SlotState(
-                KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((self.slots, self.capacity), bool),
-                        jnp.zeros((self.slots,), jnp.int32)),
-                jnp.zeros((self.slots, 2), jnp.uint32),
-            ),
-            device,
-        )
+        self._state = jax.device_put(init_slot_state(nnx_cfg, self.slots, self.capacity), device)
 
         # Host copies of the per-slot controls (owned by the scheduler thread).
         self._ints = np.zeros((self.slots, _STOP0 + cfg.max_stop_ids), np.int32)
