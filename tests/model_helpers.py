@@ -40,21 +40,22 @@ FAMILIES = {
 }
 
 
-def hf_config(family: str):
+def hf_config(family: str, **overrides):
     from transformers import AutoConfig
 
-    kwargs = dict(FAMILIES[family])
+    kwargs = {**FAMILIES[family], **overrides}
     return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
 
 
-def make_hf_model(family: str, seed: int = 0):
-    """A transformers model of ``family`` with every parameter random (eager attention, eval)."""
+def make_hf_model(family: str, seed: int = 0, *, weight_std: float = 0.08, **config_overrides):
+    """A transformers model of ``family`` with every parameter random (eager attention, eval).
+    A larger ``weight_std`` gives sharper logits (fewer near-ties for greedy comparisons)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
     torch.manual_seed(seed)
-    cfg = hf_config(family)
+    cfg = hf_config(family, **config_overrides)
     cfg._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
@@ -64,15 +65,16 @@ def make_hf_model(family: str, seed: int = 0):
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
             else:
-                p.copy_(0.08 * torch.randn_like(p))
+                p.copy_(weight_std * torch.randn_like(p))
     return model
 
 
-def save_hf_model(family: str, out_dir: Path, seed: int = 0, dtype=None, **save_kwargs):
+def save_hf_model(family: str, out_dir: Path, seed: int = 0, dtype=None, *, weight_std: float = 0.08,
+                  config_overrides: dict | None = None, **save_kwargs):
     """Write a random ``family`` checkpoint with transformers; returns the torch model (float32)."""
     import torch
 
-    model = make_hf_model(family, seed)
+    model = make_hf_model(family, seed, weight_std=weight_std, **(config_overrides or {}))
     if dtype is not None:
         model.to(dtype).save_pretrained(out_dir, **save_kwargs)
         model.to(torch.float32)

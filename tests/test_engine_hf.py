@@ -16,48 +16,25 @@ from asyncrl.engine.jax_engine import JaxEngine
 from asyncrl.engine.protocol import GenerationRequest
 from asyncrl.model import load_model
 from tests.model_helpers import FAMILIES as MODEL_FAMILIES
+from tests.model_helpers import save_hf_model
 
 pytestmark = pytest.mark.timeout(120)
 
 # The model tests' Qwen2 config; their Llama one with q/k/v/o biases and a pad token too
 # (the tiny model's layout), so both engine paths see biases.
-FAMILIES = {
-    "qwen2": MODEL_FAMILIES["qwen2"],
-    "llama": {**MODEL_FAMILIES["llama"], "attention_bias": True, "pad_token_id": 0},
-}
+OVERRIDES = {"qwen2": {}, "llama": {"attention_bias": True, "pad_token_id": 0}}
+FAMILIES = {name: {**MODEL_FAMILIES[name], **extra} for name, extra in OVERRIDES.items()}
 PROMPT_LENGTHS = (1, 5, 12, 23)
 MAX_NEW = 16
 CFG = EngineConfig(slots=4, kv_capacity=48, decode_chunk=8, prefill_buckets=[32])  # buckets: see test_engine.py
-
-
-def save_random_hf_model(family: str, out_dir, seed: int = 0):
-    """A transformers model with every weight random (sharp logits, so ties are rare), saved."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    kwargs = dict(FAMILIES[family])
-    cfg = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-    cfg._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.15 * torch.randn_like(p))
-    model.save_pretrained(out_dir)
-    return model
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_matches_transformers_generate(family, tmp_path):
     import torch
 
-    hf = save_random_hf_model(family, tmp_path)
+    # Every weight random and sharp (std 0.15), so near-ties in greedy decoding are rare.
+    hf = save_hf_model(family, tmp_path, weight_std=0.15, config_overrides=OVERRIDES[family])
     lm = load_model(str(tmp_path), with_tokenizer=False)
     assert set(lm.stop_token_ids) == set(FAMILIES[family]["eos_token_id"])
     graphdef, params = lm.split()
