@@ -67,7 +67,7 @@ class SampleOrder(Sequence):
     def __getitem__(self, index):  # type: ignore[override]
         return self._samples[index]
 
-    def index(self, sample_id: int) -> int:  # type: ignore[override]
+    def position(self, sample_id: int) -> int:
         """Position in the split of the sample drawn as ``sample_id``."""
         if sample_id < 0:
             raise ValueError(f"sample ids are non-negative (given {sample_id})")
@@ -81,7 +81,7 @@ class SampleOrder(Sequence):
 
     def sample(self, sample_id: int) -> dict:
         """The sample drawn as ``sample_id`` (shared: do not mutate it)."""
-        return self._samples[self.index(sample_id)]
+        return self._samples[self.position(sample_id)]
 
 
 def sample_at(dataset: Sequence[dict], sample_id: int) -> dict:
