@@ -247,3 +247,38 @@ def test_plot_metrics_writes_the_curves(quick_run, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["steps"] == 6 and {"reward/mean", "eval/reward", "rollout/lag_max"} <= set(summary["series"])
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_export_command_writes_the_newest_checkpoint_or_the_hf_export(quick_run, tmp_path, capsys):
+    import shutil
+
+    from asyncrl.cli import main
+    from asyncrl.model import load_model
+
+    _, result, out, _ = quick_run
+
+    def same_weights(directory):
+        _, params = load_model(str(directory), with_tokenizer=False).split()
+        import jax
+
+        flat_a, flat_b = jax.tree.leaves(params), jax.tree.leaves(result.final_params)
+        return len(flat_a) == len(flat_b) and all(np.array_equal(np.asarray(a), b) for a, b in zip(flat_a, flat_b))
+
+    # A run with checkpoints but no hf/ (stopped before the end): the newest checkpoint,
+    # here the end of the RL stage, holds the final policy.
+    stopped = tmp_path / "stopped_run"
+    shutil.copytree(out / "checkpoints", stopped / "checkpoints")
+    assert main(["export", str(stopped), str(tmp_path / "from_checkpoint")]) == 0
+    assert same_weights(tmp_path / "from_checkpoint")
+    # Without checkpoints, the final hf/ export is what there is.
+    bare = tmp_path / "bare_run"
+    shutil.copytree(out / "hf", bare / "hf")
+    assert main(["export", str(bare), str(tmp_path / "from_hf")]) == 0
+    assert same_weights(tmp_path / "from_hf")
+    capsys.readouterr()
+    # Nothing saved, or a target in use: clear errors, status 1.
+    (tmp_path / "empty_run").mkdir()
+    assert main(["export", str(tmp_path / "empty_run"), str(tmp_path / "x")]) == 1
+    assert "holds no saved policy" in capsys.readouterr().err
+    assert main(["export", str(bare), str(tmp_path / "from_hf")]) == 1
+    assert "exists and is not empty" in capsys.readouterr().err
