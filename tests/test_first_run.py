@@ -314,3 +314,33 @@ def test_docs_yaml_and_loop_examples_run(docs_module):
     }
     exec(compile(loop, str(DOCS), "exec"), namespace)
     assert namespace["engine"].version == 2 and namespace["params"][0] > 0
+
+
+def test_qwen2_sliding_window_covering_no_layer_loads_as_full_attention(tmp_path):
+    """use_sliding_window with max_window_layers = every layer is full attention in
+    transformers; it loads and matches transformers' logits past the window length."""
+    pytest.importorskip("torch")
+    from asyncrl.model import forward_jit, load_model
+    from tests.model_helpers import hf_logits, save_hf_model
+
+    overrides = {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}
+    torch_model = save_hf_model("qwen2", tmp_path / "m", config_overrides=overrides)
+    loaded = load_model(str(tmp_path / "m"))
+    ids = np.arange(3, 15, dtype=np.int32)[None, :]  # 12 tokens, 3x the window
+    ours = np.asarray(forward_jit(*loaded.split(), ids)[0])
+    np.testing.assert_allclose(ours, hf_logits(torch_model, ids), rtol=2e-4, atol=2e-4)
+
+
+def test_export_has_the_default_permissions(tmp_path):
+    import os
+    import stat
+
+    from asyncrl.model import export_hf, load_model
+
+    loaded = load_model("tiny")
+    out = export_hf(loaded, loaded.tokenizer, tmp_path / "hf")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+    for path in out.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
