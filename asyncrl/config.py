@@ -55,7 +55,7 @@ class RunConfig(Section):
     total_steps: int = Field(default=100, ge=1)
     """Number of trainer steps (each consumes ``rollout.batch_size`` groups and publishes once)."""
     overwrite: bool = False
-    """Replace the metrics of an earlier run in ``output_dir`` (otherwise starting there is an error)."""
+    """Replace the metrics of an earlier run in ``output_dir`` (otherwise starting where a run completed a step is an error)."""
 
     @property
     def resolved_output_dir(self) -> Path:

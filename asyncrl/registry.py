@@ -232,4 +232,10 @@ def _load_builtins(kind: str) -> None:
 
 
 def _qualname(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+    if isinstance(obj, functools.partial):
+        return f"partial({_qualname(obj.func)}, {obj.args!r}, {sorted(obj.keywords.items())!r})"
+    module = getattr(obj, "__module__", None) or "?"
+    if module == PRIVATE_WORKFLOWS_NAME or module.startswith(PRIVATE_WORKFLOWS_NAME + "."):
+        # The bundled package loaded under its private name is the same code as `workflows`.
+        module = "workflows" + module[len(PRIVATE_WORKFLOWS_NAME):]
+    return f"{module}.{getattr(obj, '__qualname__', repr(obj))}"
