@@ -149,9 +149,11 @@ def test_sft_encodes_with_a_custom_workflow(docs_module):
     assert tokenizer.decode(ids[mask].tolist()) == "12<eos>"
 
 
-def test_workflow_without_base_init_is_a_clear_error():
-    """Item 8: a subclass that skips super().__init__ gets a config error at start-up, and a
-    clear message (not a bare AttributeError) when used directly."""
+def test_workflow_without_base_init_gets_cfg_and_tokenizer_from_the_builder():
+    """Item 8: a subclass that skips super().__init__ still gets cfg and tokenizer from the
+    builder (so SFT and eval work), and a clear message (not a bare AttributeError) when
+    built by hand and used."""
+    from asyncrl.sft import encode_example
 
     class NoInit(RolloutWorkflow):
         def __init__(self, cfg, tokenizer):
@@ -160,12 +162,15 @@ def test_workflow_without_base_init_is_a_clear_error():
     module = types.ModuleType("noinit_workflows")
     module.NoInit = NoInit
     sys.modules["noinit_workflows"] = module
+    tokenizer = char_tokenizer()
     try:
         cfg = make_cfg(workflow="noinit_workflows:NoInit")
-        with pytest.raises(ConfigError, match=r"NoInit.__init__ does not call super\(\).__init__\(cfg, tokenizer\)"):
-            build_workflow(cfg, char_tokenizer())
+        workflow = build_workflow(cfg, tokenizer)
     finally:
         del sys.modules["noinit_workflows"]
+    assert workflow.tokenizer is tokenizer and workflow.cfg is cfg
+    ids, mask = encode_example({"prompt": "12", "response": "3"}, workflow, eos_token_id=tokenizer.eos_token_id)
+    assert tokenizer.decode(ids[mask].tolist()) == "3<eos>"
     with pytest.raises(WorkflowInitError, match="has no 'tokenizer' because its __init__ does not call super"):
         NoInit(cfg, None).tokenizer
 

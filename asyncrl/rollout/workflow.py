@@ -382,8 +382,11 @@ def build_workflow(cfg: Config, tokenizer: Any) -> RolloutWorkflow:
     if not isinstance(workflow, RolloutWorkflow):
         raise ConfigError(f"workflow: {cfg.workflow!r} built a {type(workflow).__name__}, not a RolloutWorkflow subclass")
     if "_scorer_lock" not in vars(workflow):
-        raise ConfigError(
-            f"workflow: {type(workflow).__name__}.__init__ does not call super().__init__(cfg, tokenizer); add that call "
-            "(RolloutWorkflow.__init__ stores cfg and tokenizer, which SFT, eval and score() use)"
-        )
+        # Its __init__ skipped RolloutWorkflow.__init__: provide what SFT, eval and score() use,
+        # keeping anything the subclass set itself.
+        state = vars(workflow)
+        state.setdefault("cfg", cfg)
+        state.setdefault("tokenizer", tokenizer)
+        state.setdefault("_scorer", None)
+        state["_scorer_lock"] = threading.Lock()
     return workflow
