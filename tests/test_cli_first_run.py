@@ -73,7 +73,8 @@ def test_import_errors_name_the_field_and_the_cause(tmp_path, monkeypatch, capsy
     (tmp_path / "needs_dep.py").write_text("import not_installed_anywhere\n\ndef fn(prompt, completion, **f):\n    return 0.0\n")
     config = write_project(tmp_path, rewards=[{"fn": "myrewards:good"}, {"fn": "needs_dep:fn"}, {"fn": "nowhere:fn"}])
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))
+    # As under the console script: the working directory is not on the path until the CLI puts it there.
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
     for index, expected in ((1, "No module named 'not_installed_anywhere'"), (2, "No module named 'nowhere'")):
         rewards = [{"fn": "myrewards:good"}, {"fn": ["", "needs_dep:fn", "nowhere:fn"][index]}]
         assert main(["eval", str(config), "--set", f"rewards={yaml.safe_dump(rewards, default_flow_style=True).strip()}"]) == 2
@@ -113,7 +114,7 @@ def test_rerun_after_a_failed_start_and_a_bad_reward_signature(tmp_path, monkeyp
     start left no completed step), and the summary reports reward errors and timeouts."""
     config = write_project(tmp_path, rewards=[{"fn": "myrewards:bad"}])
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
     assert main(["train", str(config)]) == 2
     err = capsys.readouterr().err
     assert "rewards.0.fn: bad(prompt, completion) cannot be called as fn(prompt, completion, **fields)" in err, err
