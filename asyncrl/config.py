@@ -212,7 +212,7 @@ class EvalConfig(Section):
     temperature: Optional[float] = Field(default=None, gt=0)
     """Temperature of the pass@k samples (default: ``rollout.temperature``)."""
     max_new_tokens: Optional[int] = Field(default=None, ge=1)
-    """Most tokens per eval completion (default: ``rollout.max_new_tokens``)."""
+    """Most tokens per eval engine call (default: what the workflow asks for, ``rollout.max_new_tokens`` for ``single_turn``)."""
     success_threshold: float = 1.0
     """A completion counts as correct (accuracy, pass@k) when its reward is at least this."""
     timeout_s: float = Field(default=300.0, gt=0)
