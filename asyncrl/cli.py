@@ -4,12 +4,17 @@ Config handling imports no jax, flax or transformers: ``--print-config`` and con
 errors are instant. User errors (:class:`~asyncrl.errors.AsyncRLError`) print one
 line per problem and exit with status 2 for config errors, 1 otherwise; never a
 traceback.
+
+``train`` and ``eval`` put the current working directory first on ``sys.path`` (as
+``python -m`` does), so ``pkg.module:Symbol`` specs find modules next to where the
+command runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -101,6 +106,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"asyncrl: wrote {written}")
         return 0
 
+    if os.getcwd() not in sys.path:
+        # As `python -m`: modules in the working directory are importable (user workflows, rewards).
+        sys.path.insert(0, os.getcwd())
     from asyncrl.config import dump_config, load_config
 
     overrides = list(args.overrides)
@@ -123,7 +131,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             return stop.exit_code
         return 0
     if args.command == "eval":
-        from asyncrl.export import evaluate_model
+        from asyncrl.evaluate import evaluate_model
 
         evaluate_model(cfg)
         return 0

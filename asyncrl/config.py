@@ -55,7 +55,7 @@ class RunConfig(Section):
     total_steps: int = Field(default=100, ge=1)
     """Number of trainer steps (each consumes ``rollout.batch_size`` groups and publishes once)."""
     overwrite: bool = False
-    """Replace the metrics of an earlier run in ``output_dir`` (otherwise starting there is an error)."""
+    """Replace the metrics of an earlier run in ``output_dir`` (otherwise starting where a run completed a step is an error)."""
 
     @property
     def resolved_output_dir(self) -> Path:
@@ -102,12 +102,16 @@ class RolloutConfig(Section):
     """Reward given in place of a reward function that raises or times out (counted, logged once)."""
     max_consecutive_failures: int = Field(default=20, ge=1)
     """This many failed episodes in a row stop training with the root cause."""
+    max_consecutive_reward_failures: int = Field(default=100, ge=1)
+    """This many failed or timed-out calls in a row of one reward function stop training with the cause (each still scores ``reward_fallback`` until then)."""
+    max_consecutive_drops: Optional[int] = Field(default=None, ge=1)
+    """This many finished groups in a row dropped (``too_long``, ``prompt_too_long``, ``aborted``, a workflow's ``SkipSample``; not ``stale`` or ``zero_variance``) with none kept stop training with the reason and the setting to change. Default: ``max(64, 4 * batch_size)``."""
     batch_timeout_s: float = Field(default=600.0, gt=0)
     """The trainer gives up (and the run stops with the rollout counts) when a batch is not ready after this long."""
     length_bucket: int = Field(default=64, ge=1)
     """Batch length ``L`` is the longest sequence rounded up to a multiple of this (fewer recompilations)."""
     max_seq_len: Optional[int] = Field(default=None, ge=2)
-    """Cap on ``L``; a longer trajectory drops its group (``dropped:too_long``). Default: ``data.max_prompt_tokens + rollout.max_new_tokens``."""
+    """Cap on ``L``; a longer trajectory drops its group (``dropped:too_long``). Default: ``data.max_prompt_tokens + rollout.max_new_tokens``, room for one turn: a multi-turn workflow sets it to its whole episode's length (every turn, tool output and prompt)."""
     filter_zero_variance: bool = False
     """Drop groups whose rewards are all equal (they carry no GRPO signal), within ``max_filtered_per_step``."""
     max_filtered_per_step: Optional[int] = Field(default=None, ge=0)
@@ -117,6 +121,10 @@ class RolloutConfig(Section):
     def queue_capacity(self) -> int:
         """Groups the rollout queue holds: ``(max_staleness + 1) * batch_size``, enough for every admitted group."""
         return (self.max_staleness + 1) * self.batch_size
+
+    @property
+    def resolved_max_consecutive_drops(self) -> int:
+        return max(64, 4 * self.batch_size) if self.max_consecutive_drops is None else self.max_consecutive_drops
 
     @property
     def resolved_max_filtered_per_step(self) -> int:
@@ -204,7 +212,7 @@ class EvalConfig(Section):
     temperature: Optional[float] = Field(default=None, gt=0)
     """Temperature of the pass@k samples (default: ``rollout.temperature``)."""
     max_new_tokens: Optional[int] = Field(default=None, ge=1)
-    """Most tokens per eval completion (default: ``rollout.max_new_tokens``)."""
+    """Most tokens per eval engine call (default: what the workflow asks for, ``rollout.max_new_tokens`` for ``single_turn``)."""
     success_threshold: float = 1.0
     """A completion counts as correct (accuracy, pass@k) when its reward is at least this."""
     timeout_s: float = Field(default=300.0, gt=0)

@@ -18,7 +18,7 @@ import random
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from asyncrl.errors import AsyncRLError
 from asyncrl.registry import register
@@ -39,6 +39,9 @@ class TaskData:
     solver: Callable[[str], str] | None = None
     """Maps a prompt to its reference answer, when the task has one."""
     info: dict = field(default_factory=dict)
+    eval_metrics: Mapping[str, Callable[..., float]] = field(default_factory=dict)
+    """Extra eval metrics: ``{name: fn(prompt, completion, **sample_fields) -> float}``; eval
+    reports the mean of each over the greedy completions as ``eval/<name>``."""
 
 
 class SampleOrder(Sequence):

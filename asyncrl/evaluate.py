@@ -4,38 +4,47 @@ The loop calls :func:`evaluate` between publishes, so every eval request sees ex
 weights version (checked: the result records it, and a version change mid-eval is an
 error). ``asyncrl eval`` runs the same function alone.
 
-Prompts and scores come from the workflow (``messages(sample)``, ``tokenizer`` and
-``scorer``, as :class:`~asyncrl.rollout.workflow.SingleTurnWorkflow` has them), so
-eval formats and grades exactly as training does.
+Eval runs the workflow's own ``run_episode`` on every eval sample, so a custom or
+multi-turn workflow is evaluated exactly as it trains (its whole episode, its own
+rewards). The engine it gets is an :class:`EvalEngine`, which rewrites the sampling
+fields of each request to the eval settings: greedy (``eval.max_new_tokens`` when set),
+or for pass@k the ``eval.temperature``. Eval samples carry sample ids from
+:data:`EVAL_SAMPLE_ID_BASE` on. A greedy request for ``n`` samples is computed once and
+returned ``n`` times (greedy samples are identical), so eval scores one trajectory per
+prompt: the first of its group.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from asyncrl.config import Config
-from asyncrl.engine.protocol import GenerationRequest, InferenceEngine
-from asyncrl.errors import AsyncRLError
+from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, InferenceEngine
+from asyncrl.errors import AsyncRLError, EngineCrashed
 
 EVAL_SAMPLE_ID_BASE = 1 << 30
 """Eval requests use sample ids from here on, so their random keys never coincide with
 a training sample's (training ids count up from 0)."""
+_MAX_EVAL_THREADS = 256
 
 
 class EvalError(AsyncRLError):
-    """Eval cannot run: a workflow without prompts/scores, or weights changed mid-eval."""
+    """Eval cannot run: a workflow without ``run_episode``, a failing episode, or weights changed mid-eval."""
 
 
 @dataclass
 class EvalResult:
     metrics: dict[str, float]
-    """``eval/reward``, ``eval/accuracy``, ``eval/pass@k``..., ``eval/n_prompts``, ``eval/version``."""
+    """``eval/reward``, ``eval/reward/<component>``, ``eval/accuracy``, ``eval/pass@k``..., ``eval/<metric>``,
+    ``eval/episode/<name>``, ``eval/n_prompts``, ``eval/skipped``, ``eval/aborted``, ``eval/version``, ``eval/time_s``."""
     rows: list[dict]
     """Per prompt: prompt, greedy completion, reward and components."""
 
@@ -49,85 +58,245 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
     return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
 
 
+class EvalEngine:
+    """An engine adapter that gives every request the eval sampling settings.
+
+    Greedy mode: ``greedy=True`` and ``max_new_tokens`` (when given); the ``n`` samples of a
+    request are computed once (``n=1``) and repeated, and identical greedy requests (the same
+    prompt and limits, e.g. the per-sample calls of a multi-turn workflow) share one
+    computation. Sampling mode: ``temperature`` and ``max_new_tokens`` (when given). Every
+    request gets ``timeout_s``. Anything else is the wrapped engine's.
+    """
+
+    def __init__(self, engine: InferenceEngine, *, greedy: bool, temperature: float, max_new_tokens: Optional[int],
+                 timeout_s: float):
+        self.engine = engine
+        self.greedy = greedy
+        self.temperature = temperature
+        self.max_new_tokens = max_new_tokens
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._greedy_cache: dict[tuple, Future] = {}
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def rewrite(self, request: GenerationRequest) -> GenerationRequest:
+        """``request`` with the eval sampling fields."""
+        limits = {"max_new_tokens": self.max_new_tokens} if self.max_new_tokens else {}
+        if self.greedy:
+            return dataclasses.replace(request, greedy=True, n=1, timeout_s=self.timeout_s,
+                                       min_new_tokens=min(request.min_new_tokens, limits.get("max_new_tokens", request.max_new_tokens)), **limits)
+        return dataclasses.replace(request, greedy=False, temperature=self.temperature, timeout_s=self.timeout_s,
+                                   min_new_tokens=min(request.min_new_tokens, limits.get("max_new_tokens", request.max_new_tokens)), **limits)
+
+    def submit(self, request: GenerationRequest) -> "Future[list[GenerationResponse]]":
+        rewritten = self.rewrite(request)
+        if not self.greedy:
+            return self.engine.submit(rewritten)
+        key = (tuple(int(t) for t in rewritten.prompt_ids), rewritten.max_new_tokens, rewritten.min_new_tokens,
+               None if rewritten.stop_token_ids is None else tuple(rewritten.stop_token_ids),
+               tuple(tuple(seq) for seq in rewritten.stop_sequences))
+        with self._lock:
+            inner = self._greedy_cache.get(key)
+            if inner is None:
+                inner = self._greedy_cache[key] = self.engine.submit(rewritten)
+        outer: Future = Future()
+
+        def repeat(done: Future) -> None:
+            error = done.exception()
+            if error is not None:
+                outer.set_exception(error)
+            else:
+                outer.set_result(list(done.result()) * request.n)
+
+        inner.add_done_callback(repeat)
+        return outer
+
+    def generate(self, request: GenerationRequest) -> list[GenerationResponse]:
+        # The engine aborts a request after timeout_s; the margin covers queueing.
+        return self.submit(request).result(timeout=self.timeout_s + 60)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
 def _check_workflow(workflow: Any) -> None:
-    missing = [name for name in ("messages", "tokenizer", "scorer") if not hasattr(workflow, name)]
-    if missing:
+    if not callable(getattr(type(workflow), "run_episode", None)):
         raise EvalError(
-            f"eval: workflow '{type(workflow).__name__}' has no {', '.join(missing)}; eval formats prompts and "
-            "scores completions like SingleTurnWorkflow (subclass it, or set eval.every_steps: 0 to turn eval off)"
+            f"eval: workflow '{type(workflow).__name__}' has no run_episode(engine, sample); eval runs the workflow's "
+            "own episodes (subclass asyncrl.RolloutWorkflow, or set eval.every_steps: 0 to turn eval off)"
         )
 
 
-def evaluate(engine: InferenceEngine, workflow: Any, samples: Sequence[Mapping[str, Any]], cfg: Config) -> EvalResult:
-    """Greedy completions of every sample (and ``eval.n_samples`` sampled ones for pass@k)."""
-    from asyncrl.rollout.workflow import _token_ids
+def _run_concurrently(jobs: Sequence[Callable[[], Any]], workers: int, timeout_s: float) -> list[tuple[str, Any]]:
+    """Run ``jobs`` in daemon threads, at most ``workers`` at once: ``[("ok", value) or ("error", exc)]``.
+    A job running past ``timeout_s`` is an :class:`EvalError` (its thread is abandoned)."""
+    outcomes: list[Optional[tuple[str, Any]]] = [None] * len(jobs)
+    started: dict[int, float] = {}
+    cond = threading.Condition()
+    running = [0]
+
+    def run(index: int) -> None:
+        try:
+            outcome: tuple[str, Any] = ("ok", jobs[index]())
+        except BaseException as err:  # noqa: BLE001 - reported to the caller
+            outcome = ("error", err)
+        with cond:
+            outcomes[index] = outcome
+            running[0] -= 1
+            cond.notify_all()
+
+    def wait() -> None:
+        now = time.monotonic()
+        late = [i for i, t in started.items() if outcomes[i] is None and now - t > timeout_s]
+        if late:
+            raise EvalError(f"eval: the episode of eval sample {late[0]} ran past rollout.episode_timeout_s = {timeout_s} s")
+        cond.wait(1.0)
+
+    with cond:
+        for index in range(len(jobs)):
+            while running[0] >= workers:
+                wait()
+            running[0] += 1
+            started[index] = time.monotonic()
+            threading.Thread(target=run, args=(index,), name=f"asyncrl-eval-{index}", daemon=True).start()
+        while any(outcome is None for outcome in outcomes):
+            wait()
+    return outcomes  # type: ignore[return-value]
+
+
+def _episode_group(outcome: tuple[str, Any], workflow: Any, index: int) -> Any:
+    """The group of one eval episode, or None when the workflow skipped the sample."""
+    from asyncrl.rollout.workflow import SkipSample
+
+    kind, value = outcome
+    if kind == "ok":
+        return value if value is not None and value.trajectories else None
+    if isinstance(value, SkipSample):
+        return None
+    if isinstance(value, (EngineCrashed, EvalError)):
+        raise value
+    raise EvalError(f"eval: workflow '{type(workflow).__name__}' failed on eval sample {index}: "
+                    f"{type(value).__name__}: {value}") from value
+
+
+def _texts(workflow: Any, sample: Mapping[str, Any], group: Any) -> tuple[str, str]:
+    """The prompt text and the completion text (the whole episode after the prompt) of a group's first trajectory."""
+    traj = group.trajectories[0]
+    generated = np.flatnonzero(traj.versions >= 0)
+    first = int(generated[0]) if generated.size else len(traj.input_ids)
+    prompt = (group.metadata or {}).get("prompt")
+    if not isinstance(prompt, str):
+        try:
+            prompt = workflow.messages(sample)[1]
+        except Exception:  # noqa: BLE001 - a workflow whose samples have no prompt field
+            prompt = workflow.tokenizer.decode(traj.input_ids[:first].tolist(), skip_special_tokens=True)
+    completion = (traj.metadata or {}).get("completion")
+    if not isinstance(completion, str):
+        completion = workflow.tokenizer.decode(traj.input_ids[first:].tolist(), skip_special_tokens=True)
+    return prompt, completion
+
+
+def evaluate(engine: InferenceEngine, workflow: Any, samples: Sequence[Mapping[str, Any]], cfg: Config,
+             eval_metrics: Optional[Mapping[str, Callable[..., float]]] = None) -> EvalResult:
+    """Run the workflow's episodes on the eval samples: greedily (reward, accuracy, components,
+    ``eval_metrics``) and, with ``eval.n_samples``, sampled (pass@k)."""
+    from asyncrl.train import episode_metric_means
 
     _check_workflow(workflow)
     ev = cfg.eval
     samples = list(samples)[: ev.max_prompts or None]
     if not samples:
         raise EvalError("eval: the eval split is empty (raise the dataset's eval_size, or set eval.every_steps: 0)")
-    max_new_tokens = ev.max_new_tokens or cfg.rollout.max_new_tokens
     version = engine.version
     start = time.perf_counter()
+    greedy = EvalEngine(engine, greedy=True, temperature=1.0, max_new_tokens=ev.max_new_tokens, timeout_s=ev.timeout_s)
+    sampling = EvalEngine(engine, greedy=False, temperature=ev.temperature or cfg.rollout.temperature,
+                          max_new_tokens=ev.max_new_tokens, timeout_s=ev.timeout_s)
+    repeats = math.ceil(ev.n_samples / cfg.rollout.group_size) if ev.n_samples else 0
+    n = len(samples)
 
-    prompts, greedy_futures, sampled_futures = [], [], []
-    for index, sample in enumerate(samples):
-        messages, prompt = workflow.messages(sample)
-        ids = _token_ids(workflow.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-        prompts.append(prompt)
-        sample_id = EVAL_SAMPLE_ID_BASE + index
-        greedy_futures.append(
-            engine.submit(GenerationRequest(prompt_ids=ids, greedy=True, max_new_tokens=max_new_tokens, sample_id=sample_id, timeout_s=ev.timeout_s))
-        )
-        if ev.n_samples > 0:
-            sampled_futures.append(
-                engine.submit(
-                    GenerationRequest(
-                        prompt_ids=ids, n=ev.n_samples, temperature=ev.temperature or cfg.rollout.temperature,
-                        max_new_tokens=max_new_tokens, sample_id=sample_id, timeout_s=ev.timeout_s,
-                    )
-                )
-            )
+    def job(eval_engine: EvalEngine, index: int, sample_id: int) -> Callable[[], Any]:
+        return lambda: workflow.run_episode(eval_engine, {**samples[index], "sample_id": sample_id})
 
-    def outputs(future: Future) -> list:
-        return future.result(timeout=ev.timeout_s + 5)
+    jobs = [job(greedy, i, EVAL_SAMPLE_ID_BASE + i) for i in range(n)]
+    jobs += [job(sampling, i, EVAL_SAMPLE_ID_BASE + (r + 1) * n + i) for r in range(repeats) for i in range(n)]
+    outcomes = _run_concurrently(jobs, min(len(jobs), _MAX_EVAL_THREADS), cfg.rollout.episode_timeout_s)
 
-    def score(sample: Mapping[str, Any], prompt: str, response: Any, index: int) -> tuple[float, dict[str, float], str]:
-        completion = workflow.tokenizer.decode(list(response.output_ids), skip_special_tokens=True)
-        fields = {k: v for k, v in sample.items() if k not in ("prompt", "messages", "completion")}
-        reward, components = workflow.scorer.score(prompt, completion, fields, EVAL_SAMPLE_ID_BASE + index)
-        return reward, components, completion
-
-    rows, rewards, aborted = [], [], 0
-    for index, (sample, prompt, future) in enumerate(zip(samples, prompts, greedy_futures)):
-        (response,) = outputs(future)
-        aborted += response.stop_reason == "aborted"
-        if np.any(response.versions != version):
-            raise EvalError(f"eval: weights changed during eval (served version {version}, got {sorted(set(response.versions.tolist()))})")
-        reward, components, completion = score(sample, prompt, response, index)
-        rewards.append(reward)
-        rows.append({"prompt": prompt, "completion": completion, "reward": reward, **{f"reward/{k}": v for k, v in components.items()}})
-
-    rewards_np = np.asarray(rewards, dtype=np.float64)
-    metrics = {
-        "eval/reward": float(rewards_np.mean()),
-        "eval/accuracy": float((rewards_np >= ev.success_threshold).mean()),
-        "eval/n_prompts": float(len(samples)),
-        "eval/aborted": float(aborted),
-        "eval/version": float(version),
-    }
-    if sampled_futures:
-        correct = []
-        for index, (sample, prompt, future) in enumerate(zip(samples, prompts, sampled_futures)):
-            scores = [score(sample, prompt, response, index)[0] for response in outputs(future)]
-            correct.append(sum(s >= ev.success_threshold for s in scores))
-        for k in sorted({1, ev.n_samples}):
-            metrics[f"eval/pass@{k}"] = float(np.mean([pass_at_k(ev.n_samples, c, k) for c in correct]))
+    rows, greedy_trajs, kept = [], [], []
+    for index in range(n):
+        group = _episode_group(outcomes[index], workflow, index)
+        if group is None:
+            continue
+        traj = group.trajectories[0]
+        served = traj.versions[traj.versions >= 0]
+        if np.any(served != version):
+            raise EvalError(f"eval: weights changed during eval (served version {version}, got {sorted(set(served.tolist()))})")
+        prompt, completion = _texts(workflow, samples[index], group)
+        rows.append({"prompt": prompt, "completion": completion, "reward": traj.reward,
+                     **{f"reward/{k}": v for k, v in traj.reward_components.items()}})
+        greedy_trajs.append(traj)
+        kept.append(index)
+    if not rows:
+        raise EvalError(f"eval: workflow '{type(workflow).__name__}' skipped every one of the {n} eval samples")
+    metrics = _greedy_metrics(rows, greedy_trajs, ev.success_threshold)
+    metrics.update({f"eval/episode/{k}": v for k, v in episode_metric_means(greedy_trajs).items()})
+    metrics.update(_task_metrics(eval_metrics or {}, rows, [samples[i] for i in kept]))
+    metrics.update({"eval/n_prompts": float(len(rows)), "eval/skipped": float(n - len(rows)),
+                    "eval/aborted": float(sum(t.stop_reason == "aborted" for t in greedy_trajs)),
+                    "eval/version": float(version)})
+    if repeats:
+        metrics.update(_pass_at_k_metrics(outcomes[n:], workflow, n, ev.n_samples, ev.success_threshold))
     if engine.version != version:
         raise EvalError(f"eval: weights were published during eval (version {version} -> {engine.version})")
     metrics["eval/time_s"] = time.perf_counter() - start
     return EvalResult(metrics=metrics, rows=rows)
+
+
+def _greedy_metrics(rows: list[dict], trajs: list, threshold: float) -> dict[str, float]:
+    rewards = np.asarray([row["reward"] for row in rows], dtype=np.float64)
+    metrics = {"eval/reward": float(rewards.mean()), "eval/accuracy": float((rewards >= threshold).mean())}
+    components: dict[str, list[float]] = {}
+    for traj in trajs:
+        for name, value in traj.reward_components.items():
+            components.setdefault(name, []).append(value)
+    metrics.update({f"eval/reward/{name}": float(np.mean(values)) for name, values in components.items()})
+    return metrics
+
+
+def _task_metrics(eval_metrics: Mapping[str, Callable[..., float]], rows: list[dict], samples: list) -> dict[str, float]:
+    """``eval/<name>``: the mean of the task's ``fn(prompt, completion, **sample_fields)`` over the greedy completions."""
+    from asyncrl.rollout.workflow import reward_fields
+
+    out = {}
+    for name, fn in eval_metrics.items():
+        values = []
+        for row, sample in zip(rows, samples):
+            try:
+                values.append(float(fn(row["prompt"], row["completion"], **reward_fields(sample))))
+            except Exception as err:  # noqa: BLE001 - named, with the prompt
+                raise EvalError(f"eval: the task's eval metric '{name}' raised on prompt {row['prompt'][:60]!r}: "
+                                f"{type(err).__name__}: {err}") from err
+        out[f"eval/{name}"] = float(np.mean(values))
+    return out
+
+
+def _pass_at_k_metrics(outcomes: list, workflow: Any, n: int, n_samples: int, threshold: float) -> dict[str, float]:
+    """pass@1 and pass@n_samples from the sampled episodes (``outcomes[r * n + i]``: repeat r of prompt i)."""
+    correct = []
+    for index in range(n):
+        scores = []
+        for start in range(index, len(outcomes), n):
+            group = _episode_group(outcomes[start], workflow, index)
+            scores += [t.reward for t in group.trajectories] if group is not None else []
+        if len(scores) < n_samples:
+            continue  # a skipped prompt (as in the greedy metrics)
+        correct.append(sum(s >= threshold for s in scores[:n_samples]))
+    if not correct:
+        return {}
+    return {f"eval/pass@{k}": float(np.mean([pass_at_k(n_samples, c, k) for c in correct])) for k in sorted({1, n_samples})}
 
 
 def evaluate_model(cfg: Config, stream: Any = None) -> EvalResult:
@@ -146,7 +315,7 @@ def evaluate_model(cfg: Config, stream: Any = None) -> EvalResult:
     graphdef, params = loaded.split()
     engine = JaxEngine(graphdef, params, stop_token_ids=loaded.stop_token_ids, config=cfg.engine, seed=cfg.run.seed)
     try:
-        result = evaluate(engine, workflow, task.eval, cfg)
+        result = evaluate(engine, workflow, task.eval, cfg, eval_metrics=getattr(task, "eval_metrics", None))
     finally:
         engine.shutdown()
     width = max(len(name) for name in result.metrics)

@@ -140,7 +140,9 @@ class TensorBoardSink:
 class ConsoleSink:
     """Progress on the console: a tqdm bar on a terminal, one plain line per step otherwise.
 
-    Shows step/total, reward, last eval, version lag, trained tokens/s and the ETA.
+    Shows step/total, reward, the last eval with the step it was taken at (``eval@50 0.812``:
+    a line between evals never passes an old eval off as the current one), version lag,
+    trained tokens/s and the ETA.
     """
 
     SHOWN = (
@@ -157,6 +159,7 @@ class ConsoleSink:
         self._start_time = time.monotonic()
         self.prefix = prefix
         self._last: dict[str, str] = {}
+        self._eval_step = 0
         use_bar = self._stream.isatty() if use_bar is None else use_bar
         self._bar = None
         if use_bar:
@@ -168,10 +171,15 @@ class ConsoleSink:
         for label, name, fmt in self.SHOWN:
             if name in metrics and math.isfinite(metrics[name]):
                 self._last[label] = fmt.format(metrics[name])
-        fields = " ".join(f"{label} {value}" for label, value in self._last.items())
+                if label == "eval":
+                    self._eval_step = step
+        fields = " ".join(
+            f"{label}@{self._eval_step} {value}" if label == "eval" else f"{label} {value}" for label, value in self._last.items()
+        )
         if self._bar is not None:
             self._bar.set_postfix_str(fields, refresh=False)
             self._bar.update(step - self._bar.n)
+            self._bar.refresh()  # update() skips redraws within tqdm's mininterval: show this step's values now
             return
         done = step - self._start_step
         elapsed = time.monotonic() - self._start_time

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ class Components:
 def build_task_and_workflow(cfg: Config, tokenizer: Any) -> tuple[Config, Any, Any]:
     """Resolve the dataset, default the rewards to the task's own, build the workflow."""
     from asyncrl.registry import resolve
-    from asyncrl.rollout.workflow import build_workflow
+    from asyncrl.rollout.workflow import build_reward_functions, build_workflow, check_reward_signatures
 
     factory = resolve("dataset", cfg.data.dataset, where="data.dataset")
     task = factory(seed=cfg.run.seed)
@@ -81,30 +82,61 @@ def build_task_and_workflow(cfg: Config, tokenizer: Any) -> tuple[Config, Any, A
         if task.reward is None:
             raise AsyncRLError("rewards: the config names no reward function and data.dataset has no default one")
         cfg = cfg.model_copy(update={"rewards": [RewardSpec(fn=task.reward)]})
-    return cfg, task, build_workflow(cfg, tokenizer)
+    workflow = build_workflow(cfg, tokenizer)
+    # Every reward function must accept the documented call with this dataset's fields: a wrong
+    # signature is a config error now, not a run of fallback scores.
+    first = next(iter(task.train), None) or next(iter(task.eval), None)
+    if first is not None:
+        check_reward_signatures(build_reward_functions(cfg), first, workflow.prompt_field)
+    return cfg, task, workflow
 
 
 RUN_LOGS = ("metrics.jsonl", "trajectories.jsonl")
 
 
 def _prepare_output_dir(cfg: Config, resume_step: Optional[int]) -> Path:
-    """A fresh run needs an empty run directory (or ``run.overwrite``); a resumed run keeps
-    its logs up to the checkpoint's step and drops the rows written after it, which the
-    resumed run writes again."""
+    """A fresh run needs a run directory that holds no run (or ``run.overwrite``); a resumed run
+    keeps its logs up to the checkpoint's step and drops the rows written after it, which the
+    resumed run writes again.
+
+    A directory whose ``metrics.jsonl`` has no completed training step (step >= 1) and which
+    has no checkpoint holds no run: a run that failed while starting up (a config mistake
+    found when its components were built) is simply started again there."""
     out = cfg.run.resolved_output_dir
     if resume_step is not None:
         for name in RUN_LOGS:
             _truncate_log(out / name, resume_step)
         return out
-    if (out / "metrics.jsonl").exists() and not cfg.run.overwrite and cfg.checkpoint.resume == "never":
+    if _holds_a_run(out) and not cfg.run.overwrite and cfg.checkpoint.resume == "never":
         raise RunDirError(
-            f"run.output_dir {out} already holds a run (metrics.jsonl); choose another run.name or run.output_dir, "
-            "resume it with --resume, or set run.overwrite: true to replace it"
+            f"run.output_dir {out} already holds a run (metrics.jsonl with completed steps); choose another run.name "
+            "or run.output_dir, resume it with --resume, or set run.overwrite: true to replace it"
         )
     out.mkdir(parents=True, exist_ok=True)
     for name in RUN_LOGS:
         (out / name).unlink(missing_ok=True)
+    if not cfg.run.overwrite:
+        # The event files of a run that never completed a step (its step-0 eval at most).
+        shutil.rmtree(out / "tensorboard", ignore_errors=True)
     return out
+
+
+def _holds_a_run(out: Path) -> bool:
+    """True when ``out`` has a checkpoint or a ``metrics.jsonl`` row of a completed step (step >= 1)."""
+    checkpoints = out / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        return True
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return False
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            step = json.loads(line).get("step", 0)
+        except (json.JSONDecodeError, AttributeError):
+            continue  # a damaged line is no evidence of a completed step
+        if isinstance(step, int) and step >= 1:
+            return True
+    return False
 
 
 def _truncate_log(path: Path, last_step: int) -> None:
@@ -128,6 +160,9 @@ def _rename_train_metrics(metrics: dict[str, float]) -> dict[str, float]:
             name = "loss/" + name[len("train/") : -len("_loss")]
         elif name == "perf/step_time":
             name = "perf/train_time"
+        elif name == "perf/trained_tokens_per_s":
+            # The loop's perf/trained_tokens_per_s covers the whole step; this is over train_time only.
+            name = "perf/train_tokens_per_train_s"
         renamed[name] = value
     return renamed
 
@@ -143,6 +178,17 @@ def _reward_metrics(groups: list, tracker: Any) -> None:
     tracker.scalar("reward/std", float(np.std(rewards)))
     for name, values in components.items():
         tracker.scalar(f"reward/{name}", float(np.mean(values)))
+    for name, value in episode_metric_means([t for g in groups for t in g.trajectories]).items():
+        tracker.scalar(f"episode/{name}", value)
+
+
+def episode_metric_means(trajectories: list) -> dict[str, float]:
+    """Mean of each ``metadata["episode_metrics"][name]`` over the trajectories that report it."""
+    values: dict[str, list[float]] = {}
+    for traj in trajectories:
+        for name, value in (traj.metadata or {}).get("episode_metrics", {}).items():
+            values.setdefault(name, []).append(float(value))
+    return {name: float(np.mean(v)) for name, v in values.items()}
 
 
 def _dump_trajectories(path: Path, step: int, groups: list, tokenizer: Any, limit: int) -> None:
@@ -200,6 +246,14 @@ class _Run:
         self.generated_before = self.engine_counter_base.get("engine/decode_tokens", 0.0)
         self.last_checkpoint: Optional[Path] = None
         self.last_checkpoint_version = -1
+        self.reward_failures = {"reward_errors": 0.0, "reward_timeouts": 0.0}
+        """Reward function calls of this process that failed or timed out (all stages, eval included)."""
+
+    def count_reward_failures(self, workflow: Any) -> None:
+        """Add a finished stage's reward error and timeout counts (for the summary line)."""
+        counts = workflow.metrics() if workflow is not None else {}
+        for name in self.reward_failures:
+            self.reward_failures[name] += float(counts.get(name, 0.0))
 
     # ------------------------------------------------------------------ shared pieces
 
@@ -265,7 +319,7 @@ class _Run:
     def evaluate(self, scfg: Config, workflow: Any, task: Any, tracker: Any) -> None:
         from asyncrl.evaluate import evaluate
 
-        result = evaluate(self.engine, workflow, task.eval, scfg)
+        result = evaluate(self.engine, workflow, task.eval, scfg, eval_metrics=getattr(task, "eval_metrics", None))
         self.final_eval = result.metrics
         tracker.scalars(result.metrics, reduce="last")
 
@@ -382,6 +436,7 @@ class _Run:
         finally:
             executor.stop()
             tensorboard.close()
+            self.count_reward_failures(workflow)
 
     def sft_stage(self, index: int, stage: Any, scfg: Config, trainer: Any, stage_start: Any) -> None:
         """Cross-entropy on reference responses; publishes every step like RL, so eval and
@@ -425,6 +480,7 @@ class _Run:
                 self.stop_if_requested()
         finally:
             tensorboard.close()
+            self.count_reward_failures(workflow)
 
 
 def jax_to_numpy(tree: Any) -> Any:
@@ -482,7 +538,12 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
         final_params=final_params,
     )
     evals = " ".join(f"{k}={v:.3f}" for k, v in run.final_eval.items() if k in ("eval/reward", "eval/accuracy"))
+    failures = run.reward_failures
     stream = console or sys.stdout
-    print(f"asyncrl: {run.version} steps, {evals or 'no eval'}, {wall:.0f} s, outputs in {out}", file=stream)
+    print(
+        f"asyncrl: {run.version} steps, {evals or 'no eval'}, reward errors {failures['reward_errors']:.0f} "
+        f"timeouts {failures['reward_timeouts']:.0f}, {wall:.0f} s, outputs in {out}",
+        file=stream,
+    )
     print("training completed", file=stream)
     return result

@@ -31,7 +31,7 @@ class TokenWorkflow(RolloutWorkflow):
     """
 
     def __init__(self, cfg: Config, *, fail_rate: float = 0.0, seed: int = 0, hook=None):
-        self.cfg = cfg
+        super().__init__(cfg, tokenizer=None)
         self.fail_rate = fail_rate
         self.seed = seed
         self.hook = hook

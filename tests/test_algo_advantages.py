@@ -128,3 +128,30 @@ def test_custom_estimator_by_import_path():
 
 def _scaled_rewards(rewards, group_index, scale=1.0):
     return scale * rewards
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "batch"])
+def test_constant_groups_give_exactly_zero_for_any_value_and_size(estimator):
+    """Groups of sizes 2..64 whose rewards are all equal (non-dyadic values such as 0.7, and
+    0/1 rewards shifted by reward_bias 0.1) get advantage exactly 0 in float32, through the
+    jitted compute_advantages the trainer's step calls; a plain float32 mean leaves rounding
+    error that grpo divides by a std of the same size."""
+    rng = np.random.default_rng(1)
+    sizes = np.arange(2, 65)
+    values = np.concatenate([[0.7, 1.1, 0.1, 1 / 3, -0.3], rng.uniform(-5, 5, size=len(sizes) - 5)]).astype(np.float32)
+    group_index = np.repeat(np.arange(len(sizes)), sizes).astype(np.int32)
+    rewards = np.repeat(values, sizes)
+    for params in (AlgoParams(estimator=estimator), AlgoParams(estimator=estimator, reward_bias=0.1),
+                   AlgoParams(estimator=estimator, reward_scale=0.3, reward_bias=-0.7)):
+        lengths = np.zeros_like(group_index)
+        got = np.asarray(compute_advantages(rewards, group_index, lengths, params))
+        if estimator == "batch":  # one group: constant only when the whole batch is
+            got = np.asarray(compute_advantages(np.full_like(rewards, 0.7), group_index, lengths, params))
+        assert got.dtype == np.float32
+        assert np.all(got == 0.0), (params, got[got != 0][:5])
+    # The same shift leaves non-constant groups as the numpy reference has them.
+    mixed = rewards + rng.normal(size=rewards.size).astype(np.float32) * (group_index % 2)
+    got = np.asarray(compute_advantages(mixed, group_index, np.zeros_like(group_index), AlgoParams(estimator=estimator)))
+    want = reference_advantages(mixed, group_index, estimator)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert np.all(got[(group_index % 2 == 0)] == 0.0) or estimator == "batch"

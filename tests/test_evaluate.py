@@ -58,5 +58,5 @@ def test_max_prompts_and_empty_split():
 
 def test_workflow_without_prompts_is_a_clear_error():
     cfg, _, samples, engine = _setup()
-    with pytest.raises(EvalError, match="workflow 'object' has no messages, tokenizer, scorer"):
+    with pytest.raises(EvalError, match="workflow 'object' has no run_episode"):
         evaluate(engine, object(), samples, cfg)

@@ -70,5 +70,14 @@ def test_console_plain_lines_keep_last_values_and_eta():
     sink.write(1, {"reward/mean": 0.5, "eval/reward": 0.25, "rollout/lag_max": 1.0})
     sink.write(2, {"reward/mean": 0.75, "perf/trained_tokens_per_s": 1234.4})
     lines = stream.getvalue().splitlines()
-    assert lines[0].startswith("step 1/4 reward 0.500 eval 0.250 lag 1")
-    assert lines[1].startswith("step 2/4 reward 0.750 eval 0.250 lag 1 tok/s 1234 eta ")
+    assert lines[0].startswith("step 1/4 reward 0.500 eval@1 0.250 lag 1")
+    # a step without eval names the step its eval value is from (issue 13 item 11)
+    assert lines[1].startswith("step 2/4 reward 0.750 eval@1 0.250 lag 1 tok/s 1234 eta ")
+
+
+def test_console_bar_shows_each_steps_values_at_once():
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=3, stream=stream, use_bar=True)
+    sink.write(1, {"eval/reward": 0.25})
+    sink.write(2, {"eval/reward": 0.5})
+    assert "eval@1 0.250" in stream.getvalue() and stream.getvalue().rstrip().endswith("eval@2 0.500]")

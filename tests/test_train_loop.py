@@ -61,7 +61,8 @@ def test_metrics_jsonl_and_tensorboard_names(quick_run):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # step 0: eval before training; every row tagged with its stage
     assert [(row["step"], row["stage"]) for row in rows] == [(0, "sft"), (1, "sft"), (2, "sft"), (3, "rl"), (4, "rl"), (5, "rl")]
-    sft_names = {"loss/sft", "sft/samples_drawn", "perf/step_time", "perf/trained_tokens_per_s", "eval/reward", "eval/loss"}
+    sft_names = {"loss/sft", "sft/samples_drawn", "perf/step_time", "perf/trained_tokens_per_s", "eval/reward", "eval/loss",
+                 "perf/train_tokens_per_train_s"}
     assert sft_names <= set(rows[2]), sorted(sft_names - set(rows[2]))
     last = rows[-1]
     rl_names = {
@@ -123,14 +124,17 @@ def test_export_loads_in_transformers_with_the_trained_logits(quick_run):
 
 
 def test_eval_on_the_export_reproduces_the_final_eval(quick_run, capsys):
-    from asyncrl.evaluate import evaluate_model
+    """README's `asyncrl eval configs/quickstart.yaml --set model.path=runs/quickstart/hf`, through
+    the command line (it failed with an ImportError for every config: issue 13 item 1)."""
+    from asyncrl.cli import main
 
     cfg, result, out, _ = quick_run
-    again = evaluate_model(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(out / "hf")})}))
-    for name in ("eval/reward", "eval/accuracy", "eval/n_prompts"):
-        assert again.metrics[name] == result.final_eval[name], name
+    overrides = [f"run.output_dir={out}", *FAST, f"model.path={out / 'hf'}"]
+    assert main(["eval", str(QUICKSTART), *[arg for o in overrides for arg in ("--set", o)]]) == 0
     printed = capsys.readouterr().out.strip().splitlines()
-    assert json.loads(printed[-1])["eval/reward"] == result.final_eval["eval/reward"]
+    again = json.loads(printed[-1])
+    for name in ("eval/reward", "eval/accuracy", "eval/n_prompts"):
+        assert again[name] == result.final_eval[name], name
 
 
 def test_synchronous_run_trains_only_current_tokens(tmp_path):

@@ -6,4 +6,4 @@ asyncrl's registry imports it lazily on the first resolve of a workflow, reward 
 dataset.
 """
 
-from workflows import gsm8k, synthetic  # noqa: F401  (registration side effects)
+from . import gsm8k, synthetic  # noqa: F401  (registration side effects; relative, so it also loads under a private name)

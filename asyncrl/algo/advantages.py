@@ -12,8 +12,12 @@ gives padding rows 0; the built-ins register under their config names
 - the group standard deviation is the unbiased one (divisor n - 1), as in TRL and verl
   (``torch.std``); ``eps`` (default 1e-6, as verl) is added to the std, not the variance,
   so a group whose rewards are all equal gets advantage exactly 0;
-- means and deviations are computed in two passes (mean first), which keeps float32
-  exact enough for rewards with a large common offset.
+- means and deviations are taken relative to the group's smallest reward ``m_g``:
+  ``r - mean_g = (r - m_g) - mean_g(r - m_g)``. For a group whose rewards are all equal
+  every ``r - m_g`` is exactly 0, so its deviation, std and advantage are exactly 0 in
+  float32 for any reward value (a plain float32 mean of e.g. eight 0.7s is not 0.7, and
+  ``grpo`` would divide that rounding error by a std of the same size). The shift also
+  keeps float32 accurate for rewards with a large common offset.
 """
 
 from __future__ import annotations
@@ -28,16 +32,22 @@ from asyncrl.registry import register, resolve
 
 
 def _group_moments(rewards: jax.Array, group_index: jax.Array):
-    """Per row: (row is real, size n of its group, deviation r - mean_g, sum of squared deviations of its group)."""
+    """Per row: (row is real, size n of its group, deviation r - mean_g, sum of squared deviations of its group).
+
+    The deviation is computed from rewards shifted by their group's minimum, so a group of
+    equal rewards has deviation exactly 0 (see the module docstring).
+    """
     rows = rewards.shape[0]
     real = group_index >= 0
     # Padding rows go to an extra segment (index `rows`) that nothing reads.
     segment = jnp.where(real, group_index, rows)
     rewards = jnp.where(real, rewards, 0.0)
     count = jax.ops.segment_sum(real.astype(jnp.float32), segment, rows + 1)
-    total = jax.ops.segment_sum(rewards, segment, rows + 1)
+    low = jax.ops.segment_min(rewards, segment, rows + 1)
+    shifted = rewards - low[segment]  # [B], exactly 0 on every row of a constant group
+    total = jax.ops.segment_sum(shifted, segment, rows + 1)
     mean = total / jnp.maximum(count, 1.0)
-    deviation = jnp.where(real, rewards - mean[segment], 0.0)
+    deviation = jnp.where(real, shifted - mean[segment], 0.0)
     squares = jax.ops.segment_sum(deviation * deviation, segment, rows + 1)
     return real, count[segment], deviation, squares[segment]
 

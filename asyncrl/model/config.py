@@ -102,6 +102,16 @@ class DecoderConfig:
 # --------------------------------------------------------------------------- from / to HF
 
 
+def _has_sliding_layers(hf: Any) -> bool:
+    """Whether a ``use_sliding_window`` config slides any layer. As in transformers' Qwen2, only
+    layers from ``max_window_layers`` on slide, and none without a ``sliding_window``; a window
+    covering every layer is full attention."""
+    if getattr(hf, "sliding_window", None) is None:
+        return False
+    first_sliding = getattr(hf, "max_window_layers", None)
+    return first_sliding is None or first_sliding < hf.num_hidden_layers
+
+
 def from_hf_config(hf: Any, *, source: str = "config.json", **runtime: Any) -> DecoderConfig:
     """Translate a ``transformers`` config object (from ``AutoConfig``) into a DecoderConfig.
 
@@ -121,7 +131,7 @@ def from_hf_config(hf: Any, *, source: str = "config.json", **runtime: Any) -> D
     layer_types = getattr(hf, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):
         problems.append(f"layer_types={sorted(set(layer_types))} (sliding-window attention is not supported)")
-    if getattr(hf, "use_sliding_window", False):
+    if getattr(hf, "use_sliding_window", False) and _has_sliding_layers(hf):
         problems.append("use_sliding_window=true (sliding-window attention is not supported)")
 
     rope = getattr(hf, "rope_parameters", None) or {}

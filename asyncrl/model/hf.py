@@ -349,6 +349,7 @@ def export_hf(
         save_file(tensors, str(tmp / SAFETENSORS_FILE), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        _default_permissions(tmp)
         _install_dir(tmp, out_dir, overwrite=overwrite, exist_ok=exist_ok)
     finally:
         if tmp.exists():
@@ -364,6 +365,16 @@ def _contiguous(x: Any) -> Any:
     import jax.numpy as jnp
 
     return jnp.array(jax.device_get(x), copy=True)
+
+
+def _default_permissions(directory: Path) -> None:
+    """The permissions a plain ``mkdir``/``open`` would give (0777/0666 minus the umask): the
+    temporary directory was made private (0700) by ``mkdtemp``, and an export is meant to be shared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _install_dir(tmp: Path, out_dir: Path, *, overwrite: bool, exist_ok: bool) -> None:

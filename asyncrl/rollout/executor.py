@@ -44,12 +44,17 @@ from asyncrl.rollout import batch as batch_lib
 from asyncrl.rollout.ledger import QUEUED, StalenessLedger
 from asyncrl.rollout.queue import QueueClosed, SimpleDataQueue
 from asyncrl.rollout.trajectory import ARRAY_FIELDS, TrainBatch, Trajectory, TrajectoryGroup, check_group
-from asyncrl.rollout.workflow import RolloutWorkflow, SkipSample
+from asyncrl.rollout.workflow import RewardFailuresExceeded, RolloutWorkflow, SkipSample
 
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
 _MAX_WAIT_S = 1.0  # upper bound of any single wait: a lost wake-up costs at most this
+FAILURES_LOGGED_IN_FULL = 3
+"""Failed episodes of one kind logged with their traceback; later ones go into a periodic summary."""
+FAILURE_SUMMARY_EVERY_S = 60.0
+NOT_COUNTED_AS_DROPS = ("stale", "zero_variance")
+"""Drop reasons that are part of normal operation, never a sign that nothing can be trained."""
 
 
 class BatchAbandoned(RolloutError):
@@ -108,7 +113,12 @@ class WorkflowExecutor:
         self._recent_latencies: collections.deque = collections.deque(maxlen=512)
         self._fatal: Optional[BaseException] = None
         self._consecutive_failures = 0
-        self._failure_kinds_logged: set[str] = set()
+        self._failures_logged: collections.Counter = collections.Counter()
+        self._failures_unlogged: collections.Counter = collections.Counter()
+        self._last_failure_summary = time.monotonic()
+        self._skips_in_a_row = 0
+        self._drops_in_a_row = 0
+        self._drop_reasons_logged: set[str] = set()
         self._metrics_error_logged = False
         self._stopping = threading.Event()
         self._dispatcher: Optional[threading.Thread] = None
@@ -221,8 +231,14 @@ class WorkflowExecutor:
             is_schema = err.title in ("Trajectory", "TrajectoryGroup")
             outcome, detail, error = ("schema", "type", err) if is_schema else ("error", "", err)
         except BaseException as err:  # noqa: BLE001 - any episode error is a counted failure
-            crash = _engine_crash_in_chain(err)
-            outcome, error = ("crash", crash) if crash is not None else ("error", err)
+            crash = _in_chain(err, EngineCrashed)
+            reward_stop = _in_chain(err, RewardFailuresExceeded)
+            if crash is not None:
+                outcome, error = "crash", crash
+            elif reward_stop is not None:
+                outcome, error = "reward_stop", reward_stop
+            else:
+                outcome, error = "error", err
         text = "".join(traceback.format_exception(error)) if error is not None else ""
         with self._wake:
             if self._running.get(episode.ticket) is not episode or self._stopping.is_set():
@@ -232,8 +248,13 @@ class WorkflowExecutor:
             if outcome == "crash":
                 self.ledger.fail(episode.ticket, "engine_crash")
                 self._set_fatal(error, error)
+            elif outcome == "reward_stop":
+                self.ledger.fail(episode.ticket, "exception")
+                self._set_fatal(error, None)
             elif outcome == "skip":
                 self.ledger.drop(episode.ticket, detail)
+                self._skips_in_a_row += 1
+                self._note_drop(detail, self._skips_in_a_row, episode.sample_id)
             elif outcome == "schema":
                 where = f"workflow '{self.workflow.name}', sample {episode.sample_id}"
                 if not isinstance(error, TrajectorySchemaError):
@@ -245,6 +266,7 @@ class WorkflowExecutor:
                 self.ledger.returned_none(episode.ticket)
             else:
                 self._consecutive_failures = 0
+                self._skips_in_a_row = 0
                 latency = time.monotonic() - episode.started
                 self._recent_latencies.append(latency)
                 self.ledger.complete(episode.ticket, group.min_version)
@@ -260,15 +282,50 @@ class WorkflowExecutor:
         """Count a failed episode (lock held); too many in a row is fatal."""
         self.ledger.fail(episode.ticket, reason)
         self._consecutive_failures += 1
-        first = reason not in self._failure_kinds_logged
-        self._failure_kinds_logged.add(reason)
-        (log.warning if first else log.debug)("episode failed (%s), sample %s: %s", reason, episode.sample_id, text.strip())
+        if self._failures_logged[reason] < FAILURES_LOGGED_IN_FULL:
+            self._failures_logged[reason] += 1
+            later = " (later ones of this kind are summarised periodically)" if self._failures_logged[reason] == FAILURES_LOGGED_IN_FULL else ""
+            log.warning("episode failed (failed:%s), sample %s%s: %s", reason, episode.sample_id, later, text.strip())
+        else:
+            self._failures_unlogged[reason] += 1
+            log.debug("episode failed (failed:%s), sample %s: %s", reason, episode.sample_id, text.strip())
+            self._log_failure_summary()
         limit = self.cfg.rollout.max_consecutive_failures
         if self._consecutive_failures >= limit:
             self._set_fatal(
                 RolloutError(
                     f"{self._consecutive_failures} episodes failed in a row (rollout.max_consecutive_failures = {limit}); "
                     f"last failure: failed:{reason}, sample {episode.sample_id}:\n{text.strip()}"
+                ),
+                None,
+            )
+
+    def _log_failure_summary(self, force: bool = False) -> None:
+        """Every FAILURE_SUMMARY_EVERY_S: how many failures were not logged in full (lock held)."""
+        now = time.monotonic()
+        if not self._failures_unlogged or (not force and now - self._last_failure_summary < FAILURE_SUMMARY_EVERY_S):
+            return
+        counts = ", ".join(f"failed:{k} {v}" for k, v in sorted(self._failures_unlogged.items()))
+        log.warning("%d more episodes failed in the last %.0f s (%s); totals in rollout/count/failed/*",
+                    sum(self._failures_unlogged.values()), now - self._last_failure_summary, counts)
+        self._failures_unlogged.clear()
+        self._last_failure_summary = now
+
+    def _note_drop(self, reason: str, in_a_row: int, sample_id: Any) -> None:
+        """A finished group (or skipped sample) was dropped for ``reason`` (lock held): log the first
+        of each reason; ``in_a_row`` such drops with nothing kept in between stop training."""
+        if reason in NOT_COUNTED_AS_DROPS:
+            return
+        if reason not in self._drop_reasons_logged:
+            self._drop_reasons_logged.add(reason)
+            log.warning("sample %s dropped (dropped:%s): %s; later ones are counted in rollout/count/dropped/%s",
+                        sample_id, reason, _drop_hint(reason, self.cfg), reason)
+        limit = self.cfg.rollout.resolved_max_consecutive_drops
+        if in_a_row >= limit:
+            self._set_fatal(
+                RolloutError(
+                    f"the last {in_a_row} finished groups were all dropped as {reason} and none kept "
+                    f"(rollout.max_consecutive_drops = {limit}): {_drop_hint(reason, self.cfg)}"
                 ),
                 None,
             )
@@ -316,12 +373,18 @@ class WorkflowExecutor:
                 tickets = self.ledger.candidates(rollout.batch_order)
                 groups = [self._ready[t] for t in tickets]
                 kept, dropped = batch_lib.select_groups(groups, version, self.cfg, filter_budget=budget - filtered)
+                if kept:
+                    self._drops_in_a_row = 0
                 for index, reason in dropped:
                     # Dropped groups leave the counts at once, so their slots are refilled.
+                    sample_id = self.ledger.sample_id(tickets[index])
                     self.ledger.drop(tickets[index], reason)
                     del self._ready[tickets[index]]
                     dropped_now[reason] += 1
                     filtered += reason == "zero_variance"
+                    if reason not in NOT_COUNTED_AS_DROPS:
+                        self._drops_in_a_row += 1
+                        self._note_drop(reason, self._drops_in_a_row, sample_id)
                 if dropped:
                     self._wake.notify_all()
                 if len(kept) == rollout.batch_size:
@@ -358,6 +421,7 @@ class WorkflowExecutor:
     def _update_metrics(self, batch: TrainBatch, groups: list[TrajectoryGroup], version: int, waited: float,
                         dropped_now: Mapping[str, int]) -> None:
         """Metrics of the step (lock held)."""
+        self._log_failure_summary()
         lag = (version - batch.versions[batch.loss_mask]).astype(np.float64)
         latencies = np.asarray(self._recent_latencies, dtype=np.float64)
         metrics: dict[str, float] = {
@@ -453,11 +517,27 @@ class WorkflowExecutor:
             self._ready = ready
 
 
-def _engine_crash_in_chain(err: BaseException) -> Optional[EngineCrashed]:
-    """An EngineCrashed that a workflow wrapped in its own exception still stops training."""
+def _drop_hint(reason: str, cfg: Config) -> str:
+    """What a drop reason means and the setting that changes it."""
+    if reason == "too_long":
+        source = "rollout.max_seq_len" if cfg.rollout.max_seq_len is not None else (
+            "the default data.max_prompt_tokens + rollout.max_new_tokens, room for one turn only"
+        )
+        return (f"a trajectory is longer than the batch length cap of {cfg.max_seq_len} tokens ({source}); raise "
+                "rollout.max_seq_len to the longest episode (prompt, every turn and tool output; see docs/workflows.md)")
+    if reason == "prompt_too_long":
+        return (f"the prompt is longer than data.max_prompt_tokens = {cfg.data.max_prompt_tokens} tokens after the chat "
+                "template; raise data.max_prompt_tokens (and engine.kv_capacity, engine.prefill_buckets)")
+    if reason == "aborted":
+        return "the engine aborted a request (its timeout_s ran out, or the engine shut down)"
+    return f"the workflow raised SkipSample('{reason}')"
+
+
+def _in_chain(err: BaseException, kind: type) -> Optional[BaseException]:
+    """An exception of ``kind`` that a workflow wrapped in its own exception (cause or context)."""
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, EngineCrashed):
+        if isinstance(err, kind):
             return err
         seen.add(id(err))
         err = err.__cause__ or err.__context__

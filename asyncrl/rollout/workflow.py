@@ -9,12 +9,15 @@ Reward functions have the signature ``fn(prompt: str, completion: str, **sample_
 They are weighted and summed; each raw score is kept in ``reward_components``. A function
 that raises, returns a non-finite value or runs past ``rollout.reward_timeout_s`` scores
 ``rollout.reward_fallback`` instead; this is counted, and logged (with the sample) the first
-time for each function.
+time for each function. ``rollout.max_consecutive_reward_failures`` such calls in a row of
+one function stop training with the cause (:class:`RewardFailuresExceeded`); signatures are
+checked against the dataset's fields at start-up (:func:`check_reward_signatures`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import threading
@@ -23,7 +26,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from asyncrl.config import Config
 from asyncrl.engine.protocol import GenerationRequest, InferenceEngine
-from asyncrl.errors import ConfigError
+from asyncrl.errors import ConfigError, RolloutError
 from asyncrl.registry import register, resolve
 from asyncrl.rollout.trajectory import TrajectoryBuilder, TrajectoryGroup
 
@@ -41,8 +44,22 @@ class SkipSample(Exception):
         super().__init__(f"{reason}: {detail}" if detail else reason)
 
 
+class WorkflowInitError(RolloutError):
+    """A workflow subclass whose ``__init__`` did not call ``RolloutWorkflow.__init__``."""
+
+
+class RewardFailuresExceeded(RolloutError):
+    """One reward function failed ``rollout.max_consecutive_reward_failures`` calls in a row: training stops."""
+
+
 class RolloutWorkflow:
     """Base class of workflows. Subclasses implement :meth:`run_episode`.
+
+    ``__init__(cfg, tokenizer)`` stores :attr:`cfg` and :attr:`tokenizer`; a subclass with
+    its own ``__init__`` calls ``super().__init__(cfg, tokenizer)`` (SFT and eval format
+    prompts with :attr:`tokenizer` and :meth:`messages`). Every workflow can score a
+    completion with the config's ``rewards:`` (weights, timeouts, fallback, counting) by
+    :meth:`score`.
 
     ``run_episode`` runs in a rollout thread, many at once, so it must not mutate shared
     state without a lock. ``sample`` is the dataset sample (a mapping) with its
@@ -52,16 +69,85 @@ class RolloutWorkflow:
     is nothing to train (counted ``returned_none``). Raise :class:`SkipSample` to skip a sample.
     """
 
+    prompt_field: str = "prompt"
+    """The sample field :meth:`messages` reads the prompt from (unless the sample has ``messages``)."""
+    system_prompt: Optional[str] = None
+    """An optional system message :meth:`messages` puts before the prompt."""
+
+    def __init__(self, cfg: Config, tokenizer: Any):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self._scorer: Optional["RewardScorer"] = None
+        self._scorer_lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: a subclass that skipped the base __init__.
+        if name in ("cfg", "tokenizer", "_scorer", "_scorer_lock"):
+            raise WorkflowInitError(
+                f"workflow {type(self).__name__}: has no '{name}' because its __init__ does not call "
+                "super().__init__(cfg, tokenizer) (RolloutWorkflow.__init__); add that call"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    def messages(self, sample: Mapping[str, Any]) -> tuple[list[dict[str, str]], str]:
+        """Chat messages of the sample and the prompt text given to reward functions.
+
+        The sample's ``messages`` (a list of chat messages) when present, else one user
+        message with ``sample[prompt_field]``; :attr:`system_prompt` goes first when set.
+        SFT and eval use this too, so they format prompts exactly as training does.
+        """
+        if "messages" in sample:
+            messages = list(sample["messages"])
+            prompt = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
+        else:
+            if self.prompt_field not in sample:
+                raise KeyError(f"sample has no field '{self.prompt_field}' ({self.name} prompt_field); fields: {sorted(sample)}")
+            prompt = str(sample[self.prompt_field])
+            messages = [{"role": "user", "content": prompt}]
+        if self.system_prompt:
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        return messages, prompt
+
+    @property
+    def scorer(self) -> "RewardScorer":
+        """The :class:`RewardScorer` of the config's ``rewards:``, built on first use."""
+        if self._scorer is None:
+            with self._scorer_lock:
+                if self._scorer is None:
+                    functions = build_reward_functions(self.cfg)
+                    if not functions:
+                        raise ConfigError(f"rewards: workflow {self.name} scores with the config's rewards, but there are none (rewards: [{{fn: ...}}])")
+                    self._scorer = RewardScorer.from_config(functions, self.cfg)
+        return self._scorer
+
+    def score(self, prompt: str, completion: str, sample: Mapping[str, Any]) -> tuple[float, dict[str, float]]:
+        """Score ``completion`` with the config's ``rewards:``: ``(weighted total, {name: raw score})``.
+
+        Each function is called as ``fn(prompt, completion, **fields)`` with every field of
+        ``sample`` except the prompt/``messages``/``completion`` fields (``sample_id`` included).
+        Failures and timeouts score ``rollout.reward_fallback`` and are counted (see the module
+        docstring); ``rollout.max_consecutive_reward_failures`` failures in a row of one function
+        raise :class:`RewardFailuresExceeded`, which stops training.
+        """
+        return self.scorer.score(prompt, completion, reward_fields(sample, self.prompt_field), sample.get("sample_id"))
 
     def run_episode(self, engine: InferenceEngine, sample: Mapping[str, Any]) -> Optional[TrajectoryGroup]:
         raise NotImplementedError(f"{type(self).__name__} must implement run_episode(engine, sample)")
 
     def metrics(self) -> dict[str, float]:
-        """Counters reported with the executor's metrics (override to add your own)."""
-        return {}
+        """Counters reported with the executor's metrics (``reward_errors``, ``reward_timeouts``
+        once :meth:`score` was used); override (calling super) to add your own."""
+        scorer = vars(self).get("_scorer")
+        return scorer.metrics() if scorer is not None else {}
+
+
+def reward_fields(sample: Mapping[str, Any], prompt_field: str = "prompt") -> dict[str, Any]:
+    """The keyword arguments reward functions get: every sample field but the prompt and completion."""
+    return {k: v for k, v in sample.items() if k not in (prompt_field, "messages", "prompt", "completion")}
 
 
 # --------------------------------------------------------------------------- rewards
@@ -100,17 +186,53 @@ def build_reward_functions(cfg: Config) -> list[RewardFunction]:
     return out
 
 
+def check_reward_signatures(functions: Sequence[RewardFunction], sample: Mapping[str, Any], prompt_field: str = "prompt") -> None:
+    """Start-up check that every reward function accepts the documented call
+    ``fn(prompt, completion, **fields)`` with the fields of ``sample`` (a dataset sample, with
+    ``sample_id`` as the executor adds it). ``functions[i]`` is ``rewards.i`` of the config.
+    A function that could never be called raises a :class:`ConfigError` naming ``rewards.N.fn``."""
+    fields = reward_fields({**sample, "sample_id": 0}, prompt_field)
+    problems = []
+    for index, rf in enumerate(functions):
+        try:
+            signature = inspect.signature(rf.fn)
+        except (TypeError, ValueError):
+            continue  # a builtin without a signature: its first call will tell
+        try:
+            signature.bind("prompt", "completion", **fields)
+        except TypeError as err:
+            problems.append(
+                f"rewards.{index}.fn: {rf.name}{signature} cannot be called as fn(prompt, completion, **fields) with "
+                f"this dataset's fields ({', '.join(sorted(fields)) or 'none'}): {err}; take (prompt, completion, "
+                "**fields) and read the fields you need by name"
+            )
+    if problems:
+        raise ConfigError(problems)
+
+
 class RewardScorer:
     """Weighted sum of reward functions with per-call timeouts and a fallback score."""
 
-    def __init__(self, functions: Sequence[RewardFunction], *, timeout_s: float, fallback: float):
+    def __init__(self, functions: Sequence[RewardFunction], *, timeout_s: float, fallback: float,
+                 max_consecutive_failures: Optional[int] = None):
         self.functions = list(functions)
         self.timeout_s = timeout_s
         self.fallback = fallback
+        self.max_consecutive_failures = max_consecutive_failures
+        """Failed calls in a row of one function that raise :class:`RewardFailuresExceeded` (None: never)."""
         self._lock = threading.Lock()
         self._logged: set[str] = set()
+        self._in_a_row: dict[str, int] = {}
         self.errors = 0
         self.timeouts = 0
+
+    @classmethod
+    def from_config(cls, functions: Sequence[RewardFunction], cfg: Config) -> "RewardScorer":
+        """A scorer with the config's ``rollout.reward_timeout_s``, ``reward_fallback`` and
+        ``max_consecutive_reward_failures``."""
+        rollout = cfg.rollout
+        return cls(functions, timeout_s=rollout.reward_timeout_s, fallback=rollout.reward_fallback,
+                   max_consecutive_failures=rollout.max_consecutive_reward_failures)
 
     def score(self, prompt: str, completion: str, sample_fields: Mapping[str, Any], sample_id: Any) -> tuple[float, dict[str, float]]:
         """``(weighted total, {name: raw score})``."""
@@ -145,6 +267,8 @@ class RewardScorer:
             return self._fallback(rf, sample_id, "error", f"returned {box['value']!r}, not a number")
         if not math.isfinite(value):
             return self._fallback(rf, sample_id, "error", f"returned {value}")
+        with self._lock:
+            self._in_a_row[rf.name] = 0
         return value
 
     def _fallback(self, rf: RewardFunction, sample_id: Any, kind: str, detail: str) -> float:
@@ -155,8 +279,16 @@ class RewardScorer:
                 self.errors += 1
             first = rf.name not in self._logged
             self._logged.add(rf.name)
+            in_a_row = self._in_a_row[rf.name] = self._in_a_row.get(rf.name, 0) + 1
+        what = "timed out" if kind == "timeout" else "failed"
+        limit = self.max_consecutive_failures
+        if limit is not None and in_a_row >= limit:
+            raise RewardFailuresExceeded(
+                f"reward function '{rf.name}' {what} on {in_a_row} calls in a row "
+                f"(rollout.max_consecutive_reward_failures = {limit}); last, on sample {sample_id}:\n{detail.strip()}"
+            )
         message = "reward function '%s' %s on sample %s; scoring %s (rollout.reward_fallback). Later ones are only counted.\n%s"
-        (log.warning if first else log.debug)(message, rf.name, "timed out" if kind == "timeout" else "failed", sample_id, self.fallback, detail)
+        (log.warning if first else log.debug)(message, rf.name, what, sample_id, self.fallback, detail)
         return self.fallback
 
     def metrics(self) -> dict[str, float]:
@@ -201,29 +333,14 @@ class SingleTurnWorkflow(RolloutWorkflow):
         system_prompt: Optional[str] = None,
         stop_token_ids: Optional[Sequence[int]] = None,
     ):
-        self.cfg = cfg
-        self.tokenizer = tokenizer
+        super().__init__(cfg, tokenizer)
         self.prompt_field = prompt_field
         self.system_prompt = system_prompt
         self.stop_token_ids = None if stop_token_ids is None else tuple(stop_token_ids)
         functions = build_reward_functions(cfg) if rewards is None else list(rewards)
         if not functions:
             raise ConfigError("rewards: SingleTurnWorkflow needs at least one reward function (rewards: [{fn: ...}])")
-        self.scorer = RewardScorer(functions, timeout_s=cfg.rollout.reward_timeout_s, fallback=cfg.rollout.reward_fallback)
-
-    def messages(self, sample: Mapping[str, Any]) -> tuple[list[dict[str, str]], str]:
-        """Chat messages of the sample and the prompt text given to reward functions."""
-        if "messages" in sample:
-            messages = list(sample["messages"])
-            prompt = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
-        else:
-            if self.prompt_field not in sample:
-                raise KeyError(f"sample has no field '{self.prompt_field}' (SingleTurnWorkflow prompt_field); fields: {sorted(sample)}")
-            prompt = str(sample[self.prompt_field])
-            messages = [{"role": "user", "content": prompt}]
-        if self.system_prompt:
-            messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        return messages, prompt
+        self._scorer = RewardScorer.from_config(functions, cfg)
 
     def run_episode(self, engine: InferenceEngine, sample: Mapping[str, Any]) -> Optional[TrajectoryGroup]:
         rollout = self.cfg.rollout
@@ -242,11 +359,10 @@ class SingleTurnWorkflow(RolloutWorkflow):
             sample_id=sample_id,
         )
         responses = engine.generate(request)
-        fields = {k: v for k, v in sample.items() if k not in (self.prompt_field, "messages", "prompt", "completion")}
         trajectories = []
         for i, response in enumerate(responses):
             completion = self.tokenizer.decode(list(response.output_ids), skip_special_tokens=True)
-            reward, components = self.scorer.score(prompt, completion, fields, sample_id)
+            reward, components = self.score(prompt, completion, sample)
             builder = TrajectoryBuilder().add_tokens(prompt_ids).add_generation(response)
             trajectories.append(
                 builder.build(
@@ -258,9 +374,6 @@ class SingleTurnWorkflow(RolloutWorkflow):
             )
         return TrajectoryGroup(trajectories=trajectories, metadata={"sample_id": sample_id, "prompt": prompt})
 
-    def metrics(self) -> dict[str, float]:
-        return self.scorer.metrics()
-
 
 def build_workflow(cfg: Config, tokenizer: Any) -> RolloutWorkflow:
     """The workflow of ``cfg.workflow``, built as ``Workflow(cfg, tokenizer, **kwargs)``."""
@@ -268,4 +381,12 @@ def build_workflow(cfg: Config, tokenizer: Any) -> RolloutWorkflow:
     workflow = factory(cfg, tokenizer)
     if not isinstance(workflow, RolloutWorkflow):
         raise ConfigError(f"workflow: {cfg.workflow!r} built a {type(workflow).__name__}, not a RolloutWorkflow subclass")
+    if "_scorer_lock" not in vars(workflow):
+        # Its __init__ skipped RolloutWorkflow.__init__: provide what SFT, eval and score() use,
+        # keeping anything the subclass set itself.
+        state = vars(workflow)
+        state.setdefault("cfg", cfg)
+        state.setdefault("tokenizer", tokenizer)
+        state.setdefault("_scorer", None)
+        state["_scorer_lock"] = threading.Lock()
     return workflow
