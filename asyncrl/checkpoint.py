@@ -465,10 +465,30 @@ def save_checkpoint(
         raise CheckpointError("save_checkpoint: config_yaml must be the YAML text of the resolved config")
 
     root = checkpoints_root(out_dir)
+    try:
+        final = _write_checkpoint(root, step, flats, state_text, config_yaml, rollout_state)
+        if keep is not None:
+            _prune(root, keep)
+            _stage("pruned")
+    except OSError as err:
+        # Disk full, an I/O error, a read-only file system: the write is abandoned (its temporary
+        # directory removed) and every complete checkpoint stays as it was.
+        raise CheckpointError(
+            f"cannot write the checkpoint of step {step} in {root}: [Errno {err.errno}] {err.strerror}"
+            f"{f': {err.filename}' if err.filename else ''} (the previous complete checkpoint is intact; free the "
+            "space or fix the device, then resume)"
+        ) from err
+    log.info("checkpoint of step %d written to %s", step, final)
+    return final
+
+
+def _write_checkpoint(root: Path, step: int, flats: dict, state_text: str, config_yaml: str,
+                      rollout_state: Optional[Mapping[str, Any]]) -> Path:
+    """Write ``step_<k>`` through a temporary directory (see the module docstring); returns it."""
     if not root.is_dir():
         root.mkdir(parents=True, exist_ok=True)
         _fsync_dir(root.parent)
-    remove_stale_writes(out_dir)
+    remove_stale_writes(root.parent)
     final = root / step_dir_name(step)
     tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -518,10 +538,6 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if keep is not None:
-        _prune(root, keep)
-        _stage("pruned")
-    log.info("checkpoint of step %d written to %s", step, final)
     return final
 
 

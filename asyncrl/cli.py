@@ -88,6 +88,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AsyncRLError as err:
         print(f"asyncrl: error: {err}", file=sys.stderr)
         return 1
+    except OSError as err:
+        print(f"asyncrl: error: {_describe_os_error(err)}", file=sys.stderr)
+        return 1
+
+
+def _describe_os_error(err: OSError) -> str:
+    """One line for an I/O failure (disk full, EIO, permissions): the path and the errno."""
+    if err.errno is None:
+        return str(err)
+    where = f" ({err.filename})" if err.filename else ""
+    return f"I/O error{where}: [Errno {err.errno}] {err.strerror}"
 
 
 def _dispatch(args: argparse.Namespace) -> int:
