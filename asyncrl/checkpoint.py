@@ -42,6 +42,9 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
+from pydantic import ValidationError
+
+from asyncrl.checkpoint_schema import Manifest
 from asyncrl.config import Config, load_config
 from asyncrl.errors import CheckpointError, ConfigError
 
@@ -375,6 +378,21 @@ def _write_bytes(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
+def _save_safetensors(flat: dict[str, np.ndarray], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.numpy.save_file``, whose I/O failures (a Rust error type) come back as the
+    ``OSError`` they are, errno included, so disk-full is reported like every other write."""
+    import safetensors.numpy
+
+    try:
+        safetensors.numpy.save_file(flat, path, metadata=metadata)
+    except Exception as err:
+        found = re.search(r"os error (\d+)", str(err))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from err
+
+
 def _stage(name: str) -> None:
     if _stage_hook is not None:
         _stage_hook(name)
@@ -494,11 +512,9 @@ def _write_checkpoint(root: Path, step: int, flats: dict, state_text: str, confi
     tmp.mkdir()
     try:
         files: dict[str, dict[str, Any]] = {}
-        import safetensors.numpy
-
         for name, flat in flats.items():
             path = tmp / f"{name}{ARRAYS_SUFFIX}"
-            safetensors.numpy.save_file(flat, path, metadata={"asyncrl_tree": name, "asyncrl_step": str(step)})
+            _save_safetensors(flat, path, {"asyncrl_tree": name, "asyncrl_step": str(step)})
             files[path.name] = _fsync_and_describe(path)
             _stage(path.name)
         for filename, text in ((STATE_FILE, state_text + "\n"), (CONFIG_FILE, config_yaml)):
@@ -580,6 +596,11 @@ def _read_manifest(path: Path) -> tuple[Optional[dict], Optional[str]]:
     missing = sorted(required - set(manifest["files"]))
     if missing:
         return None, f"{MANIFEST_FILE} does not list {', '.join(missing)}"
+    try:
+        Manifest.model_validate_json(json.dumps(manifest))  # every field of the right type, no unknown ones
+    except ValidationError as err:
+        first = err.errors()[0]
+        return None, f"{MANIFEST_FILE}: field {'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
     return manifest, None
 
 
