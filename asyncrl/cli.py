@@ -17,6 +17,7 @@ from asyncrl import __version__
 from asyncrl.errors import AsyncRLError, ConfigError
 
 EXIT_CONFIG_ERROR = 2
+EXIT_SIGINT = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +81,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _dispatch(args)
+    except KeyboardInterrupt:
+        # SIGINT before the run's own handler is installed (imports, config, model loading):
+        # nothing was trained or checkpointed; exit like a shell does, without a traceback.
+        print("asyncrl: interrupted (SIGINT) outside the training steps (start-up or export); checkpoints already "
+              "written are intact", file=sys.stderr)
+        return EXIT_SIGINT
     except ConfigError as err:
         print("asyncrl: config error:", file=sys.stderr)
         for line in err.problems:

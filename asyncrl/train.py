@@ -85,6 +85,81 @@ def build_task_and_workflow(cfg: Config, tokenizer: Any) -> tuple[Config, Any, A
     return cfg, task, build_workflow(cfg, tokenizer)
 
 
+PROMPT_CHECK_SAMPLES = 2000
+"""At most this many train prompts (evenly spaced over the split) are tokenized at start-up."""
+
+
+def preflight(cfg: Config, tokenizer: Any) -> list[tuple[Config, Any, Any]]:
+    """Build and check every stage's dataset, rewards and workflow before the first step of the
+    first stage, so a later stage's bad input is reported before anything trains. Returns
+    ``(stage config, task, workflow)`` per stage; errors name the stage and the field."""
+    from asyncrl.data import DataError
+
+    parts = []
+    for index, (stage, scfg) in enumerate(cfg.stage_configs()):
+        where = f"stages.{index} ({stage.name}): " if cfg.stages else ""
+        try:
+            built = build_task_and_workflow(scfg, tokenizer)
+        except AsyncRLError as err:
+            raise _in_stage(err, where) from None
+        except ValueError as err:  # a component's own argument check (UnicodeDecodeError included)
+            raise DataError(f"{where}data.dataset ({_target(scfg.data.dataset)}): {err}") from None
+        except TypeError as err:
+            raise DataError(f"{where}{err}") from None
+        if len(built[1].train) == 0:
+            raise DataError(f"{where}data.dataset ({_target(scfg.data.dataset)}): the train split is empty")
+        if stage.type == "rl":
+            _check_prompts_fit(built[0], built[1].train, built[2], tokenizer, where)
+        parts.append(built)
+    return parts
+
+
+def _in_stage(err: AsyncRLError, where: str) -> AsyncRLError:
+    from asyncrl.errors import ConfigError
+
+    if not where:
+        return err
+    if isinstance(err, ConfigError):
+        return ConfigError([where + err.problems[0], *err.problems[1:]])
+    return AsyncRLError(f"{where}{err}")
+
+
+def _target(spec: Any) -> str:
+    return spec if isinstance(spec, str) else getattr(spec, "target", str(spec))
+
+
+def _check_prompts_fit(scfg: Config, train: Any, workflow: Any, tokenizer: Any, where: str) -> None:
+    """Fail at start-up, with the counts, when no train prompt fits ``data.max_prompt_tokens``
+    (each would be dropped and the first batch would wait for its timeout). Checks workflows
+    that say how they render a prompt (``messages(sample)``, like the single-turn one)."""
+    from asyncrl.data import DataError
+    from asyncrl.rollout.workflow import _token_ids
+
+    if not callable(getattr(workflow, "messages", None)):
+        return
+    limit = scfg.data.max_prompt_tokens
+    checked = sorted({int(i) for i in np.linspace(0, len(train) - 1, min(len(train), PROMPT_CHECK_SAMPLES))})
+    lengths = []
+    for position in checked:
+        try:
+            messages, _ = workflow.messages(train[position])
+        except (KeyError, ValueError, TypeError) as err:
+            raise DataError(f"{where}data.dataset: train sample {position}: {err}") from None
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        lengths.append(len(_token_ids(ids)))
+    fit = sum(length <= limit for length in lengths)
+    if fit == 0:
+        raise DataError(
+            f"{where}data.dataset ({_target(scfg.data.dataset)}): no usable prompt: 0 of {len(lengths)} train prompts "
+            f"checked (of {len(train)}) fit data.max_prompt_tokens = {limit} (the shortest has {min(lengths)} tokens, "
+            "chat template included); raise data.max_prompt_tokens (with engine.kv_capacity and "
+            "engine.prefill_buckets) or shorten the prompts"
+        )
+    if fit < len(lengths):
+        log.info("%sdata.dataset: %d of %d train prompts checked are longer than data.max_prompt_tokens = %d and "
+                    "will be dropped (dropped:prompt_too_long)", where, len(lengths) - fit, len(lengths), limit)
+
+
 RUN_LOGS = ("metrics.jsonl", "trajectories.jsonl")
 
 
@@ -106,6 +181,16 @@ def _prepare_output_dir(cfg: Config, resume_step: Optional[int]) -> Path:
     for name in RUN_LOGS:
         (out / name).unlink(missing_ok=True)
     return out
+
+
+def _check_output_dir_path(cfg: Config) -> None:
+    """``run.output_dir`` (or a directory above it) must not be an existing file."""
+    out = cfg.run.resolved_output_dir
+    for path in (out, *out.parents):
+        if path.exists() and not path.is_dir():
+            what = f"run.output_dir {out}" if path == out else f"{path} (a parent of run.output_dir {out})"
+            raise RunDirError(f"{what} is an existing file, not a directory: choose another run.output_dir "
+                              f"(or run.name) or move the file")
 
 
 def _truncate_log(path: Path, last_step: int) -> None:
@@ -233,6 +318,8 @@ class _Run:
         self.generated_before = self.engine_counter_base.get("engine/decode_tokens", 0.0)
         self.last_checkpoint: Optional[Path] = None
         self.last_checkpoint_version = -1
+        self.parts: list[tuple[Config, Any, Any]] = []
+        """Per stage: its config (rewards defaulted), its task data and its workflow (:func:`preflight`)."""
 
     # ------------------------------------------------------------------ shared pieces
 
@@ -366,7 +453,7 @@ class _Run:
         from asyncrl.data import SampleOrder
         from asyncrl.rollout.executor import BatchAbandoned, WorkflowExecutor
 
-        scfg, task, workflow = build_task_and_workflow(scfg, self.loaded.tokenizer)
+        scfg, task, workflow = self.parts[index]
         engine = self.ensure_engine(trainer, scfg)
         executor = WorkflowExecutor(
             workflow, engine, SampleOrder(task.train, scfg.run.seed), scfg, version=self.version,
@@ -426,7 +513,7 @@ class _Run:
         the next stage's engine see exactly these weights."""
         from asyncrl.sft import SFTData, eval_loss
 
-        scfg, task, workflow = build_task_and_workflow(scfg, self.loaded.tokenizer)
+        scfg, task, workflow = self.parts[index]
         self.ensure_engine(trainer, scfg)
         eos = self.loaded.stop_token_ids[0] if self.loaded.stop_token_ids else None
         data = SFTData.for_task(task, workflow, scfg, eos_token_id=eos, row_multiple=trainer.row_multiple)
@@ -529,6 +616,7 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
     from asyncrl.shutdown import ShutdownGuard
 
     started = time.monotonic()
+    _check_output_dir_path(cfg)
     resumed = resume_checkpoint(cfg)
     _check_resumed_state(resumed, cfg)
     out = _prepare_output_dir(cfg, resumed.step if resumed is not None else None)
@@ -539,6 +627,7 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
         params = resumed.arrays["params"] if resumed is not None else run.params
         try:
             _check_resumed_params(run)
+            run.parts = preflight(cfg, run.loaded.tokenizer)
             for index, (stage, scfg) in enumerate(cfg.stage_configs()):
                 if index < start_stage:
                     continue

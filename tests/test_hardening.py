@@ -309,3 +309,101 @@ def test_process_metrics_are_logged_every_step(trained_run):
     import jax
 
     assert ("perf/device_mem_gb" in trained[0]) == bool(jax.devices()[0].memory_stats())
+
+
+# --------------------------------------------------------------------------- bad input, refused at start-up (item 3)
+
+
+def start_in(tmp_path: Path, monkeypatch, raw: dict) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return write_yaml(tmp_path / "config.yaml", raw)
+
+
+def assert_nothing_trained(home: Path) -> None:
+    run = home / "run"
+    assert not (run / "checkpoints").exists()
+    assert not (run / "metrics.jsonl").exists() or not [r for r in rows(run) if "loss/total" in r]
+
+
+def test_a_config_file_that_is_not_utf8_names_the_file_and_line(tmp_path, capsys):
+    config = tmp_path / "config.yaml"
+    config.write_bytes(b"run:\n  name: caf\xe9\n")
+    assert cli.main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"{config}:2: not UTF-8 text (byte 0xe9" in err and "Traceback" not in err, err
+
+
+def test_a_binary_dataset_file_names_the_file_and_line(tmp_path, monkeypatch, capsys):
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(b'{"prompt": "a", "answer": "1"}\n\x89PNG\r\n\x1a\n\x00\x00')
+    config = start_in(tmp_path, monkeypatch, {**TINY, "data": {"dataset": {"target": "jsonl", "kwargs": {
+        "path": str(data), "eval_size": 0}}}})
+    assert cli.main(["train", str(config)]) == 1
+    assert f"{data}:2: not UTF-8 text" in one_line_error(capsys)
+
+
+def test_an_output_dir_that_is_a_file_is_one_line(tmp_path, monkeypatch, capsys):
+    config = start_in(tmp_path, monkeypatch, TINY)
+    (tmp_path / "run").write_text("not a directory")
+    assert cli.main(["train", str(config)]) == 1
+    line = one_line_error(capsys)
+    assert "run.output_dir run is an existing file" in line, line
+
+
+def test_a_later_stage_bad_dataset_is_found_before_the_first_step(tmp_path, monkeypatch, capsys):
+    missing = tmp_path / "missing.jsonl"
+    raw = {**STAGED, "stages": [STAGED["stages"][0], {**STAGED["stages"][1], "data": {
+        "dataset": {"target": "jsonl", "kwargs": {"path": str(missing)}}}}]}
+    config = start_in(tmp_path, monkeypatch, raw)
+    assert cli.main(["train", str(config)]) == 1
+    line = one_line_error(capsys)
+    assert line == f"asyncrl: error: stages.1 (rl): {missing}: no such data file", line
+    assert_nothing_trained(tmp_path)
+
+
+def test_a_stage_that_changes_the_dataset_target_takes_only_its_own_kwargs(tmp_path):
+    raw = {**STAGED, "data": {"dataset": {"target": "copy", "kwargs": {"train_size": 64}}},
+           "stages": [STAGED["stages"][0], {**STAGED["stages"][1], "data": {
+               "dataset": {"target": "jsonl", "kwargs": {"path": "x.jsonl"}}}}]}
+    cfg = load_config(data=raw)
+    assert cfg.stage_config(1).data.dataset.model_dump() == {"target": "jsonl", "kwargs": {"path": "x.jsonl"}}
+    # the same target keeps merging kwargs
+    raw["stages"][1]["data"] = {"dataset": {"target": "copy", "kwargs": {"eval_size": 8}}}
+    merged = load_config(data=raw).stage_config(1).data.dataset.kwargs
+    assert merged == {"train_size": 64, "eval_size": 8}
+
+
+def test_a_negative_dataset_size_names_the_field(tmp_path, monkeypatch, capsys):
+    config = start_in(tmp_path, monkeypatch, {**TINY, "data": {"dataset": {"target": "copy", "kwargs": {
+        "train_size": -5}}}})
+    assert cli.main(["train", str(config)]) == 1
+    line = one_line_error(capsys)
+    assert line == "asyncrl: error: data.dataset (copy): train_size must be >= 1 (given -5)", line
+
+
+def test_a_dataset_without_a_usable_prompt_fails_at_start_up_with_the_counts(tmp_path, monkeypatch, capsys):
+    config = start_in(tmp_path, monkeypatch, {**TINY, "data": {"dataset": {"target": "copy", "kwargs": {
+        "train_size": 300}}, "max_prompt_tokens": 3}, "rollout": {**TINY["rollout"], "batch_timeout_s": 20}})
+    assert cli.main(["train", str(config)]) == 1
+    line = one_line_error(capsys)
+    assert "data.dataset (copy): no usable prompt: 0 of 300 train prompts checked (of 300) fit " \
+           "data.max_prompt_tokens = 3" in line, line
+    assert_nothing_trained(tmp_path)
+
+
+def test_sigint_during_start_up_exits_130_with_one_line(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import REPO_ROOT, subprocess_env
+
+    config = write_yaml(tmp_path / "config.yaml", {**TINY, "run": {**TINY["run"], "output_dir": str(tmp_path / "run")}})
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", str(config)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=REPO_ROOT)
+    time.sleep(0.5)  # inside the imports (jax, the model), before the run's signal handler exists
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.startswith("asyncrl:")]
+    assert proc.returncode == 130 and "Traceback" not in err and len(lines) == 1, err
