@@ -115,14 +115,17 @@ def main() -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", str(config), "--set", "run.overwrite=true"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        seen = watch(proc, out / "metrics.jsonl", args.from_step, args.steps, args.poll)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    stderr = proc.stderr.read() if proc.stderr else ""
+    console = out.parent / f"{out.name}-console.log"  # a file, not a pipe nobody reads while it runs
+    with console.open("w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", str(config), "--set",
+                                 "run.overwrite=true"], stdout=sink, stderr=subprocess.STDOUT, env=env)
+        try:
+            seen = watch(proc, out / "metrics.jsonl", args.from_step, args.steps, args.poll)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    stderr = console.read_text(errors="replace")
     wall = time.monotonic() - started
     at_from, last = seen["at_from"] or {}, seen["last"] or {}
     first_row, last_row = row_at(out / "metrics.jsonl", args.from_step), row_at(out / "metrics.jsonl", args.steps)
