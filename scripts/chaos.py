@@ -21,8 +21,11 @@ The run's own records are then checked:
   dumped trajectories (every step's groups are dumped: ``logging.dump_every_steps=1``), no
   sample id trained at two steps;
 * ``weights_equal``: with ``rollout.max_staleness: 0`` the config is also run once without
-  interruption and the final weights must be equal to the bit (null for asynchronous runs,
-  whose batches depend on timing).
+  interruption (alongside the drill) and the final weights must be equal to the bit (null
+  for asynchronous runs, whose batches depend on timing).
+
+The runs share a JAX persistent compilation cache (``--compile-cache``, default beside
+``--out``), so a restart costs start-up, not compilation.
 
 Exit status 0 when everything holds. docs/checkpoints.md: "A preemption drill".
 """
@@ -120,12 +123,23 @@ def tmp_dirs(root: Path) -> set[str]:
         return set()
 
 
+def child_env(args: argparse.Namespace) -> dict[str, str]:
+    """The runs' environment: this checkout importable, and JAX's persistent compilation cache
+    on (``--compile-cache``; a variable already set wins), so a restart does not recompile."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    if args.compile_cache:
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(args.compile_cache).resolve()))
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    return env
+
+
 def run_until_done(args: argparse.Namespace, config: Path, out: Path, overrides: list[str], kills: int,
                    rng: random.Random) -> dict[str, Any]:
     """Launch, kill ``kills`` times, resume to the end; returns the counts."""
     launch = shlex.split(args.launch)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = child_env(args)
     counts = {"kills": 0, "sigkill": 0, "sigterm": 0, "kills_in_checkpoint_write": 0, "resumes": 0}
     errors: list[str] = []
     attempt_index = 0
@@ -230,6 +244,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default="runs/chaos", help="directory for the runs (replaced)")
     parser.add_argument("--max-delay", type=float, default=2.0, help="most seconds between progress and a kill")
     parser.add_argument("--timeout", type=float, default=1800.0, help="most seconds one attempt may take")
+    parser.add_argument("--compile-cache", default=None,
+                        help="JAX persistent compilation cache for the runs (default: <out>/jax-cache; '' for none)")
     args = parser.parse_args(argv)
 
     from asyncrl.config import load_config
@@ -239,13 +255,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = load_config(args.config, overrides)
     overrides.append(f"logging.dump_groups={cfg.rollout.batch_size}")
     root = Path(args.out)
+    if args.compile_cache is None:
+        args.compile_cache = str(root.parent / f"{root.name}-jax-cache")
     import shutil
 
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     started = time.monotonic()
+    synchronous = all(s.rollout.max_staleness == 0 for _, s in cfg.stage_configs())
+    reference: dict[str, Any] = {"errors": []}
+    # The uninterrupted run goes alongside the drill (its own process, its own directory).
+    ref_thread = threading.Thread(target=lambda: reference.update(run_until_done(
+        args, Path(args.config), root / "reference", overrides, 0, random.Random(0))), daemon=True)
+    if synchronous:
+        ref_thread.start()
     counts = run_until_done(args, Path(args.config), root / "chaos", overrides, args.kills, rng)
-    result: dict[str, Any] = {"config": args.config, **{k: v for k, v in counts.items() if k != "errors"}}
+    if synchronous:
+        ref_thread.join()
+        counts["errors"] += reference["errors"]
+    result: dict[str, Any] = {"config": args.config, "overrides": args.overrides,
+                              **{k: v for k, v in counts.items() if k != "errors"}}
     if not counts["errors"]:
         steps = trained_steps(root / "chaos")
         expected = set(range(1, cfg.total_steps + 1))
@@ -253,11 +282,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         result["steps_missing"] = len(expected - set(steps))
         result["steps_duplicated"] = len(steps) - len(set(steps))
         result.update(sample_accounting(root / "chaos", cfg))
-        result["weights_equal"] = None
-        if cfg.rollout.max_staleness == 0 and all(s.rollout.max_staleness == 0 for _, s in cfg.stage_configs()):
-            reference = run_until_done(args, Path(args.config), root / "reference", overrides, 0, rng)
-            counts["errors"] += reference["errors"]
-            result["weights_equal"] = not reference["errors"] and weights_equal(root / "chaos", root / "reference")
+        result["weights_equal"] = weights_equal(root / "chaos", root / "reference") if synchronous else None
     result["wall_s"] = round(time.monotonic() - started, 1)
     result["errors"] = counts["errors"]
     print(json.dumps(result))
