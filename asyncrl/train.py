@@ -77,7 +77,12 @@ def build_task_and_workflow(cfg: Config, tokenizer: Any) -> tuple[Config, Any, A
     from asyncrl.rollout.workflow import build_workflow
 
     factory = resolve("dataset", cfg.data.dataset, where="data.dataset")
-    task = factory(seed=cfg.run.seed)
+    try:
+        task = factory(seed=cfg.run.seed)
+    except ValueError as err:  # the dataset's own checks (a negative size; UnicodeDecodeError is one too)
+        from asyncrl.data import DataError
+
+        raise DataError(f"data.dataset ({_target(cfg.data.dataset)}): {err}") from None
     if not cfg.rewards:
         if task.reward is None:
             raise AsyncRLError("rewards: the config names no reward function and data.dataset has no default one")
@@ -102,10 +107,6 @@ def preflight(cfg: Config, tokenizer: Any) -> list[tuple[Config, Any, Any]]:
             built = build_task_and_workflow(scfg, tokenizer)
         except AsyncRLError as err:
             raise _in_stage(err, where) from None
-        except ValueError as err:  # a component's own argument check (UnicodeDecodeError included)
-            raise DataError(f"{where}data.dataset ({_target(scfg.data.dataset)}): {err}") from None
-        except TypeError as err:
-            raise DataError(f"{where}{err}") from None
         if len(built[1].train) == 0:
             raise DataError(f"{where}data.dataset ({_target(scfg.data.dataset)}): the train split is empty")
         if stage.type == "rl":
@@ -157,7 +158,7 @@ def _check_prompts_fit(scfg: Config, train: Any, workflow: Any, tokenizer: Any, 
         )
     if fit < len(lengths):
         log.info("%sdata.dataset: %d of %d train prompts checked are longer than data.max_prompt_tokens = %d and "
-                    "will be dropped (dropped:prompt_too_long)", where, len(lengths) - fit, len(lengths), limit)
+                 "will be dropped (dropped:prompt_too_long)", where, len(lengths) - fit, len(lengths), limit)
 
 
 RUN_LOGS = ("metrics.jsonl", "trajectories.jsonl")
