@@ -55,6 +55,8 @@ def proc_status(pid: int) -> Optional[dict[str, int]]:
     except OSError:
         return None
     fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    if "VmRSS" not in fields:  # a process that has exited (a zombie) has no memory
+        return None
     return {"rss_kb": int(fields["VmRSS"].split()[0]), "threads": int(fields["Threads"].split()[0])}
 
 
