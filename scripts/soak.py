@@ -8,7 +8,10 @@ Prints::
     {"steps": 2000, "rss_mb_at_200": ..., "rss_mb_at_end": ..., "rss_growth_pct": ...,
      "threads_min": ..., "threads_max": ..., "wall_s": ..., "exit_code": 0, ...}
 
-where the thread range covers every sample taken from step ``--from-step`` (default 200) on,
+where the thread range covers every sample taken from step ``--from-step`` (default 200) on
+(also split into the first and the second half of those steps: the count moves with the
+number of episodes in flight, at most ``rollout.max_concurrent`` threads plus one per
+running reward call, and a leak would raise the second half's range),
 and the run's own ``perf/host_rss_gb`` and ``perf/threads`` (in ``metrics.jsonl``) at the
 same two steps are quoted beside the outside measurement. The acceptance of issue 21 is
 RSS growth under 5% between step 200 and the end, and a constant thread count.
@@ -95,11 +98,16 @@ def watch(proc: subprocess.Popen, metrics: Path, from_step: int, to_step: int, p
             sample = {**status, "step": step}
             if step >= from_step and last is None:
                 at_from = at_from or sample
-                threads.append(status["threads"])
+                threads.append((step, status["threads"]))
             if step >= to_step:
                 last = last or sample
         time.sleep(poll_s)
     return {"at_from": at_from, "last": last, "threads": threads}
+
+
+def thread_range(samples: list[tuple[int, int]], start: int, stop: int) -> Optional[list[int]]:
+    counts = [n for step, n in samples if start <= step < stop]
+    return [min(counts), max(counts)] if counts else None
 
 
 def main() -> None:
@@ -131,6 +139,7 @@ def main() -> None:
     wall = time.monotonic() - started
     at_from, last = seen["at_from"] or {}, seen["last"] or {}
     first_row, last_row = row_at(out / "metrics.jsonl", args.from_step), row_at(out / "metrics.jsonl", args.steps)
+    middle = (args.from_step + args.steps) // 2
     rss_from, rss_end = at_from.get("rss_kb", 0) / 1024, last.get("rss_kb", 0) / 1024
     result = {
         "steps": last_step(out / "metrics.jsonl"),
@@ -139,8 +148,11 @@ def main() -> None:
         "rss_mb_at_end": round(rss_end, 1),
         "rss_end_step_sampled": last.get("step"),
         "rss_growth_pct": round(100 * (rss_end - rss_from) / rss_from, 2) if rss_from else None,
-        "threads_min": min(seen["threads"], default=None),
-        "threads_max": max(seen["threads"], default=None),
+        "threads_min": min((n for _, n in seen["threads"]), default=None),
+        "threads_max": max((n for _, n in seen["threads"]), default=None),
+        # the range in the first and the second half of the measured steps: a leak raises the second
+        "threads_first_half": thread_range(seen["threads"], args.from_step, middle),
+        "threads_second_half": thread_range(seen["threads"], middle, args.steps + 1),
         "logged_host_rss_gb": [first_row.get("perf/host_rss_gb"), last_row.get("perf/host_rss_gb")],
         "logged_threads": [first_row.get("perf/threads"), last_row.get("perf/threads")],
         "wall_s": round(wall, 1),
