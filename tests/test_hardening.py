@@ -436,3 +436,16 @@ def test_chaos_drill_on_tiny_loses_nothing_and_matches_the_uninterrupted_weights
     assert result["steps"] == 5 and result["steps_missing"] == result["steps_duplicated"] == 0, result
     assert result["samples_lost"] == result["samples_trained_twice"] == 0 and result["samples_trained"] == 5 * 2
     assert result["weights_equal"] is True, result
+
+
+def test_a_run_that_ends_short_of_its_steps_never_counts_as_finished():
+    """Item 2's last rule, as a unit: whatever skipped steps, ending short is an error."""
+    from types import SimpleNamespace
+
+    from asyncrl.errors import AsyncRLError
+    from asyncrl.train import _check_all_steps_ran
+
+    cfg = load_config(data=STAGED)
+    _check_all_steps_ran(SimpleNamespace(version=5, resumed=None), cfg)
+    with pytest.raises(AsyncRLError, match="stopped at step 3 of 5 without an error"):
+        _check_all_steps_ran(SimpleNamespace(version=3, resumed=None), cfg)
