@@ -184,11 +184,12 @@ def run_until_done(args: argparse.Namespace, config: Path, out: Path, overrides:
 
 
 def trained_steps(out: Path) -> list[int]:
-    """Steps of the trained rows of metrics.jsonl (rows with a loss; eval-only rows excluded)."""
+    """Steps of the trained rows of metrics.jsonl (rows with a loss: ``loss/total`` of an RL
+    step, ``loss/sft`` of an SFT step; eval-only rows excluded)."""
     steps = []
     for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
-        if "loss/total" in row:
+        if any(name.startswith("loss/") for name in row):
             steps.append(int(row["step"]))
     return steps
 
