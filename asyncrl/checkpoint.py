@@ -42,6 +42,9 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
+from pydantic import ValidationError
+
+from asyncrl.checkpoint_schema import Manifest
 from asyncrl.config import Config, load_config
 from asyncrl.errors import CheckpointError, ConfigError
 
@@ -375,6 +378,21 @@ def _write_bytes(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
+def _save_safetensors(flat: dict[str, np.ndarray], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.numpy.save_file``, whose I/O failures (a Rust error type) come back as the
+    ``OSError`` they are, errno included, so disk-full is reported like every other write."""
+    import safetensors.numpy
+
+    try:
+        safetensors.numpy.save_file(flat, path, metadata=metadata)
+    except Exception as err:
+        found = re.search(r"os error (\d+)", str(err))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from err
+
+
 def _stage(name: str) -> None:
     if _stage_hook is not None:
         _stage_hook(name)
@@ -465,20 +483,38 @@ def save_checkpoint(
         raise CheckpointError("save_checkpoint: config_yaml must be the YAML text of the resolved config")
 
     root = checkpoints_root(out_dir)
+    try:
+        final = _write_checkpoint(root, step, flats, state_text, config_yaml, rollout_state)
+        if keep is not None:
+            _prune(root, keep)
+            _stage("pruned")
+    except OSError as err:
+        # Disk full, an I/O error, a read-only file system: the write is abandoned (its temporary
+        # directory removed) and every complete checkpoint stays as it was.
+        raise CheckpointError(
+            f"cannot write the checkpoint of step {step} in {root}: [Errno {err.errno}] {err.strerror}"
+            f"{f': {err.filename}' if err.filename else ''} (the previous complete checkpoint is intact; free the "
+            "space or fix the device, then resume)"
+        ) from err
+    log.info("checkpoint of step %d written to %s", step, final)
+    return final
+
+
+def _write_checkpoint(root: Path, step: int, flats: dict, state_text: str, config_yaml: str,
+                      rollout_state: Optional[Mapping[str, Any]]) -> Path:
+    """Write ``step_<k>`` through a temporary directory (see the module docstring); returns it."""
     if not root.is_dir():
         root.mkdir(parents=True, exist_ok=True)
         _fsync_dir(root.parent)
-    remove_stale_writes(out_dir)
+    remove_stale_writes(root.parent)
     final = root / step_dir_name(step)
     tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         files: dict[str, dict[str, Any]] = {}
-        import safetensors.numpy
-
         for name, flat in flats.items():
             path = tmp / f"{name}{ARRAYS_SUFFIX}"
-            safetensors.numpy.save_file(flat, path, metadata={"asyncrl_tree": name, "asyncrl_step": str(step)})
+            _save_safetensors(flat, path, {"asyncrl_tree": name, "asyncrl_step": str(step)})
             files[path.name] = _fsync_and_describe(path)
             _stage(path.name)
         for filename, text in ((STATE_FILE, state_text + "\n"), (CONFIG_FILE, config_yaml)):
@@ -518,10 +554,6 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if keep is not None:
-        _prune(root, keep)
-        _stage("pruned")
-    log.info("checkpoint of step %d written to %s", step, final)
     return final
 
 
@@ -564,6 +596,11 @@ def _read_manifest(path: Path) -> tuple[Optional[dict], Optional[str]]:
     missing = sorted(required - set(manifest["files"]))
     if missing:
         return None, f"{MANIFEST_FILE} does not list {', '.join(missing)}"
+    try:
+        Manifest.model_validate_json(json.dumps(manifest))  # every field of the right type, no unknown ones
+    except ValidationError as err:
+        first = err.errors()[0]
+        return None, f"{MANIFEST_FILE}: field {'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
     return manifest, None
 
 

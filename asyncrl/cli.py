@@ -22,6 +22,7 @@ from asyncrl import __version__
 from asyncrl.errors import AsyncRLError, ConfigError
 
 EXIT_CONFIG_ERROR = 2
+EXIT_SIGINT = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +86,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _dispatch(args)
+    except KeyboardInterrupt:
+        # SIGINT before the run's own handler is installed (imports, config, model loading):
+        # nothing was trained or checkpointed; exit like a shell does, without a traceback.
+        print("asyncrl: interrupted (SIGINT) outside the training steps (start-up or export); checkpoints already "
+              "written are intact", file=sys.stderr)
+        return EXIT_SIGINT
     except ConfigError as err:
         print("asyncrl: config error:", file=sys.stderr)
         for line in err.problems:
@@ -93,6 +100,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AsyncRLError as err:
         print(f"asyncrl: error: {err}", file=sys.stderr)
         return 1
+    except OSError as err:
+        print(f"asyncrl: error: {_describe_os_error(err)}", file=sys.stderr)
+        return 1
+
+
+def _describe_os_error(err: OSError) -> str:
+    """One line for an I/O failure (disk full, EIO, permissions): the path and the errno."""
+    if err.errno is None:
+        return str(err)
+    where = f" ({err.filename})" if err.filename else ""
+    return f"I/O error{where}: [Errno {err.errno}] {err.strerror}"
 
 
 def _dispatch(args: argparse.Namespace) -> int:

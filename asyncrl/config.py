@@ -525,6 +525,11 @@ GROUP_NORMALISED_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
 
 def _deep_merge(base: dict, override: dict) -> dict:
+    """``override`` on top of ``base``, dict by dict. A component (``{target, kwargs}``) whose
+    ``target`` changes is replaced whole: the new component takes only the kwargs given with it
+    (another dataset must not inherit the base dataset's ``train_size``)."""
+    if "target" in override and "target" in base and override["target"] != base["target"]:
+        return dict(override)
     merged = dict(base)
     for key, value in override.items():
         merged[key] = _deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
@@ -569,7 +574,7 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file")
     try:
-        loaded = yaml.safe_load(path.read_text())
+        loaded = yaml.safe_load(read_utf8(path, ConfigError))
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -580,6 +585,18 @@ def read_yaml(path: str | Path) -> dict:
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
     return loaded
+
+
+def read_utf8(path: Path, error: type[Exception]) -> str:
+    """A text file's contents; a file that is not UTF-8 (or is binary) raises ``error`` naming
+    the file, the line and the byte offset."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise error(f"{path}:{line}: not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start}); "
+                    "save the file as UTF-8") from None
 
 
 def validate_config(raw: dict, source: str | None = None) -> Config:

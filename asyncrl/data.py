@@ -99,21 +99,22 @@ def read_jsonl(path: str | Path, required: Sequence[str] = ()) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such data file")
+    from asyncrl.config import read_utf8
+
     records = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{number}: not valid JSON: {err.msg}") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-            for name in required:
-                if name not in record:
-                    raise DataError(f"{path}:{number}: missing field '{name}' (fields: {', '.join(record) or 'none'})")
-            records.append(record)
+    for number, line in enumerate(read_utf8(path, DataError).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{number}: not valid JSON: {err.msg}") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        for name in required:
+            if name not in record:
+                raise DataError(f"{path}:{number}: missing field '{name}' (fields: {', '.join(record) or 'none'})")
+        records.append(record)
     if not records:
         raise DataError(f"{path}: no records")
     return records

@@ -10,7 +10,9 @@ console. Recording is thread-safe (rollout threads record too).
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Iterable, Iterator, Protocol
 
 import numpy as np
+
+_log = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
@@ -102,22 +106,81 @@ def _reduce(values: list[float], how: str) -> float:
     return float(sum(values) / len(values))
 
 
+class LogAppender:
+    """Appends whole lines to a run log and survives I/O errors (disk full, EIO).
+
+    Each call is one ``os.write`` of complete lines to an ``O_APPEND`` descriptor, so rows of
+    different calls never interleave. A failed write loses those lines (the checkpoint, not
+    the log, is the source of truth): it logs one warning naming the path and the errno when
+    writes start failing, and the run goes on; the next write that succeeds first ends any
+    line the failure left half-written (a resume skips such a line) and says how many calls
+    were lost.
+    """
+
+    def __init__(self, path: str | Path, *, create: bool = True):
+        """``create=False``: the file is created by the first append (none if nothing is logged)."""
+        self.path = Path(path)
+        self._fd = -1
+        self._failed_writes = 0
+        self._lock = threading.Lock()
+        if create:
+            self._open()
+
+    def _open(self) -> None:
+        if self._fd < 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def append(self, text: str) -> bool:
+        """Append ``text`` (whole lines); False if it could not be written (warned)."""
+        data = text.encode("utf-8")
+        with self._lock:
+            if self._failed_writes:
+                data = b"\n" + data  # end a line the failed write may have torn
+            try:
+                self._open()
+                _write_all(self._fd, data)
+            except OSError as err:
+                if not self._failed_writes:
+                    _log.warning("cannot write to %s: [Errno %s] %s; these log lines are lost and the run goes on "
+                                 "(the checkpoints are unaffected)", self.path, err.errno, err.strerror)
+                self._failed_writes += 1
+                return False
+            if self._failed_writes:
+                _log.warning("writing to %s works again; %d write(s) were lost", self.path, self._failed_writes)
+                self._failed_writes = 0
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
 class JsonlSink:
-    """``metrics.jsonl``: one JSON object per step (``step`` plus every metric), flushed per line."""
+    """``metrics.jsonl``: one JSON object per step (``step`` plus every metric), written per line.
+
+    A write that fails (disk full, I/O error) is warned about and skipped: see :class:`LogAppender`."""
 
     def __init__(self, path: str | Path, extra: dict | None = None):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._handle = self.path.open("a", encoding="utf-8")
+        self._appender = LogAppender(self.path)
         self.tags = dict(extra or {})
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **self.tags, **{k: (v if math.isfinite(v) else None) for k, v in metrics.items()}}
-        self._handle.write(json.dumps(record) + "\n")
-        self._handle.flush()
+        self._appender.append(json.dumps(record) + "\n")
 
     def close(self) -> None:
-        self._handle.close()
+        self._appender.close()
 
 
 class TensorBoardSink:
@@ -126,12 +189,16 @@ class TensorBoardSink:
     def __init__(self, logdir: str | Path):
         from tensorboardX import SummaryWriter
 
+        self._logdir = logdir
         self._writer = SummaryWriter(logdir=str(logdir))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        for name, value in metrics.items():
-            self._writer.add_scalar(name, value, global_step=step)
-        self._writer.flush()
+        try:
+            for name, value in metrics.items():
+                self._writer.add_scalar(name, value, global_step=step)
+            self._writer.flush()
+        except OSError as err:  # disk full or I/O error: the event file is a log, the run goes on
+            _log.warning("cannot write TensorBoard events to %s: [Errno %s] %s", self._logdir, err.errno, err.strerror)
 
     def close(self) -> None:
         self._writer.close()
@@ -217,3 +284,47 @@ def read_tensorboard_scalars(logdir: str | Path) -> dict[str, list[tuple[int, fl
                 if value.HasField("simple_value"):
                     scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
+
+
+def process_metrics(device: object = None) -> dict[str, float]:
+    """Resource use of this process, logged every step so leaks show in the curves:
+
+    * ``perf/host_rss_gb``: resident host memory (``VmRSS`` of /proc/self/status; elsewhere
+      the peak RSS from ``getrusage``, the best a portable call gives);
+    * ``perf/threads``: live OS threads (``Threads`` of /proc/self/status: XLA's and the
+      libraries' native threads too), or Python's ``threading.active_count()`` elsewhere;
+    * ``perf/device_mem_gb``: memory in use on ``device`` (a jax device) where its backend
+      reports it (GPUs, TPUs; the CPU backend does not, and the metric is then absent).
+    """
+    out: dict[str, float] = {}
+    status = _proc_self_status()
+    if status is not None and "VmRSS" in status and "Threads" in status:
+        out["perf/host_rss_gb"] = int(status["VmRSS"].split()[0]) * 1024 / 1e9
+        out["perf/threads"] = float(int(status["Threads"].split()[0]))
+    else:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        out["perf/host_rss_gb"] = (peak if sys.platform == "darwin" else peak * 1024) / 1e9
+        out["perf/threads"] = float(threading.active_count())
+    stats = _device_memory_stats(device)
+    if stats and "bytes_in_use" in stats:
+        out["perf/device_mem_gb"] = float(stats["bytes_in_use"]) / 1e9
+    return out
+
+
+def _proc_self_status() -> dict[str, str] | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+
+
+def _device_memory_stats(device: object) -> dict | None:
+    if device is None:
+        return None
+    try:
+        return device.memory_stats()  # type: ignore[attr-defined]
+    except Exception:  # backends without the call raise (or return None): no metric then
+        return None

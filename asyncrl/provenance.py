@@ -66,8 +66,12 @@ def write_provenance(output_dir: str | Path, config_yaml: str, argv: list[str] |
 def atomic_write_text(path: Path, text: str) -> None:
     """Write via a temporary file and rename, so readers never see half a file."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    tmp.replace(path)
+    try:
+        with tmp.open("w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write (disk full) leaves the old file and no stray temporary
+        raise

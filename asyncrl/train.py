@@ -30,8 +30,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from asyncrl.checkpoint_schema import RUN_STATE_FORMAT
 from asyncrl.config import Config, RewardSpec, dump_config
-from asyncrl.errors import AsyncRLError
+from asyncrl.errors import AsyncRLError, CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,12 @@ def build_task_and_workflow(cfg: Config, tokenizer: Any) -> tuple[Config, Any, A
     from asyncrl.rollout.workflow import build_reward_functions, build_workflow, check_reward_signatures
 
     factory = resolve("dataset", cfg.data.dataset, where="data.dataset")
-    task = factory(seed=cfg.run.seed)
+    try:
+        task = factory(seed=cfg.run.seed)
+    except ValueError as err:  # the dataset's own checks (a negative size; UnicodeDecodeError is one too)
+        from asyncrl.data import DataError
+
+        raise DataError(f"data.dataset ({_target(cfg.data.dataset)}): {err}") from None
     if not cfg.rewards:
         if task.reward is None:
             raise AsyncRLError("rewards: the config names no reward function and data.dataset has no default one")
@@ -89,6 +95,77 @@ def build_task_and_workflow(cfg: Config, tokenizer: Any) -> tuple[Config, Any, A
     if first is not None:
         check_reward_signatures(build_reward_functions(cfg), first, workflow.prompt_field)
     return cfg, task, workflow
+
+
+PROMPT_CHECK_SAMPLES = 2000
+"""At most this many train prompts (evenly spaced over the split) are tokenized at start-up."""
+
+
+def preflight(cfg: Config, tokenizer: Any) -> list[tuple[Config, Any, Any]]:
+    """Build and check every stage's dataset, rewards and workflow before the first step of the
+    first stage, so a later stage's bad input is reported before anything trains. Returns
+    ``(stage config, task, workflow)`` per stage; errors name the stage and the field."""
+    from asyncrl.data import DataError
+
+    parts = []
+    for index, (stage, scfg) in enumerate(cfg.stage_configs()):
+        where = f"stages.{index} ({stage.name}): " if cfg.stages else ""
+        try:
+            built = build_task_and_workflow(scfg, tokenizer)
+        except AsyncRLError as err:
+            raise _in_stage(err, where) from None
+        if len(built[1].train) == 0:
+            raise DataError(f"{where}data.dataset ({_target(scfg.data.dataset)}): the train split is empty")
+        if stage.type == "rl":
+            _check_prompts_fit(built[0], built[1].train, built[2], tokenizer, where)
+        parts.append(built)
+    return parts
+
+
+def _in_stage(err: AsyncRLError, where: str) -> AsyncRLError:
+    from asyncrl.errors import ConfigError
+
+    if not where:
+        return err
+    if isinstance(err, ConfigError):
+        return ConfigError([where + err.problems[0], *err.problems[1:]])
+    return AsyncRLError(f"{where}{err}")
+
+
+def _target(spec: Any) -> str:
+    return spec if isinstance(spec, str) else getattr(spec, "target", str(spec))
+
+
+def _check_prompts_fit(scfg: Config, train: Any, workflow: Any, tokenizer: Any, where: str) -> None:
+    """Fail at start-up, with the counts, when no train prompt fits ``data.max_prompt_tokens``
+    (each would be dropped and the first batch would wait for its timeout). Checks workflows
+    that say how they render a prompt (``messages(sample)``, like the single-turn one)."""
+    from asyncrl.data import DataError
+    from asyncrl.rollout.workflow import _token_ids
+
+    if not callable(getattr(workflow, "messages", None)):
+        return
+    limit = scfg.data.max_prompt_tokens
+    checked = sorted({int(i) for i in np.linspace(0, len(train) - 1, min(len(train), PROMPT_CHECK_SAMPLES))})
+    lengths = []
+    for position in checked:
+        try:
+            messages, _ = workflow.messages(train[position])
+        except (KeyError, ValueError, TypeError) as err:
+            raise DataError(f"{where}data.dataset: train sample {position}: {err}") from None
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        lengths.append(len(_token_ids(ids)))
+    fit = sum(length <= limit for length in lengths)
+    if fit == 0:
+        raise DataError(
+            f"{where}data.dataset ({_target(scfg.data.dataset)}): no usable prompt: 0 of {len(lengths)} train prompts "
+            f"checked (of {len(train)}) fit data.max_prompt_tokens = {limit} (the shortest has {min(lengths)} tokens, "
+            "chat template included); raise data.max_prompt_tokens (with engine.kv_capacity and "
+            "engine.prefill_buckets) or shorten the prompts"
+        )
+    if fit < len(lengths):
+        log.info("%sdata.dataset: %d of %d train prompts checked are longer than data.max_prompt_tokens = %d and "
+                 "will be dropped (dropped:prompt_too_long)", where, len(lengths) - fit, len(lengths), limit)
 
 
 RUN_LOGS = ("metrics.jsonl", "trajectories.jsonl")
@@ -139,13 +216,49 @@ def _holds_a_run(out: Path) -> bool:
     return False
 
 
+def _check_output_dir_path(cfg: Config) -> None:
+    """``run.output_dir`` (or a directory above it) must not be an existing file."""
+    out = cfg.run.resolved_output_dir
+    for path in (out, *out.parents):
+        if path.exists() and not path.is_dir():
+            what = f"run.output_dir {out}" if path == out else f"{path} (a parent of run.output_dir {out})"
+            raise RunDirError(f"{what} is an existing file, not a directory: choose another run.output_dir "
+                              f"(or run.name) or move the file")
+
+
 def _truncate_log(path: Path, last_step: int) -> None:
+    """Cut a run log (JSON lines with a ``step``) back to the rows of steps <= ``last_step``.
+
+    Logs are not the source of truth (the checkpoint is): a line that cannot be read (junk, a
+    line torn by a kill during a write, bytes that are not UTF-8, an object without an integer
+    ``step``) is dropped with one warning naming the file, the first such line and the count."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
     from asyncrl.provenance import atomic_write_text
 
+    kept, bad = [], []
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        step = _log_line_step(raw)
+        if step is None:
+            bad.append(number)
+        elif step <= last_step:
+            kept.append(raw.decode("utf-8"))
+    if bad:
+        log.warning("%s: skipped %d unreadable line(s) (first: line %d; junk, torn by a kill, not UTF-8, or without "
+                    "a step) while cutting the log back to step %d", path, len(bad), bad[0], last_step)
     atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+
+def _log_line_step(raw: bytes) -> Optional[int]:
+    """The ``step`` of one log line, or None if the line is unreadable."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _rename_train_metrics(metrics: dict[str, float]) -> dict[str, float]:
@@ -191,23 +304,26 @@ def episode_metric_means(trajectories: list) -> dict[str, float]:
     return {name: float(np.mean(v)) for name, v in values.items()}
 
 
-def _dump_trajectories(path: Path, step: int, groups: list, tokenizer: Any, limit: int) -> None:
-    with path.open("a", encoding="utf-8") as handle:
-        for group in groups[:limit]:
-            for traj in group.trajectories:
-                prompt_ids = traj.input_ids[~traj.loss_mask & (traj.versions < 0)]
-                generated = traj.versions >= 0
-                record = {
-                    "step": step,
-                    "prompt": tokenizer.decode(prompt_ids.tolist(), skip_special_tokens=False),
-                    "completion": tokenizer.decode(traj.input_ids[generated].tolist(), skip_special_tokens=False),
-                    "reward": traj.reward,
-                    "reward_components": traj.reward_components,
-                    "versions": sorted(set(traj.versions[generated].tolist())),
-                    "stop_reason": traj.stop_reason,
-                    "metadata": traj.metadata,
-                }
-                handle.write(json.dumps(record, default=str) + "\n")
+def _dump_trajectories(log_file: Any, step: int, groups: list, tokenizer: Any, limit: int) -> None:
+    """Append the first ``limit`` groups of a step to ``trajectories.jsonl`` (a
+    :class:`~asyncrl.metrics.LogAppender`: a failed write warns and the run goes on)."""
+    lines = []
+    for group in groups[:limit]:
+        for traj in group.trajectories:
+            prompt_ids = traj.input_ids[~traj.loss_mask & (traj.versions < 0)]
+            generated = traj.versions >= 0
+            record = {
+                "step": step,
+                "prompt": tokenizer.decode(prompt_ids.tolist(), skip_special_tokens=False),
+                "completion": tokenizer.decode(traj.input_ids[generated].tolist(), skip_special_tokens=False),
+                "reward": traj.reward,
+                "reward_components": traj.reward_components,
+                "versions": sorted(set(traj.versions[generated].tolist())),
+                "stop_reason": traj.stop_reason,
+                "metadata": traj.metadata,
+            }
+            lines.append(json.dumps(record, default=str) + "\n")
+    log_file.append("".join(lines))
 
 
 ENGINE_COUNTERS = ("engine/requests", "engine/samples_aborted", "engine/prefill_tokens", "engine/decode_tokens",
@@ -221,7 +337,7 @@ class _Run:
     and the checkpoint it resumed from."""
 
     def __init__(self, cfg: Config, out: Path, console: Any, resumed: Any, guard: Any):
-        from asyncrl.metrics import ConsoleSink, JsonlSink
+        from asyncrl.metrics import ConsoleSink, JsonlSink, LogAppender
         from asyncrl.model import load_model
         from asyncrl.trainer import build_mesh
 
@@ -233,11 +349,14 @@ class _Run:
         self.loaded = load_model(cfg.model)
         self.graphdef, self.params = self.loaded.split()
         self.mesh = build_mesh(cfg.mesh)
+        self.device = _first_local_device(self.mesh)
+        """The device whose memory ``perf/device_mem_gb`` reports (this process's first in the mesh)."""
         self.engine: Any = None
         self.version = resumed.step if resumed is not None else 0
         """Completed trainer steps over all stages: the version the engine serves."""
         self.console = ConsoleSink(cfg.total_steps, start_step=self.version, stream=console)
         self.jsonl = JsonlSink(out / "metrics.jsonl")
+        self.trajectory_log = LogAppender(out / "trajectories.jsonl", create=False)
         self.history: list[dict[str, float]] = []
         self.final_eval: dict[str, float] = dict(resumed.state.get("final_eval", {})) if resumed else {}
         self.engine_counter_base: dict[str, float] = dict(resumed.state.get("engine_counters", {})) if resumed else {}
@@ -248,6 +367,8 @@ class _Run:
         self.last_checkpoint_version = -1
         self.reward_failures = {"reward_errors": 0.0, "reward_timeouts": 0.0}
         """Reward function calls of this process that failed or timed out (all stages, eval included)."""
+        self.parts: list[tuple[Config, Any, Any]] = []
+        """Per stage: its config (rewards defaulted), its task data and its workflow (:func:`preflight`)."""
 
     def count_reward_failures(self, workflow: Any) -> None:
         """Add a finished stage's reward error and timeout counts (for the summary line)."""
@@ -295,9 +416,7 @@ class _Run:
             # ``params`` are the stage's starting weights (the KL reference): saved for stages > 0,
             # the loaded model for stage 0.
             trainer = Trainer(scfg, self.graphdef, params, mesh=self.mesh, version=self.version, objective=objective)
-            trainer.load_state_dict(
-                {"params": resumed.arrays["params"], "opt_state": resumed.arrays["opt_state"], **resumed.state["trainer"]}
-            )
+            _load_trainer_state(trainer, resumed)
             return trainer
         return Trainer(scfg, self.graphdef, params, mesh=self.mesh, version=self.version, objective=objective)
 
@@ -341,6 +460,12 @@ class _Run:
         tracker.scalar("perf/gen_tokens_per_s", (generated - self.generated_before) / step_time)
         self.generated_before = generated
 
+    def record_process(self, tracker: Any) -> None:
+        """Host RSS, live threads and device memory: a leak shows as a rising curve."""
+        from asyncrl.metrics import process_metrics
+
+        tracker.scalars(process_metrics(self.device), reduce="last")
+
     def eval_due(self, scfg: Config, stage_step: int) -> bool:
         every = scfg.eval.every_steps
         return bool(every) and (stage_step % every == 0 or stage_step == scfg.run.total_steps)
@@ -358,7 +483,7 @@ class _Run:
         if index > 0 and trainer.ref_params is not None:
             arrays["stage_start_params"] = jax_to_numpy(stage_start)
         state = {
-            "version": self.version, "stage_index": index, "stage_step": stage_step, "trainer": trainer_state,
+            "format": RUN_STATE_FORMAT, "version": self.version, "stage_index": index, "stage_step": stage_step, "trainer": trainer_state,
             "final_eval": self.final_eval, "engine_counters": self.engine_counters, **(extra or {}),
         }
         self.last_checkpoint = save_checkpoint(
@@ -383,7 +508,7 @@ class _Run:
         from asyncrl.data import SampleOrder
         from asyncrl.rollout.executor import BatchAbandoned, WorkflowExecutor
 
-        scfg, task, workflow = build_task_and_workflow(scfg, self.loaded.tokenizer)
+        scfg, task, workflow = self.parts[index]
         engine = self.ensure_engine(trainer, scfg)
         executor = WorkflowExecutor(
             workflow, engine, SampleOrder(task.train, scfg.run.seed), scfg, version=self.version,
@@ -423,9 +548,10 @@ class _Run:
                 _reward_metrics(groups, tracker)
                 tracker.scalar("perf/step_time", step_time)
                 tracker.scalar("perf/trained_tokens_per_s", float(batch.loss_mask.sum()) / step_time)
+                self.record_process(tracker)
                 if scfg.logging.dump_every_steps and stage_step % scfg.logging.dump_every_steps == 0:
                     _dump_trajectories(
-                        self.out / "trajectories.jsonl", self.version, groups, self.loaded.tokenizer, scfg.logging.dump_groups
+                        self.trajectory_log, self.version, groups, self.loaded.tokenizer, scfg.logging.dump_groups
                     )
                 if self.eval_due(scfg, stage_step):
                     self.evaluate(scfg, workflow, task, tracker)
@@ -443,7 +569,7 @@ class _Run:
         the next stage's engine see exactly these weights."""
         from asyncrl.sft import SFTData, eval_loss
 
-        scfg, task, workflow = build_task_and_workflow(scfg, self.loaded.tokenizer)
+        scfg, task, workflow = self.parts[index]
         self.ensure_engine(trainer, scfg)
         eos = self.loaded.stop_token_ids[0] if self.loaded.stop_token_ids else None
         data = SFTData.for_task(task, workflow, scfg, eos_token_id=eos, row_multiple=trainer.row_multiple)
@@ -472,6 +598,7 @@ class _Run:
                 tracker.scalars(data.metrics(), reduce="last")
                 tracker.scalar("perf/step_time", step_time)
                 tracker.scalar("perf/trained_tokens_per_s", float(batch.loss_mask.sum()) / step_time)
+                self.record_process(tracker)
                 if self.eval_due(scfg, stage_step):
                     run_eval()
                 self.history.append(tracker.commit(self.version))
@@ -481,6 +608,50 @@ class _Run:
         finally:
             tensorboard.close()
             self.count_reward_failures(workflow)
+
+
+def _check_resumed_state(resumed: Any, cfg: Config) -> None:
+    """A resumed checkpoint's JSON files parse and agree with each other and with the config's
+    stages, before anything of it is used (or any log is cut back to its step)."""
+    if resumed is not None:
+        from asyncrl.checkpoint_schema import check_run_checkpoint
+
+        check_run_checkpoint(resumed, cfg)
+
+
+def _check_resumed_params(run: _Run) -> None:
+    """A resumed checkpoint's parameters have the loaded model's names, shapes and dtypes."""
+    if run.resumed is not None:
+        from asyncrl.checkpoint_schema import check_checkpoint_params
+
+        check_checkpoint_params(run.resumed, run.params)
+
+
+def _load_trainer_state(trainer: Any, resumed: Any) -> None:
+    """The saved optimizer state and counters into ``trainer``; a mismatch names the checkpoint."""
+    from asyncrl.errors import TrainerError
+
+    try:
+        trainer.load_state_dict(
+            {"params": resumed.arrays["params"], "opt_state": resumed.arrays["opt_state"], **resumed.state["trainer"]}
+        )
+    except TrainerError as err:
+        raise CheckpointError(f"checkpoint {resumed.path}: opt_state.safetensors: {err}") from None
+
+
+def _check_all_steps_ran(run: _Run, cfg: Config) -> None:
+    """A run that ends without error has trained every configured step (never exit 0 short)."""
+    if run.version < cfg.total_steps:
+        raise AsyncRLError(
+            f"the run stopped at step {run.version} of {cfg.total_steps} without an error: this is a bug or a "
+            f"damaged checkpoint ({run.resumed.path if run.resumed is not None else 'no checkpoint'}); not exporting"
+        )
+
+
+def _first_local_device(mesh: Any) -> Any:
+    import jax
+
+    return next((d for d in mesh.devices.flat if d.process_index == jax.process_index()), None)
 
 
 def jax_to_numpy(tree: Any) -> Any:
@@ -502,7 +673,9 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
     from asyncrl.shutdown import ShutdownGuard
 
     started = time.monotonic()
+    _check_output_dir_path(cfg)
     resumed = resume_checkpoint(cfg)
+    _check_resumed_state(resumed, cfg)
     out = _prepare_output_dir(cfg, resumed.step if resumed is not None else None)
     write_provenance(out, dump_config(cfg), argv)
     with ShutdownGuard() as guard:
@@ -510,6 +683,8 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
         start_stage = resumed.state["stage_index"] if resumed is not None else 0
         params = resumed.arrays["params"] if resumed is not None else run.params
         try:
+            _check_resumed_params(run)
+            run.parts = preflight(cfg, run.loaded.tokenizer)
             for index, (stage, scfg) in enumerate(cfg.stage_configs()):
                 if index < start_stage:
                     continue
@@ -525,8 +700,10 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
             if run.engine is not None:
                 run.engine.shutdown()
             run.jsonl.close()
+            run.trajectory_log.close()
             run.console.close()
 
+    _check_all_steps_ran(run, cfg)
     final_params = jax_to_numpy(params)
     # A resumed run (killed after its last checkpoint, or resumed when already finished)
     # may find its own earlier export: the final weights are the same, so replace it.

@@ -99,6 +99,10 @@ def synthetic_task(
     """
     if task not in _TASKS:
         raise ValueError(f"unknown synthetic task {task!r}; choose one of {sorted(_TASKS)}")
+    if train_size < 1:
+        raise ValueError(f"train_size must be >= 1 (given {train_size})")
+    if eval_size < 0:
+        raise ValueError(f"eval_size must be >= 0 (given {eval_size})")
     if not 1 <= min_digits <= max_digits:
         raise ValueError(f"need 1 <= min_digits <= max_digits (given {min_digits}, {max_digits})")
     spec = _TASKS[task]
