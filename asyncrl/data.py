@@ -18,7 +18,7 @@ import random
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from asyncrl.errors import AsyncRLError
 from asyncrl.registry import register
@@ -39,6 +39,9 @@ class TaskData:
     solver: Callable[[str], str] | None = None
     """Maps a prompt to its reference answer, when the task has one."""
     info: dict = field(default_factory=dict)
+    eval_metrics: Mapping[str, Callable[..., float]] = field(default_factory=dict)
+    """Extra eval metrics of the task, each ``fn(prompt, completion, **sample_fields) -> float``
+    averaged over the eval split and reported as ``eval/<name>`` (e.g. GSM8K's ``accuracy_strict``)."""
 
 
 class SampleOrder(Sequence):

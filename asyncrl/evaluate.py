@@ -15,7 +15,7 @@ import math
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -58,8 +58,18 @@ def _check_workflow(workflow: Any) -> None:
         )
 
 
-def evaluate(engine: InferenceEngine, workflow: Any, samples: Sequence[Mapping[str, Any]], cfg: Config) -> EvalResult:
-    """Greedy completions of every sample (and ``eval.n_samples`` sampled ones for pass@k)."""
+def evaluate(
+    engine: InferenceEngine,
+    workflow: Any,
+    samples: Sequence[Mapping[str, Any]],
+    cfg: Config,
+    eval_metrics: Optional[Mapping[str, Callable[..., float]]] = None,
+) -> EvalResult:
+    """Greedy completions of every sample (and ``eval.n_samples`` sampled ones for pass@k).
+
+    ``eval_metrics`` (a task's ``TaskData.eval_metrics``): each ``fn(prompt, completion,
+    **sample_fields)`` averaged over the greedy completions, reported as ``eval/<name>``.
+    """
     from asyncrl.rollout.workflow import _token_ids
 
     _check_workflow(workflow)
@@ -108,6 +118,9 @@ def evaluate(engine: InferenceEngine, workflow: Any, samples: Sequence[Mapping[s
         reward, components, completion = score(sample, prompt, response, index)
         rewards.append(reward)
         rows.append({"prompt": prompt, "completion": completion, "reward": reward, **{f"reward/{k}": v for k, v in components.items()}})
+        # issue-18 glue (the lead merges it with issue 13's eval): the task's own eval metrics.
+        fields = {k: v for k, v in sample.items() if k not in ("prompt", "messages", "completion")}
+        rows[-1].update({f"eval/{name}": float(fn(prompt, completion, **fields)) for name, fn in (eval_metrics or {}).items()})
 
     rewards_np = np.asarray(rewards, dtype=np.float64)
     metrics = {
@@ -117,6 +130,8 @@ def evaluate(engine: InferenceEngine, workflow: Any, samples: Sequence[Mapping[s
         "eval/aborted": float(aborted),
         "eval/version": float(version),
     }
+    for name in eval_metrics or {}:  # issue-18 glue, as above
+        metrics[f"eval/{name}"] = float(np.mean([row[f"eval/{name}"] for row in rows]))
     if sampled_futures:
         correct = []
         for index, (sample, prompt, future) in enumerate(zip(samples, prompts, sampled_futures)):
@@ -146,7 +161,7 @@ def evaluate_model(cfg: Config, stream: Any = None) -> EvalResult:
     graphdef, params = loaded.split()
     engine = JaxEngine(graphdef, params, stop_token_ids=loaded.stop_token_ids, config=cfg.engine, seed=cfg.run.seed)
     try:
-        result = evaluate(engine, workflow, task.eval, cfg)
+        result = evaluate(engine, workflow, task.eval, cfg, eval_metrics=getattr(task, "eval_metrics", None))
     finally:
         engine.shutdown()
     width = max(len(name) for name in result.metrics)

@@ -265,7 +265,7 @@ class _Run:
     def evaluate(self, scfg: Config, workflow: Any, task: Any, tracker: Any) -> None:
         from asyncrl.evaluate import evaluate
 
-        result = evaluate(self.engine, workflow, task.eval, scfg)
+        result = evaluate(self.engine, workflow, task.eval, scfg, eval_metrics=task.eval_metrics)  # issue-18 glue
         self.final_eval = result.metrics
         tracker.scalars(result.metrics, reduce="last")
 
