@@ -235,6 +235,7 @@ def test_in_flight_multi_turn_episodes_are_reissued_identically_after_a_checkpoi
 # --------------------------------------------------------------------------- RL with the tiny model
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_rl_steps_with_the_tiny_model(tmp_path):
     """A few GRPO steps of the multi-turn workflow on `tiny` (the add task), tool tags spelled in
@@ -262,3 +263,27 @@ def test_rl_steps_with_the_tiny_model(tmp_path):
     assert len(rows) == 3 and all(np.isfinite(r["loss/total"]) for r in rows)
     assert rows[-1]["rollout/workflow/episodes"] >= 3 * 2 * 4
     assert rows[-1]["rollout/count/trained"] == 6
+    assert rows[-1]["rollout/workflow/tool_calls"] > 0  # the random policy writes "C...=" often enough
+
+
+# --------------------------------------------------------------------------- the docs' example
+
+
+def test_the_docs_tool_example_is_the_runnable_file_and_runs(capsys):
+    """`python docs/examples/tool_workflow.py`, run in-process (runpy) to spare an interpreter start."""
+    import re
+    import runpy
+
+    from tests.helpers import REPO_ROOT
+
+    path = REPO_ROOT / "docs" / "examples" / "tool_workflow.py"
+    region = re.search(r"# --8<-- \[start:workflow\]\n(.*?)# --8<-- \[end:workflow\]", path.read_text(), re.S).group(1)
+    doc = (REPO_ROOT / "docs" / "workflows.md").read_text()
+    assert region in doc, "docs/workflows.md's ToolWorkflow differs from docs/examples/tool_workflow.py"
+    assert "python docs/examples/tool_workflow.py" in doc
+    runpy.run_path(str(path), run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "reward 1.0  trained tokens 9 of 23"
+    # the tool's answer "=46\n" is in the sequence, untrained, version -1
+    tool = [line for line in lines if "trained=False" in line][-4:]
+    assert [line.split()[0] for line in tool] == ["'='", "'4'", "'6'", "'\\n'"] and all("version=-1" in t for t in tool)
