@@ -12,7 +12,7 @@ otherwise) into ``OUT/eta<k>/`` and is summarised from its ``metrics.jsonl``:
   lag_max, lag_mean     version lag of trained tokens, over the RL steps
   dropped_stale         groups dropped by the staleness filter (0 with batch_order: admission)
   wait_s_mean           mean time ``prepare_batch`` waited for rollouts per step
-  engine_busy           share of the RL stage's time the engine spent decoding
+  engine_busy           share of the RL steps' time the engine spent decoding (eval excluded)
   loadavg_1m_start/end  ``os.getloadavg()`` around the run: other work on the machine skews timings
 
 Timings depend on the machine and on what else runs on it; compare settings from one sweep.
@@ -40,8 +40,6 @@ def summarise(metrics_path: Path) -> dict:
     step_time = sum(r["perf/step_time"] for r in rl)
     tokens = sum(r["perf/trained_tokens_per_s"] * r["perf/step_time"] for r in rl)
     evals = [r["eval/reward"] for r in rows if r.get("eval/reward") is not None]
-    decode_start = next((r["engine/decode_s"] for r in rows if r.get("stage", "rl") != "rl" and "engine/decode_s" in r), 0.0)
-    decode_end = rl[-1].get("engine/decode_s", 0.0)
     return {
         "rl_steps": len(rl),
         "trained_tokens_per_s": round(tokens / step_time, 1),
@@ -51,8 +49,21 @@ def summarise(metrics_path: Path) -> dict:
         "lag_mean": round(sum(r.get("rollout/lag_mean", 0.0) for r in rl) / len(rl), 3),
         "dropped_stale": rl[-1].get("rollout/dropped_stale", 0.0),
         "wait_s_mean": round(sum(r.get("rollout/wait_s", 0.0) for r in rl) / len(rl), 4),
-        "engine_busy": round(max(decode_end - decode_start, 0.0) / step_time, 3),
+        "engine_busy": engine_busy(rl),
     }
+
+
+def engine_busy(rl: list[dict]) -> float | None:
+    """Share of the RL steps' time the engine spent decoding. ``engine/decode_s`` is cumulative and
+    sampled after each step's publish, before that step's eval: a step whose predecessor ran eval
+    also holds the eval's decoding, so those steps are left out."""
+    decoding = stepping = 0.0
+    for prev, row in zip(rl, rl[1:]):
+        if "eval/reward" in prev or "engine/decode_s" not in prev or "engine/decode_s" not in row:
+            continue
+        decoding += row["engine/decode_s"] - prev["engine/decode_s"]
+        stepping += row["perf/step_time"]
+    return round(decoding / stepping, 3) if stepping else None
 
 
 def run_one(config: str, eta: int, out: Path, extra: list[str]) -> dict:
