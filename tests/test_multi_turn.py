@@ -171,9 +171,11 @@ def test_in_flight_multi_turn_episodes_are_reissued_identically_after_a_checkpoi
     dataset = [{"prompt": f"q{i}", "answer": "1"} for i in range(40)]
     block = threading.Event()
     release = threading.Event()
+    parked: list[int] = []
 
     def delay(request):  # park episodes on their second turn: in flight, mid-episode
         if block.is_set() and request.turn >= 1:
+            parked.append(request.sample_id)
             release.wait(10)
         return 0.0
 
@@ -194,15 +196,16 @@ def test_in_flight_multi_turn_episodes_are_reissued_identically_after_a_checkpoi
         train(ex, eng, 0, 2, groups)
         block.set()
         deadline = time.monotonic() + 10
-        while ex.counts()["in_flight"] < 2:
+        while not parked:  # at least one episode is waiting inside its second turn
             assert time.monotonic() < deadline, ex.counts()
             time.sleep(0.01)
         state = ex.state_dict()
+        parked_then = list(parked)
         ex.stop(timeout=2)
     finally:
         release.set()
     in_flight = sorted(ex.ledger.sample_id(t) for t in ex.ledger.in_flight_tickets())
-    assert in_flight
+    assert parked_then and set(parked_then) <= set(in_flight)
     save_state(state, tmp_path)
 
     block.clear()
