@@ -438,7 +438,7 @@ class _Run:
     def evaluate(self, scfg: Config, workflow: Any, task: Any, tracker: Any) -> None:
         from asyncrl.evaluate import evaluate
 
-        result = evaluate(self.engine, workflow, task.eval, scfg, eval_metrics=getattr(task, "eval_metrics", None))
+        result = evaluate(self.engine, workflow, task.eval, scfg, eval_metrics=task.eval_metrics)
         self.final_eval = result.metrics
         tracker.scalars(result.metrics, reduce="last")
 

@@ -47,7 +47,8 @@ Shard parameters on a mesh with axes ``data``, ``fsdp``, ``tensor``::
     params = shard_params(model.cfg, params, mesh)   # param_shardings(...) for jit in/out_shardings
 
 Reference configs: ``tiny`` (on disk, cached; :data:`TINY_ALPHABET` is its character
-set) and ``bench_40m_config()`` (in memory).
+set), ``tiny-qwen3`` (on disk, cached: Qwen3-shaped with a BPE tokenizer trained on GSM8K,
+:mod:`asyncrl.model.tiny_qwen3`) and ``bench_40m_config()`` (in memory).
 """
 
 from asyncrl.model.config import DecoderConfig, from_hf_config, to_hf_config

@@ -68,9 +68,13 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
         from asyncrl.model.tiny import ensure_tiny
 
         return ensure_tiny(text)
+    from asyncrl.model.tiny_qwen3 import ensure_tiny_qwen3, is_tiny_qwen3
+
+    if is_tiny_qwen3(text):
+        return ensure_tiny_qwen3(text)
     looks_local = text.startswith((".", "/", "~")) or text.count("/") != 1 or os.sep + os.sep in text
     if looks_local:
-        raise ModelError(f"model.path {text!r}: no such directory (and not a hub id 'org/name' or 'tiny')")
+        raise ModelError(f"model.path {text!r}: no such directory (and not a hub id 'org/name', 'tiny' or 'tiny-qwen3')")
     try:
         from huggingface_hub import snapshot_download
 

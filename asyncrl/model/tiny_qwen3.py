@@ -1,0 +1,200 @@
+"""Built-in ``tiny-qwen3``: a small random-init Qwen3-shaped model with a real subword tokenizer.
+
+For smoke runs of real-task recipes on a CPU (``configs/gsm8k_grpo.yaml`` with
+``model.path: tiny-qwen3``): prompts and completions have the task's real token lengths,
+and the model has Qwen3's layout (q/k RMSNorm, no attention biases, an explicit
+``head_dim`` larger than ``hidden / heads`` as in Qwen3-0.6B, tied embeddings,
+``model_type: qwen3``), so the recipe exercises the same code paths as the real model.
+
+The tokenizer is a byte-level BPE (Qwen's kind) trained at build time with the
+``tokenizers`` library on a text corpus, by default GSM8K's training split
+(``../shared/data/gsm8k/train.jsonl`` from the working directory, or
+``$ASYNCRL_TINY_QWEN3_CORPUS``), with Qwen's special tokens (``<|endoftext|>`` pad,
+``<|im_start|>``, ``<|im_end|>`` EOS) and a ChatML chat template. A JSONL corpus
+contributes every string field of every record; any other file, its lines.
+
+Like ``tiny`` it is built once into ``<cache>/tiny-qwen3-<hash>`` (the hash covers the
+spec, the corpus's bytes and the recipe), atomically. Options:
+``tiny-qwen3:vocab=2048,layers=4,corpus=/data/my.jsonl``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from asyncrl.errors import ModelError
+from asyncrl.model.config import DecoderConfig
+
+PREFIX = "tiny-qwen3"
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+DEFAULT_CORPUS = "../shared/data/gsm8k/train.jsonl"
+CORPUS_ENV = "ASYNCRL_TINY_QWEN3_CORPUS"
+_BUILD_FORMAT = 1  # bump when the recipe changes, so old cache entries are not reused
+_BUILD_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyQwen3Spec:
+    """Fields settable as ``tiny-qwen3:name=value,...``."""
+
+    vocab: int = 4096
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    intermediate: int = 192
+    seed: int = 0
+    max_positions: int = 2048
+    corpus: str = ""
+    """Tokenizer training text; empty: ``$ASYNCRL_TINY_QWEN3_CORPUS`` or :data:`DEFAULT_CORPUS`."""
+
+
+def is_tiny_qwen3(text: str) -> bool:
+    return text == PREFIX or text.startswith(PREFIX + ":")
+
+
+def parse_spec(text: str) -> TinyQwen3Spec:
+    """``tiny-qwen3`` or ``tiny-qwen3:vocab=2048,layers=4`` -> spec; bad options are a ModelError."""
+    if not is_tiny_qwen3(text):
+        raise ModelError(f"model.path {text!r}: not a {PREFIX} spec")
+    options = text[len(PREFIX) + 1 :]
+    kinds = {f.name: f.type for f in dataclasses.fields(TinyQwen3Spec)}
+    values: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in options.split(","))):
+        key, eq, raw = item.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not eq or key not in kinds:
+            raise ModelError(f"model.path {text!r}: bad option {item!r}; options are name=value with name in {', '.join(kinds)}")
+        if kinds[key] in (str, "str"):
+            values[key] = raw
+            continue
+        try:
+            values[key] = int(raw)
+        except ValueError:
+            raise ModelError(f"model.path {text!r}: option {key} needs an integer, got {raw!r}") from None
+    spec = TinyQwen3Spec(**values)
+    if spec.heads % spec.kv_heads or spec.head_dim % 2 or min(spec.vocab, spec.hidden, spec.layers) < 1:
+        raise ModelError(f"model.path {text!r}: heads must be a multiple of kv_heads, head_dim even, sizes positive")
+    if spec.vocab < 256 + len(SPECIAL_TOKENS):
+        raise ModelError(f"model.path {text!r}: vocab must be at least {256 + len(SPECIAL_TOKENS)} (the 256 byte tokens + specials)")
+    return spec
+
+
+def corpus_path(spec: TinyQwen3Spec) -> Path:
+    path = Path(spec.corpus or os.environ.get(CORPUS_ENV) or DEFAULT_CORPUS).expanduser()
+    if not path.is_file():
+        raise ModelError(
+            f"model.path {PREFIX}: tokenizer corpus {path} not found (from {'corpus=' if spec.corpus else CORPUS_ENV if os.environ.get(CORPUS_ENV) else 'the default'}); "
+            f"run from the repository root so {DEFAULT_CORPUS} resolves, set {CORPUS_ENV}, or give {PREFIX}:corpus=/path/to/text"
+        )
+    return path
+
+
+def corpus_texts(path: Path) -> Iterator[str]:
+    """Training texts of the tokenizer: every string field of a JSONL record, else each line."""
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ModelError(f"{path}:{number}: not valid JSON ({err.msg}); the {PREFIX} tokenizer corpus") from None
+                yield from (v for v in (record.values() if isinstance(record, dict) else [record]) if isinstance(v, str))
+            else:
+                yield line
+
+
+def build_tokenizer(spec: TinyQwen3Spec, path: Path) -> Any:
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on ``path`` (a few seconds)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: any text encodes
+    )
+    tok.train_from_iterator(corpus_texts(path), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=ENDOFTEXT,
+        eos_token=IM_END,
+        additional_special_tokens=[IM_START],
+        chat_template=CHATML_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=spec.max_positions,
+    )
+
+
+def decoder_config(spec: TinyQwen3Spec, tokenizer: Any) -> DecoderConfig:
+    return DecoderConfig(
+        model_type="qwen3",
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_layers=spec.layers,
+        num_heads=spec.heads,
+        num_kv_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,  # Qwen3's
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT),
+    )
+
+
+def dir_name(spec: TinyQwen3Spec, corpus: Path) -> str:
+    import flax
+    import jax
+
+    digest = hashlib.sha256(corpus.read_bytes()).hexdigest()
+    key = json.dumps(
+        {"spec": dataclasses.asdict(spec) | {"corpus": digest}, "template": CHATML_TEMPLATE, "special": SPECIAL_TOKENS,
+         "format": _BUILD_FORMAT, "jax": jax.__version__, "flax": flax.__version__},
+        sort_keys=True,
+    )
+    return f"{PREFIX}-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def ensure_tiny_qwen3(path: str = PREFIX, cache_dir: Optional[str | Path] = None) -> Path:
+    """The directory of the model ``path`` names, building it (tokenizer and weights) if absent."""
+    from asyncrl.model.hf import export_hf
+    from asyncrl.model.tiny import default_cache_dir
+    from asyncrl.model.transformer import init_decoder
+
+    spec = parse_spec(path)
+    corpus = corpus_path(spec)
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / dir_name(spec, corpus)
+    if (target / "config.json").is_file():
+        return target
+    with _BUILD_LOCK:
+        if (target / "config.json").is_file():
+            return target
+        root.mkdir(parents=True, exist_ok=True)
+        tokenizer = build_tokenizer(spec, corpus)
+        model = init_decoder(decoder_config(spec, tokenizer), seed=spec.seed)
+        # Parallel builders: export_hf renames a finished temporary directory into place.
+        export_hf(model, tokenizer, target, exist_ok=True)
+    return target
