@@ -21,7 +21,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from asyncrl.errors import ModelError
 from asyncrl.model.config import DecoderConfig
@@ -60,29 +60,37 @@ class TinySpec:
     max_positions: int = 1024
 
 
-def parse_tiny_spec(text: str) -> TinySpec:
-    """``tiny`` or ``tiny:hidden=128,layers=4`` -> TinySpec; bad options are a ModelError."""
+def parse_spec_options(text: str, prefix: str, spec_type: type) -> dict[str, Any]:
+    """The ``name=value`` options of ``prefix:name=value,...`` as the fields of the dataclass
+    ``spec_type`` (int, bool or str); a bad option is a ModelError naming ``model.path``."""
     name, _, options = text.partition(":")
-    if name != "tiny":
-        raise ModelError(f"model.path {text!r}: not a tiny spec")
-    fields = {f.name: f.type for f in dataclasses.fields(TinySpec)}
+    if name != prefix:
+        raise ModelError(f"model.path {text!r}: not a {prefix} spec")
+    kinds = {f.name: f.type for f in dataclasses.fields(spec_type)}
     values: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in options.split(","))):
         key, eq, raw = item.partition("=")
-        key = key.strip()
-        if not eq or key not in fields:
-            raise ModelError(f"model.path {text!r}: bad option {item!r}; options are name=value with name in {', '.join(fields)}")
-        raw = raw.strip()
-        try:
-            if fields[key] in (bool, "bool"):
-                if raw.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(raw)
-                values[key] = raw.lower() in ("true", "1")
-            else:
+        key, raw = key.strip(), raw.strip()
+        if not eq or key not in kinds:
+            raise ModelError(f"model.path {text!r}: bad option {item!r}; options are name=value with name in {', '.join(kinds)}")
+        kind = kinds[key]
+        if kind in (str, "str"):
+            values[key] = raw
+        elif kind in (bool, "bool"):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ModelError(f"model.path {text!r}: option {key} needs true/false, got {raw!r}")
+            values[key] = raw.lower() in ("true", "1")
+        else:
+            try:
                 values[key] = int(raw)
-        except ValueError:
-            raise ModelError(f"model.path {text!r}: option {key} needs {'true/false' if key == 'tied' else 'an integer'}, got {raw!r}") from None
-    spec = TinySpec(**values)
+            except ValueError:
+                raise ModelError(f"model.path {text!r}: option {key} needs an integer, got {raw!r}") from None
+    return values
+
+
+def parse_tiny_spec(text: str) -> TinySpec:
+    """``tiny`` or ``tiny:hidden=128,layers=4`` -> TinySpec; bad options are a ModelError."""
+    spec = TinySpec(**parse_spec_options(text, "tiny", TinySpec))
     if spec.hidden % spec.heads or spec.heads % spec.kv_heads or (spec.hidden // spec.heads) % 2:
         raise ModelError(f"model.path {text!r}: hidden must split into an even head_dim over heads, heads must be a multiple of kv_heads")
     return spec
@@ -180,16 +188,27 @@ def ensure_tiny(path: str = "tiny", cache_dir: Optional[str | Path] = None) -> P
     from asyncrl.model.transformer import init_decoder
 
     spec = parse_tiny_spec(path)
+
+    def build(target: Path) -> None:
+        model = init_decoder(tiny_decoder_config(spec), seed=spec.seed)
+        export_hf(model, build_tiny_tokenizer(), target, exist_ok=True)
+
+    return build_cached(cache_dir, tiny_dir_name(spec), build)
+
+
+def build_cached(cache_dir: Optional[str | Path], name: str, build: Callable[[Path], None]) -> Path:
+    """``<cache>/<name>``, made by ``build(target)`` first if it holds no ``config.json``.
+
+    ``build`` must write through ``export_hf(..., exist_ok=True)``: other processes may build
+    the same name at once, and export_hf assembles a temporary directory and renames it into
+    place (whoever renames second keeps the winner's). Builders in one process take turns.
+    """
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / tiny_dir_name(spec)
+    target = root / name
     if (target / "config.json").is_file():
         return target
     with _BUILD_LOCK:
-        if (target / "config.json").is_file():
-            return target
-        root.mkdir(parents=True, exist_ok=True)
-        model = init_decoder(tiny_decoder_config(spec), seed=spec.seed)
-        # Other processes may build the same spec at once: export_hf assembles a temporary
-        # directory and renames it into place; whoever renames second keeps the winner's.
-        export_hf(model, build_tiny_tokenizer(), target, exist_ok=True)
+        if not (target / "config.json").is_file():
+            root.mkdir(parents=True, exist_ok=True)
+            build(target)
     return target

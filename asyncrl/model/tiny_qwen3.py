@@ -24,12 +24,12 @@ import dataclasses
 import hashlib
 import json
 import os
-import threading
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from asyncrl.errors import ModelError
 from asyncrl.model.config import DecoderConfig
+from asyncrl.model.tiny import build_cached, parse_spec_options
 
 PREFIX = "tiny-qwen3"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -43,7 +43,6 @@ CHATML_TEMPLATE = (
 DEFAULT_CORPUS = "../shared/data/gsm8k/train.jsonl"
 CORPUS_ENV = "ASYNCRL_TINY_QWEN3_CORPUS"
 _BUILD_FORMAT = 1  # bump when the recipe changes, so old cache entries are not reused
-_BUILD_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,22 +70,7 @@ def parse_spec(text: str) -> TinyQwen3Spec:
     """``tiny-qwen3`` or ``tiny-qwen3:vocab=2048,layers=4`` -> spec; bad options are a ModelError."""
     if not is_tiny_qwen3(text):
         raise ModelError(f"model.path {text!r}: not a {PREFIX} spec")
-    options = text[len(PREFIX) + 1 :]
-    kinds = {f.name: f.type for f in dataclasses.fields(TinyQwen3Spec)}
-    values: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in options.split(","))):
-        key, eq, raw = item.partition("=")
-        key, raw = key.strip(), raw.strip()
-        if not eq or key not in kinds:
-            raise ModelError(f"model.path {text!r}: bad option {item!r}; options are name=value with name in {', '.join(kinds)}")
-        if kinds[key] in (str, "str"):
-            values[key] = raw
-            continue
-        try:
-            values[key] = int(raw)
-        except ValueError:
-            raise ModelError(f"model.path {text!r}: option {key} needs an integer, got {raw!r}") from None
-    spec = TinyQwen3Spec(**values)
+    spec = TinyQwen3Spec(**parse_spec_options(text, PREFIX, TinyQwen3Spec))
     if spec.heads % spec.kv_heads or spec.head_dim % 2 or min(spec.vocab, spec.hidden, spec.layers) < 1:
         raise ModelError(f"model.path {text!r}: heads must be a multiple of kv_heads, head_dim even, sizes positive")
     if spec.vocab < 256 + len(SPECIAL_TOKENS):
@@ -180,21 +164,14 @@ def dir_name(spec: TinyQwen3Spec, corpus: Path) -> str:
 def ensure_tiny_qwen3(path: str = PREFIX, cache_dir: Optional[str | Path] = None) -> Path:
     """The directory of the model ``path`` names, building it (tokenizer and weights) if absent."""
     from asyncrl.model.hf import export_hf
-    from asyncrl.model.tiny import default_cache_dir
     from asyncrl.model.transformer import init_decoder
 
     spec = parse_spec(path)
     corpus = corpus_path(spec)
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / dir_name(spec, corpus)
-    if (target / "config.json").is_file():
-        return target
-    with _BUILD_LOCK:
-        if (target / "config.json").is_file():
-            return target
-        root.mkdir(parents=True, exist_ok=True)
+
+    def build(target: Path) -> None:
         tokenizer = build_tokenizer(spec, corpus)
         model = init_decoder(decoder_config(spec, tokenizer), seed=spec.seed)
-        # Parallel builders: export_hf renames a finished temporary directory into place.
         export_hf(model, tokenizer, target, exist_ok=True)
-    return target
+
+    return build_cached(cache_dir, dir_name(spec, corpus), build)
