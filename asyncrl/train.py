@@ -248,14 +248,8 @@ class _Run:
         return Trainer(scfg, self.graphdef, params, mesh=self.mesh, version=self.version, objective=objective)
 
     def ensure_engine(self, trainer: Any, scfg: Config) -> Any:
-        from asyncrl.engine.jax_engine import JaxEngine
-
         if self.engine is None:
-            # The engine serves the trainer's own (never donated) arrays: publishing copies nothing.
-            self.engine = JaxEngine(
-                self.graphdef, trainer.params_for_publish(), stop_token_ids=self.loaded.stop_token_ids,
-                config=scfg.engine, seed=scfg.run.seed, version=self.version,
-            )
+            self.engine = build_engine(self, trainer, scfg)
         return self.engine
 
     def publish(self, trainer: Any) -> None:
@@ -425,6 +419,28 @@ class _Run:
                 self.stop_if_requested()
         finally:
             tensorboard.close()
+
+
+def build_engine(run: "_Run", trainer: Any, scfg: Config) -> Any:
+    """The run's inference engine: in-process (JaxEngine), or on servers when ``engine.remote`` is set."""
+    remote = scfg.engine.remote
+    if remote is not None:
+        from asyncrl.engine.remote import RemoteEngine
+
+        engine = RemoteEngine.from_config(
+            remote, version=run.version, graphdef=run.graphdef, tokenizer=run.loaded.tokenizer,
+            stop_token_ids=run.loaded.stop_token_ids,
+            weights_dir=Path(remote.weights_dir) if remote.weights_dir else run.out / "weights",
+        )
+        engine.ensure_version(trainer.params_for_publish())  # fresh servers of a resumed run
+        return engine
+    from asyncrl.engine.jax_engine import JaxEngine
+
+    # The engine serves the trainer's own (never donated) arrays: publishing copies nothing.
+    return JaxEngine(
+        run.graphdef, trainer.params_for_publish(), stop_token_ids=run.loaded.stop_token_ids,
+        config=scfg.engine, seed=scfg.run.seed, version=run.version,
+    )
 
 
 def jax_to_numpy(tree: Any) -> Any:
