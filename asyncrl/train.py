@@ -119,7 +119,8 @@ def _truncate_log(path: Path, last_step: int) -> None:
 def _rename_train_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """Loss terms under ``loss/`` (``train/loss`` -> ``loss/total``, ``train/pg_loss`` ->
     ``loss/pg``); the trainer's own compute time becomes ``perf/train_time``, since the
-    loop's ``perf/step_time`` covers the whole step (batch wait, train, publish)."""
+    loop's ``perf/step_time`` covers the whole step (batch wait, train, publish); the
+    behaviour/proximal log-prob gap is reported as ``engine/logprob_gap``."""
     renamed = {}
     for name, value in metrics.items():
         if name == "train/loss":
@@ -128,6 +129,8 @@ def _rename_train_metrics(metrics: dict[str, float]) -> dict[str, float]:
             name = "loss/" + name[len("train/") : -len("_loss")]
         elif name == "perf/step_time":
             name = "perf/train_time"
+        elif name == "train/logprob_gap":
+            name = "engine/logprob_gap"  # mean |behaviour - proximal| log-prob on trained tokens
         renamed[name] = value
     return renamed
 
