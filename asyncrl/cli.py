@@ -80,6 +80,8 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="require 'Authorization: Bearer KEY' on every endpoint (default: $ASYNCRL_API_KEY, else none)")
     serve.add_argument("--seed", type=int, default=None, help="root of the sample keys (default: the config's run.seed, else 0)")
     serve.add_argument("--weight-version", default="0", help="weight_version label of the starting weights (default 0)")
+    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                       help="override a field of the config (e.g. --set engine.prefill_buckets=[32]); repeatable")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -87,7 +89,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve(args.model, host=args.host, port=args.port, weights_root=args.weights_root, api_key=args.api_key,
-          seed=args.seed, weight_version=args.weight_version)
+          seed=args.seed, weight_version=args.weight_version, overrides=args.overrides)
     return 0
 
 

@@ -28,13 +28,13 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from pydantic import ValidationError
 
 from asyncrl.engine import sglang_protocol as sp
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse
-from asyncrl.errors import AsyncRLError, EngineRequestError
+from asyncrl.errors import AsyncRLError, ConfigError, EngineRequestError
 
 logger = logging.getLogger("asyncrl.serve")
 
@@ -330,7 +330,7 @@ def build_app(state: ServeState) -> Any:
 
 
 def build_state(model_or_config: str, *, weights_root: Optional[str], api_key: Optional[str], seed: Optional[int],
-                weight_version: str) -> ServeState:
+                weight_version: str, overrides: Sequence[str] = ()) -> ServeState:
     """Load the model (a model path, ``tiny[:...]``, or a YAML run config whose ``model``, ``engine``
     and ``run.seed`` are used) and start its JaxEngine."""
     from asyncrl.config import EngineConfig, load_config
@@ -338,9 +338,11 @@ def build_state(model_or_config: str, *, weights_root: Optional[str], api_key: O
     from asyncrl.model import load_model
 
     if model_or_config.endswith((".yaml", ".yml")):
-        cfg = load_config(model_or_config)
+        cfg = load_config(model_or_config, overrides)
         loaded, engine_cfg, run_seed = load_model(cfg.model, with_tokenizer=False), cfg.engine, cfg.run.seed
     else:
+        if overrides:
+            raise ConfigError(f"asyncrl serve: --set needs a YAML config, not the model {model_or_config!r}")
         loaded, engine_cfg, run_seed = load_model(model_or_config, with_tokenizer=False), EngineConfig(), 0
     graphdef, params = loaded.split()
     engine = JaxEngine(graphdef, params, stop_token_ids=loaded.stop_token_ids, config=engine_cfg,
@@ -351,12 +353,14 @@ def build_state(model_or_config: str, *, weights_root: Optional[str], api_key: O
 
 
 def serve(model_or_config: str, *, host: str = "127.0.0.1", port: int = 30000, weights_root: Optional[str] = None,
-          api_key: Optional[str] = None, seed: Optional[int] = None, weight_version: str = "0") -> None:
+          api_key: Optional[str] = None, seed: Optional[int] = None, weight_version: str = "0",
+          overrides: Sequence[str] = ()) -> None:
     """Run the server until SIGTERM/SIGINT (graceful: in-flight answers finish, then the engine stops)."""
     import uvicorn
 
     api_key = api_key if api_key is not None else os.environ.get("ASYNCRL_API_KEY") or None
-    state = build_state(model_or_config, weights_root=weights_root, api_key=api_key, seed=seed, weight_version=weight_version)
+    state = build_state(model_or_config, weights_root=weights_root, api_key=api_key, seed=seed,
+                        weight_version=weight_version, overrides=overrides)
     config = uvicorn.Config(build_app(state), host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
                             access_log=False)
     server = uvicorn.Server(config)

@@ -530,7 +530,9 @@ class RemoteEngine:
                 min_new_tokens=max(0, request.min_new_tokens - len(s.tokens)),
                 temperature=0.0 if request.greedy else request.temperature,
                 top_p=request.top_p, top_k=request.top_k if request.top_k > 0 else -1,
-                stop_token_ids=list(request.stop_token_ids) if request.stop_token_ids is not None else None,
+                # SGLang adds stop_token_ids to the model's EOS ids; an explicitly empty list means none at all.
+                stop_token_ids=list(request.stop_token_ids) if request.stop_token_ids else None,
+                ignore_eos=request.stop_token_ids is not None and len(request.stop_token_ids) == 0,
                 custom_params={"asyncrl_key": [request.sample_id, request.index_in_group + i,
                                                request.turn + s.segments * SEGMENT_TURN_STRIDE]},
             ))
