@@ -422,11 +422,21 @@ class RemoteEngine:
     def _update_all(self, path: Path, version: int) -> None:
         started = time.monotonic()
         healthy = self._require_healthy(f"publishing version {version}")
-        threads = [threading.Thread(target=self._update_one, args=(s, path, version), daemon=True) for s in healthy]
+        errors: list[BaseException] = []
+
+        def update(server: _Server) -> None:
+            try:
+                self._update_one(server, path, version)
+            except BaseException as err:  # noqa: BLE001 - re-raised on the trainer's thread below
+                errors.append(err)
+
+        threads = [threading.Thread(target=update, args=(s,), name="asyncrl-remote-update", daemon=True) for s in healthy]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        if errors:
+            raise errors[0]
         self._stats["swaps"] += 1
         self._stats["last_update_s"] = time.monotonic() - started
         self._require_healthy(f"publishing version {version}")
