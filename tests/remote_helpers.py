@@ -43,7 +43,7 @@ class Server:
         self.proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=subprocess_env(),
                                      cwd=REPO_ROOT)
 
-    def wait_ready(self, timeout: float = 90.0) -> None:
+    def wait_ready(self, timeout: float = 300.0) -> None:
         import httpx
 
         deadline = time.monotonic() + timeout

@@ -167,21 +167,21 @@ def test_updates_during_generation_tag_every_token_with_its_weights(two, model):
     results: list = []
     stop = threading.Event()
 
-    def load() -> None:
+    def load() -> None:  # keeps the servers busy until both updates are done
         i = 0
         while not stop.is_set() or i < 8:
             prompt = [3 + i % 7, 4, 5]
             request = GenerationRequest(prompt_ids=prompt, n=4, max_new_tokens=24, stop_token_ids=[], sample_id=i)
             results.append((prompt, remote.submit(request)))
             i += 1
-            time.sleep(0.01)
+            time.sleep(0.03)
 
     try:
         thread = threading.Thread(target=load, daemon=True)
         thread.start()
         for k in (1, 2):
-            time.sleep(0.3)
             weights[start + k] = jax.tree.map(lambda x, k=k: x * (1 + 0.05 * k), params)
+            time.sleep(0.2)
             remote.update_weights(weights[start + k], start + k)
         stop.set()
         thread.join(30)

@@ -137,13 +137,13 @@ def test_a_killed_server_loses_no_sample_and_rejoins(tmp_path, record_generation
             time.sleep(2.0)
             again = Server(tmp_path / "weights", tmp_path / "serve1-again.log", port=victim.port)
             restarted.append(again)
-            again.wait_ready(180)
+            again.wait_ready(300)
 
         thread = threading.Thread(target=chaos, daemon=True)
         thread.start()
         try:
             train(cfg, console=io.StringIO())
-            thread.join(200)
+            thread.join(400)
             rows = read_rows(out)
             rl = [r for r in rows if "rollout/lag_max" in r]
             assert [r.get("rollout/count/trained", 0) for r in rl] == [8 * (i + 1) for i in range(len(rl))]
