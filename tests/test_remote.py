@@ -280,3 +280,41 @@ def test_stop_sequences_are_applied_across_segments():
             engine.shutdown()
     assert out.output_ids.tolist() == [4, 5, 6, 7] and out.stop_reason == "stop"
     assert engine.metrics()["engine/resubmits"] == 1
+
+
+@pytest.mark.slow
+def test_docs_serve_command_runs_and_stops_gracefully_on_sigterm(tmp_path):
+    """docs/remote.md's ``asyncrl serve`` command (port and weights root swapped for free ones)."""
+    import re
+    import shlex
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO_ROOT, subprocess_env
+    from tests.remote_helpers import free_port
+
+    text = (REPO_ROOT / "docs" / "remote.md").read_text()
+    (command,) = [line for line in re.findall(r"```bash\n(.*?)\n```", text, re.S) if line.startswith("asyncrl serve")]
+    port = free_port()
+    command = command.replace("--port 30000", f"--port {port}").replace("/shared/run1/weights", str(tmp_path))
+    args = [sys.executable, "-m", "asyncrl.cli", *shlex.split(command)[1:]]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env(), cwd=REPO_ROOT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "asyncrl serve did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        answer = httpx.post(f"http://127.0.0.1:{port}/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+        assert len(sp.GenerateItem.model_validate(answer.json()).output_ids) == 2
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0 and "asyncrl serve: stopped" in output, output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

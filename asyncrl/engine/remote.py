@@ -182,6 +182,7 @@ class RemoteEngine:
         self._update_lock = threading.Lock()
         self._closed = False
         self._stats: collections.Counter = collections.Counter()
+        self._stats_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_concurrent_requests, thread_name_prefix="asyncrl-remote")
         if check:
             self._check_servers()
@@ -279,6 +280,10 @@ class RemoteEngine:
             out.update(server.metrics())
         return out
 
+    def _count(self, name: str, value: float) -> None:
+        with self._stats_lock:
+            self._stats[name] += value
+
     # ------------------------------------------------------------------ HTTP
 
     def _call(self, server: _Server, method: str, path: str, body: Optional[dict] = None, *,
@@ -316,7 +321,8 @@ class RemoteEngine:
                 return answer.json()
             except ValueError:
                 raise RemoteEngineError(f"{where}: the answer is not JSON: {answer.text[:200]!r}") from None
-        server.errors += 1
+        with self._stats_lock:
+            server.errors += 1
         raise ServerUnavailable(f"{where}: no answer after {tries} tries ({last})")
 
     def _check_servers(self) -> None:
@@ -437,7 +443,7 @@ class RemoteEngine:
             t.join()
         if errors:
             raise errors[0]
-        self._stats["swaps"] += 1
+        self._count("swaps", 1)
         self._stats["last_update_s"] = time.monotonic() - started
         self._require_healthy(f"publishing version {version}")
 
@@ -488,18 +494,18 @@ class RemoteEngine:
             if deadline is not None and time.monotonic() > deadline:
                 for i in todo:
                     samples[i].stop_reason = "aborted"
-                    self._stats["aborted"] += 1
+                    self._count("aborted", 1)
                 break
             server = self._acquire(server)
             try:
                 self._segment(server, request, samples, todo, deadline)
             except ServerUnavailable as err:
                 self._mark_unhealthy(server, str(err))
-                self._stats["retries"] += 1
+                self._count("retries", 1)
                 logger.warning("remote engine: resubmitting %d sample(s) elsewhere: %s", len(todo), err)
             finally:
                 self._release(server)
-        self._stats["requests"] += 1
+        self._count("requests", 1)
         return [
             GenerationResponse(
                 output_ids=np.asarray(s.tokens, np.int32), logprobs=np.asarray(s.logprobs, np.float32),
@@ -516,9 +522,10 @@ class RemoteEngine:
         timeout = self.read_timeout_s if deadline is None else max(0.1, min(self.read_timeout_s, deadline - time.monotonic()))
         started = time.monotonic()
         raw = self._call(server, "POST", "/generate", body.model_dump(exclude_none=True), timeout=timeout)
-        server.busy_s += time.monotonic() - started
-        server.latencies.append(time.monotonic() - started)
-        server.requests += 1
+        with self._stats_lock:
+            server.busy_s += time.monotonic() - started
+            server.latencies.append(time.monotonic() - started)
+            server.requests += 1
         try:
             answer = sp.GenerateResponse.validate_python(raw)
         except ValidationError as err:
@@ -574,8 +581,9 @@ class RemoteEngine:
         sample.tokens += tokens
         sample.logprobs += [float(lp[0]) for lp in logprobs]
         sample.versions += [version] * len(tokens)
-        server.tokens += len(tokens)
-        self._stats["tokens"] += len(tokens)
+        with self._stats_lock:
+            server.tokens += len(tokens)
+        self._count("tokens", len(tokens))
         if _cut_at_stop_sequence(sample, request, start):
             return
         kind = meta.finish_reason.type if meta.finish_reason is not None else "abort"
@@ -585,9 +593,9 @@ class RemoteEngine:
             sample.stop_reason = "length"
         elif sample.segments >= self.max_segments:
             sample.stop_reason = "aborted"
-            self._stats["aborted"] += 1
+            self._count("aborted", 1)
         else:
-            self._stats["resubmits"] += 1  # cut by a pause: resubmitted with its tokens so far
+            self._count("resubmits", 1)  # cut by a pause: resubmitted with its tokens so far
 
 
 def _cut_at_stop_sequence(sample: _Sample, request: GenerationRequest, start: int) -> bool:
