@@ -16,7 +16,7 @@ from asyncrl.engine import sglang_protocol as sp
 from asyncrl.engine.protocol import GenerationRequest
 from asyncrl.engine.remote import RemoteEngine, RemoteEngineError
 from asyncrl.errors import EngineRequestError
-from tests.remote_helpers import API_KEY, QUICKSTART, inprocess_servers, scripted_server, servers
+from tests.remote_helpers import API_KEY, QUICKSTART, SERVE_SETTINGS, inprocess_servers, scripted_server, servers
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -26,7 +26,8 @@ def model():
     from asyncrl.config import load_config
     from asyncrl.model import load_model
 
-    cfg = load_config(QUICKSTART, ["engine.prefill_buckets=[32]"])
+    # 16 slots (not the quickstart's 64): cheaper programs, and requests queue up behind one another.
+    cfg = load_config(QUICKSTART, ["engine.prefill_buckets=[32]", "engine.slots=16"])
     loaded = load_model(cfg.model)
     return cfg, loaded
 
@@ -37,7 +38,8 @@ def two(request, tmp_path_factory, model):
     real ``asyncrl serve`` subprocesses (slow: ~30 s to start each on a busy 2-core machine)."""
     tmp = tmp_path_factory.mktemp("remote")
     cfg, loaded = model
-    context = servers(tmp, 2) if request.param == "subprocess" else inprocess_servers(tmp, 2, loaded, cfg)
+    same_engine = (*SERVE_SETTINGS, "--set", "engine.slots=16")  # as the model fixture's
+    context = servers(tmp, 2, extra=same_engine) if request.param == "subprocess" else inprocess_servers(tmp, 2, loaded, cfg)
     with context as started:
         yield tmp, started
 
