@@ -27,6 +27,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -366,6 +367,10 @@ def serve(model_or_config: str, *, host: str = "127.0.0.1", port: int = 30000, w
     server = uvicorn.Server(config)
     print(f"asyncrl serve: {state.model_path} on http://{host}:{port} (weights root: {state.weights_root}, "
           f"api key: {'on' if api_key else 'off'})", flush=True)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler
+    # that was there before: make that a no-op, so the engine stops below and the exit status is 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run()
     finally:
