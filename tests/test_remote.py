@@ -26,8 +26,9 @@ def model():
     from asyncrl.config import load_config
     from asyncrl.model import load_model
 
-    # 16 slots (not the quickstart's 64): cheaper programs, and requests queue up behind one another.
-    cfg = load_config(QUICKSTART, ["engine.prefill_buckets=[32]", "engine.slots=16"])
+    # The quickstart's engine (its decode program is shared with the loop tests), with a prefill
+    # bucket that holds a resubmitted prompt.
+    cfg = load_config(QUICKSTART, ["engine.prefill_buckets=[32]"])
     loaded = load_model(cfg.model)
     return cfg, loaded
 
@@ -38,8 +39,7 @@ def two(request, tmp_path_factory, model):
     real ``asyncrl serve`` subprocesses (slow: ~30 s to start each on a busy 2-core machine)."""
     tmp = tmp_path_factory.mktemp("remote")
     cfg, loaded = model
-    same_engine = (*SERVE_SETTINGS, "--set", "engine.slots=16")  # as the model fixture's
-    context = servers(tmp, 2, extra=same_engine) if request.param == "subprocess" else inprocess_servers(tmp, 2, loaded, cfg)
+    context = servers(tmp, 2) if request.param == "subprocess" else inprocess_servers(tmp, 2, loaded, cfg)
     with context as started:
         yield tmp, started
 
