@@ -57,7 +57,8 @@ def model_dir(name: str, tmp: Path) -> str:
 
 def write_config(tmp: Path, model: str) -> Path:
     path = tmp / "bench.yaml"
-    path.write_text(f"model: {{path: {model}}}\nengine: {{slots: 64, kv_capacity: 64, prefill_buckets: [16, 64]}}\n")
+    path.write_text(f"model: {{path: {model}}}\ndata: {{max_prompt_tokens: 16}}\nrollout: {{max_new_tokens: 32}}\n"
+                    "engine: {slots: 64, kv_capacity: 64, prefill_buckets: [16, 64]}\n")
     return path
 
 
