@@ -230,6 +230,7 @@ class ServeState:
 
 
 def build_app(state: ServeState) -> Any:
+    """The Starlette app: every route authorised, parsed against the protocol models, errors as one line."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
@@ -269,6 +270,21 @@ def build_app(state: ServeState) -> Any:
             return JSONResponse(result, status_code=status)
 
         return wrapped
+
+    routes = [Route(path, endpoint(handler), methods=methods) for path, (handler, methods) in _handlers(state, parse).items()]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> Any:
+        state.loop_objects()
+        yield
+
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def _handlers(state: ServeState, parse: Any) -> dict[str, tuple[Any, list[str]]]:
+    """``path -> (handler(request), methods)`` of the SGLang API subset."""
+    from starlette.requests import Request
+    from starlette.responses import Response
 
     async def generate(request: Request) -> Any:
         return await state.generate(await parse(request, sp.GenerateReqInput, "/generate"))
@@ -311,23 +327,17 @@ def build_app(state: ServeState) -> Any:
     async def server_info(request: Request) -> Any:
         return {"weight_version": state.label, "paused": state.paused, **state.engine.metrics()}
 
-    routes = [
-        Route("/generate", endpoint(generate), methods=["POST"]),
-        Route("/pause_generation", endpoint(pause), methods=["POST"]),
-        Route("/continue_generation", endpoint(resume), methods=["POST"]),
-        Route("/update_weights_from_disk", endpoint(update), methods=["POST"]),
-        Route("/abort_request", endpoint(abort), methods=["POST"]),
-        Route("/flush_cache", endpoint(flush_cache), methods=["GET", "POST"]),
-        Route("/health", endpoint(health), methods=["GET"]),
-        Route("/get_model_info", endpoint(model_info), methods=["GET"]),
-        Route("/get_server_info", endpoint(server_info), methods=["GET"]),
-    ]
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Any) -> Any:
-        state.loop_objects()
-        yield
-
-    return Starlette(routes=routes, lifespan=lifespan)
+    return {
+        "/generate": (generate, ["POST"]),
+        "/pause_generation": (pause, ["POST"]),
+        "/continue_generation": (resume, ["POST"]),
+        "/update_weights_from_disk": (update, ["POST"]),
+        "/abort_request": (abort, ["POST"]),
+        "/flush_cache": (flush_cache, ["GET", "POST"]),
+        "/health": (health, ["GET"]),
+        "/get_model_info": (model_info, ["GET"]),
+        "/get_server_info": (server_info, ["GET"]),
+    }
 
 
 def build_state(model_or_config: str, *, weights_root: Optional[str], api_key: Optional[str], seed: Optional[int],

@@ -16,7 +16,7 @@ from asyncrl.engine import sglang_protocol as sp
 from asyncrl.engine.protocol import GenerationRequest
 from asyncrl.engine.remote import RemoteEngine, RemoteEngineError
 from asyncrl.errors import EngineRequestError
-from tests.remote_helpers import API_KEY, QUICKSTART, SERVE_SETTINGS, inprocess_servers, scripted_server, servers
+from tests.remote_helpers import API_KEY, QUICKSTART, inprocess_servers, scripted_server, servers
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
