@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("run_dir", metavar="RUN_DIR", help="a run's output directory (run.output_dir)")
     export.add_argument("out_dir", metavar="OUT_DIR", help="where to write the Hugging Face directory")
+    _add_serve_parser(commands)
     train.add_argument(
         "--resume",
         action="store_true",
@@ -66,6 +67,36 @@ def build_parser() -> argparse.ArgumentParser:
         "(same as --set checkpoint.resume=auto)",
     )
     return parser
+
+
+def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model over SGLang's HTTP API (a rollout server for engine.remote)",
+        description="Serve MODEL_OR_CONFIG (a model directory, tiny, or a run config's model/engine/run.seed) with the "
+        "in-process JAX engine behind SGLang's native HTTP API (/generate, /pause_generation, /continue_generation, "
+        "/update_weights_from_disk, /health, /get_model_info, ...). See docs/remote.md.",
+    )
+    serve.add_argument("model", metavar="MODEL_OR_CONFIG", help="model path, tiny[:...], or a YAML run config")
+    serve.add_argument("--port", type=int, default=30000, help="TCP port (default 30000, SGLang's)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this host only)")
+    serve.add_argument("--weights-root", default=None, metavar="DIR",
+                       help="/update_weights_from_disk loads only directories under DIR (without it, updates are refused)")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every endpoint (default: $ASYNCRL_API_KEY, else none)")
+    serve.add_argument("--seed", type=int, default=None, help="root of the sample keys (default: the config's run.seed, else 0)")
+    serve.add_argument("--weight-version", default="0", help="weight_version label of the starting weights (default 0)")
+    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                       help="override a field of the config (e.g. --set engine.prefill_buckets=[32]); repeatable")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from asyncrl.serve import serve
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(args.model, host=args.host, port=args.port, weights_root=args.weights_root, api_key=args.api_key,
+          seed=args.seed, weight_version=args.weight_version, overrides=args.overrides)
+    return 0
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -117,6 +148,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "version":
         print(f"asyncrl {__version__}")
         return 0
+    if args.command == "serve":
+        return _serve(args)
     if args.command == "export":
         from asyncrl.export import export_run
 

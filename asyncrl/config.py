@@ -219,6 +219,44 @@ class EvalConfig(Section):
     """Eval requests still unfinished after this long come back aborted."""
 
 
+class RemoteEngineConfig(Section):
+    """Rollouts on inference servers speaking SGLang's native HTTP API (SGLang, SGLang-Jax, ``asyncrl serve``); see docs/remote.md."""
+
+    urls: list[str] = Field(min_length=1)
+    """Base URLs of the servers, e.g. ``[http://10.0.0.5:30000, http://10.0.0.6:30000]``; every one must read ``weights_dir``."""
+    api_key_env: Optional[str] = "ASYNCRL_API_KEY"
+    """Environment variable holding the servers' API key (sent as ``Authorization: Bearer``); unset or empty: no key."""
+    weights_dir: Optional[str] = None
+    """Where published weights are written (``v{N}`` HF directories); null: ``<run.output_dir>/weights``. Must be readable by the servers at the same path."""
+    keep_weights: int = Field(default=2, ge=1)
+    """Weight versions kept on disk (older ones are removed after each publish)."""
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    """HTTP connect timeout; an unreachable URL at start fails within it."""
+    read_timeout_s: float = Field(default=600.0, gt=0)
+    """HTTP read timeout: the longest one generation (or weight load) may take to answer."""
+    retries: int = Field(default=3, ge=0)
+    """Retries of a call on connection errors and HTTP 5xx (never on 4xx) before the server counts as down."""
+    backoff_s: float = Field(default=0.5, ge=0)
+    """Wait before retry ``k`` (from 1): ``backoff_s * 2**(k-1)``."""
+    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    """``/pause_generation`` mode before each update. ``abort`` keeps per-token versions exact (cut requests are resubmitted with their tokens so far); with ``retract``/``in_place`` (SGLang only) a request runs across the update and is tagged with the version it started on."""
+    update_retries: int = Field(default=2, ge=0)
+    """Retries of a server's whole pause/update/continue before it is taken out of rotation."""
+    health_check_every_s: float = Field(default=5.0, ge=0)
+    """Period of ``/health`` checks; a server that answers again rejoins once it loaded the current version. 0: no checks."""
+    max_concurrent_requests: int = Field(default=64, ge=1)
+    """Requests in flight at once over all servers (client threads and pooled connections)."""
+    max_segments: int = Field(default=64, ge=1)
+    """Times one sample may be cut and resubmitted before it is given up as ``aborted``."""
+
+    @model_validator(mode="after")
+    def _check_urls(self) -> "RemoteEngineConfig":
+        bad = [u for u in self.urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"engine.remote.urls: {bad} must start with http:// or https://")
+        return self
+
+
 class EngineConfig(Section):
     """The JAX inference engine: batch slots, KV cache, and the shapes it compiles for."""
 
@@ -234,6 +272,8 @@ class EngineConfig(Section):
     """Most stop token ids one request may give (the width of the compiled stop-id table)."""
     request_timeout_s: Optional[float] = Field(default=None, gt=0)
     """Default timeout of a request without its own ``timeout_s``; unfinished samples come back ``aborted``. Null: none."""
+    remote: Optional[RemoteEngineConfig] = None
+    """Generate on inference servers instead of in-process (the fields above then apply to ``asyncrl serve`` only); null: the in-process JAX engine."""
 
     @model_validator(mode="after")
     def _check_buckets(self) -> "EngineConfig":

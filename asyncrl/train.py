@@ -264,7 +264,8 @@ def _log_line_step(raw: bytes) -> Optional[int]:
 def _rename_train_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """Loss terms under ``loss/`` (``train/loss`` -> ``loss/total``, ``train/pg_loss`` ->
     ``loss/pg``); the trainer's own compute time becomes ``perf/train_time``, since the
-    loop's ``perf/step_time`` covers the whole step (batch wait, train, publish)."""
+    loop's ``perf/step_time`` covers the whole step (batch wait, train, publish); the
+    behaviour/proximal log-prob gap is reported as ``engine/logprob_gap``."""
     renamed = {}
     for name, value in metrics.items():
         if name == "train/loss":
@@ -276,6 +277,8 @@ def _rename_train_metrics(metrics: dict[str, float]) -> dict[str, float]:
         elif name == "perf/trained_tokens_per_s":
             # The loop's perf/trained_tokens_per_s covers the whole step; this is over train_time only.
             name = "perf/train_tokens_per_train_s"
+        elif name == "train/logprob_gap":
+            name = "engine/logprob_gap"  # mean |behaviour - proximal| log-prob on trained tokens
         renamed[name] = value
     return renamed
 
@@ -421,14 +424,8 @@ class _Run:
         return Trainer(scfg, self.graphdef, params, mesh=self.mesh, version=self.version, objective=objective)
 
     def ensure_engine(self, trainer: Any, scfg: Config) -> Any:
-        from asyncrl.engine.jax_engine import JaxEngine
-
         if self.engine is None:
-            # The engine serves the trainer's own (never donated) arrays: publishing copies nothing.
-            self.engine = JaxEngine(
-                self.graphdef, trainer.params_for_publish(), stop_token_ids=self.loaded.stop_token_ids,
-                config=scfg.engine, seed=scfg.run.seed, version=self.version,
-            )
+            self.engine = build_engine(self, trainer, scfg)
         return self.engine
 
     def publish(self, trainer: Any) -> None:
@@ -652,6 +649,28 @@ def _first_local_device(mesh: Any) -> Any:
     import jax
 
     return next((d for d in mesh.devices.flat if d.process_index == jax.process_index()), None)
+
+
+def build_engine(run: "_Run", trainer: Any, scfg: Config) -> Any:
+    """The run's inference engine: in-process (JaxEngine), or on servers when ``engine.remote`` is set."""
+    remote = scfg.engine.remote
+    if remote is not None:
+        from asyncrl.engine.remote import RemoteEngine
+
+        engine = RemoteEngine.from_config(
+            remote, version=run.version, graphdef=run.graphdef, tokenizer=run.loaded.tokenizer,
+            stop_token_ids=run.loaded.stop_token_ids,
+            weights_dir=Path(remote.weights_dir) if remote.weights_dir else run.out / "weights",
+        )
+        engine.ensure_version(trainer.params_for_publish())  # fresh servers of a resumed run
+        return engine
+    from asyncrl.engine.jax_engine import JaxEngine
+
+    # The engine serves the trainer's own (never donated) arrays: publishing copies nothing.
+    return JaxEngine(
+        run.graphdef, trainer.params_for_publish(), stop_token_ids=run.loaded.stop_token_ids,
+        config=scfg.engine, seed=scfg.run.seed, version=run.version,
+    )
 
 
 def jax_to_numpy(tree: Any) -> Any:

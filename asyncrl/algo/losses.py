@@ -151,6 +151,8 @@ def policy_loss(
         dual_clip_frac=(advantages < 0) & (ratio > params.dual_clip) if params.dual_clip is not None else false,
         approx_kl_prox=k3(prox_logprobs, logprobs_sg),
         approx_kl_behave=k3(behavior_logprobs, logprobs_sg),
+        # |log pi_behave - log pi_prox|: the engine/trainer mismatch (0 when pi_prox is not recomputed).
+        logprob_gap=jnp.abs(prox_logprobs - behavior_logprobs),
         behave_weight_mean=raw_w,
         behave_weight_capped_frac=raw_w != applied_w if params.behave_weight_cap is not None else false,
     )

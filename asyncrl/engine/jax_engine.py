@@ -412,6 +412,7 @@ class JaxEngine:
         self._waiting: collections.deque[_Pending] = collections.deque()
         self._running: set[_Pending] = set()
         self._update: Optional[_Update] = None
+        self._aborts: list[threading.Event] = []
         self._closed = False
         self._crash: Optional[str] = None
         self._warned_truncation = False
@@ -480,6 +481,19 @@ class JaxEngine:
             raise update.error
         if not update.done.is_set():
             self._raise_if_unusable()
+
+    def abort_all(self, timeout: float = 60.0) -> None:
+        """End every waiting and running sample at the next chunk boundary, keeping the tokens it
+        has (``stop_reason == "aborted"``); returns once done. ``asyncrl serve`` calls this on
+        ``/pause_generation`` so that no request runs across a weight update."""
+        done = threading.Event()
+        with self._cond:
+            self._raise_if_unusable()
+            self._aborts.append(done)
+            self._cond.notify_all()
+        if not done.wait(timeout):
+            self._raise_if_unusable()
+            raise TimeoutError(f"JaxEngine.abort_all: not done within {timeout} s")
 
     # ------------------------------------------------------------------ lifecycle, metrics
 
@@ -607,11 +621,14 @@ class JaxEngine:
         try:
             while True:
                 with self._cond:
-                    while not (self._closed or self._waiting or self._update is not None or self._running):
+                    while not (self._closed or self._waiting or self._update is not None or self._running or self._aborts):
                         self._cond.wait(1.0)
                     if self._closed:
                         return
                     update, self._update = self._update, None
+                    aborts, self._aborts = self._aborts, []
+                if aborts:
+                    self._abort_now(aborts)
                 if update is not None:
                     self._install(update)
                 self._expire()
@@ -637,6 +654,19 @@ class JaxEngine:
         self._stats["swap_s"] += latency
         self._stats["swap_max_s"] = max(self._stats["swap_max_s"], latency)
         update.done.set()
+
+    def _abort_now(self, aborts: list[threading.Event]) -> None:
+        with self._cond:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for p in waiting:
+            self._running.add(p)
+        for p in list(self._running):
+            for j, s in enumerate(p.samples):
+                if s.stop_reason is None:
+                    self._end_sample(p, j, "aborted")
+        for done in aborts:
+            done.set()
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cond:

@@ -1,0 +1,388 @@
+"""``asyncrl serve``: the in-process JaxEngine behind SGLang's native HTTP API (the RL subset).
+
+So users without SGLang can run rollout servers on other hosts, and the tests exercise
+:class:`~asyncrl.engine.remote.RemoteEngine` against real servers. Requests and answers are the
+models of :mod:`asyncrl.engine.sglang_protocol`; the stack is Starlette on uvicorn.
+
+Semantics that matter for exact per-token versions:
+
+* ``/pause_generation`` (mode ``abort``) ends every in-flight request at once with the tokens it
+  has (finish type ``abort``) and holds new ``/generate`` requests until ``/continue_generation``.
+  ``retract`` and ``in_place`` are refused (400): the JaxEngine cannot park requests.
+* ``/update_weights_from_disk`` always runs with generation paused (it pauses and aborts itself
+  when the caller did not), so every answer's tokens come from one set of weights, named by its
+  ``meta_info.weight_version``. It loads only directories under ``--weights-root`` (403 otherwise;
+  no root: updates are refused).
+* ``--api-key``: every endpoint needs ``Authorization: Bearer KEY`` (401 otherwise).
+* SIGTERM: uvicorn stops accepting, finishes in-flight answers (up to 10 s), then the engine stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import itertools
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from pydantic import ValidationError
+
+from asyncrl.engine import sglang_protocol as sp
+from asyncrl.engine.protocol import GenerationRequest, GenerationResponse
+from asyncrl.errors import AsyncRLError, ConfigError, EngineRequestError
+
+logger = logging.getLogger("asyncrl.serve")
+
+
+class HTTPError(Exception):
+    """An answer other than 200: ``status`` and a one-line ``message``."""
+
+    def __init__(self, status: int, message: str):
+        self.status = status
+        self.message = message
+        super().__init__(message)
+
+
+def validation_message(err: ValidationError, what: str) -> str:
+    """One line naming every bad field of a request body."""
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(body)"
+        msg = "field not supported by asyncrl serve" if e["type"] == "extra_forbidden" else e["msg"]
+        parts.append(f"{loc}: {msg}")
+    return f"{what}: " + "; ".join(parts)
+
+
+class ServeState:
+    """The engine, its weights labels, and the pause gate shared by the handlers.
+
+    The JaxEngine counts its own versions (``engine.version``, +1 per update); ``labels`` maps each
+    to the ``weight_version`` string it was loaded as, so a restarted server can load trainer
+    version ``N`` directly.
+    """
+
+    def __init__(self, engine: Any, model_cfg: Any, model_path: str, *, weights_root: Optional[Path],
+                 api_key: Optional[str], weight_version: str = "0"):
+        self.engine = engine
+        self.model_cfg = model_cfg
+        self.model_path = model_path
+        self.weights_root = weights_root.resolve() if weights_root is not None else None
+        self.api_key = api_key
+        self.labels: dict[int, str] = {engine.version: weight_version}
+        self.paused = False
+        self.resumed: Optional[asyncio.Event] = None  # created on the server's loop
+        self.update_lock: Optional[asyncio.Lock] = None
+        self.sample_ids = itertools.count(1 << 40)  # keys of requests that bring none
+        self.rids = itertools.count()
+
+    def loop_objects(self) -> None:
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.update_lock = asyncio.Lock()
+
+    @property
+    def label(self) -> str:
+        return self.labels[self.engine.version]
+
+    # ------------------------------------------------------------------ generate
+
+    def build_requests(self, body: sp.GenerateReqInput) -> list[tuple[Optional[GenerationRequest], int]]:
+        """One entry per output item: ``(request or None for max_new_tokens == 0, samples)``; items of
+        one prompt that differ only in their key index become one request with ``n`` samples."""
+        prompts = body.prompts()
+        params = body.sampling_params
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise HTTPError(400, f"/generate: {len(params)} sampling_params for {len(prompts)} prompts")
+        else:
+            params = [params] * len(prompts)
+        items: list[Optional[GenerationRequest]] = []
+        for prompt, sampling in zip(prompts, params):
+            for i in range(sampling.n):
+                items.append(self.one_request(prompt, sampling, i))
+        merged: list[tuple[Optional[GenerationRequest], int]] = []
+        for req in items:
+            if merged and req is not None and merged[-1][0] is not None:
+                prev, count = merged[-1]
+                follows = dataclasses.replace(req, n=prev.n, index_in_group=prev.index_in_group) == prev
+                if follows and req.index_in_group == prev.index_in_group + prev.n and prev.n < self.engine.slots:
+                    merged[-1] = (dataclasses.replace(prev, n=prev.n + 1), count + 1)
+                    continue
+            merged.append((req, 1))
+        return merged
+
+    def one_request(self, prompt: list[int], sampling: sp.SamplingParams, i: int) -> Optional[GenerationRequest]:
+        if sampling.max_new_tokens == 0:
+            return None
+        if not prompt:
+            raise HTTPError(400, "/generate: input_ids is empty: a prompt needs at least one token")
+        key = (sampling.custom_params or {}).get("asyncrl_key")
+        if key is None:
+            sample_id, index, turn = next(self.sample_ids), 0, 0
+        elif isinstance(key, list) and len(key) == 3 and all(isinstance(k, int) and k >= 0 for k in key):
+            sample_id, index, turn = key
+        else:
+            raise HTTPError(400, f"/generate: sampling_params.custom_params.asyncrl_key must be [sample_id, key_index, turn] of non-negative ints (given {key!r})")
+        greedy = sampling.temperature == 0
+        stop = [] if sampling.ignore_eos else sorted(set(self.engine.default_stop_ids) | set(sampling.stop_token_ids or ()))
+        try:
+            return GenerationRequest(
+                prompt_ids=list(prompt), n=1, temperature=1.0 if greedy else sampling.temperature,
+                top_k=max(sampling.top_k, 0), top_p=sampling.top_p, greedy=greedy,
+                max_new_tokens=sampling.max_new_tokens, min_new_tokens=min(sampling.min_new_tokens, sampling.max_new_tokens),
+                stop_token_ids=stop, sample_id=sample_id, index_in_group=index + i, turn=turn,
+            )
+        except ValueError as err:
+            raise HTTPError(400, f"/generate: {err}") from None
+
+    def item(self, response: Optional[GenerationResponse], prompt_len: int, with_logprobs: bool) -> dict:
+        rid = f"asyncrl-{next(self.rids)}"
+        if response is None:
+            tokens, logprobs, label, finish = [], [], self.label, {"type": "length", "length": 0}
+        else:
+            tokens = [int(t) for t in response.output_ids]
+            logprobs = [float(x) for x in response.logprobs]
+            versions = set(int(v) for v in response.versions)
+            if len(versions) > 1:
+                raise HTTPError(500, f"/generate: internal error: one answer's tokens span weight versions {sorted(versions)}")
+            label = self.labels[versions.pop()] if versions else self.label
+            reason = response.stop_reason
+            if reason == "aborted":
+                finish = {"type": "abort", "message": "aborted by /pause_generation, an update or a timeout"}
+            elif reason == "length":
+                finish = {"type": "length", "length": len(tokens)}
+            else:
+                finish = {"type": "stop", "matched": tokens[-1]}
+        meta = sp.MetaInfo(
+            id=rid, finish_reason=sp.FinishReason(**finish), prompt_tokens=prompt_len, completion_tokens=len(tokens),
+            weight_version=label,
+            output_token_logprobs=[(lp, t, None) for lp, t in zip(logprobs, tokens)] if with_logprobs else None,
+        )
+        return sp.GenerateItem(text="", output_ids=tokens, meta_info=meta).model_dump(exclude_none=True)
+
+    async def generate(self, body: sp.GenerateReqInput) -> Any:
+        requests = self.build_requests(body)
+        while self.paused:  # held while paused, like SGLang; then run on the new weights
+            await self.resumed.wait()
+        # No await between the pause check and the submits: a pause cannot slip in between.
+        try:
+            futures = [None if r is None else asyncio.wrap_future(self.engine.submit(r)) for r, _ in requests]
+        except EngineRequestError as err:
+            raise HTTPError(400, f"/generate: {err}") from None
+        with_logprobs = body.return_logprob if isinstance(body.return_logprob, bool) else any(body.return_logprob)
+        out = []
+        for (req, count), fut in zip(requests, futures):
+            responses = [None] * count if fut is None else await fut
+            for response in responses:
+                out.append(self.item(response, len(req.prompt_ids) if req is not None else 0, with_logprobs))
+        return out if body.is_batch or len(out) != 1 else out[0]
+
+    # ------------------------------------------------------------------ control
+
+    async def pause(self) -> None:
+        self.paused = True
+        self.resumed.clear()
+        await asyncio.to_thread(self.engine.abort_all)
+
+    def resume(self) -> None:
+        self.paused = False
+        self.resumed.set()
+
+    def check_path(self, model_path: str) -> Path:
+        if self.weights_root is None:
+            raise HTTPError(403, "/update_weights_from_disk: this server was started without --weights-root, so it loads no weights")
+        path = Path(model_path).resolve()
+        if path != self.weights_root and self.weights_root not in path.parents:
+            raise HTTPError(403, f"/update_weights_from_disk: {model_path} is outside the weights root {self.weights_root} (--weights-root)")
+        return path
+
+    async def update(self, body: sp.UpdateWeightFromDiskReqInput) -> dict:
+        path = self.check_path(body.model_path)
+        async with self.update_lock:
+            was_paused = self.paused
+            if not was_paused:
+                await self.pause()
+            try:
+                await asyncio.to_thread(self.load_and_install, path, body.weight_version)
+            except (OSError, ValueError, AsyncRLError) as err:
+                return {"success": False, "message": f"failed to load {path}: {err}", "num_paused_requests": 0}
+            finally:
+                if not was_paused and not body.keep_pause:
+                    self.resume()
+        return sp.UpdateWeightFromDiskReqOutput(success=True, message=f"loaded {path} as weight_version {self.label}").model_dump()
+
+    def load_and_install(self, path: Path, label: Optional[str]) -> None:
+        from asyncrl.model.hf import params_from_hf, read_safetensors
+
+        params = params_from_hf(self.model_cfg, read_safetensors(path), str(path))
+        version = self.engine.version + 1
+        self.labels[version] = label if label is not None else self.label
+        self.engine.update_weights(params, version)
+
+
+# --------------------------------------------------------------------------- the app
+
+
+def build_app(state: ServeState) -> Any:
+    """The Starlette app: every route authorised, parsed against the protocol models, errors as one line."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+    def authorised(request: Request) -> bool:
+        if state.api_key is None:
+            return True
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode())
+
+    async def parse(request: Request, model: Any, what: str) -> Any:
+        raw = await request.body()
+        try:
+            data = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError as err:
+            raise HTTPError(400, f"{what}: the body is not JSON ({err})") from None
+        try:
+            return model.model_validate(data)
+        except ValidationError as err:
+            raise HTTPError(400, validation_message(err, what)) from None
+
+    def endpoint(handler: Any) -> Any:
+        async def wrapped(request: Request) -> Response:
+            if not authorised(request):
+                return error(401, f"{request.url.path}: missing or wrong API key (send Authorization: Bearer KEY)")
+            try:
+                result = await handler(request)
+            except HTTPError as err:
+                return error(err.status, err.message)
+            if isinstance(result, Response):
+                return result
+            status = 400 if isinstance(result, dict) and result.get("success") is False else 200
+            return JSONResponse(result, status_code=status)
+
+        return wrapped
+
+    routes = [Route(path, endpoint(handler), methods=methods) for path, (handler, methods) in _handlers(state, parse).items()]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> Any:
+        state.loop_objects()
+        yield
+
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def _handlers(state: ServeState, parse: Any) -> dict[str, tuple[Any, list[str]]]:
+    """``path -> (handler(request), methods)`` of the SGLang API subset."""
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    async def generate(request: Request) -> Any:
+        return await state.generate(await parse(request, sp.GenerateReqInput, "/generate"))
+
+    async def pause(request: Request) -> Any:
+        body = await parse(request, sp.PauseGenerationReqInput, "/pause_generation")
+        if body.mode != "abort":
+            raise HTTPError(400, f"/pause_generation: mode {body.mode!r} is not supported by asyncrl serve (only 'abort': "
+                                 "the JaxEngine cannot park requests); set engine.remote.pause_mode: abort")
+        await state.pause()
+        return {"success": True, "message": "paused"}
+
+    async def resume(request: Request) -> Any:
+        await parse(request, sp.ContinueGenerationReqInput, "/continue_generation")
+        state.resume()
+        return {"success": True, "message": "continued"}
+
+    async def update(request: Request) -> Any:
+        return await state.update(await parse(request, sp.UpdateWeightFromDiskReqInput, "/update_weights_from_disk"))
+
+    async def abort(request: Request) -> Any:
+        body = await parse(request, sp.AbortReq, "/abort_request")
+        if not body.abort_all:
+            raise HTTPError(400, "/abort_request: asyncrl serve aborts all requests only (send abort_all: true)")
+        await asyncio.to_thread(state.engine.abort_all)
+        return {"success": True}
+
+    async def flush_cache(request: Request) -> Any:
+        return Response("Cache flushed (asyncrl serve keeps no prefix cache).", media_type="text/plain")
+
+    async def health(request: Request) -> Any:
+        if state.engine.crashed is not None:
+            raise HTTPError(503, "/health: the engine's thread died")
+        return Response(status_code=200)
+
+    async def model_info(request: Request) -> Any:
+        return sp.ModelInfo(model_path=state.model_path, tokenizer_path=state.model_path, is_generation=True,
+                            weight_version=state.label).model_dump()
+
+    async def server_info(request: Request) -> Any:
+        return {"weight_version": state.label, "paused": state.paused, **state.engine.metrics()}
+
+    return {
+        "/generate": (generate, ["POST"]),
+        "/pause_generation": (pause, ["POST"]),
+        "/continue_generation": (resume, ["POST"]),
+        "/update_weights_from_disk": (update, ["POST"]),
+        "/abort_request": (abort, ["POST"]),
+        "/flush_cache": (flush_cache, ["GET", "POST"]),
+        "/health": (health, ["GET"]),
+        "/get_model_info": (model_info, ["GET"]),
+        "/get_server_info": (server_info, ["GET"]),
+    }
+
+
+def build_state(model_or_config: str, *, weights_root: Optional[str], api_key: Optional[str], seed: Optional[int],
+                weight_version: str, overrides: Sequence[str] = ()) -> ServeState:
+    """Load the model (a model path, ``tiny[:...]``, or a YAML run config whose ``model``, ``engine``
+    and ``run.seed`` are used) and start its JaxEngine."""
+    from asyncrl.config import EngineConfig, load_config
+    from asyncrl.engine.jax_engine import JaxEngine
+    from asyncrl.model import load_model
+
+    if model_or_config.endswith((".yaml", ".yml")):
+        cfg = load_config(model_or_config, overrides)
+        loaded, engine_cfg, run_seed = load_model(cfg.model, with_tokenizer=False), cfg.engine, cfg.run.seed
+    else:
+        if overrides:
+            raise ConfigError(f"asyncrl serve: --set needs a YAML config, not the model {model_or_config!r}")
+        loaded, engine_cfg, run_seed = load_model(model_or_config, with_tokenizer=False), EngineConfig(), 0
+    graphdef, params = loaded.split()
+    engine = JaxEngine(graphdef, params, stop_token_ids=loaded.stop_token_ids, config=engine_cfg,
+                       seed=run_seed if seed is None else seed)
+    root = Path(weights_root) if weights_root else None
+    return ServeState(engine, loaded.model.cfg, str(loaded.path), weights_root=root, api_key=api_key,
+                      weight_version=weight_version)
+
+
+def serve(model_or_config: str, *, host: str = "127.0.0.1", port: int = 30000, weights_root: Optional[str] = None,
+          api_key: Optional[str] = None, seed: Optional[int] = None, weight_version: str = "0",
+          overrides: Sequence[str] = ()) -> None:
+    """Run the server until SIGTERM/SIGINT (graceful: in-flight answers finish, then the engine stops)."""
+    import uvicorn
+
+    api_key = api_key if api_key is not None else os.environ.get("ASYNCRL_API_KEY") or None
+    state = build_state(model_or_config, weights_root=weights_root, api_key=api_key, seed=seed,
+                        weight_version=weight_version, overrides=overrides)
+    config = uvicorn.Config(build_app(state), host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
+                            access_log=False)
+    server = uvicorn.Server(config)
+    print(f"asyncrl serve: {state.model_path} on http://{host}:{port} (weights root: {state.weights_root}, "
+          f"api key: {'on' if api_key else 'off'})", flush=True)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler
+    # that was there before: make that a no-op, so the engine stops below and the exit status is 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        state.engine.shutdown()
+    print("asyncrl serve: stopped", flush=True)

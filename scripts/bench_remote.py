@@ -1,0 +1,154 @@
+"""Benchmark RemoteEngine through ``asyncrl serve`` against the in-process JaxEngine; prints one JSON line.
+
+    PYTHONPATH=. python scripts/bench_remote.py [--model tiny|bench-40m] [--requests 64] [--repeats 3]
+
+* ``tokens_per_s``: new tokens/s for ``--requests`` requests (n = 4 samples, 16-token prompt,
+  32 new tokens, EOS ignored, temperature 1) submitted at once, through the in-process engine,
+  through RemoteEngine with 1 server and with 2 servers (each ``asyncrl serve`` a subprocess with
+  the same engine settings: 64 slots, KV 64, buckets [16, 64]).
+* ``http_overhead_ms``: median latency of a 1-token greedy request through RemoteEngine -> 1 server
+  minus the same request in process (serialisation, HTTP, validation, thread hops).
+* ``pause_update_s``: median wall time of ``update_weights`` less its export of ``weights/vN`` (i.e.
+  pause + load + continue + check on every server) with 1 and 2 servers, idle; ``write_weights_s``:
+  the export alone.
+
+Medians of ``--repeats`` timed runs after one warm-up. On a shared CPU the servers, the client and
+the in-process engine compete for the same cores: read the load average printed beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.remote_helpers import API_KEY, Server  # noqa: E402
+
+ENGINE = ["--set", "engine.slots=64", "--set", "engine.kv_capacity=64", "--set", "engine.prefill_buckets=[16,64]"]
+PROMPT, NEW, N = 16, 32, 4
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def model_dir(name: str, tmp: Path) -> str:
+    if name == "tiny":
+        return "tiny"
+    from asyncrl.model import bench_40m_config, export_hf, init_decoder
+
+    return str(export_hf(init_decoder(bench_40m_config(), seed=0), None, tmp / "bench40m"))
+
+
+def write_config(tmp: Path, model: str) -> Path:
+    path = tmp / "bench.yaml"
+    path.write_text(f"model: {{path: {model}}}\ndata: {{max_prompt_tokens: 16}}\nrollout: {{max_new_tokens: 32}}\n"
+                    "engine: {slots: 64, kv_capacity: 64, prefill_buckets: [16, 64]}\n")
+    return path
+
+
+def workload(vocab: int, count: int):
+    from asyncrl.engine.protocol import GenerationRequest
+
+    rng = np.random.default_rng(0)
+    return [GenerationRequest(prompt_ids=[int(t) for t in rng.integers(3, vocab, PROMPT)], n=N, max_new_tokens=NEW,
+                              stop_token_ids=[], sample_id=i) for i in range(count)]
+
+
+def throughput(engine, requests, repeats) -> float:
+    def run():
+        futures = [engine.submit(r) for r in requests]
+        for f in futures:
+            f.result()
+
+    return len(requests) * N * NEW / median_time(run, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="tiny", choices=["tiny", "bench-40m"])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    import jax
+
+    from asyncrl.config import load_config
+    from asyncrl.engine.jax_engine import JaxEngine
+    from asyncrl.engine.protocol import GenerationRequest
+    from asyncrl.engine.remote import RemoteEngine
+    from asyncrl.model import load_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-remote-"))
+    config = write_config(tmp, model_dir(args.model, tmp))
+    cfg = load_config(config)
+    loaded = load_model(cfg.model, with_tokenizer=False)
+    graphdef, params = loaded.split()
+    vocab = loaded.model.cfg.vocab_size
+    requests = workload(vocab, args.requests)
+    one_token = GenerationRequest(prompt_ids=[5, 6, 7], greedy=True, max_new_tokens=1, stop_token_ids=[])
+    (tmp / "weights").mkdir()
+    servers = [Server(tmp / "weights", tmp / f"serve{i}.log", model=str(config), extra=()) for i in range(2)]
+    out: dict = {"model": args.model, "requests": args.requests, "samples_per_request": N, "new_tokens": NEW}
+    try:
+        local = JaxEngine(graphdef, params, stop_token_ids=loaded.stop_token_ids, config=cfg.engine, warmup=True)
+        out["tokens_per_s"] = {"in_process": throughput(local, requests, args.repeats)}
+        local_latency = median_time(lambda: local.generate(one_token), 20)
+        local.shutdown()
+        for s in servers:
+            s.wait_ready(300)
+        version = 0
+        for count in (1, 2):
+            remote = RemoteEngine([s.url for s in servers[:count]], graphdef=graphdef, stop_token_ids=loaded.stop_token_ids,
+                                  weights_dir=tmp / "weights" / f"run{count}", api_key=API_KEY, health_check_every_s=0,
+                                  version=version, max_concurrent_requests=256)
+            out["tokens_per_s"][f"servers_{count}"] = throughput(remote, requests, args.repeats)
+            if count == 1:
+                remote_latency = median_time(lambda: remote.generate(one_token), 20)
+                out["http_overhead_ms"] = 1e3 * (remote_latency - local_latency)
+                out["one_token_latency_ms"] = {"in_process": 1e3 * local_latency, "remote": 1e3 * remote_latency}
+            times, writes = [], []
+            for k in range(args.repeats + 1):
+                new = jax.tree.map(lambda x, k=k: x * (1 + 1e-3 * (k + 1)), params)
+                t0 = time.perf_counter()
+                remote.write_weights(new, version + 1)
+                writes.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                remote.update_weights(new, version + 1)
+                times.append(time.perf_counter() - t0 - writes[-1])  # update_weights writes again: count that once, apart
+                version += 1
+            out.setdefault("pause_update_s", {})[f"servers_{count}"] = statistics.median(times[1:])
+            out["write_weights_s"] = statistics.median(writes[1:])
+            remote.shutdown()
+            if count == 1:  # the second server must catch up to the version before it joins
+                for s in servers[1:]:
+                    import httpx
+
+                    httpx.post(f"{s.url}/update_weights_from_disk", headers={"Authorization": f"Bearer {API_KEY}"},
+                               json={"model_path": str(tmp / "weights" / "run1" / f"v{version}"), "weight_version": str(version)},
+                               timeout=300).raise_for_status()
+    finally:
+        for s in servers:
+            s.terminate(10)
+    out["speedup_2_servers_vs_in_process"] = out["tokens_per_s"]["servers_2"] / out["tokens_per_s"]["in_process"]
+    out["load_average"] = os.getloadavg()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
