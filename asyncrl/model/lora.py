@@ -278,3 +278,104 @@ def tree_bytes(tree: Any) -> int:
     """Bytes held by the array leaves of ``tree`` (parameters, gradients, optimizer state)."""
     return int(sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape)) for x in jax.tree.leaves(tree)
                    if hasattr(x, "shape") and hasattr(x, "dtype")))
+
+
+# --------------------------------------------------------------------------- PEFT export
+
+PEFT_CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def peft_tensors(adapters: dict) -> dict[str, np.ndarray]:
+    """PEFT's tensor names and layout: ``base_model.model.model.<linear>.lora_A.weight [r, in]``
+    (our ``lora_a [in, r]`` transposed) and ``lora_B.weight [out, r]``."""
+    out = {}
+    for path, pair in adapter_modules(adapters):
+        name = "base_model.model.model." + ".".join(str(k) for k in path)
+        out[f"{name}.lora_A.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(pair["lora_a"])).T)
+        out[f"{name}.lora_B.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(pair["lora_b"])).T)
+    return out
+
+
+def peft_config(spec: LoraSpec, base_model: str) -> dict[str, Any]:
+    """``adapter_config.json`` of a PEFT LoRA adapter for a causal LM."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": sorted(spec.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+
+
+def export_peft_adapter(adapters: dict, spec: LoraSpec, out_dir: Any, *, base_model: str,
+                        overwrite: bool = False) -> Any:
+    """Write a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``)
+    that ``peft.PeftModel.from_pretrained(base, out_dir)`` loads; assembled in a temporary
+    sibling and renamed into place (never half written)."""
+    import json
+    import os
+    import shutil
+    import tempfile
+    import uuid
+    from pathlib import Path
+
+    from safetensors.numpy import save_file
+
+    from asyncrl.errors import ModelError
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise ModelError(f"export_peft_adapter: {out_dir} already exists (pass overwrite=True to replace it)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        save_file(peft_tensors(adapters), str(tmp / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / PEFT_CONFIG_FILE).write_text(json.dumps(peft_config(spec, base_model), indent=2) + "\n")
+        for name in (PEFT_WEIGHTS_FILE, PEFT_CONFIG_FILE):
+            with open(tmp / name, "rb") as handle:
+                os.fsync(handle.fileno())
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+# --------------------------------------------------------------------------- a run's base model
+
+
+def base_identity(model_path: Any, base_params: dict) -> dict[str, str]:
+    """What a LoRA checkpoint records of its base: ``{"base_model_path", "base_hash"}``."""
+    return {"base_model_path": str(model_path), "base_hash": params_hash(base_params)}
+
+
+def check_same_base(saved: Optional[dict], current: dict[str, str], where: str) -> None:
+    """Refuse adapters trained on another base model (a :class:`~asyncrl.errors.CheckpointError`
+    naming both content hashes)."""
+    from asyncrl.errors import CheckpointError
+
+    if not saved or "base_hash" not in saved:
+        raise CheckpointError(f"{where}: holds no LoRA base-model identity (state.json 'lora'); it was not written "
+                              "by a model.lora run, so its params are not adapters")
+    if saved["base_hash"] != current["base_hash"]:
+        raise CheckpointError(
+            f"{where}: its adapters were trained on base model {saved.get('base_model_path')} with content hash "
+            f"{saved['base_hash']}, but model.path {current['base_model_path']} now has content hash "
+            f"{current['base_hash']}; point model.path at the original base weights"
+        )
