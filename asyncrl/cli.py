@@ -49,10 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
         "export",
         help="write a run's policy in Hugging Face format",
         description="Write the policy saved in RUN_DIR (its latest checkpoint, else its final hf/ export) to OUT_DIR "
-        "as a Hugging Face model directory.",
+        "as a Hugging Face model directory; for a LoRA run, its adapters as a PEFT adapter directory (--merged: the "
+        "merged Hugging Face model).",
     )
     export.add_argument("run_dir", metavar="RUN_DIR", help="a run's output directory (run.output_dir)")
     export.add_argument("out_dir", metavar="OUT_DIR", help="where to write the Hugging Face directory")
+    _add_export_lora_args(export)
     train.add_argument(
         "--resume",
         action="store_true",
@@ -60,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(same as --set checkpoint.resume=auto)",
     )
     return parser
+
+
+def _add_export_lora_args(export: argparse.ArgumentParser) -> None:
+    export.add_argument(
+        "--merged", action="store_true",
+        help="for a LoRA run (model.lora): write the base model with the adapters merged in as a Hugging Face "
+        "directory, instead of a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)",
+    )
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -97,7 +107,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
         from asyncrl.export import export_run
 
-        written = export_run(args.run_dir, args.out_dir)
+        written = export_run(args.run_dir, args.out_dir, merged=args.merged)
         print(f"asyncrl: wrote {written}")
         return 0
 
