@@ -403,6 +403,14 @@ class Trainer:
     token-mean cross-entropy of ``batch.loss_mask`` tokens at temperature 1 (:func:`sft_loss`),
     one optimizer update per step (``algo`` is not read); batches come from
     :class:`asyncrl.sft.SFTData`.
+
+    LoRA (``model.lora``): ``Trainer(cfg, lora.graphdef, lora.adapters, frozen=lora.frozen)``
+    with ``lora = asyncrl.model.lora.attach_lora(...)`` (or :meth:`from_config`). Only the
+    adapters are trained, hold optimizer state and are checkpointed (:meth:`state_dict`); the
+    base weights are placed once and never change; the KL reference is the stage's starting
+    adapters on the same base (for a first stage: the base model, adapters off);
+    :meth:`params_for_publish` merges ``W + (alpha / r) * A @ B`` for the engine, and
+    :meth:`trainable_params` hands the adapters to the next stage.
     """
 
     OBJECTIVES = ("rl", "sft")
