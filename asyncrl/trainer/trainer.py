@@ -360,16 +360,19 @@ def matmul_params(params: Any, model_cfg: Any) -> int:
     return total
 
 
-def step_flops(n_matmul_params: int, model_cfg: Any, algo: Optional[AlgoParams], epochs: int, rows: int, length: int) -> float:
+def step_flops(n_matmul_params: int, model_cfg: Any, algo: Optional[AlgoParams], epochs: int, rows: int, length: int,
+               train_passes: int = 3) -> float:
     """Model FLOPs of one step (rematerialisation not counted), on every position of the padded batch.
 
     A forward pass costs ``2 * n_matmul_params + 4 * layers * L * heads * head_dim`` per token
     (:func:`matmul_params`; the attention is computed over all L positions); a training pass
     (forward + backward) three forwards; pi_prox and pi_ref one forward each when computed
-    (``algo=None``: an SFT step, training passes only).
+    (``algo=None``: an SFT step, training passes only). With LoRA a training pass is
+    ``train_passes=2`` forwards: the frozen weights need no weight gradients (the adapters'
+    own matmuls are not counted).
     """
     per_token = 2 * n_matmul_params + 4 * model_cfg.num_layers * length * model_cfg.num_heads * model_cfg.head_dim
-    passes = 3 * epochs
+    passes = train_passes * epochs
     if algo is not None:
         passes += int(algo.needs_prox_recompute) + int(algo.needs_reference)
     return float(per_token) * rows * length * passes
@@ -607,7 +610,7 @@ class Trainer:
         self.version += 1
         rows, length = batch.input_ids.shape
         flops = step_flops(self._matmul_params, self.model_cfg, self._step_algo, self.spec.ppo_epochs,
-                           rows * jax.process_count(), length)
+                           rows * jax.process_count(), length, train_passes=2 if self.lora is not None else 3)
         metrics = {f"train/{k}": float(v) for k, v in out.items()}
         metrics.update({
             "train/skipped_updates": float(skipped),
