@@ -78,6 +78,14 @@ class SFTPosition(_Strict):
     skipped_too_long: int = Field(ge=0)
 
 
+class LoraBase(_Strict):
+    """What a LoRA run's checkpoint records of the frozen base its adapters belong to."""
+
+    base_model_path: str
+    base_hash: str
+    """Content hash of the base weights (:func:`asyncrl.model.lora.params_hash`)."""
+
+
 class RunState(_Strict):
     """``state.json`` as the training loop writes it."""
 
@@ -96,6 +104,8 @@ class RunState(_Strict):
     """Cumulative engine counters, continued by the resumed run."""
     sft: Optional[SFTPosition] = None
     """The data position, in an SFT stage."""
+    lora: Optional[LoraBase] = None
+    """A ``model.lora`` run's base model (its params and optimizer state are adapters only)."""
 
 
 # --------------------------------------------------------------------------- rollout.json
@@ -170,6 +180,10 @@ def check_run_checkpoint(checkpoint: Any, cfg: Any) -> RunState:
     where = checkpoint.path
     state: RunState = parse(RunState, checkpoint.state, where, "state.json")
     _check_position(state, checkpoint.step, cfg, where)
+    if (state.lora is None) != (cfg.model.lora is None):
+        held, configured = ("adapters", "no model.lora") if state.lora is not None else ("full weights", "model.lora")
+        raise refuse(where, "state.json", "lora", f"the checkpoint holds {held}, but the config has {configured}; "
+                     "resume with the config the run was started with")
     stage = cfg.stage_configs()[state.stage_index][0]
     if stage.type == "sft" and state.sft is None:
         raise refuse(where, "state.json", "sft", f"stage {state.stage_index} ({stage.name}) is an SFT stage, "

@@ -55,11 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         "export",
         help="write a run's policy in Hugging Face format",
         description="Write the policy saved in RUN_DIR (its latest checkpoint, else its final hf/ export) to OUT_DIR "
-        "as a Hugging Face model directory.",
+        "as a Hugging Face model directory; for a LoRA run, its adapters as a PEFT adapter directory (--merged: the "
+        "merged Hugging Face model).",
     )
     export.add_argument("run_dir", metavar="RUN_DIR", help="a run's output directory (run.output_dir)")
     export.add_argument("out_dir", metavar="OUT_DIR", help="where to write the Hugging Face directory")
     _add_serve_parser(commands)
+    _add_export_lora_args(export)
     train.add_argument(
         "--resume",
         action="store_true",
@@ -97,6 +99,12 @@ def _serve(args: argparse.Namespace) -> int:
     serve(args.model, host=args.host, port=args.port, weights_root=args.weights_root, api_key=args.api_key,
           seed=args.seed, weight_version=args.weight_version, overrides=args.overrides)
     return 0
+def _add_export_lora_args(export: argparse.ArgumentParser) -> None:
+    export.add_argument(
+        "--merged", action="store_true",
+        help="for a LoRA run (model.lora): write the base model with the adapters merged in as a Hugging Face "
+        "directory, instead of a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)",
+    )
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -153,7 +161,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
         from asyncrl.export import export_run
 
-        written = export_run(args.run_dir, args.out_dir)
+        written = export_run(args.run_dir, args.out_dir, merged=args.merged)
         print(f"asyncrl: wrote {written}")
         return 0
 

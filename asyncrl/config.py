@@ -62,6 +62,35 @@ class RunConfig(Section):
         return Path(self.output_dir) if self.output_dir else Path("runs") / self.name
 
 
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers of a decoder layer that LoRA adapters may wrap (Hugging Face / PEFT names)."""
+
+
+class LoraConfig(Section):
+    """Low-rank adapters: train ``B @ A`` beside frozen base weights (see docs/lora.md)."""
+
+    rank: int = Field(default=8, ge=1)
+    """r: the inner dimension of each adapter pair ``A [in, r]``, ``B [r, out]``."""
+    alpha: float = Field(default=16.0, gt=0)
+    """The adapter's output is scaled by ``alpha / rank`` (PEFT's ``lora_alpha``)."""
+    target_modules: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]] = Field(
+        default_factory=lambda: list(LORA_TARGET_MODULES), min_length=1
+    )
+    """Which linear layers of every decoder layer get an adapter."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input in training forward passes only (never in pi_prox, pi_ref, eval or the engine)."""
+
+    @model_validator(mode="after")
+    def _unique_targets(self) -> "LoraConfig":
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"target_modules lists a module twice: {self.target_modules}")
+        return self
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 class ModelConfig(Section):
     """The policy model: where its weights come from and the dtypes it runs in."""
 
@@ -75,6 +104,8 @@ class ModelConfig(Section):
     """Rematerialise each decoder layer in the backward pass (less memory, ~1/3 more compute)."""
     logprob_chunk_size: Optional[int] = Field(default=None, ge=1)
     """Sequence positions per lm-head chunk in ``per_token_logprobs`` (bounds [B, chunk, vocab] memory); null: no chunking."""
+    lora: Optional[LoraConfig] = None
+    """Train low-rank adapters on frozen base weights instead of every weight (``{rank, alpha, target_modules, dropout}``); null: off."""
 
 
 class RolloutConfig(Section):

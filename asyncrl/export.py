@@ -11,10 +11,13 @@ class ExportError(AsyncRLError):
     """Nothing to export, or the target is unusable."""
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:
+def export_run(run_dir: str | Path, out_dir: str | Path, *, merged: bool = False) -> Path:
     """Export the policy of ``run_dir``: its newest complete checkpoint (so a run that was
     stopped can still be exported), else its final ``hf/`` export, reloaded and re-written
-    (so the output is checked to load)."""
+    (so the output is checked to load).
+
+    A LoRA run (``model.lora``) exports a PEFT adapter directory, or with ``merged`` the base
+    model with the adapters merged in as a Hugging Face directory (:func:`export_lora_run`)."""
     from asyncrl.checkpoint import latest_checkpoint, load_checkpoint
     from asyncrl.model import export_hf, load_model
 
@@ -24,6 +27,11 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ExportError(f"{out_dir}: exists and is not empty; choose a new directory")
     checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is not None and load_checkpoint(checkpoint).config().model.lora is not None:
+        return export_lora_run(checkpoint, out_dir, merged=merged)
+    if checkpoint is None and (run_dir / "adapter" / "adapter_config.json").is_file() and not merged:
+        raise ExportError(f"{run_dir}: a LoRA run without a complete checkpoint; its adapter is in {run_dir / 'adapter'} "
+                          "(or export the merged model with --merged)")
     if checkpoint is not None:
         saved = load_checkpoint(checkpoint)
         # The architecture and tokenizer come from the run's own model spec; the weights
@@ -38,3 +46,35 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> Path:
         raise ExportError(f"{run_dir}: holds no saved policy (no complete checkpoint, no hf/config.json)")
     export_hf(graphdef, loaded.tokenizer, out_dir, params=params)
     return out_dir
+
+
+def export_lora_run(checkpoint: Path, out_dir: Path, *, merged: bool) -> Path:
+    """A LoRA checkpoint's adapters as a PEFT adapter directory, or (``merged``) merged into the
+    base model as a Hugging Face directory; refused when ``model.path`` no longer holds the base
+    the adapters were trained on (both content hashes named)."""
+    from asyncrl.checkpoint import load_checkpoint
+    from asyncrl.model import export_hf, load_model
+    from asyncrl.model.lora import (
+        LoraSpec, attach_lora, base_identity, check_same_base, export_peft_adapter, merge_lora, normalize_keys,
+    )
+
+    saved = load_checkpoint(checkpoint)
+    cfg = saved.config()
+    loaded = load_model(cfg.model)
+    graphdef, base = loaded.split()
+    check_same_base(saved.state.get("lora"), base_identity(loaded.path, base), str(checkpoint))
+    spec = LoraSpec.from_config(cfg.model.lora)
+    template = attach_lora(loaded.config, base, spec).adapters
+    adapters = normalize_keys(saved.arrays["params"])
+    if jax_structure(adapters) != jax_structure(template):
+        raise ExportError(f"{checkpoint}: params.safetensors does not hold this model's adapters")
+    if not merged:
+        return export_peft_adapter(adapters, spec, out_dir, base_model=str(loaded.path), overwrite=out_dir.exists())
+    export_hf(graphdef, loaded.tokenizer, out_dir, params=merge_lora(base, adapters, spec.scale), overwrite=out_dir.exists())
+    return out_dir
+
+
+def jax_structure(tree):
+    import jax
+
+    return jax.tree.structure(jax.tree.map(lambda x: 0, tree))

@@ -351,6 +351,11 @@ class _Run:
         """The :class:`~asyncrl.checkpoint.Checkpoint` this run continues, or None."""
         self.loaded = load_model(cfg.model)
         self.graphdef, self.params = self.loaded.split()
+        # With model.lora the trainer trains adapters on the frozen base; self.graphdef stays
+        # the base model's (the engine serves merged weights, hf/ is the merged model).
+        self.train_graphdef, self.frozen, self.lora_state = self.graphdef, None, None
+        if cfg.model.lora is not None:
+            self._attach_lora(cfg, resumed)
         self.mesh = build_mesh(cfg.mesh)
         self.device = _first_local_device(self.mesh)
         """The device whose memory ``perf/device_mem_gb`` reports (this process's first in the mesh)."""
@@ -378,6 +383,23 @@ class _Run:
         counts = workflow.metrics() if workflow is not None else {}
         for name in self.reward_failures:
             self.reward_failures[name] += float(counts.get(name, 0.0))
+
+    def _attach_lora(self, cfg: Config, resumed: Any) -> None:
+        """Fresh adapters on the loaded base (``self.params`` become the adapters); a resumed
+        run first checks that the base is the one its checkpoint's adapters were trained on."""
+        from asyncrl.model.lora import LoraSpec, attach_lora, base_identity, check_same_base
+
+        self.lora_state = base_identity(self.loaded.path, self.params)
+        if resumed is not None:
+            check_same_base(resumed.state.get("lora"), self.lora_state, str(resumed.path))
+        lora = attach_lora(self.loaded.config, self.params, LoraSpec.from_config(cfg.model.lora), seed=cfg.run.seed)
+        self.train_graphdef, self.params, self.frozen = lora.graphdef, lora.adapters, lora.frozen
+
+    def new_trainer(self, scfg: Config, params: Any, objective: str) -> Any:
+        from asyncrl.trainer import Trainer
+
+        return Trainer(scfg, self.train_graphdef, params, mesh=self.mesh, version=self.version, objective=objective,
+                       frozen=self.frozen)
 
     # ------------------------------------------------------------------ shared pieces
 
@@ -410,18 +432,16 @@ class _Run:
     def trainer_for(self, index: int, stage: Any, scfg: Config, params: Any) -> Any:
         """A fresh trainer (and optimizer) for stage ``index`` starting from ``params``, or the
         saved one on resume."""
-        from asyncrl.trainer import Trainer
-
         objective = stage.type
 
         resumed = self.resumed
         if resumed is not None and resumed.state["stage_index"] == index:
             # ``params`` are the stage's starting weights (the KL reference): saved for stages > 0,
             # the loaded model for stage 0.
-            trainer = Trainer(scfg, self.graphdef, params, mesh=self.mesh, version=self.version, objective=objective)
+            trainer = self.new_trainer(scfg, params, objective)
             _load_trainer_state(trainer, resumed)
             return trainer
-        return Trainer(scfg, self.graphdef, params, mesh=self.mesh, version=self.version, objective=objective)
+        return self.new_trainer(scfg, params, objective)
 
     def ensure_engine(self, trainer: Any, scfg: Config) -> Any:
         if self.engine is None:
@@ -483,6 +503,8 @@ class _Run:
             "format": RUN_STATE_FORMAT, "version": self.version, "stage_index": index, "stage_step": stage_step, "trainer": trainer_state,
             "final_eval": self.final_eval, "engine_counters": self.engine_counters, **(extra or {}),
         }
+        if self.lora_state is not None:
+            state["lora"] = self.lora_state  # params are adapters: of this base only
         self.last_checkpoint = save_checkpoint(
             self.out, self.version, arrays=arrays, state=state, config_yaml=dump_config(self.cfg),
             rollout_state=rollout_state, keep=self.cfg.checkpoint.keep,
@@ -679,6 +701,14 @@ def jax_to_numpy(tree: Any) -> Any:
     return jax.tree.map(np.asarray, tree)
 
 
+def _export_adapter(cfg: Config, run: "_Run", adapters: Any, overwrite: bool) -> None:
+    """A LoRA run's final adapters as a PEFT adapter directory ``adapter/`` beside ``hf/``."""
+    from asyncrl.model.lora import LoraSpec, export_peft_adapter
+
+    export_peft_adapter(adapters, LoraSpec.from_config(cfg.model.lora), cfg.run.resolved_output_dir / "adapter",
+                        base_model=run.lora_state["base_model_path"], overwrite=overwrite)
+
+
 def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) -> TrainResult:
     """Run the whole training job of ``cfg`` (all its stages); returns a summary (also printed).
 
@@ -714,7 +744,8 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
                 if run.resume_position(index) != scfg.run.total_steps:
                     runner = run.rl_stage if stage.type == "rl" else run.sft_stage
                     runner(index, stage, scfg, trainer, stage_start=stage_start)
-                params = trainer.params_for_publish()
+                params = trainer.trainable_params()
+            final_params = jax_to_numpy(trainer.params_for_publish())
         finally:
             if run.engine is not None:
                 run.engine.shutdown()
@@ -723,11 +754,12 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
             run.console.close()
 
     _check_all_steps_ran(run, cfg)
-    final_params = jax_to_numpy(params)
     # A resumed run (killed after its last checkpoint, or resumed when already finished)
     # may find its own earlier export: the final weights are the same, so replace it.
     export_hf(run.graphdef, run.loaded.tokenizer, out / "hf", params=final_params,
               overwrite=resumed is not None or cfg.run.overwrite)
+    if run.lora_state is not None:
+        _export_adapter(cfg, run, params, overwrite=resumed is not None or cfg.run.overwrite)
     wall = time.monotonic() - started
     result = TrainResult(
         steps=run.version, final_eval=run.final_eval, wall_time_s=wall, output_dir=out, history=run.history,

@@ -7,7 +7,13 @@ trained tokens/s, achieved model FLOP/s (:func:`asyncrl.trainer.step_flops`: mat
 of forward + backward, rematerialisation not counted) and its fraction of the peak
 FLOP/s of a large float32 ``jnp.dot`` measured on the same machine just before.
 
+With ``--lora-rank R`` the trainer trains rank-R LoRA adapters (alpha = 2R, every linear
+layer of the decoder) on the frozen model instead of every weight; each model's entry then
+also holds the trainable-parameter, optimizer-state and gradient bytes (``memory/*`` of the
+trainer, the same keys as for full training) so the two runs compare directly.
+
 Usage: PYTHONPATH=. python scripts/bench_train.py [--models tiny,bench-40m] [--rows 16] [--length 96] [--steps 5]
+       [--lora-rank 8]
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ def batch(rows: int, length: int, vocab: int, prompt: int = 8):
     return TrainBatch(ids, attention, loss, behavior, versions, rewards, group_index, np.zeros(rows, bool), 1.0)
 
 
-def bench_model(name: str, rows: int, length: int, steps: int, peak: float) -> dict:
+def bench_model(name: str, rows: int, length: int, steps: int, peak: float, lora_rank: int = 0) -> dict:
     from asyncrl.config import load_config
     from asyncrl.model import bench_40m_config, init_decoder, load_model, split_params
     from asyncrl.trainer import Trainer
@@ -62,8 +68,19 @@ def bench_model(name: str, rows: int, length: int, steps: int, peak: float) -> d
         graphdef, params = split_params(init_decoder(bench_40m_config(), seed=0))
     else:
         graphdef, params = load_model(name, with_tokenizer=False).split()
-    cfg = load_config(data={"rollout": {"group_size": 4, "batch_size": rows // 4}})
-    trainer = Trainer(cfg, graphdef, params)
+    data = {"rollout": {"group_size": 4, "batch_size": rows // 4}}
+    if lora_rank:
+        data["model"] = {"lora": {"rank": lora_rank, "alpha": 2 * lora_rank}}
+    cfg = load_config(data=data)
+    if lora_rank:
+        from flax import nnx
+
+        from asyncrl.model.lora import LoraSpec, attach_lora
+
+        lora = attach_lora(nnx.merge(graphdef, params).cfg, params, LoraSpec.from_config(cfg.model.lora))
+        trainer = Trainer(cfg, lora.graphdef, lora.adapters, frozen=lora.frozen)
+    else:
+        trainer = Trainer(cfg, graphdef, params)
     data = batch(rows, length, trainer.model_cfg.vocab_size)
     first = trainer.step(data)  # compiles
     runs = [trainer.step(data) for _ in range(steps)]
@@ -79,6 +96,7 @@ def bench_model(name: str, rows: int, length: int, steps: int, peak: float) -> d
         "flops_per_step": flops,
         "achieved_flops_per_s": round(flops / step_time),
         "fraction_of_matmul_peak": round(flops / step_time / peak, 3),
+        **{key: int(value) for key, value in trainer.memory_metrics.items()},
     }
 
 
@@ -88,6 +106,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--length", type=int, default=96)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--lora-rank", type=int, default=0, help="train rank-R LoRA adapters instead of every weight")
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
@@ -99,9 +118,10 @@ def main() -> None:
         "length": args.length,
         "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
         "matmul_peak_flops_per_s": round(peak),
+        "lora_rank": args.lora_rank,
     }
     for name in args.models.split(","):
-        result[name] = bench_model(name, args.rows, args.length, args.steps, peak)
+        result[name] = bench_model(name, args.rows, args.length, args.steps, peak, args.lora_rank)
     result["loadavg_1m_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     print(json.dumps(result))
 

@@ -58,13 +58,37 @@ def _axis_size(mesh: Mesh, axis: Optional[str]) -> int:
     return int(mesh.shape[axis]) if axis is not None and axis in mesh.shape else 1
 
 
+_LORA_LEAF = re.compile(r"^(.*)\.lora\.lora_([ab])$")
+
+
+def _lora_rule(name: str) -> Optional[tuple[str, tuple, tuple]]:
+    """LoRA adapters (``<linear>.lora.lora_a [in, r]``, ``.lora_b [r, out]``) follow their base
+    kernel's rule on the dimension they share with it; the rank dimension is replicated."""
+    match = _LORA_LEAF.match(name)
+    if match is None:
+        return None
+    kernel = f"{match.group(1)}.kernel"
+    for pattern, axes, units in PARTITION_RULES:
+        if re.search(pattern, kernel):
+            if match.group(2) == "a":
+                return pattern, (axes[0], None), (units[0], None)
+            return pattern, (None, axes[1]), (None, units[1])
+    raise ValueError(f"no partition rule matches the base kernel {kernel!r} of adapter {name!r}")
+
+
 def partition_spec(cfg: DecoderConfig, name: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
     """The PartitionSpec of parameter ``name`` (dotted path) with ``shape`` on ``mesh``."""
-    for pattern, axes, units in PARTITION_RULES:
-        if re.search(pattern, name):
-            break
+    if name.endswith(".dropout_key"):  # a LoRA adapter's raw dropout PRNG key: tiny, replicated
+        return PartitionSpec(*([None] * len(shape)))
+    lora = _lora_rule(name)
+    if lora is not None:
+        pattern, axes, units = lora
     else:
-        raise ValueError(f"no partition rule matches parameter {name!r}; add one to PARTITION_RULES")
+        for pattern, axes, units in PARTITION_RULES:
+            if re.search(pattern, name):
+                break
+        else:
+            raise ValueError(f"no partition rule matches parameter {name!r}; add one to PARTITION_RULES")
     if len(axes) != len(shape):
         raise ValueError(f"partition rule {pattern!r} has {len(axes)} dims, parameter {name!r} has shape {shape}")
     spec = []

@@ -94,6 +94,8 @@ class StepSpec:
     objective: str = "rl"
     """``rl``: the policy loss of ``asyncrl.algo``; ``sft``: cross-entropy on trained tokens
     (one optimizer update per step: ``ppo_epochs == mini_batches == 1``)."""
+    lora_dropout: float = 0.0
+    """LoRA adapter-input dropout of the gradient passes (0: none; see :mod:`asyncrl.model.lora`)."""
 
     @property
     def row_shards(self) -> int:
@@ -152,6 +154,8 @@ def _train_step_impl(
     ref_params: Optional[Any],
     batch: dict[str, jax.Array],
     temperature: jax.Array,
+    frozen: Optional[Any] = None,
+    dropout_key: Optional[jax.Array] = None,
     *,
     algo: AlgoParams,
     optim: OptimParams,
@@ -159,7 +163,11 @@ def _train_step_impl(
 ):
     """One trainer step. ``batch``: the TrainBatch fields, ``[rows, L]`` / ``[rows]``, rows in
     device order (see the module docstring). Returns ``(params, opt_state, metrics)``; metrics
-    hold scalars plus ``finite [updates]`` (whether each update was applied, in order)."""
+    hold scalars plus ``finite [updates]`` (whether each update was applied, in order).
+
+    LoRA: ``params`` (and ``ref_params``) are the adapters, ``frozen`` the base weights that
+    every forward combines them with (no gradient, no optimizer state); ``dropout_key`` seeds
+    the adapter dropout of the gradient passes when ``spec.lora_dropout > 0``."""
     _TRACE_COUNT[0] += 1
     mesh = spec.mesh
     m_count, u_count = spec.mini_batches, spec.micro_batches
@@ -194,10 +202,12 @@ def _train_step_impl(
         "real": _to_chunks(batch["group_index"] >= 0, spec),
     }
 
+    weights_of = functools.partial(_lora_weights, frozen, spec.lora_dropout)
+
     # 2. pi_prox and pi_ref, once per step on the whole batch (micro-batch by micro-batch), no gradient.
     def all_logprobs(weights):
         flat = lambda x: x.reshape(m_count * u_count, *x.shape[2:])
-        one = lambda a: per_token_logprobs(graphdef, weights, a[0], a[1], temperature)[0]
+        one = lambda a: per_token_logprobs(graphdef, weights_of(weights), a[0], a[1], temperature)[0]
         out = jax.lax.map(one, (flat(chunks["input_ids"]), flat(chunks["attention_mask"])))
         return jax.lax.stop_gradient(out.reshape(m_count, u_count, *out.shape[1:]))
 
@@ -207,8 +217,10 @@ def _train_step_impl(
             chunks["ref_logprobs"] = all_logprobs(ref_params)
 
     # 3. The optimizer updates.
-    def micro_loss(theta, x, denominators):
-        logprobs, entropy = per_token_logprobs(graphdef, theta, x["input_ids"], x["attention_mask"], temperature)
+    def micro_loss(theta, x, denominators, key):
+        logprobs, entropy = per_token_logprobs(
+            graphdef, weights_of(theta, key), x["input_ids"], x["attention_mask"], temperature
+        )
         if sft:
             return sft_loss(logprobs, entropy, x["mask"], denominators)
         return policy_loss(
@@ -225,20 +237,25 @@ def _train_step_impl(
             mini["mask"].reshape(-1, length), mini["real"].reshape(-1)
         )  # over the whole mini-batch, passed to every micro-batch
         first = jax.tree.map(lambda x: x[0], mini)
-        (_, diag_shape), _ = jax.eval_shape(grad_fn, theta, first, denominators)
+        update_key = None if dropout_key is None else jax.random.fold_in(dropout_key, update_index)
+        micro_key = lambda j: None if update_key is None else jax.random.fold_in(update_key, j)
+        (_, diag_shape), _ = jax.eval_shape(grad_fn, theta, first, denominators, micro_key(0))
         zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), theta)
         zero_diag = {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0.0, v.dtype)
                      for k, v in diag_shape.items()}
 
-        def one_micro(acc, x):
+        def one_micro(acc, x_and_index):
+            x, j = x_and_index
             grads, loss, diag = acc
-            (micro_loss_value, micro_diag), g = grad_fn(theta, x, denominators)
+            (micro_loss_value, micro_diag), g = grad_fn(theta, x, denominators, micro_key(j))
             # float32 sum (not mean): each micro-batch's loss is its share of the mini-batch loss
             grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
             grads = jax.lax.with_sharding_constraint(grads, p_shardings)
             return (grads, loss + micro_loss_value, accumulate_diagnostics(diag, micro_diag)), None
 
-        (grads, loss, diag), _ = jax.lax.scan(one_micro, (zero_grads, jnp.zeros((), jnp.float32), zero_diag), mini)
+        (grads, loss, diag), _ = jax.lax.scan(
+            one_micro, (zero_grads, jnp.zeros((), jnp.float32), zero_diag), (mini, jnp.arange(u_count))
+        )
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         lr = schedule(update_count(state))
@@ -269,6 +286,17 @@ def _train_step_impl(
     return params, opt_state, metrics
 
 
+def _lora_weights(frozen: Optional[Any], dropout: float, theta: Any, key: Optional[jax.Array] = None) -> Any:
+    """The forward's params: ``theta`` alone (full training), or the frozen base + adapters
+    ``theta`` (+ fresh dropout keys for a gradient pass with LoRA dropout)."""
+    if frozen is None:
+        return theta
+    from asyncrl.model.lora import combine_params, dropout_keys, partition_params
+
+    keys = dropout_keys(partition_params(frozen)[2], key) if (key is not None and dropout > 0) else None
+    return combine_params(frozen, theta, keys)
+
+
 train_step = jax.jit(
     _train_step_impl, static_argnames=("graphdef", "algo", "optim", "spec"), donate_argnames=("opt_state",)
 )
@@ -277,10 +305,12 @@ published: the engine may hold the very same buffers)."""
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def nll_sums(graphdef: Any, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+def nll_sums(graphdef: Any, params: Any, batch: dict[str, jax.Array], frozen: Optional[Any] = None) -> tuple[jax.Array, jax.Array]:
     """``(sum of -log p, token count)`` over the trained tokens of real rows, at temperature 1
-    (no gradient): SFT's eval loss is ``sum / count`` accumulated over batches."""
-    logprobs, _ = per_token_logprobs(graphdef, params, batch["input_ids"], batch["attention_mask"], 1.0)
+    (no gradient): SFT's eval loss is ``sum / count`` accumulated over batches. With LoRA,
+    ``params`` are the adapters and ``frozen`` the base."""
+    logprobs, _ = per_token_logprobs(graphdef, _lora_weights(frozen, 0.0, params), batch["input_ids"],
+                                     batch["attention_mask"], 1.0)
     mask = batch["loss_mask"] & (batch["group_index"] >= 0)[:, None]
     return jnp.sum(jnp.where(mask, -logprobs, 0.0)), jnp.sum(mask)
 
@@ -330,19 +360,33 @@ def matmul_params(params: Any, model_cfg: Any) -> int:
     return total
 
 
-def step_flops(n_matmul_params: int, model_cfg: Any, algo: Optional[AlgoParams], epochs: int, rows: int, length: int) -> float:
+def step_flops(n_matmul_params: int, model_cfg: Any, algo: Optional[AlgoParams], epochs: int, rows: int, length: int,
+               train_passes: int = 3) -> float:
     """Model FLOPs of one step (rematerialisation not counted), on every position of the padded batch.
 
     A forward pass costs ``2 * n_matmul_params + 4 * layers * L * heads * head_dim`` per token
     (:func:`matmul_params`; the attention is computed over all L positions); a training pass
     (forward + backward) three forwards; pi_prox and pi_ref one forward each when computed
-    (``algo=None``: an SFT step, training passes only).
+    (``algo=None``: an SFT step, training passes only). With LoRA a training pass is
+    ``train_passes=2`` forwards: the frozen weights need no weight gradients (the adapters'
+    own matmuls are not counted).
     """
     per_token = 2 * n_matmul_params + 4 * model_cfg.num_layers * length * model_cfg.num_heads * model_cfg.head_dim
-    passes = 3 * epochs
+    passes = train_passes * epochs
     if algo is not None:
         passes += int(algo.needs_prox_recompute) + int(algo.needs_reference)
     return float(per_token) * rows * length * passes
+
+
+def _lora_spec(cfg: Any, frozen: Any) -> Any:
+    """The LoRA spec of a trainer given ``frozen`` base weights (None: full-weight training)."""
+    if frozen is None:
+        return None
+    if cfg.model.lora is None:
+        raise TrainerError("Trainer: frozen base weights were given but model.lora is null; set model.lora or pass no frozen")
+    from asyncrl.model.lora import LoraSpec
+
+    return LoraSpec.from_config(cfg.model.lora)
 
 
 class Trainer:
@@ -362,12 +406,21 @@ class Trainer:
     token-mean cross-entropy of ``batch.loss_mask`` tokens at temperature 1 (:func:`sft_loss`),
     one optimizer update per step (``algo`` is not read); batches come from
     :class:`asyncrl.sft.SFTData`.
+
+    LoRA (``model.lora``): ``Trainer(cfg, lora.graphdef, lora.adapters, frozen=lora.frozen)``
+    with ``lora = asyncrl.model.lora.attach_lora(...)`` (or :meth:`from_config`). Only the
+    adapters are trained, hold optimizer state and are checkpointed (:meth:`state_dict`); the
+    base weights are placed once and never change; the KL reference is the stage's starting
+    adapters on the same base (for a first stage: the base model, adapters off);
+    :meth:`params_for_publish` merges ``W + (alpha / r) * A @ B`` for the engine, and
+    :meth:`trainable_params` hands the adapters to the next stage.
     """
 
     OBJECTIVES = ("rl", "sft")
 
     def __init__(
-        self, cfg: Any, graphdef: Any, params: Any, *, mesh: Any = None, version: int = 0, objective: str = "rl"
+        self, cfg: Any, graphdef: Any, params: Any, *, mesh: Any = None, version: int = 0, objective: str = "rl",
+        frozen: Any = None,
     ):
         from flax import nnx
 
@@ -377,16 +430,26 @@ class Trainer:
         self.cfg = cfg
         self.objective = objective
         sft = objective == "sft"
+        self.lora = _lora_spec(cfg, frozen)
+        """The :class:`~asyncrl.model.lora.LoraSpec` when training adapters (``params`` are then the
+        adapters, ``frozen`` the base weights + zero dropout keys, ``graphdef`` the LoRA model's)."""
+        if self.lora is not None:
+            from asyncrl.model.lora import combine_params, normalize_keys
+
+            params = normalize_keys(params)  # a checkpoint spells layer indices "0"; the model 0
+            self.model_cfg = nnx.merge(graphdef, combine_params(frozen, params)).cfg
+        else:
+            self.model_cfg = nnx.merge(graphdef, params).cfg
         self.graphdef = graphdef
-        self.model_cfg = nnx.merge(graphdef, params).cfg
         self.algo = AlgoParams.from_config(cfg)
         self.optim = OptimParams.from_config(cfg, updates_per_step=1 if sft else None)
         self.mesh = mesh if mesh is not None else build_mesh(cfg.mesh)
         self.spec = StepSpec(
             mesh=self.mesh, model_cfg=self.model_cfg, ppo_epochs=1 if sft else cfg.algo.ppo_epochs,
             mini_batches=1 if sft else cfg.algo.mini_batches, micro_batches=cfg.optim.micro_batches,
-            objective=objective,
+            objective=objective, lora_dropout=self.lora.dropout if self.lora is not None else 0.0,
         )
+        self.frozen = None if frozen is None else _place(frozen, param_shardings(self.model_cfg, frozen, self.mesh))
         self.param_shardings = param_shardings(self.model_cfg, params, self.mesh)
         self.params = _place(params, self.param_shardings)
         # The reference is the initial weights (never donated, like every parameter).
@@ -397,15 +460,45 @@ class Trainer:
         stage of a multi-stage run starts at the steps its predecessors completed."""
         self.skipped_updates_total = 0
         self.consecutive_nonfinite = 0
-        self._matmul_params = matmul_params(params, self.model_cfg)
+        self._matmul_params = matmul_params(self.base_params if self.lora is not None else params, self.model_cfg)
+        self.memory_metrics = self._memory_metrics()
+        """Bytes of the trainable and frozen parameters, the optimizer state and the float32
+        gradient accumulator (``memory/*``, reported with every step)."""
+
+    @property
+    def base_params(self) -> Any:
+        """The frozen base weights (LoRA; the base model's tree, without dropout keys), else None."""
+        if self.frozen is None:
+            return None
+        from asyncrl.model.lora import partition_params
+
+        return partition_params(self.frozen)[0]
+
+    def _memory_metrics(self) -> dict[str, float]:
+        from asyncrl.model.lora import tree_bytes
+
+        trainable = tree_bytes(self.params)
+        return {
+            "memory/trainable_param_bytes": float(trainable),
+            "memory/frozen_param_bytes": float(tree_bytes(self.frozen) if self.frozen is not None else 0),
+            "memory/opt_state_bytes": float(tree_bytes(self.opt_state)),
+            "memory/grad_bytes": float(sum(4 * x.size for x in jax.tree.leaves(self.params))),  # float32 accumulator
+        }
 
     @classmethod
     def from_config(cls, cfg: Any, *, mesh: Any = None, objective: str = "rl") -> "Trainer":
-        """Load ``cfg.model`` and build the trainer on its initial weights."""
+        """Load ``cfg.model`` and build the trainer on its initial weights (fresh adapters
+        on the frozen model with ``model.lora``)."""
         initialize_distributed(cfg.mesh)
         from asyncrl.model import load_model
 
-        graphdef, params = load_model(cfg.model, with_tokenizer=False).split()
+        loaded = load_model(cfg.model, with_tokenizer=False)
+        graphdef, params = loaded.split()
+        if cfg.model.lora is not None:
+            from asyncrl.model.lora import LoraSpec, attach_lora
+
+            lora = attach_lora(loaded.config, params, LoraSpec.from_config(cfg.model.lora), seed=cfg.run.seed)
+            return cls(cfg, lora.graphdef, lora.adapters, mesh=mesh, objective=objective, frozen=lora.frozen)
         return cls(cfg, graphdef, params, mesh=mesh, objective=objective)
 
     @property
@@ -493,7 +586,7 @@ class Trainer:
             temperature = 1.0  # cross-entropy of the model's own distribution
         self.params, self.opt_state, out = train_step(
             self.graphdef, self.params, self.opt_state, self.ref_params, arrays, jnp.float32(temperature),
-            algo=self._step_algo, optim=self.optim, spec=self.spec,
+            self.frozen, self._dropout_key(), algo=self._step_algo, optim=self.optim, spec=self.spec,
         )
         if self.objective == "sft":
             out.pop("loss")  # the same number as sft_loss
@@ -517,7 +610,7 @@ class Trainer:
         self.version += 1
         rows, length = batch.input_ids.shape
         flops = step_flops(self._matmul_params, self.model_cfg, self._step_algo, self.spec.ppo_epochs,
-                           rows * jax.process_count(), length)
+                           rows * jax.process_count(), length, train_passes=2 if self.lora is not None else 3)
         metrics = {f"train/{k}": float(v) for k, v in out.items()}
         metrics.update({
             "train/skipped_updates": float(skipped),
@@ -527,14 +620,22 @@ class Trainer:
             "perf/trained_tokens_per_s": float(out["trained_tokens"]) / elapsed,
             "perf/compile_count": float(compile_count()),
             "perf/flops_per_s": flops / elapsed,
+            **self.memory_metrics,
         })
         return metrics
+
+    def _dropout_key(self) -> Optional[jax.Array]:
+        """The LoRA dropout key of this step: a function of ``run.seed`` and the version only,
+        so a resumed run drops exactly what the uninterrupted one did."""
+        if self.lora is None or self.lora.dropout == 0:
+            return None
+        return jax.random.fold_in(jax.random.key(self.cfg.run.seed), self.version)
 
     def nll(self, batch: Any) -> tuple[float, int]:
         """``(sum of -log p, trained tokens)`` of ``batch`` under the current weights at T = 1,
         no update (SFT eval loss; rows as for :meth:`step`)."""
         arrays, _ = self._device_batch(batch)
-        total, count = nll_sums(self.graphdef, self.params, arrays)
+        total, count = nll_sums(self.graphdef, self.params, arrays, self.frozen)
         return float(_to_numpy(total)), int(_to_numpy(count))
 
     # ------------------------------------------------------------------ publishing and state
@@ -542,7 +643,21 @@ class Trainer:
     def params_for_publish(self) -> dict:
         """The current weights (version :attr:`version`) as a fresh pure dict of immutable
         ``jax.Array`` s, for ``engine.update_weights``. They stay valid after later steps: the
-        trainer never donates weights it has handed out."""
+        trainer never donates weights it has handed out.
+
+        With LoRA: the merged weights ``W + (alpha / r) * A @ B`` in the base model's structure
+        (:func:`~asyncrl.model.lora.merge_lora_jit`, sharded like the base), so the engine serves
+        a plain model."""
+        if self.lora is not None:
+            from asyncrl.model.lora import merge_lora_jit
+
+            return merge_lora_jit(self.base_params, self.params, scale=self.lora.scale, model_cfg=self.model_cfg,
+                                  mesh=self.mesh)
+        return jax.tree.map(lambda x: x, self.params)
+
+    def trainable_params(self) -> dict:
+        """What this trainer trains (all weights, or the LoRA adapters), as a fresh pure dict:
+        the next stage of a run starts from it."""
         return jax.tree.map(lambda x: x, self.params)
 
     @property
@@ -567,6 +682,10 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned (onto this trainer's mesh)."""
+        if self.lora is not None:
+            from asyncrl.model.lora import normalize_keys
+
+            state = {**state, "params": normalize_keys(state["params"])}
         expected = jax.tree.structure(jax.tree.map(lambda x: 0, self.params))
         given = jax.tree.structure(jax.tree.map(lambda x: 0, state["params"]))
         if expected != given:
