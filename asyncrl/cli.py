@@ -13,10 +13,13 @@ command runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
-from typing import Sequence
+import threading
+from typing import Iterator, Sequence
 
 from asyncrl import __version__
 from asyncrl.errors import AsyncRLError, ConfigError
@@ -124,7 +127,10 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        if args.command == "serve":  # the server handles its own signals (graceful shutdown)
+            return _dispatch(args)
+        with _exit_on_signal_outside_the_run():
+            return _dispatch(args)
     except KeyboardInterrupt:
         # SIGINT before the run's own handler is installed (imports, config, model loading):
         # nothing was trained or checkpointed; exit like a shell does, without a traceback.
@@ -150,6 +156,35 @@ def _describe_os_error(err: OSError) -> str:
         return str(err)
     where = f" ({err.filename})" if err.filename else ""
     return f"I/O error{where}: [Errno {err.errno}] {err.strerror}"
+
+
+@contextlib.contextmanager
+def _exit_on_signal_outside_the_run() -> Iterator[None]:
+    """SIGINT/SIGTERM before the run's own handler is installed (imports, config, model
+    loading) or after it is removed (the final export) exit at once with 130/143 and one line.
+
+    A KeyboardInterrupt raised there could land anywhere, e.g. in a garbage-collection
+    callback, where Python prints "Exception ignored" and carries on: the run would then
+    start as if nothing happened. Nothing is lost by exiting: no step has been trained
+    outside the run's handler, and every file asyncrl writes is written to a temporary name
+    and renamed. The run's :class:`~asyncrl.shutdown.ShutdownGuard` takes over during training.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_now(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        os.write(2, f"asyncrl: interrupted ({name}) outside the training steps (start-up or export); checkpoints "
+                    "already written are intact\n".encode())
+        os._exit(128 + signum)
+
+    previous = {signum: signal.signal(signum, exit_now) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
