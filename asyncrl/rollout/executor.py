@@ -14,8 +14,9 @@ Failure handling:
 
 * an episode that raises, breaks the schema (``failed:schema:<rule>``) or runs past
   ``rollout.episode_timeout_s`` (``failed:timeout``; its worker is abandoned and one
-  replacement worker started, so the pool keeps its size) is counted and its slot refilled; ``rollout.max_consecutive_failures`` in a row stop training with the
-  root cause, raised from ``prepare_batch``;
+  replacement worker started, so the pool keeps its size) is counted and its slot
+  refilled; ``rollout.max_consecutive_failures`` in a row stop training with the root
+  cause, raised from ``prepare_batch``;
 * :class:`~asyncrl.errors.EngineCrashed` from the engine stops training at once: the queue is
   closed, admission stops, and ``prepare_batch`` raises it (with the engine's traceback);
 * every wait has a timeout or is woken by ``stop()``/a fatal error; ``stop()`` returns
