@@ -126,7 +126,7 @@ class RolloutConfig(Section):
     batch_order: Literal["admission", "completion"] = "admission"
     """``admission``: batches take the oldest tickets (lag <= η, no stale drops); ``completion``: the first finished groups."""
     episode_timeout_s: float = Field(default=600.0, gt=0)
-    """An episode running longer is counted ``failed:timeout``; its slot is refilled and its thread abandoned."""
+    """An episode running longer is counted ``failed:timeout``; its slot is refilled and its worker thread abandoned (one replacement keeps the pool's size)."""
     reward_timeout_s: float = Field(default=30.0, gt=0)
     """A reward function call running longer gives ``reward_fallback`` (counted)."""
     reward_fallback: float = -1.0

@@ -9,9 +9,10 @@ Prints::
      "threads_min": ..., "threads_max": ..., "wall_s": ..., "exit_code": 0, ...}
 
 where the thread range covers every sample taken from step ``--from-step`` (default 200) on
-(also split into the first and the second half of those steps: the count moves with the
-number of episodes in flight, at most ``rollout.max_concurrent`` threads plus one per
-running reward call, and a leak would raise the second half's range),
+(also split into the first and the second half of those steps: the rollout side runs on a
+fixed pool of ``rollout.max_concurrent`` worker threads, each with one reused reward helper
+thread, so a leak would raise the second half's range; evaluation still starts its own
+threads while it runs),
 and the run's own ``perf/host_rss_gb`` and ``perf/threads`` (in ``metrics.jsonl``) at the
 same two steps are quoted beside the outside measurement. The acceptance of issue 21 is
 RSS growth under 5% between step 200 and the end, and a constant thread count.

@@ -1,7 +1,9 @@
 """WorkflowExecutor: rollout threads in the background, validated batches on demand.
 
-One dispatcher thread admits episodes through the :class:`StalenessLedger` and starts a
-daemon thread per episode (at most ``rollout.max_concurrent`` at once). Each episode thread
+One dispatcher thread admits episodes through the :class:`StalenessLedger` (at most
+``rollout.max_concurrent`` in flight) and hands them, through an internal list guarded by the
+executor's lock, to a fixed pool of ``rollout.max_concurrent`` daemon worker threads started
+by :meth:`WorkflowExecutor.start` (so the number of live threads is constant). A worker
 runs ``workflow.run_episode(engine, sample)``, checks the group against the trajectory schema,
 and puts it on the :class:`SimpleDataQueue`. The trainer's thread calls
 :meth:`WorkflowExecutor.prepare_batch`, which drains the queue, applies the consumption
@@ -11,14 +13,16 @@ decision in the ledger.
 Failure handling:
 
 * an episode that raises, breaks the schema (``failed:schema:<rule>``) or runs past
-  ``rollout.episode_timeout_s`` (``failed:timeout``; its thread is abandoned) is counted and
-  its slot refilled; ``rollout.max_consecutive_failures`` in a row stop training with the
-  root cause, raised from ``prepare_batch``;
+  ``rollout.episode_timeout_s`` (``failed:timeout``; its worker is abandoned and one
+  replacement worker started, so the pool keeps its size) is counted and its slot
+  refilled; ``rollout.max_consecutive_failures`` in a row stop training with the root
+  cause, raised from ``prepare_batch``;
 * :class:`~asyncrl.errors.EngineCrashed` from the engine stops training at once: the queue is
   closed, admission stops, and ``prepare_batch`` raises it (with the engine's traceback);
 * every wait has a timeout or is woken by ``stop()``/a fatal error; ``stop()`` returns
-  within its timeout. Episode threads still running then are abandoned (daemons); their
-  samples stay ``in_flight`` in the ledger and are re-issued after a restore.
+  within its timeout. Idle workers exit at once; workers still running an episode then are
+  abandoned (daemons) and exit when it returns; those samples stay ``in_flight`` in the ledger
+  and are re-issued after a restore.
 """
 
 from __future__ import annotations
@@ -67,7 +71,6 @@ class _Episode:
     sample_id: int
     started: float
     deadline: float
-    thread: Optional[threading.Thread] = None
 
 
 class WorkflowExecutor:
@@ -110,6 +113,11 @@ class WorkflowExecutor:
         self._ready: dict[int, TrajectoryGroup] = {}
         self._latency: dict[int, float] = {}
         self._running: dict[int, _Episode] = {}
+        self._pending: collections.deque[_Episode] = collections.deque()
+        """Admitted episodes no worker has taken yet (also in ``_running``, so their deadline counts)."""
+        self._work = threading.Condition(self._lock)
+        """Wakes idle workers: an episode was admitted, or ``stop()``."""
+        self._workers_started = 0
         self._recent_latencies: collections.deque = collections.deque(maxlen=512)
         self._fatal: Optional[BaseException] = None
         self._consecutive_failures = 0
@@ -136,6 +144,9 @@ class WorkflowExecutor:
         if self._dispatcher is not None:
             raise RuntimeError("WorkflowExecutor.start() was already called")
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="asyncrl-dispatcher", daemon=True)
+        with self._lock:
+            for _ in range(self.cfg.rollout.max_concurrent):
+                self._start_worker()
         self._dispatcher.start()
         return self
 
@@ -145,6 +156,7 @@ class WorkflowExecutor:
         self._queue.close()
         with self._wake:
             self._wake.notify_all()
+            self._work.notify_all()
         if self._dispatcher is not None and self._dispatcher is not threading.current_thread():
             self._dispatcher.join(timeout)
 
@@ -185,9 +197,13 @@ class WorkflowExecutor:
                     now = time.monotonic()
                     for episode in [e for e in self._running.values() if now >= e.deadline]:
                         del self._running[episode.ticket]
+                        if episode in self._pending:  # no worker took it yet: the pool is intact
+                            self._pending.remove(episode)
+                        else:  # its worker is stuck in the episode: abandoned, one replacement keeps the pool size
+                            self._start_worker()
                         self._record_failure(
                             episode, "timeout",
-                            f"episode ran past rollout.episode_timeout_s = {self.cfg.rollout.episode_timeout_s} s; thread abandoned",
+                            f"episode ran past rollout.episode_timeout_s = {self.cfg.rollout.episode_timeout_s} s; worker thread abandoned",
                         )
                     while self._fatal is None and self.ledger.can_admit():
                         self._start_episode(*self.ledger.admit())
@@ -198,15 +214,40 @@ class WorkflowExecutor:
                 self._set_fatal(RolloutError(f"rollout dispatcher thread crashed:\n{traceback.format_exc()}"), err)
 
     def _start_episode(self, ticket: int, sample_id: int) -> None:
+        """Hand an admitted episode to the worker pool (lock held); its timeout runs from now."""
         now = time.monotonic()
         episode = _Episode(ticket, sample_id, now, now + self.cfg.rollout.episode_timeout_s)
-        episode.thread = threading.Thread(target=self._run_episode, args=(episode,), name=f"asyncrl-episode-{ticket}", daemon=True)
         self._running[ticket] = episode
-        episode.thread.start()
+        self._pending.append(episode)
+        self._work.notify()
+
+    def _start_worker(self) -> None:
+        """Start one pool worker (lock held)."""
+        self._workers_started += 1
+        worker = threading.Thread(target=self._worker_loop, name=f"asyncrl-rollout-worker-{self._workers_started}", daemon=True)
+        worker.start()
 
     # ------------------------------------------------------------------ episodes
 
-    def _run_episode(self, episode: _Episode) -> None:
+    def _worker_loop(self) -> None:
+        """Run admitted episodes one at a time until ``stop()`` or until this worker is abandoned."""
+        try:
+            while True:
+                with self._work:
+                    while not self._pending and not self._stopping.is_set():
+                        self._work.wait(_MAX_WAIT_S)
+                    if self._stopping.is_set():
+                        return
+                    episode = self._pending.popleft()
+                if not self._run_episode(episode):
+                    return
+        except BaseException as err:  # noqa: BLE001 - a worker's own bug must reach the trainer
+            with self._lock:
+                self._set_fatal(RolloutError(f"rollout worker thread crashed:\n{traceback.format_exc()}"), err)
+
+    def _run_episode(self, episode: _Episode) -> bool:
+        """Run one episode and record its outcome; False when this worker must exit (the episode
+        timed out, so a replacement took its place, or the executor was stopped)."""
         group: Optional[TrajectoryGroup] = None
         outcome, detail, error = "ok", "", None
         try:
@@ -242,7 +283,7 @@ class WorkflowExecutor:
         text = "".join(traceback.format_exception(error)) if error is not None else ""
         with self._wake:
             if self._running.get(episode.ticket) is not episode or self._stopping.is_set():
-                return  # timed out (already counted) or stopped (stays in flight for reissue)
+                return False  # timed out (already counted) or stopped (stays in flight for reissue)
             del self._running[episode.ticket]
             self._wake.notify_all()
             if outcome == "crash":
@@ -277,6 +318,7 @@ class WorkflowExecutor:
                     self._ready[episode.ticket] = group  # keep it for state_dict after stop
                 except Exception as err:  # queue.Full: the capacity invariant is broken
                     self._set_fatal(RolloutError(f"rollout queue full ({self._queue.capacity}): {err}"), err)
+        return True
 
     def _record_failure(self, episode: _Episode, reason: str, text: str) -> None:
         """Count a failed episode (lock held); too many in a row is fatal."""

@@ -12,6 +12,12 @@ that raises, returns a non-finite value or runs past ``rollout.reward_timeout_s`
 time for each function. ``rollout.max_consecutive_reward_failures`` such calls in a row of
 one function stop training with the cause (:class:`RewardFailuresExceeded`); signatures are
 checked against the dataset's fields at start-up (:func:`check_reward_signatures`).
+
+Reward calls run on a helper daemon thread so that a stuck function can be abandoned: each
+calling thread (a rollout worker, an eval thread) has one long-lived helper that runs its calls
+one at a time, reused across calls and scorers, and exits soon after its caller thread ends. A
+call past the timeout abandons its helper (it exits once the function returns) and the
+caller's next call starts one replacement, so the thread count stays constant.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import itertools
 import math
+import queue
 import threading
 import traceback
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -210,6 +218,74 @@ def check_reward_signatures(functions: Sequence[RewardFunction], sample: Mapping
         raise ConfigError(problems)
 
 
+_HELPER_POLL_S = 0.5
+"""How often an idle reward helper checks that its caller thread is still alive."""
+_helper_ids = itertools.count(1)
+_helper_of_thread = threading.local()
+
+
+@dataclasses.dataclass
+class _RewardCall:
+    """One reward-function call handed to a helper; ``done`` is set once it returned or raised."""
+
+    fn: Callable[[], Any]
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    value: Any = None
+    error: Optional[str] = None
+
+
+class _RewardHelper:
+    """A daemon thread that runs the reward calls of one caller thread, one at a time.
+
+    It exits when its caller thread has ended, or after finishing a call the caller stopped
+    waiting for (``abandoned``; the caller has started a replacement by then).
+    """
+
+    def __init__(self, caller: threading.Thread):
+        self.caller = caller
+        self.abandoned = False
+        self._lock = threading.Lock()
+        self._inbox: "queue.SimpleQueue[_RewardCall]" = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=f"reward-helper-{next(_helper_ids)}", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def for_current_thread(cls) -> "_RewardHelper":
+        """The calling thread's helper, started on first use or after the last one was abandoned."""
+        helper = getattr(_helper_of_thread, "helper", None)
+        if helper is None or helper.abandoned:
+            helper = _helper_of_thread.helper = cls(threading.current_thread())
+        return helper
+
+    def call(self, fn: Callable[[], Any], timeout_s: float) -> Optional[_RewardCall]:
+        """Run ``fn`` on this helper; the finished call, or None after ``timeout_s`` (helper abandoned)."""
+        job = _RewardCall(fn)
+        self._inbox.put(job)
+        if not job.done.wait(timeout_s):
+            with self._lock:  # decided under the lock, so a call finishing right now is not lost
+                if not job.done.is_set():
+                    self.abandoned = True
+                    return None
+        return job
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                job = self._inbox.get(timeout=_HELPER_POLL_S)
+            except queue.Empty:
+                if not self.caller.is_alive():
+                    return
+                continue
+            try:
+                job.value = job.fn()
+            except BaseException:  # noqa: BLE001 - becomes the fallback score, logged
+                job.error = traceback.format_exc()
+            with self._lock:
+                job.done.set()
+                if self.abandoned:
+                    return
+
+
 class RewardScorer:
     """Weighted sum of reward functions with per-call timeouts and a fallback score."""
 
@@ -244,27 +320,16 @@ class RewardScorer:
         return total, components
 
     def _call(self, rf: RewardFunction, prompt: str, completion: str, fields: Mapping[str, Any], sample_id: Any) -> float:
-        box: dict[str, Any] = {}
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                box["value"] = rf.fn(prompt, completion, **fields)
-            except BaseException:  # noqa: BLE001 - becomes the fallback score, logged
-                box["error"] = traceback.format_exc()
-            finally:
-                done.set()
-
-        # A daemon thread per call: a stuck reward function is abandoned, never waited on.
-        threading.Thread(target=run, name=f"reward-{rf.name}", daemon=True).start()
-        if not done.wait(self.timeout_s):
+        # On the caller's helper thread: a stuck reward function is abandoned, never waited on.
+        job = _RewardHelper.for_current_thread().call(lambda: rf.fn(prompt, completion, **fields), self.timeout_s)
+        if job is None:
             return self._fallback(rf, sample_id, "timeout", f"ran past rollout.reward_timeout_s = {self.timeout_s} s")
-        if "error" in box:
-            return self._fallback(rf, sample_id, "error", box["error"])
+        if job.error is not None:
+            return self._fallback(rf, sample_id, "error", job.error)
         try:
-            value = float(box["value"])
+            value = float(job.value)
         except (TypeError, ValueError):
-            return self._fallback(rf, sample_id, "error", f"returned {box['value']!r}, not a number")
+            return self._fallback(rf, sample_id, "error", f"returned {job.value!r}, not a number")
         if not math.isfinite(value):
             return self._fallback(rf, sample_id, "error", f"returned {value}")
         with self._lock:
