@@ -4,7 +4,6 @@ synthetic task with the tiny model."""
 
 from __future__ import annotations
 
-import time
 
 import jax
 import jax.numpy as jnp
@@ -224,7 +223,6 @@ def test_sft_raises_greedy_exact_match_on_copy(tiny):
         return greedy_exact_match(graphdef, trainer.params, trainer.model_cfg, workflow, task.eval,
                                   max_new_tokens=6, stop_token_ids=tiny.stop_token_ids)
 
-    start = time.perf_counter()
     before, loss_before = accuracy(), eval_loss(trainer, held_out)["eval/loss"]
     assert before <= 0.05
     for _ in range(200):
@@ -232,4 +230,3 @@ def test_sft_raises_greedy_exact_match_on_copy(tiny):
     after, loss_after = accuracy(), eval_loss(trainer, held_out)["eval/loss"]
     assert after >= 0.5, (before, after, loss_before, loss_after)
     assert loss_after < loss_before / 4
-    assert time.perf_counter() - start < 60
