@@ -24,7 +24,6 @@ import uuid
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
-import numpy as np
 
 from asyncrl.errors import ModelError
 from asyncrl.model.config import DecoderConfig, from_hf_config, to_hf_config
