@@ -210,6 +210,7 @@ def test_gsm8k_sft_config_runs_two_steps_on_tiny(tiny):
     assert data.metrics()["sft/skipped_too_long"] == data.position - 16
 
 
+@pytest.mark.slow  # 14 s cold; the SFT loss is checked against numpy in the default selection
 def test_sft_raises_greedy_exact_match_on_copy(tiny):
     """SFT alone on the tiny model: greedy exact match on held-out copy prompts goes from
     near 0 to >= 0.5 (``scripts/sft_demo.py`` has the full curves)."""

@@ -84,6 +84,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # 15 s cold: two JAX processes with gloo; the 8-device mesh test stays in the default selection
 @pytest.mark.timeout(150)
 def test_two_processes_compute_the_single_process_step(tmp_path):
     out = tmp_path / "two.npz"
