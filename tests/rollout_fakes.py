@@ -79,22 +79,24 @@ def make_group(group_size: int = 2, sample_id: int = 0, rewards=None, **traj_kwa
     return TrajectoryGroup(trajectories=trajs, metadata={"sample_id": sample_id})
 
 
-def char_tokenizer():
-    """A character-level PreTrainedTokenizerFast: specials <pad>=0, <eos>=1, <u>=2, <a>=3."""
+def char_tokenizer(chars: str = "abcdefghijklmnopqrstuvwxyz0123456789 +-=?.:", system: bool = False):
+    """A character-level PreTrainedTokenizerFast over ``chars``: specials <pad>=0, <eos>=1, <u>=2,
+    <a>=3 (and <s>=4, the system role, with ``system``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<pad>", "<eos>", "<u>", "<a>"]
+    specials = ["<pad>", "<eos>", "<u>", "<a>", *(["<s>"] if system else [])]
     vocab = {tok: i for i, tok in enumerate(specials)}
-    for ch in "abcdefghijklmnopqrstuvwxyz0123456789 +-=?.:":
+    for ch in chars:
         vocab[ch] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(specials)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    system_role = "{% elif m['role'] == 'system' %}<s>" if system else ""
     hf.chat_template = (
-        "{% for m in messages %}{% if m['role'] == 'user' %}<u>{% else %}<a>{% endif %}{{ m['content'] }}{% endfor %}"
-        "{% if add_generation_prompt %}<a>{% endif %}"
+        "{% for m in messages %}{% if m['role'] == 'user' %}<u>" + system_role + "{% else %}<a>{% endif %}"
+        "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
     )
     return hf

@@ -16,6 +16,7 @@ from asyncrl.rollout import WorkflowExecutor, load_state, save_state
 from asyncrl.rollout.workflow import build_workflow
 from workflows.calculator import MAX_LENGTH, CalcError, calculate
 from workflows.multi_turn import CalculatorWorkflow
+from tests.rollout_fakes import char_tokenizer
 
 # --------------------------------------------------------------------------- the parser
 
@@ -56,30 +57,7 @@ def test_calculator_refuses_with_a_reason(expression, reason):
 # --------------------------------------------------------------------------- scripted episodes
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +-*/=?.:#<>()'_,\n"
-
-
-def char_tokenizer():
-    """A character-level tokenizer that spells the tool tags: <pad>=0, <eos>=1, <u>=2, <a>=3, <s>=4."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<eos>", "<u>", "<a>", "<s>"]
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    for ch in CHARS:
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(specials)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
-    hf.chat_template = (
-        "{% for m in messages %}{% if m['role'] == 'user' %}<u>{% elif m['role'] == 'system' %}<s>{% else %}<a>{% endif %}"
-        "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
-    )
-    return hf
-
-
-TOK = char_tokenizer()
+TOK = char_tokenizer(CHARS, system=True)  # spells the tool tags: <s>=4 is the system role
 EOS = 1
 
 
