@@ -470,8 +470,7 @@ class _Run:
                 self.engine_counters[name] = engine_metrics[name]
         return engine_metrics
 
-    def record_engine(self, tracker: Any, step_time: float) -> None:
-        engine_metrics = self.engine_metrics()
+    def record_engine(self, tracker: Any, step_time: float, engine_metrics: dict[str, float]) -> None:
         tracker.scalars(engine_metrics, reduce="last")
         generated = engine_metrics.get("engine/decode_tokens", 0.0)
         tracker.scalar("perf/gen_tokens_per_s", (generated - self.generated_before) / step_time)
@@ -558,12 +557,16 @@ class _Run:
                 groups = list(executor.last_groups)
                 train_metrics = trainer.step(batch)
                 self.publish(trainer)
+                # Engine counters (and the checkpoint's copy of them) are read before admission moves
+                # on: with max_staleness 0 no request of the next step can have started, so the
+                # counts are exact and a resume continues them without counting anything twice.
+                engine_metrics = self.engine_metrics()
                 executor.set_version(self.version)
                 step_time = time.perf_counter() - step_start
 
                 tracker.scalars(_rename_train_metrics(train_metrics))
                 tracker.scalars(executor.metrics, reduce="last")
-                self.record_engine(tracker, step_time)
+                self.record_engine(tracker, step_time, engine_metrics)
                 _reward_metrics(groups, tracker)
                 tracker.scalar("perf/step_time", step_time)
                 tracker.scalar("perf/trained_tokens_per_s", float(batch.loss_mask.sum()) / step_time)
