@@ -15,7 +15,7 @@ PACKAGES = ("asyncrl", "jax", "jaxlib", "flax", "optax", "transformers", "safete
 
 
 def package_versions() -> dict[str, str | None]:
-    versions = {}
+    versions: dict[str, str | None] = {}
     for name in PACKAGES:
         try:
             versions[name] = importlib.metadata.version(name)

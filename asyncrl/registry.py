@@ -158,8 +158,8 @@ def _import_user_module(module_name: str, target: str, where: str) -> Any:
 
 
 def _where_raised(err: BaseException) -> str:
-    frames = traceback.extract_tb(err.__traceback__)
-    frames = [f for f in frames if "importlib" not in f.filename] or frames
+    all_frames = traceback.extract_tb(err.__traceback__)
+    frames = [f for f in all_frames if "importlib" not in f.filename] or list(all_frames)
     return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
@@ -184,6 +184,8 @@ def _import_bundled_workflows() -> None:
     if PRIVATE_WORKFLOWS_NAME in sys.modules:
         return
     spec = importlib.util.spec_from_file_location(PRIVATE_WORKFLOWS_NAME, init, submodule_search_locations=[str(init.parent)])
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load asyncrl's bundled workflows from {init}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[PRIVATE_WORKFLOWS_NAME] = module
     try:

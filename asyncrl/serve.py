@@ -76,8 +76,9 @@ class ServeState:
         self.api_key = api_key
         self.labels: dict[int, str] = {engine.version: weight_version}
         self.paused = False
-        self.resumed: Optional[asyncio.Event] = None  # created on the server's loop
-        self.update_lock: Optional[asyncio.Lock] = None
+        # Replaced on the server's loop by loop_objects() (asyncio primitives bind to one loop).
+        self.resumed = asyncio.Event()
+        self.update_lock = asyncio.Lock()
         self.sample_ids = itertools.count(1 << 40)  # keys of requests that bring none
         self.rids = itertools.count()
 
@@ -108,8 +109,8 @@ class ServeState:
                 items.append(self.one_request(prompt, sampling, i))
         merged: list[tuple[Optional[GenerationRequest], int]] = []
         for req in items:
-            if merged and req is not None and merged[-1][0] is not None:
-                prev, count = merged[-1]
+            prev, count = merged[-1] if merged else (None, 0)
+            if req is not None and prev is not None:
                 follows = dataclasses.replace(req, n=prev.n, index_in_group=prev.index_in_group) == prev
                 if follows and req.index_in_group == prev.index_in_group + prev.n and prev.n < self.engine.slots:
                     merged[-1] = (dataclasses.replace(prev, n=prev.n + 1), count + 1)
@@ -144,7 +145,8 @@ class ServeState:
     def item(self, response: Optional[GenerationResponse], prompt_len: int, with_logprobs: bool) -> dict:
         rid = f"asyncrl-{next(self.rids)}"
         if response is None:
-            tokens, logprobs, label, finish = [], [], self.label, {"type": "length", "length": 0}
+            tokens, logprobs, label = [], [], self.label
+            finish = sp.FinishReason(type="length", length=0)
         else:
             tokens = [int(t) for t in response.output_ids]
             logprobs = [float(x) for x in response.logprobs]
@@ -154,13 +156,13 @@ class ServeState:
             label = self.labels[versions.pop()] if versions else self.label
             reason = response.stop_reason
             if reason == "aborted":
-                finish = {"type": "abort", "message": "aborted by /pause_generation, an update or a timeout"}
+                finish = sp.FinishReason(type="abort", message="aborted by /pause_generation, an update or a timeout")
             elif reason == "length":
-                finish = {"type": "length", "length": len(tokens)}
+                finish = sp.FinishReason(type="length", length=len(tokens))
             else:
-                finish = {"type": "stop", "matched": tokens[-1]}
+                finish = sp.FinishReason(type="stop", matched=tokens[-1])
         meta = sp.MetaInfo(
-            id=rid, finish_reason=sp.FinishReason(**finish), prompt_tokens=prompt_len, completion_tokens=len(tokens),
+            id=rid, finish_reason=finish, prompt_tokens=prompt_len, completion_tokens=len(tokens),
             weight_version=label,
             output_token_logprobs=[(lp, t, None) for lp, t in zip(logprobs, tokens)] if with_logprobs else None,
         )

@@ -35,6 +35,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Mapping, Optional, Sequence
 
+import numpy as np
+
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, InferenceEngine
 from asyncrl.errors import ConfigError
 from asyncrl.registry import register
@@ -97,7 +99,7 @@ class CalculatorWorkflow(SingleTurnWorkflow):
     def _encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
-    def _decode(self, ids: Sequence[int]) -> str:
+    def _decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self.tokenizer.decode([int(t) for t in ids], skip_special_tokens=True)
 
     def tool_reply(self, turn_text: str) -> tuple[str, bool]:
@@ -124,7 +126,7 @@ class CalculatorWorkflow(SingleTurnWorkflow):
         builder = TrajectoryBuilder().add_tokens(prompt_ids)
         total, longest_prompt = self.budgets(len(prompt_ids))
         texts: list[str] = []
-        stats = {"turns": 0.0, "tool_calls": 0.0, "tool_errors": 0.0, "truncated": 0.0}
+        stats: dict[str, Any] = {"turns": 0.0, "tool_calls": 0.0, "tool_errors": 0.0, "truncated": 0.0}
         for turn in range(self.max_turns):
             context = builder.input_ids.tolist()
             room = total - len(context)

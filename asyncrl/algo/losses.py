@@ -123,6 +123,7 @@ def policy_loss(
     # Per-token diagnostics, reduced together at the end: one stacked masked mean
     # compiles to one kernel instead of one per statistic.
     token_stats: dict[str, jax.Array] = {}
+    kl = jnp.zeros_like(pg)
     if params.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("policy_loss: algo.kl_coef > 0 needs ref_logprobs")
@@ -161,8 +162,8 @@ def policy_loss(
     diagnostics = dict(zip(token_stats, means))
     # The loss's terms, as shares of the mini-batch loss like the loss itself (diagnostics only).
     terms = {"pg_loss": weight * pg}
-    terms["kl_loss"] = params.kl_coef * weight * kl if params.kl_coef > 0 else jnp.zeros_like(pg)
-    terms["entropy_loss"] = -params.entropy_coef * entropy if params.entropy_coef > 0 else jnp.zeros_like(pg)
+    terms["kl_loss"] = params.kl_coef * weight * kl
+    terms["entropy_loss"] = -params.entropy_coef * entropy if entropy is not None and params.entropy_coef > 0 else jnp.zeros_like(pg)
     stacked_terms = jax.lax.stop_gradient(jnp.stack(list(terms.values())))
     diagnostics.update(zip(terms, aggregate(stacked_terms, loss_mask[None], denominators, params, axis=(1, 2))))
     diagnostics["behave_weight_max"] = jnp.max(jnp.where(loss_mask, raw_w, 0.0))

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from asyncrl.engine.protocol import GenerationRequest, GenerationResponse
+from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.errors import EngineCrashed
 from asyncrl.registry import register
 
@@ -148,7 +148,7 @@ class FakeEngine:
         ends = rng.random(request.max_new_tokens) < self.eos_prob
         choices = rng.integers(0, len(allowed), size=request.max_new_tokens)
         eos = self.eos_token_id if self.eos_token_id in stop_ids else min(stop_ids) if stop_ids else None
-        tokens: list[int] = []
+        tokens = []
         for pos in range(request.max_new_tokens):
             if eos is not None and pos >= request.min_new_tokens and ends[pos]:
                 tokens.append(eos)
@@ -188,7 +188,7 @@ class FakeEngine:
         return responses
 
     @staticmethod
-    def _cut(tokens: list[int], request: GenerationRequest, stop_ids: set[int]) -> tuple[list[int], str]:
+    def _cut(tokens: list[int], request: GenerationRequest, stop_ids: set[int]) -> tuple[list[int], StopReason]:
         """Apply stop ids and stop sequences to a scripted output."""
         for pos, token in enumerate(tokens):
             if pos + 1 >= request.min_new_tokens:

@@ -43,7 +43,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from asyncrl.engine import sglang_protocol as sp
-from asyncrl.engine.protocol import GenerationRequest, GenerationResponse
+from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
 from asyncrl.registry import register
 
@@ -103,7 +103,7 @@ class _Sample:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
-        self.stop_reason: Optional[str] = None
+        self.stop_reason: Optional[StopReason] = None
         self.segments = 0
 
 
@@ -181,7 +181,7 @@ class RemoteEngine:
         self._lock = threading.Condition()
         self._update_lock = threading.Lock()
         self._closed = False
-        self._stats: collections.Counter = collections.Counter()
+        self._stats: collections.defaultdict[str, float] = collections.defaultdict(float)
         self._stats_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_concurrent_requests, thread_name_prefix="asyncrl-remote")
         if check:

@@ -147,7 +147,7 @@ class GenerateItem(_Response):
     meta_info: MetaInfo
 
 
-GenerateResponse = TypeAdapter(Union[GenerateItem, list[GenerateItem]])
+GenerateResponse: TypeAdapter[Union[GenerateItem, list[GenerateItem]]] = TypeAdapter(Union[GenerateItem, list[GenerateItem]])
 """A ``/generate`` answer: one item, or a list for a batch (or ``n > 1``)."""
 
 

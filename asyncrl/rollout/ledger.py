@@ -221,7 +221,7 @@ class StalenessLedger:
         self._done_seq = int(snap["done_seq"])
         self._terminal = Counter({k: int(v) for k, v in snap["terminal"].items()})
         self._entries = {}
-        reissue = [tuple(int(x) for x in r) for r in snap["reissue"]]
+        reissue: list[tuple[int, int, int]] = [(int(r[0]), int(r[1]), int(r[2])) for r in snap["reissue"]]
         for ticket, sample_id, state, admit_version, min_version, done_seq in snap["entries"]:
             if state == IN_FLIGHT:
                 reissue.append((int(ticket), int(sample_id), int(admit_version)))
