@@ -82,6 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per case (median reported)")
     parser.add_argument("--chunk", type=int, default=16, help="logprob_chunk_size of the chunked cases")
+    parser.add_argument("--models", default="tiny,bench-40m", help="comma-separated model specs (tiny only: a quick check)")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: model,chunk
     args = parser.parse_args()
 
@@ -91,7 +92,7 @@ def main() -> None:
         return
 
     results = []
-    for model in ("tiny", "bench-40m"):
+    for model in args.models.split(","):
         for chunk in (0, args.chunk):
             proc = subprocess.run(
                 [sys.executable, __file__, "--case", f"{model},{chunk}", "--steps", str(args.steps)],

@@ -1,0 +1,315 @@
+"""Every shell command the docs show runs here, so a documented command that fails fails a test.
+
+The commands are read from the fenced shell blocks (```bash, ```sh, ```shell, ```console) of
+README.md and docs/*.md and run as written, in a scratch directory that looks like the
+repository root, with arguments appended that shorten them to seconds on the `tiny` model.
+A fenced command that no chain below runs (and that `ELSEWHERE` does not account for) fails
+``test_every_documented_command_is_run``: documenting a command means adding it here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+
+from tests.helpers import REPO_ROOT, subprocess_env
+
+SHELL_FENCES = ("bash", "sh", "shell", "console")
+
+# Commands shortened to seconds: 2 SFT steps then 3 RL steps, a small eval, a checkpoint to resume from.
+QUICKSTART_QUICK = ("--set", "stages.0.total_steps=2", "--set", "stages.1.total_steps=3", "--set", "eval.every_steps=3",
+                    "--set", "eval.max_prompts=8", "--set", "checkpoint.every_steps=2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One documented command, as the docs spell it, and how this test makes it quick."""
+
+    command: str
+    quick: tuple[str, ...] = ()  # appended arguments (later --set / flags win)
+    swap: tuple[tuple[str, str], ...] = ()  # documented text -> local value ({port}, {tmp} filled in)
+    check: Optional[Callable[[Path, str], None]] = None  # (workspace, output) -> raises when wrong
+    prepare: Optional[Callable[[Path], None]] = None  # (workspace) -> sets the scene before the command
+
+
+def _json_line(_: Path, output: str) -> None:
+    json.loads(output.strip().splitlines()[-1])
+
+
+def _exists(*paths: str) -> Callable[[Path, str], None]:
+    def check(ws: Path, _: str) -> None:
+        missing = [p for p in paths if not (ws / p).exists()]
+        assert not missing, f"missing after the command: {missing}"
+    return check
+
+
+def _eval_printed_table_and_json(_: Path, output: str) -> None:
+    result = json.loads(output.strip().splitlines()[-1])
+    assert {"eval/reward", "eval/accuracy", "eval/n_prompts"} <= set(result), result
+
+
+def _interrupt_after_step_4(ws: Path) -> None:
+    """As if the run had been killed during step 5: its checkpoint never completed."""
+    import shutil
+
+    shutil.rmtree(ws / "runs/quickstart/checkpoints/step_00000005")
+
+
+def _resumed(ws: Path, output: str) -> None:
+    rows = [json.loads(line) for line in (ws / "runs/quickstart/metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if row["step"] > 0] == [1, 2, 3, 4, 5], "resume repeated or lost a step"
+    assert (ws / "runs/quickstart/checkpoints/step_00000005").is_dir()
+
+
+def _printed_config(_: Path, output: str) -> None:
+    assert re.search(r"^\s*max_staleness: 0$", output, re.M), output[-2000:]
+
+
+def _sweep(_: Path, output: str) -> None:
+    lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    assert [line["max_staleness"] for line in lines] == [0, 2]
+    assert lines[0]["lag_max"] == 0 and lines[1]["lag_max"] <= 2 and all(line["rl_steps"] == 3 for line in lines)
+
+
+def _chaos(_: Path, output: str) -> None:
+    result = json.loads(output.strip().splitlines()[-1])
+    assert result["errors"] == [] and result["steps_missing"] == result["steps_duplicated"] == 0, result
+    assert result["samples_lost"] == result["samples_trained_twice"] == 0 and result["weights_equal"] is True, result
+
+
+README_CHAIN = (
+    Step("asyncrl train configs/quickstart.yaml", QUICKSTART_QUICK,
+         check=_exists("runs/quickstart/hf/config.json", "runs/quickstart/metrics.jsonl")),
+    Step("python scripts/plot_metrics.py runs/quickstart", check=_exists("runs/quickstart/curves.png")),
+    Step("asyncrl eval configs/quickstart.yaml --set model.path=runs/quickstart/hf", ("--set", "eval.max_prompts=8"),
+         check=_eval_printed_table_and_json),
+    Step("asyncrl export runs/quickstart my-model/", check=_exists("my-model/config.json", "my-model/model.safetensors")),
+    # docs/checkpoints.md: the same run, interrupted during its last step, resumed from step 4
+    Step("asyncrl train configs/quickstart.yaml --resume", QUICKSTART_QUICK, prepare=_interrupt_after_step_4,
+         check=_resumed),
+    Step("asyncrl train configs/quickstart.yaml --set rollout.max_staleness=0 --print-config", check=_printed_config),
+)
+
+LORA_CHAIN = (
+    Step("asyncrl train configs/quickstart.yaml --set run.name=quickstart-base --set 'stages=[{name: sft, type: sft, "
+         "total_steps: 20, optim: {lr: 0.003, warmup_steps: 0}}]'",
+         ("--set", "stages.0.total_steps=2", "--set", "eval.max_prompts=8"), check=_exists("runs/quickstart-base/hf")),
+    Step("asyncrl train configs/quickstart.yaml --set run.name=quickstart-lora --set model.path=runs/quickstart-base/hf "
+         "--set 'stages=[{name: rl, type: rl, total_steps: 300}]' --set 'model.lora={rank: 8, alpha: 16}' --set optim.lr=0.01",
+         ("--set", "stages.0.total_steps=2", "--set", "eval.max_prompts=8")),
+    Step("asyncrl export runs/quickstart-lora my-adapter/",
+         check=_exists("my-adapter/adapter_config.json", "my-adapter/adapter_model.safetensors")),
+    Step("asyncrl export runs/quickstart-lora my-model/ --merged", check=_exists("my-model/config.json")),
+)
+
+BENCH_CHAIN = (
+    Step("python scripts/bench_train.py", ("--models", "tiny", "--steps", "2"), check=_json_line),
+    Step("python scripts/bench_engine.py", ("--skip-40m", "--repeats", "1"), check=_json_line),
+    Step("python scripts/bench_model.py", ("--models", "tiny", "--steps", "1"), check=_json_line),
+    Step("python scripts/bench_prepare_batch.py", ("--reps", "20"), check=_json_line),
+)
+
+SLOW_CHAINS = {
+    # bench-40m swapped for tiny: the documented LoRA memory comparison, quick
+    "lora_bench": (
+        Step("python scripts/bench_train.py --models bench-40m --steps 3", ("--models", "tiny", "--steps", "1"),
+             check=_json_line),
+        Step("python scripts/bench_train.py --models bench-40m --steps 3 --lora-rank 8", ("--models", "tiny", "--steps", "1"),
+             check=_json_line),
+    ),
+    "bench_remote": (Step("python scripts/bench_remote.py", ("--requests", "8", "--repeats", "1"), check=_json_line),),
+    "serve": (
+        Step("asyncrl serve configs/quickstart.yaml --port 30000 --weights-root /shared/run1/weights "
+             "--set engine.prefill_buckets=[32]", swap=(("--port 30000", "--port {port}"),
+                                                        ("/shared/run1/weights", "{tmp}/weights"))),
+    ),
+    "staleness_sweep": (
+        Step("python scripts/staleness_sweep.py", ("--staleness", "0", "2", "--set", "stages.0.total_steps=2",
+                                                   "--set", "stages.1.total_steps=3", "--set", "eval.every_steps=3"),
+             check=_sweep),
+    ),
+    "chaos": (
+        Step("python scripts/chaos.py configs/quickstart.yaml --kills 20 --set rollout.max_staleness=0 "
+             "--set checkpoint.every_steps=20",
+             ("--kills", "2", "--max-delay", "0.5", "--set", "stages.0.total_steps=2", "--set", "stages.1.total_steps=4",
+              "--set", "checkpoint.every_steps=1", "--set", "eval.every_steps=0"), check=_chaos),
+    ),
+}
+
+CHAINS = {"readme": README_CHAIN, "lora": LORA_CHAIN, "bench": BENCH_CHAIN, **SLOW_CHAINS}
+
+ELSEWHERE = {
+    "pip install -e '.[dev]'": ".ci/run",
+    "pytest": ".ci/run",
+    "ruff check asyncrl workflows scripts": ".ci/run",
+    "mypy": ".ci/run",
+}
+"""Documented commands this file does not run, and what runs them (checked below)."""
+
+NOT_RUNNABLE_HERE = {
+    "python -m sglang.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct --host 0.0.0.0 --port 30000 "
+    "--skip-tokenizer-init --weight-version 0 --api-key $ASYNCRL_API_KEY":
+        "SGLang needs a GPU and is not a dependency; tests/test_remote.py runs the same protocol against asyncrl serve",
+    "python -u -m sgl_jax.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct --device=tpu --tp-size=4 "
+    "--skip-tokenizer-init --host 0.0.0.0 --port 30000":
+        "SGLang-Jax needs a TPU; tests/test_remote.py runs the same protocol against asyncrl serve",
+}
+"""Third-party servers the docs show how to start; they cannot run on this machine."""
+
+
+def documented_commands(root: Path = REPO_ROOT) -> dict[str, list[str]]:
+    """Every command in a fenced shell block -> where it is shown (``file:line``).
+
+    Continuation lines (trailing ``\\``) are joined, a leading ``$ `` and trailing comments
+    are dropped, and whitespace is collapsed to single spaces."""
+    found: dict[str, list[str]] = {}
+    for path in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+        text = path.read_text()
+        for fence in re.finditer(r"^```(\w*)[^\n]*\n(.*?)^```", text, re.S | re.M):
+            if fence.group(1) not in SHELL_FENCES:
+                continue
+            first_line = text.count("\n", 0, fence.start(2)) + 1
+            pending, start = "", first_line
+            for offset, raw in enumerate(fence.group(2).splitlines()):
+                line = raw.strip()
+                if not pending:
+                    start = first_line + offset
+                if line.endswith("\\"):
+                    pending += line[:-1] + " "
+                    continue
+                command = _normalise(pending + line)
+                pending = ""
+                if command:
+                    found.setdefault(command, []).append(f"{path.relative_to(root)}:{start}")
+    return found
+
+
+def _normalise(line: str) -> str:
+    line = line.removeprefix("$ ")
+    lexer = shlex.shlex(line, posix=False, punctuation_chars=False)
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    return " ".join(lexer)
+
+
+def test_every_documented_command_is_run():
+    documented = documented_commands()
+    covered = {_normalise(step.command) for chain in CHAINS.values() for step in chain}
+    covered |= set(ELSEWHERE) | {_normalise(c) for c in NOT_RUNNABLE_HERE}
+    unrun = {c: where for c, where in documented.items() if c not in covered}
+    assert not unrun, f"documented commands no test runs (add them to tests/test_doc_commands.py): {unrun}"
+    gone = sorted(covered - set(documented))
+    assert not gone, f"tests/test_doc_commands.py runs commands the docs no longer show: {gone}"
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    assert all(command in ci for command, runner in ELSEWHERE.items() if runner == ".ci/run")
+
+
+def test_the_reader_finds_fenced_commands_only(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("Run `asyncrl inline` here.\n\n```bash\n$ asyncrl train a.yaml   # go\n"
+                                        "python x.py --a 1 \\\n    --b '2 # 3'\n```\n\n```yaml\nkey: value\n```\n")
+    (tmp_path / "docs" / "x.md").write_text("```\nasyncrl untagged\n```\n```sh\nasyncrl train a.yaml\n```\n")
+    assert documented_commands(tmp_path) == {
+        "asyncrl train a.yaml": ["README.md:4", "docs/x.md:5"],
+        "python x.py --a 1 --b '2 # 3'": ["README.md:5"],
+    }
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """A directory that looks like the repository root to the documented relative paths."""
+    for name in ("configs", "scripts", "asyncrl", "workflows"):
+        (tmp_path / name).symlink_to(REPO_ROOT / name)
+    return tmp_path
+
+
+def _chain_params():
+    for name, chain in CHAINS.items():
+        marks = [pytest.mark.slow, pytest.mark.timeout(900)] if name in SLOW_CHAINS else [pytest.mark.timeout(600)]
+        yield pytest.param(name, chain, id=name, marks=marks)
+
+
+@pytest.mark.parametrize("name,chain", list(_chain_params()))
+def test_documented_commands_run(name, chain, workspace, monkeypatch, capsys):
+    documented = documented_commands()
+    monkeypatch.chdir(workspace)
+    for step in chain:
+        assert _normalise(step.command) in documented, f"{step.command!r} is no longer in the docs"
+        if step.prepare is not None:
+            step.prepare(workspace)
+        output = _run(step, workspace, capsys)
+        if step.check is not None:
+            step.check(workspace, output)
+
+
+def _run(step: Step, ws: Path, capsys) -> str:
+    command = step.command
+    for documented, local in step.swap:
+        command = command.replace(documented, local.format(port=_free_port(), tmp=ws))
+    argv = shlex.split(command) + list(step.quick)
+    env_assignments = {}
+    while argv and re.fullmatch(r"[A-Z_]+=.*", argv[0]):
+        key, _, value = argv.pop(0).partition("=")
+        env_assignments[key] = value
+    if argv[:2] == ["asyncrl", "serve"]:
+        return _serve(argv[1:], ws)
+    if argv[0] == "asyncrl":
+        from asyncrl.cli import main
+
+        capsys.readouterr()
+        code = main(argv[1:])
+        printed = capsys.readouterr()
+        assert code == 0, f"{command!r} exited {code}:\n{printed.out[-3000:]}\n{printed.err[-3000:]}"
+        return printed.out
+    assert argv[0] == "python", argv
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=ws, env=subprocess_env(**env_assignments),
+                          capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, f"{command!r} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _free_port() -> int:
+    from tests.remote_helpers import free_port
+
+    return free_port()
+
+
+def _serve(args: list[str], ws: Path) -> str:
+    """``asyncrl serve`` until it answers one /generate, then SIGTERM: it must stop cleanly."""
+    import httpx
+
+    from asyncrl.engine import sglang_protocol as sp
+
+    port = int(args[args.index("--port") + 1])
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=subprocess_env(), cwd=ws)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "asyncrl serve did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        answer = httpx.post(f"http://127.0.0.1:{port}/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+        assert len(sp.GenerateItem.model_validate(answer.json()).output_ids) == 2
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0 and "asyncrl serve: stopped" in output, output
+        return output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
