@@ -6,9 +6,9 @@ one), so a typo is an error before validation, never a silently ignored key.
 
 from __future__ import annotations
 
-from typing import Any, Union
 import types
 import typing
+from typing import Any, Union
 
 import yaml
 from pydantic import BaseModel

@@ -14,10 +14,12 @@ from pydantic import BaseModel
 
 
 def join_path(prefix: tuple, name: str) -> str:
+    """``a.b.name`` from the path parts ``(a, b)`` and ``name``."""
     return ".".join([*(str(p) for p in prefix), name])
 
 
 def closest_key(name: str, options: list[str]) -> str | None:
+    """The option most like a misspelt ``name`` (``clip_lo`` -> ``clip_low``), if any is close."""
     found = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
     return found[0] if found else None
 
