@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -138,7 +137,7 @@ def test_micro_batches_accumulate_to_the_same_gradient():
     """For each aggregation mode, 1, 2 and 4 micro-batches give the same gradient and loss, with
     and without padding rows (with them, the last micro-batch of 4 is all padding), at two bucket
     lengths; and the same data at both bucket lengths agrees too."""
-    all_params = tuple(dataclasses.replace(FULL, aggregation=mode) for mode in MODES)
+    all_params = tuple(FULL.replace(aggregation=mode) for mode in MODES)
     by_bucket = {}
     for padding_rows in (0, 4):
         for length in (CONTENT, CONTENT + 4):
@@ -159,7 +158,7 @@ def test_micro_batches_accumulate_to_the_same_gradient():
 
 def test_micro_batch_diagnostics_accumulate_to_the_mini_batch_values():
     weights, batch, real = make_batch(4, CONTENT)
-    params = dataclasses.replace(FULL, aggregation="seq-mean-token-mean")
+    params = FULL.replace(aggregation="seq-mean-token-mean")
     whole = jax.device_get(accumulated_diagnostics(weights, batch, real, params, 1))
     assert whole["clip_high_frac"] + whole["clip_low_frac"] > 0 and whole["behave_weight_capped_frac"] > 0
     for count in (2, 4):

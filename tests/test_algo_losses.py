@@ -3,7 +3,6 @@ differences in float64), diagnostics, and the decoupled-PPO identities."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -227,7 +226,7 @@ def test_on_policy_decoupled_loss_equals_plain_ppo():
     for base, variants in cases.items():
         plain = call(d, base, jnp.float32)
         for weighted in variants:
-            coupled = dataclasses.replace(base, **weighted)
+            coupled = base.replace(**weighted)
             decoupled = call(d, coupled, jnp.float32)
             np.testing.assert_allclose(float(decoupled[0]), float(plain[0]), rtol=1e-6)
             np.testing.assert_allclose(np.asarray(decoupled[2]), np.asarray(plain[2]), rtol=1e-6, atol=1e-8)

@@ -7,7 +7,8 @@ from typing import Optional
 import pytest
 from pydantic import Field
 
-from asyncrl.config import Config, Section, apply_override, dump_config, load_config
+from asyncrl.config import Config, Section, dump_config, load_config
+from asyncrl.config_overrides import apply_override
 from asyncrl.errors import ConfigError
 
 

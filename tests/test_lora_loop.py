@@ -81,7 +81,7 @@ def test_quickstart_with_lora_keeps_one_adapter_and_exports_it(tmp_path):
 def test_lora_run_resumes_exactly_and_refuses_another_base(tmp_path):
     """The full-weight resume promise (tests/test_resume.py) with adapters, dropout and a KL
     reference; then the base weights change under the same model.path and the resume is refused."""
-    from asyncrl.model.hf import resolve_model_dir
+    from asyncrl.model.loading import resolve_model_dir
 
     base_dir = tmp_path / "base"
     shutil.copytree(resolve_model_dir("tiny"), base_dir)

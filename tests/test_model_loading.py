@@ -282,3 +282,31 @@ def test_export_refuses_to_clobber_unless_asked(tiny, tmp_path):
     assert reloaded.stop_token_ids == tiny.stop_token_ids
     assert np.array_equal(logits_of(reloaded), logits_of(tiny))
     assert reloaded.tokenizer("12")["input_ids"] == tiny.tokenizer("12")["input_ids"]
+
+
+def test_loading_sits_above_the_directory_format_and_the_builtin_models():
+    """hf.py (the HF directory format), tiny.py and tiny_qwen3.py (built-in models written through
+    export_hf) never import loading.py nor each other upwards: no model.hf <-> model.tiny cycle."""
+    import ast
+
+    from asyncrl.config import ModelConfig
+    from asyncrl.model.loading import runtime_fields
+    from tests.helpers import REPO_ROOT
+
+    def imported(name: str) -> set[str]:
+        tree = ast.parse((REPO_ROOT / "asyncrl" / "model" / f"{name}.py").read_text())
+        found = set()
+        for node in ast.walk(tree):  # function-level imports count too
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        return found
+
+    below = {"hf": {"asyncrl.model.loading", "asyncrl.model.tiny", "asyncrl.model.tiny_qwen3"},
+             "tiny": {"asyncrl.model.loading", "asyncrl.model.tiny_qwen3"},
+             "tiny_qwen3": {"asyncrl.model.loading"}}
+    for name, forbidden in below.items():
+        assert not imported(name) & (forbidden | {"asyncrl.model"}), name
+    # The model section's runtime options are derived, not listed: every one reaches the DecoderConfig.
+    assert set(runtime_fields()) == set(ModelConfig.model_fields) - {"path", "lora"}

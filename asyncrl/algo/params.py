@@ -1,48 +1,48 @@
 """The static (hashable) form of the ``algo`` config section, for ``static_argnames``.
 
-Jitted functions take an :class:`AlgoParams` rather than the pydantic section: a frozen
-dataclass of plain values hashes and compares by value, so two trainers with equal
-configs share one compilation. This module imports no jax.
+Jitted functions take an :class:`AlgoParams` rather than the mutable config section.
+It is *derived* from :class:`~asyncrl.config.AlgoConfig`, not mirrored: a frozen subclass,
+so it carries every field of the section (a new field needs one edit, in the config) and
+hashes and compares by value, so two trainers with equal configs share one compilation.
+It adds only the values resolved from elsewhere in the config (:data:`RESOLVED_FIELDS`).
+This module imports no jax.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Optional
+from typing import Any
 
+from pydantic import ConfigDict, Field
+
+from asyncrl.config import AlgoConfig, Config
 from asyncrl.errors import ConfigError
 
+RESOLVED_FIELDS = ("estimator", "estimator_kwargs", "max_new_tokens", "loss_norm_tokens")
+"""Fields of :class:`AlgoParams` whose value is not the ``algo`` section's own, as given:
+the estimator spec split into alias and kwargs, ``rollout.max_new_tokens``, and the
+resolved ``loss_norm_tokens``. Every other field is the section's value unchanged."""
 
-@dataclasses.dataclass(frozen=True)
-class AlgoParams:
-    """Everything the algorithm functions read, with ``None`` defaults already resolved."""
+
+class AlgoParams(AlgoConfig):
+    """Everything the algorithm functions read, with ``None`` defaults already resolved.
+
+    Build one with :meth:`from_config`; tests may also construct one directly with keywords
+    (validated like the config section)."""
+
+    model_config = ConfigDict(frozen=True)
 
     estimator: str = "grpo"
-    """Registered alias or ``pkg.module:Symbol`` of the advantage estimator."""
+    """Registered alias or ``pkg.module:Symbol`` of the advantage estimator (``algo.estimator``'s target)."""
     estimator_kwargs: tuple[tuple[str, Any], ...] = ()
-    """Sorted ``(name, value)`` pairs bound to the estimator (hashable form of a dict)."""
-    reward_scale: float = 1.0
-    reward_bias: float = 0.0
-    truncated: str = "keep"
-    overlong_buffer: int = 8
-    overlong_penalty: float = 1.0
-    max_new_tokens: int = 32
+    """Sorted ``(name, value)`` pairs bound to the estimator (hashable form of ``algo.estimator.kwargs``)."""
+    max_new_tokens: int = Field(default=32, ge=1)
     """``rollout.max_new_tokens``: DAPO's L_max for the overlong penalty."""
-    ratio: str = "token"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: Optional[float] = None
-    decoupled: bool = False
-    prox_logp: str = "recompute"
-    mismatch_correction: bool = False
-    behave_weight_cap: Optional[float] = 5.0
-    behave_weight_mode: str = "truncate"
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    aggregation: str = "token-mean"
-    loss_norm_tokens: int = 32
+    loss_norm_tokens: int = Field(default=32, ge=1)
     """Resolved: ``algo.loss_norm_tokens`` or else ``rollout.max_new_tokens``."""
+
+    def replace(self, **changes: Any) -> "AlgoParams":
+        """A copy with ``changes``, validated like the constructor (``dataclasses.replace`` for this frozen model)."""
+        return type(self)(**{**dict(self), **changes})
 
     @property
     def weighted(self) -> bool:
@@ -60,14 +60,11 @@ class AlgoParams:
         return self.kl_coef > 0
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "AlgoParams":
-        """Build from the root :class:`asyncrl.config.Config` (reads ``algo`` and ``rollout``)."""
+    def from_config(cls, cfg: Config) -> "AlgoParams":
+        """Build from the root :class:`~asyncrl.config.Config` (reads ``algo`` and ``rollout``)."""
         algo = cfg.algo
         spec = algo.estimator
-        if isinstance(spec, str):
-            target, kwargs = spec, {}
-        else:
-            target, kwargs = spec.target, dict(spec.kwargs)
+        target, kwargs = (spec, {}) if isinstance(spec, str) else (spec.target, dict(spec.kwargs))
         frozen = tuple(sorted(kwargs.items()))
         try:
             hash(frozen)
@@ -75,8 +72,7 @@ class AlgoParams:
             raise ConfigError(
                 f"algo.estimator.kwargs: values must be numbers, strings or booleans (given {kwargs!r})"
             ) from None
-        fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in algo.model_dump().items() if k in fields}
+        values = {name: getattr(algo, name) for name in AlgoConfig.model_fields}
         values.update(
             estimator=target,
             estimator_kwargs=frozen,

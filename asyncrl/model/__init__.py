@@ -52,7 +52,8 @@ set), ``tiny-qwen3`` (on disk, cached: Qwen3-shaped with a BPE tokenizer trained
 """
 
 from asyncrl.model.config import DecoderConfig, from_hf_config, to_hf_config
-from asyncrl.model.hf import LoadedModel, export_hf, load_model
+from asyncrl.model.hf import LoadedModel, export_hf
+from asyncrl.model.loading import load_model
 from asyncrl.model.logprobs import per_token_logprobs, per_token_logprobs_jit, token_logprobs_from_logits
 from asyncrl.model.tiny import TINY_ALPHABET, bench_40m_config, build_tiny_tokenizer, ensure_tiny
 from asyncrl.model.transformer import (

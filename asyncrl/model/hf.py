@@ -1,4 +1,8 @@
-"""Hugging Face interop: load a checkpoint directory (or hub id, or ``tiny``), export one back.
+"""Hugging Face interop: read a local checkpoint directory, export one back.
+
+Resolving ``model.path`` (a hub id, ``tiny``, ``tiny-qwen3``) to such a directory is
+:mod:`asyncrl.model.loading`'s (above this module and the built-in models, which write
+their directories through :func:`export_hf`).
 
 Loading never needs torch: ``config.json`` is read through ``transformers.AutoConfig``
 (which also normalises older layouts, e.g. top-level ``rope_theta`` + ``rope_scaling``,
@@ -34,7 +38,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints sav
 
 
 class LoadedModel(NamedTuple):
-    """What :func:`load_model` returns; unpack as ``model, tokenizer, stop_ids, *_``."""
+    """A model read from an HF directory (what :func:`asyncrl.model.load_model` returns, and what
+    :func:`export_hf` also accepts); unpack as ``model, tokenizer, stop_ids, *_``."""
 
     model: Any  # asyncrl.model.transformer.Decoder (NNX module)
     tokenizer: Any  # transformers PreTrainedTokenizerBase
@@ -53,38 +58,7 @@ class LoadedModel(NamedTuple):
         return split_params(self.model)
 
 
-# --------------------------------------------------------------------------- locating
-
-
-def resolve_model_dir(path: str | os.PathLike) -> Path:
-    """A local HF directory for ``path``: an existing directory, a built ``tiny`` spec,
-    or (only when no such directory exists) a hub id downloaded with huggingface_hub."""
-    text = os.fspath(path)
-    local = Path(text).expanduser()
-    if local.is_dir():
-        return local
-    if text == "tiny" or text.startswith("tiny:"):
-        from asyncrl.model.tiny import ensure_tiny
-
-        return ensure_tiny(text)
-    from asyncrl.model.tiny_qwen3 import ensure_tiny_qwen3, is_tiny_qwen3
-
-    if is_tiny_qwen3(text):
-        return ensure_tiny_qwen3(text)
-    looks_local = text.startswith((".", "/", "~")) or text.count("/") != 1 or os.sep + os.sep in text
-    if looks_local:
-        raise ModelError(f"model.path {text!r}: no such directory (and not a hub id 'org/name', 'tiny' or 'tiny-qwen3')")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(
-            snapshot_download(
-                text,
-                allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"],
-            )
-        )
-    except Exception as err:  # network, auth, not found: all the user's to fix
-        raise ModelError(f"model.path {text!r}: not a local directory, and downloading it from the hub failed: {err}") from err
+# --------------------------------------------------------------------------- reading
 
 
 def read_hf_config(model_dir: Path) -> Any:
@@ -203,7 +177,7 @@ def hf_tensors_from_params(cfg: DecoderConfig, params: dict) -> dict[str, Any]:
     """HF-named jax arrays from our pure params dict (inverse of :func:`params_from_hf`)."""
     out = {}
     for keys, (hf_name, transposed, _) in _param_layout(cfg).items():
-        value = params
+        value: Any = params
         for k in keys:
             value = value[k]
         out[hf_name] = value.T if transposed else value
@@ -244,39 +218,17 @@ def load_tokenizer(model_dir: Path) -> Any:
         raise ModelError(f"{model_dir}: transformers cannot load the tokenizer: {err}") from err
 
 
-def load_model(
-    path: Any = "tiny",
-    *,
-    param_dtype: Optional[str] = None,
-    compute_dtype: Optional[str] = None,
-    remat: Optional[bool] = None,
-    logprob_chunk_size: Optional[int] = None,
-    with_tokenizer: bool = True,
-) -> LoadedModel:
-    """Load a policy model: ``path`` is a local HF directory, ``tiny[:options]``, a hub id,
-    or a :class:`asyncrl.config.ModelConfig` (whose fields supply the keyword defaults).
+def load_hf_directory(model_dir: Path, *, with_tokenizer: bool = True, **runtime: Any) -> LoadedModel:
+    """Read the local HF directory ``model_dir`` into a :class:`LoadedModel`.
 
-    Returns :class:`LoadedModel` ``(model, tokenizer, stop_token_ids, pad_token_id, path)``;
-    ``with_tokenizer=False`` skips the tokenizer (``tokenizer`` is then None), for bare
-    checkpoints. The dtype/remat/chunking keywords override the ModelConfig's fields.
+    ``runtime``: :data:`~asyncrl.model.config.RUNTIME_FIELDS` of the :class:`DecoderConfig`
+    (dtypes, remat, log-prob chunking), which no checkpoint records. ``with_tokenizer=False``
+    skips the tokenizer (``tokenizer`` is then None), for bare checkpoints.
     """
-    runtime: dict[str, Any] = {}
-    if hasattr(path, "path") and hasattr(path, "param_dtype"):  # a ModelConfig section
-        section = path
-        path = section.path
-        for name in ("param_dtype", "compute_dtype", "remat", "logprob_chunk_size"):
-            if hasattr(section, name):
-                runtime[name] = getattr(section, name)
-    for name, value in (("param_dtype", param_dtype), ("compute_dtype", compute_dtype), ("remat", remat),
-                        ("logprob_chunk_size", logprob_chunk_size)):
-        if value is not None:
-            runtime[name] = value
-
     from flax import nnx
 
     from asyncrl.model.transformer import Decoder
 
-    model_dir = resolve_model_dir(path)
     hf_config = read_hf_config(model_dir)
     cfg = from_hf_config(hf_config, source=str(model_dir / "config.json"), **runtime)
     params = params_from_hf(cfg, read_safetensors(model_dir), str(model_dir))

@@ -60,6 +60,11 @@ class TinySpec:
     max_positions: int = 1024
 
 
+def is_tiny(text: str) -> bool:
+    """True for ``tiny`` and ``tiny:options`` (not ``tiny-qwen3``)."""
+    return text == "tiny" or text.startswith("tiny:")
+
+
 def parse_spec_options(text: str, prefix: str, spec_type: type) -> dict[str, Any]:
     """The ``name=value`` options of ``prefix:name=value,...`` as the fields of the dataclass
     ``spec_type`` (int, bool or str); a bad option is a ModelError naming ``model.path``."""

@@ -19,35 +19,32 @@ which is ``optax.apply_if_finite``'s rule without its "apply anyway after N erro
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
+from pydantic import ConfigDict, Field
+
+from asyncrl.config import Config, OptimConfig
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimParams:
-    """Hashable form of the ``optim`` section, with ``decay_steps`` resolved."""
+class OptimParams(OptimConfig):
+    """Hashable form of the ``optim`` section, with ``decay_steps`` resolved.
 
-    optimizer: str = "adamw"
-    lr: float = 1e-3
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    no_decay: tuple[str, ...] = ("embed", "norm", "bias")
-    max_grad_norm: Optional[float] = 1.0
-    warmup_steps: int = 0
-    schedule: str = "constant"
-    decay_steps: int = 1
-    min_lr_ratio: float = 0.0
-    micro_batches: int = 1
+    Derived, not mirrored: a frozen subclass of :class:`~asyncrl.config.OptimConfig`, so it
+    carries every field of the section (a new field needs one edit, in the config) and hashes
+    by value (a ``static_argnames`` argument: equal configs share compilations). Only the
+    fields in :data:`RESOLVED_FIELDS` differ from the section's values as given."""
+
+    model_config = ConfigDict(frozen=True)
+
+    decay_steps: int = Field(default=1, ge=1)
+    """Resolved: ``optim.decay_steps``, or the run's optimizer updates after warm-up (at least 1)."""
 
     @classmethod
-    def from_config(cls, cfg: Any, *, updates_per_step: Optional[int] = None) -> "OptimParams":
+    def from_config(cls, cfg: Config, *, updates_per_step: Optional[int] = None) -> "OptimParams":
         """From the root config (reads ``optim``, ``run.total_steps`` and ``algo``).
 
         ``updates_per_step``: optimizer updates per trainer step, for the cosine decay's
@@ -57,11 +54,13 @@ class OptimParams:
             updates_per_step = cfg.algo.ppo_epochs * cfg.algo.mini_batches
         updates_per_run = cfg.run.total_steps * updates_per_step
         decay = o.decay_steps if o.decay_steps is not None else max(updates_per_run - o.warmup_steps, 1)
-        return cls(
-            optimizer=o.optimizer, lr=o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-            no_decay=tuple(o.no_decay), max_grad_norm=o.max_grad_norm, warmup_steps=o.warmup_steps,
-            schedule=o.schedule, decay_steps=decay, min_lr_ratio=o.min_lr_ratio, micro_batches=o.micro_batches,
-        )
+        values = {name: getattr(o, name) for name in OptimConfig.model_fields}
+        values.update(decay_steps=decay)
+        return cls(**values)
+
+
+RESOLVED_FIELDS = ("decay_steps",)
+"""Fields of :class:`OptimParams` whose value is not the ``optim`` section's own, as given."""
 
 
 def learning_rate_schedule(p: OptimParams):

@@ -1,0 +1,405 @@
+"""The sections of the configuration tree: one pydantic model per top-level key of a run config.
+
+Every section forbids unknown keys and every field has a working default and a docstring
+(the attribute docstring becomes the field's description, which is what ``docs/config.md``
+is generated from). The root :class:`~asyncrl.config.Config`, its cross-field checks, stages,
+loading and dumping are :mod:`asyncrl.config`'s (import sections from there). No jax here.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, docstrings are docs."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class ComponentRef(Section):
+    """A pluggable component given by import path or alias, with constructor kwargs."""
+
+    target: str
+    """A registered alias or an import path ``pkg.module:Symbol``."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments bound to the component when it is built."""
+
+
+ComponentSpec = Union[str, ComponentRef]
+"""A built-in alias, an import path ``pkg.module:Symbol``, or ``{target, kwargs}``."""
+
+
+class RunConfig(Section):
+    """Identity, output location, seeding and length of a run."""
+
+    name: str = "asyncrl"
+    """Run name, used in the default output directory and in logs."""
+    output_dir: Optional[str] = None
+    """Directory for metrics, checkpoints and exports; defaults to ``runs/<name>``."""
+    seed: int = 0
+    """Root seed; every random stream of the run is derived from it."""
+    total_steps: int = Field(default=100, ge=1)
+    """Number of trainer steps (each consumes ``rollout.batch_size`` groups and publishes once)."""
+    overwrite: bool = False
+    """Replace the metrics of an earlier run in ``output_dir`` (otherwise starting where a run completed a step is an error)."""
+
+    @property
+    def resolved_output_dir(self) -> Path:
+        return Path(self.output_dir) if self.output_dir else Path("runs") / self.name
+
+
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""A linear layer of a decoder layer that LoRA adapters may wrap (Hugging Face / PEFT names)."""
+LORA_TARGET_MODULES: tuple[LoraTarget, ...] = typing.get_args(LoraTarget)
+"""Every :data:`LoraTarget`, in layer order (the default of ``model.lora.target_modules``)."""
+
+
+class LoraConfig(Section):
+    """Low-rank adapters: train ``B @ A`` beside frozen base weights (see docs/lora.md)."""
+
+    rank: int = Field(default=8, ge=1)
+    """r: the inner dimension of each adapter pair ``A [in, r]``, ``B [r, out]``."""
+    alpha: float = Field(default=16.0, gt=0)
+    """The adapter's output is scaled by ``alpha / rank`` (PEFT's ``lora_alpha``)."""
+    target_modules: list[LoraTarget] = Field(default_factory=lambda: list(LORA_TARGET_MODULES), min_length=1)
+    """Which linear layers of every decoder layer get an adapter."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input in training forward passes only (never in pi_prox, pi_ref, eval or the engine)."""
+
+    @model_validator(mode="after")
+    def _unique_targets(self) -> "LoraConfig":
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"target_modules lists a module twice: {self.target_modules}")
+        return self
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class ModelConfig(Section):
+    """The policy model: where its weights come from and the dtypes it runs in."""
+
+    path: str = "tiny"
+    """Local Hugging Face directory, hub id, or built-in spec: ``tiny`` (character vocabulary) or ``tiny-qwen3`` (Qwen3-shaped, BPE tokenizer trained on GSM8K)."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype the parameters are stored and updated in."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of activations and matmuls; norms and log-probs always run in float32."""
+    remat: bool = False
+    """Rematerialise each decoder layer in the backward pass (less memory, ~1/3 more compute)."""
+    logprob_chunk_size: Optional[int] = Field(default=None, ge=1)
+    """Sequence positions per lm-head chunk in ``per_token_logprobs`` (bounds [B, chunk, vocab] memory); null: no chunking."""
+    lora: Optional[LoraConfig] = None
+    """Train low-rank adapters on frozen base weights instead of every weight (``{rank, alpha, target_modules, dropout}``); null: off."""
+
+
+class RolloutConfig(Section):
+    """How episodes are generated, and how stale their tokens may be when trained."""
+
+    batch_size: int = Field(default=8, ge=1)
+    """Groups (prompts) consumed by one trainer step: B."""
+    group_size: int = Field(default=4, ge=1)
+    """Sequences sampled per prompt; a group is kept or dropped whole."""
+    max_staleness: int = Field(default=1, ge=0)
+    """η: the most versions a trained token may lag the weights being trained; 0 is synchronous."""
+    max_concurrent: int = Field(default=16, ge=1)
+    """Most episodes running at once (rollout threads)."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature of training rollouts (log-probs are taken at this temperature)."""
+    max_new_tokens: int = Field(default=32, ge=1)
+    """Most tokens generated per completion."""
+    batch_order: Literal["admission", "completion"] = "admission"
+    """``admission``: batches take the oldest tickets (lag <= η, no stale drops); ``completion``: the first finished groups."""
+    episode_timeout_s: float = Field(default=600.0, gt=0)
+    """An episode running longer is counted ``failed:timeout``; its slot is refilled and its worker thread abandoned (one replacement keeps the pool's size)."""
+    reward_timeout_s: float = Field(default=30.0, gt=0)
+    """A reward function call running longer gives ``reward_fallback`` (counted)."""
+    reward_fallback: float = -1.0
+    """Reward given in place of a reward function that raises or times out (counted, logged once)."""
+    max_consecutive_failures: int = Field(default=20, ge=1)
+    """This many failed episodes in a row stop training with the root cause."""
+    max_consecutive_reward_failures: int = Field(default=100, ge=1)
+    """This many failed or timed-out calls in a row of one reward function stop training with the cause (each still scores ``reward_fallback`` until then)."""
+    max_consecutive_drops: Optional[int] = Field(default=None, ge=1)
+    """This many finished groups in a row dropped (``too_long``, ``prompt_too_long``, ``aborted``, a workflow's ``SkipSample``; not ``stale`` or ``zero_variance``) with none kept stop training with the reason and the setting to change. Default: ``max(64, 4 * batch_size)``."""
+    batch_timeout_s: float = Field(default=600.0, gt=0)
+    """The trainer gives up (and the run stops with the rollout counts) when a batch is not ready after this long."""
+    length_bucket: int = Field(default=64, ge=1)
+    """Batch length ``L`` is the longest sequence rounded up to a multiple of this (fewer recompilations)."""
+    max_seq_len: Optional[int] = Field(default=None, ge=2)
+    """Cap on ``L``; a longer trajectory drops its group (``dropped:too_long``). Default: ``data.max_prompt_tokens + rollout.max_new_tokens``, room for one turn: a multi-turn workflow sets it to its whole episode's length (every turn, tool output and prompt)."""
+    filter_zero_variance: bool = False
+    """Drop groups whose rewards are all equal (they carry no GRPO signal), within ``max_filtered_per_step``."""
+    max_filtered_per_step: Optional[int] = Field(default=None, ge=0)
+    """Most zero-variance groups dropped per trainer step; then they are trained on. Default: ``4 * batch_size``."""
+
+    @property
+    def queue_capacity(self) -> int:
+        """Groups the rollout queue holds: ``(max_staleness + 1) * batch_size``, enough for every admitted group."""
+        return (self.max_staleness + 1) * self.batch_size
+
+    @property
+    def resolved_max_consecutive_drops(self) -> int:
+        return max(64, 4 * self.batch_size) if self.max_consecutive_drops is None else self.max_consecutive_drops
+
+    @property
+    def resolved_max_filtered_per_step(self) -> int:
+        return 4 * self.batch_size if self.max_filtered_per_step is None else self.max_filtered_per_step
+
+
+class DataConfig(Section):
+    """The prompts: which dataset, and limits applied to every sample."""
+
+    dataset: ComponentSpec = "copy"
+    """Dataset/task: a built-in (``copy``, ``reverse``, ``add``, ``gsm8k``, ``jsonl``, ``hf``), an import path, or ``{target, kwargs}`` (e.g. ``{target: jsonl, kwargs: {path: data.jsonl, eval_size: 64}}``)."""
+    max_prompt_tokens: int = Field(default=256, ge=1)
+    """A prompt longer than this (in tokens, chat template included) is skipped and counted (``dropped:prompt_too_long``)."""
+
+
+class RewardSpec(Section):
+    """One reward function ``fn(prompt: str, completion: str, **sample_fields) -> float`` and its weight."""
+
+    fn: ComponentSpec
+    """The function: a registered reward alias, ``pkg.module:function``, or ``{target, kwargs}``."""
+    weight: float = 1.0
+    """The reward is the weighted sum of the functions' raw scores."""
+    name: Optional[str] = None
+    """Key of its raw score in ``reward_components``; defaults to the alias or function name."""
+
+
+class AlgoConfig(Section):
+    """The RL objective: advantages, the clipped policy loss, KL, entropy and aggregation (``docs/algorithms.md``)."""
+
+    estimator: ComponentSpec = "grpo"
+    """Advantage estimator: ``grpo``, ``dr_grpo``, ``rloo``, ``batch``, or an import path; kwargs such as ``{eps: 1e-4}``."""
+    reward_scale: float = 1.0
+    """Rewards are multiplied by this before the estimator sees them."""
+    reward_bias: float = 0.0
+    """Added to rewards (after scaling) before the estimator sees them."""
+    truncated: Literal["keep", "mask", "penalty"] = "keep"
+    """Completions cut at ``rollout.max_new_tokens``: ``keep`` as is, ``mask`` out of the loss, or DAPO's soft overlong ``penalty``."""
+    overlong_buffer: int = Field(default=8, ge=1)
+    """DAPO's L_cache: with ``truncated: penalty`` the reward falls linearly to -``overlong_penalty`` over the last this many tokens."""
+    overlong_penalty: float = Field(default=1.0, ge=0)
+    """Largest overlong penalty (reward units) with ``truncated: penalty``; reached at ``rollout.max_new_tokens``."""
+    ratio: Literal["token", "sequence"] = "token"
+    """Importance ratio per ``token`` (PPO/GRPO) or per ``sequence`` (GSPO: exp of the mean token log-ratio)."""
+    clip_low: float = Field(default=0.2, ge=0, lt=1)
+    """The ratio is clipped below at 1 - clip_low."""
+    clip_high: float = Field(default=0.2, ge=0)
+    """The ratio is clipped above at 1 + clip_high (DAPO's clip-higher: 0.28)."""
+    dual_clip: Optional[float] = Field(default=None, gt=1)
+    """Dual clip c: for A < 0 the loss is at most -c*A (3.0 in the dual-clip paper); null is off."""
+    decoupled: bool = False
+    """AReaL's decoupled PPO: ratio against the proximal policy (weights at the step's start), times w = pi_prox/pi_behave."""
+    prox_logp: Literal["recompute", "behave"] = "recompute"
+    """With ``decoupled``: ``recompute`` pi_prox at the step's start, or take the behaviour logprobs (valid only when every token has the step's version)."""
+    mismatch_correction: bool = False
+    """Train/inference mismatch correction (truncated importance sampling): the same w, with pi_prox recomputed; exclusive with ``decoupled``."""
+    behave_weight_cap: Optional[float] = Field(default=5.0, gt=1)
+    """Cap of w = pi_prox/pi_behave (decoupled or mismatch correction); null is no cap."""
+    behave_weight_mode: Literal["truncate", "mask"] = "truncate"
+    """``truncate``: w = min(w, cap); ``mask``: tokens with w outside [1/cap, cap] get no loss."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Coefficient of the KL penalty to the frozen reference model; 0 is off (no reference model is loaded)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman's k1, k2, k3) with delta = log pi - log pi_ref."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Entropy bonus: the loss is reduced by this times the token entropy."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses of a mini-batch become one scalar (real rows only)."""
+    loss_norm_tokens: Optional[int] = Field(default=None, ge=1)
+    """Constant token count of ``seq-mean-token-sum-norm`` (Dr. GRPO); null means ``rollout.max_new_tokens``."""
+    ppo_epochs: int = Field(default=1, ge=1)
+    """Passes over each trainer step's batch."""
+    mini_batches: int = Field(default=1, ge=1)
+    """Optimizer updates per epoch: the batch is split into this many mini-batches."""
+
+
+class EvalConfig(Section):
+    """Evaluation on the task's held-out split (greedy reward/accuracy, optional pass@k)."""
+
+    every_steps: int = Field(default=10, ge=0)
+    """Evaluate before training, every this many steps, and after the last; 0 turns eval off."""
+    max_prompts: Optional[int] = Field(default=None, ge=1)
+    """Evaluate on at most this many eval prompts (default: the whole eval split)."""
+    n_samples: int = Field(default=0, ge=0)
+    """Sampled completions per prompt for pass@1 and pass@n (0: greedy only)."""
+    temperature: Optional[float] = Field(default=None, gt=0)
+    """Temperature of the pass@k samples (default: ``rollout.temperature``)."""
+    max_new_tokens: Optional[int] = Field(default=None, ge=1)
+    """Most tokens per eval engine call (default: what the workflow asks for, ``rollout.max_new_tokens`` for ``single_turn``)."""
+    success_threshold: float = 1.0
+    """A completion counts as correct (accuracy, pass@k) when its reward is at least this."""
+    timeout_s: float = Field(default=300.0, gt=0)
+    """Eval requests still unfinished after this long come back aborted."""
+
+
+class RemoteEngineConfig(Section):
+    """Rollouts on inference servers speaking SGLang's native HTTP API (SGLang, SGLang-Jax, ``asyncrl serve``); see docs/remote.md."""
+
+    urls: list[str] = Field(min_length=1)
+    """Base URLs of the servers, e.g. ``[http://10.0.0.5:30000, http://10.0.0.6:30000]``; every one must read ``weights_dir``."""
+    api_key_env: Optional[str] = "ASYNCRL_API_KEY"
+    """Environment variable holding the servers' API key (sent as ``Authorization: Bearer``); unset or empty: no key."""
+    weights_dir: Optional[str] = None
+    """Where published weights are written (``v{N}`` HF directories); null: ``<run.output_dir>/weights``. Must be readable by the servers at the same path."""
+    keep_weights: int = Field(default=2, ge=1)
+    """Weight versions kept on disk (older ones are removed after each publish)."""
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    """HTTP connect timeout; an unreachable URL at start fails within it."""
+    read_timeout_s: float = Field(default=600.0, gt=0)
+    """HTTP read timeout: the longest one generation (or weight load) may take to answer."""
+    retries: int = Field(default=3, ge=0)
+    """Retries of a call on connection errors and HTTP 5xx (never on 4xx) before the server counts as down."""
+    backoff_s: float = Field(default=0.5, ge=0)
+    """Wait before retry ``k`` (from 1): ``backoff_s * 2**(k-1)``."""
+    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    """``/pause_generation`` mode before each update. ``abort`` keeps per-token versions exact (cut requests are resubmitted with their tokens so far); with ``retract``/``in_place`` (SGLang only) a request runs across the update and is tagged with the version it started on."""
+    update_retries: int = Field(default=2, ge=0)
+    """Retries of a server's whole pause/update/continue before it is taken out of rotation."""
+    health_check_every_s: float = Field(default=5.0, ge=0)
+    """Period of ``/health`` checks; a server that answers again rejoins once it loaded the current version. 0: no checks."""
+    max_concurrent_requests: int = Field(default=64, ge=1)
+    """Requests in flight at once over all servers (client threads and pooled connections)."""
+    max_segments: int = Field(default=64, ge=1)
+    """Times one sample may be cut and resubmitted before it is given up as ``aborted``."""
+
+    @model_validator(mode="after")
+    def _check_urls(self) -> "RemoteEngineConfig":
+        bad = [u for u in self.urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"engine.remote.urls: {bad} must start with http:// or https://")
+        return self
+
+
+class EngineConfig(Section):
+    """The JAX inference engine: batch slots, KV cache, and the shapes it compiles for."""
+
+    slots: int = Field(default=16, ge=1)
+    """Sequences decoded together (batch rows of the KV cache); a request's ``n`` samples need ``n`` free slots."""
+    kv_capacity: int = Field(default=512, ge=2)
+    """Tokens one slot holds: prompt + ``max_new_tokens`` of every request must fit."""
+    decode_chunk: int = Field(default=8, ge=1)
+    """Tokens decoded per compiled call; finished slots are refilled and published weights installed between chunks."""
+    prefill_buckets: list[int] = Field(default_factory=lambda: [16, 32, 64, 128, 256, 512])
+    """Prompt lengths prefill is compiled for (one program each); a prompt uses the smallest that holds it."""
+    max_stop_ids: int = Field(default=8, ge=1)
+    """Most stop token ids one request may give (the width of the compiled stop-id table)."""
+    request_timeout_s: Optional[float] = Field(default=None, gt=0)
+    """Default timeout of a request without its own ``timeout_s``; unfinished samples come back ``aborted``. Null: none."""
+    remote: Optional[RemoteEngineConfig] = None
+    """Generate on inference servers instead of in-process (the fields above then apply to ``asyncrl serve`` only); null: the in-process JAX engine."""
+
+    @model_validator(mode="after")
+    def _check_buckets(self) -> "EngineConfig":
+        if not self.prefill_buckets or min(self.prefill_buckets) < 1:
+            raise ValueError(f"engine.prefill_buckets: need at least one bucket, all >= 1 (given {self.prefill_buckets})")
+        if max(self.prefill_buckets) > self.kv_capacity:
+            raise ValueError(
+                f"engine.prefill_buckets: {max(self.prefill_buckets)} exceeds engine.kv_capacity ({self.kv_capacity})"
+            )
+        return self
+
+
+class OptimConfig(Section):
+    """The optimizer of the trainer: an optax chain of global-norm clipping and AdamW (or SGD), with a schedule.
+
+    The schedule counts optimizer updates (``algo.ppo_epochs * algo.mini_batches`` per trainer
+    step), not trainer steps; a skipped (non-finite) update advances neither Adam's count nor it.
+    The defaults suit the ``tiny`` model on CPU; pretrained LMs usually want ``lr`` 1e-6 to 1e-5.
+    """
+
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """``adamw`` (decoupled weight decay on the parameters not matched by ``no_decay``), or plain ``sgd``."""
+    lr: float = Field(default=1e-3, gt=0)
+    """Peak learning rate (reached after ``warmup_steps`` updates)."""
+    b1: float = Field(default=0.9, ge=0, lt=1)
+    """AdamW's first-moment decay."""
+    b2: float = Field(default=0.999, ge=0, lt=1)
+    """AdamW's second-moment decay."""
+    eps: float = Field(default=1e-8, gt=0)
+    """AdamW's epsilon (added to the root of the second moment)."""
+    weight_decay: float = Field(default=0.01, ge=0)
+    """AdamW's decoupled weight decay, applied to every parameter except those matched by ``no_decay``."""
+    no_decay: tuple[str, ...] = ("embed", "norm", "bias")
+    """Regexes searched in each parameter's dotted path (``layers.0.self_attn.q_proj.bias``); a match gets no weight decay. Default: embeddings (and a tied lm head), norms, biases."""
+    max_grad_norm: Optional[float] = Field(default=1.0, gt=0)
+    """Clip the global gradient norm of each update (after accumulating all micro-batches) to this; null: no clipping."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer updates of linear warm-up: update k (from 0) uses ``lr * min(1, (k + 1) / warmup_steps)``."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: ``constant`` at ``lr``, or ``cosine`` decay to ``lr * min_lr_ratio`` over ``decay_steps`` updates."""
+    decay_steps: Optional[int] = Field(default=None, ge=1)
+    """Updates of the cosine decay; null: ``run.total_steps * algo.ppo_epochs * algo.mini_batches - warmup_steps``."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Final learning rate of the cosine schedule, as a fraction of ``lr``."""
+    micro_batches: int = Field(default=1, ge=1)
+    """Gradient-accumulation chunks per optimizer update: each mini-batch is split into this many micro-batches (memory, not math: the update is the same)."""
+    max_consecutive_nonfinite: int = Field(default=5, ge=1)
+    """This many optimizer updates in a row with a non-finite loss or gradient (each skipped) stop training with an error."""
+
+
+class SFTConfig(Section):
+    """Supervised fine-tuning (a stage of ``type: sft``): prompt + reference response, cross-entropy on the response."""
+
+    batch_size: int = Field(default=32, ge=1)
+    """Examples (rows) per SFT step, padded up to the trainer's row multiple; one optimizer update each."""
+
+
+class DistributedConfig(Section):
+    """Multi-process (multi-host) SPMD training on JAX's own distributed runtime."""
+
+    enabled: bool = False
+    """Call ``jax.distributed.initialize`` before anything else touches JAX; every process runs the same program."""
+    coordinator_address: Optional[str] = None
+    """``host:port`` of process 0's coordinator; null: JAX's detection (``JAX_COORDINATOR_ADDRESS``, SLURM, Open MPI, Kubernetes, ...)."""
+    num_processes: Optional[int] = Field(default=None, ge=1)
+    """Number of processes; null: JAX's cluster detection."""
+    process_id: Optional[int] = Field(default=None, ge=0)
+    """This process's index in ``[0, num_processes)``; null: JAX's cluster detection."""
+
+
+class MeshConfig(Section):
+    """The trainer's device mesh (axes ``data``, ``fsdp``, ``tensor``) over ``jax.devices()``.
+
+    Parameters and optimizer state are placed by the model's partition rules
+    (``asyncrl/model/sharding.py``); batch rows are split over ``data`` x ``fsdp``.
+    """
+
+    data: Optional[int] = Field(default=None, ge=1)
+    """Data-parallel replicas; null: all devices left over by ``fsdp`` x ``tensor``."""
+    fsdp: int = Field(default=1, ge=1)
+    """Devices each parameter's hidden dimension is split over (ZeRO-3 style); also splits batch rows."""
+    tensor: int = Field(default=1, ge=1)
+    """Devices attention heads, MLP width and vocabulary are split over (Megatron style)."""
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    """Multi-process setup (off by default: one process)."""
+
+
+class CheckpointConfig(Section):
+    """Checkpoints under ``<run.output_dir>/checkpoints/step_<k>/`` and resuming from them (``docs/checkpoints.md``)."""
+
+    every_steps: int = Field(default=50, ge=0)
+    """Write a checkpoint every this many trainer steps, after the last step, and on SIGINT/SIGTERM; 0: only after the last step and on a signal."""
+    keep: Optional[int] = Field(default=3, ge=1)
+    """Keep the newest this many complete checkpoints (older ones are deleted once the new one is in place); null keeps all."""
+    resume: Literal["never", "auto"] = "never"
+    """``auto`` (or ``asyncrl train --resume``): continue from the newest complete checkpoint in ``run.output_dir``, or start fresh if there is none; ``never``: always start fresh."""
+
+
+class LoggingConfig(Section):
+    """What the run reports and how."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Python logging level of asyncrl's own loggers."""
+    dump_every_steps: int = Field(default=10, ge=0)
+    """Append a few of the step's trajectories (prompt, completion, reward components, versions) to ``trajectories.jsonl`` every this many steps; 0 is off."""
+    dump_groups: int = Field(default=2, ge=1)
+    """Groups written per trajectory dump."""

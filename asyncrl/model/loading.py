@@ -1,0 +1,81 @@
+"""Loading a policy model by name: ``model.path`` -> a local HF directory -> a :class:`LoadedModel`.
+
+``model.path`` is a local Hugging Face directory, a built-in spec (``tiny[:options]``,
+:mod:`asyncrl.model.tiny`; ``tiny-qwen3[:options]``, :mod:`asyncrl.model.tiny_qwen3`), or
+a hub id ``org/name`` (downloaded with ``huggingface_hub`` only when no such directory
+exists). This module sits above :mod:`asyncrl.model.hf` (the directory format) and the
+built-in models (which write their directories through :func:`~asyncrl.model.hf.export_hf`);
+none of them imports it, so the model package has no import cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from asyncrl.config import ModelConfig
+from asyncrl.errors import ModelError
+from asyncrl.model.config import DecoderConfig
+from asyncrl.model.hf import LoadedModel, load_hf_directory
+from asyncrl.model.tiny import ensure_tiny, is_tiny
+from asyncrl.model.tiny_qwen3 import ensure_tiny_qwen3, is_tiny_qwen3
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+"""Files of a hub repository :func:`resolve_model_dir` downloads (no torch ``.bin`` weights)."""
+
+
+def runtime_fields() -> tuple[str, ...]:
+    """The ``model`` section's fields that are :class:`DecoderConfig` runtime options (dtypes,
+    remat, log-prob chunking): derived from both classes, so a new option is one field in each."""
+    decoder = {field.name for field in dataclasses.fields(DecoderConfig)}
+    return tuple(name for name in ModelConfig.model_fields if name in decoder)
+
+
+def resolve_model_dir(path: str | os.PathLike) -> Path:
+    """A local HF directory for ``path``: an existing directory, a built ``tiny`` / ``tiny-qwen3``
+    spec, or (only when no such directory exists) a hub id downloaded with huggingface_hub."""
+    text = os.fspath(path)
+    local = Path(text).expanduser()
+    if local.is_dir():
+        return local
+    if is_tiny(text):
+        return ensure_tiny(text)
+    if is_tiny_qwen3(text):
+        return ensure_tiny_qwen3(text)
+    looks_local = text.startswith((".", "/", "~")) or text.count("/") != 1 or os.sep + os.sep in text
+    if looks_local:
+        raise ModelError(f"model.path {text!r}: no such directory (and not a hub id 'org/name', 'tiny' or 'tiny-qwen3')")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(text, allow_patterns=HUB_PATTERNS))
+    except Exception as err:  # network, auth, not found: all the user's to fix
+        raise ModelError(f"model.path {text!r}: not a local directory, and downloading it from the hub failed: {err}") from err
+
+
+def load_model(
+    path: str | os.PathLike | ModelConfig = "tiny",
+    *,
+    param_dtype: Optional[str] = None,
+    compute_dtype: Optional[str] = None,
+    remat: Optional[bool] = None,
+    logprob_chunk_size: Optional[int] = None,
+    with_tokenizer: bool = True,
+) -> LoadedModel:
+    """Load a policy model: ``path`` is a local HF directory, ``tiny[:options]``, ``tiny-qwen3[:options]``,
+    a hub id, or a :class:`asyncrl.config.ModelConfig` (whose fields supply the keyword defaults).
+
+    Returns :class:`LoadedModel` ``(model, tokenizer, stop_token_ids, pad_token_id, path)``;
+    ``with_tokenizer=False`` skips the tokenizer (``tokenizer`` is then None), for bare
+    checkpoints. The dtype/remat/chunking keywords override the ModelConfig's fields.
+    """
+    runtime: dict[str, Any] = {}
+    if isinstance(path, ModelConfig):
+        runtime = {name: getattr(path, name) for name in runtime_fields()}
+        path = path.path
+    given = {"param_dtype": param_dtype, "compute_dtype": compute_dtype, "remat": remat,
+             "logprob_chunk_size": logprob_chunk_size}
+    runtime.update({name: value for name, value in given.items() if value is not None})
+    return load_hf_directory(resolve_model_dir(path), with_tokenizer=with_tokenizer, **runtime)
