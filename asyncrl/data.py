@@ -67,7 +67,7 @@ class SampleOrder(Sequence):
     def __len__(self) -> int:
         return len(self._samples)
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         return self._samples[index]
 
     def position(self, sample_id: int) -> int:
