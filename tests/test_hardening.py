@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from asyncrl import checkpoint as ck
+from asyncrl import pytree
 from asyncrl import cli
 from asyncrl.config import dump_config, load_config
 
@@ -227,7 +228,7 @@ def valid_contents(cfg) -> dict[str, Any]:
     ledger = {"version": 3, "next_ticket": 2, "next_sample_id": 2, "consumed": 6, "batch_size": 2, "done_seq": 0,
               "entries": [], "reissue": [], "terminal": {"trained": 2}, "reissued_total": 0}
     return {
-        "arrays": {"params": ck.unflatten_nested(ck.flatten_tree(params)), "opt_state": {"x": np.zeros(1)}},
+        "arrays": {"params": pytree.tree_to_host(params), "opt_state": {"x": np.zeros(1)}},
         "state": {"format": 1, "version": 3, "stage_index": 1, "stage_step": 1, "final_eval": {}, "engine_counters": {},
                   "trainer": {"step": 3, "skipped_updates_total": 0, "consecutive_nonfinite": 0, "update_count": 1}},
         "rollout_state": {"meta": {"format": 1, "ledger": ledger, "groups": {}}, "arrays": {}},
@@ -259,11 +260,10 @@ def _stray_rollout_array(c):
 
 
 def _param_shape(c):
-    params = c["arrays"]["params"]
-    flat = ck.flatten_tree(params)
-    key = sorted(flat)[0]
-    flat[key] = np.zeros(flat[key].shape + (2,), flat[key].dtype)
-    c["arrays"]["params"] = ck.unflatten_nested(flat)
+    first = min(pytree.keyed_leaves(c["arrays"]["params"]))
+    c["arrays"]["params"] = pytree.map_with_path(
+        c["arrays"]["params"],
+        lambda path, leaf: np.zeros(leaf.shape + (2,), leaf.dtype) if pytree.key_of(path) == first else leaf)
 
 
 @pytest.mark.parametrize("edit, file, field", [
@@ -297,6 +297,7 @@ def test_the_unedited_hand_built_checkpoint_passes_the_checks():
 
     cfg = load_config(data=STAGED)
     contents = valid_contents(cfg)
+    contents["arrays"] = {name: pytree.flatten(tree) for name, tree in contents["arrays"].items()}  # as loaded
     checkpoint = ck.Checkpoint(path=Path("step_00000003"), step=3, config_yaml="", **contents)
     assert check_run_checkpoint(checkpoint, cfg).stage_step == 1
     check_checkpoint_params(checkpoint, load_model(cfg.model).split()[1])
