@@ -71,7 +71,8 @@ def save_rollout_state(state: Mapping[str, Any], directory: str | Path, prefix: 
     directory.mkdir(parents=True, exist_ok=True)
     npz_tmp = directory / f".{prefix}.npz.tmp"
     with open(npz_tmp, "wb") as handle:
-        np.savez(handle, **{name: np.asarray(array) for name, array in state["arrays"].items()})
+        arrays: dict[str, Any] = {name: np.asarray(array) for name, array in state["arrays"].items()}
+        np.savez(handle, **arrays)
     json_tmp = directory / f".{prefix}.json.tmp"
     json_tmp.write_text(json.dumps(state["meta"], allow_nan=False), encoding="utf-8")
     npz_tmp.replace(directory / f"{prefix}.npz")

@@ -92,7 +92,7 @@ class LoraBase(_Strict):
 class RunState(_Strict):
     """``state.json`` as the training loop writes it."""
 
-    format: Literal[1] = RUN_STATE_FORMAT
+    format: Literal[1] = 1
     """Version of this file (absent in checkpoints written before it was recorded: 1)."""
     version: int = Field(ge=0)
     """Completed trainer steps over all stages: the served weights' version."""

@@ -87,7 +87,7 @@ def _children(tree: Any) -> Optional[list[tuple[Any, Any]]]:
 
 def key_of(path: tuple, where: str = "tree") -> str:
     """The flat key of a path of dict keys / indices / attribute names (``"layers/0/w"``)."""
-    parts = []
+    parts: list[str] = []
     for part in path:
         text = str(part)
         if not isinstance(part, (str, int, np.integer)) or SEPARATOR in text or text == "":

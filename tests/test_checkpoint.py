@@ -136,6 +136,48 @@ def test_template_mismatches_are_all_reported(tmp_path):
         ck.load_checkpoint(path).tree("opt", {})
 
 
+def test_one_flattener_fills_templates_and_copies_to_the_host():
+    """asyncrl.pytree, the one walk every array tree takes: a flat mapping fills its template
+    whatever the source spelled (int keys, namedtuples), jax arrays come back on the
+    template's device, and every mismatch is named by key before anything is placed."""
+    import collections
+
+    import jax
+    import jax.numpy as jnp
+
+    State = collections.namedtuple("State", "count mu")
+    template = (State(jnp.zeros((), jnp.int32), {"layers": {0: jnp.zeros(3), 1: jnp.zeros(3)}}), [np.zeros(2, BF16)])
+    source = {"0/count": np.array(7, np.int32), "0/mu/layers/0": np.arange(3, dtype=np.float32),
+              "0/mu/layers/1": np.ones(3, np.float32), "1/0": np.full(2, 0.5, BF16)}
+    filled = pytree.fill(template, source)
+    assert jax.tree.structure(filled) == jax.tree.structure(template) and isinstance(filled[0], State)
+    assert isinstance(filled[0].mu["layers"][1], jax.Array) and filled[0].mu["layers"][1].sharding == template[0].mu["layers"][1].sharding
+    assert pytree.flatten(filled).keys() == source.keys()
+    for key, array in pytree.flatten(filled).items():
+        assert_same_bits(array, source[key], key)
+    host = pytree.tree_to_host(filled)
+    assert isinstance(host[0], State) and isinstance(host[0].mu["layers"][0], np.ndarray)
+    with pytest.raises(pytree.TreeError) as err:
+        pytree.fill(template, {**source, "0/mu/layers/1": np.ones(4, np.float32), "2": np.zeros(1)}, where="opt_state")
+    assert str(err.value) == ("opt_state: field '0/mu/layers/1': shape (4,), the template has (3,); "
+                              "field '2': not in the template")
+
+
+def test_a_checkpoint_of_another_format_is_refused_not_skipped(tmp_path):
+    """Format 1 keyed the optimizer state by dotted paths: resuming over it must stop with the
+    reason, not start fresh over the run (which is what skipping an incomplete one does)."""
+    save(tmp_path, 1)
+    newest = save(tmp_path, 2)
+    manifest = json.loads((newest / "MANIFEST.json").read_text())
+    manifest["format"] = 1
+    (newest / "MANIFEST.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="step_00000002: MANIFEST.json: field format: 1, this asyncrl reads format 2"):
+        ck.latest_checkpoint(tmp_path)
+    cfg = load_config(data={"run": {"output_dir": str(tmp_path)}, "checkpoint": {"resume": "auto"}})
+    with pytest.raises(CheckpointError, match="another run.output_dir"):
+        ck.resume_checkpoint(cfg)
+
+
 def test_values_that_cannot_be_stored_are_refused_before_anything_is_written(tmp_path):
     cases = [
         ({"params": {"w": np.zeros(2), "name": "adam"}}, {}, r"cannot store a str at 'name'"),

@@ -247,9 +247,10 @@ class WorkflowExecutor:
         """Run one episode and record its outcome; False when this worker must exit (the episode
         timed out, so a replacement took its place, or the executor was stopped)."""
         group: Optional[TrajectoryGroup] = None
-        outcome, detail, error = "ok", "", None
+        outcome, detail = "ok", ""
+        error: Optional[BaseException] = None
         try:
-            sample = dict(sample_at(self.dataset, episode.sample_id))
+            sample = dict(sample_at(self.dataset, episode.sample_id))  # type: ignore[arg-type]  # a Sequence of Mappings reads like dicts
             sample["sample_id"] = episode.sample_id
             group = self.workflow.run_episode(self.engine, sample)
             if group is not None:
@@ -555,7 +556,7 @@ def _drop_hint(reason: str, cfg: Config) -> str:
     return f"the workflow raised SkipSample('{reason}')"
 
 
-def _in_chain(err: BaseException, kind: type) -> Optional[BaseException]:
+def _in_chain(err: Optional[BaseException], kind: type) -> Optional[BaseException]:
     """An exception of ``kind`` that a workflow wrapped in its own exception (cause or context)."""
     seen: set[int] = set()
     while err is not None and id(err) not in seen:

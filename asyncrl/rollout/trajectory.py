@@ -205,11 +205,10 @@ class TrajectoryGroup(BaseModel):
             raise TrajectorySchemaError(violation_message(where, "packed_arrays", detail), rule="packed_arrays", field=key)
         trajectories = []
         for i, traj in enumerate(packed.trajectories):
-            fields = {name: np.asarray(arrays[f"t{i}_{name}"]) for name in ARRAY_FIELDS}
-            if traj.advantages:
-                fields["advantages"] = np.asarray(arrays[f"t{i}_advantages"])
-            trajectory = Trajectory.model_construct(**fields, **traj.model_dump(exclude={"advantages"}),
-                                                    advantages=fields.get("advantages"))
+            fields: dict[str, Any] = {name: np.asarray(arrays[f"t{i}_{name}"]) for name in ARRAY_FIELDS}
+            fields["advantages"] = np.asarray(arrays[f"t{i}_advantages"]) if traj.advantages else None
+            # model_construct: no dtype coercion, so a wrong dtype is the "dtype" rule's to report
+            trajectory = Trajectory.model_construct(**fields, **traj.model_dump(exclude={"advantages"}))
             check_trajectory(trajectory, f"{where}, trajectory {i}")
             trajectories.append(trajectory)
         if not _json_ok(packed.metadata):
