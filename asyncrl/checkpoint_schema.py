@@ -25,7 +25,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from asyncrl import pytree
 from asyncrl.config import Config, load_config
 from asyncrl.errors import CheckpointError, ConfigError, TrajectorySchemaError
-from asyncrl.rollout.trajectory import PackedGroup, TrajectoryGroup
 
 RUN_STATE_FORMAT = 1
 """Version of ``state.json`` as the training loop writes it."""
@@ -139,7 +138,8 @@ class RolloutMeta(_Strict):
 
     format: Literal[1]
     ledger: LedgerSnapshot
-    groups: dict[str, PackedGroup]
+    groups: dict[str, dict[str, Any]]
+    """``{ticket: packed group}``; each is checked by ``TrajectoryGroup.unpack`` (its own schema)."""
 
 
 # --------------------------------------------------------------------------- parsing and cross-checks
@@ -221,6 +221,8 @@ def _check_rollout(rollout_state: Mapping[str, Any], state: RunState, where: Pat
     if queued != set(meta.groups):
         raise refuse(where, "rollout.json", "groups", f"the ledger's queued tickets {sorted(queued, key=int)} and "
                      f"the stored groups {sorted(meta.groups, key=int)} differ")
+    from asyncrl.rollout.trajectory import TrajectoryGroup  # here: importing this module loads no rollout code
+
     arrays = rollout_state["arrays"]
     for key in sorted(arrays):
         if key.partition("_")[0][1:] not in meta.groups:
@@ -229,8 +231,10 @@ def _check_rollout(rollout_state: Mapping[str, Any], state: RunState, where: Pat
         prefix = f"g{ticket}_"
         mine = {key[len(prefix):]: array for key, array in arrays.items() if key.startswith(prefix)}
         try:
-            TrajectoryGroup.unpack(rollout_state["meta"]["groups"][ticket], mine, where=f"group {ticket}")
+            TrajectoryGroup.unpack(meta.groups[ticket], mine, where=f"group {ticket}")
         except TrajectorySchemaError as err:
+            if err.rule == "type":  # the group's JSON
+                raise refuse(where, "rollout.json", f"groups.{ticket}", str(err)) from None
             field = f"{prefix}{err.field}" if err.rule == "packed_arrays" else f"groups.{ticket}"
             raise refuse(where, "rollout.npz", field, str(err)) from None
 

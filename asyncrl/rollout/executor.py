@@ -286,9 +286,11 @@ class WorkflowExecutor:
             del self._running[episode.ticket]
             self._wake.notify_all()
             if outcome == "crash":
+                assert error is not None  # set with the outcome
                 self.ledger.fail(episode.ticket, "engine_crash")
                 self._set_fatal(error, error)
             elif outcome == "reward_stop":
+                assert error is not None  # set with the outcome
                 self.ledger.fail(episode.ticket, "exception")
                 self._set_fatal(error, None)
             elif outcome == "skip":
