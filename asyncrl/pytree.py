@@ -13,6 +13,8 @@ state) goes through this module, so there is one key spelling and one host conve
   structure is always the template's.
 * :func:`to_host` / :func:`tree_to_host`: a full numpy copy on this host, gathering arrays
   sharded over several processes.
+* :func:`dotted_name`: the ``.``-joined name of a ``jax.tree_util`` path that regex rules
+  (partition rules, ``optim.no_decay``) match.
 
 Imports numpy only; jax is imported when a tree holds a node or leaf only jax knows.
 """
@@ -83,6 +85,12 @@ def _children(tree: Any) -> Optional[list[tuple[Any, Any]]]:
         return _UNSTORABLE
     # Multi-entry paths (a node that flattens several levels at once) become one key each.
     return [(tuple(_jax_key(e) for e in path), leaf) for path, leaf in leaves]
+
+
+def dotted_name(jax_path: Any) -> str:
+    """``layers.0.self_attn.q_proj.kernel`` from a ``jax.tree_util`` key path: the name that
+    regex rules (partition rules, ``optim.no_decay``) match against."""
+    return ".".join(str(_jax_key(entry)) for entry in jax_path)
 
 
 def key_of(path: tuple, where: str = "tree") -> str:
