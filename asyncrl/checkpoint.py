@@ -4,9 +4,10 @@ A checkpoint of trainer step ``k`` is one directory ``<run.output_dir>/checkpoin
 (``k`` zero-padded to 8 digits, so lexical order is step order)::
 
     params.safetensors       one safetensors file per array tree (names chosen by the caller);
-    opt_state.safetensors    keys are the pytree paths joined by "/" ("layers/0/mlp/kernel")
+    opt_state.safetensors    keys are the pytree paths joined by "/" (asyncrl.pytree: "layers/0/mlp/kernel",
+                             "1/0/mu/layers/0/mlp/kernel" for an optax chain's Adam moment)
     state.json               the caller's JSON state: version, trainer counters, stage index, ...
-    rollout.json, .npz       the executor's state_dict(), via asyncrl.rollout.save_state
+    rollout.json, .npz       the rollout executor's state: JSON plus named arrays (asyncrl.checkpoint_files)
     config.yaml              the resolved config of the run
     MANIFEST.json            written last: step, trees, and every file's size and sha256
 
@@ -23,8 +24,13 @@ Nothing on the load path unpickles: arrays come from ``safetensors.deserialize``
 float8 through ``ml_dtypes``), the executor's arrays from ``np.load(allow_pickle=False)``,
 everything else from JSON and YAML (``yaml.safe_load``).
 
+Loading returns plain arrays and JSON: each tree as its flat ``{key: numpy array}``, which
+:meth:`Checkpoint.tree` puts into a template (the live params, the optimizer state) key by
+key, naming the file and the key of every mismatch. Restoring the rollout executor from
+``rollout_state`` is the caller's job (``WorkflowExecutor.load_state_dict``).
+
 This module imports no jax; a tree that holds jax arrays or non-builtin pytree nodes (optax
-states, ``nnx.State``) makes it import ``jax.tree_util`` on demand.
+states, ``nnx.State``) makes :mod:`asyncrl.pytree` import it on demand.
 """
 
 from __future__ import annotations
@@ -44,24 +50,28 @@ import numpy as np
 
 from pydantic import ValidationError
 
-from asyncrl.checkpoint_schema import Manifest
-from asyncrl.config import Config, load_config
-from asyncrl.errors import CheckpointError, ConfigError
+from asyncrl import checkpoint_files, pytree
+from asyncrl.checkpoint_schema import (  # noqa: F401 - the config checks a resume runs, importable from here
+    RESUME_MUTABLE_FIELDS,
+    Manifest,
+    check_resume_compatible,
+    saved_config,
+)
+from asyncrl.config import Config
+from asyncrl.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 1
-"""Version of the directory layout; a checkpoint of another format is not complete to this code."""
+CHECKPOINT_FORMAT = 2
+"""Version of the directory layout. 2: every tree keyed by :mod:`asyncrl.pytree` paths (format 1
+keyed the optimizer state by dotted jax paths, ``1.0..mu.layers.0...``). A checkpoint of another
+format is refused on resume with the reason, never silently skipped."""
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST_FILE = "MANIFEST.json"
 STATE_FILE = "state.json"
 CONFIG_FILE = "config.yaml"
-ROLLOUT_PREFIX = "rollout"
+ROLLOUT_PREFIX = checkpoint_files.ROLLOUT_PREFIX
 ARRAYS_SUFFIX = ".safetensors"
-KEY_SEPARATOR = "/"
-
-RESUME_MUTABLE_FIELDS = ("logging", "run.total_steps", "eval", "checkpoint")
-"""Dotted config paths (a section or a field) that may differ between a checkpoint and its resume."""
 
 _STEP_DIGITS = 8
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -113,243 +123,6 @@ def checkpoint_due(cfg: Config, step: int, total_steps: Optional[int] = None) ->
     return step >= last or (every > 0 and step % every == 0)
 
 
-# --------------------------------------------------------------------------- pytrees <-> flat dicts
-
-
-def flatten_tree(tree: Any, *, where: str = "tree") -> dict[str, np.ndarray]:
-    """``{path: contiguous numpy array}`` of a pytree's leaves; the path joins the keys by "/".
-
-    Dicts (str or int keys), lists, tuples and namedtuples are walked here; any other pytree
-    node (optax states, ``nnx.State``) through ``jax.tree_util``, with the same key spelling.
-    ``None`` is an empty subtree. Leaves are numpy or jax arrays, numpy scalars, or Python
-    ``bool``/``int``/``float``; anything else is a :class:`CheckpointError` naming its path.
-    """
-    flat: dict[str, np.ndarray] = {}
-    for path, leaf in _leaves_with_path(tree, ()):
-        key = _join_key(path, where)
-        if key in flat:
-            raise CheckpointError(f"{where}: two leaves have the key {key!r} (dict keys 1 and '1'?)")
-        flat[key] = _to_numpy(leaf, f"{where}[{key!r}]")
-    return flat
-
-
-def unflatten_into(template: Any, flat: Mapping[str, np.ndarray], *, where: str = "tree") -> Any:
-    """The tree of ``template``'s structure with its leaves taken from ``flat`` (by path).
-
-    Every template leaf must have an entry of the same shape and dtype, and every entry must
-    be used; all mismatches are reported together. A leaf comes back like the template's:
-    a ``jax.Array`` (or ``jax.ShapeDtypeStruct``) is placed with the template's sharding, a
-    numpy array stays numpy, a Python scalar comes back as that scalar type.
-    """
-    problems: list[str] = []
-    used: set[str] = set()
-
-    def fill(path: tuple, leaf: Any) -> Any:
-        key = _join_key(path, where)
-        used.add(key)
-        if key not in flat:
-            problems.append(f"missing {key!r}")
-            return leaf
-        value = flat[key]
-        shape, dtype = _leaf_shape_dtype(leaf)
-        if shape is not None and tuple(value.shape) != shape:
-            problems.append(f"{key!r} has shape {tuple(value.shape)}, the template {shape}")
-            return leaf
-        if dtype is not None and value.dtype != dtype:
-            problems.append(f"{key!r} has dtype {value.dtype}, the template {dtype}")
-            return leaf
-        return _like(leaf, value)
-
-    result = _map_with_path(template, (), fill)
-    unexpected = sorted(set(flat) - used)
-    if unexpected:
-        problems.append(f"not in the template: {', '.join(repr(k) for k in unexpected[:20])}"
-                        + (f" and {len(unexpected) - 20} more" if len(unexpected) > 20 else ""))
-    if problems:
-        raise CheckpointError(f"{where} does not match its template: " + "; ".join(problems))
-    return result
-
-
-def unflatten_nested(flat: Mapping[str, np.ndarray]) -> Any:
-    """Nested dicts (str keys) from ``{"a/b/c": array}``; a lone ``""`` key is the bare array.
-
-    Without a template, lists, tuples and int keys come back as dicts with str keys
-    ("0", "1", ...), and empty containers are gone; pass a template to get the exact tree.
-    """
-    if set(flat) == {""}:
-        return flat[""]
-    root: dict[str, Any] = {}
-    for key in sorted(flat):
-        parts = key.split(KEY_SEPARATOR)
-        node = root
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = flat[key]
-    return root
-
-
-_BUILTIN_SEQUENCES = (list, tuple)
-
-
-def _is_namedtuple(x: Any) -> bool:
-    return isinstance(x, tuple) and hasattr(type(x), "_fields")
-
-
-def _is_leaf_value(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, np.generic, bool, int, float)) or (
-        hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "__array__")
-    )
-
-
-def _leaves_with_path(tree: Any, prefix: tuple) -> list[tuple[tuple, Any]]:
-    if tree is None:
-        return []
-    if isinstance(tree, dict):
-        out = []
-        for key in sorted(tree, key=lambda k: (str(type(k)), k)):
-            out.extend(_leaves_with_path(tree[key], prefix + (key,)))
-        return out
-    if _is_namedtuple(tree):
-        out = []
-        for name in type(tree)._fields:
-            out.extend(_leaves_with_path(getattr(tree, name), prefix + (name,)))
-        return out
-    if isinstance(tree, _BUILTIN_SEQUENCES):
-        out = []
-        for i, item in enumerate(tree):
-            out.extend(_leaves_with_path(item, prefix + (i,)))
-        return out
-    if _is_leaf_value(tree):
-        return [(prefix, tree)]
-    # A registered pytree node of some library (optax, flax): let jax walk it.
-    import jax
-
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    if len(leaves) == 1 and leaves[0][1] is tree:
-        where = _join_key(prefix, "tree") if prefix else "the root"
-        raise CheckpointError(f"cannot store a {type(tree).__name__} at {where!r}: leaves must be arrays or numbers")
-    out = []
-    for path, leaf in leaves:
-        out.extend(_leaves_with_path(leaf, prefix + tuple(_jax_key_part(entry) for entry in path)))
-    return out
-
-
-def _map_with_path(tree: Any, prefix: tuple, fn: Callable[[tuple, Any], Any]) -> Any:
-    if tree is None:
-        return None
-    if isinstance(tree, dict):
-        items = [(key, _map_with_path(value, prefix + (key,), fn)) for key, value in tree.items()]
-        return dict(items) if type(tree) is dict else type(tree)(items)
-    if _is_namedtuple(tree):
-        return type(tree)(*(_map_with_path(getattr(tree, n), prefix + (n,), fn) for n in type(tree)._fields))
-    if isinstance(tree, _BUILTIN_SEQUENCES):
-        return type(tree)(_map_with_path(item, prefix + (i,), fn) for i, item in enumerate(tree))
-    if _is_leaf_value(tree) or _is_abstract_array(tree):
-        return fn(prefix, tree)
-    import jax
-
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_abstract_array)
-    if len(leaves) == 1 and leaves[0][1] is tree:
-        raise CheckpointError(f"template: cannot restore into a {type(tree).__name__}")
-    new = [_map_with_path(leaf, prefix + tuple(_jax_key_part(e) for e in path), fn) for path, leaf in leaves]
-    return jax.tree_util.tree_unflatten(treedef, new)
-
-
-def _is_abstract_array(x: Any) -> bool:
-    return type(x).__name__ == "ShapeDtypeStruct" and hasattr(x, "shape") and hasattr(x, "dtype")
-
-
-def _jax_key_part(entry: Any) -> Any:
-    for attr in ("key", "idx", "name"):  # DictKey / FlattenedIndexKey, SequenceKey, GetAttrKey
-        if hasattr(entry, attr):
-            return getattr(entry, attr)
-    return str(entry)
-
-
-def _join_key(path: tuple, where: str) -> str:
-    parts = []
-    for part in path:
-        text = str(part)
-        if not isinstance(part, (str, int, np.integer)) or KEY_SEPARATOR in text or text == "":
-            raise CheckpointError(
-                f"{where}: key {part!r} at {KEY_SEPARATOR.join(parts) or 'the root'!r} cannot be stored "
-                f"(keys are non-empty str or int without {KEY_SEPARATOR!r})"
-            )
-        parts.append(text)
-    return KEY_SEPARATOR.join(parts)
-
-
-def _to_numpy(leaf: Any, where: str) -> np.ndarray:
-    if isinstance(leaf, (np.ndarray, np.generic, bool, int, float)):
-        array = np.asarray(leaf)
-    else:
-        if getattr(leaf, "is_fully_addressable", True) is False:
-            raise CheckpointError(f"{where}: a jax array sharded over several hosts cannot be checkpointed here")
-        array = np.asarray(leaf)
-    if array.dtype == object:
-        raise CheckpointError(f"{where}: object arrays cannot be stored without pickle")
-    # safetensors writes raw memory: a strided view would be stored as garbage. (Not
-    # np.ascontiguousarray: it turns 0-d arrays into shape (1,).)
-    return array if array.flags.c_contiguous else array.copy(order="C")
-
-
-def _leaf_shape_dtype(leaf: Any) -> tuple[Optional[tuple], Optional[np.dtype]]:
-    if isinstance(leaf, (bool, int, float)):
-        return (), None  # Python scalars: any numeric dtype converts
-    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-        return tuple(leaf.shape), np.dtype(leaf.dtype)
-    return None, None
-
-
-def _like(template_leaf: Any, value: np.ndarray) -> Any:
-    if isinstance(template_leaf, bool):
-        return bool(value.item())
-    if isinstance(template_leaf, int):
-        return int(value.item())
-    if isinstance(template_leaf, float):
-        return float(value.item())
-    if isinstance(template_leaf, np.generic):
-        return value[()]
-    if isinstance(template_leaf, np.ndarray):
-        return value
-    import jax
-
-    sharding = getattr(template_leaf, "sharding", None)
-    return jax.device_put(value, sharding) if sharding is not None else jax.numpy.asarray(value)
-
-
-# --------------------------------------------------------------------------- safetensors without pickle
-
-
-def _safetensors_dtypes() -> dict[str, Any]:
-    import ml_dtypes
-
-    return {
-        "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-        "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-        "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-        "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
-        "BOOL": np.bool_, "C64": np.complex64,
-    }
-
-
-def _decode_safetensors(data: bytes, where: str) -> dict[str, np.ndarray]:
-    """Arrays of a safetensors blob; ``safetensors.numpy.load`` lacks bfloat16, so map dtypes here."""
-    import safetensors
-
-    dtypes = _safetensors_dtypes()
-    try:
-        views = safetensors.deserialize(data)
-    except Exception as err:  # the Rust parser raises its own error type
-        raise CheckpointError(f"{where}: not a readable safetensors file ({err})") from err
-    out = {}
-    for name, view in views:
-        if view["dtype"] not in dtypes:
-            raise CheckpointError(f"{where}: tensor {name!r} has unsupported dtype {view['dtype']}")
-        out[name] = np.frombuffer(view["data"], dtype=dtypes[view["dtype"]]).reshape(view["shape"])
-    return out
-
-
 # --------------------------------------------------------------------------- durable file operations
 
 
@@ -376,21 +149,6 @@ def _write_bytes(path: Path, data: bytes) -> None:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
-
-
-def _save_safetensors(flat: dict[str, np.ndarray], path: Path, metadata: dict[str, str]) -> None:
-    """``safetensors.numpy.save_file``, whose I/O failures (a Rust error type) come back as the
-    ``OSError`` they are, errno included, so disk-full is reported like every other write."""
-    import safetensors.numpy
-
-    try:
-        safetensors.numpy.save_file(flat, path, metadata=metadata)
-    except Exception as err:
-        found = re.search(r"os error (\d+)", str(err))
-        if found is None:
-            raise
-        code = int(found.group(1))
-        raise OSError(code, os.strerror(code), str(path)) from err
 
 
 def _stage(name: str) -> None:
@@ -447,41 +205,16 @@ def save_checkpoint(
             each becomes ``<name>.safetensors``. Names are ``[A-Za-z0-9][A-Za-z0-9_.-]*``.
         state: JSON-serialisable (no NaN): version, trainer counters, stage index, ...
         config_yaml: the resolved config (``dump_config(cfg)``).
-        rollout_state: the executor's ``state_dict()`` (written by ``asyncrl.rollout.save_state``).
+        rollout_state: ``{"meta": JSON, "arrays": {name: 1-d numpy array}}``, the executor's
+            ``state_dict()`` (written by :func:`save_rollout_state`).
         keep: keep the newest this many complete checkpoints (None: all); older ones are
             deleted only after the new one is in place.
 
     An existing ``step_<k>`` (from an earlier attempt at the same step) is replaced.
     Raises :class:`CheckpointError` before anything is written if a value cannot be stored.
     """
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise CheckpointError(f"save_checkpoint: step must be a non-negative int (given {step!r})")
-    step = int(step)
-    if keep is not None and keep < 1:
-        raise CheckpointError(f"save_checkpoint: keep must be >= 1 or None (given {keep})")
     # Everything that can be refused is checked before the first byte is written.
-    flats: dict[str, dict[str, np.ndarray]] = {}
-    for name, tree in arrays.items():
-        if not isinstance(name, str) or not _TREE_NAME.match(name):
-            raise CheckpointError(f"save_checkpoint: array tree name {name!r} is not a plain file name")
-        flats[name] = flatten_tree(tree, where=f"arrays[{name!r}]")
-    try:
-        state_text = json.dumps(dict(state), allow_nan=False, indent=1, sort_keys=True)
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"save_checkpoint: state is not JSON-serialisable without NaN/inf: {err}") from err
-    if rollout_state is not None:
-        if set(rollout_state) != {"meta", "arrays"}:
-            raise CheckpointError("save_checkpoint: rollout_state must be WorkflowExecutor.state_dict() ({meta, arrays})")
-        try:
-            json.dumps(rollout_state["meta"], allow_nan=False)
-        except (TypeError, ValueError) as err:
-            raise CheckpointError(f"save_checkpoint: rollout_state['meta'] is not JSON-serialisable: {err}") from err
-        for key, array in rollout_state["arrays"].items():
-            if np.asarray(array).dtype == object:
-                raise CheckpointError(f"save_checkpoint: rollout_state['arrays'][{key!r}] is an object array")
-    if not isinstance(config_yaml, str):
-        raise CheckpointError("save_checkpoint: config_yaml must be the YAML text of the resolved config")
-
+    step, flats, state_text = _checked_inputs(step, arrays, state, config_yaml, rollout_state, keep)
     root = checkpoints_root(out_dir)
     try:
         final = _write_checkpoint(root, step, flats, state_text, config_yaml, rollout_state)
@@ -500,6 +233,41 @@ def save_checkpoint(
     return final
 
 
+def _checked_inputs(step: Any, arrays: Mapping[str, Any], state: Mapping[str, Any], config_yaml: Any,
+                    rollout_state: Optional[Mapping[str, Any]], keep: Optional[int]) -> tuple[int, dict, str]:
+    """``(step, {tree name: flat arrays}, state JSON text)``, or the :class:`CheckpointError`
+    that refuses the save."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise CheckpointError(f"save_checkpoint: step must be a non-negative int (given {step!r})")
+    if keep is not None and keep < 1:
+        raise CheckpointError(f"save_checkpoint: keep must be >= 1 or None (given {keep})")
+    flats: dict[str, dict[str, np.ndarray]] = {}
+    for name, tree in arrays.items():
+        if not isinstance(name, str) or not _TREE_NAME.match(name):
+            raise CheckpointError(f"save_checkpoint: array tree name {name!r} is not a plain file name")
+        try:
+            flats[name] = pytree.flatten(tree, where=f"save_checkpoint: arrays[{name!r}]")
+        except pytree.TreeError as err:
+            raise CheckpointError(str(err)) from None
+    try:
+        state_text = json.dumps(dict(state), allow_nan=False, indent=1, sort_keys=True)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"save_checkpoint: state is not JSON-serialisable without NaN/inf: {err}") from err
+    if rollout_state is not None:
+        if set(rollout_state) != {"meta", "arrays"}:
+            raise CheckpointError("save_checkpoint: rollout_state must be WorkflowExecutor.state_dict() ({meta, arrays})")
+        try:
+            json.dumps(rollout_state["meta"], allow_nan=False)
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"save_checkpoint: rollout_state['meta'] is not JSON-serialisable: {err}") from err
+        for key, array in rollout_state["arrays"].items():
+            if np.asarray(array).dtype == object:
+                raise CheckpointError(f"save_checkpoint: rollout_state['arrays'][{key!r}] is an object array")
+    if not isinstance(config_yaml, str):
+        raise CheckpointError("save_checkpoint: config_yaml must be the YAML text of the resolved config")
+    return int(step), flats, state_text
+
+
 def _write_checkpoint(root: Path, step: int, flats: dict, state_text: str, config_yaml: str,
                       rollout_state: Optional[Mapping[str, Any]]) -> Path:
     """Write ``step_<k>`` through a temporary directory (see the module docstring); returns it."""
@@ -514,7 +282,7 @@ def _write_checkpoint(root: Path, step: int, flats: dict, state_text: str, confi
         files: dict[str, dict[str, Any]] = {}
         for name, flat in flats.items():
             path = tmp / f"{name}{ARRAYS_SUFFIX}"
-            _save_safetensors(flat, path, {"asyncrl_tree": name, "asyncrl_step": str(step)})
+            checkpoint_files.save_safetensors(flat, path, {"asyncrl_tree": name, "asyncrl_step": str(step)})
             files[path.name] = _fsync_and_describe(path)
             _stage(path.name)
         for filename, text in ((STATE_FILE, state_text + "\n"), (CONFIG_FILE, config_yaml)):
@@ -522,9 +290,7 @@ def _write_checkpoint(root: Path, step: int, flats: dict, state_text: str, confi
             files[filename] = _fsync_and_describe(tmp / filename)
             _stage(filename)
         if rollout_state is not None:
-            from asyncrl.rollout.executor import save_state
-
-            save_state(rollout_state, tmp, prefix=ROLLOUT_PREFIX)
+            checkpoint_files.save_rollout_state(rollout_state, tmp)
             for filename in (f"{ROLLOUT_PREFIX}.json", f"{ROLLOUT_PREFIX}.npz"):
                 files[filename] = _fsync_and_describe(tmp / filename)
             _stage(ROLLOUT_PREFIX)
@@ -649,11 +415,28 @@ def checkpoint_problems(path: str | Path, *, checksums: bool = True) -> list[str
     return problems
 
 
+def _refuse_other_format(path: Path) -> None:
+    """A finished checkpoint of another layout version is not skipped (a resume would start
+    fresh over the run): it is a :class:`CheckpointError` saying what to do."""
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # unfinished or damaged: skipped with its reason like any incomplete checkpoint
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if isinstance(found, int) and found != CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"checkpoint {path}: MANIFEST.json: field format: {found}, this asyncrl reads format {CHECKPOINT_FORMAT} "
+            f"(format 1 keyed the optimizer state by dotted paths); finish that run with the asyncrl that wrote it, "
+            f"or start a new run in another run.output_dir"
+        )
+
+
 def latest_checkpoint(out_dir: str | Path, *, checksums: bool = True) -> Optional[Path]:
     """The newest complete checkpoint under ``<out_dir>/checkpoints``, or None.
 
     Every newer directory that is skipped is logged (warning) with the reason; unfinished
-    temporary writes are never candidates.
+    temporary writes are never candidates. A finished checkpoint of another
+    :data:`CHECKPOINT_FORMAT` is a :class:`CheckpointError`.
     """
     root = checkpoints_root(out_dir)
     if root.is_dir():
@@ -661,6 +444,7 @@ def latest_checkpoint(out_dir: str | Path, *, checksums: bool = True) -> Optiona
             if child.name.startswith(_TMP_PREFIX):
                 log.info("ignoring %s: an unfinished checkpoint write", child)
     for step, path in reversed(_step_dirs(root)):
+        _refuse_other_format(path)
         problems = checkpoint_problems(path, checksums=checksums)
         if not problems:
             return path
@@ -670,12 +454,12 @@ def latest_checkpoint(out_dir: str | Path, *, checksums: bool = True) -> Optiona
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """A loaded checkpoint: everything :func:`save_checkpoint` was given."""
+    """A loaded checkpoint: everything :func:`save_checkpoint` was given, as plain arrays and JSON."""
 
     path: Path
     step: int
-    arrays: dict[str, Any]
-    """``{tree name: tree}``: the template's structure where one was given, else nested dicts."""
+    arrays: dict[str, dict[str, np.ndarray]]
+    """``{tree name: {key: numpy array}}``, the keys as :func:`asyncrl.pytree.flatten` spells them."""
     state: dict[str, Any]
     """The JSON state as saved."""
     config_yaml: str
@@ -687,16 +471,24 @@ class Checkpoint:
         """The saved config, validated by this asyncrl's schema."""
         return saved_config(self.config_yaml, where=str(self.path / CONFIG_FILE))
 
+    def tree(self, name: str, template: Any) -> Any:
+        """Tree ``name`` in ``template``'s structure, each leaf placed like the template's
+        (:func:`asyncrl.pytree.fill`: a ``jax.Array`` on its sharding). Every missing, extra
+        or mis-shaped key is a :class:`CheckpointError` naming this directory, the file and the key."""
+        if name not in self.arrays:
+            raise CheckpointError(f"checkpoint {self.path}: holds no tree {name!r} (it holds {sorted(self.arrays)})")
+        try:
+            return pytree.fill(template, self.arrays[name], where=f"checkpoint {self.path}: {name}{ARRAYS_SUFFIX}")
+        except pytree.TreeError as err:
+            raise CheckpointError(str(err)) from None
 
-def load_checkpoint(
-    path: str | Path, templates: Optional[Mapping[str, Any]] = None, *, verify: bool = True
-) -> Checkpoint:
+
+def load_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
     """Read a checkpoint directory, checking every file against the manifest (size and, with
     ``verify``, sha256) as it is read; never unpickles anything.
 
-    ``templates``: ``{tree name: pytree}`` to rebuild a tree in that exact structure (and
-    placement, for jax arrays); trees without a template come back as nested dicts.
-    Raises :class:`CheckpointError` naming the file at fault.
+    Arrays come back flat (``{key: array}`` per tree); :meth:`Checkpoint.tree` puts one into
+    its template. Raises :class:`CheckpointError` naming the file at fault.
     """
     path = Path(path)
     if not path.is_dir():
@@ -706,10 +498,6 @@ def load_checkpoint(
         raise CheckpointError(f"{path}: not a complete checkpoint: {problem}")
     assert manifest is not None
     files = manifest["files"]
-    templates = dict(templates or {})
-    unknown = sorted(set(templates) - set(manifest["trees"]))
-    if unknown:
-        raise CheckpointError(f"{path}: templates given for trees it does not hold: {unknown} (it holds {manifest['trees']})")
 
     def read(filename: str) -> bytes:
         file = path / filename
@@ -722,14 +510,8 @@ def load_checkpoint(
             raise CheckpointError(f"{path}: {found}")
         return data
 
-    arrays: dict[str, Any] = {}
-    for name in manifest["trees"]:
-        filename = f"{name}{ARRAYS_SUFFIX}"
-        flat = _decode_safetensors(read(filename), f"{path / filename}")
-        if name in templates:
-            arrays[name] = unflatten_into(templates[name], flat, where=f"{path / filename}")
-        else:
-            arrays[name] = unflatten_nested(flat)
+    arrays = {name: checkpoint_files.decode_safetensors(read(f"{name}{ARRAYS_SUFFIX}"), f"{path / name}{ARRAYS_SUFFIX}")
+              for name in manifest["trees"]}
     try:
         state = json.loads(read(STATE_FILE).decode("utf-8"))
         config_yaml = read(CONFIG_FILE).decode("utf-8")
@@ -738,11 +520,9 @@ def load_checkpoint(
     rollout_state = None
     if manifest.get("rollout"):
         for filename in (f"{ROLLOUT_PREFIX}.json", f"{ROLLOUT_PREFIX}.npz"):
-            read(filename)  # verified against the manifest before the executor's reader parses it
-        from asyncrl.rollout.executor import load_state
-
+            read(filename)  # verified against the manifest before it is parsed
         try:
-            rollout_state = load_state(path, prefix=ROLLOUT_PREFIX)
+            rollout_state = checkpoint_files.load_rollout_state(path)
         except (ValueError, OSError, json.JSONDecodeError) as err:
             raise CheckpointError(f"{path}: the rollout state is unreadable ({err})") from err
     return Checkpoint(path=path, step=int(manifest["step"]), arrays=arrays, state=state,
@@ -752,68 +532,7 @@ def load_checkpoint(
 # --------------------------------------------------------------------------- resuming
 
 
-def saved_config(config_yaml: str, *, where: str = "checkpoint config.yaml") -> Config:
-    """Validate a checkpoint's ``config.yaml`` with this asyncrl's schema."""
-    import yaml
-
-    try:
-        raw = yaml.safe_load(config_yaml)
-    except yaml.YAMLError as err:
-        raise CheckpointError(f"{where}: not valid YAML ({err})") from err
-    try:
-        return load_config(data=raw if raw is not None else {})
-    except ConfigError as err:
-        raise ConfigError([f"{where}: the checkpoint's config is no longer valid:", *err.problems]) from err
-
-
-def _mutable_on_resume(dotted: str) -> bool:
-    return any(dotted == p or dotted.startswith(p + ".") for p in RESUME_MUTABLE_FIELDS)
-
-
-def _config_differences(a: Any, b: Any, prefix: str) -> list[tuple[str, Any, Any]]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for key in list(a) + [k for k in b if k not in a]:
-            dotted = f"{prefix}.{key}" if prefix else str(key)
-            out.extend(_config_differences(a.get(key, _ABSENT), b.get(key, _ABSENT), dotted))
-        return out
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        out = []
-        for i, (x, y) in enumerate(zip(a, b)):
-            out.extend(_config_differences(x, y, f"{prefix}.{i}"))
-        return out
-    return [] if a == b else [(prefix, a, b)]
-
-
-class _Absent:
-    def __repr__(self) -> str:
-        return "<absent>"
-
-
-_ABSENT = _Absent()
-
-
-def _show(value: Any) -> str:
-    text = repr(value) if isinstance(value, _Absent) else json.dumps(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def check_resume_compatible(saved: Config, new: Config, *, where: str = "the checkpoint") -> None:
-    """Refuse a resume whose config changes anything but ``logging.*``, ``run.total_steps``,
-    ``eval.*`` and ``checkpoint.*``: a :class:`ConfigError` lists every differing dotted
-    field with the checkpoint's value and the new one."""
-    diffs = _config_differences(saved.model_dump(mode="json"), new.model_dump(mode="json"), "")
-    refused = [(dotted, a, b) for dotted, a, b in diffs if not _mutable_on_resume(dotted)]
-    if refused:
-        allowed = ", ".join(f"{p}.*" if "." not in p else p for p in RESUME_MUTABLE_FIELDS)
-        raise ConfigError(
-            [f"cannot resume from {where}: the config differs in fields that must not change on resume "
-             f"(only {allowed} may):"]
-            + [f"{dotted}: checkpoint has {_show(a)}, this config has {_show(b)}" for dotted, a, b in refused]
-        )
-
-
-def resume_checkpoint(cfg: Config, templates: Optional[Mapping[str, Any]] = None) -> Optional[Checkpoint]:
+def resume_checkpoint(cfg: Config) -> Optional[Checkpoint]:
     """What the loop calls at start: the checkpoint to resume from, or None to start fresh.
 
     None when ``checkpoint.resume`` is ``never`` or ``run.output_dir`` holds no complete
@@ -834,6 +553,6 @@ def resume_checkpoint(cfg: Config, templates: Optional[Mapping[str, Any]] = None
         return None
     config_text = (path / CONFIG_FILE).read_text(encoding="utf-8")
     check_resume_compatible(saved_config(config_text, where=str(path / CONFIG_FILE)), cfg, where=str(path))
-    checkpoint = load_checkpoint(path, templates)
+    checkpoint = load_checkpoint(path)
     log.info("resuming from %s (step %d)", path, checkpoint.step)
     return checkpoint

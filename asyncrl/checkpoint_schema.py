@@ -16,13 +16,15 @@ bumps :data:`RUN_STATE_FORMAT`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from asyncrl.errors import CheckpointError
+from asyncrl import pytree
+from asyncrl.config import Config, load_config
+from asyncrl.errors import CheckpointError, ConfigError, TrajectorySchemaError
 
 RUN_STATE_FORMAT = 1
 """Version of ``state.json`` as the training loop writes it."""
@@ -89,7 +91,7 @@ class LoraBase(_Strict):
 class RunState(_Strict):
     """``state.json`` as the training loop writes it."""
 
-    format: Literal[1] = RUN_STATE_FORMAT
+    format: Literal[1] = 1
     """Version of this file (absent in checkpoints written before it was recorded: 1)."""
     version: int = Field(ge=0)
     """Completed trainer steps over all stages: the served weights' version."""
@@ -129,26 +131,15 @@ class LedgerSnapshot(_Strict):
     reissued_total: int = Field(ge=0)
 
 
-class QueuedTrajectory(_Strict):
-    temperature: float
-    reward: float
-    reward_components: dict[str, float]
-    stop_reason: str
-    metadata: dict[str, Any]
-    advantages: bool
-
-
-class QueuedGroup(_Strict):
-    metadata: dict[str, Any]
-    trajectories: list[QueuedTrajectory]
-
-
 class RolloutMeta(_Strict):
-    """``rollout.json``: the executor's ledger and queued groups (their arrays are in ``rollout.npz``)."""
+    """``rollout.json``: the executor's ledger and queued groups, each as
+    :meth:`TrajectoryGroup.pack <asyncrl.rollout.trajectory.TrajectoryGroup.pack>` made it
+    (their arrays are in ``rollout.npz``, named ``g<ticket>_t<i>_<field>``)."""
 
     format: Literal[1]
     ledger: LedgerSnapshot
-    groups: dict[str, QueuedGroup]
+    groups: dict[str, dict[str, Any]]
+    """``{ticket: packed group}``; each is checked by ``TrajectoryGroup.unpack`` (its own schema)."""
 
 
 # --------------------------------------------------------------------------- parsing and cross-checks
@@ -198,14 +189,6 @@ def check_run_checkpoint(checkpoint: Any, cfg: Any) -> RunState:
     return state
 
 
-def check_checkpoint_params(checkpoint: Any, params: Any) -> None:
-    """The checkpoint's parameter trees have exactly the names, shapes and dtypes of the
-    model's ``params``."""
-    _check_arrays(checkpoint.arrays.get("params"), params, checkpoint.path, "params.safetensors")
-    if "stage_start_params" in checkpoint.arrays:
-        _check_arrays(checkpoint.arrays["stage_start_params"], params, checkpoint.path, "stage_start_params.safetensors")
-
-
 def _check_position(state: RunState, step: int, cfg: Any, where: Path) -> None:
     """Step, stage index and stage step agree with each other and with the config's stages."""
     if state.version != step:
@@ -228,9 +211,8 @@ def _check_position(state: RunState, step: int, cfg: Any, where: Path) -> None:
 
 
 def _check_rollout(rollout_state: Mapping[str, Any], state: RunState, where: Path) -> None:
-    """rollout.json parses, agrees with state.json, and every queued group has its arrays in rollout.npz."""
-    from asyncrl.rollout.trajectory import ARRAY_FIELDS
-
+    """rollout.json parses and agrees with state.json; every queued group unpacks from its
+    arrays in rollout.npz by the trajectory schema's rules, and no array is left over."""
     meta: RolloutMeta = parse(RolloutMeta, rollout_state["meta"], where, "rollout.json")
     if meta.ledger.version != state.version:
         raise refuse(where, "rollout.json", "ledger.version", f"{meta.ledger.version}, but state.json's version is "
@@ -239,49 +221,105 @@ def _check_rollout(rollout_state: Mapping[str, Any], state: RunState, where: Pat
     if queued != set(meta.groups):
         raise refuse(where, "rollout.json", "groups", f"the ledger's queued tickets {sorted(queued, key=int)} and "
                      f"the stored groups {sorted(meta.groups, key=int)} differ")
+    from asyncrl.rollout.trajectory import TrajectoryGroup  # here: importing this module loads no rollout code
+
     arrays = rollout_state["arrays"]
-    expected: set[str] = set()
-    for ticket, group in meta.groups.items():
-        for i, traj in enumerate(group.trajectories):
-            names = [*ARRAY_FIELDS, *(["advantages"] if traj.advantages else [])]
-            lengths = set()
-            for name in names:
-                key = f"g{ticket}_t{i}_{name}"
-                expected.add(key)
-                if key not in arrays:
-                    raise refuse(where, "rollout.npz", key, "missing (rollout.json lists it)")
-                array = np.asarray(arrays[key])
-                if array.ndim != 1 or (name in ARRAY_FIELDS and array.dtype != ARRAY_FIELDS[name]):
-                    raise refuse(where, "rollout.npz", key, f"{array.dtype}{list(array.shape)}, expected a "
-                                 f"[T] {ARRAY_FIELDS.get(name, 'float32')} array")
-                lengths.add(array.shape[0])
-            if len(lengths) != 1:
-                raise refuse(where, "rollout.npz", f"g{ticket}_t{i}_*", f"arrays of different lengths {sorted(lengths)}")
-    unexpected = sorted(set(arrays) - expected)
-    if unexpected:
-        raise refuse(where, "rollout.npz", unexpected[0], "not part of any group in rollout.json")
+    for key in sorted(arrays):
+        if key.partition("_")[0][1:] not in meta.groups:
+            raise refuse(where, "rollout.npz", key, "not part of any group in rollout.json")
+    for ticket in meta.groups:
+        prefix = f"g{ticket}_"
+        mine = {key[len(prefix):]: array for key, array in arrays.items() if key.startswith(prefix)}
+        try:
+            TrajectoryGroup.unpack(meta.groups[ticket], mine, where=f"group {ticket}")
+        except TrajectorySchemaError as err:
+            if err.rule == "type":  # the group's JSON
+                raise refuse(where, "rollout.json", f"groups.{ticket}", str(err)) from None
+            field = f"{prefix}{err.field}" if err.rule == "packed_arrays" else f"groups.{ticket}"
+            raise refuse(where, "rollout.npz", field, str(err)) from None
 
 
-def _check_arrays(saved: Any, model_params: Any, where: Path, filename: str) -> None:
-    """A saved parameter tree has exactly the model's names, shapes and dtypes."""
-    from asyncrl.checkpoint import flatten_tree
+def check_checkpoint_params(checkpoint: Any, params: Any) -> None:
+    """The checkpoint's parameter trees have exactly the keys, shapes and dtypes of the
+    model's ``params`` (checked without copying either; :meth:`Checkpoint.tree` places them)."""
+    for name in ("params", "stage_start_params"):
+        if name == "params" or name in checkpoint.arrays:
+            _check_arrays(checkpoint.arrays.get(name), params, checkpoint.path, f"{name}.safetensors")
 
+
+def _check_arrays(saved: Optional[Mapping[str, Any]], model_params: Any, where: Path, filename: str) -> None:
+    """A saved flat parameter tree has exactly the model's keys, shapes and dtypes."""
     if saved is None:
         raise refuse(where, filename, "(file)", "missing")
-    got = flatten_tree(saved, where=filename)
-    want = {key: (tuple(np.shape(leaf)), np.dtype(leaf.dtype)) for key, leaf in _flat_model(model_params).items()}
-    for key in sorted(set(want) - set(got)):
-        raise refuse(where, filename, key, "missing (the model has it)")
-    for key in sorted(set(got) - set(want)):
-        raise refuse(where, filename, key, "not a parameter of this model")
-    for key, (shape, dtype) in sorted(want.items()):
-        array = got[key]
-        if tuple(array.shape) != shape or array.dtype != dtype:
-            raise refuse(where, filename, key, f"{array.dtype}{list(array.shape)}, the model has {dtype}{list(shape)}")
+    problems = pytree.mismatches(model_params, saved, where=filename)
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise CheckpointError(f"checkpoint {where}: {filename}: {problems[0]}{more}")
 
 
-def _flat_model(params: Any) -> dict[str, Any]:
-    """The model's leaves by saved key, without copying them to the host."""
-    from asyncrl.checkpoint import _join_key, _leaves_with_path  # the same walk and key spelling as a save
+# --------------------------------------------------------------------------- config.yaml on resume
 
-    return {_join_key(path, "params"): leaf for path, leaf in _leaves_with_path(params, ())}
+
+RESUME_MUTABLE_FIELDS = ("logging", "run.total_steps", "eval", "checkpoint")
+"""Dotted config paths (a section or a field) that may differ between a checkpoint and its resume."""
+
+
+def saved_config(config_yaml: str, *, where: str = "checkpoint config.yaml") -> Config:
+    """Validate a checkpoint's ``config.yaml`` with this asyncrl's schema."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(config_yaml)
+    except yaml.YAMLError as err:
+        raise CheckpointError(f"{where}: not valid YAML ({err})") from err
+    try:
+        return load_config(data=raw if raw is not None else {})
+    except ConfigError as err:
+        raise ConfigError([f"{where}: the checkpoint's config is no longer valid:", *err.problems]) from err
+
+
+def _mutable_on_resume(dotted: str) -> bool:
+    return any(dotted == p or dotted.startswith(p + ".") for p in RESUME_MUTABLE_FIELDS)
+
+
+def _config_differences(a: Any, b: Any, prefix: str) -> list[tuple[str, Any, Any]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in list(a) + [k for k in b if k not in a]:
+            dotted = f"{prefix}.{key}" if prefix else str(key)
+            out.extend(_config_differences(a.get(key, _ABSENT), b.get(key, _ABSENT), dotted))
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        out = []
+        for i, (x, y) in enumerate(zip(a, b)):
+            out.extend(_config_differences(x, y, f"{prefix}.{i}"))
+        return out
+    return [] if a == b else [(prefix, a, b)]
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+_ABSENT = _Absent()
+
+
+def _show(value: Any) -> str:
+    text = repr(value) if isinstance(value, _Absent) else json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_resume_compatible(saved: Config, new: Config, *, where: str = "the checkpoint") -> None:
+    """Refuse a resume whose config changes anything but ``logging.*``, ``run.total_steps``,
+    ``eval.*`` and ``checkpoint.*``: a :class:`ConfigError` lists every differing dotted
+    field with the checkpoint's value and the new one."""
+    diffs = _config_differences(saved.model_dump(mode="json"), new.model_dump(mode="json"), "")
+    refused = [(dotted, a, b) for dotted, a, b in diffs if not _mutable_on_resume(dotted)]
+    if refused:
+        allowed = ", ".join(f"{p}.*" if "." not in p else p for p in RESUME_MUTABLE_FIELDS)
+        raise ConfigError(
+            [f"cannot resume from {where}: the config differs in fields that must not change on resume "
+             f"(only {allowed} may):"]
+            + [f"{dotted}: checkpoint has {_show(a)}, this config has {_show(b)}" for dotted, a, b in refused]
+        )

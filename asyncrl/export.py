@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from asyncrl.errors import AsyncRLError
 
@@ -27,18 +28,18 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, merged: bool = False
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ExportError(f"{out_dir}: exists and is not empty; choose a new directory")
     checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is not None and load_checkpoint(checkpoint).config().model.lora is not None:
-        return export_lora_run(checkpoint, out_dir, merged=merged)
+    saved = load_checkpoint(checkpoint) if checkpoint is not None else None
+    if saved is not None and saved.config().model.lora is not None:
+        return export_lora_run(saved, out_dir, merged=merged)
     if checkpoint is None and (run_dir / "adapter" / "adapter_config.json").is_file() and not merged:
         raise ExportError(f"{run_dir}: a LoRA run without a complete checkpoint; its adapter is in {run_dir / 'adapter'} "
                           "(or export the merged model with --merged)")
-    if checkpoint is not None:
-        saved = load_checkpoint(checkpoint)
+    if saved is not None:
         # The architecture and tokenizer come from the run's own model spec; the weights
-        # from the checkpoint, rebuilt into the model's exact tree structure.
+        # from the checkpoint, filled into the model's own tree.
         loaded = load_model(saved.config().model)
         graphdef, template = loaded.split()
-        params = load_checkpoint(checkpoint, templates={"params": template}).arrays["params"]
+        params = saved.tree("params", template)
     elif (run_dir / "hf" / "config.json").is_file():
         loaded = load_model(str(run_dir / "hf"))
         graphdef, params = loaded.split()
@@ -48,33 +49,22 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, merged: bool = False
     return out_dir
 
 
-def export_lora_run(checkpoint: Path, out_dir: Path, *, merged: bool) -> Path:
-    """A LoRA checkpoint's adapters as a PEFT adapter directory, or (``merged``) merged into the
+def export_lora_run(saved: Any, out_dir: Path, *, merged: bool) -> Path:
+    """A LoRA checkpoint's (:class:`~asyncrl.checkpoint.Checkpoint`) adapters as a PEFT adapter directory, or (``merged``) merged into the
     base model as a Hugging Face directory; refused when ``model.path`` no longer holds the base
     the adapters were trained on (both content hashes named)."""
-    from asyncrl.checkpoint import load_checkpoint
     from asyncrl.model import export_hf, load_model
-    from asyncrl.model.lora import (
-        LoraSpec, attach_lora, base_identity, check_same_base, export_peft_adapter, merge_lora, normalize_keys,
-    )
+    from asyncrl.model.lora import LoraSpec, attach_lora, base_identity, check_same_base, export_peft_adapter, merge_lora
 
-    saved = load_checkpoint(checkpoint)
+    checkpoint = saved.path
     cfg = saved.config()
     loaded = load_model(cfg.model)
     graphdef, base = loaded.split()
     check_same_base(saved.state.get("lora"), base_identity(loaded.path, base), str(checkpoint))
     spec = LoraSpec.from_config(cfg.model.lora)
     template = attach_lora(loaded.config, base, spec).adapters
-    adapters = normalize_keys(saved.arrays["params"])
-    if jax_structure(adapters) != jax_structure(template):
-        raise ExportError(f"{checkpoint}: params.safetensors does not hold this model's adapters")
+    adapters = saved.tree("params", template)  # a CheckpointError naming every key that does not fit
     if not merged:
         return export_peft_adapter(adapters, spec, out_dir, base_model=str(loaded.path), overwrite=out_dir.exists())
     export_hf(graphdef, loaded.tokenizer, out_dir, params=merge_lora(base, adapters, spec.scale), overwrite=out_dir.exists())
     return out_dir
-
-
-def jax_structure(tree):
-    import jax
-
-    return jax.tree.structure(jax.tree.map(lambda x: 0, tree))

@@ -421,13 +421,10 @@ class _Run:
         if self.resume_position(index) is None:
             return previous
         if "stage_start_params" in self.resumed.arrays:
-            return self.resumed.arrays["stage_start_params"]
+            return self.resumed.tree("stage_start_params", self.params)
         if index == 0:
-            from asyncrl.checkpoint import flatten_tree, unflatten_nested
-
-            # In the saved trees' spelling (nested dicts, str keys), like the params it is loaded with.
-            return unflatten_nested(flatten_tree(self.params))
-        return self.resumed.arrays["params"]
+            return self.params
+        return self.resumed.tree("params", self.params)
 
     def trainer_for(self, index: int, stage: Any, scfg: Config, params: Any) -> Any:
         """A fresh trainer (and optimizer) for stage ``index`` starting from ``params``, or the
@@ -497,7 +494,7 @@ class _Run:
         trainer_state = trainer.state_dict()
         arrays = {"params": trainer_state.pop("params"), "opt_state": trainer_state.pop("opt_state")}
         if index > 0 and trainer.ref_params is not None:
-            arrays["stage_start_params"] = jax_to_numpy(stage_start)
+            arrays["stage_start_params"] = stage_start
         state = {
             "format": RUN_STATE_FORMAT, "version": self.version, "stage_index": index, "stage_step": stage_step, "trainer": trainer_state,
             "final_eval": self.final_eval, "engine_counters": self.engine_counters, **(extra or {}),
@@ -654,9 +651,8 @@ def _load_trainer_state(trainer: Any, resumed: Any) -> None:
     from asyncrl.errors import TrainerError
 
     try:
-        trainer.load_state_dict(
-            {"params": resumed.arrays["params"], "opt_state": resumed.arrays["opt_state"], **resumed.state["trainer"]}
-        )
+        trainer.load_state_dict({"params": resumed.tree("params", trainer.params),
+                                 "opt_state": resumed.tree("opt_state", trainer.opt_state), **resumed.state["trainer"]})
     except TrainerError as err:
         raise CheckpointError(f"checkpoint {resumed.path}: opt_state.safetensors: {err}") from None
 
@@ -698,12 +694,6 @@ def build_engine(run: "_Run", trainer: Any, scfg: Config) -> Any:
     )
 
 
-def jax_to_numpy(tree: Any) -> Any:
-    import jax
-
-    return jax.tree.map(np.asarray, tree)
-
-
 def _export_adapter(cfg: Config, run: "_Run", adapters: Any, overwrite: bool) -> None:
     """A LoRA run's final adapters as a PEFT adapter directory ``adapter/`` beside ``hf/``."""
     from asyncrl.model.lora import LoraSpec, export_peft_adapter
@@ -721,6 +711,7 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
     """
     from asyncrl.checkpoint import resume_checkpoint
     from asyncrl.model import export_hf
+    from asyncrl.pytree import tree_to_host
     from asyncrl.provenance import write_provenance
     from asyncrl.shutdown import ShutdownGuard
 
@@ -733,7 +724,7 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
     with ShutdownGuard() as guard:
         run = _Run(cfg, out, console, resumed, guard)
         start_stage = resumed.state["stage_index"] if resumed is not None else 0
-        params = resumed.arrays["params"] if resumed is not None else run.params
+        params = run.params  # a resumed stage starts from its saved weights (run.stage_start)
         try:
             _check_resumed_params(run)
             run.parts = preflight(cfg, run.loaded.tokenizer)
@@ -748,7 +739,7 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
                     runner = run.rl_stage if stage.type == "rl" else run.sft_stage
                     runner(index, stage, scfg, trainer, stage_start=stage_start)
                 params = trainer.trainable_params()
-            final_params = jax_to_numpy(trainer.params_for_publish())
+            final_params = tree_to_host(trainer.params_for_publish())
         finally:
             if run.engine is not None:
                 run.engine.shutdown()

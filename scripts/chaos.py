@@ -223,9 +223,9 @@ def sample_accounting(out: Path, cfg: Any) -> dict[str, int]:
 
 
 def final_params(out: Path) -> dict[str, np.ndarray]:
-    from asyncrl.checkpoint import flatten_tree, latest_checkpoint, load_checkpoint
+    from asyncrl.checkpoint import latest_checkpoint, load_checkpoint
 
-    return flatten_tree(load_checkpoint(latest_checkpoint(out)).arrays["params"])
+    return load_checkpoint(latest_checkpoint(out)).arrays["params"]
 
 
 def weights_equal(a: Path, b: Path) -> bool:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from asyncrl import checkpoint as ck
+from asyncrl import pytree
 from asyncrl.config import Config, dump_config, load_config
 from asyncrl.errors import CheckpointError, ConfigError
 
@@ -60,7 +61,7 @@ def steps_on_disk(out) -> list[int]:
 # --------------------------------------------------------------------------- round trips
 
 
-def test_numpy_tree_round_trips_bitwise_as_nested_dict_and_into_a_template(tmp_path):
+def test_numpy_tree_round_trips_bitwise_as_flat_arrays_and_into_a_template(tmp_path):
     tree = numpy_tree()
     path = save(tmp_path, 12, tree, state={"version": 12, "trainer": {"skipped": 0}, "stage": 0, "data": [1, 2]})
     assert path == tmp_path / "checkpoints" / "step_00000012"
@@ -69,17 +70,17 @@ def test_numpy_tree_round_trips_bitwise_as_nested_dict_and_into_a_template(tmp_p
     loaded = ck.load_checkpoint(path)
     assert loaded.step == 12 and loaded.state == {"version": 12, "trainer": {"skipped": 0}, "stage": 0, "data": [1, 2]}
     assert loaded.config_yaml == CONFIG_YAML and loaded.config() == Config() and loaded.rollout_state is None
-    nested = loaded.arrays["params"]
-    assert set(nested) == {"embed", "layers", "count", "scalar0d", "small", "half"}
-    assert set(nested["layers"]) == {"0", "1"}  # without a template, lists come back as dicts
-    assert_same_bits(nested["embed"], tree["embed"], "embed")
-    assert_same_bits(nested["layers"]["1"]["w"], tree["layers"][1]["w"], "strided view")
-    assert_same_bits(nested["layers"]["0"]["steps"], tree["layers"][0]["steps"])
-    assert_same_bits(nested["scalar0d"], tree["scalar0d"])
+    flat = loaded.arrays["params"]  # plain arrays, keyed by path
+    assert set(flat) == {"embed", "layers/0/w", "layers/0/steps", "layers/1/w", "layers/1/mask", "count", "scalar0d",
+                         "small", "half"}
+    assert_same_bits(flat["embed"], tree["embed"], "embed")
+    assert_same_bits(flat["layers/1/w"], tree["layers"][1]["w"], "strided view")
+    assert_same_bits(flat["layers/0/steps"], tree["layers"][0]["steps"])
+    assert_same_bits(flat["scalar0d"], tree["scalar0d"])
 
-    exact = ck.load_checkpoint(path, {"params": tree}).arrays["params"]
+    exact = loaded.tree("params", tree)
     assert isinstance(exact["layers"], list) and isinstance(exact["count"], np.int32)
-    for (key, a), (_, b) in zip(sorted(ck.flatten_tree(exact).items()), sorted(ck.flatten_tree(tree).items())):
+    for (key, a), (_, b) in zip(sorted(pytree.flatten(exact).items()), sorted(pytree.flatten(tree).items())):
         assert_same_bits(a, b, key)
 
 
@@ -104,36 +105,77 @@ def test_jax_optax_and_nnx_trees_round_trip_into_their_templates(tmp_path):
     opt_state = jax.tree.unflatten(treedef, [jnp.asarray(np.full(x.shape, 0.1 * (i + 1), x.dtype)) for i, x in enumerate(leaves)])
     path = ck.save_checkpoint(tmp_path, 3, arrays={"params": params, "opt_state": opt_state}, state={"version": 3},
                               config_yaml=CONFIG_YAML, keep=2)
-    loaded = ck.load_checkpoint(path, {"params": params, "opt_state": opt_state})
+    loaded = ck.load_checkpoint(path)
     for name, original in (("params", params), ("opt_state", opt_state)):
-        restored = loaded.arrays[name]
+        restored = loaded.tree(name, original)
         assert jax.tree.structure(restored) == jax.tree.structure(original), name
         for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(original)):
             assert type(a) is type(b)
             if isinstance(b, jax.Array):
                 assert a.sharding == b.sharding
             assert_same_bits(a, b, name)
-    assert isinstance(loaded.arrays["params"]["linear"], nnx.State)
+    assert isinstance(loaded.tree("params", params)["linear"], nnx.State)
     # abstract templates work too (no concrete arrays needed to restore)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), opt_state)
-    restored = ck.load_checkpoint(path, {"opt_state": abstract}).arrays["opt_state"]
+    restored = loaded.tree("opt_state", abstract)
     assert jax.tree.structure(restored) == jax.tree.structure(opt_state)
-    # nested-dict keys follow jax's paths: chain index / namedtuple field / dict key
-    nested = ck.load_checkpoint(path).arrays["opt_state"]
-    assert_same_bits(nested["1"]["0"]["mu"]["embed"], opt_state[1][0].mu["embed"])
+    # keys follow jax's paths: chain index / namedtuple field / dict key
+    assert_same_bits(loaded.arrays["opt_state"]["1/0/mu/embed"], opt_state[1][0].mu["embed"])
 
 
 def test_template_mismatches_are_all_reported(tmp_path):
     path = save(tmp_path, 1, {"a": np.zeros(3, np.float32), "b": np.zeros(2, np.int32), "extra": np.zeros(1)})
     template = {"a": np.zeros(4, np.float32), "b": np.zeros(2, np.int64), "c": np.zeros(1)}
     with pytest.raises(CheckpointError) as err:
-        ck.load_checkpoint(path, {"params": template})
+        ck.load_checkpoint(path).tree("params", template)
     message = str(err.value)
-    for fragment in ("params.safetensors", "'a' has shape (3,), the template (4,)", "'b' has dtype int32",
-                     "missing 'c'", "not in the template: 'extra'"):
+    for fragment in (f"checkpoint {path}: params.safetensors: ", "field 'a': shape (3,), the template has (4,)",
+                     "field 'b': dtype int32", "field 'c': missing", "field 'extra': not in the template"):
         assert fragment in message
-    with pytest.raises(CheckpointError, match="templates given for trees it does not hold: \\['opt'\\]"):
-        ck.load_checkpoint(path, {"opt": {}})
+    with pytest.raises(CheckpointError, match="holds no tree 'opt' \\(it holds \\['params'\\]\\)"):
+        ck.load_checkpoint(path).tree("opt", {})
+
+
+def test_one_flattener_fills_templates_and_copies_to_the_host():
+    """asyncrl.pytree, the one walk every array tree takes: a flat mapping fills its template
+    whatever the source spelled (int keys, namedtuples), jax arrays come back on the
+    template's device, and every mismatch is named by key before anything is placed."""
+    import collections
+
+    import jax
+    import jax.numpy as jnp
+
+    State = collections.namedtuple("State", "count mu")
+    template = (State(jnp.zeros((), jnp.int32), {"layers": {0: jnp.zeros(3), 1: jnp.zeros(3)}}), [np.zeros(2, BF16)])
+    source = {"0/count": np.array(7, np.int32), "0/mu/layers/0": np.arange(3, dtype=np.float32),
+              "0/mu/layers/1": np.ones(3, np.float32), "1/0": np.full(2, 0.5, BF16)}
+    filled = pytree.fill(template, source)
+    assert jax.tree.structure(filled) == jax.tree.structure(template) and isinstance(filled[0], State)
+    assert isinstance(filled[0].mu["layers"][1], jax.Array) and filled[0].mu["layers"][1].sharding == template[0].mu["layers"][1].sharding
+    assert pytree.flatten(filled).keys() == source.keys()
+    for key, array in pytree.flatten(filled).items():
+        assert_same_bits(array, source[key], key)
+    host = pytree.tree_to_host(filled)
+    assert isinstance(host[0], State) and isinstance(host[0].mu["layers"][0], np.ndarray)
+    with pytest.raises(pytree.TreeError) as err:
+        pytree.fill(template, {**source, "0/mu/layers/1": np.ones(4, np.float32), "2": np.zeros(1)}, where="opt_state")
+    assert str(err.value) == ("opt_state: field '0/mu/layers/1': shape (4,), the template has (3,); "
+                              "field '2': not in the template")
+
+
+def test_a_checkpoint_of_another_format_is_refused_not_skipped(tmp_path):
+    """Format 1 keyed the optimizer state by dotted paths: resuming over it must stop with the
+    reason, not start fresh over the run (which is what skipping an incomplete one does)."""
+    save(tmp_path, 1)
+    newest = save(tmp_path, 2)
+    manifest = json.loads((newest / "MANIFEST.json").read_text())
+    manifest["format"] = 1
+    (newest / "MANIFEST.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="step_00000002: MANIFEST.json: field format: 1, this asyncrl reads format 2"):
+        ck.latest_checkpoint(tmp_path)
+    cfg = load_config(data={"run": {"output_dir": str(tmp_path)}, "checkpoint": {"resume": "auto"}})
+    with pytest.raises(CheckpointError, match="another run.output_dir"):
+        ck.resume_checkpoint(cfg)
 
 
 def test_values_that_cannot_be_stored_are_refused_before_anything_is_written(tmp_path):
@@ -446,9 +488,9 @@ def test_resume_checkpoint_follows_checkpoint_resume_and_refuses_incompatible_co
 
     assert ck.resume_checkpoint(load_config(data={**base, "checkpoint": {"resume": "never"}})) is None
     longer = load_config(data={**base, "run": {"output_dir": str(tmp_path), "total_steps": 10}})
-    resumed = ck.resume_checkpoint(longer, {"params": {"w": np.zeros(2)}})
+    resumed = ck.resume_checkpoint(longer)
     assert resumed.step == 4 and resumed.path == newest and resumed.state == {"version": 4}
-    np.testing.assert_array_equal(resumed.arrays["params"]["w"], [4.0, 4.0])
+    np.testing.assert_array_equal(resumed.tree("params", {"w": np.zeros(2)})["w"], [4.0, 4.0])
 
     calls = []
     monkeypatch.setattr(ck, "load_checkpoint", lambda *a, **k: calls.append(a))

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from asyncrl import checkpoint as ck
+from asyncrl import pytree
 from asyncrl import cli
 from asyncrl.config import dump_config, load_config
 
@@ -227,7 +228,7 @@ def valid_contents(cfg) -> dict[str, Any]:
     ledger = {"version": 3, "next_ticket": 2, "next_sample_id": 2, "consumed": 6, "batch_size": 2, "done_seq": 0,
               "entries": [], "reissue": [], "terminal": {"trained": 2}, "reissued_total": 0}
     return {
-        "arrays": {"params": ck.unflatten_nested(ck.flatten_tree(params)), "opt_state": {"x": np.zeros(1)}},
+        "arrays": {"params": pytree.tree_to_host(params), "opt_state": {"x": np.zeros(1)}},
         "state": {"format": 1, "version": 3, "stage_index": 1, "stage_step": 1, "final_eval": {}, "engine_counters": {},
                   "trainer": {"step": 3, "skipped_updates_total": 0, "consecutive_nonfinite": 0, "update_count": 1}},
         "rollout_state": {"meta": {"format": 1, "ledger": ledger, "groups": {}}, "arrays": {}},
@@ -258,12 +259,23 @@ def _stray_rollout_array(c):
     c["rollout_state"]["arrays"]["g5_t0_input_ids"] = np.arange(3, dtype=np.int32)
 
 
+def _queued_group_breaks_a_rule(c):
+    from tests.rollout_fakes import make_group
+
+    meta, arrays = make_group(group_size=2).pack()
+    arrays["t1_loss_mask"] = arrays["t1_loss_mask"].copy()
+    arrays["t1_loss_mask"][0] = True  # the first token has no log-prob: never trained
+    ledger = c["rollout_state"]["meta"]["ledger"]
+    ledger.update(next_ticket=3, next_sample_id=3, entries=[[2, 2, "queued", 3, 3, 1]])
+    c["rollout_state"]["meta"]["groups"] = {"2": meta}
+    c["rollout_state"]["arrays"] = {f"g2_{name}": array for name, array in arrays.items()}
+
+
 def _param_shape(c):
-    params = c["arrays"]["params"]
-    flat = ck.flatten_tree(params)
-    key = sorted(flat)[0]
-    flat[key] = np.zeros(flat[key].shape + (2,), flat[key].dtype)
-    c["arrays"]["params"] = ck.unflatten_nested(flat)
+    first = min(pytree.keyed_leaves(c["arrays"]["params"]))
+    c["arrays"]["params"] = pytree.map_with_path(
+        c["arrays"]["params"],
+        lambda path, leaf: np.zeros(leaf.shape + (2,), leaf.dtype) if pytree.key_of(path) == first else leaf)
 
 
 @pytest.mark.parametrize("edit, file, field", [
@@ -273,6 +285,8 @@ def _param_shape(c):
     (_ledger_key_missing, "rollout.json", "field ledger.next_ticket: Field required"),
     (_ledger_version, "rollout.json", "field ledger.version"),
     (_stray_rollout_array, "rollout.npz", "field g5_t0_input_ids"),
+    (_queued_group_breaks_a_rule, "rollout.npz", "field groups.2: group 2, trajectory 1: field 'loss_mask' breaks "
+                                                 "schema rule 'first_token_trained'"),
     (_param_shape, "params.safetensors", "field "),
 ])
 def test_a_checkpoint_whose_files_disagree_is_refused_in_one_line(tmp_path, monkeypatch, capsys, edit, file, field):
@@ -297,6 +311,7 @@ def test_the_unedited_hand_built_checkpoint_passes_the_checks():
 
     cfg = load_config(data=STAGED)
     contents = valid_contents(cfg)
+    contents["arrays"] = {name: pytree.flatten(tree) for name, tree in contents["arrays"].items()}  # as loaded
     checkpoint = ck.Checkpoint(path=Path("step_00000003"), step=3, config_yaml="", **contents)
     assert check_run_checkpoint(checkpoint, cfg).stage_step == 1
     check_checkpoint_params(checkpoint, load_model(cfg.model).split()[1])

@@ -10,9 +10,10 @@ import time
 import numpy as np
 import pytest
 
+from asyncrl.checkpoint_files import load_rollout_state, save_rollout_state
 from asyncrl.config import load_config
 from asyncrl.engine import FakeEngine
-from asyncrl.rollout import WorkflowExecutor, load_state, save_state
+from asyncrl.rollout import WorkflowExecutor
 from asyncrl.rollout.workflow import build_workflow
 from workflows.calculator import MAX_LENGTH, CalcError, calculate
 from workflows.multi_turn import CalculatorWorkflow
@@ -184,12 +185,12 @@ def test_in_flight_multi_turn_episodes_are_reissued_identically_after_a_checkpoi
         release.set()
     in_flight = sorted(ex.ledger.sample_id(t) for t in ex.ledger.in_flight_tickets())
     assert parked_then and set(parked_then) <= set(in_flight)
-    save_state(state, tmp_path)
+    save_rollout_state(state, tmp_path)
 
     block.clear()
     eng2 = make_engine(2)
     ex2 = WorkflowExecutor(build_workflow(cfg, TOK), eng2, dataset, cfg)
-    ex2.load_state_dict(load_state(tmp_path))
+    ex2.load_state_dict(load_rollout_state(tmp_path))
     assert ex2.counts()["reissued"] == len(in_flight)
     resumed: list = []
     with ex2:

@@ -15,11 +15,10 @@ import time
 import numpy as np
 import pytest
 
+from asyncrl.checkpoint_files import load_rollout_state, save_rollout_state
 from asyncrl.engine import FakeEngine, GenerationRequest
 from asyncrl.errors import EngineCrashed, RolloutError
-from asyncrl.rollout import (
-    SkipSample, TrajectoryBuilder, TrajectoryGroup, WorkflowExecutor, load_state, save_state,
-)
+from asyncrl.rollout import SkipSample, TrajectoryBuilder, TrajectoryGroup, WorkflowExecutor
 from asyncrl.rollout.workflow import RolloutWorkflow
 from tests.rollout_fakes import EOS, TokenWorkflow, make_cfg
 
@@ -207,9 +206,9 @@ def test_state_dict_round_trip_reissues_in_flight_samples_first(tmp_path):
     in_flight_ids = sorted(ex.ledger.sample_id(t) for t in ex.ledger.in_flight_tickets())
     assert before["in_flight"] == len(in_flight_ids) > 0 and before["queued"] > 0
 
-    save_state(state, tmp_path)
+    save_rollout_state(state, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rollout.json", "rollout.npz"]
-    loaded = load_state(tmp_path)  # np.load(allow_pickle=False)
+    loaded = load_rollout_state(tmp_path)  # np.load(allow_pickle=False)
 
     started.clear()
     eng2 = engine(delay_s=(0.0, 0.003), version=3)  # the engine resumes at the checkpoint's version

@@ -54,6 +54,46 @@ def test_each_rule_names_workflow_sample_trajectory_field_and_rule(rule):
     assert message.startswith(WHERE) and f"rule '{rule}'" in message and f"field '{field}'" in message
 
 
+def test_a_group_packs_to_json_and_arrays_and_back_bit_for_bit():
+    import json
+
+    group = make_group(group_size=3, rewards=[0.0, 1.0, 0.5])
+    group.trajectories[1].advantages = np.array([0, 0, 0, 1.5, -2.0, 0.25, 1.0], np.float32)
+    meta, arrays = group.pack()
+    assert set(arrays) == {f"t{i}_{name}" for i in range(3) for name in
+                           ("input_ids", "loss_mask", "behavior_logprobs", "versions")} | {"t1_advantages"}
+    back = TrajectoryGroup.unpack(json.loads(json.dumps(meta)), arrays, where="rollout state, group 5")
+    assert back.metadata == group.metadata
+    for a, b in zip(group.trajectories, back.trajectories):
+        for name in ("input_ids", "loss_mask", "behavior_logprobs", "versions", "advantages"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None and y is None) or (x.dtype == y.dtype and x.tobytes() == y.tobytes()), name
+        assert (a.reward, a.temperature, a.stop_reason, a.metadata) == (b.reward, b.temperature, b.stop_reason, b.metadata)
+
+
+def _packed(**traj_overrides):
+    return make_group(group_size=2, **traj_overrides).pack()
+
+
+@pytest.mark.parametrize("damage, rule, fragment", [
+    (lambda m, a: a.pop("t1_versions"), "packed_arrays", "array 't1_versions' is missing"),
+    (lambda m, a: a.update(t2_input_ids=np.zeros(7, np.int32)), "packed_arrays", "'t2_input_ids' is not listed"),
+    (lambda m, a: a.update(t0_input_ids=a["t0_input_ids"].astype(np.int64)), "dtype", "trajectory 0"),
+    (lambda m, a: a["t1_loss_mask"].__setitem__(0, True), "first_token_trained", "trajectory 1"),
+    (lambda m, a: m["trajectories"][0].update(bogus=1), "type", "trajectories.0.bogus"),
+    (lambda m, a: m["trajectories"][1].update(stop_reason="finished"), "stop_reason", "trajectory 1"),
+])
+def test_unpacking_checks_the_schema_rules_and_names_the_group(damage, rule, fragment):
+    """A packed group comes back only if it obeys every rule: a damaged checkpoint cannot
+    smuggle a trajectory into a batch that the episode-end check would have refused."""
+    meta, arrays = _packed()
+    damage(meta, arrays)
+    with pytest.raises(TrajectorySchemaError) as info:
+        TrajectoryGroup.unpack(meta, arrays, where="rollout state, queued group 4")
+    assert info.value.rule == rule
+    assert str(info.value).startswith("rollout state, queued group 4") and fragment in str(info.value)
+
+
 def test_an_empty_trajectory_has_no_trained_token():
     empty = make_traj(n_prompt=0, n_gen=0)
     with pytest.raises(TrajectorySchemaError, match="no_trained_token.*empty"):

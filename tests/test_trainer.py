@@ -75,7 +75,7 @@ def test_state_dict_round_trip_continues_identically(tiny):
     a = Trainer(cfg, graphdef, params)
     a.step(make_batch(seed=6))
     state = a.state_dict()
-    assert isinstance(state["opt_state"], dict) and all(isinstance(v, np.ndarray) for v in state["opt_state"].values())
+    assert all(isinstance(v, np.ndarray) for v in jax.tree.leaves(state["opt_state"]))  # host arrays, no pickle needed
     b = Trainer(cfg, graphdef, params)
     b.load_state_dict(state)
     assert (b.version, b.update_count) == (1, 1)

@@ -414,10 +414,10 @@ class RemoteEngine:
 
         if self.weights_dir is None or self.graphdef is None:
             raise RemoteEngineError("remote engine: publishing weights needs weights_dir and graphdef (train sets them)")
-        import jax
+        from asyncrl.pytree import tree_to_host
 
         path = self.weights_dir / f"v{version}"
-        export_hf(self.graphdef, self.tokenizer, path, params=jax.tree.map(np.asarray, params),
+        export_hf(self.graphdef, self.tokenizer, path, params=tree_to_host(params),
                   stop_token_ids=self.stop_token_ids, overwrite=True)
         kept = sorted((p for p in self.weights_dir.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
         for old in kept[: -self.keep_weights]:

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from asyncrl import pytree
 from asyncrl.model.config import DecoderConfig
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -196,11 +197,6 @@ def _index_key(key: Any) -> Any:
     return int(key) if isinstance(key, str) and key.isdigit() else key
 
 
-def normalize_keys(tree: dict) -> dict:
-    """``tree`` with digit-string keys as ints (how the model's pure dict spells layer indices)."""
-    return combine_params(tree)
-
-
 def dropout_keys(template: dict, key: jax.Array) -> dict:
     """Fresh raw dropout keys (uint32 [2]) for every ``dropout_key`` leaf of ``template``,
     each ``fold_in(key, i)`` in path order (jit-safe)."""
@@ -263,15 +259,11 @@ def params_hash(params: dict) -> str:
     """sha256 (hex) of a params tree's paths, shapes, dtypes and bytes, in path order: the
     content identity of a base model that a LoRA checkpoint records."""
     digest = hashlib.sha256()
-    for path, leaf in sorted(jax.tree_util.tree_flatten_with_path(params)[0], key=lambda item: _path_text(item[0])):
-        array = np.asarray(jax.device_get(leaf))
-        digest.update(f"{_path_text(path)}|{array.shape}|{array.dtype}|".encode())
+    for key, leaf in sorted(pytree.keyed_leaves(params, "params").items()):
+        array = pytree.to_host(leaf)
+        digest.update(f"{key}|{array.shape}|{array.dtype}|".encode())
         digest.update(np.ascontiguousarray(array).tobytes())
     return digest.hexdigest()
-
-
-def _path_text(path: Any) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 def tree_bytes(tree: Any) -> int:
@@ -292,8 +284,8 @@ def peft_tensors(adapters: dict) -> dict[str, np.ndarray]:
     out = {}
     for path, pair in adapter_modules(adapters):
         name = "base_model.model.model." + ".".join(str(k) for k in path)
-        out[f"{name}.lora_A.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(pair["lora_a"])).T)
-        out[f"{name}.lora_B.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(pair["lora_b"])).T)
+        out[f"{name}.lora_A.weight"] = np.ascontiguousarray(pytree.to_host(pair["lora_a"]).T)
+        out[f"{name}.lora_B.weight"] = np.ascontiguousarray(pytree.to_host(pair["lora_b"]).T)
     return out
 
 

@@ -27,6 +27,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asyncrl.model.config import DecoderConfig
+from asyncrl.pytree import dotted_name
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -48,10 +49,6 @@ PARTITION_RULES: tuple[tuple[str, tuple[Optional[str], ...], tuple[Optional[str]
     (r"mlp\.down_proj\.bias$", (None,), (None,)),
     (r"(input_layernorm|post_attention_layernorm|norm)\.weight$", (None,), (None,)),
 )
-
-
-def _dotted(path) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 def _axis_size(mesh: Mesh, axis: Optional[str]) -> int:
@@ -101,7 +98,7 @@ def partition_spec(cfg: DecoderConfig, name: str, shape: tuple[int, ...], mesh: 
 
 def param_partition_specs(cfg: DecoderConfig, params: Any, mesh: Mesh) -> Any:
     """A pytree of PartitionSpec matching ``params`` (pure dict, State, or shape structs)."""
-    return jax.tree_util.tree_map_with_path(lambda p, x: partition_spec(cfg, _dotted(p), tuple(x.shape), mesh), params)
+    return jax.tree_util.tree_map_with_path(lambda p, x: partition_spec(cfg, dotted_name(p), tuple(x.shape), mesh), params)
 
 
 def param_shardings(cfg: DecoderConfig, params: Any, mesh: Mesh) -> Any:
@@ -119,6 +116,6 @@ def describe_shardings(cfg: DecoderConfig, params: Any, mesh: Mesh) -> dict[str,
     """``{dotted path: "shape -> PartitionSpec"}``, for logs and debugging."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = _dotted(path)
+        name = dotted_name(path)
         out[name] = f"{tuple(leaf.shape)} -> {partition_spec(cfg, name, tuple(leaf.shape), mesh)}"
     return out

@@ -2,7 +2,7 @@
 the executor and prepare_batch. Imports no jax."""
 
 from asyncrl.rollout.batch import prepare_batch
-from asyncrl.rollout.executor import WorkflowExecutor, load_state, save_state
+from asyncrl.rollout.executor import WorkflowExecutor
 from asyncrl.rollout.ledger import StalenessLedger
 from asyncrl.rollout.queue import QueueClosed, SimpleDataQueue
 from asyncrl.rollout.trajectory import TrainBatch, Trajectory, TrajectoryBuilder, TrajectoryGroup
@@ -11,5 +11,5 @@ from asyncrl.rollout.workflow import RewardFunction, RolloutWorkflow, SingleTurn
 __all__ = [
     "Trajectory", "TrajectoryGroup", "TrainBatch", "TrajectoryBuilder", "SimpleDataQueue", "QueueClosed",
     "StalenessLedger", "RolloutWorkflow", "SingleTurnWorkflow", "RewardFunction", "SkipSample", "build_workflow",
-    "WorkflowExecutor", "prepare_batch", "save_state", "load_state",
+    "WorkflowExecutor", "prepare_batch",
 ]

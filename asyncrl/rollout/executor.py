@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -44,10 +42,10 @@ from asyncrl.config import Config
 from asyncrl.data import sample_at
 from asyncrl.engine.protocol import InferenceEngine
 from asyncrl.errors import EngineCrashed, RolloutError, TrajectorySchemaError
-from asyncrl.rollout import batch as batch_lib
+import asyncrl.rollout.batch as batch_lib
 from asyncrl.rollout.ledger import QUEUED, StalenessLedger
 from asyncrl.rollout.queue import QueueClosed, SimpleDataQueue
-from asyncrl.rollout.trajectory import ARRAY_FIELDS, TrainBatch, Trajectory, TrajectoryGroup, check_group
+from asyncrl.rollout.trajectory import TrainBatch, TrajectoryGroup, check_group
 from asyncrl.rollout.workflow import RewardFailuresExceeded, RolloutWorkflow, SkipSample
 
 log = logging.getLogger(__name__)
@@ -249,9 +247,10 @@ class WorkflowExecutor:
         """Run one episode and record its outcome; False when this worker must exit (the episode
         timed out, so a replacement took its place, or the executor was stopped)."""
         group: Optional[TrajectoryGroup] = None
-        outcome, detail, error = "ok", "", None
+        outcome, detail = "ok", ""
+        error: Optional[BaseException] = None
         try:
-            sample = dict(sample_at(self.dataset, episode.sample_id))
+            sample = dict(sample_at(self.dataset, episode.sample_id))  # type: ignore[arg-type]  # a Sequence of Mappings reads like dicts
             sample["sample_id"] = episode.sample_id
             group = self.workflow.run_episode(self.engine, sample)
             if group is not None:
@@ -287,9 +286,11 @@ class WorkflowExecutor:
             del self._running[episode.ticket]
             self._wake.notify_all()
             if outcome == "crash":
+                assert error is not None  # set with the outcome
                 self.ledger.fail(episode.ticket, "engine_crash")
                 self._set_fatal(error, error)
             elif outcome == "reward_stop":
+                assert error is not None  # set with the outcome
                 self.ledger.fail(episode.ticket, "exception")
                 self._set_fatal(error, None)
             elif outcome == "skip":
@@ -498,10 +499,10 @@ class WorkflowExecutor:
     # ------------------------------------------------------------------ checkpoint
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"meta": JSON-serialisable dict, "arrays": {name: np.ndarray}}``: ledger, tickets, queued groups.
-
-        Write it with :func:`save_state` (``.npz`` without pickle, plus JSON).
-        """
+        """``{"meta": JSON-serialisable dict, "arrays": {name: np.ndarray}}``: the ledger (tickets,
+        sample ids drawn, accounting) and every queued group, packed by
+        :meth:`TrajectoryGroup.pack` (arrays named ``g<ticket>_<name>``). In-flight episodes
+        are not saved: their sample ids are re-issued by :meth:`load_state_dict`."""
         with self._lock:
             for ticket, group in self._queue.get_all():
                 self._ready[ticket] = group
@@ -511,26 +512,13 @@ class WorkflowExecutor:
             for ticket in sorted(self._ready):
                 if self.ledger.state_of(ticket) != QUEUED:
                     continue
-                group = self._ready[ticket]
-                trajs = []
-                for i, traj in enumerate(group.trajectories):
-                    for name in ARRAY_FIELDS:
-                        arrays[f"g{ticket}_t{i}_{name}"] = getattr(traj, name)
-                    if traj.advantages is not None:
-                        arrays[f"g{ticket}_t{i}_advantages"] = traj.advantages
-                    trajs.append({
-                        "temperature": traj.temperature,
-                        "reward": traj.reward,
-                        "reward_components": traj.reward_components,
-                        "stop_reason": traj.stop_reason,
-                        "metadata": traj.metadata,
-                        "advantages": traj.advantages is not None,
-                    })
-                groups_meta[str(ticket)] = {"metadata": group.metadata, "trajectories": trajs}
+                groups_meta[str(ticket)], packed = self._ready[ticket].pack()
+                arrays.update({f"g{ticket}_{name}": array for name, array in packed.items()})
         return {"meta": {"format": STATE_FORMAT, "ledger": snap, "groups": groups_meta}, "arrays": arrays}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore before :meth:`start`: queued groups come back, in-flight samples are re-issued first."""
+        """Restore before :meth:`start`: queued groups come back (each checked by the trajectory
+        schema as it unpacks), in-flight samples are re-issued first."""
         if self._dispatcher is not None:
             raise RuntimeError("load_state_dict must be called before start()")
         meta, arrays = state["meta"], state["arrays"]
@@ -538,14 +526,9 @@ class WorkflowExecutor:
             raise RolloutError(f"rollout state: format {meta.get('format')!r}, this asyncrl reads {STATE_FORMAT}")
         ready: dict[int, TrajectoryGroup] = {}
         for key, gmeta in meta["groups"].items():
-            ticket = int(key)
-            trajs = []
-            for i, tmeta in enumerate(gmeta["trajectories"]):
-                fields = {name: np.asarray(arrays[f"g{ticket}_t{i}_{name}"]) for name in ARRAY_FIELDS}
-                if tmeta["advantages"]:
-                    fields["advantages"] = np.asarray(arrays[f"g{ticket}_t{i}_advantages"])
-                trajs.append(Trajectory(**fields, **{k: v for k, v in tmeta.items() if k != "advantages"}))
-            ready[ticket] = TrajectoryGroup(trajectories=trajs, metadata=gmeta["metadata"])
+            prefix = f"g{key}_"
+            mine = {name[len(prefix):]: array for name, array in arrays.items() if name.startswith(prefix)}
+            ready[int(key)] = TrajectoryGroup.unpack(gmeta, mine, where=f"rollout state, queued group {key}")
         if int(meta["ledger"]["version"]) != self.engine.version:
             raise RolloutError(
                 f"rollout state is at version {meta['ledger']['version']} but the engine serves {self.engine.version}: "
@@ -575,7 +558,7 @@ def _drop_hint(reason: str, cfg: Config) -> str:
     return f"the workflow raised SkipSample('{reason}')"
 
 
-def _in_chain(err: BaseException, kind: type) -> Optional[BaseException]:
+def _in_chain(err: Optional[BaseException], kind: type) -> Optional[BaseException]:
     """An exception of ``kind`` that a workflow wrapped in its own exception (cause or context)."""
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
@@ -584,25 +567,3 @@ def _in_chain(err: BaseException, kind: type) -> Optional[BaseException]:
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return None
-
-
-def save_state(state: Mapping[str, Any], directory: str | Path, prefix: str = "rollout") -> None:
-    """Write an executor ``state_dict`` as ``<prefix>.json`` and ``<prefix>.npz`` (no pickle), atomically per file."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    npz_tmp = directory / f".{prefix}.npz.tmp"
-    with open(npz_tmp, "wb") as fh:
-        np.savez(fh, **state["arrays"])
-    json_tmp = directory / f".{prefix}.json.tmp"
-    json_tmp.write_text(json.dumps(state["meta"], allow_nan=False))
-    npz_tmp.replace(directory / f"{prefix}.npz")
-    json_tmp.replace(directory / f"{prefix}.json")
-
-
-def load_state(directory: str | Path, prefix: str = "rollout") -> dict[str, Any]:
-    """Read what :func:`save_state` wrote (``np.load(allow_pickle=False)``)."""
-    directory = Path(directory)
-    meta = json.loads((directory / f"{prefix}.json").read_text())
-    with np.load(directory / f"{prefix}.npz", allow_pickle=False) as data:
-        arrays = {name: data[name] for name in data.files}
-    return {"meta": meta, "arrays": arrays}

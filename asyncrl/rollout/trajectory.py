@@ -9,6 +9,10 @@ The token-level rules live in one vectorised function, :func:`array_violations`,
 ``[rows, L]`` arrays. The per-trajectory check (run in the rollout thread at episode end)
 applies it to one trajectory viewed as a ``[1, T]`` batch; ``prepare_batch`` applies it
 to the stacked batch. Every violation names the rule, the field, and where it happened.
+
+A group packs itself to JSON plus named ``[T]`` arrays (:meth:`TrajectoryGroup.pack`) and
+back (:meth:`TrajectoryGroup.unpack`, which runs every rule again): how queued groups are
+checkpointed without pickle.
 """
 
 from __future__ import annotations
@@ -16,10 +20,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Annotated, Any, Callable, Optional, Sequence
+from typing import Annotated, Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from asyncrl.engine.protocol import STOP_REASONS, GenerationResponse
 from asyncrl.errors import TrajectorySchemaError
@@ -56,6 +60,7 @@ RULES: dict[str, tuple[str, str]] = {
     "advantages": ("advantages", "advantages, when given, are finite float32 [T]"),
     "group_size": ("trajectories", "a group has exactly rollout.group_size trajectories"),
     "type": ("*", "fields have the types of the Trajectory model"),
+    "packed_arrays": ("*", "a packed group has exactly the arrays its JSON lists, each [T]"),
 }
 """Every schema rule: its field and what it requires. Failures are counted ``failed:schema:<rule>``."""
 
@@ -164,6 +169,74 @@ class TrajectoryGroup(BaseModel):
         """All rewards equal: the group carries no group-relative signal."""
         rewards = self.rewards
         return bool(rewards.size == 0 or np.all(rewards == rewards[0]))
+
+    def pack(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """``(JSON meta, arrays)``: the meta is :class:`PackedGroup`'s, the arrays
+        ``t<i>_<field>`` (``[T]``, schema dtypes; ``t<i>_advantages`` only where given)."""
+        arrays: dict[str, np.ndarray] = {}
+        trajectories = []
+        for i, traj in enumerate(self.trajectories):
+            for name in ARRAY_FIELDS:
+                arrays[f"t{i}_{name}"] = getattr(traj, name)
+            if traj.advantages is not None:
+                arrays[f"t{i}_advantages"] = traj.advantages
+            trajectories.append({
+                "temperature": traj.temperature, "reward": traj.reward, "reward_components": traj.reward_components,
+                "stop_reason": traj.stop_reason, "metadata": traj.metadata, "advantages": traj.advantages is not None,
+            })
+        return {"metadata": self.metadata, "trajectories": trajectories}, arrays
+
+    @classmethod
+    def unpack(cls, meta: Any, arrays: Mapping[str, np.ndarray], *, where: str) -> "TrajectoryGroup":
+        """The group :meth:`pack` made, checked on the way in: the meta against
+        :class:`PackedGroup`, the array names against the meta, every trajectory against
+        :data:`RULES` (:func:`check_trajectory`). Raises :class:`TrajectorySchemaError`
+        naming ``where``, the trajectory and the array."""
+        try:
+            packed = PackedGroup.model_validate(meta)
+        except ValidationError as err:
+            first = err.errors()[0]
+            detail = f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+            raise TrajectorySchemaError(violation_message(where, "type", detail), rule="type", field="*") from None
+        expected = {f"t{i}_{name}" for i, traj in enumerate(packed.trajectories)
+                    for name in [*ARRAY_FIELDS, *(["advantages"] if traj.advantages else [])]}
+        for key in sorted(expected ^ set(arrays)):
+            detail = f"array {key!r} is {'missing' if key in expected else 'not listed in the JSON'}"
+            raise TrajectorySchemaError(violation_message(where, "packed_arrays", detail), rule="packed_arrays", field=key)
+        trajectories = []
+        for i, traj in enumerate(packed.trajectories):
+            fields: dict[str, Any] = {name: np.asarray(arrays[f"t{i}_{name}"]) for name in ARRAY_FIELDS}
+            fields["advantages"] = np.asarray(arrays[f"t{i}_advantages"]) if traj.advantages else None
+            # model_construct: no dtype coercion, so a wrong dtype is the "dtype" rule's to report
+            trajectory = Trajectory.model_construct(**fields, **traj.model_dump(exclude={"advantages"}))
+            check_trajectory(trajectory, f"{where}, trajectory {i}")
+            trajectories.append(trajectory)
+        if not _json_ok(packed.metadata):
+            raise TrajectorySchemaError(violation_message(where, "metadata"), rule="metadata", field="metadata")
+        return cls(trajectories=trajectories, metadata=packed.metadata)
+
+
+class PackedTrajectory(BaseModel):
+    """The JSON part of one packed trajectory (its arrays are named ``t<i>_<field>``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    temperature: float
+    reward: float
+    reward_components: dict[str, float]
+    stop_reason: str
+    metadata: dict[str, Any]
+    advantages: bool
+    """Whether ``t<i>_advantages`` is among the arrays."""
+
+
+class PackedGroup(BaseModel):
+    """The JSON part of a packed :class:`TrajectoryGroup`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    metadata: dict[str, Any]
+    trajectories: list[PackedTrajectory]
 
 
 @dataclasses.dataclass(frozen=True)

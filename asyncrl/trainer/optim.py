@@ -29,6 +29,8 @@ from pydantic import ConfigDict, Field
 
 from asyncrl.config import Config, OptimConfig
 
+from asyncrl.pytree import dotted_name as dotted_path  # the rules' name of a parameter path
+
 
 class OptimParams(OptimConfig):
     """Hashable form of the ``optim`` section, with ``decay_steps`` resolved.
@@ -81,11 +83,6 @@ def learning_rate_schedule(p: OptimParams):
         return p.lr * warm * (p.min_lr_ratio + (1.0 - p.min_lr_ratio) * cosine)
 
     return schedule
-
-
-def dotted_path(path) -> str:
-    """``layers.0.self_attn.q_proj.kernel`` from a jax key path."""
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 def weight_decay_mask(params: Any, no_decay: tuple[str, ...]) -> Any:

@@ -62,6 +62,7 @@ from asyncrl.algo import (
     trained_mask,
 )
 from asyncrl.errors import TrainerError
+from asyncrl.pytree import TreeError, fill, keyed_leaves, to_host, tree_to_host
 from asyncrl.model.logprobs import per_token_logprobs
 from asyncrl.model.sharding import param_shardings
 from asyncrl.trainer.mesh import (
@@ -324,26 +325,13 @@ def compile_count() -> int:
 # --------------------------------------------------------------------------- host side
 
 
-def _to_numpy(x: Any) -> np.ndarray:
-    """A (possibly multi-process) jax.Array as a full numpy array on this host."""
-    if not isinstance(x, jax.Array):
-        return np.asarray(x)
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    if x.is_fully_replicated:
-        return np.asarray(x.addressable_data(0))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
 def _place(tree: Any, shardings: Any) -> Any:
     """Put host/jax values (identical on every process) onto ``shardings``."""
     if jax.process_count() == 1:
         return jax.device_put(tree, shardings)
 
     def one(x, sharding):
-        host = _to_numpy(x)
+        host = to_host(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree.map(one, tree, shardings)
@@ -434,9 +422,8 @@ class Trainer:
         """The :class:`~asyncrl.model.lora.LoraSpec` when training adapters (``params`` are then the
         adapters, ``frozen`` the base weights + zero dropout keys, ``graphdef`` the LoRA model's)."""
         if self.lora is not None:
-            from asyncrl.model.lora import combine_params, normalize_keys
+            from asyncrl.model.lora import combine_params
 
-            params = normalize_keys(params)  # a checkpoint spells layer indices "0"; the model 0
             self.model_cfg = nnx.merge(graphdef, combine_params(frozen, params)).cfg
         else:
             self.model_cfg = nnx.merge(graphdef, params).cfg
@@ -590,7 +577,7 @@ class Trainer:
         )
         if self.objective == "sft":
             out.pop("loss")  # the same number as sft_loss
-        out = jax.tree.map(_to_numpy, out)
+        out = tree_to_host(out)
         elapsed = time.perf_counter() - start
 
         finite = out.pop("finite")
@@ -636,7 +623,7 @@ class Trainer:
         no update (SFT eval loss; rows as for :meth:`step`)."""
         arrays, _ = self._device_batch(batch)
         total, count = nll_sums(self.graphdef, self.params, arrays, self.frozen)
-        return float(_to_numpy(total)), int(_to_numpy(count))
+        return float(to_host(total)), int(to_host(count))
 
     # ------------------------------------------------------------------ publishing and state
 
@@ -663,17 +650,16 @@ class Trainer:
     @property
     def update_count(self) -> int:
         """Optimizer updates applied so far (the schedule's count)."""
-        return int(_to_numpy(update_count(self.opt_state)))
+        return int(to_host(update_count(self.opt_state)))
 
     def state_dict(self) -> dict:
-        """``{params, opt_state, step, skipped_updates_total, consecutive_nonfinite, update_count}``
-        as numpy: ``params`` a nested dict like the model's, ``opt_state`` a flat
-        ``{dotted path: array}`` of the optax state's leaves (no pickling needed to save it).
-        The reference model is not included: it is the initial weights, rebuilt from the model."""
-        opt_leaves = jax.tree_util.tree_flatten_with_path(self.opt_state)[0]
+        """``{params, opt_state, step, skipped_updates_total, consecutive_nonfinite, update_count}``:
+        ``params`` and ``opt_state`` are the live trees (the optax state's namedtuples included)
+        with numpy leaves, gathered to this host; :func:`asyncrl.pytree.flatten` keys them for a
+        checkpoint. The reference model is not included: it is the initial weights, rebuilt from the model."""
         return {
-            "params": jax.tree.map(_to_numpy, self.params),
-            "opt_state": {dotted_path(path) or "root": _to_numpy(leaf) for path, leaf in opt_leaves},
+            "params": tree_to_host(self.params),
+            "opt_state": tree_to_host(self.opt_state),
             "step": self.version,
             "skipped_updates_total": self.skipped_updates_total,
             "consecutive_nonfinite": self.consecutive_nonfinite,
@@ -681,28 +667,15 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned (onto this trainer's mesh)."""
-        if self.lora is not None:
-            from asyncrl.model.lora import normalize_keys
-
-            state = {**state, "params": normalize_keys(state["params"])}
-        expected = jax.tree.structure(jax.tree.map(lambda x: 0, self.params))
-        given = jax.tree.structure(jax.tree.map(lambda x: 0, state["params"]))
-        if expected != given:
-            raise TrainerError(f"Trainer.load_state_dict: params do not match the model ({given} vs {expected})")
-        params = _place(jax.tree.map(np.asarray, state["params"]), self.param_shardings)
-        paths, treedef = jax.tree_util.tree_flatten_with_path(self.opt_state)
-        leaves = []
-        for path, leaf in paths:
-            key = dotted_path(path) or "root"
-            if key not in state["opt_state"]:
-                raise TrainerError(f"Trainer.load_state_dict: opt_state has no entry {key!r} (optimizer config changed?)")
-            value = np.asarray(state["opt_state"][key])
-            if value.shape != leaf.shape:
-                raise TrainerError(f"Trainer.load_state_dict: opt_state {key!r} has shape {value.shape}, expected {leaf.shape}")
-            leaves.append(value.astype(leaf.dtype))
-        host_state = jax.tree.unflatten(treedef, leaves)
-        self.opt_state = _place(host_state, jax.tree.map(lambda x: x.sharding, self.opt_state))
+        """Restore what :meth:`state_dict` returned (or a checkpoint's trees, filled into this
+        trainer's own ``params`` / ``opt_state`` as templates: same keys, shapes and dtypes,
+        placed on this trainer's shardings)."""
+        try:
+            params = fill(self.params, keyed_leaves(state["params"], "params"), where="params")
+            opt_state = fill(self.opt_state, keyed_leaves(state["opt_state"], "opt_state"), where="opt_state")
+        except TreeError as err:
+            raise TrainerError(f"Trainer.load_state_dict: {err} (model or optimizer config changed?)") from None
+        self.opt_state = opt_state
         self.params = params
         self.version = int(state["step"])
         self.skipped_updates_total = int(state["skipped_updates_total"])
