@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -31,14 +30,12 @@ from typing import Any, Optional
 import numpy as np
 
 from asyncrl.checkpoint_schema import RUN_STATE_FORMAT
-from asyncrl.config import Config, RewardSpec, dump_config
+from asyncrl.build import build_engine, episode_metric_means, preflight
+from asyncrl.config import Config, dump_config
+from asyncrl.rundir import check_output_dir_path, prepare_output_dir
 from asyncrl.errors import AsyncRLError, CheckpointError
 
 log = logging.getLogger(__name__)
-
-
-class RunDirError(AsyncRLError):
-    """The output directory already holds a run."""
 
 
 class TrainingInterrupted(Exception):
@@ -59,206 +56,6 @@ class TrainResult:
     history: list[dict[str, float]]
     final_params: Any = None
     """The trained weights as host numpy arrays (the same as the ``hf/`` export)."""
-
-
-@dataclass
-class Components:
-    """Everything a run is built from (the loop and ``asyncrl eval`` share the building)."""
-
-    cfg: Config
-    loaded: Any  # asyncrl.model.LoadedModel
-    task: Any  # asyncrl.data.TaskData
-    workflow: Any
-    engine: Any
-
-
-def build_task_and_workflow(cfg: Config, tokenizer: Any) -> tuple[Config, Any, Any]:
-    """Resolve the dataset, default the rewards to the task's own, build the workflow."""
-    from asyncrl.registry import resolve
-    from asyncrl.rollout.workflow import build_reward_functions, build_workflow, check_reward_signatures
-
-    factory = resolve("dataset", cfg.data.dataset, where="data.dataset")
-    try:
-        task = factory(seed=cfg.run.seed)
-    except ValueError as err:  # the dataset's own checks (a negative size; UnicodeDecodeError is one too)
-        from asyncrl.data import DataError
-
-        raise DataError(f"data.dataset ({_target(cfg.data.dataset)}): {err}") from None
-    if not cfg.rewards:
-        if task.reward is None:
-            raise AsyncRLError("rewards: the config names no reward function and data.dataset has no default one")
-        cfg = cfg.model_copy(update={"rewards": [RewardSpec(fn=task.reward)]})
-    workflow = build_workflow(cfg, tokenizer)
-    # Every reward function must accept the documented call with this dataset's fields: a wrong
-    # signature is a config error now, not a run of fallback scores.
-    first = next(iter(task.train), None) or next(iter(task.eval), None)
-    if first is not None:
-        check_reward_signatures(build_reward_functions(cfg), first, workflow.prompt_field)
-    return cfg, task, workflow
-
-
-PROMPT_CHECK_SAMPLES = 2000
-"""At most this many train prompts (evenly spaced over the split) are tokenized at start-up."""
-
-
-def preflight(cfg: Config, tokenizer: Any) -> list[tuple[Config, Any, Any]]:
-    """Build and check every stage's dataset, rewards and workflow before the first step of the
-    first stage, so a later stage's bad input is reported before anything trains. Returns
-    ``(stage config, task, workflow)`` per stage; errors name the stage and the field."""
-    from asyncrl.data import DataError
-
-    parts = []
-    for index, (stage, scfg) in enumerate(cfg.stage_configs()):
-        where = f"stages.{index} ({stage.name}): " if cfg.stages else ""
-        try:
-            built = build_task_and_workflow(scfg, tokenizer)
-        except AsyncRLError as err:
-            raise _in_stage(err, where) from None
-        if len(built[1].train) == 0:
-            raise DataError(f"{where}data.dataset ({_target(scfg.data.dataset)}): the train split is empty")
-        if stage.type == "rl":
-            _check_prompts_fit(built[0], built[1].train, built[2], tokenizer, where)
-        parts.append(built)
-    return parts
-
-
-def _in_stage(err: AsyncRLError, where: str) -> AsyncRLError:
-    from asyncrl.errors import ConfigError
-
-    if not where:
-        return err
-    if isinstance(err, ConfigError):
-        return ConfigError([where + err.problems[0], *err.problems[1:]])
-    return AsyncRLError(f"{where}{err}")
-
-
-def _target(spec: Any) -> str:
-    return spec if isinstance(spec, str) else getattr(spec, "target", str(spec))
-
-
-def _check_prompts_fit(scfg: Config, train: Any, workflow: Any, tokenizer: Any, where: str) -> None:
-    """Fail at start-up, with the counts, when no train prompt fits ``data.max_prompt_tokens``
-    (each would be dropped and the first batch would wait for its timeout). Checks workflows
-    that say how they render a prompt (``messages(sample)``, like the single-turn one)."""
-    from asyncrl.data import DataError
-    from asyncrl.rollout.workflow import _token_ids
-
-    if not callable(getattr(workflow, "messages", None)):
-        return
-    limit = scfg.data.max_prompt_tokens
-    checked = sorted({int(i) for i in np.linspace(0, len(train) - 1, min(len(train), PROMPT_CHECK_SAMPLES))})
-    lengths = []
-    for position in checked:
-        try:
-            messages, _ = workflow.messages(train[position])
-        except (KeyError, ValueError, TypeError) as err:
-            raise DataError(f"{where}data.dataset: train sample {position}: {err}") from None
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        lengths.append(len(_token_ids(ids)))
-    fit = sum(length <= limit for length in lengths)
-    if fit == 0:
-        raise DataError(
-            f"{where}data.dataset ({_target(scfg.data.dataset)}): no usable prompt: 0 of {len(lengths)} train prompts "
-            f"checked (of {len(train)}) fit data.max_prompt_tokens = {limit} (the shortest has {min(lengths)} tokens, "
-            "chat template included); raise data.max_prompt_tokens (with engine.kv_capacity and "
-            "engine.prefill_buckets) or shorten the prompts"
-        )
-    if fit < len(lengths):
-        log.info("%sdata.dataset: %d of %d train prompts checked are longer than data.max_prompt_tokens = %d and "
-                 "will be dropped (dropped:prompt_too_long)", where, len(lengths) - fit, len(lengths), limit)
-
-
-RUN_LOGS = ("metrics.jsonl", "trajectories.jsonl")
-
-
-def _prepare_output_dir(cfg: Config, resume_step: Optional[int]) -> Path:
-    """A fresh run needs a run directory that holds no run (or ``run.overwrite``); a resumed run
-    keeps its logs up to the checkpoint's step and drops the rows written after it, which the
-    resumed run writes again.
-
-    A directory whose ``metrics.jsonl`` has no completed training step (step >= 1) and which
-    has no checkpoint holds no run: a run that failed while starting up (a config mistake
-    found when its components were built) is simply started again there."""
-    out = cfg.run.resolved_output_dir
-    if resume_step is not None:
-        for name in RUN_LOGS:
-            _truncate_log(out / name, resume_step)
-        return out
-    if _holds_a_run(out) and not cfg.run.overwrite and cfg.checkpoint.resume == "never":
-        raise RunDirError(
-            f"run.output_dir {out} already holds a run (metrics.jsonl with completed steps); choose another run.name "
-            "or run.output_dir, resume it with --resume, or set run.overwrite: true to replace it"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    for name in RUN_LOGS:
-        (out / name).unlink(missing_ok=True)
-    if not cfg.run.overwrite:
-        # The event files of a run that never completed a step (its step-0 eval at most).
-        shutil.rmtree(out / "tensorboard", ignore_errors=True)
-    return out
-
-
-def _holds_a_run(out: Path) -> bool:
-    """True when ``out`` has a checkpoint or a ``metrics.jsonl`` row of a completed step (step >= 1)."""
-    checkpoints = out / "checkpoints"
-    if checkpoints.is_dir() and any(checkpoints.iterdir()):
-        return True
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return False
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            step = json.loads(line).get("step", 0)
-        except (json.JSONDecodeError, AttributeError):
-            continue  # a damaged line is no evidence of a completed step
-        if isinstance(step, int) and step >= 1:
-            return True
-    return False
-
-
-def _check_output_dir_path(cfg: Config) -> None:
-    """``run.output_dir`` (or a directory above it) must not be an existing file."""
-    out = cfg.run.resolved_output_dir
-    for path in (out, *out.parents):
-        if path.exists() and not path.is_dir():
-            what = f"run.output_dir {out}" if path == out else f"{path} (a parent of run.output_dir {out})"
-            raise RunDirError(f"{what} is an existing file, not a directory: choose another run.output_dir "
-                              f"(or run.name) or move the file")
-
-
-def _truncate_log(path: Path, last_step: int) -> None:
-    """Cut a run log (JSON lines with a ``step``) back to the rows of steps <= ``last_step``.
-
-    Logs are not the source of truth (the checkpoint is): a line that cannot be read (junk, a
-    line torn by a kill during a write, bytes that are not UTF-8, an object without an integer
-    ``step``) is dropped with one warning naming the file, the first such line and the count."""
-    if not path.exists():
-        return
-    from asyncrl.provenance import atomic_write_text
-
-    kept, bad = [], []
-    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        step = _log_line_step(raw)
-        if step is None:
-            bad.append(number)
-        elif step <= last_step:
-            kept.append(raw.decode("utf-8"))
-    if bad:
-        log.warning("%s: skipped %d unreadable line(s) (first: line %d; junk, torn by a kill, not UTF-8, or without "
-                    "a step) while cutting the log back to step %d", path, len(bad), bad[0], last_step)
-    atomic_write_text(path, "".join(line + "\n" for line in kept))
-
-
-def _log_line_step(raw: bytes) -> Optional[int]:
-    """The ``step`` of one log line, or None if the line is unreadable."""
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return None
-    step = record.get("step") if isinstance(record, dict) else None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _rename_train_metrics(metrics: dict[str, float]) -> dict[str, float]:
@@ -296,15 +93,6 @@ def _reward_metrics(groups: list, tracker: Any) -> None:
         tracker.scalar(f"reward/{name}", float(np.mean(values)))
     for name, value in episode_metric_means([t for g in groups for t in g.trajectories]).items():
         tracker.scalar(f"episode/{name}", value)
-
-
-def episode_metric_means(trajectories: list) -> dict[str, float]:
-    """Mean of each ``metadata["episode_metrics"][name]`` over the trajectories that report it."""
-    values: dict[str, list[float]] = {}
-    for traj in trajectories:
-        for name, value in (traj.metadata or {}).get("episode_metrics", {}).items():
-            values.setdefault(name, []).append(float(value))
-    return {name: float(np.mean(v)) for name, v in values.items()}
 
 
 def _dump_trajectories(log_file: Any, step: int, groups: list, tokenizer: Any, limit: int) -> None:
@@ -445,7 +233,8 @@ class _Run:
 
     def ensure_engine(self, trainer: Any, scfg: Config) -> Any:
         if self.engine is None:
-            self.engine = build_engine(self, trainer, scfg)
+            self.engine = build_engine(scfg, self.loaded, self.graphdef, trainer.params_for_publish(), version=self.version,
+                                       out=self.out)
         return self.engine
 
     def publish(self, trainer: Any) -> None:
@@ -676,28 +465,6 @@ def _first_local_device(mesh: Any) -> Any:
     return next((d for d in mesh.devices.flat if d.process_index == jax.process_index()), None)
 
 
-def build_engine(run: "_Run", trainer: Any, scfg: Config) -> Any:
-    """The run's inference engine: in-process (JaxEngine), or on servers when ``engine.remote`` is set."""
-    remote = scfg.engine.remote
-    if remote is not None:
-        from asyncrl.engine.remote import RemoteEngine
-
-        engine = RemoteEngine.from_config(
-            remote, version=run.version, graphdef=run.graphdef, tokenizer=run.loaded.tokenizer,
-            stop_token_ids=run.loaded.stop_token_ids,
-            weights_dir=Path(remote.weights_dir) if remote.weights_dir else run.out / "weights",
-        )
-        engine.ensure_version(trainer.params_for_publish())  # fresh servers of a resumed run
-        return engine
-    from asyncrl.engine.jax_engine import JaxEngine
-
-    # The engine serves the trainer's own (never donated) arrays: publishing copies nothing.
-    return JaxEngine(
-        run.graphdef, trainer.params_for_publish(), stop_token_ids=run.loaded.stop_token_ids,
-        config=scfg.engine, seed=scfg.run.seed, version=run.version,
-    )
-
-
 def jax_to_numpy(tree: Any) -> Any:
     import jax
 
@@ -725,10 +492,10 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
     from asyncrl.shutdown import ShutdownGuard
 
     started = time.monotonic()
-    _check_output_dir_path(cfg)
+    check_output_dir_path(cfg)
     resumed = resume_checkpoint(cfg)
     _check_resumed_state(resumed, cfg)
-    out = _prepare_output_dir(cfg, resumed.step if resumed is not None else None)
+    out = prepare_output_dir(cfg, resumed.step if resumed is not None else None)
     write_provenance(out, dump_config(cfg), argv)
     with ShutdownGuard() as guard:
         run = _Run(cfg, out, console, resumed, guard)

@@ -244,16 +244,16 @@ def _no_kwargs_reward(prompt, completion):
 
 
 def test_run_dir_without_a_completed_step_is_no_run(tmp_path):
-    from asyncrl.train import RunDirError, _prepare_output_dir
+    from asyncrl.rundir import RunDirError, prepare_output_dir
 
     cfg = make_cfg(run={"output_dir": str(tmp_path)})
     (tmp_path / "metrics.jsonl").write_text("")  # a start-up failure left this
-    _prepare_output_dir(cfg, None)
+    prepare_output_dir(cfg, None)
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/reward": 0.1}) + "\n{\"step\": 3")
-    _prepare_output_dir(cfg, None)  # step 0 (eval before training) and a torn line: still no run
+    prepare_output_dir(cfg, None)  # step 0 (eval before training) and a torn line: still no run
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss/total": 0.1}) + "\n")
     with pytest.raises(RunDirError, match="already holds a run"):
-        _prepare_output_dir(cfg, None)
+        prepare_output_dir(cfg, None)
 
 
 # ----------------------------------------------------------------------------- item 11: smaller items

@@ -150,7 +150,8 @@ def test_synchronous_run_trains_only_current_tokens(tmp_path):
 
 
 def test_output_dir_of_an_earlier_run_is_refused(quick_run):
-    from asyncrl.train import RunDirError, train
+    from asyncrl.rundir import RunDirError
+    from asyncrl.train import train
 
     cfg, _, out, _ = quick_run
     with pytest.raises(RunDirError, match="already holds a run"):
