@@ -7,7 +7,7 @@ The training loop runs inside a :class:`ShutdownGuard`::
             ...one trainer step...
             if guard.requested:
                 break                      # finish or abandon the step in progress
-        save_checkpoint(...); executor.stop(); engine.shutdown()
+        save_checkpoint(...); executor.close(); engine.shutdown()
     if guard.requested:
         sys.exit(guard.exit_code)          # 130 after SIGINT, 143 after SIGTERM
 

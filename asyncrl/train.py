@@ -2,8 +2,8 @@
 
 Per step, on the main thread::
 
-    batch = executor.prepare_batch(v)          # groups with lag <= max_staleness
-    metrics = trainer.step(batch)              # ppo_epochs x mini_batches optax updates
+    got = executor.next_batch(v)               # groups with lag <= max_staleness
+    metrics = trainer.step(got.batch)          # ppo_epochs x mini_batches optax updates
     engine.update_weights(params, v + 1)       # returns once every new token carries v+1
     executor.set_version(v + 1)                # only then may admission move on
     eval (between publishes: one version), metrics, trajectory dump
@@ -56,28 +56,6 @@ class TrainResult:
     history: list[dict[str, float]]
     final_params: Any = None
     """The trained weights as host numpy arrays (the same as the ``hf/`` export)."""
-
-
-def _rename_train_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """Loss terms under ``loss/`` (``train/loss`` -> ``loss/total``, ``train/pg_loss`` ->
-    ``loss/pg``); the trainer's own compute time becomes ``perf/train_time``, since the
-    loop's ``perf/step_time`` covers the whole step (batch wait, train, publish); the
-    behaviour/proximal log-prob gap is reported as ``engine/logprob_gap``."""
-    renamed = {}
-    for name, value in metrics.items():
-        if name == "train/loss":
-            name = "loss/total"
-        elif name.startswith("train/") and name.endswith("_loss"):
-            name = "loss/" + name[len("train/") : -len("_loss")]
-        elif name == "perf/step_time":
-            name = "perf/train_time"
-        elif name == "perf/trained_tokens_per_s":
-            # The loop's perf/trained_tokens_per_s covers the whole step; this is over train_time only.
-            name = "perf/train_tokens_per_train_s"
-        elif name == "train/logprob_gap":
-            name = "engine/logprob_gap"  # mean |behaviour - proximal| log-prob on trained tokens
-        renamed[name] = value
-    return renamed
 
 
 def _reward_metrics(groups: list, tracker: Any) -> None:
@@ -333,7 +311,7 @@ class _Run:
             for stage_step in range((done or 0) + 1, scfg.run.total_steps + 1):
                 step_start = time.perf_counter()
                 try:
-                    batch = executor.prepare_batch(
+                    got = executor.next_batch(
                         self.version, timeout=scfg.rollout.batch_timeout_s, abandon_if=lambda: self.guard.requested
                     )
                 except BatchAbandoned:
@@ -343,7 +321,7 @@ class _Run:
                         self.save(index, stage_step - 1, trainer, stage_start, rollout_state=executor.state_dict())
                     self.stop_if_requested()
                     raise
-                groups = list(executor.last_groups)
+                batch, groups = got.batch, list(got.groups)
                 train_metrics = trainer.step(batch)
                 self.publish(trainer)
                 # Engine counters (and the checkpoint's copy of them) are read before admission moves
@@ -353,8 +331,8 @@ class _Run:
                 executor.set_version(self.version)
                 step_time = time.perf_counter() - step_start
 
-                tracker.scalars(_rename_train_metrics(train_metrics))
-                tracker.scalars(executor.metrics, reduce="last")
+                tracker.scalars(train_metrics)
+                tracker.scalars(got.metrics, reduce="last")
                 self.record_engine(tracker, step_time, engine_metrics)
                 _reward_metrics(groups, tracker)
                 tracker.scalar("perf/step_time", step_time)
@@ -371,7 +349,7 @@ class _Run:
                     self.save(index, stage_step, trainer, stage_start, rollout_state=executor.state_dict())
                 self.stop_if_requested()
         finally:
-            executor.stop()
+            executor.close()
             tensorboard.close()
             self.count_reward_failures(workflow)
 
@@ -400,13 +378,14 @@ class _Run:
                 self.history.append(tracker.commit(self.version))
             for stage_step in range((done or 0) + 1, scfg.run.total_steps + 1):
                 step_start = time.perf_counter()
-                batch = data.next_batch()
+                got = data.next_batch()
+                batch = got.batch
                 train_metrics = trainer.step(batch)
                 self.publish(trainer)
                 step_time = time.perf_counter() - step_start
                 self.engine_metrics()  # the counters (weight swaps) for the checkpoint
-                tracker.scalars(_rename_train_metrics(train_metrics))
-                tracker.scalars(data.metrics(), reduce="last")
+                tracker.scalars(train_metrics)
+                tracker.scalars(got.metrics, reduce="last")
                 tracker.scalar("perf/step_time", step_time)
                 tracker.scalar("perf/trained_tokens_per_s", float(batch.loss_mask.sum()) / step_time)
                 self.record_process(tracker)

@@ -130,7 +130,7 @@ def run_in_process(config_path: Path, *overrides: str):
 
 # The child: `asyncrl train` with test hooks set through the environment.
 #   ASYNCRL_TEST_KILL_AT=STAGE:N  SIGKILL itself at the N-th checkpoint-write stage STAGE (mid-write)
-#   ASYNCRL_TEST_STALL_FROM=S     episodes of sample ids >= S never finish (a wait in prepare_batch)
+#   ASYNCRL_TEST_STALL_FROM=S     episodes of sample ids >= S never finish (a wait in next_batch)
 # After main() returns it prints the threads still alive (the main thread excepted).
 CHILD = textwrap.dedent(
     """
@@ -162,7 +162,7 @@ CHILD = textwrap.dedent(
 
 class StallingWorkflow:
     """``single_turn``, except that episodes of sample ids >= ASYNCRL_TEST_STALL_FROM never end
-    (until the engine shuts down): the loop then waits in prepare_batch."""
+    (until the engine shuts down): the loop then waits in next_batch."""
 
     def __new__(cls, cfg, tokenizer):
         from asyncrl.rollout.workflow import SingleTurnWorkflow
@@ -486,7 +486,7 @@ def test_signal_checkpoints_and_exits(signum, stall, tmp_path):
     proc = start_child(config, **env)
     wait_for(lambda: len(read_rows(out)) >= 2, proc, poll=0.05)
     if stall:
-        time.sleep(0.5)  # well inside prepare_batch's wait for step 3
+        time.sleep(0.5)  # well inside next_batch's wait for step 3
     sent = time.monotonic()
     proc.send_signal(signum)
     code, stdout, stderr = finish(proc, timeout=60)

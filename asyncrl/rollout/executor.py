@@ -6,9 +6,11 @@ executor's lock, to a fixed pool of ``rollout.max_concurrent`` daemon worker thr
 by :meth:`WorkflowExecutor.start` (so the number of live threads is constant). A worker
 runs ``workflow.run_episode(engine, sample)``, checks the group against the trajectory schema,
 and puts it on the :class:`SimpleDataQueue`. The trainer's thread calls
-:meth:`WorkflowExecutor.prepare_batch`, which drains the queue, applies the consumption
-filters through the pure :func:`~asyncrl.rollout.batch.prepare_batch`, and records every
-decision in the ledger.
+:meth:`WorkflowExecutor.next_batch`, which drains the queue, applies the consumption
+filters through the pure :func:`~asyncrl.rollout.batch.prepare_batch`, records every
+decision in the ledger, and returns a :class:`~asyncrl.rollout.batch.PreparedBatch` (the
+batch, its groups, their sample ids, the step's rollout metrics). The executor is the RL
+stage's :class:`~asyncrl.rollout.batch.BatchSource`.
 
 Failure handling:
 
@@ -16,10 +18,10 @@ Failure handling:
   ``rollout.episode_timeout_s`` (``failed:timeout``; its worker is abandoned and one
   replacement worker started, so the pool keeps its size) is counted and its slot
   refilled; ``rollout.max_consecutive_failures`` in a row stop training with the root
-  cause, raised from ``prepare_batch``;
+  cause, raised from ``next_batch``;
 * :class:`~asyncrl.errors.EngineCrashed` from the engine stops training at once: the queue is
-  closed, admission stops, and ``prepare_batch`` raises it (with the engine's traceback);
-* every wait has a timeout or is woken by ``stop()``/a fatal error; ``stop()`` returns
+  closed, admission stops, and ``next_batch`` raises it (with the engine's traceback);
+* every wait has a timeout or is woken by ``close()``/a fatal error; ``close()`` returns
   within its timeout. Idle workers exit at once; workers still running an episode then are
   abandoned (daemons) and exit when it returns; those samples stay ``in_flight`` in the ledger
   and are re-issued after a restore.
@@ -45,12 +47,15 @@ from asyncrl.data import sample_at
 from asyncrl.engine.protocol import InferenceEngine
 from asyncrl.errors import EngineCrashed, RolloutError, TrajectorySchemaError
 from asyncrl.rollout import batch as batch_lib
+from asyncrl.rollout.batch import BatchAbandoned, PreparedBatch
 from asyncrl.rollout.ledger import QUEUED, StalenessLedger
 from asyncrl.rollout.queue import QueueClosed, SimpleDataQueue
 from asyncrl.rollout.trajectory import ARRAY_FIELDS, TrainBatch, Trajectory, TrajectoryGroup, check_group
 from asyncrl.rollout.workflow import RewardFailuresExceeded, RolloutWorkflow, SkipSample
 
 log = logging.getLogger(__name__)
+
+__all__ = ["BatchAbandoned", "PreparedBatch", "WorkflowExecutor", "load_state", "save_state"]
 
 STATE_FORMAT = 1
 _MAX_WAIT_S = 1.0  # upper bound of any single wait: a lost wake-up costs at most this
@@ -59,10 +64,6 @@ FAILURES_LOGGED_IN_FULL = 3
 FAILURE_SUMMARY_EVERY_S = 60.0
 NOT_COUNTED_AS_DROPS = ("stale", "zero_variance")
 """Drop reasons that are part of normal operation, never a sign that nothing can be trained."""
-
-
-class BatchAbandoned(RolloutError):
-    """``prepare_batch`` stopped waiting because its ``abandon_if`` said so; nothing was consumed."""
 
 
 @dataclasses.dataclass
@@ -116,7 +117,7 @@ class WorkflowExecutor:
         self._pending: collections.deque[_Episode] = collections.deque()
         """Admitted episodes no worker has taken yet (also in ``_running``, so their deadline counts)."""
         self._work = threading.Condition(self._lock)
-        """Wakes idle workers: an episode was admitted, or ``stop()``."""
+        """Wakes idle workers: an episode was admitted, or ``close()``."""
         self._workers_started = 0
         self._recent_latencies: collections.deque = collections.deque(maxlen=512)
         self._fatal: Optional[BaseException] = None
@@ -130,12 +131,6 @@ class WorkflowExecutor:
         self._metrics_error_logged = False
         self._stopping = threading.Event()
         self._dispatcher: Optional[threading.Thread] = None
-        self.metrics: dict[str, float] = {}
-        """Metrics of the last ``prepare_batch`` (queue depth, in-flight, counts, lag, latency, wait)."""
-        self.last_batch_sample_ids: list[int] = []
-        """Sample ids of the groups in the last batch, in batch (group_index) order."""
-        self.last_groups: list[TrajectoryGroup] = []
-        """The groups of the last batch, in batch (group_index) order (for reward metrics and dumps)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -150,7 +145,7 @@ class WorkflowExecutor:
         self._dispatcher.start()
         return self
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 5.0) -> None:
         """Stop admitting, wake every waiter and return within ``timeout`` seconds."""
         self._stopping.set()
         self._queue.close()
@@ -164,7 +159,7 @@ class WorkflowExecutor:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        self.close()
 
     def set_version(self, version: int) -> None:
         """The engine now serves ``version`` (call after ``engine.update_weights`` returned)."""
@@ -230,7 +225,7 @@ class WorkflowExecutor:
     # ------------------------------------------------------------------ episodes
 
     def _worker_loop(self) -> None:
-        """Run admitted episodes one at a time until ``stop()`` or until this worker is abandoned."""
+        """Run admitted episodes one at a time until ``close()`` or until this worker is abandoned."""
         try:
             while True:
                 with self._work:
@@ -315,7 +310,7 @@ class WorkflowExecutor:
                     # Never blocks: the admission rule keeps queued groups below the capacity.
                     self._queue.put((episode.ticket, group), timeout=_MAX_WAIT_S)
                 except QueueClosed:
-                    self._ready[episode.ticket] = group  # keep it for state_dict after stop
+                    self._ready[episode.ticket] = group  # keep it for state_dict after close
                 except Exception as err:  # queue.Full: the capacity invariant is broken
                     self._set_fatal(RolloutError(f"rollout queue full ({self._queue.capacity}): {err}"), err)
         return True
@@ -377,7 +372,7 @@ class WorkflowExecutor:
             if cause is not None and cause is not error:
                 error.__cause__ = cause
             self._fatal = error
-        self._queue.close()  # wakes prepare_batch at once
+        self._queue.close()  # wakes next_batch at once
         self._wake.notify_all()
 
     def _raise_fatal(self) -> None:
@@ -386,11 +381,13 @@ class WorkflowExecutor:
 
     # ------------------------------------------------------------------ batches
 
-    def prepare_batch(self, version: int, timeout: Optional[float] = None, *,
-                      abandon_if: Optional[Callable[[], bool]] = None) -> TrainBatch:
-        """The batch for the trainer step starting from ``version`` (the served version).
+    def next_batch(self, version: int, timeout: Optional[float] = None, *,
+                   abandon_if: Optional[Callable[[], bool]] = None) -> PreparedBatch:
+        """The batch for the trainer step starting from ``version`` (the served version), with
+        its groups and sample ids (batch ``group_index`` order) and the step's rollout metrics
+        (queue depth, in-flight, counts, lag, latency, wait, drops, the workflow's own).
 
-        Waits up to ``timeout`` seconds (None: forever, still woken by errors and ``stop``).
+        Waits up to ``timeout`` seconds (None: forever, still woken by errors and ``close``).
         ``abandon_if`` is polled while waiting (at least every second): once it returns True
         the wait ends with :class:`BatchAbandoned`, nothing consumed (a shutdown request).
         Raises the engine's :class:`EngineCrashed`, a :class:`RolloutError` (too many failures,
@@ -405,7 +402,7 @@ class WorkflowExecutor:
         with self._wake:
             if version != self.ledger.version:
                 raise RolloutError(
-                    f"prepare_batch(version={version}) but the executor is at version {self.ledger.version}: "
+                    f"next_batch(version={version}) but the executor is at version {self.ledger.version}: "
                     "a batch is prepared with the version it will be trained at (publish, then set_version)"
                 )
             while True:
@@ -436,32 +433,31 @@ class WorkflowExecutor:
                         row_multiple=self.row_multiple, filter_budget=budget - filtered,
                     )
                     assert not more, "prepare_batch dropped a group select_groups kept"
-                    self.last_batch_sample_ids = [self.ledger.sample_id(t) for t in chosen]
+                    sample_ids = tuple(self.ledger.sample_id(t) for t in chosen)
                     self.ledger.consume(chosen)
-                    kept_groups = [self._ready.pop(t) for t in chosen]
-                    self.last_groups = kept_groups
+                    kept_groups = tuple(self._ready.pop(t) for t in chosen)
                     self._wake.notify_all()
-                    self._update_metrics(batch, kept_groups, version, time.monotonic() - started, dropped_now)
-                    return batch
+                    metrics = self._step_metrics(batch, kept_groups, version, time.monotonic() - started, dropped_now)
+                    return PreparedBatch(batch, kept_groups, sample_ids, metrics)
                 if self._stopping.is_set():
-                    raise RolloutError("prepare_batch: the executor was stopped")
+                    raise RolloutError("next_batch: the executor was closed")
                 if abandon_if is not None and abandon_if():
                     raise BatchAbandoned(
-                        f"prepare_batch abandoned with {len(kept)} of {rollout.batch_size} groups ready; nothing consumed"
+                        f"next_batch abandoned with {len(kept)} of {rollout.batch_size} groups ready; nothing consumed"
                     )
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     blocking = self.ledger.in_flight_tickets()[:1]
                     raise RolloutError(
-                        f"prepare_batch timed out after {timeout} s with {len(kept)} of {rollout.batch_size} groups ready "
+                        f"next_batch timed out after {timeout} s with {len(kept)} of {rollout.batch_size} groups ready "
                         f"(batch_order {rollout.batch_order}, oldest in-flight ticket {blocking or 'none'}); "
                         f"counts: {self.ledger.counts()}"
                     )
                 # Every episode end, drop, publish, fatal error and stop notifies this condition.
                 self._wake.wait(_MAX_WAIT_S if remaining is None else min(remaining, _MAX_WAIT_S))
 
-    def _update_metrics(self, batch: TrainBatch, groups: list[TrajectoryGroup], version: int, waited: float,
-                        dropped_now: Mapping[str, int]) -> None:
+    def _step_metrics(self, batch: TrainBatch, groups: Sequence[TrajectoryGroup], version: int, waited: float,
+                      dropped_now: Mapping[str, int]) -> dict[str, float]:
         """Metrics of the step (lock held)."""
         self._log_failure_summary()
         lag = (version - batch.versions[batch.loss_mask]).astype(np.float64)
@@ -493,7 +489,7 @@ class WorkflowExecutor:
             workflow_metrics = {}
         for name, value in workflow_metrics.items():
             metrics[f"rollout/workflow/{name}"] = float(value)
-        self.metrics = metrics
+        return metrics
 
     # ------------------------------------------------------------------ checkpoint
 
