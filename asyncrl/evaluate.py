@@ -84,12 +84,12 @@ class EvalEngine:
 
     def rewrite(self, request: GenerationRequest) -> GenerationRequest:
         """``request`` with the eval sampling fields."""
-        limits = {"max_new_tokens": self.max_new_tokens} if self.max_new_tokens else {}
+        max_new = self.max_new_tokens or request.max_new_tokens
+        limited = dataclasses.replace(request, max_new_tokens=max_new, min_new_tokens=min(request.min_new_tokens, max_new),
+                                      timeout_s=self.timeout_s)
         if self.greedy:
-            return dataclasses.replace(request, greedy=True, n=1, timeout_s=self.timeout_s,
-                                       min_new_tokens=min(request.min_new_tokens, limits.get("max_new_tokens", request.max_new_tokens)), **limits)
-        return dataclasses.replace(request, greedy=False, temperature=self.temperature, timeout_s=self.timeout_s,
-                                   min_new_tokens=min(request.min_new_tokens, limits.get("max_new_tokens", request.max_new_tokens)), **limits)
+            return dataclasses.replace(limited, greedy=True, n=1)
+        return dataclasses.replace(limited, greedy=False, temperature=self.temperature)
 
     def submit(self, request: GenerationRequest) -> "Future[list[GenerationResponse]]":
         rewritten = self.rewrite(request)

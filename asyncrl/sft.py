@@ -194,7 +194,8 @@ class SFTData:
         """The next ``batch_size`` examples that fit, in draw order, with their sample ids and
         :meth:`metrics`; advances :attr:`position`. Never waits: ``version``, ``timeout`` and
         ``abandon_if`` (the :class:`~asyncrl.rollout.batch.BatchSource` interface) change nothing."""
-        examples, sample_ids = [], []
+        examples: list[tuple[np.ndarray, np.ndarray]] = []
+        sample_ids: list[int] = []
         skipped_in_a_row = 0
         while len(examples) < self.batch_size:
             sample_id = self.position

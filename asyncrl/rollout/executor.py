@@ -244,7 +244,8 @@ class WorkflowExecutor:
         """Run one episode and record its outcome; False when this worker must exit (the episode
         timed out, so a replacement took its place, or the executor was stopped)."""
         group: Optional[TrajectoryGroup] = None
-        outcome, detail, error = "ok", "", None
+        error: Optional[BaseException] = None
+        outcome, detail = "ok", ""
         try:
             sample = dict(sample_at(self.dataset, episode.sample_id))
             sample["sample_id"] = episode.sample_id
@@ -281,12 +282,10 @@ class WorkflowExecutor:
                 return False  # timed out (already counted) or stopped (stays in flight for reissue)
             del self._running[episode.ticket]
             self._wake.notify_all()
-            if outcome == "crash":
-                self.ledger.fail(episode.ticket, "engine_crash")
-                self._set_fatal(error, error)
-            elif outcome == "reward_stop":
-                self.ledger.fail(episode.ticket, "exception")
-                self._set_fatal(error, None)
+            if outcome in ("crash", "reward_stop"):
+                assert error is not None  # both outcomes carry their exception
+                self.ledger.fail(episode.ticket, "engine_crash" if outcome == "crash" else "exception")
+                self._set_fatal(error, error if outcome == "crash" else None)
             elif outcome == "skip":
                 self.ledger.drop(episode.ticket, detail)
                 self._skips_in_a_row += 1
@@ -574,11 +573,12 @@ def _drop_hint(reason: str, cfg: Config) -> str:
 def _in_chain(err: BaseException, kind: type) -> Optional[BaseException]:
     """An exception of ``kind`` that a workflow wrapped in its own exception (cause or context)."""
     seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, kind):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
+    link: Optional[BaseException] = err
+    while link is not None and id(link) not in seen:
+        if isinstance(link, kind):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
     return None
 
 

@@ -44,7 +44,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import jax
 import jax.numpy as jnp
@@ -571,9 +571,9 @@ class Trainer:
 
         placed = {}
         for name, value in fields.items():
-            local = device_order(value)
-            global_shape = (rows * jax.process_count(), *local.shape[1:])
-            placed[name] = jax.make_array_from_process_local_data(row_sharding(self.mesh, local.ndim), local, global_shape)
+            ordered = device_order(value)
+            global_shape = (rows * jax.process_count(), *ordered.shape[1:])
+            placed[name] = jax.make_array_from_process_local_data(row_sharding(self.mesh, ordered.ndim), ordered, global_shape)
         return placed, temperature
 
     # ------------------------------------------------------------------ the step
@@ -706,7 +706,7 @@ class Trainer:
             state = {**state, "params": normalize_keys(state["params"])}
         expected = jax.tree.structure(jax.tree.map(lambda x: 0, self.params))
         given = jax.tree.structure(jax.tree.map(lambda x: 0, state["params"]))
-        if expected != given:
+        if cast(Any, expected) != given:  # jax's PyTreeDef stub declares no comparison
             raise TrainerError(f"Trainer.load_state_dict: params do not match the model ({given} vs {expected})")
         params = _place(jax.tree.map(np.asarray, state["params"]), self.param_shardings)
         paths, treedef = jax.tree_util.tree_flatten_with_path(self.opt_state)
