@@ -39,7 +39,7 @@ import os
 import signal
 import threading
 import types
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class ShutdownGuard:
         """True while the handlers are installed (entered on the main thread)."""
         self._event = threading.Event()
         self._signum: Optional[int] = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}  # what signal.signal returned: a handler, SIG_DFL/SIG_IGN or None
         self._previous_wakeup_fd = -1
         self._pipe: Optional[tuple[int, int]] = None
         self._watcher: Optional[threading.Thread] = None
