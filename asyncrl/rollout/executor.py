@@ -46,8 +46,7 @@ from asyncrl.config import Config
 from asyncrl.data import sample_at
 from asyncrl.engine.protocol import InferenceEngine
 from asyncrl.errors import EngineCrashed, RolloutError, TrajectorySchemaError
-from asyncrl.rollout import batch as batch_lib
-from asyncrl.rollout.batch import BatchAbandoned, PreparedBatch
+from asyncrl.rollout.batch import BatchAbandoned, PreparedBatch, prepare_batch, select_groups
 from asyncrl.rollout.ledger import QUEUED, StalenessLedger
 from asyncrl.rollout.queue import QueueClosed, SimpleDataQueue
 from asyncrl.rollout.trajectory import ARRAY_FIELDS, TrainBatch, Trajectory, TrajectoryGroup, check_group
@@ -410,7 +409,7 @@ class WorkflowExecutor:
                     self._ready[ticket] = group
                 tickets = self.ledger.candidates(rollout.batch_order)
                 groups = [self._ready[t] for t in tickets]
-                kept, dropped = batch_lib.select_groups(groups, version, self.cfg, filter_budget=budget - filtered)
+                kept, dropped = select_groups(groups, version, self.cfg, filter_budget=budget - filtered)
                 if kept:
                     self._drops_in_a_row = 0
                 for index, reason in dropped:
@@ -427,7 +426,7 @@ class WorkflowExecutor:
                     self._wake.notify_all()
                 if len(kept) == rollout.batch_size:
                     chosen = [tickets[i] for i in kept]
-                    batch, more = batch_lib.prepare_batch(
+                    batch, more = prepare_batch(
                         [self._ready[t] for t in chosen], version, self.cfg,
                         row_multiple=self.row_multiple, filter_budget=budget - filtered,
                     )
