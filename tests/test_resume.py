@@ -523,14 +523,18 @@ def test_resume_in_the_middle_of_sft_then_rl(tmp_path):
     assert [(r["step"], r["stage"]) for r in want] == [(1, "sft"), (2, "sft"), (3, "rl"), (4, "rl"), (5, "rl")]
     assert any(r["loss/kl"] != 0 for r in want if r["stage"] == "rl")
 
+    not_comparable = set(PROCESS_WIDE)
+
     def resume_from(step: int) -> None:
         for path in checkpoints_root(out).iterdir():
             if path.name > step_dir_name(step):
                 shutil.rmtree(path)
         shutil.rmtree(out / "hf")
         run_in_process(config, "checkpoint.resume=auto")
-        work = engine_work_if_restored_queued(load_checkpoint(checkpoints_root(out) / step_dir_name(step)))
-        assert_rows_equal(read_rows(out), want, also=frozenset(PROCESS_WIDE) | work)
+        # The resumes are chained: rows an earlier resumed run wrote keep its engine work counts,
+        # so once one checkpoint of the chain restored groups queued, the counters stay excluded.
+        not_comparable.update(engine_work_if_restored_queued(load_checkpoint(checkpoints_root(out) / step_dir_name(step))))
+        assert_rows_equal(read_rows(out), want, also=frozenset(not_comparable))
 
     resume_from(1)  # in the SFT stage
     resume_from(3)  # in the RL stage

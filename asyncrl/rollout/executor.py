@@ -7,10 +7,9 @@ by :meth:`WorkflowExecutor.start` (so the number of live threads is constant). A
 runs ``workflow.run_episode(engine, sample)``, checks the group against the trajectory schema,
 and puts it on the :class:`SimpleDataQueue`. The trainer's thread calls
 :meth:`WorkflowExecutor.next_batch`, which drains the queue, applies the consumption
-filters through the pure :func:`~asyncrl.rollout.batch.prepare_batch`, records every
-decision in the ledger, and returns a :class:`~asyncrl.rollout.batch.PreparedBatch` (the
-batch, its groups, their sample ids, the step's rollout metrics). The executor is the RL
-stage's :class:`~asyncrl.rollout.batch.BatchSource`.
+filters through the pure :func:`~asyncrl.rollout.batch.prepare_batch`, records every decision in
+the ledger, and returns a :class:`~asyncrl.rollout.batch.PreparedBatch` (batch, groups, sample ids,
+metrics): the executor is the RL stage's :class:`~asyncrl.rollout.batch.BatchSource`.
 
 Failure handling:
 
@@ -53,8 +52,6 @@ from asyncrl.rollout.trajectory import ARRAY_FIELDS, TrainBatch, Trajectory, Tra
 from asyncrl.rollout.workflow import RewardFailuresExceeded, RolloutWorkflow, SkipSample
 
 log = logging.getLogger(__name__)
-
-__all__ = ["BatchAbandoned", "PreparedBatch", "WorkflowExecutor", "load_state", "save_state"]
 
 STATE_FORMAT = 1
 _MAX_WAIT_S = 1.0  # upper bound of any single wait: a lost wake-up costs at most this
