@@ -87,7 +87,7 @@ class SampleOrder(Sequence):
         return self._samples[self.position(sample_id)]
 
 
-def sample_at(dataset: Sequence[dict], sample_id: int) -> dict:
+def sample_at(dataset: Sequence[Mapping[str, Any]], sample_id: int) -> Mapping[str, Any]:
     """Draw ``sample_id`` from a :class:`SampleOrder`, or cycle a plain sequence in order."""
     if isinstance(dataset, SampleOrder):
         return dataset.sample(sample_id)

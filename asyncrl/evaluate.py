@@ -84,12 +84,12 @@ class EvalEngine:
 
     def rewrite(self, request: GenerationRequest) -> GenerationRequest:
         """``request`` with the eval sampling fields."""
-        limits = {"max_new_tokens": self.max_new_tokens} if self.max_new_tokens else {}
+        max_new = self.max_new_tokens or request.max_new_tokens
+        limited = dataclasses.replace(request, max_new_tokens=max_new, min_new_tokens=min(request.min_new_tokens, max_new),
+                                      timeout_s=self.timeout_s)
         if self.greedy:
-            return dataclasses.replace(request, greedy=True, n=1, timeout_s=self.timeout_s,
-                                       min_new_tokens=min(request.min_new_tokens, limits.get("max_new_tokens", request.max_new_tokens)), **limits)
-        return dataclasses.replace(request, greedy=False, temperature=self.temperature, timeout_s=self.timeout_s,
-                                   min_new_tokens=min(request.min_new_tokens, limits.get("max_new_tokens", request.max_new_tokens)), **limits)
+            return dataclasses.replace(limited, greedy=True, n=1)
+        return dataclasses.replace(limited, greedy=False, temperature=self.temperature)
 
     def submit(self, request: GenerationRequest) -> "Future[list[GenerationResponse]]":
         rewritten = self.rewrite(request)
@@ -203,7 +203,7 @@ def evaluate(engine: InferenceEngine, workflow: Any, samples: Sequence[Mapping[s
              eval_metrics: Optional[Mapping[str, Callable[..., float]]] = None) -> EvalResult:
     """Run the workflow's episodes on the eval samples: greedily (reward, accuracy, components,
     ``eval_metrics``) and, with ``eval.n_samples``, sampled (pass@k)."""
-    from asyncrl.train import episode_metric_means
+    from asyncrl.build import episode_metric_means
 
     _check_workflow(workflow)
     ev = cfg.eval
@@ -305,15 +305,14 @@ def evaluate_model(cfg: Config, stream: Any = None) -> EvalResult:
     import json
     import sys
 
-    from asyncrl.engine.jax_engine import JaxEngine
+    from asyncrl.build import build_local_engine, build_task_and_workflow
     from asyncrl.model import load_model
-    from asyncrl.train import build_task_and_workflow
 
     stream = stream or sys.stdout
     loaded = load_model(cfg.model)
     cfg, task, workflow = build_task_and_workflow(cfg, loaded.tokenizer)
     graphdef, params = loaded.split()
-    engine = JaxEngine(graphdef, params, stop_token_ids=loaded.stop_token_ids, config=cfg.engine, seed=cfg.run.seed)
+    engine = build_local_engine(cfg, graphdef, params, loaded.stop_token_ids)
     try:
         result = evaluate(engine, workflow, task.eval, cfg, eval_metrics=getattr(task, "eval_metrics", None))
     finally:

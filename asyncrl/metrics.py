@@ -1,7 +1,10 @@
 """Observability: one tracker any part records into, committed once per step to every sink.
 
 Parts record scalars, distributions and timers under slash names (``reward/mean``,
-``rollout/lag_max``, ``perf/step_time``); :meth:`StatsTracker.commit` reduces what was
+``rollout/lag_max``, ``perf/step_time``), each name recorded by the one part that makes
+the quantity under its final name (the trainer's ``loss/*`` and ``perf/train_time``, the
+executor's ``rollout/*``, the loop's ``perf/step_time``; nothing is renamed afterwards);
+:meth:`StatsTracker.commit` reduces what was
 recorded since the last commit into one flat ``{name: float}`` and hands it to each
 sink: ``metrics.jsonl`` (one object per step), TensorBoard via tensorboardX, and the
 console. Recording is thread-safe (rollout threads record too).
@@ -18,7 +21,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol
+from typing import Iterable, Iterator, Mapping, Protocol
 
 import numpy as np
 
@@ -80,6 +83,22 @@ class StatsTracker:
     def close(self) -> None:
         for sink in self._sinks:
             sink.close()
+
+
+def merge_producers(**producers: Mapping[str, float]) -> dict[str, float]:
+    """One step's metrics from several producers (``trainer=..., rollout=..., loop=...``), each
+    name from exactly one of them: a name two producers report is a bug (the tracker would
+    average two different quantities), raised as a ``ValueError`` naming both."""
+    merged: dict[str, float] = {}
+    owner: dict[str, str] = {}
+    for producer, metrics in producers.items():
+        for name, value in metrics.items():
+            if name in owner:
+                raise ValueError(f"metric {name!r} is produced by both {owner[name]} and {producer}: give one of "
+                                 "them another name (one name, one quantity)")
+            owner[name] = producer
+            merged[name] = float(value)
+    return merged
 
 
 def _statistic(array: np.ndarray, stat: str) -> float:
@@ -209,7 +228,8 @@ class ConsoleSink:
 
     Shows step/total, reward, the last eval with the step it was taken at (``eval@50 0.812``:
     a line between evals never passes an old eval off as the current one), version lag,
-    trained tokens/s and the ETA.
+    trained tokens per second of the whole step (``perf/trained_tokens_per_s``, the loop's:
+    batch wait, train and publish) and the ETA.
     """
 
     SHOWN = (

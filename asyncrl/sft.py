@@ -37,7 +37,7 @@ import numpy as np
 
 from asyncrl.config import Config
 from asyncrl.data import DataError, SampleOrder, sample_at
-from asyncrl.rollout.batch import batch_shape
+from asyncrl.rollout.batch import PreparedBatch, batch_shape
 from asyncrl.rollout.trajectory import TrainBatch, check_batch
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,8 @@ def build_sft_batch(
 
 
 class SFTData:
-    """SFT batches drawn in a seeded, resumable order.
+    """SFT batches drawn in a seeded, resumable order: the SFT stage's
+    :class:`~asyncrl.rollout.batch.BatchSource`.
 
     Args:
         samples: the split. A :class:`~asyncrl.data.SampleOrder` is drawn in its seeded
@@ -128,9 +129,9 @@ class SFTData:
     Usage::
 
         data = SFTData.for_task(task, workflow, cfg, eos_token_id=..., row_multiple=trainer.row_multiple)
-        batch = data.next_batch()           # TrainBatch; advances the position
-        metrics = trainer.step(batch)       # Trainer(..., objective="sft")
-        data.metrics()                      # {"sft/skipped_too_long": ..., "sft/samples_drawn": ..., "sft/epoch": ...}
+        got = data.next_batch()             # PreparedBatch; advances the position
+        metrics = trainer.step(got.batch)   # Trainer(..., objective="sft")
+        got.metrics                         # {"sft/skipped_too_long": ..., "sft/samples_drawn": ..., "sft/epoch": ...}
     """
 
     def __init__(
@@ -188,9 +189,13 @@ class SFTData:
         self.skipped_too_long += 1
         return False
 
-    def next_batch(self) -> TrainBatch:
-        """The next ``batch_size`` examples that fit, in draw order; advances :attr:`position`."""
-        examples = []
+    def next_batch(self, version: Optional[int] = None, timeout: Optional[float] = None, *,
+                   abandon_if: Optional[Callable[[], bool]] = None) -> PreparedBatch:
+        """The next ``batch_size`` examples that fit, in draw order, with their sample ids and
+        :meth:`metrics`; advances :attr:`position`. Never waits: ``version``, ``timeout`` and
+        ``abandon_if`` (the :class:`~asyncrl.rollout.batch.BatchSource` interface) change nothing."""
+        examples: list[tuple[np.ndarray, np.ndarray]] = []
+        sample_ids: list[int] = []
         skipped_in_a_row = 0
         while len(examples) < self.batch_size:
             sample_id = self.position
@@ -198,6 +203,7 @@ class SFTData:
             self.position += 1
             if self._fits(ids, f"sample {sample_id}"):
                 examples.append((ids, mask))
+                sample_ids.append(sample_id)
                 skipped_in_a_row = 0
             else:
                 skipped_in_a_row += 1
@@ -206,7 +212,8 @@ class SFTData:
                         f"SFT: every one of the {len(self.samples)} samples is longer than Config.max_seq_len "
                         f"({self.cfg.max_seq_len} tokens); raise rollout.max_seq_len"
                     )
-        return build_sft_batch(examples, self.cfg, row_multiple=self.row_multiple)
+        batch = build_sft_batch(examples, self.cfg, row_multiple=self.row_multiple)
+        return PreparedBatch(batch, sample_ids=tuple(sample_ids), metrics=self.metrics())
 
     def batches_once(self, limit: Optional[int] = None) -> Iterator[TrainBatch]:
         """Every sample once, in split order, as batches (eval); does not move :attr:`position`.
@@ -236,6 +243,12 @@ class SFTData:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.position = int(state["position"])
         self.skipped_too_long = int(state["skipped_too_long"])
+
+    def set_version(self, version: int) -> None:
+        """Nothing to do: SFT batches do not depend on the served weights."""
+
+    def close(self) -> None:
+        """Nothing to do: no background work."""
 
 
 def eval_loss(trainer: Any, data: SFTData, limit: Optional[int] = None) -> dict[str, float]:

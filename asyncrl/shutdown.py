@@ -7,7 +7,7 @@ The training loop runs inside a :class:`ShutdownGuard`::
             ...one trainer step...
             if guard.requested:
                 break                      # finish or abandon the step in progress
-        save_checkpoint(...); executor.stop(); engine.shutdown()
+        save_checkpoint(...); executor.close(); engine.shutdown()
     if guard.requested:
         sys.exit(guard.exit_code)          # 130 after SIGINT, 143 after SIGTERM
 
@@ -66,7 +66,7 @@ class ShutdownGuard:
         """True while the handlers are installed (entered on the main thread)."""
         self._event = threading.Event()
         self._signum: Optional[int] = None
-        self._previous: dict[int, Any] = {}
+        self._previous: dict[int, Any] = {}  # what signal.signal returned: a handler, SIG_DFL/SIG_IGN or None
         self._previous_wakeup_fd = -1
         self._pipe: Optional[tuple[int, int]] = None
         self._watcher: Optional[threading.Thread] = None

@@ -1,12 +1,17 @@
 """The training loop behind ``asyncrl train CONFIG``.
 
-Per step, on the main thread::
+A run is a list of stages (RL or SFT); :func:`train` builds what they share (:class:`Run`:
+model, mesh, engine, sinks, the version, the checkpoint it resumed from) and runs each with
+:func:`run_stage` over its batch source (:class:`~asyncrl.rollout.batch.BatchSource`: the RL
+stage's :class:`~asyncrl.rollout.executor.WorkflowExecutor`, the SFT stage's
+:class:`~asyncrl.sft.SFTData`). Per step, on the main thread::
 
-    batch = executor.prepare_batch(v)          # groups with lag <= max_staleness
-    metrics = trainer.step(batch)              # ppo_epochs x mini_batches optax updates
+    got = source.next_batch(v)                 # RL: groups with lag <= max_staleness
+    metrics = trainer.step(got.batch)          # ppo_epochs x mini_batches optax updates
     engine.update_weights(params, v + 1)       # returns once every new token carries v+1
-    executor.set_version(v + 1)                # only then may admission move on
-    eval (between publishes: one version), metrics, trajectory dump
+    counters = engine.metrics()                # before admission moves on: exact for a resume
+    source.set_version(v + 1)                  # only then may admission move on
+    metrics, trajectory dump, eval (between publishes: one version), checkpoint
 
 Rollouts run in the background the whole time, bounded by ``rollout.max_staleness``;
 ``0`` is synchronous on-policy training with the same code. Data only flows down this
@@ -14,31 +19,37 @@ list; the only thing that goes back up is published weights with their version.
 
 Any thread's crash ends the run with that thread's traceback (the executor re-raises
 rollout and engine failures in the main thread), and everything is stopped in a
-``finally`` so nothing hangs.
+``finally`` so nothing hangs. SIGINT/SIGTERM: the step in progress ends (or the wait for
+its batch is abandoned), one checkpoint is written, :class:`TrainingInterrupted` is raised.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
+from asyncrl.build import build_engine, episode_metric_means, preflight
 from asyncrl.checkpoint_schema import RUN_STATE_FORMAT
-from asyncrl.config import Config, RewardSpec, dump_config
+from asyncrl.config import Config, dump_config
 from asyncrl.errors import AsyncRLError, CheckpointError
+from asyncrl.rollout.batch import BatchAbandoned, BatchSource, PreparedBatch
+from asyncrl.pytree import tree_to_host
+from asyncrl.rundir import check_output_dir_path, prepare_output_dir
 
 log = logging.getLogger(__name__)
 
-
-class RunDirError(AsyncRLError):
-    """The output directory already holds a run."""
+ENGINE_COUNTERS = ("engine/requests", "engine/samples_aborted", "engine/prefill_tokens", "engine/decode_tokens",
+                   "engine/decode_steps", "engine/swaps")
+"""Cumulative engine counters: saved in checkpoints and continued by a resumed run, so its
+curves go on from where they were (the resumed process's engine counts from zero)."""
 
 
 class TrainingInterrupted(Exception):
@@ -61,253 +72,219 @@ class TrainResult:
     """The trained weights as host numpy arrays (the same as the ``hf/`` export)."""
 
 
-@dataclass
-class Components:
-    """Everything a run is built from (the loop and ``asyncrl eval`` share the building)."""
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the run, as the loop needs it."""
 
+    index: int
+    name: str
+    type: str
+    """``rl`` or ``sft``."""
     cfg: Config
-    loaded: Any  # asyncrl.model.LoadedModel
-    task: Any  # asyncrl.data.TaskData
+    """The stage's config, rewards defaulted to the task's (:func:`~asyncrl.build.preflight`)."""
+    task: Any
     workflow: Any
-    engine: Any
+    start_params: Any
+    """The weights the stage started from: its KL reference, saved by checkpoints of stages > 0."""
+    done: Optional[int]
+    """Steps of this stage the resumed checkpoint holds (None: not resumed inside this stage)."""
 
 
-def build_task_and_workflow(cfg: Config, tokenizer: Any) -> tuple[Config, Any, Any]:
-    """Resolve the dataset, default the rewards to the task's own, build the workflow."""
-    from asyncrl.registry import resolve
-    from asyncrl.rollout.workflow import build_reward_functions, build_workflow, check_reward_signatures
+# ---------------------------------------------------------------------------- the whole run
 
-    factory = resolve("dataset", cfg.data.dataset, where="data.dataset")
+
+def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) -> TrainResult:
+    """Run the whole training job of ``cfg`` (all its stages); returns a summary (also printed).
+
+    With ``checkpoint.resume: auto`` it continues from the newest complete checkpoint in
+    ``run.output_dir``. SIGINT/SIGTERM end the current step, write a checkpoint and raise
+    :class:`TrainingInterrupted` (the CLI exits 130/143); a second signal exits at once.
+    """
+    from asyncrl.checkpoint import resume_checkpoint
+    from asyncrl.provenance import write_provenance
+    from asyncrl.shutdown import ShutdownGuard
+
+    started = time.monotonic()
+    check_output_dir_path(cfg)
+    resumed = resume_checkpoint(cfg)
+    _check_resumed_state(resumed, cfg)
+    out = prepare_output_dir(cfg, resumed.step if resumed is not None else None)
+    write_provenance(out, dump_config(cfg), argv)
+    with ShutdownGuard() as guard:
+        run = Run(cfg, out, console, resumed, guard)
+        try:
+            _check_resumed_params(run)
+            params, final_params = run_stages(run)
+        finally:
+            run.close()
+    _check_all_steps_ran(run, cfg)
+    return _finish(run, params, final_params, time.monotonic() - started, console)
+
+
+def run_stages(run: "Run") -> tuple[Any, Any]:
+    """Every stage not finished yet, in order; returns the trainable params of the last one
+    and the final weights (merged with LoRA) as host arrays."""
+    cfg = run.cfg
+    parts = preflight(cfg, run.loaded.tokenizer)
+    start_stage = run.resumed.state["stage_index"] if run.resumed is not None else 0
+    params = run.params  # a resumed stage starts from its saved weights (run.stage_start)
+    trainer = None
+    for index, ((spec, _), (scfg, task, workflow)) in enumerate(zip(cfg.stage_configs(), parts)):
+        if index < start_stage:
+            continue
+        # Each stage starts from the previous stage's weights with a fresh optimizer. A resumed
+        # stage keeps its own start (its KL reference, saved again by every checkpoint).
+        done = run.resume_position(index)
+        stage = Stage(index, spec.name, spec.type, scfg, task, workflow,
+                      start_params=run.stage_start(index, params), done=done)
+        trainer = _stage_trainer(run, stage)
+        if done != scfg.run.total_steps:
+            run.ensure_engine(trainer, scfg)
+            build = rl_source if stage.type == "rl" else sft_source
+            source, evaluate = build(run, stage, trainer)
+            run_stage(run, stage, trainer, source, evaluate)
+        params = trainer.trainable_params()
+    assert trainer is not None, "a config has at least one stage"
+    return params, tree_to_host(trainer.params_for_publish())
+
+
+def _finish(run: "Run", params: Any, final_params: Any, wall: float, console: Any) -> TrainResult:
+    """Export ``hf/`` (and a LoRA run's ``adapter/``), print the summary line."""
+    from asyncrl.model import export_hf
+
+    cfg, out = run.cfg, run.out
+    # A resumed run (killed after its last checkpoint, or resumed when already finished)
+    # may find its own earlier export: the final weights are the same, so replace it.
+    overwrite = run.resumed is not None or cfg.run.overwrite
+    export_hf(run.graphdef, run.loaded.tokenizer, out / "hf", params=final_params, overwrite=overwrite)
+    if run.lora_state is not None:
+        _export_adapter(cfg, run.lora_state["base_model_path"], params, overwrite=overwrite)
+    evals = " ".join(f"{k}={v:.3f}" for k, v in run.final_eval.items() if k in ("eval/reward", "eval/accuracy"))
+    failures = run.reward_failures
+    stream = console or sys.stdout
+    print(
+        f"asyncrl: {run.version} steps, {evals or 'no eval'}, reward errors {failures['reward_errors']:.0f} "
+        f"timeouts {failures['reward_timeouts']:.0f}, {wall:.0f} s, outputs in {out}",
+        file=stream,
+    )
+    print("training completed", file=stream)
+    return TrainResult(steps=run.version, final_eval=run.final_eval, wall_time_s=wall, output_dir=out,
+                       history=run.history, final_params=final_params)
+
+
+# ---------------------------------------------------------------------------- one stage
+
+
+def run_stage(run: "Run", stage: Stage, trainer: Any, source: BatchSource,
+              evaluate: Callable[[Any], None]) -> None:
+    """Train ``stage`` from its first step not done to its last, on batches from ``source``.
+
+    ``evaluate(tracker)`` records the stage's eval metrics (between publishes: one version).
+    Closes ``source`` and the stage's TensorBoard writer however it ends.
+    """
+    scfg = stage.cfg
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(run.count_reward_failures, stage.workflow)
+        cleanup.callback(source.close)
+        tracker, tensorboard = run.tracker_for(stage.name)
+        cleanup.callback(tensorboard.close)
+        if stage.index == 0 and stage.done is None and scfg.eval.every_steps:
+            evaluate(tracker)  # step 0: the model before any training
+            run.history.append(tracker.commit(run.version))
+        for stage_step in range((stage.done or 0) + 1, scfg.run.total_steps + 1):
+            step_start = time.perf_counter()
+            got = _next_batch(run, stage, stage_step, trainer, source)
+            train_metrics = trainer.step(got.batch)
+            run.publish(trainer)  # the engine serves v+1 when this returns
+            # Engine counters (and the checkpoint's copy of them) are read before admission moves
+            # on: with max_staleness 0 no request of the next step can have started, so the
+            # counts are exact and a resume continues them without counting anything twice.
+            engine_metrics = run.read_engine_counters()
+            source.set_version(run.version)
+            step_time = time.perf_counter() - step_start
+
+            tracker.scalars(run.step_metrics(got, train_metrics, engine_metrics, step_time), reduce="last")
+            if scfg.logging.dump_every_steps and stage_step % scfg.logging.dump_every_steps == 0 and got.groups:
+                _dump_trajectories(run.trajectory_log, run.version, got.groups, run.loaded.tokenizer,
+                                   scfg.logging.dump_groups)
+            if eval_due(scfg, stage_step):
+                evaluate(tracker)
+            run.history.append(tracker.commit(run.version))
+            if run.checkpoint_due(stage_step, scfg.run.total_steps):
+                run.save(stage, stage_step, trainer, source)
+            run.stop_if_requested()
+
+
+def _next_batch(run: "Run", stage: Stage, stage_step: int, trainer: Any, source: BatchSource) -> PreparedBatch:
+    """The step's batch; a signal while waiting for it checkpoints the last step and stops."""
     try:
-        task = factory(seed=cfg.run.seed)
-    except ValueError as err:  # the dataset's own checks (a negative size; UnicodeDecodeError is one too)
-        from asyncrl.data import DataError
-
-        raise DataError(f"data.dataset ({_target(cfg.data.dataset)}): {err}") from None
-    if not cfg.rewards:
-        if task.reward is None:
-            raise AsyncRLError("rewards: the config names no reward function and data.dataset has no default one")
-        cfg = cfg.model_copy(update={"rewards": [RewardSpec(fn=task.reward)]})
-    workflow = build_workflow(cfg, tokenizer)
-    # Every reward function must accept the documented call with this dataset's fields: a wrong
-    # signature is a config error now, not a run of fallback scores.
-    first = next(iter(task.train), None) or next(iter(task.eval), None)
-    if first is not None:
-        check_reward_signatures(build_reward_functions(cfg), first, workflow.prompt_field)
-    return cfg, task, workflow
+        return source.next_batch(run.version, timeout=stage.cfg.rollout.batch_timeout_s,
+                                 abandon_if=lambda: run.guard.requested)
+    except BatchAbandoned:
+        # A signal came while waiting for rollouts (which may take longer than the guard's
+        # grace period): the step never started, so checkpoint the last one.
+        if run.last_checkpoint_version != run.version:
+            run.save(stage, stage_step - 1, trainer, source)
+        run.stop_if_requested()
+        raise
 
 
-PROMPT_CHECK_SAMPLES = 2000
-"""At most this many train prompts (evenly spaced over the split) are tokenized at start-up."""
+def eval_due(scfg: Config, stage_step: int) -> bool:
+    every = scfg.eval.every_steps
+    return bool(every) and (stage_step % every == 0 or stage_step == scfg.run.total_steps)
 
 
-def preflight(cfg: Config, tokenizer: Any) -> list[tuple[Config, Any, Any]]:
-    """Build and check every stage's dataset, rewards and workflow before the first step of the
-    first stage, so a later stage's bad input is reported before anything trains. Returns
-    ``(stage config, task, workflow)`` per stage; errors name the stage and the field."""
-    from asyncrl.data import DataError
+def rl_source(run: "Run", stage: Stage, trainer: Any) -> tuple[BatchSource, Callable[[Any], None]]:
+    """The RL stage's executor (its rollout state restored on a resume, started) and its eval."""
+    from asyncrl.data import SampleOrder
+    from asyncrl.rollout.executor import WorkflowExecutor
 
-    parts = []
-    for index, (stage, scfg) in enumerate(cfg.stage_configs()):
-        where = f"stages.{index} ({stage.name}): " if cfg.stages else ""
-        try:
-            built = build_task_and_workflow(scfg, tokenizer)
-        except AsyncRLError as err:
-            raise _in_stage(err, where) from None
-        if len(built[1].train) == 0:
-            raise DataError(f"{where}data.dataset ({_target(scfg.data.dataset)}): the train split is empty")
-        if stage.type == "rl":
-            _check_prompts_fit(built[0], built[1].train, built[2], tokenizer, where)
-        parts.append(built)
-    return parts
+    scfg = stage.cfg
+    executor = WorkflowExecutor(stage.workflow, run.engine, SampleOrder(stage.task.train, scfg.run.seed), scfg,
+                                version=run.version, row_multiple=trainer.row_multiple)
+    if stage.done is not None:
+        executor.load_state_dict(run.resumed.rollout_state)
+    executor.start()
+    return executor, lambda tracker: run.evaluate(stage, tracker)
 
 
-def _in_stage(err: AsyncRLError, where: str) -> AsyncRLError:
-    from asyncrl.errors import ConfigError
+def sft_source(run: "Run", stage: Stage, trainer: Any) -> tuple[BatchSource, Callable[[Any], None]]:
+    """The SFT stage's data (its position restored on a resume) and its eval: the task's
+    greedy eval through the engine, as in RL, and the held-out loss."""
+    from asyncrl.sft import SFTData, eval_loss
 
-    if not where:
-        return err
-    if isinstance(err, ConfigError):
-        return ConfigError([where + err.problems[0], *err.problems[1:]])
-    return AsyncRLError(f"{where}{err}")
+    scfg = stage.cfg
+    eos = run.loaded.stop_token_ids[0] if run.loaded.stop_token_ids else None
+    data = SFTData.for_task(stage.task, stage.workflow, scfg, eos_token_id=eos, row_multiple=trainer.row_multiple)
+    held_out = SFTData.for_task(stage.task, stage.workflow, scfg, split="eval", eos_token_id=eos,
+                                row_multiple=trainer.row_multiple)
+    if stage.done is not None:
+        data.load_state_dict(run.resumed.state["sft"])
 
+    def evaluate(tracker: Any) -> None:
+        run.evaluate(stage, tracker)
+        tracker.scalars(eval_loss(trainer, held_out), reduce="last")
 
-def _target(spec: Any) -> str:
-    return spec if isinstance(spec, str) else getattr(spec, "target", str(spec))
-
-
-def _check_prompts_fit(scfg: Config, train: Any, workflow: Any, tokenizer: Any, where: str) -> None:
-    """Fail at start-up, with the counts, when no train prompt fits ``data.max_prompt_tokens``
-    (each would be dropped and the first batch would wait for its timeout). Checks workflows
-    that say how they render a prompt (``messages(sample)``, like the single-turn one)."""
-    from asyncrl.data import DataError
-    from asyncrl.rollout.workflow import _token_ids
-
-    if not callable(getattr(workflow, "messages", None)):
-        return
-    limit = scfg.data.max_prompt_tokens
-    checked = sorted({int(i) for i in np.linspace(0, len(train) - 1, min(len(train), PROMPT_CHECK_SAMPLES))})
-    lengths = []
-    for position in checked:
-        try:
-            messages, _ = workflow.messages(train[position])
-        except (KeyError, ValueError, TypeError) as err:
-            raise DataError(f"{where}data.dataset: train sample {position}: {err}") from None
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        lengths.append(len(_token_ids(ids)))
-    fit = sum(length <= limit for length in lengths)
-    if fit == 0:
-        raise DataError(
-            f"{where}data.dataset ({_target(scfg.data.dataset)}): no usable prompt: 0 of {len(lengths)} train prompts "
-            f"checked (of {len(train)}) fit data.max_prompt_tokens = {limit} (the shortest has {min(lengths)} tokens, "
-            "chat template included); raise data.max_prompt_tokens (with engine.kv_capacity and "
-            "engine.prefill_buckets) or shorten the prompts"
-        )
-    if fit < len(lengths):
-        log.info("%sdata.dataset: %d of %d train prompts checked are longer than data.max_prompt_tokens = %d and "
-                 "will be dropped (dropped:prompt_too_long)", where, len(lengths) - fit, len(lengths), limit)
+    return data, evaluate
 
 
-RUN_LOGS = ("metrics.jsonl", "trajectories.jsonl")
-
-
-def _prepare_output_dir(cfg: Config, resume_step: Optional[int]) -> Path:
-    """A fresh run needs a run directory that holds no run (or ``run.overwrite``); a resumed run
-    keeps its logs up to the checkpoint's step and drops the rows written after it, which the
-    resumed run writes again.
-
-    A directory whose ``metrics.jsonl`` has no completed training step (step >= 1) and which
-    has no checkpoint holds no run: a run that failed while starting up (a config mistake
-    found when its components were built) is simply started again there."""
-    out = cfg.run.resolved_output_dir
-    if resume_step is not None:
-        for name in RUN_LOGS:
-            _truncate_log(out / name, resume_step)
-        return out
-    if _holds_a_run(out) and not cfg.run.overwrite and cfg.checkpoint.resume == "never":
-        raise RunDirError(
-            f"run.output_dir {out} already holds a run (metrics.jsonl with completed steps); choose another run.name "
-            "or run.output_dir, resume it with --resume, or set run.overwrite: true to replace it"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    for name in RUN_LOGS:
-        (out / name).unlink(missing_ok=True)
-    if not cfg.run.overwrite:
-        # The event files of a run that never completed a step (its step-0 eval at most).
-        shutil.rmtree(out / "tensorboard", ignore_errors=True)
+def reward_metrics(groups: Any) -> dict[str, float]:
+    """``reward/mean``, ``reward/std``, ``reward/<component>`` and ``episode/<name>`` of a batch's groups."""
+    if not groups:
+        return {}
+    trajectories = [t for g in groups for t in g.trajectories]
+    rewards = [t.reward for t in trajectories]
+    components: dict[str, list[float]] = {}
+    for traj in trajectories:
+        for name, value in traj.reward_components.items():
+            components.setdefault(name, []).append(value)
+    out = {"reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards))}
+    out.update({f"reward/{name}": float(np.mean(values)) for name, values in components.items()})
+    out.update({f"episode/{name}": value for name, value in episode_metric_means(trajectories).items()})
     return out
 
 
-def _holds_a_run(out: Path) -> bool:
-    """True when ``out`` has a checkpoint or a ``metrics.jsonl`` row of a completed step (step >= 1)."""
-    checkpoints = out / "checkpoints"
-    if checkpoints.is_dir() and any(checkpoints.iterdir()):
-        return True
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return False
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            step = json.loads(line).get("step", 0)
-        except (json.JSONDecodeError, AttributeError):
-            continue  # a damaged line is no evidence of a completed step
-        if isinstance(step, int) and step >= 1:
-            return True
-    return False
-
-
-def _check_output_dir_path(cfg: Config) -> None:
-    """``run.output_dir`` (or a directory above it) must not be an existing file."""
-    out = cfg.run.resolved_output_dir
-    for path in (out, *out.parents):
-        if path.exists() and not path.is_dir():
-            what = f"run.output_dir {out}" if path == out else f"{path} (a parent of run.output_dir {out})"
-            raise RunDirError(f"{what} is an existing file, not a directory: choose another run.output_dir "
-                              f"(or run.name) or move the file")
-
-
-def _truncate_log(path: Path, last_step: int) -> None:
-    """Cut a run log (JSON lines with a ``step``) back to the rows of steps <= ``last_step``.
-
-    Logs are not the source of truth (the checkpoint is): a line that cannot be read (junk, a
-    line torn by a kill during a write, bytes that are not UTF-8, an object without an integer
-    ``step``) is dropped with one warning naming the file, the first such line and the count."""
-    if not path.exists():
-        return
-    from asyncrl.provenance import atomic_write_text
-
-    kept, bad = [], []
-    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        step = _log_line_step(raw)
-        if step is None:
-            bad.append(number)
-        elif step <= last_step:
-            kept.append(raw.decode("utf-8"))
-    if bad:
-        log.warning("%s: skipped %d unreadable line(s) (first: line %d; junk, torn by a kill, not UTF-8, or without "
-                    "a step) while cutting the log back to step %d", path, len(bad), bad[0], last_step)
-    atomic_write_text(path, "".join(line + "\n" for line in kept))
-
-
-def _log_line_step(raw: bytes) -> Optional[int]:
-    """The ``step`` of one log line, or None if the line is unreadable."""
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return None
-    step = record.get("step") if isinstance(record, dict) else None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
-
-
-def _rename_train_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """Loss terms under ``loss/`` (``train/loss`` -> ``loss/total``, ``train/pg_loss`` ->
-    ``loss/pg``); the trainer's own compute time becomes ``perf/train_time``, since the
-    loop's ``perf/step_time`` covers the whole step (batch wait, train, publish); the
-    behaviour/proximal log-prob gap is reported as ``engine/logprob_gap``."""
-    renamed = {}
-    for name, value in metrics.items():
-        if name == "train/loss":
-            name = "loss/total"
-        elif name.startswith("train/") and name.endswith("_loss"):
-            name = "loss/" + name[len("train/") : -len("_loss")]
-        elif name == "perf/step_time":
-            name = "perf/train_time"
-        elif name == "perf/trained_tokens_per_s":
-            # The loop's perf/trained_tokens_per_s covers the whole step; this is over train_time only.
-            name = "perf/train_tokens_per_train_s"
-        elif name == "train/logprob_gap":
-            name = "engine/logprob_gap"  # mean |behaviour - proximal| log-prob on trained tokens
-        renamed[name] = value
-    return renamed
-
-
-def _reward_metrics(groups: list, tracker: Any) -> None:
-    rewards, components = [], {}
-    for group in groups:
-        for traj in group.trajectories:
-            rewards.append(traj.reward)
-            for name, value in traj.reward_components.items():
-                components.setdefault(name, []).append(value)
-    tracker.scalar("reward/mean", float(np.mean(rewards)))
-    tracker.scalar("reward/std", float(np.std(rewards)))
-    for name, values in components.items():
-        tracker.scalar(f"reward/{name}", float(np.mean(values)))
-    for name, value in episode_metric_means([t for g in groups for t in g.trajectories]).items():
-        tracker.scalar(f"episode/{name}", value)
-
-
-def episode_metric_means(trajectories: list) -> dict[str, float]:
-    """Mean of each ``metadata["episode_metrics"][name]`` over the trajectories that report it."""
-    values: dict[str, list[float]] = {}
-    for traj in trajectories:
-        for name, value in (traj.metadata or {}).get("episode_metrics", {}).items():
-            values.setdefault(name, []).append(float(value))
-    return {name: float(np.mean(v)) for name, v in values.items()}
-
-
-def _dump_trajectories(log_file: Any, step: int, groups: list, tokenizer: Any, limit: int) -> None:
+def _dump_trajectories(log_file: Any, step: int, groups: Any, tokenizer: Any, limit: int) -> None:
     """Append the first ``limit`` groups of a step to ``trajectories.jsonl`` (a
     :class:`~asyncrl.metrics.LogAppender`: a failed write warns and the run goes on)."""
     lines = []
@@ -329,31 +306,29 @@ def _dump_trajectories(log_file: Any, step: int, groups: list, tokenizer: Any, l
     log_file.append("".join(lines))
 
 
-ENGINE_COUNTERS = ("engine/requests", "engine/samples_aborted", "engine/prefill_tokens", "engine/decode_tokens",
-                   "engine/decode_steps", "engine/swaps")
-"""Cumulative engine counters: saved in checkpoints and continued by a resumed run, so its
-curves go on from where they were (the resumed process's engine counts from zero)."""
+# ---------------------------------------------------------------------------- what the stages share
 
 
-class _Run:
-    """The state one run shares across its stages: model, mesh, engine, sinks, version,
-    and the checkpoint it resumed from."""
+class Run:
+    """The state one run shares across its stages: the loaded model (and LoRA adapters), the
+    mesh, the engine, the metric sinks, the served version, and the checkpoint it resumed from."""
 
     def __init__(self, cfg: Config, out: Path, console: Any, resumed: Any, guard: Any):
         from asyncrl.metrics import ConsoleSink, JsonlSink, LogAppender
         from asyncrl.model import load_model
         from asyncrl.trainer import build_mesh
 
-        self.cfg = cfg
-        self.out = out
-        self.guard = guard
+        self.cfg, self.out, self.guard = cfg, out, guard
         self.resumed = resumed
         """The :class:`~asyncrl.checkpoint.Checkpoint` this run continues, or None."""
         self.loaded = load_model(cfg.model)
         self.graphdef, self.params = self.loaded.split()
         # With model.lora the trainer trains adapters on the frozen base; self.graphdef stays
         # the base model's (the engine serves merged weights, hf/ is the merged model).
-        self.train_graphdef, self.frozen, self.lora_state = self.graphdef, None, None
+        self.train_graphdef: Any = self.graphdef
+        self.frozen: Any = None
+        self.lora_state: Optional[dict[str, str]] = None
+        """With ``model.lora``: the base model's identity (adapters are of this base only)."""
         if cfg.model.lora is not None:
             self._attach_lora(cfg, resumed)
         self.mesh = build_mesh(cfg.mesh)
@@ -375,14 +350,6 @@ class _Run:
         self.last_checkpoint_version = -1
         self.reward_failures = {"reward_errors": 0.0, "reward_timeouts": 0.0}
         """Reward function calls of this process that failed or timed out (all stages, eval included)."""
-        self.parts: list[tuple[Config, Any, Any]] = []
-        """Per stage: its config (rewards defaulted), its task data and its workflow (:func:`preflight`)."""
-
-    def count_reward_failures(self, workflow: Any) -> None:
-        """Add a finished stage's reward error and timeout counts (for the summary line)."""
-        counts = workflow.metrics() if workflow is not None else {}
-        for name in self.reward_failures:
-            self.reward_failures[name] += float(counts.get(name, 0.0))
 
     def _attach_lora(self, cfg: Config, resumed: Any) -> None:
         """Fresh adapters on the loaded base (``self.params`` become the adapters); a resumed
@@ -395,25 +362,19 @@ class _Run:
         lora = attach_lora(self.loaded.config, self.params, LoraSpec.from_config(cfg.model.lora), seed=cfg.run.seed)
         self.train_graphdef, self.params, self.frozen = lora.graphdef, lora.adapters, lora.frozen
 
-    def new_trainer(self, scfg: Config, params: Any, objective: str) -> Any:
-        from asyncrl.trainer import Trainer
+    def close(self) -> None:
+        """Shut the engine down and close the run's logs."""
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.jsonl.close()
+        self.trajectory_log.close()
+        self.console.close()
 
-        return Trainer(scfg, self.train_graphdef, params, mesh=self.mesh, version=self.version, objective=objective,
-                       frozen=self.frozen)
-
-    # ------------------------------------------------------------------ shared pieces
-
-    def tracker_for(self, stage: Any) -> Any:
-        """Sinks of one stage. With several stages, rows of metrics.jsonl carry ``stage`` and
-        each stage writes its own TensorBoard run (``tensorboard/<stage>/``), so curves of
-        different stages never collide under one name."""
-        from asyncrl.metrics import StatsTracker, TensorBoardSink
-
-        multi = bool(self.cfg.stages)
-        self.jsonl.tags = {"stage": stage.name} if multi else {}
-        self.console.prefix = f"[{stage.name}] " if multi else ""
-        tensorboard = TensorBoardSink(self.out / "tensorboard" / stage.name if multi else self.out / "tensorboard")
-        return StatsTracker([self.jsonl, tensorboard, self.console]), tensorboard
+    def resume_position(self, index: int) -> Optional[int]:
+        """Steps of stage ``index`` already done according to the checkpoint (None: not resumed there)."""
+        if self.resumed is None or self.resumed.state["stage_index"] != index:
+            return None
+        return int(self.resumed.state["stage_step"])
 
     def stage_start(self, index: int, previous: Any) -> Any:
         """The weights stage ``index`` started from: ``previous`` (the last stage's result), or
@@ -426,37 +387,29 @@ class _Run:
             return self.params
         return self.resumed.tree("params", self.params)
 
-    def trainer_for(self, index: int, stage: Any, scfg: Config, params: Any) -> Any:
-        """A fresh trainer (and optimizer) for stage ``index`` starting from ``params``, or the
-        saved one on resume."""
-        objective = stage.type
+    def tracker_for(self, stage_name: str) -> Any:
+        """Sinks of one stage. With several stages, rows of metrics.jsonl carry ``stage`` and
+        each stage writes its own TensorBoard run (``tensorboard/<stage>/``), so curves of
+        different stages never collide under one name."""
+        from asyncrl.metrics import StatsTracker, TensorBoardSink
 
-        resumed = self.resumed
-        if resumed is not None and resumed.state["stage_index"] == index:
-            # ``params`` are the stage's starting weights (the KL reference): saved for stages > 0,
-            # the loaded model for stage 0.
-            trainer = self.new_trainer(scfg, params, objective)
-            _load_trainer_state(trainer, resumed)
-            return trainer
-        return self.new_trainer(scfg, params, objective)
+        multi = bool(self.cfg.stages)
+        self.jsonl.tags = {"stage": stage_name} if multi else {}
+        self.console.prefix = f"[{stage_name}] " if multi else ""
+        tensorboard = TensorBoardSink(self.out / "tensorboard" / stage_name if multi else self.out / "tensorboard")
+        return StatsTracker([self.jsonl, tensorboard, self.console]), tensorboard
 
     def ensure_engine(self, trainer: Any, scfg: Config) -> Any:
         if self.engine is None:
-            self.engine = build_engine(self, trainer, scfg)
+            self.engine = build_engine(scfg, self.loaded, self.graphdef, trainer.params_for_publish(),
+                                       version=self.version, out=self.out)
         return self.engine
 
     def publish(self, trainer: Any) -> None:
         self.engine.update_weights(trainer.params_for_publish(), self.version + 1)
         self.version += 1
 
-    def evaluate(self, scfg: Config, workflow: Any, task: Any, tracker: Any) -> None:
-        from asyncrl.evaluate import evaluate
-
-        result = evaluate(self.engine, workflow, task.eval, scfg, eval_metrics=task.eval_metrics)
-        self.final_eval = result.metrics
-        tracker.scalars(result.metrics, reduce="last")
-
-    def engine_metrics(self) -> dict[str, float]:
+    def read_engine_counters(self) -> dict[str, float]:
         """The engine's metrics, its counters continued from the resumed run's; the counters
         are kept for the next checkpoint (as of this call: work started later is not counted,
         since a resume redoes it)."""
@@ -467,38 +420,58 @@ class _Run:
                 self.engine_counters[name] = engine_metrics[name]
         return engine_metrics
 
-    def record_engine(self, tracker: Any, step_time: float, engine_metrics: dict[str, float]) -> None:
-        tracker.scalars(engine_metrics, reduce="last")
+    def step_metrics(self, got: PreparedBatch, train_metrics: dict[str, float], engine_metrics: dict[str, float],
+                     step_time: float) -> dict[str, float]:
+        """One step's metrics, each name from the one part that made it (a name with two
+        producers is an error): the trainer's, the source's, the engine's, the batch's rewards,
+        the process's (RSS, threads, device memory: a leak shows as a rising curve) and the
+        loop's own whole-step figures."""
+        from asyncrl.metrics import merge_producers, process_metrics
+
         generated = engine_metrics.get("engine/decode_tokens", 0.0)
-        tracker.scalar("perf/gen_tokens_per_s", (generated - self.generated_before) / step_time)
+        loop = {
+            "perf/step_time": step_time,  # batch wait + train + publish
+            "perf/trained_tokens_per_s": float(got.batch.loss_mask.sum()) / step_time,
+            "perf/gen_tokens_per_s": (generated - self.generated_before) / step_time,
+        }
         self.generated_before = generated
+        return merge_producers(trainer=train_metrics, source=got.metrics, engine=engine_metrics,
+                               rewards=reward_metrics(got.groups), process=process_metrics(self.device), loop=loop)
 
-    def record_process(self, tracker: Any) -> None:
-        """Host RSS, live threads and device memory: a leak shows as a rising curve."""
-        from asyncrl.metrics import process_metrics
+    def evaluate(self, stage: Stage, tracker: Any) -> None:
+        from asyncrl.evaluate import evaluate
 
-        tracker.scalars(process_metrics(self.device), reduce="last")
+        task = stage.task
+        result = evaluate(self.engine, stage.workflow, task.eval, stage.cfg, eval_metrics=task.eval_metrics)
+        self.final_eval = result.metrics
+        tracker.scalars(result.metrics, reduce="last")
 
-    def eval_due(self, scfg: Config, stage_step: int) -> bool:
-        every = scfg.eval.every_steps
-        return bool(every) and (stage_step % every == 0 or stage_step == scfg.run.total_steps)
+    def count_reward_failures(self, workflow: Any) -> None:
+        """Add a finished stage's reward error and timeout counts (for the summary line)."""
+        counts = workflow.metrics() if workflow is not None else {}
+        for name in self.reward_failures:
+            self.reward_failures[name] += float(counts.get(name, 0.0))
 
     def checkpoint_due(self, stage_step: int, stage_total: int) -> bool:
         every = self.cfg.checkpoint.every_steps
         return stage_step == stage_total or (every > 0 and self.version % every == 0) or self.guard.requested
 
-    def save(self, index: int, stage_step: int, trainer: Any, stage_start: Any, rollout_state: Any = None,
-             extra: Optional[dict] = None) -> None:
+    def save(self, stage: Stage, stage_step: int, trainer: Any, source: BatchSource) -> None:
+        """A checkpoint of the run after ``stage_step`` steps of ``stage``: weights, optimizer,
+        counters and the source's position (RL: the rollout state; SFT: the data position)."""
         from asyncrl.checkpoint import save_checkpoint
 
         trainer_state = trainer.state_dict()
         arrays = {"params": trainer_state.pop("params"), "opt_state": trainer_state.pop("opt_state")}
-        if index > 0 and trainer.ref_params is not None:
-            arrays["stage_start_params"] = stage_start
+        if stage.index > 0 and trainer.ref_params is not None:
+            arrays["stage_start_params"] = stage.start_params
         state = {
-            "format": RUN_STATE_FORMAT, "version": self.version, "stage_index": index, "stage_step": stage_step, "trainer": trainer_state,
-            "final_eval": self.final_eval, "engine_counters": self.engine_counters, **(extra or {}),
+            "format": RUN_STATE_FORMAT, "version": self.version, "stage_index": stage.index, "stage_step": stage_step,
+            "trainer": trainer_state, "final_eval": self.final_eval, "engine_counters": self.engine_counters,
         }
+        rollout_state = source.state_dict() if stage.type == "rl" else None
+        if stage.type == "sft":
+            state["sft"] = source.state_dict()
         if self.lora_state is not None:
             state["lora"] = self.lora_state  # params are adapters: of this base only
         self.last_checkpoint = save_checkpoint(
@@ -507,126 +480,24 @@ class _Run:
         )
         self.last_checkpoint_version = self.version
 
-    def resume_position(self, index: int) -> Optional[int]:
-        """Steps of stage ``index`` already done according to the checkpoint (None: not resumed there)."""
-        if self.resumed is None or self.resumed.state["stage_index"] != index:
-            return None
-        return int(self.resumed.state["stage_step"])
-
     def stop_if_requested(self) -> None:
         if self.guard.requested:
             raise TrainingInterrupted(self.guard.exit_code, self.last_checkpoint)
 
-    # ------------------------------------------------------------------ stages
 
-    def rl_stage(self, index: int, stage: Any, scfg: Config, trainer: Any, stage_start: Any) -> None:
-        from asyncrl.data import SampleOrder
-        from asyncrl.rollout.executor import BatchAbandoned, WorkflowExecutor
+# ---------------------------------------------------------------------------- resume and export
 
-        scfg, task, workflow = self.parts[index]
-        engine = self.ensure_engine(trainer, scfg)
-        executor = WorkflowExecutor(
-            workflow, engine, SampleOrder(task.train, scfg.run.seed), scfg, version=self.version,
-            row_multiple=trainer.row_multiple,
-        )
-        done = self.resume_position(index)
-        if done is not None:
-            executor.load_state_dict(self.resumed.rollout_state)
-        tracker, tensorboard = self.tracker_for(stage)
-        try:
-            executor.start()
-            if index == 0 and done is None and scfg.eval.every_steps:
-                self.evaluate(scfg, workflow, task, tracker)
-                self.history.append(tracker.commit(self.version))
-            for stage_step in range((done or 0) + 1, scfg.run.total_steps + 1):
-                step_start = time.perf_counter()
-                try:
-                    batch = executor.prepare_batch(
-                        self.version, timeout=scfg.rollout.batch_timeout_s, abandon_if=lambda: self.guard.requested
-                    )
-                except BatchAbandoned:
-                    # A signal came while waiting for rollouts (which may take longer than the
-                    # guard's grace period): the step never started, so checkpoint the last one.
-                    if self.last_checkpoint_version != self.version:
-                        self.save(index, stage_step - 1, trainer, stage_start, rollout_state=executor.state_dict())
-                    self.stop_if_requested()
-                    raise
-                groups = list(executor.last_groups)
-                train_metrics = trainer.step(batch)
-                self.publish(trainer)
-                # Engine counters (and the checkpoint's copy of them) are read before admission moves
-                # on: with max_staleness 0 no request of the next step can have started, so the
-                # counts are exact and a resume continues them without counting anything twice.
-                engine_metrics = self.engine_metrics()
-                executor.set_version(self.version)
-                step_time = time.perf_counter() - step_start
 
-                tracker.scalars(_rename_train_metrics(train_metrics))
-                tracker.scalars(executor.metrics, reduce="last")
-                self.record_engine(tracker, step_time, engine_metrics)
-                _reward_metrics(groups, tracker)
-                tracker.scalar("perf/step_time", step_time)
-                tracker.scalar("perf/trained_tokens_per_s", float(batch.loss_mask.sum()) / step_time)
-                self.record_process(tracker)
-                if scfg.logging.dump_every_steps and stage_step % scfg.logging.dump_every_steps == 0:
-                    _dump_trajectories(
-                        self.trajectory_log, self.version, groups, self.loaded.tokenizer, scfg.logging.dump_groups
-                    )
-                if self.eval_due(scfg, stage_step):
-                    self.evaluate(scfg, workflow, task, tracker)
-                self.history.append(tracker.commit(self.version))
-                if self.checkpoint_due(stage_step, scfg.run.total_steps):
-                    self.save(index, stage_step, trainer, stage_start, rollout_state=executor.state_dict())
-                self.stop_if_requested()
-        finally:
-            executor.stop()
-            tensorboard.close()
-            self.count_reward_failures(workflow)
+def _stage_trainer(run: Run, stage: Stage) -> Any:
+    """A fresh trainer (and optimizer) for ``stage`` starting from its start weights, or, on a
+    resume inside the stage, the saved one (its start weights are then the KL reference)."""
+    from asyncrl.trainer import Trainer
 
-    def sft_stage(self, index: int, stage: Any, scfg: Config, trainer: Any, stage_start: Any) -> None:
-        """Cross-entropy on reference responses; publishes every step like RL, so eval and
-        the next stage's engine see exactly these weights."""
-        from asyncrl.sft import SFTData, eval_loss
-
-        scfg, task, workflow = self.parts[index]
-        self.ensure_engine(trainer, scfg)
-        eos = self.loaded.stop_token_ids[0] if self.loaded.stop_token_ids else None
-        data = SFTData.for_task(task, workflow, scfg, eos_token_id=eos, row_multiple=trainer.row_multiple)
-        eval_data = SFTData.for_task(task, workflow, scfg, split="eval", eos_token_id=eos, row_multiple=trainer.row_multiple)
-        done = self.resume_position(index)
-        if done is not None:
-            data.load_state_dict(self.resumed.state["sft"])
-        tracker, tensorboard = self.tracker_for(stage)
-
-        def run_eval() -> None:
-            self.evaluate(scfg, workflow, task, tracker)
-            tracker.scalars(eval_loss(trainer, eval_data), reduce="last")
-
-        try:
-            if index == 0 and done is None and scfg.eval.every_steps:
-                run_eval()
-                self.history.append(tracker.commit(self.version))
-            for stage_step in range((done or 0) + 1, scfg.run.total_steps + 1):
-                step_start = time.perf_counter()
-                batch = data.next_batch()
-                train_metrics = trainer.step(batch)
-                self.publish(trainer)
-                step_time = time.perf_counter() - step_start
-                self.engine_metrics()  # the counters (weight swaps) for the checkpoint
-                tracker.scalars(_rename_train_metrics(train_metrics))
-                tracker.scalars(data.metrics(), reduce="last")
-                tracker.scalar("perf/step_time", step_time)
-                tracker.scalar("perf/trained_tokens_per_s", float(batch.loss_mask.sum()) / step_time)
-                self.record_process(tracker)
-                if self.eval_due(scfg, stage_step):
-                    run_eval()
-                self.history.append(tracker.commit(self.version))
-                if self.checkpoint_due(stage_step, scfg.run.total_steps):
-                    self.save(index, stage_step, trainer, stage_start, extra={"sft": data.state_dict()})
-                self.stop_if_requested()
-        finally:
-            tensorboard.close()
-            self.count_reward_failures(workflow)
+    trainer = Trainer(stage.cfg, run.train_graphdef, stage.start_params, mesh=run.mesh, version=run.version,
+                      objective=stage.type, frozen=run.frozen)
+    if stage.done is not None:
+        _load_trainer_state(trainer, run.resumed)
+    return trainer
 
 
 def _check_resumed_state(resumed: Any, cfg: Config) -> None:
@@ -638,7 +509,7 @@ def _check_resumed_state(resumed: Any, cfg: Config) -> None:
         check_run_checkpoint(resumed, cfg)
 
 
-def _check_resumed_params(run: _Run) -> None:
+def _check_resumed_params(run: Run) -> None:
     """A resumed checkpoint's parameters have the loaded model's names, shapes and dtypes."""
     if run.resumed is not None:
         from asyncrl.checkpoint_schema import check_checkpoint_params
@@ -651,13 +522,15 @@ def _load_trainer_state(trainer: Any, resumed: Any) -> None:
     from asyncrl.errors import TrainerError
 
     try:
-        trainer.load_state_dict({"params": resumed.tree("params", trainer.params),
-                                 "opt_state": resumed.tree("opt_state", trainer.opt_state), **resumed.state["trainer"]})
+        trainer.load_state_dict(
+            {"params": resumed.tree("params", trainer.params), "opt_state": resumed.tree("opt_state", trainer.opt_state),
+             **resumed.state["trainer"]}
+        )
     except TrainerError as err:
         raise CheckpointError(f"checkpoint {resumed.path}: opt_state.safetensors: {err}") from None
 
 
-def _check_all_steps_ran(run: _Run, cfg: Config) -> None:
+def _check_all_steps_ran(run: Any, cfg: Config) -> None:
     """A run that ends without error has trained every configured step (never exit 0 short)."""
     if run.version < cfg.total_steps:
         raise AsyncRLError(
@@ -672,100 +545,9 @@ def _first_local_device(mesh: Any) -> Any:
     return next((d for d in mesh.devices.flat if d.process_index == jax.process_index()), None)
 
 
-def build_engine(run: "_Run", trainer: Any, scfg: Config) -> Any:
-    """The run's inference engine: in-process (JaxEngine), or on servers when ``engine.remote`` is set."""
-    remote = scfg.engine.remote
-    if remote is not None:
-        from asyncrl.engine.remote import RemoteEngine
-
-        engine = RemoteEngine.from_config(
-            remote, version=run.version, graphdef=run.graphdef, tokenizer=run.loaded.tokenizer,
-            stop_token_ids=run.loaded.stop_token_ids,
-            weights_dir=Path(remote.weights_dir) if remote.weights_dir else run.out / "weights",
-        )
-        engine.ensure_version(trainer.params_for_publish())  # fresh servers of a resumed run
-        return engine
-    from asyncrl.engine.jax_engine import JaxEngine
-
-    # The engine serves the trainer's own (never donated) arrays: publishing copies nothing.
-    return JaxEngine(
-        run.graphdef, trainer.params_for_publish(), stop_token_ids=run.loaded.stop_token_ids,
-        config=scfg.engine, seed=scfg.run.seed, version=run.version,
-    )
-
-
-def _export_adapter(cfg: Config, run: "_Run", adapters: Any, overwrite: bool) -> None:
+def _export_adapter(cfg: Config, base_model: str, adapters: Any, overwrite: bool) -> None:
     """A LoRA run's final adapters as a PEFT adapter directory ``adapter/`` beside ``hf/``."""
     from asyncrl.model.lora import LoraSpec, export_peft_adapter
 
     export_peft_adapter(adapters, LoraSpec.from_config(cfg.model.lora), cfg.run.resolved_output_dir / "adapter",
-                        base_model=run.lora_state["base_model_path"], overwrite=overwrite)
-
-
-def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) -> TrainResult:
-    """Run the whole training job of ``cfg`` (all its stages); returns a summary (also printed).
-
-    With ``checkpoint.resume: auto`` it continues from the newest complete checkpoint in
-    ``run.output_dir``. SIGINT/SIGTERM end the current step, write a checkpoint and raise
-    :class:`TrainingInterrupted` (the CLI exits 130/143); a second signal exits at once.
-    """
-    from asyncrl.checkpoint import resume_checkpoint
-    from asyncrl.model import export_hf
-    from asyncrl.pytree import tree_to_host
-    from asyncrl.provenance import write_provenance
-    from asyncrl.shutdown import ShutdownGuard
-
-    started = time.monotonic()
-    _check_output_dir_path(cfg)
-    resumed = resume_checkpoint(cfg)
-    _check_resumed_state(resumed, cfg)
-    out = _prepare_output_dir(cfg, resumed.step if resumed is not None else None)
-    write_provenance(out, dump_config(cfg), argv)
-    with ShutdownGuard() as guard:
-        run = _Run(cfg, out, console, resumed, guard)
-        start_stage = resumed.state["stage_index"] if resumed is not None else 0
-        params = run.params  # a resumed stage starts from its saved weights (run.stage_start)
-        try:
-            _check_resumed_params(run)
-            run.parts = preflight(cfg, run.loaded.tokenizer)
-            for index, (stage, scfg) in enumerate(cfg.stage_configs()):
-                if index < start_stage:
-                    continue
-                # Each stage starts from the previous stage's weights with a fresh optimizer.
-                # A resumed stage keeps its own start (its KL reference, saved again by every checkpoint).
-                stage_start = run.stage_start(index, params)
-                trainer = run.trainer_for(index, stage, scfg, stage_start)
-                if run.resume_position(index) != scfg.run.total_steps:
-                    runner = run.rl_stage if stage.type == "rl" else run.sft_stage
-                    runner(index, stage, scfg, trainer, stage_start=stage_start)
-                params = trainer.trainable_params()
-            final_params = tree_to_host(trainer.params_for_publish())
-        finally:
-            if run.engine is not None:
-                run.engine.shutdown()
-            run.jsonl.close()
-            run.trajectory_log.close()
-            run.console.close()
-
-    _check_all_steps_ran(run, cfg)
-    # A resumed run (killed after its last checkpoint, or resumed when already finished)
-    # may find its own earlier export: the final weights are the same, so replace it.
-    export_hf(run.graphdef, run.loaded.tokenizer, out / "hf", params=final_params,
-              overwrite=resumed is not None or cfg.run.overwrite)
-    if run.lora_state is not None:
-        _export_adapter(cfg, run, params, overwrite=resumed is not None or cfg.run.overwrite)
-    wall = time.monotonic() - started
-    result = TrainResult(
-        steps=run.version, final_eval=run.final_eval, wall_time_s=wall, output_dir=out, history=run.history,
-        final_params=final_params,
-    )
-    evals = " ".join(f"{k}={v:.3f}" for k, v in run.final_eval.items() if k in ("eval/reward", "eval/accuracy"))
-    failures = run.reward_failures
-    stream = console or sys.stdout
-    print(
-        f"asyncrl: {run.version} steps, {evals or 'no eval'}, reward errors {failures['reward_errors']:.0f} "
-        f"timeouts {failures['reward_timeouts']:.0f}, {wall:.0f} s, outputs in {out}",
-        file=stream,
-    )
-    print("training completed", file=stream)
-    return result
+                        base_model=base_model, overwrite=overwrite)

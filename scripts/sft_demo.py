@@ -50,7 +50,7 @@ def run(task_name: str, seed: int, args: argparse.Namespace) -> dict:
 
     curve, step_times, train_s = [point(0, 0.0)], [], 0.0
     for step in range(1, args.steps + 1):
-        batch = train.next_batch()
+        batch = train.next_batch().batch
         start = time.perf_counter()
         trainer.step(batch)
         elapsed = time.perf_counter() - start

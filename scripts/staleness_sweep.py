@@ -11,7 +11,7 @@ otherwise) into ``OUT/eta<k>/`` and is summarised from its ``metrics.jsonl``:
   final_eval_reward     the last ``eval/reward`` (greedy, held-out prompts)
   lag_max, lag_mean     version lag of trained tokens, over the RL steps
   dropped_stale         groups dropped by the staleness filter (0 with batch_order: admission)
-  wait_s_mean           mean time ``prepare_batch`` waited for rollouts per step
+  wait_s_mean           mean time ``executor.next_batch`` waited for rollouts per step
   engine_busy           share of the RL steps' time the engine spent decoding (eval excluded)
   loadavg_1m_start/end  ``os.getloadavg()`` around the run: other work on the machine skews timings
 

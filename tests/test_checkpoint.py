@@ -217,7 +217,7 @@ def test_executor_state_round_trips_and_restores_a_fresh_executor(tmp_path):
     eng = engine()
     with WorkflowExecutor(TokenWorkflow(cfg), eng, dataset, cfg) as ex:
         for v in range(2):
-            ex.prepare_batch(v, timeout=20)
+            ex.next_batch(v, timeout=20)
             eng.update_weights(None, v + 1)
             ex.set_version(v + 1)
         deadline = time.monotonic() + 10

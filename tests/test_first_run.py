@@ -81,13 +81,13 @@ def test_docs_workflow_trains_with_room_for_every_turn(docs_module):
     cfg = docs_cfg(max_seq_len=48)
     workflow = build_workflow(cfg, tokenizer)
     with WorkflowExecutor(workflow, echo_engine(tokenizer), SAMPLES, cfg) as executor:
-        executor.prepare_batch(0, timeout=30)
-        groups = executor.last_groups
+        got = executor.next_batch(0, timeout=30)
+        groups = got.groups
     traj = groups[0].trajectories[0]
     assert set(traj.reward_components) == {"exact_match", "positional_match"}
     assert traj.reward == pytest.approx(2.0 * traj.reward_components["exact_match"] + 0.5 * traj.reward_components["positional_match"])
     assert traj.metadata["episode_metrics"] == {"turns": 2}
-    assert executor.metrics["rollout/workflow/reward_errors"] == 0
+    assert got.metrics["rollout/workflow/reward_errors"] == 0
 
 
 def test_multi_turn_too_long_stops_early_naming_max_seq_len(docs_module, caplog):
@@ -100,7 +100,7 @@ def test_multi_turn_too_long_stops_early_naming_max_seq_len(docs_module, caplog)
     with caplog.at_level(logging.WARNING, logger="asyncrl"):
         with WorkflowExecutor(workflow, echo_engine(tokenizer), SAMPLES, cfg) as executor:
             with pytest.raises(RolloutError, match=r"6 finished groups were all dropped as too_long.*raise rollout.max_seq_len"):
-                executor.prepare_batch(0, timeout=60)
+                executor.next_batch(0, timeout=60)
     assert "dropped:too_long" in caplog.text and "room for one turn only" in caplog.text
 
 
@@ -227,7 +227,7 @@ def test_consecutive_reward_failures_stop_training_with_the_cause():
     workflow = SingleTurnWorkflow(cfg, tokenizer, rewards=[RewardFunction(explode)])
     with WorkflowExecutor(workflow, echo_engine(tokenizer), SAMPLES, cfg) as executor:
         with pytest.raises(RewardFailuresExceeded, match=r"(?s)'explode' failed on \d+ calls in a row \(rollout.max_consecutive_reward_failures = 5\).*KeyError: 'gold'"):
-            executor.prepare_batch(0, timeout=60)
+            executor.next_batch(0, timeout=60)
 
 
 def test_build_reward_functions_then_check_names_the_config_field():
@@ -244,16 +244,16 @@ def _no_kwargs_reward(prompt, completion):
 
 
 def test_run_dir_without_a_completed_step_is_no_run(tmp_path):
-    from asyncrl.train import RunDirError, _prepare_output_dir
+    from asyncrl.rundir import RunDirError, prepare_output_dir
 
     cfg = make_cfg(run={"output_dir": str(tmp_path)})
     (tmp_path / "metrics.jsonl").write_text("")  # a start-up failure left this
-    _prepare_output_dir(cfg, None)
+    prepare_output_dir(cfg, None)
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/reward": 0.1}) + "\n{\"step\": 3")
-    _prepare_output_dir(cfg, None)  # step 0 (eval before training) and a torn line: still no run
+    prepare_output_dir(cfg, None)  # step 0 (eval before training) and a torn line: still no run
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss/total": 0.1}) + "\n")
     with pytest.raises(RunDirError, match="already holds a run"):
-        _prepare_output_dir(cfg, None)
+        prepare_output_dir(cfg, None)
 
 
 # ----------------------------------------------------------------------------- item 11: smaller items
@@ -267,17 +267,26 @@ def test_failed_episodes_log_the_first_few_then_a_summary(caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, logger="asyncrl"):
         with WorkflowExecutor(TokenWorkflow(cfg, fail_rate=1.0), FakeEngine(), SAMPLES, cfg) as executor:
             with pytest.raises(RolloutError, match="8 episodes failed in a row"):
-                executor.prepare_batch(0, timeout=60)
+                executor.next_batch(0, timeout=60)
     full = [r for r in caplog.records if "episode failed (failed:exception)" in r.getMessage()]
     assert len(full) == 3 and "summarised periodically" in full[-1].getMessage()
     assert any("more episodes failed" in r.getMessage() and "failed:exception" in r.getMessage() for r in caplog.records)
 
 
 def test_trained_tokens_per_s_has_one_producer():
-    from asyncrl.train import _rename_train_metrics
+    """The trainer names its metrics itself (its compute time and tokens over it are not the
+    loop's whole-step figures), and the loop's merge refuses a name with two producers."""
+    from asyncrl.metrics import merge_producers
+    from asyncrl.trainer.trainer import step_metric_name
 
-    renamed = _rename_train_metrics({"perf/trained_tokens_per_s": 5.0, "perf/step_time": 1.0})
-    assert renamed == {"perf/train_tokens_per_train_s": 5.0, "perf/train_time": 1.0}
+    assert [step_metric_name(k) for k in ("loss", "pg_loss", "sft_loss", "logprob_gap", "grad_norm")] == [
+        "loss/total", "loss/pg", "loss/sft", "engine/logprob_gap", "train/grad_norm"]
+    merged = merge_producers(trainer={"perf/train_tokens_per_train_s": 5.0, "perf/train_time": 1.0},
+                             loop={"perf/trained_tokens_per_s": 4.0, "perf/step_time": 1.25})
+    assert merged == {"perf/train_tokens_per_train_s": 5.0, "perf/train_time": 1.0,
+                      "perf/trained_tokens_per_s": 4.0, "perf/step_time": 1.25}
+    with pytest.raises(ValueError, match="'perf/trained_tokens_per_s' is produced by both trainer and loop"):
+        merge_producers(trainer={"perf/trained_tokens_per_s": 5.0}, loop={"perf/trained_tokens_per_s": 4.0})
 
 
 def test_workflows_doc_metric_names_are_the_logged_ones():
@@ -309,7 +318,7 @@ def test_docs_yaml_and_loop_examples_run(docs_module):
         raw = yaml.safe_load(block)
         raw["rewards"] = [{**r, "fn": "exact_match" if "mypkg" in str(r["fn"]) else r["fn"]} for r in raw.get("rewards", [])]
         load_config(data=raw)
-    (loop,) = [block for block in _code_blocks("python") if "executor.prepare_batch(v" in block]
+    (loop,) = [block for block in _code_blocks("python") if "executor.next_batch(v" in block]
     tokenizer = char_tokenizer()
     cfg = docs_cfg(max_seq_len=48)
     namespace = {

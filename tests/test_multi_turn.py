@@ -163,8 +163,7 @@ def test_in_flight_multi_turn_episodes_are_reissued_identically_after_a_checkpoi
 
     def train(ex, eng, start, steps, groups):
         for v in range(start, start + steps):
-            ex.prepare_batch(v, timeout=20)
-            groups.extend(ex.last_groups)
+            groups.extend(ex.next_batch(v, timeout=20).groups)
             eng.update_weights(None, v + 1)
             ex.set_version(v + 1)
 
@@ -180,7 +179,7 @@ def test_in_flight_multi_turn_episodes_are_reissued_identically_after_a_checkpoi
             time.sleep(0.01)
         state = ex.state_dict()
         parked_then = list(parked)
-        ex.stop(timeout=2)
+        ex.close(timeout=2)
     finally:
         release.set()
     in_flight = sorted(ex.ledger.sample_id(t) for t in ex.ledger.in_flight_tickets())

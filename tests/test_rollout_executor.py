@@ -33,13 +33,14 @@ def engine(seed=0, **kw):
 
 
 def train(executor, eng, steps, start=0, check=None, timeout=20.0):
-    """The trainer's side of the loop: prepare, (train), publish to the engine, then set_version."""
+    """The trainer's side of the loop: next batch, (train), publish to the engine, then set_version.
+    ``check(got, v)`` sees each :class:`PreparedBatch`."""
     seen = []
     for v in range(start, start + steps):
-        batch = executor.prepare_batch(v, timeout=timeout)
+        got = executor.next_batch(v, timeout=timeout)
         if check is not None:
-            check(batch, v)
-        seen.extend(executor.last_batch_sample_ids)
+            check(got, v)
+        seen.extend(got.sample_ids)
         eng.update_weights(None, v + 1)
         executor.set_version(v + 1)
     return seen
@@ -57,9 +58,11 @@ def assert_accounting(executor, trained_ids):
 def test_ticket_order_bounds_lag_under_random_timing(seed, eta):
     cfg = make_cfg({"max_staleness": eta, "batch_size": 4, "group_size": 2, "max_concurrent": 8})
     eng = engine(seed)
-    lags = []
+    lags, last = [], []
 
-    def check(batch, v):
+    def check(got, v):
+        batch = got.batch
+        last[:] = [got]
         lag = v - batch.versions[batch.loss_mask]
         assert lag.min() >= 0 and lag.max() <= eta, f"lag {lag.max()} > η = {eta} at v = {v}"
         if eta == 0:
@@ -72,7 +75,7 @@ def test_ticket_order_bounds_lag_under_random_timing(seed, eta):
         assert_accounting(ex, trained)
         assert counts["trained"] == 200 * 4 and counts["dropped:stale"] == 0
         assert counts["failed:exception"] > 0
-        assert ex.metrics["rollout/lag_max"] <= eta
+        assert last[0].metrics["rollout/lag_max"] <= eta
     if eta > 0:
         assert max(lags) > 0  # asynchrony actually happened
 
@@ -81,19 +84,20 @@ def test_ticket_order_bounds_lag_under_random_timing(seed, eta):
 def test_completion_order_drops_stale_groups_and_counts_them():
     cfg = make_cfg({"max_staleness": 1, "batch_size": 4, "max_concurrent": 8, "batch_order": "completion"})
     eng = engine(3, delay_s=lambda r: 0.06 if r.sample_id % 9 == 0 else 0.001)
-    stale_seen = 0
+    stale_seen, last = 0, []
 
-    def check(batch, v):
+    def check(got, v):
         nonlocal stale_seen
-        assert (v - batch.versions[batch.loss_mask]).max() <= 1
-        stale_seen += ex.metrics.get("rollout/step_dropped/stale", 0)
+        last[:] = [got]
+        assert (v - got.batch.versions[got.batch.loss_mask]).max() <= 1
+        stale_seen += got.metrics.get("rollout/step_dropped/stale", 0)
 
     with WorkflowExecutor(TokenWorkflow(cfg), eng, DATASET, cfg) as ex:
         trained = train(ex, eng, 60, check=check)
         counts = ex.counts()
     assert_accounting(ex, trained)
     assert counts["dropped:stale"] > 0 and counts["dropped:stale"] == stale_seen
-    assert ex.metrics["rollout/dropped_stale"] == counts["dropped:stale"]
+    assert last[0].metrics["rollout/dropped_stale"] == counts["dropped:stale"]
 
 
 @pytest.mark.timeout(30)
@@ -122,7 +126,7 @@ def test_consecutive_failures_stop_with_the_root_cause():
     cfg = make_cfg({"max_consecutive_failures": 5})
     with WorkflowExecutor(TokenWorkflow(cfg, fail_rate=1.0), engine(delay_s=0.0), DATASET, cfg) as ex:
         with pytest.raises(RolloutError, match=r"(?s)5 episodes failed in a row.*failed:exception.*RuntimeError: scripted episode failure"):
-            ex.prepare_batch(0, timeout=10)
+            ex.next_batch(0, timeout=10)
 
 
 @pytest.mark.timeout(30)
@@ -136,7 +140,7 @@ def test_engine_crash_stops_training_at_once_with_its_traceback():
         assert time.monotonic() - start < 5
         assert ex.counts()["failed:engine_crash"] >= 1
         with pytest.raises(EngineCrashed):  # stays stopped
-            ex.prepare_batch(ex.version, timeout=1)
+            ex.next_batch(ex.version, timeout=1)
 
 
 @pytest.mark.timeout(30)
@@ -198,7 +202,7 @@ def test_state_dict_round_trip_reissues_in_flight_samples_first(tmp_path):
         time.sleep(0.05)
         state = ex.state_dict()
         t0 = time.monotonic()
-        ex.stop(timeout=2)
+        ex.close(timeout=2)
         assert time.monotonic() - t0 < 2.5  # bounded although episodes are stuck
     finally:
         hold.set()
@@ -267,9 +271,9 @@ def test_user_multi_turn_workflow_runs_through_the_executor():
     eng = engine(delay_s=(0.0, 0.002), eos_prob=0.3)
     batches = []
     with WorkflowExecutor(TwoTurnWorkflow(cfg), eng, DATASET, cfg) as ex:
-        train(ex, eng, 3, check=lambda b, v: batches.append(b))
-    batch = batches[-1]
-    assert [g.metadata["sample_id"] for g in ex.last_groups] == ex.last_batch_sample_ids
+        train(ex, eng, 3, check=lambda got, v: batches.append(got))
+    batch = batches[-1].batch
+    assert [g.metadata["sample_id"] for g in batches[-1].groups] == list(batches[-1].sample_ids)
     for row in range(batch.input_ids.shape[0]):
         ids = batch.input_ids[row][batch.attention_mask[row]]
         mask = batch.loss_mask[row][batch.attention_mask[row]]
@@ -291,7 +295,7 @@ def test_publish_order_and_resume_version_are_enforced():
     with pytest.raises(RolloutError, match=r"set_version\(1\) while the engine serves version 0: call engine.update_weights"):
         ex.set_version(1)
     with pytest.raises(RolloutError, match="executor is at version 0"):
-        ex.prepare_batch(1, timeout=1)
+        ex.next_batch(1, timeout=1)
     state = ex.state_dict()
     with pytest.raises(RolloutError, match="rollout state is at version 0 but the engine serves 2"):
         WorkflowExecutor(TokenWorkflow(cfg), engine(version=2), DATASET, cfg).load_state_dict(state)
@@ -310,7 +314,7 @@ def test_an_engine_crash_wrapped_by_the_workflow_still_stops_training():
 
     with WorkflowExecutor(Wrapping(cfg), engine(crash_after_calls=0, delay_s=0.0), DATASET, cfg) as ex:
         with pytest.raises(EngineCrashed, match="scripted crash"):
-            ex.prepare_batch(0, timeout=10)
+            ex.next_batch(0, timeout=10)
 
 
 @pytest.mark.timeout(30)
@@ -338,9 +342,9 @@ def test_zero_variance_budget_holds_per_step_in_the_executor():
     eng = engine(delay_s=(0.0, 0.002))
     per_step, shares = [], []
 
-    def check(batch, v):
-        per_step.append(ex.metrics.get("rollout/step_dropped/zero_variance", 0))
-        shares.append(ex.metrics["rollout/zero_variance_share"])
+    def check(got, v):
+        per_step.append(got.metrics.get("rollout/step_dropped/zero_variance", 0))
+        shares.append(got.metrics["rollout/zero_variance_share"])
 
     with WorkflowExecutor(TokenWorkflow(cfg), eng, DATASET, cfg) as ex:
         trained = train(ex, eng, 20, check=check)
@@ -350,7 +354,7 @@ def test_zero_variance_budget_holds_per_step_in_the_executor():
 
 
 @pytest.mark.timeout(30)
-def test_prepare_batch_abandoned_while_waiting_consumes_nothing():
+def test_next_batch_abandoned_while_waiting_consumes_nothing():
     """A shutdown request ends the wait for rollouts (within a second), nothing consumed; the
     state saved then re-issues the stuck samples."""
     from asyncrl.rollout.executor import BatchAbandoned
@@ -366,7 +370,7 @@ def test_prepare_batch_abandoned_while_waiting_consumes_nothing():
         threading.Timer(0.2, requested.set).start()
         started = time.monotonic()
         with pytest.raises(BatchAbandoned, match="nothing consumed"):
-            ex.prepare_batch(1, timeout=20, abandon_if=requested.is_set)
+            ex.next_batch(1, timeout=20, abandon_if=requested.is_set)
         assert time.monotonic() - started < 2.5
         counts = ex.counts()
         assert counts["trained"] == 4 and counts["in_flight"] == 4

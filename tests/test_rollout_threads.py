@@ -39,7 +39,7 @@ def engine() -> FakeEngine:
 
 def run_steps(ex: WorkflowExecutor, eng: FakeEngine, steps: int, each_step=lambda: None) -> None:
     for v in range(ex.version, ex.version + steps):
-        ex.prepare_batch(v, timeout=20)
+        ex.next_batch(v, timeout=20)
         each_step()
         eng.update_weights(None, v + 1)
         ex.set_version(v + 1)

@@ -95,10 +95,11 @@ def test_prompt_too_long_is_a_counted_skip(tokenizer):
     dataset = [{"prompt": "1+1=?", "answer": "2"}, {"prompt": "a very long prompt", "answer": "x"}]
     engine = scripted_engine(tokenizer, ["2", "3"])
     with WorkflowExecutor(workflow, engine, dataset, cfg) as ex:
-        batch = ex.prepare_batch(0, timeout=10)
+        got = ex.next_batch(0, timeout=10)
+        batch = got.batch
         counts = ex.counts()
     assert counts["dropped:prompt_too_long"] >= 1 and counts["trained"] == 2
-    assert set(ex.last_batch_sample_ids) <= {0, 2, 4, 6}
+    assert set(got.sample_ids) <= {0, 2, 4, 6}
     np.testing.assert_allclose(batch.rewards, [1, 0, 1, 0])
 
 

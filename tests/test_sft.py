@@ -57,7 +57,7 @@ def test_example_layout(tiny):
     cfg, task, workflow = make(tiny)
     eos = tiny.stop_token_ids[0]
     data = SFTData.for_task(task, workflow, cfg, eos_token_id=eos, row_multiple=8, batch_size=5)
-    batch = data.next_batch()
+    batch = data.next_batch().batch
     assert batch.input_ids.shape[0] == 8 and batch.input_ids.shape[1] % 16 == 0
     assert list(batch.group_index) == [0, 1, 2, 3, 4, -1, -1, -1]
     assert not batch.attention_mask[5:].any() and not batch.loss_mask[5:].any()
@@ -81,7 +81,7 @@ def test_loss_ignores_prompt_labels_and_trains_every_response_token(tiny):
     unchanged; on a response-only batch every response token gets gradient -1/N."""
     cfg, task, workflow = make(tiny)
     graphdef, params = tiny.split()
-    batch = SFTData.for_task(task, workflow, cfg, eos_token_id=tiny.stop_token_ids[0], batch_size=4).next_batch()
+    batch = SFTData.for_task(task, workflow, cfg, eos_token_id=tiny.stop_token_ids[0], batch_size=4).next_batch().batch
     ids, attn, mask = (jnp.asarray(x) for x in (batch.input_ids, batch.attention_mask, batch.loss_mask))
     den = aggregation_denominators(mask, jnp.asarray(batch.group_index >= 0))
 
@@ -120,17 +120,17 @@ def test_step_loss_matches_numpy_and_micro_batching_is_exact(tiny):
     cfg2, _, _ = make(tiny, "optim.optimizer=sgd", micro_batches=2)
     graphdef, params = tiny.split()
     batch = SFTData.for_task(task, workflow, cfg1, eos_token_id=tiny.stop_token_ids[0], row_multiple=2,
-                             batch_size=7).next_batch()
+                             batch_size=7).next_batch().batch
     assert batch.input_ids.shape[0] == 8 and batch.group_index[-1] == -1
     reference = numpy_nll(tiny, params, batch)
     one, two = Trainer(cfg1, graphdef, params, objective="sft"), Trainer(cfg2, graphdef, params, objective="sft")
     total, tokens = one.nll(batch)
     assert tokens == int(batch.loss_mask.sum()) and total / tokens == pytest.approx(reference, rel=1e-5)
     m1, m2 = one.step(batch), two.step(batch)
-    assert m1["train/sft_loss"] == pytest.approx(reference, rel=1e-5)
-    assert m2["train/sft_loss"] == pytest.approx(m1["train/sft_loss"], rel=1e-6)
+    assert m1["loss/sft"] == pytest.approx(reference, rel=1e-5)
+    assert m2["loss/sft"] == pytest.approx(m1["loss/sft"], rel=1e-6)
     assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=1e-5)
-    assert m1["train/trained_tokens"] == batch.loss_mask.sum() and "train/loss" not in m1
+    assert m1["train/trained_tokens"] == batch.loss_mask.sum() and "loss/total" not in m1
     diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(two.params)))
     assert diff < 1e-7
@@ -143,7 +143,7 @@ def test_too_long_examples_are_counted_skips(tiny):
     # copy with 2-4 digits: prompt 5 + n tokens, response n + EOS -> 2n + 6 tokens; cap 12 keeps n <= 3.
     cfg, task, workflow = make(tiny, "rollout.max_seq_len=12", "data.max_prompt_tokens=8", "rollout.max_new_tokens=4")
     data = SFTData.for_task(task, workflow, cfg, eos_token_id=tiny.stop_token_ids[0], batch_size=16)
-    batch = data.next_batch()
+    batch = data.next_batch().batch
     drawn = [data.samples.sample(i) for i in range(data.position)]
     long = sum(len(s["answer"]) == 4 for s in drawn)
     assert long > 0 and data.skipped_too_long == long and data.position == 16 + long
@@ -156,7 +156,7 @@ def test_too_long_examples_are_counted_skips(tiny):
     cfg_short, _, _ = make(tiny, "rollout.max_seq_len=9", "data.max_prompt_tokens=5", "rollout.max_new_tokens=4")
     with pytest.raises(DataError, match="longer than Config.max_seq_len"):
         SFTData.for_task(synthetic_task("copy", seed=0, train_size=8, min_digits=4), workflow, cfg_short,
-                         eos_token_id=tiny.stop_token_ids[0], batch_size=2).next_batch()
+                         eos_token_id=tiny.stop_token_ids[0], batch_size=2).next_batch().batch
 
 
 def test_order_is_seeded_and_resumable(tiny):
@@ -165,24 +165,24 @@ def test_order_is_seeded_and_resumable(tiny):
     cfg, task, workflow = make(tiny)
     eos = tiny.stop_token_ids[0]
     a = SFTData.for_task(task, workflow, cfg, eos_token_id=eos, batch_size=8)
-    first = [a.next_batch() for _ in range(3)]
+    first = [a.next_batch().batch for _ in range(3)]
     b = SFTData.for_task(task, workflow, cfg, eos_token_id=eos, batch_size=8)
     b.next_batch(); b.next_batch()
     resumed = SFTData.for_task(task, workflow, cfg, eos_token_id=eos, batch_size=8)
     resumed.load_state_dict(b.state_dict())
-    assert np.array_equal(resumed.next_batch().input_ids, first[2].input_ids)
-    again = SFTData.for_task(task, workflow, cfg, eos_token_id=eos, batch_size=8).next_batch()
+    assert np.array_equal(resumed.next_batch().batch.input_ids, first[2].input_ids)
+    again = SFTData.for_task(task, workflow, cfg, eos_token_id=eos, batch_size=8).next_batch().batch
     assert np.array_equal(again.input_ids, first[0].input_ids)
     cfg_other, _, _ = make(tiny, "run.seed=1")
-    other = SFTData.for_task(task, workflow, cfg_other, eos_token_id=eos, batch_size=8).next_batch()
+    other = SFTData.for_task(task, workflow, cfg_other, eos_token_id=eos, batch_size=8).next_batch().batch
     assert not np.array_equal(other.input_ids, first[0].input_ids)
 
     no_response = [{k: v for k, v in s.items() if k != "response"} for s in task.train[:8]]
-    solved = SFTData(no_response, workflow, cfg, eos_token_id=eos, solver=task.solver, batch_size=8).next_batch()
-    direct = SFTData(list(task.train[:8]), workflow, cfg, eos_token_id=eos, batch_size=8).next_batch()
+    solved = SFTData(no_response, workflow, cfg, eos_token_id=eos, solver=task.solver, batch_size=8).next_batch().batch
+    direct = SFTData(list(task.train[:8]), workflow, cfg, eos_token_id=eos, batch_size=8).next_batch().batch
     assert np.array_equal(solved.input_ids, direct.input_ids)
     with pytest.raises(DataError, match="response_field"):
-        SFTData(no_response, workflow, cfg, eos_token_id=eos, batch_size=8).next_batch()
+        SFTData(no_response, workflow, cfg, eos_token_id=eos, batch_size=8).next_batch().batch
 
 
 def test_gsm8k_sft_config_runs_two_steps_on_tiny(tiny):
@@ -195,17 +195,17 @@ def test_gsm8k_sft_config_runs_two_steps_on_tiny(tiny):
     cfg = load_config("configs/gsm8k_sft.yaml", ["model.path=tiny", f"data.dataset.kwargs.path={path}",
                                                  "sft.batch_size=8", "model.compute_dtype=float32"])
     assert cfg.data.dataset.target == "gsm8k" and cfg.max_seq_len == 512
-    from asyncrl.train import build_task_and_workflow
+    from asyncrl.build import build_task_and_workflow
 
     cfg, task, workflow = build_task_and_workflow(cfg, tiny.tokenizer)
     graphdef, params = tiny.split()
     trainer = Trainer(cfg, graphdef, params, objective="sft")
     data = SFTData.for_task(task, workflow, cfg, eos_token_id=tiny.stop_token_ids[0], row_multiple=trainer.row_multiple)
     for _ in range(2):
-        batch = data.next_batch()
+        batch = data.next_batch().batch
         assert (batch.input_ids[batch.attention_mask] == tiny.tokenizer.unk_token_id).any()
         metrics = trainer.step(batch)
-        assert np.isfinite(metrics["train/sft_loss"]) and metrics["train/skipped_updates"] == 0
+        assert np.isfinite(metrics["loss/sft"]) and metrics["train/skipped_updates"] == 0
     assert trainer.version == 2 and data.position >= 16
     assert data.metrics()["sft/skipped_too_long"] == data.position - 16
 
@@ -227,7 +227,7 @@ def test_sft_raises_greedy_exact_match_on_copy(tiny):
     before, loss_before = accuracy(), eval_loss(trainer, held_out)["eval/loss"]
     assert before <= 0.05
     for _ in range(200):
-        trainer.step(data.next_batch())
+        trainer.step(data.next_batch().batch)
     after, loss_after = accuracy(), eval_loss(trainer, held_out)["eval/loss"]
     assert after >= 0.5, (before, after, loss_before, loss_after)
     assert loss_after < loss_before / 4

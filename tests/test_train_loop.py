@@ -62,7 +62,7 @@ def test_metrics_jsonl_and_tensorboard_names(quick_run):
     # step 0: eval before training; every row tagged with its stage
     assert [(row["step"], row["stage"]) for row in rows] == [(0, "sft"), (1, "sft"), (2, "sft"), (3, "rl"), (4, "rl"), (5, "rl")]
     sft_names = {"loss/sft", "sft/samples_drawn", "perf/step_time", "perf/trained_tokens_per_s", "eval/reward", "eval/loss",
-                 "perf/train_tokens_per_train_s"}
+                 "perf/train_tokens_per_train_s", "perf/train_time"}
     assert sft_names <= set(rows[2]), sorted(sft_names - set(rows[2]))
     last = rows[-1]
     rl_names = {
@@ -150,7 +150,8 @@ def test_synchronous_run_trains_only_current_tokens(tmp_path):
 
 
 def test_output_dir_of_an_earlier_run_is_refused(quick_run):
-    from asyncrl.train import RunDirError, train
+    from asyncrl.rundir import RunDirError
+    from asyncrl.train import train
 
     cfg, _, out, _ = quick_run
     with pytest.raises(RunDirError, match="already holds a run"):

@@ -83,6 +83,9 @@ def test_state_dict_round_trip_continues_identically(tiny):
     a.step(make_batch(seed=7))
     metrics = b.step(make_batch(seed=7))
     assert compile_count() == compiled == metrics["perf/compile_count"]  # equal configs share the jitted step
+    # Final names, made here: the loss under loss/, the trainer's own time (never the loop's step_time).
+    assert {"loss/total", "loss/pg", "perf/train_time", "perf/train_tokens_per_train_s", "train/grad_norm"} <= set(metrics)
+    assert not {"perf/step_time", "perf/trained_tokens_per_s", "train/loss", "train/pg_loss"} & set(metrics)
     assert max_diff(host(a.params), host(b.params)) == 0.0
 
 

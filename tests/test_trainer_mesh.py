@@ -41,7 +41,7 @@ for mesh, micro in [((4, 2, 1), 2), ((1, 4, 2), 1)]:
     assert len(q.sharding.device_set) == 8 and not q.sharding.is_fully_replicated, q.sharding
     diff = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(out)))
     assert diff < 1e-5, (mesh, diff)
-    assert abs(m["train/loss"] - m1["train/loss"]) < 1e-5, (mesh, m["train/loss"], m1["train/loss"])
+    assert abs(m["loss/total"] - m1["loss/total"]) < 1e-5, (mesh, m["loss/total"], m1["loss/total"])
     print(mesh, "max param diff", diff)
 """
 
@@ -73,7 +73,7 @@ metrics = trainer.step(mine)
 state = trainer.state_dict()  # gathers to the host
 if pid == 0:
     leaves = jax.tree.leaves(state["params"])
-    np.savez(out, loss=metrics["train/loss"], *leaves)
+    np.savez(out, loss=metrics["loss/total"], *leaves)
 print("done", pid)
 """
 
@@ -115,7 +115,7 @@ def test_two_processes_compute_the_single_process_step(tmp_path):
     for proc, log in zip(procs, logs):
         assert proc.returncode == 0, log
     two = np.load(out)
-    assert abs(float(two["loss"]) - metrics["train/loss"]) < 1e-5
+    assert abs(float(two["loss"]) - metrics["loss/total"]) < 1e-5
     diffs = [float(np.abs(two[f"arr_{i}"] - ref).max()) for i, ref in enumerate(reference)]
     assert max(diffs) < 1e-5, max(diffs)
     moved = max(float(np.abs(a - np.asarray(b)).max()) for a, b in zip(reference, jax.tree.leaves(params)))

@@ -1,7 +1,7 @@
 """The asynchronous rollout core: trajectories, the staleness ledger, the queue, workflows,
 the executor and prepare_batch. Imports no jax."""
 
-from asyncrl.rollout.batch import prepare_batch
+from asyncrl.rollout.batch import BatchSource, PreparedBatch, prepare_batch
 from asyncrl.rollout.executor import WorkflowExecutor
 from asyncrl.rollout.ledger import StalenessLedger
 from asyncrl.rollout.queue import QueueClosed, SimpleDataQueue
@@ -11,5 +11,5 @@ from asyncrl.rollout.workflow import RewardFunction, RolloutWorkflow, SingleTurn
 __all__ = [
     "Trajectory", "TrajectoryGroup", "TrainBatch", "TrajectoryBuilder", "SimpleDataQueue", "QueueClosed",
     "StalenessLedger", "RolloutWorkflow", "SingleTurnWorkflow", "RewardFunction", "SkipSample", "build_workflow",
-    "WorkflowExecutor", "prepare_batch",
+    "WorkflowExecutor", "prepare_batch", "PreparedBatch", "BatchSource",
 ]

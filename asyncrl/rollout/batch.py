@@ -1,4 +1,5 @@
-"""prepare_batch: ordered groups in, one validated, padded TrainBatch out. Pure.
+"""prepare_batch: ordered groups in, one validated, padded TrainBatch out. Pure. And what a
+batch source hands the loop per step (:class:`PreparedBatch`, :class:`BatchSource`).
 
 ``prepare_batch(groups, version, cfg)`` walks ``groups`` in the order given (ticket order or
 completion order: the caller decides) and keeps the first ``B = rollout.batch_size`` groups
@@ -20,15 +21,57 @@ The walk stops at the B-th kept group, so the groups it examined are exactly the
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+import dataclasses
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 
 from asyncrl.config import Config
-from asyncrl.errors import TrajectorySchemaError
+from asyncrl.errors import RolloutError, TrajectorySchemaError
 from asyncrl.rollout.trajectory import RULES, TrainBatch, TrajectoryGroup, check_batch, violation_message
 
 log = logging.getLogger(__name__)
+
+
+class BatchAbandoned(RolloutError):
+    """``next_batch`` stopped waiting because its ``abandon_if`` said so; nothing was consumed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedBatch:
+    """One trainer step's input, as a :class:`BatchSource` made it."""
+
+    batch: TrainBatch
+    """The padded batch, ``[rows, L]`` arrays (rows: the groups' trajectories, then padding)."""
+    groups: tuple[TrajectoryGroup, ...] = ()
+    """The groups in the batch, in ``group_index`` order (RL; empty for SFT)."""
+    sample_ids: tuple[int, ...] = ()
+    """The sample id of each group (RL) or example (SFT), in batch order."""
+    metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """The source's metrics as of this batch (``rollout/*`` or ``sft/*``), final names."""
+
+
+class BatchSource(Protocol):
+    """What a stage of the loop (:func:`asyncrl.train.run_stage`) trains on: the RL stage's
+    :class:`~asyncrl.rollout.executor.WorkflowExecutor`, the SFT stage's :class:`~asyncrl.sft.SFTData`."""
+
+    def next_batch(self, version: int, timeout: Optional[float] = None, *,
+                   abandon_if: Optional[Callable[[], bool]] = None) -> PreparedBatch:
+        """The batch of the trainer step starting from ``version``; may wait up to ``timeout`` s,
+        polling ``abandon_if`` (True: give up with :class:`BatchAbandoned`, nothing consumed)."""
+        ...
+
+    def set_version(self, version: int) -> None:
+        """The engine now serves ``version`` (called after each publish)."""
+        ...
+
+    def state_dict(self) -> Any:
+        """What a checkpoint keeps so that a resumed run continues with the very next batch."""
+        ...
+
+    def close(self) -> None:
+        """Stop background work; returns promptly."""
+        ...
 
 
 def group_name(group: TrajectoryGroup) -> str:

@@ -6,9 +6,10 @@ executor's lock, to a fixed pool of ``rollout.max_concurrent`` daemon worker thr
 by :meth:`WorkflowExecutor.start` (so the number of live threads is constant). A worker
 runs ``workflow.run_episode(engine, sample)``, checks the group against the trajectory schema,
 and puts it on the :class:`SimpleDataQueue`. The trainer's thread calls
-:meth:`WorkflowExecutor.prepare_batch`, which drains the queue, applies the consumption
-filters through the pure :func:`~asyncrl.rollout.batch.prepare_batch`, and records every
-decision in the ledger.
+:meth:`WorkflowExecutor.next_batch`, which drains the queue, applies the consumption
+filters through the pure :func:`~asyncrl.rollout.batch.prepare_batch`, records every decision in
+the ledger, and returns a :class:`~asyncrl.rollout.batch.PreparedBatch` (batch, groups, sample ids,
+metrics): the executor is the RL stage's :class:`~asyncrl.rollout.batch.BatchSource`.
 
 Failure handling:
 
@@ -16,10 +17,10 @@ Failure handling:
   ``rollout.episode_timeout_s`` (``failed:timeout``; its worker is abandoned and one
   replacement worker started, so the pool keeps its size) is counted and its slot
   refilled; ``rollout.max_consecutive_failures`` in a row stop training with the root
-  cause, raised from ``prepare_batch``;
+  cause, raised from ``next_batch``;
 * :class:`~asyncrl.errors.EngineCrashed` from the engine stops training at once: the queue is
-  closed, admission stops, and ``prepare_batch`` raises it (with the engine's traceback);
-* every wait has a timeout or is woken by ``stop()``/a fatal error; ``stop()`` returns
+  closed, admission stops, and ``next_batch`` raises it (with the engine's traceback);
+* every wait has a timeout or is woken by ``close()``/a fatal error; ``close()`` returns
   within its timeout. Idle workers exit at once; workers still running an episode then are
   abandoned (daemons) and exit when it returns; those samples stay ``in_flight`` in the ledger
   and are re-issued after a restore.
@@ -42,7 +43,7 @@ from asyncrl.config import Config
 from asyncrl.data import sample_at
 from asyncrl.engine.protocol import InferenceEngine
 from asyncrl.errors import EngineCrashed, RolloutError, TrajectorySchemaError
-import asyncrl.rollout.batch as batch_lib
+from asyncrl.rollout.batch import BatchAbandoned, PreparedBatch, prepare_batch, select_groups
 from asyncrl.rollout.ledger import QUEUED, StalenessLedger
 from asyncrl.rollout.queue import QueueClosed, SimpleDataQueue
 from asyncrl.rollout.trajectory import TrainBatch, TrajectoryGroup, check_group
@@ -57,10 +58,6 @@ FAILURES_LOGGED_IN_FULL = 3
 FAILURE_SUMMARY_EVERY_S = 60.0
 NOT_COUNTED_AS_DROPS = ("stale", "zero_variance")
 """Drop reasons that are part of normal operation, never a sign that nothing can be trained."""
-
-
-class BatchAbandoned(RolloutError):
-    """``prepare_batch`` stopped waiting because its ``abandon_if`` said so; nothing was consumed."""
 
 
 @dataclasses.dataclass
@@ -114,7 +111,7 @@ class WorkflowExecutor:
         self._pending: collections.deque[_Episode] = collections.deque()
         """Admitted episodes no worker has taken yet (also in ``_running``, so their deadline counts)."""
         self._work = threading.Condition(self._lock)
-        """Wakes idle workers: an episode was admitted, or ``stop()``."""
+        """Wakes idle workers: an episode was admitted, or ``close()``."""
         self._workers_started = 0
         self._recent_latencies: collections.deque = collections.deque(maxlen=512)
         self._fatal: Optional[BaseException] = None
@@ -128,12 +125,6 @@ class WorkflowExecutor:
         self._metrics_error_logged = False
         self._stopping = threading.Event()
         self._dispatcher: Optional[threading.Thread] = None
-        self.metrics: dict[str, float] = {}
-        """Metrics of the last ``prepare_batch`` (queue depth, in-flight, counts, lag, latency, wait)."""
-        self.last_batch_sample_ids: list[int] = []
-        """Sample ids of the groups in the last batch, in batch (group_index) order."""
-        self.last_groups: list[TrajectoryGroup] = []
-        """The groups of the last batch, in batch (group_index) order (for reward metrics and dumps)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -148,7 +139,7 @@ class WorkflowExecutor:
         self._dispatcher.start()
         return self
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 5.0) -> None:
         """Stop admitting, wake every waiter and return within ``timeout`` seconds."""
         self._stopping.set()
         self._queue.close()
@@ -162,7 +153,7 @@ class WorkflowExecutor:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        self.close()
 
     def set_version(self, version: int) -> None:
         """The engine now serves ``version`` (call after ``engine.update_weights`` returned)."""
@@ -228,7 +219,7 @@ class WorkflowExecutor:
     # ------------------------------------------------------------------ episodes
 
     def _worker_loop(self) -> None:
-        """Run admitted episodes one at a time until ``stop()`` or until this worker is abandoned."""
+        """Run admitted episodes one at a time until ``close()`` or until this worker is abandoned."""
         try:
             while True:
                 with self._work:
@@ -247,8 +238,8 @@ class WorkflowExecutor:
         """Run one episode and record its outcome; False when this worker must exit (the episode
         timed out, so a replacement took its place, or the executor was stopped)."""
         group: Optional[TrajectoryGroup] = None
-        outcome, detail = "ok", ""
         error: Optional[BaseException] = None
+        outcome, detail = "ok", ""
         try:
             sample = dict(sample_at(self.dataset, episode.sample_id))  # type: ignore[arg-type]  # a Sequence of Mappings reads like dicts
             sample["sample_id"] = episode.sample_id
@@ -285,14 +276,10 @@ class WorkflowExecutor:
                 return False  # timed out (already counted) or stopped (stays in flight for reissue)
             del self._running[episode.ticket]
             self._wake.notify_all()
-            if outcome == "crash":
-                assert error is not None  # set with the outcome
-                self.ledger.fail(episode.ticket, "engine_crash")
-                self._set_fatal(error, error)
-            elif outcome == "reward_stop":
-                assert error is not None  # set with the outcome
-                self.ledger.fail(episode.ticket, "exception")
-                self._set_fatal(error, None)
+            if outcome in ("crash", "reward_stop"):
+                assert error is not None  # both outcomes carry their exception
+                self.ledger.fail(episode.ticket, "engine_crash" if outcome == "crash" else "exception")
+                self._set_fatal(error, error if outcome == "crash" else None)
             elif outcome == "skip":
                 self.ledger.drop(episode.ticket, detail)
                 self._skips_in_a_row += 1
@@ -316,7 +303,7 @@ class WorkflowExecutor:
                     # Never blocks: the admission rule keeps queued groups below the capacity.
                     self._queue.put((episode.ticket, group), timeout=_MAX_WAIT_S)
                 except QueueClosed:
-                    self._ready[episode.ticket] = group  # keep it for state_dict after stop
+                    self._ready[episode.ticket] = group  # keep it for state_dict after close
                 except Exception as err:  # queue.Full: the capacity invariant is broken
                     self._set_fatal(RolloutError(f"rollout queue full ({self._queue.capacity}): {err}"), err)
         return True
@@ -378,7 +365,7 @@ class WorkflowExecutor:
             if cause is not None and cause is not error:
                 error.__cause__ = cause
             self._fatal = error
-        self._queue.close()  # wakes prepare_batch at once
+        self._queue.close()  # wakes next_batch at once
         self._wake.notify_all()
 
     def _raise_fatal(self) -> None:
@@ -387,11 +374,13 @@ class WorkflowExecutor:
 
     # ------------------------------------------------------------------ batches
 
-    def prepare_batch(self, version: int, timeout: Optional[float] = None, *,
-                      abandon_if: Optional[Callable[[], bool]] = None) -> TrainBatch:
-        """The batch for the trainer step starting from ``version`` (the served version).
+    def next_batch(self, version: int, timeout: Optional[float] = None, *,
+                   abandon_if: Optional[Callable[[], bool]] = None) -> PreparedBatch:
+        """The batch for the trainer step starting from ``version`` (the served version), with
+        its groups and sample ids (batch ``group_index`` order) and the step's rollout metrics
+        (queue depth, in-flight, counts, lag, latency, wait, drops, the workflow's own).
 
-        Waits up to ``timeout`` seconds (None: forever, still woken by errors and ``stop``).
+        Waits up to ``timeout`` seconds (None: forever, still woken by errors and ``close``).
         ``abandon_if`` is polled while waiting (at least every second): once it returns True
         the wait ends with :class:`BatchAbandoned`, nothing consumed (a shutdown request).
         Raises the engine's :class:`EngineCrashed`, a :class:`RolloutError` (too many failures,
@@ -406,7 +395,7 @@ class WorkflowExecutor:
         with self._wake:
             if version != self.ledger.version:
                 raise RolloutError(
-                    f"prepare_batch(version={version}) but the executor is at version {self.ledger.version}: "
+                    f"next_batch(version={version}) but the executor is at version {self.ledger.version}: "
                     "a batch is prepared with the version it will be trained at (publish, then set_version)"
                 )
             while True:
@@ -415,7 +404,7 @@ class WorkflowExecutor:
                     self._ready[ticket] = group
                 tickets = self.ledger.candidates(rollout.batch_order)
                 groups = [self._ready[t] for t in tickets]
-                kept, dropped = batch_lib.select_groups(groups, version, self.cfg, filter_budget=budget - filtered)
+                kept, dropped = select_groups(groups, version, self.cfg, filter_budget=budget - filtered)
                 if kept:
                     self._drops_in_a_row = 0
                 for index, reason in dropped:
@@ -432,37 +421,36 @@ class WorkflowExecutor:
                     self._wake.notify_all()
                 if len(kept) == rollout.batch_size:
                     chosen = [tickets[i] for i in kept]
-                    batch, more = batch_lib.prepare_batch(
+                    batch, more = prepare_batch(
                         [self._ready[t] for t in chosen], version, self.cfg,
                         row_multiple=self.row_multiple, filter_budget=budget - filtered,
                     )
                     assert not more, "prepare_batch dropped a group select_groups kept"
-                    self.last_batch_sample_ids = [self.ledger.sample_id(t) for t in chosen]
+                    sample_ids = tuple(self.ledger.sample_id(t) for t in chosen)
                     self.ledger.consume(chosen)
-                    kept_groups = [self._ready.pop(t) for t in chosen]
-                    self.last_groups = kept_groups
+                    kept_groups = tuple(self._ready.pop(t) for t in chosen)
                     self._wake.notify_all()
-                    self._update_metrics(batch, kept_groups, version, time.monotonic() - started, dropped_now)
-                    return batch
+                    metrics = self._step_metrics(batch, kept_groups, version, time.monotonic() - started, dropped_now)
+                    return PreparedBatch(batch, kept_groups, sample_ids, metrics)
                 if self._stopping.is_set():
-                    raise RolloutError("prepare_batch: the executor was stopped")
+                    raise RolloutError("next_batch: the executor was closed")
                 if abandon_if is not None and abandon_if():
                     raise BatchAbandoned(
-                        f"prepare_batch abandoned with {len(kept)} of {rollout.batch_size} groups ready; nothing consumed"
+                        f"next_batch abandoned with {len(kept)} of {rollout.batch_size} groups ready; nothing consumed"
                     )
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     blocking = self.ledger.in_flight_tickets()[:1]
                     raise RolloutError(
-                        f"prepare_batch timed out after {timeout} s with {len(kept)} of {rollout.batch_size} groups ready "
+                        f"next_batch timed out after {timeout} s with {len(kept)} of {rollout.batch_size} groups ready "
                         f"(batch_order {rollout.batch_order}, oldest in-flight ticket {blocking or 'none'}); "
                         f"counts: {self.ledger.counts()}"
                     )
                 # Every episode end, drop, publish, fatal error and stop notifies this condition.
                 self._wake.wait(_MAX_WAIT_S if remaining is None else min(remaining, _MAX_WAIT_S))
 
-    def _update_metrics(self, batch: TrainBatch, groups: list[TrajectoryGroup], version: int, waited: float,
-                        dropped_now: Mapping[str, int]) -> None:
+    def _step_metrics(self, batch: TrainBatch, groups: Sequence[TrajectoryGroup], version: int, waited: float,
+                      dropped_now: Mapping[str, int]) -> dict[str, float]:
         """Metrics of the step (lock held)."""
         self._log_failure_summary()
         lag = (version - batch.versions[batch.loss_mask]).astype(np.float64)
@@ -494,7 +482,7 @@ class WorkflowExecutor:
             workflow_metrics = {}
         for name, value in workflow_metrics.items():
             metrics[f"rollout/workflow/{name}"] = float(value)
-        self.metrics = metrics
+        return metrics
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -561,9 +549,10 @@ def _drop_hint(reason: str, cfg: Config) -> str:
 def _in_chain(err: Optional[BaseException], kind: type) -> Optional[BaseException]:
     """An exception of ``kind`` that a workflow wrapped in its own exception (cause or context)."""
     seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, kind):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
+    link: Optional[BaseException] = err
+    while link is not None and id(link) not in seen:
+        if isinstance(link, kind):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
     return None

@@ -44,7 +44,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import jax
 import jax.numpy as jnp
@@ -285,6 +285,19 @@ def _train_step_impl(
     metrics["trained_tokens"] = jnp.sum(mask)
     metrics["finite"] = finite
     return params, opt_state, metrics
+
+
+def step_metric_name(key: str) -> str:
+    """The logged name of a value of the jitted step: the loss and its terms under ``loss/``
+    (``loss`` -> ``loss/total``, ``pg_loss`` -> ``loss/pg``, ``sft_loss`` -> ``loss/sft``), the
+    behaviour/proximal log-prob gap as ``engine/logprob_gap``, everything else under ``train/``."""
+    if key == "loss":
+        return "loss/total"
+    if key.endswith("_loss"):
+        return "loss/" + key[: -len("_loss")]
+    if key == "logprob_gap":
+        return "engine/logprob_gap"
+    return f"train/{key}"
 
 
 def _lora_weights(frozen: Optional[Any], dropout: float, theta: Any, key: Optional[jax.Array] = None) -> Any:
@@ -545,26 +558,31 @@ class Trainer:
 
         placed = {}
         for name, value in fields.items():
-            local = device_order(value)
-            global_shape = (rows * jax.process_count(), *local.shape[1:])
-            placed[name] = jax.make_array_from_process_local_data(row_sharding(self.mesh, local.ndim), local, global_shape)
+            ordered = device_order(value)
+            global_shape = (rows * jax.process_count(), *ordered.shape[1:])
+            placed[name] = jax.make_array_from_process_local_data(row_sharding(self.mesh, ordered.ndim), ordered, global_shape)
         return placed, temperature
 
     # ------------------------------------------------------------------ the step
 
     def step(self, batch: Any) -> dict[str, float]:
-        """Run one trainer step on ``batch`` (a ``TrainBatch``); returns its metrics.
+        """Run one trainer step on ``batch`` (a ``TrainBatch``); returns its metrics under the
+        names the run logs them by (:func:`step_metric_name`; nothing renames them later).
 
-        Metrics (floats): ``train/loss`` and every term and diagnostic of
-        :func:`asyncrl.algo.policy_loss` under ``train/`` (means over the applied updates),
-        ``train/grad_norm`` (before clipping), ``train/update_norm``, ``train/lr``,
-        ``train/skipped_updates`` (this step), ``train/skipped_updates_total``,
-        ``train/trained_tokens``, ``train/version``, ``perf/step_time``, ``perf/trained_tokens_per_s``,
-        ``perf/compile_count``, ``perf/flops_per_s`` (model FLOPs, :func:`step_flops`).
+        Metrics (floats, means over the applied updates): ``loss/total`` and the loss's terms of
+        :func:`asyncrl.algo.policy_loss` as ``loss/pg``, ``loss/kl``, ``loss/entropy``; its other
+        diagnostics under ``train/`` (``train/kl_ref``, ``train/behave_weight_mean``...), except the
+        behaviour/proximal log-prob gap on trained tokens, ``engine/logprob_gap`` (the engine's
+        mismatch with the trainer); ``train/grad_norm`` (before clipping), ``train/update_norm``,
+        ``train/lr``, ``train/skipped_updates`` (this step), ``train/skipped_updates_total``,
+        ``train/trained_tokens``, ``train/version``; ``perf/train_time`` (this call's compute: the
+        loop's ``perf/step_time`` is the whole step), ``perf/train_tokens_per_train_s`` (trained
+        tokens over ``perf/train_time``), ``perf/compile_count``, ``perf/flops_per_s`` (model FLOPs,
+        :func:`step_flops`), ``memory/*``.
         Raises :class:`TrainerError` after ``optim.max_consecutive_nonfinite`` skipped updates in a row.
 
-        With ``objective="sft"`` the loss is ``train/sft_loss`` (token-mean negative log-likelihood
-        of the trained tokens, at temperature 1 whatever ``batch.temperature``; no ``train/loss``)
+        With ``objective="sft"`` the loss is ``loss/sft`` (token-mean negative log-likelihood
+        of the trained tokens, at temperature 1 whatever ``batch.temperature``; no ``loss/total``)
         and ``train/entropy``, with the same optimizer, norm, count and perf metrics.
         """
         start = time.perf_counter()
@@ -598,13 +616,13 @@ class Trainer:
         rows, length = batch.input_ids.shape
         flops = step_flops(self._matmul_params, self.model_cfg, self._step_algo, self.spec.ppo_epochs,
                            rows * jax.process_count(), length, train_passes=2 if self.lora is not None else 3)
-        metrics = {f"train/{k}": float(v) for k, v in out.items()}
+        metrics = {step_metric_name(k): float(v) for k, v in out.items()}
         metrics.update({
             "train/skipped_updates": float(skipped),
             "train/skipped_updates_total": float(self.skipped_updates_total),
             "train/version": float(self.version),
-            "perf/step_time": elapsed,
-            "perf/trained_tokens_per_s": float(out["trained_tokens"]) / elapsed,
+            "perf/train_time": elapsed,
+            "perf/train_tokens_per_train_s": float(out["trained_tokens"]) / elapsed,
             "perf/compile_count": float(compile_count()),
             "perf/flops_per_s": flops / elapsed,
             **self.memory_metrics,

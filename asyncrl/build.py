@@ -1,0 +1,150 @@
+"""The builders that training and ``asyncrl eval`` share: a stage's task (dataset), rewards
+and workflow, the start-up checks of every stage (:func:`preflight`), the inference engine,
+and the per-episode metric means that both the loop and eval report.
+
+Nothing here imports the loop (:mod:`asyncrl.train`) or eval (:mod:`asyncrl.evaluate`):
+both import this module, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from asyncrl.config import Config, RewardSpec
+from asyncrl.errors import AsyncRLError
+
+log = logging.getLogger(__name__)
+
+PROMPT_CHECK_SAMPLES = 2000
+"""At most this many train prompts (evenly spaced over the split) are tokenized at start-up."""
+
+
+def build_task_and_workflow(cfg: Config, tokenizer: Any) -> tuple[Config, Any, Any]:
+    """Resolve the dataset, default the rewards to the task's own, build the workflow."""
+    from asyncrl.registry import resolve
+    from asyncrl.rollout.workflow import build_reward_functions, build_workflow, check_reward_signatures
+
+    factory = resolve("dataset", cfg.data.dataset, where="data.dataset")
+    try:
+        task = factory(seed=cfg.run.seed)
+    except ValueError as err:  # the dataset's own checks (a negative size; UnicodeDecodeError is one too)
+        from asyncrl.data import DataError
+
+        raise DataError(f"data.dataset ({_target(cfg.data.dataset)}): {err}") from None
+    if not cfg.rewards:
+        if task.reward is None:
+            raise AsyncRLError("rewards: the config names no reward function and data.dataset has no default one")
+        cfg = cfg.model_copy(update={"rewards": [RewardSpec(fn=task.reward)]})
+    workflow = build_workflow(cfg, tokenizer)
+    # Every reward function must accept the documented call with this dataset's fields: a wrong
+    # signature is a config error now, not a run of fallback scores.
+    first = next(iter(task.train), None) or next(iter(task.eval), None)
+    if first is not None:
+        check_reward_signatures(build_reward_functions(cfg), first, workflow.prompt_field)
+    return cfg, task, workflow
+
+
+def preflight(cfg: Config, tokenizer: Any) -> list[tuple[Config, Any, Any]]:
+    """Build and check every stage's dataset, rewards and workflow before the first step of the
+    first stage, so a later stage's bad input is reported before anything trains. Returns
+    ``(stage config, task, workflow)`` per stage; errors name the stage and the field."""
+    from asyncrl.data import DataError
+
+    parts = []
+    for index, (stage, scfg) in enumerate(cfg.stage_configs()):
+        where = f"stages.{index} ({stage.name}): " if cfg.stages else ""
+        try:
+            built = build_task_and_workflow(scfg, tokenizer)
+        except AsyncRLError as err:
+            raise _in_stage(err, where) from None
+        if len(built[1].train) == 0:
+            raise DataError(f"{where}data.dataset ({_target(scfg.data.dataset)}): the train split is empty")
+        if stage.type == "rl":
+            _check_prompts_fit(built[0], built[1].train, built[2], tokenizer, where)
+        parts.append(built)
+    return parts
+
+
+def _in_stage(err: AsyncRLError, where: str) -> AsyncRLError:
+    from asyncrl.errors import ConfigError
+
+    if not where:
+        return err
+    if isinstance(err, ConfigError):
+        return ConfigError([where + err.problems[0], *err.problems[1:]])
+    return AsyncRLError(f"{where}{err}")
+
+
+def _target(spec: Any) -> str:
+    return spec if isinstance(spec, str) else getattr(spec, "target", str(spec))
+
+
+def _check_prompts_fit(scfg: Config, train: Any, workflow: Any, tokenizer: Any, where: str) -> None:
+    """Fail at start-up, with the counts, when no train prompt fits ``data.max_prompt_tokens``
+    (each would be dropped and the first batch would wait for its timeout). Checks workflows
+    that say how they render a prompt (``messages(sample)``, like the single-turn one)."""
+    from asyncrl.data import DataError
+    from asyncrl.rollout.workflow import _token_ids
+
+    if not callable(getattr(workflow, "messages", None)):
+        return
+    limit = scfg.data.max_prompt_tokens
+    checked = sorted({int(i) for i in np.linspace(0, len(train) - 1, min(len(train), PROMPT_CHECK_SAMPLES))})
+    lengths = []
+    for position in checked:
+        try:
+            messages, _ = workflow.messages(train[position])
+        except (KeyError, ValueError, TypeError) as err:
+            raise DataError(f"{where}data.dataset: train sample {position}: {err}") from None
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        lengths.append(len(_token_ids(ids)))
+    fit = sum(length <= limit for length in lengths)
+    if fit == 0:
+        raise DataError(
+            f"{where}data.dataset ({_target(scfg.data.dataset)}): no usable prompt: 0 of {len(lengths)} train prompts "
+            f"checked (of {len(train)}) fit data.max_prompt_tokens = {limit} (the shortest has {min(lengths)} tokens, "
+            "chat template included); raise data.max_prompt_tokens (with engine.kv_capacity and "
+            "engine.prefill_buckets) or shorten the prompts"
+        )
+    if fit < len(lengths):
+        log.info("%sdata.dataset: %d of %d train prompts checked are longer than data.max_prompt_tokens = %d and "
+                 "will be dropped (dropped:prompt_too_long)", where, len(lengths) - fit, len(lengths), limit)
+
+
+def build_local_engine(cfg: Config, graphdef: Any, params: Any, stop_token_ids: Any, *, version: int = 0) -> Any:
+    """An in-process :class:`~asyncrl.engine.jax_engine.JaxEngine` serving ``params`` (not copied)."""
+    from asyncrl.engine.jax_engine import JaxEngine
+
+    return JaxEngine(graphdef, params, stop_token_ids=stop_token_ids, config=cfg.engine, seed=cfg.run.seed,
+                     version=version)
+
+
+def build_engine(cfg: Config, loaded: Any, graphdef: Any, params: Any, *, version: int, out: Path) -> Any:
+    """The run's inference engine: in-process (:func:`build_local_engine`), or on servers when
+    ``engine.remote`` is set (their weights written under ``engine.remote.weights_dir``, default
+    ``<out>/weights``). ``loaded`` is the :class:`~asyncrl.model.LoadedModel` (tokenizer, stop ids)."""
+    remote = cfg.engine.remote
+    if remote is None:
+        # The engine serves the trainer's own (never donated) arrays: publishing copies nothing.
+        return build_local_engine(cfg, graphdef, params, loaded.stop_token_ids, version=version)
+    from asyncrl.engine.remote import RemoteEngine
+
+    engine = RemoteEngine.from_config(
+        remote, version=version, graphdef=graphdef, tokenizer=loaded.tokenizer, stop_token_ids=loaded.stop_token_ids,
+        weights_dir=Path(remote.weights_dir) if remote.weights_dir else out / "weights",
+    )
+    engine.ensure_version(params)  # fresh servers of a resumed run
+    return engine
+
+
+def episode_metric_means(trajectories: list) -> dict[str, float]:
+    """Mean of each ``metadata["episode_metrics"][name]`` over the trajectories that report it."""
+    values: dict[str, list[float]] = {}
+    for traj in trajectories:
+        for name, value in (traj.metadata or {}).get("episode_metrics", {}).items():
+            values.setdefault(name, []).append(float(value))
+    return {name: float(np.mean(v)) for name, v in values.items()}
