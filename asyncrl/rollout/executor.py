@@ -241,7 +241,7 @@ class WorkflowExecutor:
         error: Optional[BaseException] = None
         outcome, detail = "ok", ""
         try:
-            sample = dict(sample_at(self.dataset, episode.sample_id))  # type: ignore[arg-type]  # a Sequence of Mappings reads like dicts
+            sample = dict(sample_at(self.dataset, episode.sample_id))
             sample["sample_id"] = episode.sample_id
             group = self.workflow.run_episode(self.engine, sample)
             if group is not None:

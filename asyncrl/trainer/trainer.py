@@ -44,7 +44,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Optional, cast
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
