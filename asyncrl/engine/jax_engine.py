@@ -62,7 +62,7 @@ from asyncrl.engine.jax_programs import (
     prefill_insert_jit,
     snapshot,
 )
-from asyncrl.engine.protocol import GenerationRequest, GenerationResponse
+from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
 from asyncrl.registry import register
 
@@ -78,7 +78,7 @@ class _Sample:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
-        self.stop_reason: Optional[str] = None
+        self.stop_reason: Optional[StopReason] = None
         self.slot: Optional[int] = None
 
 
@@ -158,7 +158,7 @@ class JaxEngine:
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             self._shardings = jax.tree.map(lambda _: device, params)
         self._params = jax.device_put(params, self._shardings)
-        self._treedef = jax.tree.structure(self._params)
+        self._treedef: Any = jax.tree.structure(self._params)  # (jax's PyTreeDef is untyped for mypy)
         self._avals = [(x.shape, x.dtype) for x in jax.tree.leaves(self._params)]
         embed = self._params["embed_tokens"]["embedding"]
         self.vocab_size = int(embed.shape[0])
@@ -178,11 +178,11 @@ class JaxEngine:
         first = jax.tree.leaves(self._shardings)[0]
         # Engine state (KV cache, keys) is replicated over the params' mesh; a NamedSharding
         # of a weight matrix would not fit its lower-rank arrays.
-        device = (
+        state_sharding: jax.sharding.Sharding = (
             jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
             if isinstance(first, jax.sharding.NamedSharding) else first
         )
-        self._state = jax.device_put(init_slot_state(nnx_cfg, self.slots, self.capacity), device)
+        self._state = jax.device_put(init_slot_state(nnx_cfg, self.slots, self.capacity), state_sharding)
 
         # The per-slot controls (host numpy arrays, owned by the scheduler thread).
         self._controls: SlotControls = idle_controls(self.slots, cfg.max_stop_ids)
@@ -196,7 +196,7 @@ class JaxEngine:
         self._closed = False
         self._crash: Optional[str] = None
         self._warned_truncation = False
-        self._stats = collections.Counter()
+        self._stats: collections.defaultdict[str, float] = collections.defaultdict(float)  # the figures behind metrics()
         self._started = time.monotonic()
         if warmup:
             self.warmup()
@@ -240,7 +240,7 @@ class JaxEngine:
                 raise ValueError("update_weights: another update is still being installed (publish from one thread)")
             if version != self._version + 1:
                 raise ValueError(f"update_weights: version must be {self._version + 1} (engine serves {self._version}), given {version}")
-        if jax.tree.structure(params) != self._treedef:
+        if self._treedef != jax.tree.structure(params):
             raise ValueError("update_weights: params do not have the structure of the served model's params")
         avals = [(np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)]
         if avals != self._avals:
@@ -465,7 +465,7 @@ class JaxEngine:
         self._stats["requests"] += 1
         pending.future.set_result(pending.response())
 
-    def _end_sample(self, pending: _Pending, j: int, reason: str) -> None:
+    def _end_sample(self, pending: _Pending, j: int, reason: StopReason) -> None:
         sample = pending.samples[j]
         sample.stop_reason = reason
         if reason == "aborted":
@@ -556,8 +556,10 @@ class JaxEngine:
         steps = int(emitted.any(axis=0).sum())
         self._stats["decode_steps"] += steps
         self._stats["decode_tokens"] += int(emitted.sum())
-        for slot in np.flatnonzero(active):
-            pending, j = self._slot_owner[slot]
+        for slot in map(int, np.flatnonzero(active)):
+            owner = self._slot_owner[slot]
+            assert owner is not None, f"active slot {slot} has no owner"
+            pending, j = owner
             self._consume(pending, j, slot, tokens[slot], logprobs[slot], emitted[slot], version)
         self._stats["decode_s"] += time.monotonic() - started
 

@@ -243,6 +243,7 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
 
     def body(c: _Chunk) -> _Chunk:
         logits, cache = forward(graphdef, params, c.last_token[:, None], None, c.active[:, None], c.cache)
+        assert cache is not None  # forward returns the updated cache when given one
         token, log_p, is_stop = _choose_tokens(logits[:, 0], controls, stop_vocab, state.keys, c.generated, filtered)
         generated = c.generated + c.active.astype(jnp.int32)
         done = is_stop | (generated >= controls.max_new_tokens)
