@@ -1,8 +1,9 @@
 """JaxEngine on the tiny model: log-probs, determinism under batching, concurrency, stops,
 weight updates at chunk boundaries, compile counts, errors, crash and shutdown.
 
-References are independent of the engine's decode path: ``per_token_logprobs`` and a
-plain forward over the whole sequence (padded to one length, so they compile once).
+References are independent of the engine's decode path (the model's KV-cache forward, one
+token per step): ``per_token_logprobs`` and a plain forward without a cache over the whole
+sequence (padded to one length, so they compile once).
 """
 
 from __future__ import annotations

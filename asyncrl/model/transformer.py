@@ -110,7 +110,7 @@ def kv_cache_copy_rows(dst: KVCache, src: KVCache, src_rows: jax.Array, dst_rows
     ``src``'s capacity may be smaller than ``dst``'s: the copied rows get the source
     slots at ``[0, src.capacity)`` and invalid slots after. Copying one prefilled
     prompt into ``n`` sampling slots is ``src_rows = [0] * n``. Entries of ``dst_rows``
-    outside ``[0, dst batch)`` are skipped (a fixed-size ``n`` can carry unused entries).
+    ``>=`` the destination batch are skipped (a fixed-size ``n`` can carry unused entries).
     Pure; jit it with ``donate_argnums=0`` to update in place.
     """
     if src.capacity > dst.capacity:
