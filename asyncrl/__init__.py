@@ -12,7 +12,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 # public name -> module that defines it
-# The stable public API (DESIGN "Public API"); everything else is importable from its
+# The stable public API (docs/design.md "Public API"); everything else is importable from its
 # module and may change.
 _EXPORTS: dict[str, str] = {
     "load_config": "asyncrl.config",

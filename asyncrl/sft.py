@@ -13,7 +13,7 @@ uses in RL and eval), so SFT teaches exactly the format RL samples in. The respo
 sample's ``response`` field (synthetic tasks: the reference answer; ``gsm8k``: the worked
 solution; ``jsonl``: ``response_field``), or the task's ``solver(prompt)`` when the sample
 has none. The EOS appended is the one generation stops on, so it is a trained token, as
-in RL (DESIGN "Log-probabilities").
+in RL (docs/design.md "Log-probabilities").
 
 Batches follow the run's batch rules: ``L`` is the longest example rounded up to
 ``rollout.length_bucket`` and capped by ``Config.max_seq_len``; rows are ``sft.batch_size``

@@ -1,6 +1,6 @@
 """Forward+backward time and peak memory of the policy model's log-prob loss.
 
-For ``tiny`` and ``bench-40m`` (DESIGN reference configs, random-init in memory) at
+For ``tiny`` and ``bench-40m`` (docs/design.md "Reference models", random-init in memory) at
 batch 16 x 96 tokens, with and without ``logprob_chunk_size``. Each case runs in its
 own interpreter so its peak RSS is its own. Prints one JSON line:
 

@@ -39,3 +39,18 @@ def test_every_config_field_has_a_description():
                     if isinstance(inner, type) and issubclass(inner, BaseModel):
                         stack.append((f"{prefix}{name}.", inner))
     assert not missing, f"config fields without a docstring: {missing}"
+
+
+def test_design_sections_cited_in_the_code_exist():
+    """Docstrings cite docs/design.md by section; each cited section is a heading there."""
+    import re
+
+    headings = set(re.findall(r"^#+ (.+)$", (REPO_ROOT / "docs" / "design.md").read_text(), re.M))
+    cited: dict[str, set[str]] = {}
+    for path in [*(REPO_ROOT / "asyncrl").rglob("*.py"), *(REPO_ROOT / "scripts").glob("*.py")]:
+        for group in re.findall(r'docs/design\.md ((?:"[^"\n]+"(?:, )?)+)', path.read_text()):
+            for section in re.findall(r'"([^"]+)"', group):
+                cited.setdefault(section, set()).add(path.name)
+    assert cited, "no citation found: the pattern is stale"
+    missing = {section: sorted(files) for section, files in cited.items() if section not in headings}
+    assert not missing, f"sections cited but not in docs/design.md: {missing}"

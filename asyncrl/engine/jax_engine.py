@@ -25,7 +25,7 @@ queue at the next chunk boundary (continuous batching). The programs are module-
 shared by every engine with the same model shapes: one prefill per bucket and two decode
 variants (:func:`compile_count`, reported as ``engine/compiles``).
 
-Sampling and randomness (DESIGN "Randomness", "Log-probabilities")
+Sampling and randomness (docs/design.md "Randomness", "Log-probabilities")
 -----------------------------------------------------------------
 :mod:`asyncrl.engine.jax_programs` documents the sampling rule. The slot key is
 ``fold_in(fold_in(fold_in(PRNGKey(seed), sample_id), index_in_group + j), turn)`` for sample
@@ -389,7 +389,7 @@ class JaxEngine:
         if (request.top_k > 0 or request.top_p < 1.0) and not request.greedy and not self._warned_truncation:
             self._warned_truncation = True
             logger.warning(
-                "a request uses top_k/top_p: its log-probs are of the untruncated distribution (DESIGN), so tokens "
+                "a request uses top_k/top_p: its log-probs are of the untruncated distribution (docs/design.md), so tokens "
                 "sampled this way are off-policy for training; keep top-k/top-p off for training rollouts"
             )
         return stop_ids

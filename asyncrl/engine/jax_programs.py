@@ -18,7 +18,7 @@ Compiled programs
 So at most ``len(prefill_buckets) + 2`` programs per model; :func:`compile_count` counts
 traces (each trace is one compilation) and is reported as ``engine/compiles``.
 
-Sampling (DESIGN "Randomness", "Log-probabilities")
+Sampling (docs/design.md "Randomness", "Log-probabilities")
 ---------------------------------------------------
 Per slot, on float32 logits: stop ids are masked while fewer than ``min_new_tokens`` tokens
 were generated; greedy takes the argmax; otherwise the ``i``-th generated token is drawn from

@@ -4,11 +4,11 @@ This module imports no jax: workflows, the executor and :class:`~asyncrl.engine.
 depend on it alone. The real engine (``asyncrl.engine.jax_engine.JaxEngine``) implements it.
 
 An engine serves one set of weights at a time, tagged with a version ``v`` (the number of
-completed trainer steps; see DESIGN "Versions"). Every generated token records the version
+completed trainer steps; see docs/design.md "Versions and the publish order"). Every generated token records the version
 that produced it. Requests are independent: a request's tokens and log-probs depend only on
 the weights and on its own random key, never on what else is batched with it.
 
-Random key of one sample (DESIGN "Randomness")::
+Random key of one sample (docs/design.md "Randomness")::
 
     key = fold_in(fold_in(fold_in(PRNGKey(run.seed), sample_id), index_in_group + i), turn)
 
@@ -16,7 +16,7 @@ for sample ``i`` of a request with ``n`` samples, then folded with the token pos
 re-issuing an episode after a resume (same ``sample_id``, same ``turn``) draws the same tokens.
 
 Log-probs are ``log_softmax(logits / temperature)`` of the chosen token, taken before any
-top-k/top-p truncation, in float32 (DESIGN "Log-probabilities"). A greedy request reports
+top-k/top-p truncation, in float32 (docs/design.md "Log-probabilities"). A greedy request reports
 log-probs at temperature 1 and is not trainable.
 """
 
@@ -99,7 +99,7 @@ class GenerationResponse:
     """int32 ``[N]``: the generated token ids, EOS included."""
     logprobs: np.ndarray
     """float32 ``[N]``: log-prob of each generated token under the serving policy at the
-    request temperature (DESIGN "Log-probabilities")."""
+    request temperature (docs/design.md "Log-probabilities")."""
     versions: np.ndarray
     """int32 ``[N]``: the weights version that generated each token (changes mid-sample when
     weights are published during generation)."""

@@ -30,7 +30,7 @@ copies one prefilled row into n slots)::
     logits, cache = forward_jit(graphdef, params, next_ids[:, None], None, active[:, None], cache)
     cache = kv_cache_copy_rows(slots_cache, prefill_cache, src_rows, dst_rows)
 
-Log-probabilities (DESIGN: aligned with input_ids, 0 at t=0 and on padding,
+Log-probabilities (docs/design.md "Log-probabilities": aligned with input_ids, 0 at t=0 and on padding,
 temperature before log_softmax, float32, entropy alongside; differentiable)::
 
     logprobs, entropy = per_token_logprobs(graphdef, params, input_ids, attention_mask, temperature)

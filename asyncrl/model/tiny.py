@@ -153,7 +153,7 @@ def tiny_decoder_config(spec: TinySpec) -> DecoderConfig:
 
 
 def bench_40m_config(**runtime: Any) -> DecoderConfig:
-    """DESIGN's ``bench-40m``: hidden 512, 8 layers, 8/4 heads, intermediate 1536, vocab 32000, tied (41.6M)."""
+    """docs/design.md "Reference models": ``bench-40m``: hidden 512, 8 layers, 8/4 heads, intermediate 1536, vocab 32000, tied (41.6M)."""
     return DecoderConfig(
         model_type="qwen2",
         vocab_size=32000,

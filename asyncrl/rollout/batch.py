@@ -7,7 +7,7 @@ that survive the consumption filters, dropping (with a reason, counted as ``drop
 
 * ``aborted``: a trajectory with ``stop_reason == "aborted"``;
 * ``stale``: a trained token older than ``version − rollout.max_staleness`` (the guarantee
-  of DESIGN "Staleness control", in every batch order);
+  of docs/design.md "Staleness control", in every batch order);
 * ``prompt_too_long``: a prompt longer than ``data.max_prompt_tokens``;
 * ``too_long``: a trajectory longer than the batch length cap (``Config.max_seq_len``);
 * ``zero_variance``: all rewards equal, only with ``rollout.filter_zero_variance``, and at most
@@ -160,7 +160,7 @@ def prepare_batch(
 
 
 def batch_shape(real_rows: int, longest: int, cfg: Config, row_multiple: int, where: str) -> tuple[int, int]:
-    """``(rows, L)`` of a TrainBatch (DESIGN "TrainBatch"): rows padded up to a multiple of
+    """``(rows, L)`` of a TrainBatch (docs/design.md "TrainBatch"): rows padded up to a multiple of
     ``row_multiple``; ``L`` the longest sequence rounded up to ``rollout.length_bucket`` and
     capped by ``Config.max_seq_len``. RL and SFT batches share this rule."""
     if row_multiple < 1:

@@ -173,7 +173,7 @@ class WorkflowExecutor:
             return self.ledger.version
 
     def counts(self) -> dict[str, int]:
-        """Samples per accounting category (DESIGN "Accounting")."""
+        """Samples per accounting category (docs/design.md "Accounting")."""
         with self._lock:
             return self.ledger.counts()
 

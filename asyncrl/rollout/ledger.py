@@ -4,7 +4,7 @@ No threads, no clocks, no I/O: the executor calls it under its own lock, the hyp
 state machine drives it directly, and its snapshot is part of every checkpoint.
 
 Counts are in groups (1 group = 1 prompt = 1 episode). With ``B`` groups per trainer step,
-``η`` the staleness bound and ``v`` the served version (DESIGN "Staleness control"):
+``η`` the staleness bound and ``v`` the served version (docs/design.md "Staleness control"):
 
 * admission: a new episode starts only while ``in_flight + queued + consumed < (v + η + 1)·B``
   and ``in_flight < max_concurrent``; it gets the next ticket and the next sample id;

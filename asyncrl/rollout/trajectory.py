@@ -3,7 +3,7 @@
 A :class:`Trajectory` is one sampled sequence (numpy arrays ``[T]`` plus scalars); a
 :class:`TrajectoryGroup` is the ``rollout.group_size`` trajectories of one prompt, kept or
 dropped whole; a :class:`TrainBatch` is what ``prepare_batch`` hands the trainer
-(arrays ``[rows, L]``, right-padded). See DESIGN "Contracts".
+(arrays ``[rows, L]``, right-padded). See docs/design.md "Contracts".
 
 The token-level rules live in one vectorised function, :func:`array_violations`, over
 ``[rows, L]`` arrays. The per-trajectory check (run in the rollout thread at episode end)
