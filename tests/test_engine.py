@@ -1,8 +1,9 @@
 """JaxEngine on the tiny model: log-probs, determinism under batching, concurrency, stops,
 weight updates at chunk boundaries, compile counts, errors, crash and shutdown.
 
-References are independent of the engine's decode path: ``per_token_logprobs`` and a
-plain forward over the whole sequence (padded to one length, so they compile once).
+References are independent of the engine's decode path (the model's KV-cache forward, one
+token per step): ``per_token_logprobs`` and a plain forward without a cache over the whole
+sequence (padded to one length, so they compile once).
 """
 
 from __future__ import annotations
@@ -374,7 +375,7 @@ def test_registered_as_jax_engine():
 
 
 def test_top_k_top_p_mask_matches_sorted_reference():
-    from asyncrl.engine.jax_engine import _top_k_top_p
+    from asyncrl.engine.jax_programs import _top_k_top_p
 
     rng = np.random.default_rng(0)
     scaled = rng.normal(size=(6, 50)).astype(np.float32) * 2
@@ -399,7 +400,7 @@ def test_top_k_top_p_mask_matches_sorted_reference():
 
 
 def test_inverse_cdf_sampler_frequencies():
-    from asyncrl.engine.jax_engine import _sample
+    from asyncrl.engine.jax_programs import _sample
 
     logits = jnp.log(jnp.array([0.5, 0.3, 0.0, 0.15, 0.05], jnp.float32))
     keys = jax.random.split(jax.random.PRNGKey(0), 40000)

@@ -208,7 +208,8 @@ def test_prefix_copied_into_engine_slots(checkpoints):
     copy_rows = jax.jit(kv_cache_copy_rows, donate_argnums=0)
     slots = init_kv_cache(lm.config, batch=4, capacity=16)
     slots = copy_rows(slots, prefill(prompt_a, left_pad=False), jnp.array([0, 0]), jnp.array([0, 2]))
-    slots = copy_rows(slots, prefill(prompt_b, left_pad=True), jnp.array([0]), jnp.array([3]))
+    # A fixed-size copy (the engine's): destination rows past the batch (4 here) are skipped.
+    slots = copy_rows(slots, prefill(prompt_b, left_pad=True), jnp.array([0, 0]), jnp.array([3, 4]))
     active = np.array([True, False, True, True])
     logits, slots = forward_jit(graphdef, params, jnp.asarray(next_tokens[:, None]), None, jnp.asarray(active[:, None]), slots)
     for slot, prompt in ((0, prompt_a), (2, prompt_a), (3, prompt_b)):
@@ -216,6 +217,7 @@ def test_prefix_copied_into_engine_slots(checkpoints):
         ref = np.asarray(forward_jit(graphdef, params, jnp.asarray(seq))[0])[0, -1]
         assert np.abs(np.asarray(logits)[slot, 0] - ref).max() < 1e-5
     assert int(slots.write_pos[1]) == 0 and not bool(slots.valid[1].any())
+    assert len(slots.layers) == lm.config.num_layers and slots.layers[0].k.shape == (4, 16, lm.config.num_kv_heads, lm.config.head_dim)
     cleared = kv_cache_clear_rows(slots, jnp.array([False, False, True, False]))
     assert int(cleared.write_pos[2]) == 0 and not bool(cleared.valid[2].any()) and bool(cleared.valid[0].any())
 

@@ -9,33 +9,25 @@ tokens for all slots, hands finished requests back through their futures, and re
 ``update_weights`` (the trainer's thread) hands the new parameters to the scheduler and
 waits until they are installed, which happens between two chunks (at once when idle).
 
-Device state
-------------
-A fixed number of batch slots (``engine.slots``) over one KV cache of fixed capacity
+Device state and programs (:mod:`asyncrl.engine.jax_programs`)
+---------------------------------------------------------------
+A fixed number of batch slots (``engine.slots``) over one model KV cache of fixed capacity
 (``engine.kv_capacity``; :mod:`asyncrl.model.transformer` documents the slot protocol),
-plus one random key per slot. A request with ``n`` samples prefills ``prompt[:-1]`` once
-into a batch-1 cache whose capacity is the smallest prefill bucket that holds it, and that
-row is copied into ``n`` free slots. The last prompt token is fed by the first decode step,
-so every sampled token (the first one included) comes out of the same decode program.
-Finished slots are refilled from the queue at the next chunk boundary (continuous batching).
-
-Compiled programs (module-level jits, shared by every engine with the same model shapes)
---------------------------------------------------------------------------------------
-* ``prefill_insert``: one per prefill bucket;
-* ``decode_chunk``: up to ``engine.decode_chunk`` steps in a ``lax.while_loop`` (it exits
-  early once every slot is done), in two variants: plain sampling, and sampling with
-  top-k/top-p (two threshold searches over the vocabulary), used only for chunks in which
-  some slot asks for it.
-
-So at most ``len(prefill_buckets) + 2`` programs per model; :func:`compile_count` counts
-traces (each trace is one compilation) and is reported as ``engine/compiles``.
+plus one random key per slot (:class:`~asyncrl.engine.jax_programs.SlotState`). A request
+with ``n`` samples prefills ``prompt[:-1]`` once into a batch-1 cache whose capacity is the
+smallest prefill bucket that holds it, and that row is copied into ``n`` free slots. The
+last prompt token is fed by the first decode step, so every sampled token (the first one
+included) comes out of the same decode program: the model's own KV-cache forward, one step
+for all slots, then sampling. What each slot asks for (temperature, top-k/top-p, stops,
+limits, its last token) is a :class:`~asyncrl.engine.jax_programs.SlotControls` the
+scheduler keeps on the host and hands to every chunk. Finished slots are refilled from the
+queue at the next chunk boundary (continuous batching). The programs are module-level jits
+shared by every engine with the same model shapes: one prefill per bucket and two decode
+variants (:func:`compile_count`, reported as ``engine/compiles``).
 
 Sampling and randomness (DESIGN "Randomness", "Log-probabilities")
 -----------------------------------------------------------------
-Per slot, on float32 logits: stop ids are masked while fewer than ``min_new_tokens`` tokens
-were generated; greedy takes the argmax; otherwise the ``i``-th generated token is drawn from
-``softmax(logits / T)`` (after top-k, then top-p, when asked) by inverting its CDF at
-``uniform(fold_in(key, i))``. The slot key is
+:mod:`asyncrl.engine.jax_programs` documents the sampling rule. The slot key is
 ``fold_in(fold_in(fold_in(PRNGKey(seed), sample_id), index_in_group + j), turn)`` for sample
 ``j``: it never depends on the slot, the batch or the arrival order, and the batch shape is
 fixed, so a seeded request draws the same tokens whatever runs beside it. The reported
@@ -53,238 +45,28 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from asyncrl.config import EngineConfig
-from asyncrl.engine.protocol import GenerationRequest, GenerationResponse
+from asyncrl.engine.jax_programs import (
+    SlotControls,
+    compile_count,
+    decode_chunk_jit,
+    graphdef_config,
+    idle_controls,
+    init_slot_state,
+    prefill_insert_jit,
+    snapshot,
+)
+from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
-from asyncrl.model.transformer import KVCache, hidden_states, rope_cos_sin
 from asyncrl.registry import register
 
 logger = logging.getLogger("asyncrl.engine")
-
-# Columns of the per-slot int32 control array passed to every decode chunk.
-_LAST, _NGEN, _ACTIVE, _GREEDY, _TOPK, _MINNEW, _MAXNEW, _STOP0 = range(8)
-# Columns of the per-slot float32 control array.
-_TEMP, _TOPP = range(2)
-
-_compiles: collections.Counter = collections.Counter()
-_compiles_lock = threading.Lock()
-
-
-def compile_count() -> int:
-    """Programs compiled by engines in this process (a jit trace is a compilation)."""
-    with _compiles_lock:
-        return sum(_compiles.values())
-
-
-def _count_trace(name: str) -> None:
-    # Runs only while jax traces (i.e. on a cache miss, right before compiling).
-    with _compiles_lock:
-        _compiles[name] += 1
-
-
-class SlotState(NamedTuple):
-    """Device state of the slots (donated to every call).
-
-    The KV cache follows :mod:`asyncrl.model.transformer`'s protocol, but is held as one
-    array per layer: the model's stacked ``[layers, ...]`` cache would be sliced and
-    re-stacked (copied whole) at every decode step, which costs more than the step's
-    attention itself.
-    """
-
-    k: tuple  # per layer: [slots, capacity, kv_heads, head_dim] (compute dtype)
-    v: tuple  # per layer: [slots, capacity, kv_heads, head_dim]
-    valid: jax.Array  # bool [slots, capacity]: slot holds a real token
-    write_pos: jax.Array  # int32 [slots]: where each slot's next token is written
-    keys: jax.Array  # uint32 [slots, 2]: each slot's sample key (before the token fold)
-
-
-def init_slot_state(cfg: Any, slots: int, capacity: int) -> SlotState:
-    dtype = jnp.dtype(cfg.compute_dtype)
-    shape = (slots, capacity, cfg.num_kv_heads, cfg.head_dim)
-    return SlotState(
-        k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-        v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-        valid=jnp.zeros((slots, capacity), bool),
-        write_pos=jnp.zeros((slots,), jnp.int32),
-        keys=jnp.zeros((slots, 2), jnp.uint32),
-    )
-
-
-# --------------------------------------------------------------------------- device programs
-
-
-def _prefill_insert(graphdef, params, state: SlotState, prompt_ids, prompt_mask, dst_rows, root_key, sample_id, turn, key_index):
-    """Prefill one prompt and copy it into slots ``dst_rows``.
-
-    ``prompt_ids``/``prompt_mask`` [1, bucket] (right-padded; the mask may be all false);
-    ``dst_rows`` int32 [slots], entries ``>= slots`` are ignored; ``key_index`` uint32
-    [slots]: the key index (``index_in_group + j``) of each destination row.
-    """
-    _count_trace("prefill_insert")
-    slots, capacity, kv_heads, head_dim = state.k[0].shape
-    layers = len(state.k)
-    bucket = prompt_ids.shape[1]
-    small = KVCache(
-        k=jnp.zeros((layers, 1, bucket, kv_heads, head_dim), state.k[0].dtype),
-        v=jnp.zeros((layers, 1, bucket, kv_heads, head_dim), state.v[0].dtype),
-        valid=jnp.zeros((1, bucket), bool),
-        write_pos=jnp.zeros((1,), jnp.int32),
-    )
-    _, small = hidden_states(graphdef, params, prompt_ids, None, prompt_mask, small)
-    row_shape = (slots, bucket, kv_heads, head_dim)
-    k = tuple(state.k[i].at[dst_rows, :bucket].set(jnp.broadcast_to(small.k[i], row_shape), mode="drop") for i in range(layers))
-    v = tuple(state.v[i].at[dst_rows, :bucket].set(jnp.broadcast_to(small.v[i], row_shape), mode="drop") for i in range(layers))
-    row_valid = jnp.zeros((capacity,), bool).at[:bucket].set(small.valid[0])
-    valid = state.valid.at[dst_rows].set(jnp.broadcast_to(row_valid, (slots, capacity)), mode="drop")
-    write_pos = state.write_pos.at[dst_rows].set(jnp.broadcast_to(small.write_pos[0], (slots,)), mode="drop")
-    base = jax.random.fold_in(root_key, sample_id)
-    new_keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(base, i), turn))(key_index)
-    keys = state.keys.at[dst_rows].set(new_keys, mode="drop")
-    return SlotState(k, v, valid, write_pos, keys)
-
-
-def _decode_logits(model, tokens, active, k, v, valid, write_pos):
-    """One decode step of every slot: the model's KV-cache forward with ``T = 1``
-    (``asyncrl.model.transformer`` protocol) on per-layer cache arrays.
-
-    ``tokens`` int32 [S] (each slot's last token), ``active`` bool [S] (idle slots write
-    nothing valid). Returns float32 logits [S, V] and the updated ``k, v, valid, write_pos``.
-    """
-    cfg = model.cfg
-    slots, capacity = valid.shape
-    rows = jnp.arange(slots)[:, None]
-    positions = valid.sum(axis=1).astype(jnp.int32)[:, None]  # real tokens so far
-    write_idx = write_pos[:, None]  # [S, 1]
-    valid = valid.at[rows, write_idx].set(active[:, None], mode="drop")
-    mask = valid[:, None, :] & (jnp.arange(capacity, dtype=jnp.int32)[None, None, :] <= write_idx[:, :, None])
-    cos, sin = rope_cos_sin(cfg, positions)
-    x = model.embed_tokens(tokens[:, None])
-    new_k, new_v = [], []
-    for i, layer in enumerate(model.layers):
-        x, (k_i, v_i) = layer(x, cos, sin, mask, k[i], v[i], write_idx)
-        new_k.append(k_i)
-        new_v.append(v_i)
-    logits = model.logits(model.norm(x))[:, 0].astype(jnp.float32)
-    return logits, tuple(new_k), tuple(new_v), valid, (write_pos + active.astype(jnp.int32)).astype(jnp.int32)
-
-
-def _ordered_int(x: jax.Array) -> jax.Array:
-    """int32 keys that order like the float32 values ``x`` (for exact bisection on floats)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
-
-
-def _largest_threshold(keys: jax.Array, ok, lo: jax.Array, hi: jax.Array) -> jax.Array:
-    """Per row, the largest int32 ``t`` in ``[lo, hi]`` with ``ok(keys, t)`` (monotone: true up to
-    some point); ``lo`` when none. 32 halvings of the int32 range, each a pass over ``keys``."""
-
-    def body(_, bounds):
-        lo, hi = bounds
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1) + ((lo ^ hi) & 1)  # ceil((lo + hi) / 2) without overflow
-        good = ok(keys, mid[:, None]) & (mid <= hi)
-        return jnp.where(good, mid, lo), jnp.where(good, hi, mid - 1)
-
-    lo, _ = jax.lax.fori_loop(0, 32, body, (lo, hi))
-    return lo
-
-
-def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Mask ``scaled`` [S, V] to each row's top-k, then to the smallest set of its most likely
-    remaining tokens with probability mass >= top-p (ties at a threshold are kept). Rows with
-    ``top_k == 0`` / ``top_p >= 1`` are left exactly as they are.
-
-    Thresholds are found by bisection over the float bit patterns rather than by sorting the
-    vocabulary: a sort of [S, V] costs ~100x more than a sampling step on CPU.
-    """
-    rows = scaled.shape[0]
-    int_min = jnp.full((rows,), jnp.iinfo(jnp.int32).min, jnp.int32)
-    int_max = jnp.full((rows,), jnp.iinfo(jnp.int32).max, jnp.int32)
-    keys = _ordered_int(scaled)
-    kth = _largest_threshold(keys, lambda k, t: jnp.sum(k >= t, axis=-1) >= top_k, int_min, int_max)
-    after_k = jnp.where((top_k[:, None] > 0) & (keys < kth[:, None]), -jnp.inf, scaled)
-    probs = jax.nn.softmax(after_k, axis=-1)
-    prob_keys = _ordered_int(probs)  # probs >= 0: keys are the bit patterns, in [0, inf bits]
-    mass_ok = lambda k, t: jnp.sum(jnp.where(k >= t, probs, 0.0), axis=-1) >= top_p
-    nucleus = _largest_threshold(prob_keys, mass_ok, jnp.zeros((rows,), jnp.int32), jnp.full((rows,), 0x7F800000, jnp.int32))
-    return jnp.where((top_p[:, None] < 1.0) & (prob_keys < nucleus[:, None]), -jnp.inf, after_k)
-
-
-def _sample(keys: jax.Array, scaled: jax.Array) -> jax.Array:
-    """One draw per row from ``softmax(scaled)`` [S, V] by inverting its CDF at one uniform
-    per row (one random number per token instead of V Gumbels: the RNG is most of a
-    sampling step's cost on CPU). Zero-probability tokens are never drawn."""
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
-    cdf = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)
-    x = u * cdf[:, -1]
-    return jnp.minimum(jnp.sum(cdf <= x[:, None], axis=-1), scaled.shape[-1] - 1).astype(jnp.int32)
-
-
-def _decode_chunk(graphdef, params, state: SlotState, ints, floats, steps: int, filtered: bool):
-    """Decode up to ``steps`` tokens for every active slot.
-
-    ``ints`` int32 [S, 7 + max_stop_ids] and ``floats`` float32 [S, 2] are the per-slot
-    controls (column constants above; stop ids padded with -1). Returns the new state and
-    ``tokens`` int32, ``logprobs`` float32, ``emitted`` bool, each [S, steps]: ``emitted``
-    marks the steps at which the slot was active and produced the token.
-    """
-    _count_trace("decode_chunk_topk_topp" if filtered else "decode_chunk")
-    slots = ints.shape[0]
-    rows = jnp.arange(slots)
-    greedy = ints[:, _GREEDY].astype(bool)
-    top_k, min_new, max_new = ints[:, _TOPK], ints[:, _MINNEW], ints[:, _MAXNEW]
-    temp, top_p = floats[:, _TEMP], floats[:, _TOPP]
-    vocab = params["embed_tokens"]["embedding"].shape[0]
-    stop_vocab = jax.nn.one_hot(ints[:, _STOP0:], vocab, dtype=bool).any(axis=1)  # [S, V]; -1 pads hit nothing
-
-    model = nnx.merge(graphdef, params)
-
-    def body(carry):
-        t, (k, v, valid, write_pos), last, n_gen, active, tokens, logprobs, emitted = carry
-        logits, k, v, valid, write_pos = _decode_logits(model, last, active, k, v, valid, write_pos)
-        masked = jnp.where((n_gen < min_new)[:, None] & stop_vocab, -jnp.inf, logits)
-        scaled = masked / temp[:, None]
-        if filtered:
-            scaled = _top_k_top_p(scaled, top_k, top_p)
-        step_keys = jax.vmap(jax.random.fold_in)(state.keys, n_gen)
-        drawn = _sample(step_keys, scaled)
-        token = jnp.where(greedy, jnp.argmax(masked, axis=-1), drawn).astype(jnp.int32)
-        log_p = jax.nn.log_softmax(logits / temp[:, None], axis=-1)[rows, token]
-        is_stop = stop_vocab[rows, token] & (n_gen >= min_new)
-        n_next = n_gen + active.astype(jnp.int32)
-        done = is_stop | (n_next >= max_new)
-        tokens = tokens.at[:, t].set(token)
-        logprobs = logprobs.at[:, t].set(log_p)
-        emitted = emitted.at[:, t].set(active)
-        last = jnp.where(active, token, last)
-        return t + 1, (k, v, valid, write_pos), last, n_next, active & ~done, tokens, logprobs, emitted
-
-    def cond(carry):
-        return (carry[0] < steps) & jnp.any(carry[4])
-
-    init = (
-        jnp.int32(0),
-        (state.k, state.v, state.valid, state.write_pos),
-        ints[:, _LAST],
-        ints[:, _NGEN],
-        ints[:, _ACTIVE].astype(bool),
-        jnp.zeros((slots, steps), jnp.int32),
-        jnp.zeros((slots, steps), jnp.float32),
-        jnp.zeros((slots, steps), bool),
-    )
-    _, (k, v, valid, write_pos), _, _, _, tokens, logprobs, emitted = jax.lax.while_loop(cond, body, init)
-    return SlotState(k, v, valid, write_pos, state.keys), tokens, logprobs, emitted
-
-
-prefill_insert_jit = jax.jit(_prefill_insert, static_argnums=0, donate_argnums=2)
-decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 5, 6), donate_argnums=2)
-
 
 # --------------------------------------------------------------------------- host bookkeeping
 
@@ -296,7 +78,7 @@ class _Sample:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
-        self.stop_reason: Optional[str] = None
+        self.stop_reason: Optional[StopReason] = None
         self.slot: Optional[int] = None
 
 
@@ -376,7 +158,7 @@ class JaxEngine:
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             self._shardings = jax.tree.map(lambda _: device, params)
         self._params = jax.device_put(params, self._shardings)
-        self._treedef = jax.tree.structure(self._params)
+        self._treedef: Any = jax.tree.structure(self._params)  # (jax's PyTreeDef is untyped for mypy)
         self._avals = [(x.shape, x.dtype) for x in jax.tree.leaves(self._params)]
         embed = self._params["embed_tokens"]["embedding"]
         self.vocab_size = int(embed.shape[0])
@@ -396,16 +178,14 @@ class JaxEngine:
         first = jax.tree.leaves(self._shardings)[0]
         # Engine state (KV cache, keys) is replicated over the params' mesh; a NamedSharding
         # of a weight matrix would not fit its lower-rank arrays.
-        device = (
+        state_sharding: jax.sharding.Sharding = (
             jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
             if isinstance(first, jax.sharding.NamedSharding) else first
         )
-        self._state = jax.device_put(init_slot_state(nnx_cfg, self.slots, self.capacity), device)
+        self._state = jax.device_put(init_slot_state(nnx_cfg, self.slots, self.capacity), state_sharding)
 
-        # Host copies of the per-slot controls (owned by the scheduler thread).
-        self._ints = np.zeros((self.slots, _STOP0 + cfg.max_stop_ids), np.int32)
-        self._ints[:, _STOP0:] = -1
-        self._floats = np.ones((self.slots, 2), np.float32)
+        # The per-slot controls (host numpy arrays, owned by the scheduler thread).
+        self._controls: SlotControls = idle_controls(self.slots, cfg.max_stop_ids)
         self._slot_owner: list[Optional[tuple[_Pending, int]]] = [None] * self.slots
 
         self._cond = threading.Condition()
@@ -416,7 +196,7 @@ class JaxEngine:
         self._closed = False
         self._crash: Optional[str] = None
         self._warned_truncation = False
-        self._stats = collections.Counter()
+        self._stats: collections.defaultdict[str, float] = collections.defaultdict(float)  # the figures behind metrics()
         self._started = time.monotonic()
         if warmup:
             self.warmup()
@@ -460,7 +240,7 @@ class JaxEngine:
                 raise ValueError("update_weights: another update is still being installed (publish from one thread)")
             if version != self._version + 1:
                 raise ValueError(f"update_weights: version must be {self._version + 1} (engine serves {self._version}), given {version}")
-        if jax.tree.structure(params) != self._treedef:
+        if self._treedef != jax.tree.structure(params):
             raise ValueError("update_weights: params do not have the structure of the served model's params")
         avals = [(np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)]
         if avals != self._avals:
@@ -527,10 +307,9 @@ class JaxEngine:
                 self.graphdef, self._params, self._state, ids, ids.astype(bool), np.full((self.slots,), self.slots, np.int32),
                 self._root_key, np.uint32(0), np.uint32(0), np.zeros((self.slots,), np.uint32),
             )
-        idle = self._ints.copy()
-        idle[:, _ACTIVE] = 0
+        idle = idle_controls(self.slots, self.config.max_stop_ids)
         for filtered in (False, True):
-            self._state, *_ = decode_chunk_jit(self.graphdef, self._params, self._state, idle, self._floats, self.chunk, filtered)
+            self._state, *_ = decode_chunk_jit(self.graphdef, self._params, self._state, idle, self.chunk, filtered)
         jax.block_until_ready(self._state)
         return compile_count()
 
@@ -686,14 +465,14 @@ class JaxEngine:
         self._stats["requests"] += 1
         pending.future.set_result(pending.response())
 
-    def _end_sample(self, pending: _Pending, j: int, reason: str) -> None:
+    def _end_sample(self, pending: _Pending, j: int, reason: StopReason) -> None:
         sample = pending.samples[j]
         sample.stop_reason = reason
         if reason == "aborted":
             self._stats["aborted"] += 1
         if sample.slot is not None:
             self._slot_owner[sample.slot] = None
-            self._ints[sample.slot, _ACTIVE] = 0
+            self._controls.active[sample.slot] = False
             sample.slot = None
         if all(s.stop_reason is not None for s in pending.samples):
             self._finish(pending)
@@ -748,32 +527,39 @@ class JaxEngine:
         for j, slot in enumerate(rows):
             self._slot_owner[slot] = (pending, j)
             pending.samples[j].slot = slot
-            c = self._ints[slot]
-            c[_LAST], c[_NGEN], c[_ACTIVE] = prompt[-1], 0, 1
-            c[_GREEDY] = int(request.greedy)
-            c[_TOPK] = 0 if request.greedy else request.top_k
-            c[_MINNEW], c[_MAXNEW] = request.min_new_tokens, request.max_new_tokens
-            c[_STOP0:] = -1
-            c[_STOP0 : _STOP0 + len(pending.stop_ids)] = pending.stop_ids
-            self._floats[slot, _TEMP] = 1.0 if request.greedy else request.temperature
-            self._floats[slot, _TOPP] = 1.0 if request.greedy else request.top_p
+            self._start_slot(slot, request, pending.stop_ids, int(prompt[-1]))
         self._stats["prefill_tokens"] += context
         self._stats["prefill_s"] += time.monotonic() - started
 
+    def _start_slot(self, slot: int, request: GenerationRequest, stop_ids: tuple[int, ...], last_token: int) -> None:
+        """Set a freshly prefilled slot's controls from its request."""
+        c = self._controls
+        c.last_token[slot], c.generated[slot], c.active[slot] = last_token, 0, True
+        c.greedy[slot] = request.greedy
+        c.temperature[slot] = 1.0 if request.greedy else request.temperature
+        c.top_k[slot] = 0 if request.greedy else request.top_k
+        c.top_p[slot] = 1.0 if request.greedy else request.top_p
+        c.min_new_tokens[slot], c.max_new_tokens[slot] = request.min_new_tokens, request.max_new_tokens
+        c.stop_ids[slot] = -1
+        c.stop_ids[slot, : len(stop_ids)] = stop_ids
+
     def _decode(self) -> None:
         started = time.monotonic()
-        active = self._ints[:, _ACTIVE].astype(bool)
-        filtered = bool(np.any(active & ((self._ints[:, _TOPK] > 0) | (self._floats[:, _TOPP] < 1.0))))
+        c = self._controls
+        active = c.active.copy()
+        filtered = bool(np.any(active & ((c.top_k > 0) | (c.top_p < 1.0))))
         version = self._version
         self._state, tokens, logprobs, emitted = decode_chunk_jit(
-            self.graphdef, self._params, self._state, self._ints.copy(), self._floats.copy(), self.chunk, filtered
+            self.graphdef, self._params, self._state, snapshot(c), self.chunk, filtered
         )
         tokens, logprobs, emitted = np.asarray(tokens), np.asarray(logprobs), np.asarray(emitted)
         steps = int(emitted.any(axis=0).sum())
         self._stats["decode_steps"] += steps
         self._stats["decode_tokens"] += int(emitted.sum())
-        for slot in np.flatnonzero(active):
-            pending, j = self._slot_owner[slot]
+        for slot in map(int, np.flatnonzero(active)):
+            owner = self._slot_owner[slot]
+            assert owner is not None, f"active slot {slot} has no owner"
+            pending, j = owner
             self._consume(pending, j, slot, tokens[slot], logprobs[slot], emitted[slot], version)
         self._stats["decode_s"] += time.monotonic() - started
 
@@ -795,15 +581,13 @@ class JaxEngine:
                         return self._end_sample(pending, j, "stop")
             if len(sample.tokens) >= request.max_new_tokens:
                 return self._end_sample(pending, j, "length")
-        c = self._ints[slot]
-        c[_LAST], c[_NGEN] = sample.tokens[-1], len(sample.tokens)
+        self._controls.last_token[slot] = sample.tokens[-1]
+        self._controls.generated[slot] = len(sample.tokens)
 
 
 def _model_config(graphdef: Any, params: Any) -> Any:
     """The :class:`~asyncrl.model.DecoderConfig` the graphdef was built with."""
-    from flax import nnx
-
-    cfg = getattr(nnx.merge(graphdef, params), "cfg", None)
+    cfg = graphdef_config(graphdef, params)
     if cfg is None:
         raise EngineRequestError("JaxEngine: the graphdef is not an asyncrl Decoder (no .cfg)")
     return cfg

@@ -13,14 +13,16 @@ float32; logits are float32.
 
 KV cache (:class:`KVCache`)
 ---------------------------
-A fixed-capacity pytree ``k, v: [layers, B, capacity, kv_heads, head_dim]`` (compute
-dtype), ``valid: bool [B, capacity]`` (which slots hold a real token) and
-``write_pos: int32 [B]`` (the slot where each row's next token is written). A call
-with ``T`` new tokens writes row ``b``'s token ``t`` into slot ``write_pos[b] + t``
-(slots past the capacity are dropped: the caller keeps rows within capacity), marks
-it valid iff ``attention_mask[b, t]``, and lets it attend to the valid slots
-``<= write_pos[b] + t``. Afterwards ``write_pos[b]`` moves one past row ``b``'s last
-real token of the call (it stays put when the row had none). So:
+A fixed-capacity pytree: ``layers``, one :class:`LayerKV` per decoder layer with
+``k, v: [B, capacity, kv_heads, head_dim]`` (compute dtype), ``valid: bool [B, capacity]``
+(which slots hold a real token) and ``write_pos: int32 [B]`` (the slot where each row's
+next token is written). The cache is per layer, not one stacked ``[layers, ...]`` array:
+each layer reads and updates its own arrays in place, so a decode step never slices and
+re-stacks (copies) the whole cache. A call with ``T`` new tokens writes row ``b``'s
+token ``t`` into slot ``write_pos[b] + t`` (slots past the capacity are dropped: the
+caller keeps rows within capacity), marks it valid iff ``attention_mask[b, t]``, and lets
+it attend to the valid slots ``<= write_pos[b] + t``. Afterwards ``write_pos[b]`` moves
+one past row ``b``'s last real token of the call (it stays put when the row had none). So:
 
 * a left-padded prompt ``[pad pad a b c]`` fills slots 0..4 (0, 1 invalid) and the
   next token goes to slot 5; a right-padded one ``[a b c pad pad]`` fills 0..4 (3, 4
@@ -32,13 +34,15 @@ real token of the call (it stays put when the row had none). So:
   count of real tokens in the call (``cumsum(mask) - 1``), so pads never shift the
   rotary positions; pass ``positions`` only to override.
 
-The continuous-batching engine keeps one cache of ``num_slots`` rows and decodes all
-slots together with ``T = 1`` (``attention_mask[b, 0] = False`` for idle slots). To
-start a request it prefills the prompt into a small cache (batch 1, capacity = the
-prompt's bucket, padded either way) and copies that row into ``n`` free slots with
-:func:`kv_cache_copy_rows` (``src_rows = [0] * n``): the slots get the prefix KV, the
-same ``valid`` and ``write_pos``, and everything past the prefix marked invalid. A
-finished slot is freed with :func:`kv_cache_clear_rows`.
+The continuous-batching engine (:mod:`asyncrl.engine.jax_programs`) keeps one cache of
+``num_slots`` rows and decodes all slots together through :func:`forward` with ``T = 1``
+(``attention_mask[b, 0] = False`` for idle slots). To start a request it prefills the
+prompt into a small cache (batch 1, capacity = the prompt's bucket) with :func:`forward`
+and copies that row into ``n`` free slots with :func:`kv_cache_copy_rows`
+(``src_rows = [0] * n``): the slots get the prefix KV, the same ``valid`` and
+``write_pos``, and everything past the prefix marked invalid. A finished slot needs no
+clearing: the next prefill into it overwrites ``valid`` and ``write_pos`` whole
+(:func:`kv_cache_clear_rows` empties rows for callers that reuse them otherwise).
 """
 
 from __future__ import annotations
@@ -65,17 +69,23 @@ def dtype_of(name: str) -> Any:
 # --------------------------------------------------------------------------- KV cache
 
 
+class LayerKV(NamedTuple):
+    """One decoder layer's keys and values in a :class:`KVCache`."""
+
+    k: jax.Array  # [B, capacity, kv_heads, head_dim] (compute dtype)
+    v: jax.Array  # [B, capacity, kv_heads, head_dim]
+
+
 class KVCache(NamedTuple):
     """Fixed-capacity KV cache (a pytree); see the module docstring for the protocol."""
 
-    k: jax.Array  # [layers, B, capacity, kv_heads, head_dim]
-    v: jax.Array  # [layers, B, capacity, kv_heads, head_dim]
+    layers: tuple[LayerKV, ...]  # one per decoder layer
     valid: jax.Array  # bool [B, capacity]: slot holds a real token
     write_pos: jax.Array  # int32 [B]: slot of the row's next token
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.valid.shape[1]
 
     @property
     def lengths(self) -> jax.Array:
@@ -86,10 +96,9 @@ class KVCache(NamedTuple):
 def init_kv_cache(cfg: DecoderConfig, batch: int, capacity: int, dtype: Any = None) -> KVCache:
     """An empty cache (every slot invalid, write positions 0) in the compute dtype."""
     dtype = dtype or dtype_of(cfg.compute_dtype)
-    shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
     return KVCache(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
+        layers=tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)),
         valid=jnp.zeros((batch, capacity), bool),
         write_pos=jnp.zeros((batch,), jnp.int32),
     )
@@ -100,25 +109,29 @@ def kv_cache_copy_rows(dst: KVCache, src: KVCache, src_rows: jax.Array, dst_rows
 
     ``src``'s capacity may be smaller than ``dst``'s: the copied rows get the source
     slots at ``[0, src.capacity)`` and invalid slots after. Copying one prefilled
-    prompt into ``n`` sampling slots is ``src_rows = [0] * n``. Pure; jit it with
-    ``donate_argnums=0`` to update in place.
+    prompt into ``n`` sampling slots is ``src_rows = [0] * n``. Entries of ``dst_rows``
+    ``>=`` the destination batch are skipped (a fixed-size ``n`` can carry unused entries).
+    Pure; jit it with ``donate_argnums=0`` to update in place.
     """
     if src.capacity > dst.capacity:
         raise ValueError(f"source cache capacity {src.capacity} exceeds destination capacity {dst.capacity}")
     c = src.capacity
-    k = dst.k.at[:, dst_rows, :c].set(src.k[:, src_rows].astype(dst.k.dtype))
-    v = dst.v.at[:, dst_rows, :c].set(src.v[:, src_rows].astype(dst.v.dtype))
+
+    def copy(d: jax.Array, s: jax.Array) -> jax.Array:
+        return d.at[dst_rows, :c].set(s[src_rows].astype(d.dtype), mode="drop")
+
+    layers = tuple(LayerKV(copy(d.k, s.k), copy(d.v, s.v)) for d, s in zip(dst.layers, src.layers))
     valid_rows = jnp.zeros((src_rows.shape[0], dst.capacity), bool).at[:, :c].set(src.valid[src_rows])
-    valid = dst.valid.at[dst_rows].set(valid_rows)
-    write_pos = dst.write_pos.at[dst_rows].set(src.write_pos[src_rows])
-    return KVCache(k, v, valid, write_pos)
+    valid = dst.valid.at[dst_rows].set(valid_rows, mode="drop")
+    write_pos = dst.write_pos.at[dst_rows].set(src.write_pos[src_rows], mode="drop")
+    return KVCache(layers, valid, write_pos)
 
 
 def kv_cache_clear_rows(cache: KVCache, rows: jax.Array) -> KVCache:
     """Mark rows (bool [B]) empty: every slot invalid, write position 0. K/V are left as is."""
     valid = jnp.where(rows[:, None], False, cache.valid)
     write_pos = jnp.where(rows, 0, cache.write_pos).astype(jnp.int32)
-    return KVCache(cache.k, cache.v, valid, write_pos)
+    return KVCache(cache.layers, valid, write_pos)
 
 
 # --------------------------------------------------------------------------- rotary
@@ -210,10 +223,10 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype_of(cfg.param_dtype))
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype_of(cfg.param_dtype))
 
-    def __call__(self, x, cos, sin, mask, cache_k=None, cache_v=None, write_idx=None):
+    def __call__(self, x, cos, sin, mask, cache: Optional[LayerKV] = None, write_idx=None):
         """x [B, T, H]; mask bool [B, T, S]. Without a cache S = T; with one, the new
-        k/v are scattered into cache_k/cache_v [B, C, KV, D] at write_idx [B, T] first
-        and S = C. Returns (out [B, T, H], (cache_k, cache_v) or None)."""
+        k/v are scattered into the layer's cache [B, C, KV, D] at write_idx [B, T] first
+        and S = C. Returns (out [B, T, H], the updated LayerKV or None)."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -223,12 +236,12 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         new_cache = None
-        if cache_k is not None:
+        if cache is not None:
             rows = jnp.arange(b)[:, None]
-            cache_k = cache_k.at[rows, write_idx].set(k.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[rows, write_idx].set(v.astype(cache_v.dtype), mode="drop")
+            cache_k = cache.k.at[rows, write_idx].set(k.astype(cache.k.dtype), mode="drop")
+            cache_v = cache.v.at[rows, write_idx].set(v.astype(cache.v.dtype), mode="drop")
             k, v = cache_k.astype(q.dtype), cache_v.astype(q.dtype)
-            new_cache = (cache_k, cache_v)
+            new_cache = LayerKV(cache_k, cache_v)
         groups = cfg.num_heads // cfg.num_kv_heads
         q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
@@ -261,15 +274,15 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, cos, sin, mask, cache_k=None, cache_v=None, write_idx=None):
-        attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_k, cache_v, write_idx)
+    def __call__(self, x, cos, sin, mask, cache: Optional[LayerKV] = None, write_idx=None):
+        attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, write_idx)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, new_cache
 
 
-def _call_layer(layer, x, cos, sin, mask, cache_k, cache_v, write_idx):
-    return layer(x, cos, sin, mask, cache_k, cache_v, write_idx)
+def _call_layer(layer, x, cos, sin, mask, cache, write_idx):
+    return layer(x, cos, sin, mask, cache, write_idx)
 
 
 _call_layer_remat = nnx.remat(_call_layer)
@@ -325,21 +338,17 @@ class Decoder(nnx.Module):
         cos, sin = rope_cos_sin(cfg, positions)
         x = self.embed_tokens(input_ids)
         call = _call_layer_remat if cfg.remat else _call_layer
-        new_k, new_v = [], []
+        new_layers = []
         for i, layer in enumerate(self.layers):
-            ck = kv_cache.k[i] if kv_cache is not None else None
-            cv = kv_cache.v[i] if kv_cache is not None else None
-            x, layer_cache = call(layer, x, cos, sin, mask, ck, cv, write_idx)
-            if layer_cache is not None:
-                new_k.append(layer_cache[0])
-                new_v.append(layer_cache[1])
+            x, layer_cache = call(layer, x, cos, sin, mask, None if kv_cache is None else kv_cache.layers[i], write_idx)
+            new_layers.append(layer_cache)
         x = self.norm(x)
         if kv_cache is None:
             return x, None
         t_idx = jnp.arange(t, dtype=jnp.int32)[None, :]
         last_real = jnp.max(jnp.where(attention_mask, t_idx, -1), axis=1)
         write_pos = (kv_cache.write_pos + last_real + 1).astype(jnp.int32)
-        return x, KVCache(jnp.stack(new_k), jnp.stack(new_v), valid, write_pos)
+        return x, KVCache(tuple(new_layers), valid, write_pos)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits [..., vocab] from final hidden states [..., hidden]."""

@@ -1,0 +1,276 @@
+"""The device side of :class:`~asyncrl.engine.jax_engine.JaxEngine`: its state, its per-slot
+controls, and the jitted programs that prefill and decode (module-level jits, shared by every
+engine with the same model shapes).
+
+The model is run only through its own forward (:mod:`asyncrl.model.transformer`: the
+KV-cache protocol, :class:`~asyncrl.model.transformer.KVCache` and
+:func:`~asyncrl.model.transformer.kv_cache_copy_rows`); this module adds scheduling state
+and sampling, nothing of the network.
+
+Compiled programs
+-----------------
+* ``prefill_insert``: one per prefill bucket;
+* ``decode_chunk``: up to ``engine.decode_chunk`` steps in a ``lax.while_loop`` (it exits
+  early once every slot is done), in two variants: plain sampling, and sampling with
+  top-k/top-p (two threshold searches over the vocabulary), used only for chunks in which
+  some slot asks for it.
+
+So at most ``len(prefill_buckets) + 2`` programs per model; :func:`compile_count` counts
+traces (each trace is one compilation) and is reported as ``engine/compiles``.
+
+Sampling (DESIGN "Randomness", "Log-probabilities")
+---------------------------------------------------
+Per slot, on float32 logits: stop ids are masked while fewer than ``min_new_tokens`` tokens
+were generated; greedy takes the argmax; otherwise the ``i``-th generated token is drawn from
+``softmax(logits / T)`` (after top-k, then top-p, when asked) by inverting its CDF at
+``uniform(fold_in(key, i))``. The reported log-prob is ``log_softmax(logits / T)[token]`` of
+the untruncated, unmasked logits (T = 1 for greedy).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from asyncrl.model.transformer import KVCache, forward, hidden_states, init_kv_cache, kv_cache_copy_rows
+
+_compiles: collections.Counter = collections.Counter()
+_compiles_lock = threading.Lock()
+
+
+def compile_count() -> int:
+    """Programs compiled by engines in this process (a jit trace is a compilation)."""
+    with _compiles_lock:
+        return sum(_compiles.values())
+
+
+def _count_trace(name: str) -> None:
+    # Runs only while jax traces (i.e. on a cache miss, right before compiling).
+    with _compiles_lock:
+        _compiles[name] += 1
+
+
+# --------------------------------------------------------------------------- state and controls
+
+
+class SlotState(NamedTuple):
+    """Device state of the slots (donated to every call)."""
+
+    cache: KVCache  # the model's cache: rows = slots, capacity = engine.kv_capacity
+    keys: jax.Array  # uint32 [slots, 2]: each slot's sample key (before the token fold)
+
+
+def init_slot_state(cfg: Any, slots: int, capacity: int) -> SlotState:
+    """Empty slots for a :class:`~asyncrl.model.DecoderConfig`: no valid KV, zero keys."""
+    return SlotState(cache=init_kv_cache(cfg, slots, capacity), keys=jnp.zeros((slots, 2), jnp.uint32))
+
+
+class SlotControls(NamedTuple):
+    """Per-slot controls of a decode chunk, one row per slot.
+
+    The scheduler owns a host copy (numpy arrays, updated in place as requests are admitted,
+    advance and end) and passes a snapshot to every chunk; idle rows have ``active`` false.
+    """
+
+    last_token: Any  # int32 [slots]: the token the next step feeds (the last prompt token at first)
+    generated: Any  # int32 [slots]: tokens generated so far (the next token's index and key fold)
+    active: Any  # bool [slots]: the slot holds a running sample
+    greedy: Any  # bool [slots]: argmax instead of a draw
+    temperature: Any  # float32 [slots]: logits are divided by it (1 for greedy)
+    top_k: Any  # int32 [slots]: keep the k most likely tokens (0: off)
+    top_p: Any  # float32 [slots]: keep the smallest nucleus with this mass (1: off)
+    min_new_tokens: Any  # int32 [slots]: stop ids are masked before this many tokens
+    max_new_tokens: Any  # int32 [slots]: the sample ends at this many tokens
+    stop_ids: Any  # int32 [slots, max_stop_ids]: ids that end the sample (-1 pads)
+
+
+def idle_controls(slots: int, max_stop_ids: int) -> SlotControls:
+    """Host controls of ``slots`` idle slots (numpy; every field writable)."""
+    return SlotControls(
+        last_token=np.zeros((slots,), np.int32),
+        generated=np.zeros((slots,), np.int32),
+        active=np.zeros((slots,), bool),
+        greedy=np.zeros((slots,), bool),
+        temperature=np.ones((slots,), np.float32),
+        top_k=np.zeros((slots,), np.int32),
+        top_p=np.ones((slots,), np.float32),
+        min_new_tokens=np.zeros((slots,), np.int32),
+        max_new_tokens=np.zeros((slots,), np.int32),
+        stop_ids=np.full((slots, max_stop_ids), -1, np.int32),
+    )
+
+
+def snapshot(controls: SlotControls) -> SlotControls:
+    """A copy to hand to a chunk: the call transfers its arguments asynchronously, and the
+    scheduler edits its own copy right after."""
+    return SlotControls(*(np.array(x, copy=True) for x in controls))
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+def _prefill_insert(graphdef, params, state: SlotState, prompt_ids, prompt_mask, dst_rows, root_key, sample_id, turn, key_index):
+    """Prefill one prompt and copy it into slots ``dst_rows``.
+
+    ``prompt_ids``/``prompt_mask`` [1, bucket] (right-padded; the mask may be all false);
+    ``dst_rows`` int32 [slots], entries ``>= slots`` are ignored; ``key_index`` uint32
+    [slots]: the key index (``index_in_group + j``) of each destination row.
+    """
+    _count_trace("prefill_insert")
+    cfg = graphdef_config(graphdef, params)
+    small = init_kv_cache(cfg, 1, prompt_ids.shape[1], state.cache.layers[0].k.dtype)
+    _, small = hidden_states(graphdef, params, prompt_ids, None, prompt_mask, small)
+    cache = kv_cache_copy_rows(state.cache, small, jnp.zeros_like(dst_rows), dst_rows)
+    base = jax.random.fold_in(root_key, sample_id)
+    new_keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(base, i), turn))(key_index)
+    keys = state.keys.at[dst_rows].set(new_keys, mode="drop")
+    return SlotState(cache, keys)
+
+
+def graphdef_config(graphdef: Any, params: Any) -> Any:
+    """The :class:`~asyncrl.model.DecoderConfig` the graphdef was built with (None if it has none)."""
+    from flax import nnx
+
+    return getattr(nnx.merge(graphdef, params), "cfg", None)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def _ordered_int(x: jax.Array) -> jax.Array:
+    """int32 keys that order like the float32 values ``x`` (for exact bisection on floats)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _largest_threshold(keys: jax.Array, ok, lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """Per row, the largest int32 ``t`` in ``[lo, hi]`` with ``ok(keys, t)`` (monotone: true up to
+    some point); ``lo`` when none. 32 halvings of the int32 range, each a pass over ``keys``."""
+
+    def body(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1) + ((lo ^ hi) & 1)  # ceil((lo + hi) / 2) without overflow
+        good = ok(keys, mid[:, None]) & (mid <= hi)
+        return jnp.where(good, mid, lo), jnp.where(good, hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, body, (lo, hi))
+    return lo
+
+
+def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Mask ``scaled`` [S, V] to each row's top-k, then to the smallest set of its most likely
+    remaining tokens with probability mass >= top-p (ties at a threshold are kept). Rows with
+    ``top_k == 0`` / ``top_p >= 1`` are left exactly as they are.
+
+    Thresholds are found by bisection over the float bit patterns rather than by sorting the
+    vocabulary: a sort of [S, V] costs ~100x more than a sampling step on CPU.
+    """
+    rows = scaled.shape[0]
+    int_min = jnp.full((rows,), jnp.iinfo(jnp.int32).min, jnp.int32)
+    int_max = jnp.full((rows,), jnp.iinfo(jnp.int32).max, jnp.int32)
+    keys = _ordered_int(scaled)
+    kth = _largest_threshold(keys, lambda k, t: jnp.sum(k >= t, axis=-1) >= top_k, int_min, int_max)
+    after_k = jnp.where((top_k[:, None] > 0) & (keys < kth[:, None]), -jnp.inf, scaled)
+    probs = jax.nn.softmax(after_k, axis=-1)
+    prob_keys = _ordered_int(probs)  # probs >= 0: keys are the bit patterns, in [0, inf bits]
+    mass_ok = lambda k, t: jnp.sum(jnp.where(k >= t, probs, 0.0), axis=-1) >= top_p
+    nucleus = _largest_threshold(prob_keys, mass_ok, jnp.zeros((rows,), jnp.int32), jnp.full((rows,), 0x7F800000, jnp.int32))
+    return jnp.where((top_p[:, None] < 1.0) & (prob_keys < nucleus[:, None]), -jnp.inf, after_k)
+
+
+def _sample(keys: jax.Array, scaled: jax.Array) -> jax.Array:
+    """One draw per row from ``softmax(scaled)`` [S, V] by inverting its CDF at one uniform
+    per row (one random number per token instead of V Gumbels: the RNG is most of a
+    sampling step's cost on CPU). Zero-probability tokens are never drawn."""
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+    cdf = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)
+    x = u * cdf[:, -1]
+    return jnp.minimum(jnp.sum(cdf <= x[:, None], axis=-1), scaled.shape[-1] - 1).astype(jnp.int32)
+
+
+def _choose_tokens(logits, controls: SlotControls, stop_vocab, keys, generated, filtered: bool):
+    """One token per slot from float32 ``logits`` [S, V] (see the module docstring).
+
+    ``stop_vocab`` bool [S, V] marks each slot's stop ids; ``keys`` uint32 [S, 2] the slot
+    keys; ``generated`` int32 [S] each slot's token index. Returns ``(token int32 [S],
+    log-prob float32 [S], is_stop bool [S])``.
+    """
+    rows = jnp.arange(logits.shape[0])
+    temperature = controls.temperature[:, None]
+    masked = jnp.where((generated < controls.min_new_tokens)[:, None] & stop_vocab, -jnp.inf, logits)
+    scaled = masked / temperature
+    if filtered:
+        scaled = _top_k_top_p(scaled, controls.top_k, controls.top_p)
+    drawn = _sample(jax.vmap(jax.random.fold_in)(keys, generated), scaled)
+    token = jnp.where(controls.greedy, jnp.argmax(masked, axis=-1), drawn).astype(jnp.int32)
+    log_p = jax.nn.log_softmax(logits / temperature, axis=-1)[rows, token]
+    is_stop = stop_vocab[rows, token] & (generated >= controls.min_new_tokens)
+    return token, log_p, is_stop
+
+
+# --------------------------------------------------------------------------- decode
+
+
+class _Chunk(NamedTuple):
+    """The ``while_loop`` carry of a decode chunk."""
+
+    step: jax.Array  # int32 []: steps taken
+    cache: KVCache
+    last_token: jax.Array  # int32 [S]
+    generated: jax.Array  # int32 [S]
+    active: jax.Array  # bool [S]
+    tokens: jax.Array  # int32 [S, steps]: the token each slot produced at each step
+    logprobs: jax.Array  # float32 [S, steps]
+    emitted: jax.Array  # bool [S, steps]: the slot was active at that step
+
+
+def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, steps: int, filtered: bool):
+    """Decode up to ``steps`` tokens for every active slot: each step is the model's own
+    KV-cache :func:`~asyncrl.model.transformer.forward` with ``T = 1`` (idle slots masked out).
+
+    Returns the new state and ``tokens`` int32, ``logprobs`` float32, ``emitted`` bool, each
+    [S, steps]: ``emitted`` marks the steps at which the slot was active and produced the token.
+    """
+    _count_trace("decode_chunk_topk_topp" if filtered else "decode_chunk")
+    slots = controls.active.shape[0]
+    vocab = params["embed_tokens"]["embedding"].shape[0]
+    stop_vocab = jax.nn.one_hot(controls.stop_ids, vocab, dtype=bool).any(axis=1)  # [S, V]; -1 pads hit nothing
+
+    def body(c: _Chunk) -> _Chunk:
+        logits, cache = forward(graphdef, params, c.last_token[:, None], None, c.active[:, None], c.cache)
+        assert cache is not None  # forward returns the updated cache when given one
+        token, log_p, is_stop = _choose_tokens(logits[:, 0], controls, stop_vocab, state.keys, c.generated, filtered)
+        generated = c.generated + c.active.astype(jnp.int32)
+        done = is_stop | (generated >= controls.max_new_tokens)
+        return _Chunk(
+            step=c.step + 1,
+            cache=cache,
+            last_token=jnp.where(c.active, token, c.last_token),
+            generated=generated,
+            active=c.active & ~done,
+            tokens=c.tokens.at[:, c.step].set(token),
+            logprobs=c.logprobs.at[:, c.step].set(log_p),
+            emitted=c.emitted.at[:, c.step].set(c.active),
+        )
+
+    init = _Chunk(
+        step=jnp.int32(0),
+        cache=state.cache,
+        last_token=jnp.asarray(controls.last_token, jnp.int32),
+        generated=jnp.asarray(controls.generated, jnp.int32),
+        active=jnp.asarray(controls.active, bool),
+        tokens=jnp.zeros((slots, steps), jnp.int32),
+        logprobs=jnp.zeros((slots, steps), jnp.float32),
+        emitted=jnp.zeros((slots, steps), bool),
+    )
+    out = jax.lax.while_loop(lambda c: (c.step < steps) & jnp.any(c.active), body, init)
+    return SlotState(out.cache, state.keys), out.tokens, out.logprobs, out.emitted
+
+
+prefill_insert_jit = jax.jit(_prefill_insert, static_argnums=0, donate_argnums=2)
+decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 4, 5), donate_argnums=2)
