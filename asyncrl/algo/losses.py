@@ -145,16 +145,10 @@ def policy_loss(
         extra_stats["entropy"] = entropy
     # One aggregation of the summed token loss (it is linear): one reduction to compile.
     loss = aggregate(token_loss, loss_mask, denominators, params)
-    # The loss's terms, as shares of the mini-batch loss like the loss itself (diagnostics only).
-    terms = {
-        "pg_loss": weight * pg,
-        "kl_loss": params.kl_coef * weight * kl,
-        "entropy_loss": (-params.entropy_coef * entropy if entropy is not None and params.entropy_coef > 0
-                         else jnp.zeros_like(pg)),
-    }
     diagnostics = policy_diagnostics(
         jax.lax.stop_gradient(ratio), advantages, jax.lax.stop_gradient(logprobs), prox_logprobs, behavior_logprobs,
-        raw_w, applied_w, loss_mask, denominators, params, extra_stats=extra_stats, terms=terms,
+        raw_w, applied_w, loss_mask, denominators, params, extra_stats=extra_stats, weight=weight, pg=pg, kl=kl,
+        entropy=entropy,
     )
     return loss, diagnostics
 
@@ -172,15 +166,19 @@ def policy_diagnostics(
     params: AlgoParams,
     *,
     extra_stats: dict[str, jax.Array],
-    terms: dict[str, jax.Array],
+    weight: jax.Array,
+    pg: jax.Array,
+    kl: jax.Array,
+    entropy: Optional[jax.Array],
 ) -> dict[str, jax.Array]:
     """The diagnostics of :func:`policy_loss` (see there), no gradient.
 
     ``ratio``, ``advantages`` (broadcast), ``logprobs`` (gradient already stopped), the three
     other log-probs and the raw / applied behaviour weights are ``[B, L]``, as in
     :func:`policy_loss`; ``extra_stats`` are further per-token statistics (``kl_ref``,
-    ``entropy``) and ``terms`` the loss's per-token terms ``[B, L]``. Token statistics are
-    token means over ``loss_mask``, terms are aggregated like the loss (shares of the mini-batch's).
+    ``entropy``); ``weight`` (applied w, or ones), ``pg``, ``kl`` (zeros without KL) and
+    ``entropy`` the per-token pieces of the loss ``[B, L]``. Token statistics are token means
+    over ``loss_mask``; the loss's terms are aggregated like the loss (shares of the mini-batch's).
     """
     false = jnp.zeros_like(loss_mask)
     token_stats = dict(extra_stats)
@@ -199,6 +197,10 @@ def policy_diagnostics(
     stacked = jnp.stack([jax.lax.stop_gradient(v).astype(logprobs.dtype) for v in token_stats.values()])
     means = token_mean(stacked, loss_mask[None], denominators, axis=(1, 2))
     diagnostics = dict(zip(token_stats, means))
+    # The loss's terms, as shares of the mini-batch loss like the loss itself (diagnostics only).
+    terms = {"pg_loss": weight * pg}
+    terms["kl_loss"] = params.kl_coef * weight * kl
+    terms["entropy_loss"] = -params.entropy_coef * entropy if entropy is not None and params.entropy_coef > 0 else jnp.zeros_like(pg)
     stacked_terms = jax.lax.stop_gradient(jnp.stack(list(terms.values())))
     diagnostics.update(zip(terms, aggregate(stacked_terms, loss_mask[None], denominators, params, axis=(1, 2))))
     diagnostics["behave_weight_max"] = jnp.max(jnp.where(loss_mask, raw_w, 0.0))
