@@ -73,6 +73,17 @@ def behave_weight(prox_logprobs: jax.Array, behavior_logprobs: jax.Array, loss_m
     return raw, jnp.where((raw >= 1.0 / cap) & (raw <= cap), raw, 0.0)
 
 
+def reference_kl(
+    logprobs: jax.Array, ref_logprobs: Optional[jax.Array], loss_mask: jax.Array, params: AlgoParams
+) -> jax.Array:
+    """``[B, L]`` the KL penalty ``k(log pi_theta - log pi_ref)`` (``params.kl_estimator``) per token."""
+    if ref_logprobs is None:
+        raise ValueError("policy_loss: algo.kl_coef > 0 needs ref_logprobs")
+    # Masked before the estimator: a non-finite value on an untrained token would
+    # otherwise turn its zero cotangent into NaN.
+    return kl_penalty(jnp.where(loss_mask, logprobs, 0.0), jnp.where(loss_mask, ref_logprobs, 0.0), params.kl_estimator)
+
+
 @functools.partial(jax.jit, static_argnames=("params",))
 def policy_loss(
     logprobs: jax.Array,
@@ -120,43 +131,69 @@ def policy_loss(
     weight = applied_w.astype(logprobs.dtype) if params.weighted else jnp.ones_like(logprobs)
 
     token_loss = weight * pg
-    # Per-token diagnostics, reduced together at the end: one stacked masked mean
-    # compiles to one kernel instead of one per statistic.
-    token_stats: dict[str, jax.Array] = {}
-    kl = jnp.zeros_like(pg)
+    # Per-token statistics of the regularisers, reduced with the others in policy_diagnostics.
+    extra_stats: dict[str, jax.Array] = {}
+    kl = reference_kl(logprobs, ref_logprobs, loss_mask, params) if params.kl_coef > 0 else jnp.zeros_like(pg)
     if params.kl_coef > 0:
-        if ref_logprobs is None:
-            raise ValueError("policy_loss: algo.kl_coef > 0 needs ref_logprobs")
-        # Masked before the estimator: a non-finite value on an untrained token would
-        # otherwise turn its zero cotangent into NaN.
-        kl = kl_penalty(
-            jnp.where(loss_mask, logprobs, 0.0), jnp.where(loss_mask, ref_logprobs, 0.0), params.kl_estimator
-        )
         token_loss = token_loss + params.kl_coef * weight * kl
-        token_stats["kl_ref"] = kl
+        extra_stats["kl_ref"] = kl
     if params.entropy_coef > 0:
         if entropy is None:
             raise ValueError("policy_loss: algo.entropy_coef > 0 needs entropy")
         token_loss = token_loss - params.entropy_coef * entropy
     if entropy is not None:
-        token_stats["entropy"] = entropy
+        extra_stats["entropy"] = entropy
     # One aggregation of the summed token loss (it is linear): one reduction to compile.
     loss = aggregate(token_loss, loss_mask, denominators, params)
+    diagnostics = policy_diagnostics(
+        jax.lax.stop_gradient(ratio), advantages, jax.lax.stop_gradient(logprobs), prox_logprobs, behavior_logprobs,
+        raw_w, applied_w, loss_mask, denominators, params, extra_stats=extra_stats, weight=weight, pg=pg, kl=kl,
+        entropy=entropy,
+    )
+    return loss, diagnostics
 
-    ratio = jax.lax.stop_gradient(ratio)
-    logprobs_sg = jax.lax.stop_gradient(logprobs)
+
+def policy_diagnostics(
+    ratio: jax.Array,
+    advantages: jax.Array,
+    logprobs: jax.Array,
+    prox_logprobs: jax.Array,
+    behavior_logprobs: jax.Array,
+    raw_w: jax.Array,
+    applied_w: jax.Array,
+    loss_mask: jax.Array,
+    denominators: Denominators,
+    params: AlgoParams,
+    *,
+    extra_stats: dict[str, jax.Array],
+    weight: jax.Array,
+    pg: jax.Array,
+    kl: jax.Array,
+    entropy: Optional[jax.Array],
+) -> dict[str, jax.Array]:
+    """The diagnostics of :func:`policy_loss` (see there), no gradient.
+
+    ``ratio``, ``advantages`` (broadcast), ``logprobs`` (gradient already stopped), the three
+    other log-probs and the raw / applied behaviour weights are ``[B, L]``, as in
+    :func:`policy_loss`; ``extra_stats`` are further per-token statistics (``kl_ref``,
+    ``entropy``); ``weight`` (applied w, or ones), ``pg``, ``kl`` (zeros without KL) and
+    ``entropy`` the per-token pieces of the loss ``[B, L]``. Token statistics are token means
+    over ``loss_mask``; the loss's terms are aggregated like the loss (shares of the mini-batch's).
+    """
     false = jnp.zeros_like(loss_mask)
+    token_stats = dict(extra_stats)
     token_stats.update(
         clip_low_frac=(advantages < 0) & (ratio < 1.0 - params.clip_low),
         clip_high_frac=(advantages > 0) & (ratio > 1.0 + params.clip_high),
         dual_clip_frac=(advantages < 0) & (ratio > params.dual_clip) if params.dual_clip is not None else false,
-        approx_kl_prox=k3(prox_logprobs, logprobs_sg),
-        approx_kl_behave=k3(behavior_logprobs, logprobs_sg),
+        approx_kl_prox=k3(prox_logprobs, logprobs),
+        approx_kl_behave=k3(behavior_logprobs, logprobs),
         # |log pi_behave - log pi_prox|: the engine/trainer mismatch (0 when pi_prox is not recomputed).
         logprob_gap=jnp.abs(prox_logprobs - behavior_logprobs),
         behave_weight_mean=raw_w,
         behave_weight_capped_frac=raw_w != applied_w if params.behave_weight_cap is not None else false,
     )
+    # One stacked masked mean compiles to one kernel instead of one per statistic.
     stacked = jnp.stack([jax.lax.stop_gradient(v).astype(logprobs.dtype) for v in token_stats.values()])
     means = token_mean(stacked, loss_mask[None], denominators, axis=(1, 2))
     diagnostics = dict(zip(token_stats, means))
@@ -167,4 +204,4 @@ def policy_loss(
     stacked_terms = jax.lax.stop_gradient(jnp.stack(list(terms.values())))
     diagnostics.update(zip(terms, aggregate(stacked_terms, loss_mask[None], denominators, params, axis=(1, 2))))
     diagnostics["behave_weight_max"] = jnp.max(jnp.where(loss_mask, raw_w, 0.0))
-    return loss, diagnostics
+    return diagnostics

@@ -25,6 +25,9 @@ answers again once it has loaded the current version.
 
 Log-probs are the server's (``log softmax(logits / T)`` of the sampled token, before top-k/top-p;
 temperature 0 is greedy). SGLang must run without ``SGLANG_RETURN_ORIGINAL_LOGPROB``.
+
+This module is the scheduling and publish logic; one server's HTTP calls, retries, health state
+and figures are :class:`~asyncrl.engine.remote_server.RemoteServer`'s.
 """
 
 from __future__ import annotations
@@ -44,58 +47,14 @@ from pydantic import ValidationError
 
 from asyncrl.engine import sglang_protocol as sp
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
-from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
+from asyncrl.engine.remote_server import RemoteEngineError, RemoteServer, ServerUnavailable
+from asyncrl.errors import EngineClosed, EngineRequestError
 from asyncrl.registry import register
 
 logger = logging.getLogger("asyncrl.engine.remote")
 
 SEGMENT_TURN_STRIDE = 1 << 20
 """Segment ``k`` of a sample folds key turn ``turn + k * SEGMENT_TURN_STRIDE``."""
-
-
-class RemoteEngineError(EngineCrashed):
-    """The servers cannot serve: none healthy, an answer that breaks the protocol, a refused
-    key or path. Stops training (it is an :class:`EngineCrashed`); the message names the URL."""
-
-    def __init__(self, message: str):
-        super().__init__(message)
-
-
-class ServerUnavailable(Exception):
-    """A server did not answer (connection error, timeout, 5xx) after its retries."""
-
-
-class _Server:
-    """One server: its client, health, served version and figures."""
-
-    def __init__(self, index: int, url: str, client: Any):
-        self.index = index
-        self.url = url.rstrip("/")
-        self.client = client
-        self.healthy = True
-        self.version = -1
-        self.outstanding = 0
-        self.cause = ""
-        self.requests = 0
-        self.tokens = 0
-        self.busy_s = 0.0
-        self.errors = 0
-        self.latencies: collections.deque = collections.deque(maxlen=2048)
-        self.update_s: collections.deque = collections.deque(maxlen=64)
-
-    def metrics(self) -> dict[str, float]:
-        lat = np.asarray(self.latencies, float)
-        prefix = f"engine/server{self.index}"
-        return {
-            f"{prefix}/healthy": float(self.healthy),
-            f"{prefix}/version": float(self.version),
-            f"{prefix}/requests": float(self.requests),
-            f"{prefix}/tokens_per_s": self.tokens / self.busy_s if self.busy_s else 0.0,
-            f"{prefix}/latency_p50_s": float(np.percentile(lat, 50)) if lat.size else 0.0,
-            f"{prefix}/latency_p90_s": float(np.percentile(lat, 90)) if lat.size else 0.0,
-            f"{prefix}/errors": float(self.errors),
-            f"{prefix}/pause_update_s": float(self.update_s[-1]) if self.update_s else 0.0,
-        }
 
 
 class _Sample:
@@ -174,7 +133,8 @@ class RemoteEngine:
         limits = httpx.Limits(max_connections=max_concurrent_requests + 8, max_keepalive_connections=max_concurrent_requests + 8)
         timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
         self.servers = [
-            _Server(i, url, httpx.Client(base_url=url.rstrip("/"), timeout=timeout, limits=limits, headers=self._headers))
+            RemoteServer(i, url, httpx.Client(base_url=url.rstrip("/"), timeout=timeout, limits=limits, headers=self._headers),
+                         connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s)
             for i, url in enumerate(urls)
         ]
         self._version = int(version)
@@ -284,86 +244,34 @@ class RemoteEngine:
         with self._stats_lock:
             self._stats[name] += value
 
-    # ------------------------------------------------------------------ HTTP
-
-    def _call(self, server: _Server, method: str, path: str, body: Optional[dict] = None, *,
-              timeout: Optional[float] = None, retries: Optional[int] = None) -> Any:
-        """One call with retries on connection errors and 5xx (never 4xx); returns the JSON
-        answer (None for an empty body). 4xx raises :class:`EngineRequestError` (400) or
-        :class:`RemoteEngineError`; exhausting the retries raises :class:`ServerUnavailable`."""
-        import httpx
-
-        where = f"{server.url}{path}"
-        tries = (self.retries if retries is None else retries) + 1
-        last = ""
-        for attempt in range(tries):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            kwargs: dict[str, Any] = {"json": body} if body is not None else {}
-            if timeout is not None:
-                kwargs["timeout"] = httpx.Timeout(timeout, connect=self.connect_timeout_s)
-            try:
-                answer = server.client.request(method, path, **kwargs)
-            except httpx.TransportError as err:
-                last = f"{type(err).__name__}: {err}"
-                continue
-            if answer.status_code >= 500:
-                last = f"HTTP {answer.status_code}: {_message(answer)}"
-                continue
-            if answer.status_code in (401, 403):
-                raise RemoteEngineError(f"{where}: HTTP {answer.status_code}: {_message(answer)} "
-                                        "(check engine.remote.api_key_env and the server's --api-key / --weights-root)")
-            if answer.status_code >= 400:
-                raise EngineRequestError(f"{where}: HTTP {answer.status_code}: {_message(answer)}")
-            if not answer.content.strip():
-                return None
-            try:
-                return answer.json()
-            except ValueError:
-                raise RemoteEngineError(f"{where}: the answer is not JSON: {answer.text[:200]!r}") from None
-        with self._stats_lock:
-            server.errors += 1
-        raise ServerUnavailable(f"{where}: no answer after {tries} tries ({last})")
-
     def _check_servers(self) -> None:
         """Ask every server for its model and weights version; one try each, so an unreachable
         URL fails within the connect timeout."""
         for server in self.servers:
             try:
-                info = self._call(server, "GET", "/get_model_info", timeout=self.read_timeout_s, retries=0)
+                server.version = server.served_version(timeout=self.read_timeout_s, retries=0)
             except ServerUnavailable as err:
                 raise RemoteEngineError(f"engine.remote.urls: {server.url} is unreachable (connect timeout "
                                         f"{self.connect_timeout_s} s): {err}") from None
-            server.version = self._info_version(server, info)
         logger.info("remote engine: %s", ", ".join(f"server{s.index}={s.url} (v{s.version})" for s in self.servers))
-
-    def _info_version(self, server: _Server, info: Any) -> int:
-        try:
-            model_info = sp.ModelInfo.model_validate(info)
-        except ValidationError as err:
-            raise RemoteEngineError(f"{server.url}/get_model_info: the answer breaks SGLang's protocol: {err}") from None
-        try:
-            return sp.parse_version_label(model_info.weight_version, f"{server.url}/get_model_info")
-        except ValueError as err:
-            raise RemoteEngineError(str(err)) from None
 
     # ------------------------------------------------------------------ servers
 
-    def _require_healthy(self, doing: str) -> list[_Server]:
+    def _require_healthy(self, doing: str) -> list[RemoteServer]:
         healthy = [s for s in self.servers if s.healthy]
         if not healthy:
             causes = "; ".join(f"{s.url}: {s.cause or 'unhealthy'}" for s in self.servers)
             raise RemoteEngineError(f"remote engine: no healthy inference server while {doing} ({causes})")
         return healthy
 
-    def _mark_unhealthy(self, server: _Server, cause: str) -> None:
+    def _mark_unhealthy(self, server: RemoteServer, cause: str) -> None:
         with self._lock:
             if server.healthy:
                 logger.warning("remote engine: %s is out of rotation: %s", server.url, cause)
             server.healthy = False
             server.cause = cause
 
-    def _acquire(self, prefer: Optional[_Server]) -> _Server:
+    def _acquire(self, prefer: Optional[RemoteServer]) -> RemoteServer:
         with self._lock:
             if prefer is not None and prefer.healthy:
                 server = prefer
@@ -372,7 +280,7 @@ class RemoteEngine:
             server.outstanding += 1
             return server
 
-    def _release(self, server: _Server) -> None:
+    def _release(self, server: RemoteServer) -> None:
         with self._lock:
             server.outstanding -= 1
 
@@ -384,17 +292,16 @@ class RemoteEngine:
                 except Exception as err:  # noqa: BLE001 - a health check never kills the trainer
                     logger.warning("remote engine: health check of %s failed: %s", server.url, err)
 
-    def _check_one(self, server: _Server) -> None:
+    def _check_one(self, server: RemoteServer) -> None:
         try:
-            self._call(server, "GET", "/health", timeout=self.connect_timeout_s, retries=0)
+            server.call("GET", "/health", timeout=self.connect_timeout_s, retries=0)
         except ServerUnavailable as err:
             self._mark_unhealthy(server, str(err))
             return
         if server.healthy or self.weights_dir is None:
             return
         with self._update_lock:  # rejoin: load the current version first
-            info = self._call(server, "GET", "/get_model_info", timeout=self.connect_timeout_s, retries=0)
-            served = self._info_version(server, info)
+            served = server.served_version(timeout=self.connect_timeout_s, retries=0)
             if served != self._version:
                 path = self.weights_dir / f"v{self._version}"
                 if not path.is_dir():
@@ -430,7 +337,7 @@ class RemoteEngine:
         healthy = self._require_healthy(f"publishing version {version}")
         errors: list[BaseException] = []
 
-        def update(server: _Server) -> None:
+        def update(server: RemoteServer) -> None:
             try:
                 self._update_one(server, path, version)
             except BaseException as err:  # noqa: BLE001 - re-raised on the trainer's thread below
@@ -447,26 +354,13 @@ class RemoteEngine:
         self._stats["last_update_s"] = time.monotonic() - started
         self._require_healthy(f"publishing version {version}")
 
-    def _update_one(self, server: _Server, path: Path, version: int, rejoin: bool = False) -> None:
-        """pause -> update_weights_from_disk -> continue -> check, retried; else out of rotation."""
-        body = sp.UpdateWeightFromDiskReqInput(model_path=str(path.resolve()), weight_version=sp.version_label(version))
+    def _update_one(self, server: RemoteServer, path: Path, version: int, rejoin: bool = False) -> None:
+        """pause -> update_weights_from_disk -> continue -> check (:meth:`RemoteServer.load_weights`),
+        retried; else out of rotation."""
         error = ""
         for attempt in range(self.update_retries + 1):
-            started = time.monotonic()
             try:
-                self._call(server, "POST", "/pause_generation", sp.PauseGenerationReqInput(mode=self.pause_mode).model_dump())
-                try:
-                    answer = self._call(server, "POST", "/update_weights_from_disk", body.model_dump(exclude_none=True))
-                finally:
-                    self._call(server, "POST", "/continue_generation", {})
-                result = sp.UpdateWeightFromDiskReqOutput.model_validate(answer)
-                if not result.success:
-                    raise EngineRequestError(f"{server.url}/update_weights_from_disk: {result.message}")
-                served = self._info_version(server, self._call(server, "GET", "/get_model_info"))
-                if served != version:
-                    raise RemoteEngineError(f"{server.url}: after loading {path} it reports weight_version {served}, not {version}")
-                server.update_s.append(time.monotonic() - started)
-                server.version = version
+                server.load_weights(path, version, self.pause_mode)
                 if rejoin:
                     with self._lock:
                         server.healthy, server.cause = True, ""
@@ -484,7 +378,7 @@ class RemoteEngine:
     def _run(self, request: GenerationRequest) -> list[GenerationResponse]:
         deadline = None if request.timeout_s is None else time.monotonic() + request.timeout_s
         samples = [_Sample() for _ in range(request.n)]
-        server: Optional[_Server] = None
+        server: Optional[RemoteServer] = None
         while True:
             todo = [i for i, s in enumerate(samples) if s.stop_reason is None]
             if not todo:
@@ -514,18 +408,15 @@ class RemoteEngine:
             for s in samples
         ]
 
-    def _segment(self, server: _Server, request: GenerationRequest, samples: list[_Sample], todo: list[int],
+    def _segment(self, server: RemoteServer, request: GenerationRequest, samples: list[_Sample], todo: list[int],
                  deadline: Optional[float]) -> None:
         """One ``/generate`` call for the unfinished samples ``todo``; appends what came back."""
         body = self._body(request, samples, todo)
         submitted_version = server.version
         timeout = self.read_timeout_s if deadline is None else max(0.1, min(self.read_timeout_s, deadline - time.monotonic()))
         started = time.monotonic()
-        raw = self._call(server, "POST", "/generate", body.model_dump(exclude_none=True), timeout=timeout)
-        with self._stats_lock:
-            server.busy_s += time.monotonic() - started
-            server.latencies.append(time.monotonic() - started)
-            server.requests += 1
+        raw = server.call("POST", "/generate", body.model_dump(exclude_none=True), timeout=timeout)
+        server.record_generate(time.monotonic() - started)
         try:
             answer = sp.GenerateResponse.validate_python(raw)
         except ValidationError as err:
@@ -556,7 +447,7 @@ class RemoteEngine:
             s.segments += 1
         return sp.GenerateReqInput(input_ids=prompts, sampling_params=params, return_logprob=True)
 
-    def _segment_version(self, server: _Server, item: sp.GenerateItem, submitted: int) -> int:
+    def _segment_version(self, server: RemoteServer, item: sp.GenerateItem, submitted: int) -> int:
         where = f"{server.url}/generate"
         try:
             version = sp.parse_version_label(item.meta_info.weight_version, where)
@@ -571,7 +462,7 @@ class RemoteEngine:
             )
         return version if self.pause_mode == "abort" else submitted
 
-    def _append(self, request: GenerationRequest, sample: _Sample, item: sp.GenerateItem, version: int, server: _Server) -> None:
+    def _append(self, request: GenerationRequest, sample: _Sample, item: sp.GenerateItem, version: int, server: RemoteServer) -> None:
         meta = item.meta_info
         tokens = [int(t) for t in item.output_ids]
         logprobs = meta.output_token_logprobs
@@ -581,8 +472,7 @@ class RemoteEngine:
         sample.tokens += tokens
         sample.logprobs += [float(lp[0]) for lp in logprobs]
         sample.versions += [version] * len(tokens)
-        with self._stats_lock:
-            server.tokens += len(tokens)
+        server.record_tokens(len(tokens))
         self._count("tokens", len(tokens))
         if _cut_at_stop_sequence(sample, request, start):
             return
@@ -611,18 +501,3 @@ def _cut_at_stop_sequence(sample: _Sample, request: GenerationRequest, start: in
                 sample.stop_reason = "stop"
                 return True
     return False
-
-
-def _message(answer: Any) -> str:
-    """The error text of a non-200 answer (SGLang/asyncrl serve JSON, or the raw body)."""
-    try:
-        data = answer.json()
-    except ValueError:
-        return answer.text[:300]
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if "message" in data:
-            return str(data["message"])
-    return str(data)[:300]

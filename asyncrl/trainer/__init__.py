@@ -1,7 +1,9 @@
 """The trainer: jitted optax updates of the policy on a device mesh.
 
 - :mod:`asyncrl.trainer.trainer`: :class:`Trainer` (``step``, ``params_for_publish``,
-  ``state_dict``/``load_state_dict``) and the module-level jitted :func:`train_step`;
+  ``state_dict``/``load_state_dict``);
+- :mod:`asyncrl.trainer.step`: the module-level jitted :func:`train_step` (mask and advantages,
+  pi_prox / pi_ref, the scan over optimizer updates and micro-batches) and its FLOP count;
 - :mod:`asyncrl.trainer.optim`: the optax chain (clipping, AdamW with a weight-decay mask,
   warm-up + constant/cosine schedule) from the ``optim`` config section;
 - :mod:`asyncrl.trainer.mesh`: the ``(data, fsdp, tensor)`` mesh and ``jax.distributed`` set-up
@@ -10,7 +12,8 @@
 
 from asyncrl.trainer.mesh import build_mesh, initialize_distributed, row_sharding
 from asyncrl.trainer.optim import OptimParams, build_optimizer, learning_rate_schedule, weight_decay_mask
-from asyncrl.trainer.trainer import StepSpec, Trainer, compile_count, nll_sums, sft_loss, step_flops, train_step
+from asyncrl.trainer.step import StepSpec, compile_count, nll_sums, sft_loss, step_flops, train_step
+from asyncrl.trainer.trainer import Trainer
 
 __all__ = [
     "OptimParams",

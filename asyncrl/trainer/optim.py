@@ -13,7 +13,7 @@ default ``("embed", "norm", "bias")`` exempts the embedding table (and with it a
 head), every RMSNorm weight and every bias, as in GPT-2/nanoGPT and most RL trainers.
 
 Non-finite updates are not handled here: the train step checks the loss and gradient
-norm and keeps the old parameters and optimizer state (see :mod:`asyncrl.trainer.trainer`),
+norm and keeps the old parameters and optimizer state (see :mod:`asyncrl.trainer.step`),
 which is ``optax.apply_if_finite``'s rule without its "apply anyway after N errors" escape.
 """
 
