@@ -1,8 +1,8 @@
 """The jitted trainer step: one ``TrainBatch`` in, the next weights out.
 
-One call of :func:`train_step` is one trainer step of DESIGN's "Versions": it starts from the
-weights of version ``v``, runs ``algo.ppo_epochs x algo.mini_batches`` optimizer updates and
-returns the weights of version ``v + 1``. The whole step is one module-level jitted function
+One call of :func:`train_step` is one trainer step (docs/design.md "Versions and the publish order"):
+it starts from the weights of version ``v``, runs ``algo.ppo_epochs x algo.mini_batches``
+optimizer updates and returns the weights of version ``v + 1``. The whole step is one module-level jitted function
 whose config is static (the model graphdef, :class:`~asyncrl.algo.AlgoParams`,
 :class:`~asyncrl.trainer.optim.OptimParams` and a :class:`StepSpec`), so trainers with equal
 configs share one compilation (:func:`compile_count`). It reads top to bottom:

@@ -4,8 +4,8 @@ It holds the policy's parameters and optimizer state on a ``(data, fsdp, tensor)
 each ``TrainBatch`` and permutes its rows into device order (the row layout of
 :mod:`asyncrl.trainer.step`), calls :func:`~asyncrl.trainer.step.train_step`, counts skipped
 updates, names the step's metrics, hands out weights to publish, and saves/restores its state.
-One call of :meth:`Trainer.step` is one trainer step of DESIGN's "Versions": from the weights
-of version :attr:`Trainer.version` to those of the next, read by :meth:`Trainer.params_for_publish`.
+One call of :meth:`Trainer.step` is one trainer step (docs/design.md "Versions and the publish order"):
+from the weights of version :attr:`Trainer.version` to those of the next, read by :meth:`Trainer.params_for_publish`.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class Trainer:
         self.ref_params = self.params if (self.algo.needs_reference and not sft) else None
         self.opt_state = init_opt_state(self.params, optim=self.optim, spec=self.spec)
         self.version = int(version)
-        """Completed trainer steps: the version of :attr:`params` (DESIGN "Versions"). A later
+        """Completed trainer steps: the version of :attr:`params` (docs/design.md "Versions and the publish order"). A later
         stage of a multi-stage run starts at the steps its predecessors completed."""
         self.skipped_updates_total = 0
         self.consecutive_nonfinite = 0
