@@ -19,11 +19,9 @@ import os
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Protocol
+from typing import Iterable, Mapping, Protocol
 
-import numpy as np
 
 _log = logging.getLogger(__name__)
 
@@ -54,22 +52,6 @@ class StatsTracker:
         for name, value in values.items():
             self.scalar(prefix + name, value, reduce)
 
-    def distribution(self, name: str, values, stats: tuple[str, ...] = ("mean", "max", "p90")) -> None:
-        """Summaries of many values, as ``<name>_<stat>`` (stats: mean, min, max, std, pNN)."""
-        array = np.asarray(list(values) if not hasattr(values, "shape") else values, dtype=np.float64).ravel()
-        if array.size == 0:
-            return
-        for stat in stats:
-            self.scalar(f"{name}_{stat}", _statistic(array, stat), reduce="last")
-
-    @contextmanager
-    def timer(self, name: str, reduce: str = "sum") -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.scalar(name, time.perf_counter() - start, reduce)
-
     def commit(self, step: int) -> dict[str, float]:
         """Reduce everything recorded since the last commit, send it to every sink, reset."""
         with self._lock:
@@ -99,20 +81,6 @@ def merge_producers(**producers: Mapping[str, float]) -> dict[str, float]:
             owner[name] = producer
             merged[name] = float(value)
     return merged
-
-
-def _statistic(array: np.ndarray, stat: str) -> float:
-    if stat == "mean":
-        return float(array.mean())
-    if stat == "min":
-        return float(array.min())
-    if stat == "max":
-        return float(array.max())
-    if stat == "std":
-        return float(array.std())
-    if stat.startswith("p") and stat[1:].isdigit():
-        return float(np.percentile(array, int(stat[1:])))
-    raise ValueError(f"unknown statistic {stat!r}")
 
 
 def _reduce(values: list[float], how: str) -> float:
@@ -278,32 +246,6 @@ class ConsoleSink:
         if self._bar is not None:
             self._bar.close()
 
-
-def read_tensorboard_scalars(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """Scalars from the TensorBoard event files under ``logdir``: ``{tag: [(step, value)]}``.
-
-    Reads the TFRecord framing directly (8-byte length, 4-byte CRC, payload, 4-byte CRC)
-    with tensorboardX's protobufs, so checking what a run logged needs no TensorBoard.
-    """
-    import struct
-
-    from tensorboardX.proto import event_pb2
-
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    for path in sorted(Path(logdir).rglob("events.out.tfevents.*")):
-        data = path.read_bytes()
-        offset = 0
-        while offset + 12 <= len(data):
-            (length,) = struct.unpack("<Q", data[offset : offset + 8])
-            payload = data[offset + 12 : offset + 12 + length]
-            offset += 12 + length + 4
-            if len(payload) < length:
-                break  # a record still being written
-            event = event_pb2.Event.FromString(payload)
-            for value in event.summary.value:
-                if value.HasField("simple_value"):
-                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return scalars
 
 
 def process_metrics(device: object = None) -> dict[str, float]:

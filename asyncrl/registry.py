@@ -74,13 +74,6 @@ def register(kind: str, name: str | None = None) -> Callable[[Any], Any]:
     return decorate
 
 
-def registered(kind: str) -> dict[str, Any]:
-    """The built-in and user-registered components of ``kind`` (imports the built-ins)."""
-    _load_builtins(kind)
-    with _lock:
-        return dict(_registry[kind])
-
-
 def resolve(kind: str, spec: Any, where: str | None = None) -> Any:
     """The component a spec names. With kwargs, a ``functools.partial`` binding them.
 

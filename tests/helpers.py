@@ -40,3 +40,30 @@ def run_python(code: str, *, timeout: float = 110, env: dict[str, str] | None = 
 # (about half the compile time). Pass as ``jax.jit(f, compiler_options=FAST_COMPILE)``;
 # an outer jit's options apply to the jitted library functions it calls, too.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def read_tensorboard_scalars(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Scalars from the TensorBoard event files under ``logdir``: ``{tag: [(step, value)]}``.
+
+    Reads the TFRecord framing directly (8-byte length, 4-byte CRC, payload, 4-byte CRC)
+    with tensorboardX's protobufs, so checking what a run logged needs no TensorBoard.
+    """
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(Path(logdir).rglob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            payload = data[offset + 12 : offset + 12 + length]
+            offset += 12 + length + 4
+            if len(payload) < length:
+                break  # a record still being written
+            event = event_pb2.Event.FromString(payload)
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars

@@ -131,10 +131,10 @@ class InProcessServer:
     def __init__(self, loaded: Any, cfg: Any, weights_root: Path, api_key: Optional[str] = API_KEY):
         import uvicorn
 
-        from asyncrl.engine.jax_engine import JaxEngine
+        from asyncrl.build import build_local_engine
         from asyncrl.serve import ServeState, build_app
 
-        engine = JaxEngine.from_model(loaded, cfg)
+        engine = build_local_engine(cfg, *loaded.split(), loaded.stop_token_ids)
         self.state = ServeState(engine, loaded.model.cfg, str(loaded.path), weights_root=weights_root, api_key=api_key)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -11,7 +11,7 @@ import pytest
 from asyncrl.metrics import ConsoleSink, JsonlSink, StatsTracker, TensorBoardSink
 
 
-def test_reductions_distributions_timers_and_reset(tmp_path):
+def test_reductions_and_reset(tmp_path):
     sink = JsonlSink(tmp_path / "metrics.jsonl")
     tracker = StatsTracker([sink])
     tracker.scalar("reward/mean", 0.0)
@@ -20,13 +20,8 @@ def test_reductions_distributions_timers_and_reset(tmp_path):
     tracker.scalar("rollout/dropped_stale", 3, reduce="sum")
     tracker.scalar("engine/version", 4, reduce="last")
     tracker.scalar("engine/version", 5, reduce="last")
-    tracker.distribution("rollout/lag", [0, 1, 1, 2], stats=("mean", "max", "p50"))
-    with tracker.timer("perf/step_time"):
-        pass
     first = tracker.commit(step=1)
     assert first["reward/mean"] == 0.5 and first["rollout/dropped_stale"] == 5 and first["engine/version"] == 5
-    assert first["rollout/lag_mean"] == 1.0 and first["rollout/lag_max"] == 2 and first["rollout/lag_p50"] == 1.0
-    assert first["perf/step_time"] >= 0
     tracker.scalar("reward/mean", 0.25)
     assert tracker.commit(step=2) == {"reward/mean": 0.25}
     tracker.close()
@@ -51,7 +46,7 @@ def test_recording_from_many_threads():
 
 
 def test_tensorboard_events_read_back(tmp_path):
-    from asyncrl.metrics import read_tensorboard_scalars
+    from tests.helpers import read_tensorboard_scalars
 
     tracker = StatsTracker([TensorBoardSink(tmp_path / "tb")])
     for step in (1, 2):

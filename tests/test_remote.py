@@ -113,12 +113,12 @@ def test_every_endpoint_speaks_sglang_protocol(two, model):
 
 
 def test_greedy_and_sampled_equal_the_in_process_engine(two, model):
-    from asyncrl.engine.jax_engine import JaxEngine
+    from asyncrl.build import build_local_engine
 
     tmp, started = two
     cfg, loaded = model
     remote = remote_engine(tmp, started, loaded)
-    local = JaxEngine.from_model(loaded, cfg)
+    local = build_local_engine(cfg, *loaded.split(), loaded.stop_token_ids)
     try:
         requests = [
             GenerationRequest(prompt_ids=[3, 4, 5, 6], greedy=True, max_new_tokens=12),

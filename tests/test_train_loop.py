@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.metrics import read_tensorboard_scalars
 from asyncrl.rollout.workflow import RolloutWorkflow
-from tests.helpers import REPO_ROOT, subprocess_env
+from tests.helpers import REPO_ROOT, read_tensorboard_scalars, subprocess_env
 
 QUICKSTART = REPO_ROOT / "configs" / "quickstart.yaml"
 # 2 SFT steps, then 3 RL steps: versions 1-2 are SFT, 3-5 RL.

@@ -203,15 +203,6 @@ class JaxEngine:
         self._thread = threading.Thread(target=self._loop, name="asyncrl-jax-engine", daemon=True)
         self._thread.start()
 
-    @classmethod
-    def from_model(cls, loaded: Any, cfg: Any = None, *, version: int = 0, **kwargs: Any) -> "JaxEngine":
-        """An engine for a :class:`~asyncrl.model.LoadedModel` with a run's :class:`~asyncrl.config.Config`
-        (its ``engine`` section and ``run.seed``)."""
-        graphdef, params = loaded.split()
-        engine_cfg = cfg.engine if cfg is not None else None
-        seed = cfg.run.seed if cfg is not None else 0
-        return cls(graphdef, params, stop_token_ids=loaded.stop_token_ids, config=engine_cfg, seed=seed, version=version, **kwargs)
-
     # ------------------------------------------------------------------ protocol
 
     @property

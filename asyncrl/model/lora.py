@@ -42,7 +42,6 @@ from asyncrl import pytree
 from asyncrl.model.config import DecoderConfig
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 ADAPTER_KEY = "lora"
 """The key of an adapter's ``{lora_a, lora_b}`` under its linear layer in the params tree."""
 DROPOUT_KEY = "dropout_key"

@@ -15,7 +15,7 @@ Fallback: a dimension whose size is not divisible by its axis size is replicated
 rather than splitting a head across devices; q and o stay split when
 ``num_heads`` divides. An axis missing from the mesh counts as size 1. The fallback
 is silent by design (the result is still correct, only less memory-efficient);
-:func:`describe_shardings` lists what each parameter got.
+:func:`param_shardings` returns what each parameter got.
 """
 
 from __future__ import annotations
@@ -110,12 +110,3 @@ def param_shardings(cfg: DecoderConfig, params: Any, mesh: Mesh) -> Any:
 def shard_params(cfg: DecoderConfig, params: Any, mesh: Mesh) -> Any:
     """``params`` placed on ``mesh`` by the partition rules (``jax.device_put``)."""
     return jax.device_put(params, param_shardings(cfg, params, mesh))
-
-
-def describe_shardings(cfg: DecoderConfig, params: Any, mesh: Mesh) -> dict[str, str]:
-    """``{dotted path: "shape -> PartitionSpec"}``, for logs and debugging."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = dotted_name(path)
-        out[name] = f"{tuple(leaf.shape)} -> {partition_spec(cfg, name, tuple(leaf.shape), mesh)}"
-    return out

@@ -113,10 +113,6 @@ class StalenessLedger:
             out.append(ticket)
         return out
 
-    def is_stale(self, min_version: int) -> bool:
-        """A group whose oldest trained token is older than ``v − η`` must be dropped."""
-        return min_version < self.version - self.max_staleness
-
     def counts(self) -> dict[str, int]:
         """Samples per accounting category; they sum to the number of samples drawn."""
         out = {"in_flight": self.in_flight, "queued": self.queued, "reissued": len(self._reissue)}

@@ -269,10 +269,6 @@ class TrainBatch:
     advantages: Optional[np.ndarray] = None
     """float32 ``[rows, L]``, only when the workflow supplied its own."""
 
-    @property
-    def num_groups(self) -> int:
-        return int(self.group_index.max()) + 1 if self.group_index.size else 0
-
 
 # --------------------------------------------------------------------------- checks
 
