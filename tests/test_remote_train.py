@@ -115,11 +115,27 @@ def test_quickstart_learns_on_two_servers(tmp_path, record_generations):
 
 
 @pytest.mark.slow
-def test_a_killed_server_loses_no_sample_and_rejoins(tmp_path, record_generations):
+def test_a_killed_server_loses_no_sample_and_rejoins(tmp_path, record_generations, monkeypatch):
     """SIGKILL one of two servers mid-run: training goes on on the other, every step's batch is
-    whole, engine/retries > 0; restarted on its port it rejoins once it loaded the current version."""
+    whole, engine/retries > 0; restarted on its port it rejoins once it loaded the current version.
+
+    Timing is pinned, not hoped for: the kill waits until the victim holds a request (so one
+    must be retried), and generation then waits for the restart (so the run cannot end before
+    the restarted server could rejoin)."""
     from asyncrl.train import train
 
+    engines: list[RemoteEngine] = []
+    killed, restart_ready = threading.Event(), threading.Event()
+    recording = RemoteEngine._run
+
+    def gated(self, request):
+        if not engines:
+            engines.append(self)
+        if killed.is_set():
+            restart_ready.wait(300)
+        return recording(self, request)
+
+    monkeypatch.setattr(RemoteEngine, "_run", gated)
     with servers(tmp_path, 2) as started:
         victim = started[1]
         out = tmp_path / "run"
@@ -127,17 +143,26 @@ def test_a_killed_server_loses_no_sample_and_rejoins(tmp_path, record_generation
                             "eval.every_steps=0", "checkpoint.every_steps=0")
         restarted = []
 
+        def victim_busy() -> bool:
+            if not engines or not (out / "metrics.jsonl").exists() or len(read_rows(out)) < 5:
+                return False
+            return any(s.url == victim.url and s.outstanding > 0 for s in engines[0].servers)
+
         def chaos() -> None:
-            deadline = time.monotonic() + 600
-            while not (out / "metrics.jsonl").exists() or len(read_rows(out)) < 5:
-                if time.monotonic() > deadline:
-                    return
-                time.sleep(0.2)
-            victim.kill()
-            time.sleep(2.0)
-            again = Server(tmp_path / "weights", tmp_path / "serve1-again.log", port=victim.port)
-            restarted.append(again)
-            again.wait_ready(300)
+            try:
+                deadline = time.monotonic() + 600
+                while not victim_busy():
+                    if time.monotonic() > deadline:
+                        return
+                    time.sleep(0.01)
+                victim.kill()
+                killed.set()
+                time.sleep(2.0)
+                again = Server(tmp_path / "weights", tmp_path / "serve1-again.log", port=victim.port)
+                restarted.append(again)
+                again.wait_ready(300)
+            finally:
+                restart_ready.set()
 
         thread = threading.Thread(target=chaos, daemon=True)
         thread.start()
