@@ -67,9 +67,10 @@ def engine_busy(rl: list[dict]) -> float | None:
 
 
 def run_one(config: str, eta: int, out: Path, extra: list[str]) -> dict:
-    run_dir = out / f"eta{eta}"
+    # The child runs in the repository root: paths the caller gave are resolved against the caller's cwd.
+    run_dir = (out / f"eta{eta}").resolve()
     command = [
-        sys.executable, "-m", "asyncrl.cli", "train", config,
+        sys.executable, "-m", "asyncrl.cli", "train", str(Path(config).resolve()),
         "--set", f"rollout.max_staleness={eta}", "--set", f"run.output_dir={run_dir}", "--set", "run.overwrite=true",
     ]
     for item in extra:
