@@ -17,6 +17,7 @@ bumps :data:`RUN_STATE_FORMAT`.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
@@ -225,8 +226,9 @@ def _check_rollout(rollout_state: Mapping[str, Any], state: RunState, where: Pat
 
     arrays = rollout_state["arrays"]
     for key in sorted(arrays):
-        if key.partition("_")[0][1:] not in meta.groups:
-            raise refuse(where, "rollout.npz", key, "not part of any group in rollout.json")
+        owner = re.match(r"g(\d+)_", key)
+        if owner is None or owner.group(1) not in meta.groups:
+            raise refuse(where, "rollout.npz", key, "not part of any group in rollout.json (arrays are named g<ticket>_<field>)")
     for ticket in meta.groups:
         prefix = f"g{ticket}_"
         mine = {key[len(prefix):]: array for key, array in arrays.items() if key.startswith(prefix)}

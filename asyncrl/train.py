@@ -528,6 +528,8 @@ def _load_trainer_state(trainer: Any, resumed: Any) -> None:
         )
     except TrainerError as err:
         raise CheckpointError(f"checkpoint {resumed.path}: opt_state.safetensors: {err}") from None
+    except CheckpointError as err:  # the saved trees do not fit this trainer's
+        raise CheckpointError(f"{err} (model or optimizer config changed?)") from None
 
 
 def _check_all_steps_ran(run: Any, cfg: Config) -> None:

@@ -259,6 +259,18 @@ def _stray_rollout_array(c):
     c["rollout_state"]["arrays"]["g5_t0_input_ids"] = np.arange(3, dtype=np.int32)
 
 
+def _misnamed_rollout_array(c):
+    """Beside a valid queued group 2, an array whose name only looks like one of its arrays."""
+    from tests.rollout_fakes import make_group
+
+    meta, arrays = make_group(group_size=2).pack()
+    ledger = c["rollout_state"]["meta"]["ledger"]
+    ledger.update(next_ticket=3, next_sample_id=3, entries=[[2, 2, "queued", 3, 3, 1]])
+    c["rollout_state"]["meta"]["groups"] = {"2": meta}
+    c["rollout_state"]["arrays"] = {f"g2_{name}": array for name, array in arrays.items()}
+    c["rollout_state"]["arrays"]["x2_t0_input_ids"] = arrays["t0_input_ids"]
+
+
 def _queued_group_breaks_a_rule(c):
     from tests.rollout_fakes import make_group
 
@@ -285,6 +297,7 @@ def _param_shape(c):
     (_ledger_key_missing, "rollout.json", "field ledger.next_ticket: Field required"),
     (_ledger_version, "rollout.json", "field ledger.version"),
     (_stray_rollout_array, "rollout.npz", "field g5_t0_input_ids"),
+    (_misnamed_rollout_array, "rollout.npz", "field x2_t0_input_ids: not part of any group"),
     (_queued_group_breaks_a_rule, "rollout.npz", "field groups.2: group 2, trajectory 1: field 'loss_mask' breaks "
                                                  "schema rule 'first_token_trained'"),
     (_param_shape, "params.safetensors", "field "),

@@ -221,7 +221,7 @@ def load_tokenizer(model_dir: Path) -> Any:
 def load_hf_directory(model_dir: Path, *, with_tokenizer: bool = True, **runtime: Any) -> LoadedModel:
     """Read the local HF directory ``model_dir`` into a :class:`LoadedModel`.
 
-    ``runtime``: :data:`~asyncrl.model.config.RUNTIME_FIELDS` of the :class:`DecoderConfig`
+    ``runtime``: :func:`~asyncrl.model.loading.runtime_fields` of the :class:`DecoderConfig`
     (dtypes, remat, log-prob chunking), which no checkpoint records. ``with_tokenizer=False``
     skips the tokenizer (``tokenizer`` is then None), for bare checkpoints.
     """

@@ -94,7 +94,7 @@ class StalenessLedger:
         return sorted(t for t, e in self._entries.items() if e.state == IN_FLIGHT)
 
     def candidates(self, order: Literal["admission", "completion"]) -> list[int]:
-        """Queued tickets in the order ``prepare_batch`` considers them.
+        """Queued tickets in the order ``WorkflowExecutor.next_batch`` considers them.
 
         ``admission``: the smallest live tickets, up to (not past) the first one still in
         flight or awaiting reissue, since the batch must wait for it. ``completion``: every

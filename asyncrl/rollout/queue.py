@@ -1,4 +1,4 @@
-"""SimpleDataQueue: the bounded, thread-safe hand-off from rollout threads to prepare_batch.
+"""SimpleDataQueue: the bounded, thread-safe hand-off from rollout threads to the executor's ``next_batch``.
 
 ``put``/``get`` block on a condition variable (no busy-waiting) up to their timeout;
 ``close()`` wakes every waiter, which then raises :class:`QueueClosed`. Its capacity is at
