@@ -31,20 +31,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_engine import median_time  # noqa: E402  (scripts/ is on the path when run as a script)
 from tests.remote_helpers import API_KEY, Server  # noqa: E402
 
 ENGINE = ["--set", "engine.slots=64", "--set", "engine.kv_capacity=64", "--set", "engine.prefill_buckets=[16,64]"]
 PROMPT, NEW, N = 16, 32, 4
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def model_dir(name: str, tmp: Path) -> str:
@@ -91,6 +82,7 @@ def main() -> None:
     from asyncrl.config import load_config
     from asyncrl.engine.jax_engine import JaxEngine
     from asyncrl.engine.protocol import GenerationRequest
+    from asyncrl.config import RemoteEngineConfig
     from asyncrl.engine.remote import RemoteEngine
     from asyncrl.model import load_model
 
@@ -114,9 +106,10 @@ def main() -> None:
             s.wait_ready(300)
         version = 0
         for count in (1, 2):
-            remote = RemoteEngine([s.url for s in servers[:count]], graphdef=graphdef, stop_token_ids=loaded.stop_token_ids,
-                                  weights_dir=tmp / "weights" / f"run{count}", api_key=API_KEY, health_check_every_s=0,
-                                  version=version, max_concurrent_requests=256)
+            settings = RemoteEngineConfig(urls=[s.url for s in servers[:count]], health_check_every_s=0,
+                                          max_concurrent_requests=256)
+            remote = RemoteEngine(settings, graphdef=graphdef, stop_token_ids=loaded.stop_token_ids,
+                                  weights_dir=tmp / "weights" / f"run{count}", api_key=API_KEY, version=version)
             out["tokens_per_s"][f"servers_{count}"] = throughput(remote, requests, args.repeats)
             if count == 1:
                 remote_latency = median_time(lambda: remote.generate(one_token), 20)

@@ -14,6 +14,7 @@ import pytest
 
 from asyncrl.engine import sglang_protocol as sp
 from asyncrl.engine.protocol import GenerationRequest
+from asyncrl.config import RemoteEngineConfig
 from asyncrl.engine.remote import RemoteEngine, RemoteEngineError
 from asyncrl.errors import EngineRequestError
 from tests.remote_helpers import API_KEY, QUICKSTART, inprocess_servers, scripted_server, servers
@@ -51,10 +52,10 @@ def served_version(url: str) -> int:
 
 def remote_engine(tmp, started, loaded, **kwargs) -> RemoteEngine:
     graphdef, _ = loaded.split()
+    settings = RemoteEngineConfig(urls=[s.url for s in started], health_check_every_s=0.5, backoff_s=0.05, **kwargs)
     return RemoteEngine(
-        [s.url for s in started], graphdef=graphdef, tokenizer=None, stop_token_ids=loaded.stop_token_ids,
+        settings, graphdef=graphdef, tokenizer=None, stop_token_ids=loaded.stop_token_ids,
         weights_dir=tmp / "weights" / "run", version=served_version(started[0].url), api_key=API_KEY,
-        health_check_every_s=0.5, backoff_s=0.05, **kwargs,
     )
 
 
@@ -238,7 +239,7 @@ def test_bad_answers_give_clear_errors(case, error, needle):
         return 400, b'{"error": {"message": "prompt too long"}}'
 
     with scripted_server(handler) as url:
-        engine = RemoteEngine([url], retries=2, backoff_s=0.01, health_check_every_s=0)
+        engine = RemoteEngine(RemoteEngineConfig(urls=[url], retries=2, backoff_s=0.01, health_check_every_s=0))
         try:
             with pytest.raises(error, match=needle) as info:
                 engine.generate(GenerationRequest(prompt_ids=[1, 2], max_new_tokens=2))
@@ -255,14 +256,14 @@ def test_unreachable_url_fails_at_start_naming_it():
     url = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()
     with pytest.raises(RemoteEngineError, match=f"{url} is unreachable"):
-        RemoteEngine([url], connect_timeout_s=2.0, health_check_every_s=0)
+        RemoteEngine(RemoteEngineConfig(urls=[url], connect_timeout_s=2.0, health_check_every_s=0))
     assert time.monotonic() - started < 2.0 + 1.0
 
 
 def test_version_labels_that_are_not_asyncrl_versions_are_refused():
     with scripted_server(lambda path, body: _model_info("base-model")) as url:
         with pytest.raises(RemoteEngineError, match="weight_version 'base-model' is not an asyncrl version"):
-            RemoteEngine([url], health_check_every_s=0)
+            RemoteEngine(RemoteEngineConfig(urls=[url], health_check_every_s=0))
 
 
 def test_stop_sequences_are_applied_across_segments():
@@ -275,7 +276,7 @@ def test_stop_sequences_are_applied_across_segments():
         return 200, json.dumps([next(answers)]).encode()
 
     with scripted_server(handler) as url:
-        engine = RemoteEngine([url], health_check_every_s=0)
+        engine = RemoteEngine(RemoteEngineConfig(urls=[url], health_check_every_s=0))
         try:
             (out,) = engine.generate(GenerationRequest(prompt_ids=[1], max_new_tokens=8, stop_sequences=[[6, 7]]))
         finally:

@@ -45,6 +45,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from pydantic import ValidationError
 
+from asyncrl.config import RemoteEngineConfig
 from asyncrl.engine import sglang_protocol as sp
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.engine.remote_server import RemoteEngineError, RemoteServer, ServerUnavailable
@@ -71,29 +72,20 @@ class RemoteEngine:
     """An :class:`~asyncrl.engine.protocol.InferenceEngine` over SGLang-API servers.
 
     Args:
-        urls: server base URLs (``http://host:port``).
+        settings: the ``engine.remote`` section (:class:`~asyncrl.config.RemoteEngineConfig`):
+            server URLs, HTTP timeouts, retries and backoff, pause mode, update retries, health
+            check period, concurrency, weights kept and segments per sample, each documented there.
         graphdef: the policy's graphdef (to export published params); ``tokenizer`` and
             ``stop_token_ids`` are written beside the weights.
         weights_dir: where ``v{N}`` weight directories go (every server must read this path).
         version: the version the servers must serve at start (``k`` on resume).
         api_key: sent as ``Authorization: Bearer``.
-        connect_timeout_s, read_timeout_s: HTTP timeouts (a generation must answer within the read timeout).
-        retries, backoff_s: retries of a call on connection errors and 5xx (never 4xx), waiting
-            ``backoff_s * 2**attempt`` between tries.
-        pause_mode: ``/pause_generation`` mode. ``abort`` (default) keeps versions exact; with
-            ``retract``/``in_place`` a request continues across the update and its segment is tagged
-            with the version it started on (older than some of its tokens: staleness is overstated).
-        update_retries: whole pause-update-continue retries before a server is marked unhealthy.
-        health_check_every_s: period of the health thread (0: off).
-        max_concurrent_requests: requests in flight at once (threads and pooled connections).
-        keep_weights: weight versions kept on disk.
-        max_segments: segments per sample before it is given up as ``aborted``.
         check: query every server at start (an unreachable URL fails within ``connect_timeout_s``).
     """
 
     def __init__(
         self,
-        urls: Sequence[str],
+        settings: RemoteEngineConfig,
         *,
         graphdef: Any = None,
         tokenizer: Any = None,
@@ -101,41 +93,23 @@ class RemoteEngine:
         weights_dir: Optional[str | os.PathLike] = None,
         version: int = 0,
         api_key: Optional[str] = None,
-        connect_timeout_s: float = 5.0,
-        read_timeout_s: float = 600.0,
-        retries: int = 3,
-        backoff_s: float = 0.5,
-        pause_mode: sp.PauseMode = "abort",
-        update_retries: int = 2,
-        health_check_every_s: float = 5.0,
-        max_concurrent_requests: int = 64,
-        keep_weights: int = 2,
-        max_segments: int = 64,
         check: bool = True,
     ):
         import httpx
 
-        if not urls:
-            raise EngineRequestError("RemoteEngine: engine.remote.urls is empty: give at least one server URL")
+        self.settings = settings  # the engine.remote section: timeouts, retries, pause mode, limits
         self.graphdef = graphdef
         self.tokenizer = tokenizer
         self.stop_token_ids = tuple(stop_token_ids) if stop_token_ids is not None else None
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
-        self.connect_timeout_s = connect_timeout_s
-        self.read_timeout_s = read_timeout_s
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.pause_mode = pause_mode
-        self.update_retries = update_retries
-        self.keep_weights = keep_weights
-        self.max_segments = max_segments
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        limits = httpx.Limits(max_connections=max_concurrent_requests + 8, max_keepalive_connections=max_concurrent_requests + 8)
-        timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+        concurrent = settings.max_concurrent_requests
+        limits = httpx.Limits(max_connections=concurrent + 8, max_keepalive_connections=concurrent + 8)
+        timeout = httpx.Timeout(settings.read_timeout_s, connect=settings.connect_timeout_s)
         self.servers = [
             RemoteServer(i, url, httpx.Client(base_url=url.rstrip("/"), timeout=timeout, limits=limits, headers=self._headers),
-                         connect_timeout_s=connect_timeout_s, retries=retries, backoff_s=backoff_s)
-            for i, url in enumerate(urls)
+                         connect_timeout_s=settings.connect_timeout_s, retries=settings.retries, backoff_s=settings.backoff_s)
+            for i, url in enumerate(settings.urls)
         ]
         self._version = int(version)
         self._lock = threading.Condition()
@@ -143,27 +117,21 @@ class RemoteEngine:
         self._closed = False
         self._stats: collections.defaultdict[str, float] = collections.defaultdict(float)
         self._stats_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_concurrent_requests, thread_name_prefix="asyncrl-remote")
+        self._pool = ThreadPoolExecutor(concurrent, thread_name_prefix="asyncrl-remote")
         if check:
             self._check_servers()
         self._stop_health = threading.Event()
         self._health: Optional[threading.Thread] = None
-        if health_check_every_s > 0:
-            self._health = threading.Thread(target=self._health_loop, args=(health_check_every_s,),
+        if settings.health_check_every_s > 0:
+            self._health = threading.Thread(target=self._health_loop, args=(settings.health_check_every_s,),
                                              name="asyncrl-remote-health", daemon=True)
             self._health.start()
 
     @classmethod
-    def from_config(cls, rcfg: Any, *, version: int = 0, **kwargs: Any) -> "RemoteEngine":
-        """An engine from an ``engine.remote`` section (:class:`asyncrl.config.RemoteEngineConfig`)."""
-        key = os.environ.get(rcfg.api_key_env) if rcfg.api_key_env else None
-        return cls(
-            rcfg.urls, version=version, api_key=key or None, connect_timeout_s=rcfg.connect_timeout_s,
-            read_timeout_s=rcfg.read_timeout_s, retries=rcfg.retries, backoff_s=rcfg.backoff_s,
-            pause_mode=rcfg.pause_mode, update_retries=rcfg.update_retries,
-            health_check_every_s=rcfg.health_check_every_s, max_concurrent_requests=rcfg.max_concurrent_requests,
-            keep_weights=rcfg.keep_weights, max_segments=rcfg.max_segments, **kwargs,
-        )
+    def from_config(cls, settings: RemoteEngineConfig, *, version: int = 0, **kwargs: Any) -> "RemoteEngine":
+        """An engine for an ``engine.remote`` section, its API key read from ``settings.api_key_env``."""
+        key = os.environ.get(settings.api_key_env) if settings.api_key_env else None
+        return cls(settings, version=version, api_key=key or None, **kwargs)
 
     # ------------------------------------------------------------------ protocol
 
@@ -249,10 +217,10 @@ class RemoteEngine:
         URL fails within the connect timeout."""
         for server in self.servers:
             try:
-                server.version = server.served_version(timeout=self.read_timeout_s, retries=0)
+                server.version = server.served_version(timeout=self.settings.read_timeout_s, retries=0)
             except ServerUnavailable as err:
                 raise RemoteEngineError(f"engine.remote.urls: {server.url} is unreachable (connect timeout "
-                                        f"{self.connect_timeout_s} s): {err}") from None
+                                        f"{self.settings.connect_timeout_s} s): {err}") from None
         logger.info("remote engine: %s", ", ".join(f"server{s.index}={s.url} (v{s.version})" for s in self.servers))
 
     # ------------------------------------------------------------------ servers
@@ -294,14 +262,14 @@ class RemoteEngine:
 
     def _check_one(self, server: RemoteServer) -> None:
         try:
-            server.call("GET", "/health", timeout=self.connect_timeout_s, retries=0)
+            server.call("GET", "/health", timeout=self.settings.connect_timeout_s, retries=0)
         except ServerUnavailable as err:
             self._mark_unhealthy(server, str(err))
             return
         if server.healthy or self.weights_dir is None:
             return
         with self._update_lock:  # rejoin: load the current version first
-            served = server.served_version(timeout=self.connect_timeout_s, retries=0)
+            served = server.served_version(timeout=self.settings.connect_timeout_s, retries=0)
             if served != self._version:
                 path = self.weights_dir / f"v{self._version}"
                 if not path.is_dir():
@@ -327,7 +295,7 @@ class RemoteEngine:
         export_hf(self.graphdef, self.tokenizer, path, params=tree_to_host(params),
                   stop_token_ids=self.stop_token_ids, overwrite=True)
         kept = sorted((p for p in self.weights_dir.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
-        for old in kept[: -self.keep_weights]:
+        for old in kept[: -self.settings.keep_weights]:
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
         return path
@@ -358,9 +326,9 @@ class RemoteEngine:
         """pause -> update_weights_from_disk -> continue -> check (:meth:`RemoteServer.load_weights`),
         retried; else out of rotation."""
         error = ""
-        for attempt in range(self.update_retries + 1):
+        for attempt in range(self.settings.update_retries + 1):
             try:
-                server.load_weights(path, version, self.pause_mode)
+                server.load_weights(path, version, self.settings.pause_mode)
                 if rejoin:
                     with self._lock:
                         server.healthy, server.cause = True, ""
@@ -413,7 +381,7 @@ class RemoteEngine:
         """One ``/generate`` call for the unfinished samples ``todo``; appends what came back."""
         body = self._body(request, samples, todo)
         submitted_version = server.version
-        timeout = self.read_timeout_s if deadline is None else max(0.1, min(self.read_timeout_s, deadline - time.monotonic()))
+        timeout = self.settings.read_timeout_s if deadline is None else max(0.1, min(self.settings.read_timeout_s, deadline - time.monotonic()))
         started = time.monotonic()
         raw = server.call("POST", "/generate", body.model_dump(exclude_none=True), timeout=timeout)
         server.record_generate(time.monotonic() - started)
@@ -460,7 +428,7 @@ class RemoteEngine:
                 f"{where}: answered weight_version {version}, but it served {submitted} when the request was sent and the "
                 f"trainer has published up to {self._version}: is another trainer updating this server?"
             )
-        return version if self.pause_mode == "abort" else submitted
+        return version if self.settings.pause_mode == "abort" else submitted
 
     def _append(self, request: GenerationRequest, sample: _Sample, item: sp.GenerateItem, version: int, server: RemoteServer) -> None:
         meta = item.meta_info
@@ -481,7 +449,7 @@ class RemoteEngine:
             sample.stop_reason = "eos"
         elif kind == "length" or len(sample.tokens) >= request.max_new_tokens:
             sample.stop_reason = "length"
-        elif sample.segments >= self.max_segments:
+        elif sample.segments >= self.settings.max_segments:
             sample.stop_reason = "aborted"
             self._count("aborted", 1)
         else:
