@@ -96,3 +96,19 @@ def test_optim_params_resolve_the_decay_length():
                             "optim": {"warmup_steps": 4}})
     assert OptimParams.from_config(cfg).decay_steps == 10 * 2 * 3 - 4
     assert OptimParams.from_config(cfg, updates_per_step=1).decay_steps == 10 - 4
+
+
+def test_lora_spec_carries_every_field_of_the_section():
+    from asyncrl.config import LoraConfig
+    from asyncrl.model.lora import LoraSpec
+
+    assert set(LoraSpec.model_fields) == set(LoraConfig.model_fields)
+    base = LoraSpec.from_config(LoraConfig())
+    assert hash(base) == hash(LoraSpec.from_config(LoraConfig())) and base.scale == LoraConfig().scale
+    for name in LoraConfig.model_fields:
+        value = ["q_proj"] if name == "target_modules" else other_value(LoraConfig, name)
+        section = LoraConfig.model_validate({name: value})
+        spec = LoraSpec.from_config(section)
+        given = getattr(section, name)
+        assert getattr(spec, name) == (tuple(given) if isinstance(given, list) else given), name
+        assert spec != base and hash(spec) != hash(base), f"model.lora.{name} does not change the static argument"

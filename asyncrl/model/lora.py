@@ -38,7 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pydantic import ConfigDict, Field
+
 from asyncrl import pytree
+from asyncrl.config import LORA_TARGET_MODULES, LoraConfig, LoraTarget
 from asyncrl.model.config import DecoderConfig
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -47,23 +50,18 @@ ADAPTER_KEY = "lora"
 DROPOUT_KEY = "dropout_key"
 
 
-@dataclasses.dataclass(frozen=True)
-class LoraSpec:
-    """Hashable form of ``model.lora`` (a jit static argument)."""
+class LoraSpec(LoraConfig):
+    """Hashable form of ``model.lora`` (a jit static argument): a frozen subclass of the section,
+    so it carries every field (and ``scale``) without a copy; ``target_modules`` is a tuple."""
 
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-    dropout: float = 0.0
+    model_config = ConfigDict(frozen=True)
 
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
+    target_modules: tuple[LoraTarget, ...] = Field(default=LORA_TARGET_MODULES, min_length=1)  # type: ignore[assignment]
 
     @classmethod
     def from_config(cls, section: Any) -> "LoraSpec":
-        return cls(rank=int(section.rank), alpha=float(section.alpha),
-                   target_modules=tuple(section.target_modules), dropout=float(section.dropout))
+        """From the ``model.lora`` section (a :class:`~asyncrl.config.LoraConfig`)."""
+        return cls(**dict(section))
 
 
 class LoRADropoutKey(nnx.Variable):
