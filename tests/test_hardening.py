@@ -317,6 +317,24 @@ def test_a_checkpoint_whose_files_disagree_is_refused_in_one_line(tmp_path, monk
     assert not (tmp_path / "run" / "hf").exists()
 
 
+def test_an_optimizer_state_that_does_not_fit_names_the_key_and_the_likely_cause(tmp_path, monkeypatch, capsys):
+    """A checkpoint whose opt_state does not fit this trainer's (same config) is refused at
+    resume naming the file and key, with the hint that the model or optimizer config changed."""
+    monkeypatch.chdir(tmp_path)
+    config = write_yaml(tmp_path / "config.yaml", STAGED)
+    cfg = load_config(config)
+    contents = valid_contents(cfg)
+    first = min(pytree.keyed_leaves(contents["arrays"]["opt_state"]))
+    contents["arrays"]["opt_state"] = pytree.map_with_path(
+        contents["arrays"]["opt_state"],
+        lambda path, leaf: np.zeros(np.shape(leaf) + (2,), np.asarray(leaf).dtype) if pytree.key_of(path) == first else leaf)
+    path = ck.save_checkpoint(tmp_path / "run", 3, config_yaml=dump_config(cfg), **contents)
+    assert cli.main(["train", "config.yaml", "--resume"]) == 1
+    line = one_line_error(capsys)
+    assert f"checkpoint {path.relative_to(tmp_path)}: opt_state.safetensors: field " in line, line
+    assert line.endswith("(model or optimizer config changed?)"), line
+
+
 def test_the_unedited_hand_built_checkpoint_passes_the_checks():
     """The control of the test above: the same contents, unedited, are accepted."""
     from asyncrl.checkpoint_schema import check_checkpoint_params, check_run_checkpoint
