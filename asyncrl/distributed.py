@@ -298,8 +298,9 @@ def _at_exit() -> None:
     watchdog = _WATCHDOG
     if watchdog is None:
         return
-    if getattr(sys, "last_value", None) is not None:  # an uncaught exception ends the program
-        exit_after_failure(1, f"{type(sys.last_value).__name__}: {_first_line(sys.last_value)}")
+    uncaught = getattr(sys, "last_value", None)  # set when an uncaught exception ends the program
+    if isinstance(uncaught, BaseException):
+        exit_after_failure(1, f"{type(uncaught).__name__}: {_first_line(uncaught)}")
     watchdog.mark_exiting()
 
 

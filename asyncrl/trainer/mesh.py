@@ -9,15 +9,12 @@ order every process owns a contiguous block of rows: the rows of its own groups.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
 
 from asyncrl.distributed import initialize_distributed
 from asyncrl.errors import TrainerError
-
-log = logging.getLogger(__name__)
 
 __all__ = ["initialize_distributed", "build_mesh", "mesh_shape", "row_shards", "local_row_shards", "row_sharding"]
 
