@@ -62,14 +62,22 @@ def describe_exit(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM when the launcher dies, so no process is orphaned."""
+def _prctl() -> Optional[Callable[..., int]]:
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+
+
+_PRCTL = _prctl() if sys.platform == "linux" else None  # looked up here: the forked child only calls it
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the launcher dies, so no process is orphaned."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class Launcher:
@@ -97,9 +105,10 @@ class Launcher:
             proc = subprocess.Popen(
                 self.argv_of(pid), env=child_env(self.env, pid, self.nproc, coordinator, self.cpu_devices),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                errors="replace", start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                errors="replace", start_new_session=True, preexec_fn=_die_with_parent if _PRCTL is not None else None,
             )
             self.procs.append(proc)
+        for pid, proc in enumerate(self.procs):  # threads after the forks: nothing is locked in a forked child
             threading.Thread(target=self._pump, args=(pid, proc), name=f"launch-p{pid}", daemon=True).start()
 
     def _pump(self, pid: int, proc: subprocess.Popen) -> None:
@@ -125,7 +134,8 @@ class Launcher:
                 if failed:
                     first_failure = failed[0]
                     alive = sum(code is None for code in codes)
-                    self.say(f"asyncrl launch: process {first_failure[0]} failed first ({describe_exit(first_failure[1])})"
+                    verb = "ended" if self._signals else "failed"
+                    self.say(f"asyncrl launch: process {first_failure[0]} {verb} first ({describe_exit(first_failure[1])})"
                              + (f"; stopping the other {alive} (SIGTERM after {self.grace_s:g} s, then SIGKILL)" if alive else ""))
                     stop_at = time.monotonic() + self.grace_s
             if all(code is not None for code in codes):
