@@ -162,6 +162,7 @@ class Watchdog:
         self._beat = 0
         self._seen: dict[int, tuple[str, float]] = {}  # peer -> (last heartbeat value, when it changed)
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # one poll at a time (the thread's, or mark_exiting's at exit)
         self._exiting = False
         self._failed = False  # this process published a failure notice
         self._thread = threading.Thread(target=self._run, name="asyncrl-watchdog", daemon=True)
@@ -186,7 +187,11 @@ class Watchdog:
         return {int(key.rsplit("/", 1)[1]): value for key, value in self.client.key_value_dir_get(f"{_PREFIX}/{kind}/")}
 
     def poll(self) -> None:
-        """One heartbeat and one check of everyone else (the thread's loop body)."""
+        """One heartbeat and one check of everyone else (the thread's loop body; also called at exit)."""
+        with self._lock:
+            self._poll()
+
+    def _poll(self) -> None:
         self._beat += 1
         beat = _EXITING if self._exiting else str(self._beat)
         try:

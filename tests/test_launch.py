@@ -235,6 +235,13 @@ mesh = Mesh(np.array(jax.devices()), ("x",))
 total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))
 ones = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), np.ones((1,), np.float32))
 assert float(total(ones)) == 2.0
+from asyncrl.distributed import DistributedError, wait_at_barrier
+if pid == 0:  # a barrier process 1 never reaches times out with an error naming it (and the run goes on)
+    try:
+        wait_at_barrier("lonely", 0.5)
+    except DistributedError as err:
+        print("barrier error:", err, flush=True)
+wait_at_barrier("both", 30)
 print("ready", pid, flush=True)
 mode = sys.argv[2]
 while True:
@@ -259,16 +266,19 @@ def _two_jax_processes(mode: str, heartbeat_s: int) -> list[subprocess.Popen]:
                              stderr=subprocess.STDOUT, text=True) for pid in range(2)]
 
 
-def _wait_ready(procs: list[subprocess.Popen], timeout_s: float = 60) -> None:
+def _wait_ready(procs: list[subprocess.Popen], timeout_s: float = 60) -> list[str]:
+    """Until every process printed ``ready`` (the test's hard timeout bounds a silent one); what each printed."""
     deadline = time.monotonic() + timeout_s
+    printed = []
     for proc in procs:
         assert proc.stdout is not None
-        while True:
+        lines = []
+        while not lines or not lines[-1].startswith("ready"):
             assert time.monotonic() < deadline, "processes did not start"
-            line = proc.stdout.readline()
-            assert line, f"process exited before it was ready ({proc.poll()})"
-            if line.startswith("ready"):
-                break
+            lines.append(proc.stdout.readline())
+            assert lines[-1], f"process exited before it was ready ({proc.poll()}): {''.join(lines)}"
+        printed.append("".join(lines))
+    return printed
 
 
 def _end(procs: list[subprocess.Popen]) -> None:
@@ -285,16 +295,17 @@ def test_sigkill_of_process_1_ends_process_0_naming_it_within_the_heartbeat_time
     naming process 1 within the heartbeat timeout (3 s here; JAX's own abort would come later)."""
     procs = _two_jax_processes("psum", heartbeat_s=3)
     try:
-        _wait_ready(procs)
+        output = _wait_ready(procs)[0]
         killed = time.monotonic()
         procs[1].send_signal(signal.SIGKILL)
-        output, _ = procs[0].communicate(timeout=30)
+        output += procs[0].communicate(timeout=30)[0]
         took = time.monotonic() - killed
     finally:
         _end(procs)
     assert procs[0].returncode == EXIT_PEER_LOST, output[-3000:]
     assert "asyncrl: error: lost process 1 of 2: no heartbeat for 3 s" in output, output[-3000:]
-    assert took < 3 + 2, took  # the timeout plus one heartbeat interval and start-up slack
+    assert took < 3 + 3, took  # the timeout plus one heartbeat interval, and slack for a loaded machine
+    assert "barrier error: barrier 'lonely': not every process arrived within 0.5 s" in output, output[-3000:]
 
 
 @pytest.mark.slow  # 10 s: the same two-process start-up again
