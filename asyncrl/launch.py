@@ -84,19 +84,23 @@ class Launcher:
     """Start, watch and stop ``nproc`` processes; :meth:`run` returns the exit code."""
 
     def __init__(self, argv_of: Callable[[int], list[str]], nproc: int, *, cpu_devices: Optional[int] = None,
-                 grace_s: float = 10.0, out: IO[str] = sys.stdout, env: Optional[dict[str, str]] = None):
+                 grace_s: float = 10.0, out: Optional[IO[str]] = None, env: Optional[dict[str, str]] = None):
         if nproc < 1:
             raise ValueError(f"asyncrl launch: --nproc must be at least 1 (given {nproc})")
         self.argv_of, self.nproc, self.cpu_devices, self.grace_s = argv_of, nproc, cpu_devices, grace_s
-        self.out, self.env = out, dict(os.environ if env is None else env)
+        self.out = sys.stdout if out is None else out  # looked up now: tests replace sys.stdout
+        self.env = dict(os.environ if env is None else env)
         self.procs: list[subprocess.Popen] = []
         self._lock = threading.Lock()  # one line at a time on `out`
         self._signals: list[int] = []  # signals received, forwarded by the main loop
 
     def say(self, line: str) -> None:
         with self._lock:
-            self.out.write(line + "\n")
-            self.out.flush()
+            try:
+                self.out.write(line + "\n")
+                self.out.flush()
+            except (OSError, ValueError):  # output closed (e.g. piped into head): keep draining the children
+                pass
 
     def start(self) -> None:
         coordinator = f"127.0.0.1:{free_port()}"

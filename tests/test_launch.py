@@ -132,6 +132,17 @@ def test_cli_launches_asyncrl_commands_and_refuses_bad_usage():
     assert none.returncode == 2 and "the command after --" in none.stderr, none.stderr
 
 
+@pytest.mark.timeout(60)
+def test_cli_launch_in_process_prints_through_sys_stdout(capsys, monkeypatch):
+    """As tests/test_doc_commands.py runs documented commands: ``main`` in this process, output captured."""
+    from asyncrl.cli import main
+
+    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))
+    assert main(["launch", "--nproc", "2", "--", "version"]) == 0
+    out = capsys.readouterr().out
+    assert "asyncrl launch: 2 processes" in out and "[p0] asyncrl " in out and "[p1] asyncrl " in out, out
+
+
 # ---------------------------------------------------------------- the watchdog, on a fake key-value store
 
 
