@@ -159,12 +159,13 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     code = _main(argv)
-    if code not in (0, 130, 143) and "asyncrl.distributed" in sys.modules:
+    if code != 0 and "asyncrl.distributed" in sys.modules:
         # A failed process of a multi-process run: tell the others and exit now, instead of
         # JAX's graceful shutdown waiting for processes stuck in a collective with this one.
-        from asyncrl.distributed import exit_after_failure
+        from asyncrl.distributed import SIGNAL_EXIT_CODES, exit_after_failure
 
-        exit_after_failure(code)
+        if code not in SIGNAL_EXIT_CODES:
+            exit_after_failure(code)
     return code
 
 

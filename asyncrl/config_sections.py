@@ -365,7 +365,7 @@ class DistributedConfig(Section):
     process_id: Optional[int] = Field(default=None, ge=0)
     """This process's index in ``[0, num_processes)``; null: JAX's cluster detection."""
     initialization_timeout_s: int = Field(default=300, ge=1)
-    """How long each process waits at start for all ``num_processes`` to reach the coordinator; then it fails naming this field."""
+    """How long each process waits at start for all ``num_processes`` to reach the coordinator; then it exits (69) with an error naming this field."""
     heartbeat_timeout_s: int = Field(default=60, ge=1)
     """A process silent this long (crashed, killed, host down) ends every other process with an error naming it (exit 69); a process that fails with an error ends the others within about a second (exit 70). JAX's own heartbeat timeout is set longer, as a backstop."""
     shutdown_timeout_s: int = Field(default=300, ge=1)

@@ -82,10 +82,10 @@ class DistributedError(AsyncRLError):
 def initialize_distributed(mesh_cfg: Any) -> None:
     """``jax.distributed.initialize`` from ``mesh.distributed`` and start the :class:`Watchdog`.
 
-    No-op when disabled or already done. Fields left null fall back to JAX's own detection
-    (``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``, SLURM, Open
-    MPI, Kubernetes, ...); those three variables also turn it on without ``enabled``. On CPU, collectives go through gloo (set before the backend
-    starts; it only affects the CPU client).
+    No-op when disabled or already done. Fields left null come from ``JAX_COORDINATOR_ADDRESS``,
+    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` (which also turn it on without ``enabled``),
+    else from JAX's cluster detection (SLURM, Open MPI, Kubernetes, Cloud TPU, ...). On CPU,
+    collectives go through gloo (set before the backend starts; it only affects the CPU client).
     """
     dist = mesh_cfg.distributed
     if not (dist.enabled or launched_by_env()):
@@ -95,6 +95,7 @@ def initialize_distributed(mesh_cfg: Any) -> None:
     if jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timer = _startup_timer(dist)
     try:
         jax.distributed.initialize(
             coordinator_address=dist.coordinator_address,
@@ -111,10 +112,34 @@ def initialize_distributed(mesh_cfg: Any) -> None:
             f"process must reach the coordinator within mesh.distributed.initialization_timeout_s "
             f"({dist.initialization_timeout_s} s), and the address, process count and ids must agree"
         ) from err
+    finally:
+        timer.cancel()
     log.info("jax.distributed: process %d of %d, %d local devices",
              jax.process_index(), jax.process_count(), jax.local_device_count())
     if jax.process_count() > 1:
         start_watchdog(_client(), jax.process_index(), jax.process_count(), dist.heartbeat_timeout_s)
+
+
+def _startup_timer(dist: Any) -> threading.Timer:
+    """Ends the process with one line when start-up outlasts ``initialization_timeout_s``.
+
+    JAX itself aborts (SIGABRT, a C++ stack trace) some seconds later (measured: the timeout
+    plus 6-7 s), naming neither the setting nor what is missing.
+    """
+    address = dist.coordinator_address or os.environ.get(ENV_COORDINATOR) or "(cluster detection)"
+    count = dist.num_processes or os.environ.get(ENV_NUM_PROCESSES) or "(cluster detection)"
+
+    def give_up() -> None:
+        _say(f"asyncrl: error: mesh.distributed: not all {count} processes reached the coordinator {address} within "
+             f"mesh.distributed.initialization_timeout_s = {dist.initialization_timeout_s} s; start every process "
+             "with the same coordinator address and process count (process 0 hosts the coordinator), or raise the "
+             f"timeout (exit {EXIT_PEER_LOST})")
+        os._exit(EXIT_PEER_LOST)
+
+    timer = threading.Timer(dist.initialization_timeout_s, give_up)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def jax_heartbeat_timeout(heartbeat_timeout_s: int) -> int:

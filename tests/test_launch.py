@@ -299,6 +299,22 @@ def _end(procs: list[subprocess.Popen]) -> None:
         proc.wait(10)
 
 
+@pytest.mark.timeout(60)
+def test_a_process_alone_at_start_ends_after_the_initialization_timeout_naming_the_setting():
+    """Process 1 of 2 never starts: JAX would abort some seconds after the timeout with a C++ stack trace."""
+    from asyncrl.launch import child_env, free_port
+
+    code = ("from asyncrl.config_sections import MeshConfig\n"
+            "from asyncrl.distributed import initialize_distributed\n"
+            "initialize_distributed(MeshConfig(distributed={'initialization_timeout_s': 1}))\n")
+    env = child_env(subprocess_env(), 0, 2, f"127.0.0.1:{free_port()}", None)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=50)
+    assert proc.returncode == EXIT_PEER_LOST, proc.stderr[-3000:]
+    assert "not all 2 processes reached the coordinator 127.0.0.1:" in proc.stderr, proc.stderr[-3000:]
+    assert "mesh.distributed.initialization_timeout_s = 1 s" in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.timeout(90)
 def test_sigkill_of_process_1_ends_process_0_naming_it_within_the_heartbeat_timeout():
     """Process 0 loops in a jitted cross-process sum; process 1 is SIGKILLed: process 0's
