@@ -125,7 +125,11 @@ class Launcher:
 
     def run(self) -> int:
         """Start the processes and wait for all of them; the first non-zero exit code (0 if none)."""
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self._signal_alive(signal.SIGKILL)  # none left behind when a later one cannot start
+            raise
         first_failure: Optional[tuple[int, int]] = None  # (process, returncode)
         stop_at: Optional[float] = None  # when to escalate (SIGTERM, then SIGKILL) after a failure
         escalations = 0
