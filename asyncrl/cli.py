@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", metavar="RUN_DIR", help="a run's output directory (run.output_dir)")
     export.add_argument("out_dir", metavar="OUT_DIR", help="where to write the Hugging Face directory")
     _add_serve_parser(commands)
+    _add_launch_parser(commands)
     _add_export_lora_args(export)
     train.add_argument(
         "--resume",
@@ -93,6 +94,38 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--weight-version", default="0", help="weight_version label of the starting weights (default 0)")
     serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                        help="override a field of the config (e.g. --set engine.prefill_buckets=[32]); repeatable")
+
+
+def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
+    launch = commands.add_parser(
+        "launch",
+        help="run an asyncrl command as N processes on this host (multi-process development and tests)",
+        description="Start N processes of 'asyncrl COMMAND ...' on this host with JAX_COORDINATOR_ADDRESS (a free port "
+        "on 127.0.0.1), JAX_NUM_PROCESSES and JAX_PROCESS_ID set for each; prefix their output with [p<i>]; forward "
+        "SIGINT/SIGTERM to all of them; when one fails, name it, stop the others (SIGTERM after --grace-s, then "
+        "SIGKILL) and exit with its code. On a cluster use one process per host instead (docs/scaling.md).",
+        epilog="Example: asyncrl launch --nproc 2 --cpu-devices 2 -- train configs/quickstart.yaml",
+    )
+    launch.add_argument("--nproc", type=int, required=True, metavar="N", help="number of processes")
+    launch.add_argument("--cpu-devices", type=int, default=None, metavar="K",
+                        help="for testing on CPU: give each process K forced host devices "
+                        "(XLA_FLAGS=--xla_force_host_platform_device_count=K); no effect on GPUs or TPUs")
+    launch.add_argument("--grace-s", type=float, default=10.0, metavar="S",
+                        help="after a process fails, seconds the others get to stop by themselves before SIGTERM, "
+                        "and again before SIGKILL (default 10)")
+    launch.add_argument("child", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                        help="the asyncrl command each process runs, after --, e.g. -- train CONFIG --set ...")
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from asyncrl.launch import launch
+
+    child = args.child[1:] if args.child[:1] == ["--"] else args.child
+    if args.nproc < 1 or (args.cpu_devices is not None and args.cpu_devices < 1) or not child:
+        print("asyncrl launch: give --nproc N >= 1 (and --cpu-devices K >= 1) and the command after --, e.g. "
+              "asyncrl launch --nproc 2 -- train CONFIG", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    return launch(child, args.nproc, cpu_devices=args.cpu_devices, grace_s=args.grace_s)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -125,10 +158,24 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    code = _main(argv)
+    if code != 0 and "asyncrl.distributed" in sys.modules:
+        # A failed process of a multi-process run: tell the others and exit now, instead of
+        # JAX's graceful shutdown waiting for processes stuck in a collective with this one.
+        from asyncrl.distributed import SIGNAL_EXIT_CODES, exit_after_failure
+
+        if code not in SIGNAL_EXIT_CODES:
+            exit_after_failure(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":  # the server handles its own signals (graceful shutdown)
             return _dispatch(args)
+        if args.command == "launch":  # forwards signals to its processes
+            return _launch(args)
         with _exit_on_signal_outside_the_run():
             return _dispatch(args)
     except KeyboardInterrupt:

@@ -357,13 +357,19 @@ class DistributedConfig(Section):
     """Multi-process (multi-host) SPMD training on JAX's own distributed runtime."""
 
     enabled: bool = False
-    """Call ``jax.distributed.initialize`` before anything else touches JAX; every process runs the same program."""
+    """Call ``jax.distributed.initialize`` before anything else touches JAX; every process runs the same program. Also on when ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` are all set (``asyncrl launch`` sets them)."""
     coordinator_address: Optional[str] = None
     """``host:port`` of process 0's coordinator; null: JAX's detection (``JAX_COORDINATOR_ADDRESS``, SLURM, Open MPI, Kubernetes, ...)."""
     num_processes: Optional[int] = Field(default=None, ge=1)
     """Number of processes; null: JAX's cluster detection."""
     process_id: Optional[int] = Field(default=None, ge=0)
     """This process's index in ``[0, num_processes)``; null: JAX's cluster detection."""
+    initialization_timeout_s: int = Field(default=300, ge=1)
+    """How long each process waits at start for all ``num_processes`` to reach the coordinator; then it exits (69) with an error naming this field."""
+    heartbeat_timeout_s: int = Field(default=60, ge=1)
+    """A process silent this long (crashed, killed, host down) ends every other process with an error naming it (exit 69); a process that fails with an error ends the others within about a second (exit 70). JAX's own heartbeat timeout is set longer, as a backstop."""
+    shutdown_timeout_s: int = Field(default=300, ge=1)
+    """At a normal end, how long a finished process waits for the others to finish too (JAX's shutdown barrier; e.g. process 0 writing the final export)."""
 
 
 class MeshConfig(Section):

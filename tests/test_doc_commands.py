@@ -164,8 +164,15 @@ NOT_RUNNABLE_HERE = {
     "python -u -m sgl_jax.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct --device=tpu --tp-size=4 "
     "--skip-tokenizer-init --host 0.0.0.0 --port 30000":
         "SGLang-Jax needs a TPU; tests/test_remote.py runs the same protocol against asyncrl serve",
+    "srun --nodes=4 --ntasks-per-node=1 asyncrl train configs/my_run.yaml --set mesh.distributed.enabled=true":
+        "needs a SLURM cluster of 4 hosts; tests/test_launch.py runs processes with the same environment on loopback",
+    "gcloud compute tpus tpu-vm ssh my-tpu-pod --zone=us-central2-b --worker=all --command=\"cd asyncrl && asyncrl "
+    "train configs/my_run.yaml --set mesh.distributed.enabled=true\"":
+        "needs a Cloud TPU pod slice; tests/test_launch.py runs processes with the same environment on loopback",
+    "asyncrl launch --nproc 2 --cpu-devices 2 -- train configs/quickstart.yaml":
+        "TODO(merge, issue 15): runnable once the multi-process training loop (branch i15-multiproc) is merged",
 }
-"""Third-party servers the docs show how to start; they cannot run on this machine."""
+"""Commands the docs show that cannot run on this machine (third-party servers, clusters) or not yet."""
 
 
 def documented_commands(root: Path = REPO_ROOT) -> dict[str, list[str]]:

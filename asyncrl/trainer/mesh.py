@@ -1,6 +1,6 @@
 """The trainer's device mesh and JAX's multi-process runtime.
 
-:func:`initialize_distributed` (idempotent) must run before anything else touches JAX
+:func:`initialize_distributed` (idempotent; in :mod:`asyncrl.distributed`, re-exported here) must run before anything else touches JAX
 when ``mesh.distributed.enabled``; :func:`build_mesh` then lays ``jax.devices()`` (all
 processes' devices, process-major) out as a ``(data, fsdp, tensor)`` mesh. Batch rows
 are split over ``data`` x ``fsdp`` (:func:`row_sharding`), so with devices in process
@@ -9,47 +9,17 @@ order every process owns a contiguous block of rows: the rows of its own groups.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
 
+from asyncrl.distributed import initialize_distributed
 from asyncrl.errors import TrainerError
 
-log = logging.getLogger(__name__)
+__all__ = ["initialize_distributed", "build_mesh", "mesh_shape", "row_shards", "local_row_shards", "row_sharding"]
 
 ROW_AXES = ("data", "fsdp")
 """Mesh axes batch rows are split over."""
-
-
-def initialize_distributed(mesh_cfg: Any) -> None:
-    """``jax.distributed.initialize`` from ``mesh.distributed`` (no-op when disabled or done).
-
-    Fields left null fall back to JAX's own detection (``JAX_COORDINATOR_ADDRESS``, SLURM,
-    Open MPI, Kubernetes, ...). On CPU, collectives go through gloo (set before the backend
-    starts; it only affects the CPU client).
-    """
-    dist = mesh_cfg.distributed
-    if not dist.enabled:
-        return
-    import jax
-
-    if jax.distributed.is_initialized():
-        return
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    try:
-        jax.distributed.initialize(
-            coordinator_address=dist.coordinator_address,
-            num_processes=dist.num_processes,
-            process_id=dist.process_id,
-        )
-    except RuntimeError as err:
-        raise TrainerError(
-            f"mesh.distributed: jax.distributed.initialize failed ({err}); it must run before anything else "
-            "uses JAX (call asyncrl.trainer.initialize_distributed(cfg.mesh) first thing in every process)"
-        ) from err
-    log.info("jax.distributed: process %d of %d, %d local devices",
-             jax.process_index(), jax.process_count(), jax.local_device_count())
 
 
 def mesh_shape(mesh_cfg: Any, num_devices: int) -> tuple[int, int, int]:
