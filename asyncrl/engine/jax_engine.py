@@ -621,7 +621,8 @@ def move_params(params: Any, shardings: Any) -> Any:
     (numpy) are simply ``device_put``.
     """
     leaves, treedef = jax.tree.flatten(params)
-    targets = treedef.flatten_up_to(shardings)
+    targets = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+    assert len(targets) == len(leaves), "shardings do not match the params' structure"
     gather = [i for i, (x, s) in enumerate(zip(leaves, targets)) if not _copies_directly(x, s)]
     if gather:
         by_mesh: dict[Any, list[int]] = {}

@@ -82,14 +82,13 @@ def slot_state_shardings(cfg: Any, slots: int, mesh: Any) -> SlotState:
     replicas = mesh.shape["data"] * mesh.shape["fsdp"]
     rows = ("data", "fsdp") if replicas > 1 and slots % replicas == 0 else None
     heads = "tensor" if mesh.shape["tensor"] > 1 and cfg.num_kv_heads % mesh.shape["tensor"] == 0 else None
-    kv = NamedSharding(mesh, P(rows, None, heads, None))
+    kv: Any = NamedSharding(mesh, P(rows, None, heads, None))
+    per_slot: Any = NamedSharding(mesh, P(rows))
+    per_slot_row: Any = NamedSharding(mesh, P(rows, None))
     return SlotState(
-        cache=KVCache(
-            layers=tuple(LayerKV(kv, kv) for _ in range(cfg.num_layers)),
-            valid=NamedSharding(mesh, P(rows, None)),
-            write_pos=NamedSharding(mesh, P(rows)),
-        ),
-        keys=NamedSharding(mesh, P(rows, None)),
+        cache=KVCache(layers=tuple(LayerKV(kv, kv) for _ in range(cfg.num_layers)), valid=per_slot_row,
+                      write_pos=per_slot),
+        keys=per_slot_row,
     )
 
 
