@@ -238,7 +238,7 @@ def test_split_placement_trains_like_one_device(eight_devices):
     assert "tp2x2 matches" in eight_devices
 
 
-@pytest.mark.slow  # ~90 s: three 10-step runs
+@pytest.mark.slow  # ~35 s at load 8 (warm compile cache): three 10-step runs
 @pytest.mark.timeout(300)
 def test_split_placement_ten_steps(tmp_path):
     """The issue's acceptance: 10 steps, tensor-parallel 2 x 2 and 4."""

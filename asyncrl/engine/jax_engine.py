@@ -624,16 +624,26 @@ def move_params(params: Any, shardings: Any) -> Any:
     targets = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
     assert len(targets) == len(leaves), "shardings do not match the params' structure"
     gather = [i for i, (x, s) in enumerate(zip(leaves, targets)) if not _copies_directly(x, s)]
-    if gather:
-        by_mesh: dict[Any, list[int]] = {}
-        for i in gather:
-            by_mesh.setdefault(leaves[i].sharding.mesh, []).append(i)
-        for mesh, indices in by_mesh.items():
-            replicated = _replicate_jit(mesh)([leaves[i] for i in indices])
-            for i, full in zip(indices, replicated):
-                leaves[i] = full.addressable_shards[0].data  # one device's whole copy
+    for i, whole in zip(gather, local_copy([leaves[i] for i in gather])):
+        leaves[i] = whole
     moved = jax.device_put(leaves, targets)
     return jax.tree.unflatten(treedef, moved)
+
+
+def local_copy(arrays: list) -> list:
+    """Each array (on a ``NamedSharding``) as one single-device array holding all of it, on one of
+    this process's devices: replicated over its own mesh by a jitted identity (an all-gather on
+    device), then one replica taken. With several processes every process must call it (a
+    collective over the params' mesh); process 0 then hands the copies to its engine."""
+    by_mesh: dict[Any, list[int]] = {}
+    for i, x in enumerate(arrays):
+        by_mesh.setdefault(x.sharding.mesh, []).append(i)
+    out = list(arrays)
+    for mesh, indices in by_mesh.items():
+        replicated = _replicate_jit(mesh)([arrays[i] for i in indices])
+        for i, full in zip(indices, replicated):
+            out[i] = full.addressable_shards[0].data
+    return out
 
 
 def _copies_directly(x: Any, target: Any) -> bool:
