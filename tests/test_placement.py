@@ -169,6 +169,17 @@ for tp in (2, 4):
     assert engine.version == 1 and tokens(engine) == reference, tp
     engine.shutdown()
 assert host_reads == [], host_reads
+# asyncrl serve with a run config serves on its placement.engine with its tensor_parallel.
+import tempfile, yaml
+from asyncrl.serve import build_state
+with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+    yaml.safe_dump({"model": {"path": "tiny:kv_heads=4,layers=1"}, "engine": {**ENGINE, "tensor_parallel": 2},
+                    "placement": {"engine": "6:8"}, "data": {"max_prompt_tokens": 16},
+                    "rollout": {"max_new_tokens": 16, "group_size": 2}}, f)
+served = build_state(f.name, weights_root=None, api_key=None, seed=None, weight_version="0").engine
+assert served.mesh.shape["tensor"] == 2 and {d.id for d in served.mesh.devices.flat} == {6, 7}
+assert tokens(served) == reference
+served.shutdown()
 print("tensor-parallel engines match")
 """
 
@@ -226,7 +237,8 @@ def eight_devices(tmp_path_factory):
 def test_tensor_parallel_engine_equals_single_device(eight_devices):
     """Greedy tokens of a tensor-parallel engine (2 x 2 replicas, and 4) on devices 4-7 equal the
     single-device engine's; the KV cache is split by KV heads and slots in the compiled program;
-    a publish from the trainer's devices reads nothing back to the host."""
+    a publish from the trainer's devices reads nothing back to the host; ``asyncrl serve`` with a
+    run config uses its engine placement."""
     assert "tensor-parallel engines match" in eight_devices
 
 

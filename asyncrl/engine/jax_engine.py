@@ -623,6 +623,9 @@ def move_params(params: Any, shardings: Any) -> Any:
     leaves, treedef = jax.tree.flatten(params)
     targets = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
     assert len(targets) == len(leaves), "shardings do not match the params' structure"
+    if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+        raise ValueError("JaxEngine: params span other processes' devices; every process calls "
+                         "asyncrl.engine.jax_engine.local_copy on them and process 0 hands its copies to the engine")
     gather = [i for i, (x, s) in enumerate(zip(leaves, targets)) if not _copies_directly(x, s)]
     for i, whole in zip(gather, local_copy([leaves[i] for i in gather])):
         leaves[i] = whole
@@ -652,7 +655,7 @@ def _copies_directly(x: Any, target: Any) -> bool:
     ``target`` asks for; also when it cannot be regathered here (not a ``NamedSharding``)."""
     if not isinstance(x, jax.Array) or len(x.sharding.device_set) == 1:
         return True
-    if not isinstance(x.sharding, jax.sharding.NamedSharding) or not x.is_fully_addressable:
+    if not isinstance(x.sharding, jax.sharding.NamedSharding):
         return True
 
     def ranges(sharding: Any) -> set:
