@@ -53,8 +53,8 @@ from asyncrl.errors import ConfigError
 __all__ = [
     "LORA_TARGET_MODULES", "AlgoConfig", "CheckpointConfig", "ComponentRef", "ComponentSpec", "Config", "DataConfig",
     "DistributedConfig", "EngineConfig", "EvalConfig", "LoggingConfig", "LoraConfig", "LoraTarget", "MeshConfig",
-    "ModelConfig", "OptimConfig", "PlacementConfig", "RemoteEngineConfig", "RewardSpec", "RolloutConfig", "RunConfig", "SFTConfig",
-    "Section", "StageConfig", "STAGE_SECTIONS", "GROUP_NORMALISED_ESTIMATORS", "dump_config", "load_config",
+    "ModelConfig", "OptimConfig", "PlacementConfig", "RemoteEngineConfig", "RewardSpec", "RolloutConfig", "RunConfig",
+    "SFTConfig", "Section", "StageConfig", "STAGE_SECTIONS", "GROUP_NORMALISED_ESTIMATORS", "dump_config", "load_config",
     "read_utf8", "read_yaml", "validate_config",
 ]
 
