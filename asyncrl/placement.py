@@ -32,7 +32,8 @@ class Placement:
     """The devices of the trainer and of the in-process engine (each in (process, id) order)."""
 
     trainer_devices: tuple[Any, ...]
-    """The trainer mesh's devices, exactly (``data x fsdp x tensor`` of them)."""
+    """The trainer mesh's devices: ``build_mesh(cfg.mesh, devices=trainer_devices)`` (one process:
+    exactly ``data x fsdp x tensor`` of them)."""
     engine_devices: tuple[Any, ...]
     """The engine's devices (``replicas x tensor_parallel`` of them)."""
     tensor_parallel: int
@@ -75,7 +76,8 @@ def resolve_placement(cfg: Any, devices: Optional[Sequence[Any]] = None, process
             f"placement.trainer = {placement.trainer!r} has {len(trainer)} devices but mesh.data x mesh.fsdp x "
             f"mesh.tensor = {' x '.join(map(str, shape))} uses {size}; make the mesh fill its devices (mesh.data: null does)"
         )
-    trainer = trainer[:size]
+    if processes == 1:  # build_mesh's rule: one process may leave devices unused, several may not (it says so)
+        trainer = trainer[:size]
     engine = _engine_devices(placement, devices, trainer, processes)
     tp = cfg.engine.tensor_parallel
     if len(engine) % tp:
