@@ -115,22 +115,33 @@ def _check_prompts_fit(scfg: Config, train: Any, workflow: Any, tokenizer: Any, 
                  "will be dropped (dropped:prompt_too_long)", where, len(lengths) - fit, len(lengths), limit)
 
 
-def build_local_engine(cfg: Config, graphdef: Any, params: Any, stop_token_ids: Any, *, version: int = 0) -> Any:
-    """An in-process :class:`~asyncrl.engine.jax_engine.JaxEngine` serving ``params`` (not copied)."""
+def build_local_engine(cfg: Config, graphdef: Any, params: Any, stop_token_ids: Any, *, version: int = 0,
+                       placement: Any = None) -> Any:
+    """An in-process :class:`~asyncrl.engine.jax_engine.JaxEngine` serving ``params`` on its
+    placement (``placement``, a :class:`~asyncrl.placement.Placement`; None: resolved from
+    ``cfg`` now). The default placement (colocated, ``engine.tensor_parallel: 1``, one
+    process) serves the given arrays as they are (not copied); any other gets the engine's
+    own mesh on its devices (:func:`~asyncrl.placement.engine_mesh`) and a copy of
+    ``params`` placed there by the model's partition rules."""
     from asyncrl.engine.jax_engine import JaxEngine
+    from asyncrl.placement import engine_mesh, resolve_placement
 
+    placement = placement if placement is not None else resolve_placement(cfg)
+    mesh = None if placement.shares_trainer_arrays else engine_mesh(placement)
     return JaxEngine(graphdef, params, stop_token_ids=stop_token_ids, config=cfg.engine, seed=cfg.run.seed,
-                     version=version)
+                     version=version, mesh=mesh)
 
 
-def build_engine(cfg: Config, loaded: Any, graphdef: Any, params: Any, *, version: int, out: Path) -> Any:
-    """The run's inference engine: in-process (:func:`build_local_engine`), or on servers when
-    ``engine.remote`` is set (their weights written under ``engine.remote.weights_dir``, default
-    ``<out>/weights``). ``loaded`` is the :class:`~asyncrl.model.LoadedModel` (tokenizer, stop ids)."""
+def build_engine(cfg: Config, loaded: Any, graphdef: Any, params: Any, *, version: int, out: Path,
+                 placement: Any = None) -> Any:
+    """The run's inference engine: in-process on its ``placement`` (:func:`build_local_engine`), or
+    on servers when ``engine.remote`` is set (their weights written under ``engine.remote.weights_dir``,
+    default ``<out>/weights``). ``loaded`` is the :class:`~asyncrl.model.LoadedModel` (tokenizer, stop ids)."""
     remote = cfg.engine.remote
     if remote is None:
-        # The engine serves the trainer's own (never donated) arrays: publishing copies nothing.
-        return build_local_engine(cfg, graphdef, params, loaded.stop_token_ids, version=version)
+        # With the default placement the engine serves the trainer's own (never donated) arrays:
+        # publishing copies nothing.
+        return build_local_engine(cfg, graphdef, params, loaded.stop_token_ids, version=version, placement=placement)
     from asyncrl.engine.remote import RemoteEngine
 
     engine = RemoteEngine.from_config(

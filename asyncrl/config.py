@@ -40,6 +40,7 @@ from asyncrl.config_sections import (
     MeshConfig,
     ModelConfig,
     OptimConfig,
+    PlacementConfig,
     RemoteEngineConfig,
     RewardSpec,
     RolloutConfig,
@@ -52,8 +53,8 @@ from asyncrl.errors import ConfigError
 __all__ = [
     "LORA_TARGET_MODULES", "AlgoConfig", "CheckpointConfig", "ComponentRef", "ComponentSpec", "Config", "DataConfig",
     "DistributedConfig", "EngineConfig", "EvalConfig", "LoggingConfig", "LoraConfig", "LoraTarget", "MeshConfig",
-    "ModelConfig", "OptimConfig", "RemoteEngineConfig", "RewardSpec", "RolloutConfig", "RunConfig", "SFTConfig",
-    "Section", "StageConfig", "STAGE_SECTIONS", "GROUP_NORMALISED_ESTIMATORS", "dump_config", "load_config",
+    "ModelConfig", "OptimConfig", "PlacementConfig", "RemoteEngineConfig", "RewardSpec", "RolloutConfig", "RunConfig",
+    "SFTConfig", "Section", "StageConfig", "STAGE_SECTIONS", "GROUP_NORMALISED_ESTIMATORS", "dump_config", "load_config",
     "read_utf8", "read_yaml", "validate_config",
 ]
 
@@ -106,6 +107,8 @@ class Config(Section):
     """The trainer's optimizer and schedule."""
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     """The trainer's device mesh and multi-process setup."""
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    """Which devices train and which generate (default: the engine colocated with the trainer)."""
     workflow: ComponentSpec = "single_turn"
     """The rollout workflow (``RolloutWorkflow`` subclass): alias, ``pkg.module:Class``, or ``{target, kwargs}``."""
     rewards: list[RewardSpec] = Field(default_factory=list)
@@ -168,6 +171,11 @@ class Config(Section):
             problems.append(
                 f"engine.prefill_buckets: the largest ({max(engine.prefill_buckets)}) must hold data.max_prompt_tokens - 1 "
                 f"({self.data.max_prompt_tokens - 1}) tokens (the last prompt token is decoded)"
+            )
+        if engine.remote is not None and (self.placement.engine is not None or engine.tensor_parallel > 1):
+            problems.append(
+                "placement.engine / engine.tensor_parallel: place the in-process engine; with engine.remote set "
+                "generation runs on the servers, so leave both at their defaults"
             )
         if self.rollout.group_size > engine.slots:
             problems.append(

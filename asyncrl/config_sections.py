@@ -8,11 +8,12 @@ loading and dumping are :mod:`asyncrl.config`'s (import sections from there). No
 
 from __future__ import annotations
 
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -294,6 +295,8 @@ class EngineConfig(Section):
     """Most stop token ids one request may give (the width of the compiled stop-id table)."""
     request_timeout_s: Optional[float] = Field(default=None, gt=0)
     """Default timeout of a request without its own ``timeout_s``; unfinished samples come back ``aborted``. Null: none."""
+    tensor_parallel: int = Field(default=1, ge=1)
+    """Devices each engine replica splits the model over (attention and KV heads, MLP width, vocabulary); the engine's devices (``placement.engine``) form ``devices / tensor_parallel`` replicas that decode different slots. Must divide the model's KV heads. 1 with the default placement: the engine serves the trainer's own arrays, as before (docs/scaling.md)."""
     remote: Optional[RemoteEngineConfig] = None
     """Generate on inference servers instead of in-process (the fields above then apply to ``asyncrl serve`` only); null: the in-process JAX engine."""
 
@@ -387,6 +390,55 @@ class MeshConfig(Section):
     """Devices attention heads, MLP width and vocabulary are split over (Megatron style)."""
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     """Multi-process setup (off by default: one process)."""
+
+
+DEVICE_RANGE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*:\s*(\d+(?:\.\d*)?|\.\d+)\s*$")
+"""``start:stop`` of :class:`PlacementConfig`: two whole device indices, or two fractions (a ``.`` in both)."""
+
+
+def parse_device_range(text: str) -> tuple[float, float, bool]:
+    """``(start, stop, fractional)`` of a device range such as ``"4:8"`` or ``"0.5:1.0"``;
+    a bad form raises ``ValueError`` (the caller names the field). Bounds are resolved against the device
+    count at start (:func:`asyncrl.placement.resolve_placement`)."""
+    match = DEVICE_RANGE.match(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a device range; write 'start:stop' with device indices "
+                         "(e.g. '4:8', stop exclusive) or fractions of the devices (e.g. '0.5:1.0')")
+    a, b = match.groups()
+    fractional = "." in a or "." in b
+    if fractional != ("." in a and "." in b):
+        raise ValueError(f"{text!r} mixes an index and a fraction; write both as indices ('4:8') "
+                         "or both as fractions ('0.5:1.0')")
+    start, stop = float(a), float(b)
+    if fractional and not 0.0 <= start < stop <= 1.0:
+        raise ValueError(f"{text!r}: fractions need 0 <= start < stop <= 1")
+    if not start < stop:
+        raise ValueError(f"{text!r} is empty; stop must be greater than start (stop is exclusive)")
+    return start, stop, fractional
+
+
+class PlacementConfig(Section):
+    """Which devices train and which generate (docs/scaling.md "Placement").
+
+    A range is ``"start:stop"`` over ``jax.devices()`` in (process, id) order, stop exclusive:
+    device indices (``"0:4"``) or, with a ``.`` in both bounds, fractions of the device count
+    (``"0.5:1.0"``: the second half; each bound must land on a whole device). Disjoint ranges
+    split the devices between trainer and engine; an engine range inside the trainer's shares
+    those devices with it; a partial overlap is an error. With several processes the engine
+    runs on process 0's devices only.
+    """
+
+    trainer: Optional[str] = None
+    """The trainer mesh's devices (``mesh.data`` x ``fsdp`` x ``tensor`` must fit them); null: all devices."""
+    engine: Optional[str] = None
+    """The in-process engine's devices; null: colocated with the trainer (one process: the trainer's devices; several: process 0's share of them)."""
+
+    @field_validator("trainer", "engine")
+    @classmethod
+    def _check_range(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            parse_device_range(value)
+        return value
 
 
 class CheckpointConfig(Section):

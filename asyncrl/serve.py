@@ -344,14 +344,19 @@ def _handlers(state: ServeState, parse: Any) -> dict[str, tuple[Any, list[str]]]
 
 def build_state(model_or_config: str, *, weights_root: Optional[str], api_key: Optional[str], seed: Optional[int],
                 weight_version: str, overrides: Sequence[str] = ()) -> ServeState:
-    """Load the model (a model path, ``tiny[:...]``, or a YAML run config whose ``model``, ``engine``
-    and ``run.seed`` are used) and start its JaxEngine."""
+    """Load the model (a model path, ``tiny[:...]``, or a YAML run config whose ``model``, ``engine``,
+    ``placement.engine`` and ``run.seed`` are used) and start its JaxEngine."""
     from asyncrl.config import EngineConfig, load_config
     from asyncrl.engine.jax_engine import JaxEngine
     from asyncrl.model import load_model
 
+    mesh = None
     if model_or_config.endswith((".yaml", ".yml")):
         cfg = load_config(model_or_config, overrides)
+        if cfg.engine.tensor_parallel > 1 or cfg.placement.engine is not None:
+            from asyncrl.placement import engine_mesh, resolve_placement
+
+            mesh = engine_mesh(resolve_placement(cfg))  # the config's engine devices (docs/scaling.md)
         loaded, engine_cfg, run_seed = load_model(cfg.model, with_tokenizer=False), cfg.engine, cfg.run.seed
     else:
         if overrides:
@@ -359,7 +364,7 @@ def build_state(model_or_config: str, *, weights_root: Optional[str], api_key: O
         loaded, engine_cfg, run_seed = load_model(model_or_config, with_tokenizer=False), EngineConfig(), 0
     graphdef, params = loaded.split()
     engine = JaxEngine(graphdef, params, stop_token_ids=loaded.stop_token_ids, config=engine_cfg,
-                       seed=run_seed if seed is None else seed)
+                       seed=run_seed if seed is None else seed, mesh=mesh)
     root = Path(weights_root) if weights_root else None
     return ServeState(engine, loaded.model.cfg, str(loaded.path), weights_root=root, api_key=api_key,
                       weight_version=weight_version)

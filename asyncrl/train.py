@@ -316,12 +316,17 @@ class Run:
     def __init__(self, cfg: Config, out: Path, console: Any, resumed: Any, guard: Any):
         from asyncrl.metrics import ConsoleSink, JsonlSink, LogAppender
         from asyncrl.model import load_model
+        from asyncrl.placement import check_tensor_parallel, resolve_placement
         from asyncrl.trainer import build_mesh
 
         self.cfg, self.out, self.guard = cfg, out, guard
         self.resumed = resumed
         """The :class:`~asyncrl.checkpoint.Checkpoint` this run continues, or None."""
+        self.placement = resolve_placement(cfg)
+        """The trainer's and the engine's devices (docs/scaling.md "Placement")."""
         self.loaded = load_model(cfg.model)
+        if cfg.engine.remote is None:
+            check_tensor_parallel(cfg.engine.tensor_parallel, self.loaded.config)
         self.graphdef, self.params = self.loaded.split()
         # With model.lora the trainer trains adapters on the frozen base; self.graphdef stays
         # the base model's (the engine serves merged weights, hf/ is the merged model).
@@ -331,10 +336,12 @@ class Run:
         """With ``model.lora``: the base model's identity (adapters are of this base only)."""
         if cfg.model.lora is not None:
             self._attach_lora(cfg, resumed)
-        self.mesh = build_mesh(cfg.mesh)
+        self.mesh = build_mesh(cfg.mesh, devices=self.placement.trainer_devices)
         self.device = _first_local_device(self.mesh)
         """The device whose memory ``perf/device_mem_gb`` reports (this process's first in the mesh)."""
         self.engine: Any = None
+        self.publish_time = 0.0
+        """Seconds of the last ``engine.update_weights`` (``perf/publish_time``)."""
         self.version = resumed.step if resumed is not None else 0
         """Completed trainer steps over all stages: the version the engine serves."""
         self.console = ConsoleSink(cfg.total_steps, start_step=self.version, stream=console)
@@ -402,11 +409,13 @@ class Run:
     def ensure_engine(self, trainer: Any, scfg: Config) -> Any:
         if self.engine is None:
             self.engine = build_engine(scfg, self.loaded, self.graphdef, trainer.params_for_publish(),
-                                       version=self.version, out=self.out)
+                                       version=self.version, out=self.out, placement=self.placement)
         return self.engine
 
     def publish(self, trainer: Any) -> None:
+        started = time.perf_counter()
         self.engine.update_weights(trainer.params_for_publish(), self.version + 1)
+        self.publish_time = time.perf_counter() - started  # moving weights to the engine's devices + the swap
         self.version += 1
 
     def read_engine_counters(self) -> dict[str, float]:
@@ -433,6 +442,7 @@ class Run:
             "perf/step_time": step_time,  # batch wait + train + publish
             "perf/trained_tokens_per_s": float(got.batch.loss_mask.sum()) / step_time,
             "perf/gen_tokens_per_s": (generated - self.generated_before) / step_time,
+            "perf/publish_time": self.publish_time,  # part of step_time
         }
         self.generated_before = generated
         return merge_producers(trainer=train_metrics, source=got.metrics, engine=engine_metrics,

@@ -54,16 +54,19 @@ import numpy as np
 from asyncrl.config import EngineConfig
 from asyncrl.engine.jax_programs import (
     SlotControls,
+    SlotState,
     compile_count,
     decode_chunk_jit,
     graphdef_config,
     idle_controls,
     init_slot_state,
     prefill_insert_jit,
+    slot_state_shardings,
     snapshot,
 )
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
+from asyncrl.model.sharding import check_tensor_parallel, param_shardings
 from asyncrl.registry import register
 
 logger = logging.getLogger("asyncrl.engine")
@@ -125,9 +128,15 @@ class JaxEngine:
 
     Args:
         graphdef, params: from :func:`asyncrl.model.split_params` (params: a pure dict of
-            arrays or an ``nnx.State``). Params already on devices keep their shardings;
-            others go to the first device. Later ``update_weights`` params are put on the
-            same shardings.
+            arrays or an ``nnx.State``). Without ``mesh``, params already on devices keep
+            their shardings (the engine serves the trainer's own arrays: the colocated
+            default) and others go to the first device. Later ``update_weights`` params are
+            put on the same shardings.
+        mesh: the engine's own device mesh (axes ``data``, ``fsdp``, ``tensor``: replicas x 1 x
+            tensor-parallel degree; :func:`asyncrl.placement.engine_mesh` builds it). Params
+            are placed on it by the model's partition rules, the KV cache is split by KV heads
+            over ``tensor`` and by slots over the replicas (:func:`slot_state_shardings`), and
+            published params are moved onto it device to device (:func:`move_params`).
         stop_token_ids: the default stop ids (the model's ``generation_config`` EOS ids),
             used by requests whose ``stop_token_ids`` is None.
         config: the ``engine`` config section (slots, KV capacity, chunk, buckets, ...).
@@ -146,23 +155,30 @@ class JaxEngine:
         seed: int = 0,
         version: int = 0,
         warmup: bool = False,
+        mesh: Any = None,
     ):
         self.config = cfg = config or EngineConfig()
         self.graphdef = graphdef
         if hasattr(params, "to_pure_dict"):
             params = params.to_pure_dict()
-        leaves = jax.tree.leaves(params)
-        if leaves and all(isinstance(x, jax.Array) for x in leaves):
+        self.model_config = nnx_cfg = _model_config(graphdef, params)
+        self.mesh = mesh
+        self._layout: Optional[SlotState] = None
+        """The slot state's shardings on the engine's own mesh (a static argument of the programs); None without one."""
+        if mesh is not None:
+            check_tensor_parallel(int(mesh.shape["tensor"]), nnx_cfg)
+            self._shardings = param_shardings(nnx_cfg, params, mesh)
+            self._layout = slot_state_shardings(nnx_cfg, cfg.slots, mesh)
+        elif (leaves := jax.tree.leaves(params)) and all(isinstance(x, jax.Array) for x in leaves):
             self._shardings = jax.tree.map(lambda x: x.sharding, params)
         else:
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             self._shardings = jax.tree.map(lambda _: device, params)
-        self._params = jax.device_put(params, self._shardings)
+        self._params = move_params(params, self._shardings)
         self._treedef: Any = jax.tree.structure(self._params)  # (jax's PyTreeDef is untyped for mypy)
         self._avals = [(x.shape, x.dtype) for x in jax.tree.leaves(self._params)]
         embed = self._params["embed_tokens"]["embedding"]
         self.vocab_size = int(embed.shape[0])
-        self.model_config = nnx_cfg = _model_config(graphdef, self._params)
         self.default_stop_ids = tuple(int(t) for t in stop_token_ids)
         self.slots = cfg.slots
         self.capacity = cfg.kv_capacity
@@ -175,14 +191,7 @@ class JaxEngine:
         self._root_key = np.asarray(jax.random.PRNGKey(seed))
         self._version = int(version)
 
-        first = jax.tree.leaves(self._shardings)[0]
-        # Engine state (KV cache, keys) is replicated over the params' mesh; a NamedSharding
-        # of a weight matrix would not fit its lower-rank arrays.
-        state_sharding: jax.sharding.Sharding = (
-            jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
-            if isinstance(first, jax.sharding.NamedSharding) else first
-        )
-        self._state = jax.device_put(init_slot_state(nnx_cfg, self.slots, self.capacity), state_sharding)
+        self._state = jax.device_put(init_slot_state(nnx_cfg, self.slots, self.capacity), self._state_shardings())
 
         # The per-slot controls (host numpy arrays, owned by the scheduler thread).
         self._controls: SlotControls = idle_controls(self.slots, cfg.max_stop_ids)
@@ -202,6 +211,16 @@ class JaxEngine:
             self.warmup()
         self._thread = threading.Thread(target=self._loop, name="asyncrl-jax-engine", daemon=True)
         self._thread.start()
+
+    def _state_shardings(self) -> Any:
+        if self._layout is not None:
+            return self._layout
+        first = jax.tree.leaves(self._shardings)[0]
+        # Without an engine mesh the state (KV cache, keys) is replicated over the params' mesh;
+        # a NamedSharding of a weight matrix would not fit its lower-rank arrays.
+        if isinstance(first, jax.sharding.NamedSharding):
+            return jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+        return first
 
     # ------------------------------------------------------------------ protocol
 
@@ -237,7 +256,7 @@ class JaxEngine:
         if avals != self._avals:
             bad = [i for i, (a, b) in enumerate(zip(avals, self._avals)) if a != b]
             raise ValueError(f"update_weights: {len(bad)} parameter(s) differ in shape or dtype from the served ones (first: leaf {bad[0]}: {avals[bad[0]]} vs {self._avals[bad[0]]})")
-        update = _Update(jax.device_put(params, self._shardings), version)
+        update = _Update(move_params(params, self._shardings), version)
         with self._cond:
             self._raise_if_unusable()
             if self._update is not None or version != self._version + 1:
@@ -296,11 +315,12 @@ class JaxEngine:
             ids = np.zeros((1, bucket), np.int32)
             self._state = prefill_insert_jit(
                 self.graphdef, self._params, self._state, ids, ids.astype(bool), np.full((self.slots,), self.slots, np.int32),
-                self._root_key, np.uint32(0), np.uint32(0), np.zeros((self.slots,), np.uint32),
+                self._root_key, np.uint32(0), np.uint32(0), np.zeros((self.slots,), np.uint32), self._layout,
             )
         idle = idle_controls(self.slots, self.config.max_stop_ids)
         for filtered in (False, True):
-            self._state, *_ = decode_chunk_jit(self.graphdef, self._params, self._state, idle, self.chunk, filtered)
+            self._state, *_ = decode_chunk_jit(self.graphdef, self._params, self._state, idle, self.chunk, filtered,
+                                               self._layout)
         jax.block_until_ready(self._state)
         return compile_count()
 
@@ -513,7 +533,7 @@ class JaxEngine:
         key_index[: len(rows)] = [(request.index_in_group + j) % 2**32 for j in range(len(rows))]
         self._state = prefill_insert_jit(
             self.graphdef, self._params, self._state, ids, mask, dst, self._root_key,
-            np.uint32(request.sample_id % 2**32), np.uint32(request.turn % 2**32), key_index,
+            np.uint32(request.sample_id % 2**32), np.uint32(request.turn % 2**32), key_index, self._layout,
         )
         for j, slot in enumerate(rows):
             self._slot_owner[slot] = (pending, j)
@@ -541,7 +561,7 @@ class JaxEngine:
         filtered = bool(np.any(active & ((c.top_k > 0) | (c.top_p < 1.0))))
         version = self._version
         self._state, tokens, logprobs, emitted = decode_chunk_jit(
-            self.graphdef, self._params, self._state, snapshot(c), self.chunk, filtered
+            self.graphdef, self._params, self._state, snapshot(c), self.chunk, filtered, self._layout
         )
         tokens, logprobs, emitted = np.asarray(tokens), np.asarray(logprobs), np.asarray(emitted)
         steps = int(emitted.any(axis=0).sum())
@@ -582,3 +602,80 @@ def _model_config(graphdef: Any, params: Any) -> Any:
     if cfg is None:
         raise EngineRequestError("JaxEngine: the graphdef is not an asyncrl Decoder (no .cfg)")
     return cfg
+
+
+# --------------------------------------------------------------------------- publishing across devices
+
+
+def move_params(params: Any, shardings: Any) -> Any:
+    """``params`` (a pytree of arrays, e.g. the trainer's, on any devices) put on ``shardings``
+    (the engine's), device to device.
+
+    ``jax.device_put`` copies a shard device to device only when the source array already
+    holds a shard with the exact index range the target device needs (or lives on one
+    device, which it slices there); otherwise (JAX 0.10's ``shard_sharded_device_array_slow_path``)
+    it goes through ``np.asarray`` of the whole array on the host. So a leaf whose source
+    shards do not cover the target's (the trainer's fsdp split vs the engine's tensor split)
+    is first replicated over its own devices by a jitted identity (XLA's all-gather, on
+    device), and the engine's shards are sliced from one replica on device. Host values
+    (numpy) are simply ``device_put``.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    targets = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+    assert len(targets) == len(leaves), "shardings do not match the params' structure"
+    if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+        raise ValueError("JaxEngine: params span other processes' devices; every process calls "
+                         "asyncrl.engine.jax_engine.local_copy on them and process 0 hands its copies to the engine")
+    gather = [i for i, (x, s) in enumerate(zip(leaves, targets)) if not _copies_directly(x, s)]
+    for i, whole in zip(gather, local_copy([leaves[i] for i in gather])):
+        leaves[i] = whole
+    moved = jax.device_put(leaves, targets)
+    return jax.tree.unflatten(treedef, moved)
+
+
+def local_copy(arrays: list) -> list:
+    """Each array (on a ``NamedSharding``) as one single-device array holding all of it, on one of
+    this process's devices: replicated over its own mesh by a jitted identity (an all-gather on
+    device), then one replica taken. With several processes every process must call it (a
+    collective over the params' mesh); process 0 then hands the copies to its engine."""
+    by_mesh: dict[Any, list[int]] = {}
+    for i, x in enumerate(arrays):
+        by_mesh.setdefault(x.sharding.mesh, []).append(i)
+    out = list(arrays)
+    for mesh, indices in by_mesh.items():
+        replicated = _replicate_jit(mesh)([arrays[i] for i in indices])
+        for i, full in zip(indices, replicated):
+            out[i] = full.addressable_shards[0].data
+    return out
+
+
+def _copies_directly(x: Any, target: Any) -> bool:
+    """True when ``device_put(x, target)`` needs no host round trip: ``x`` is not a device
+    array (host data is uploaded anyway), lives on one device, or holds every index range
+    ``target`` asks for; also when it cannot be regathered here (not a ``NamedSharding``)."""
+    if not isinstance(x, jax.Array) or len(x.sharding.device_set) == 1:
+        return True
+    if not isinstance(x.sharding, jax.sharding.NamedSharding):
+        return True
+
+    def ranges(sharding: Any) -> set:
+        return {tuple(sl.indices(n) for sl, n in zip(idx, x.shape))
+                for idx in sharding.addressable_devices_indices_map(x.shape).values()}
+
+    return ranges(target) <= ranges(x.sharding)
+
+
+_REPLICATORS: dict[Any, Any] = {}
+
+
+def _replicate_jit(mesh: Any) -> Any:
+    """A jitted identity whose outputs are replicated over ``mesh`` (one per mesh, so the
+    program compiles once per parameter structure)."""
+    if mesh not in _REPLICATORS:
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        _REPLICATORS[mesh] = jax.jit(_identity, out_shardings=replicated)
+    return _REPLICATORS[mesh]
+
+
+def _identity(tree: Any) -> Any:
+    return tree

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asyncrl.model.transformer import KVCache, forward, hidden_states, init_kv_cache, kv_cache_copy_rows
+from asyncrl.model.transformer import KVCache, LayerKV, forward, hidden_states, init_kv_cache, kv_cache_copy_rows
 
 _compiles: collections.Counter = collections.Counter()
 _compiles_lock = threading.Lock()
@@ -68,6 +68,35 @@ class SlotState(NamedTuple):
 def init_slot_state(cfg: Any, slots: int, capacity: int) -> SlotState:
     """Empty slots for a :class:`~asyncrl.model.DecoderConfig`: no valid KV, zero keys."""
     return SlotState(cache=init_kv_cache(cfg, slots, capacity), keys=jnp.zeros((slots, 2), jnp.uint32))
+
+
+def slot_state_shardings(cfg: Any, slots: int, mesh: Any) -> SlotState:
+    """How the slot state lies on an engine mesh (axes ``data``, ``fsdp``, ``tensor``): K/V
+    ``[slots, capacity, kv_heads, head_dim]`` split by KV heads over ``tensor`` (each device
+    holds the heads its attention computes) and by slots over ``data`` x ``fsdp`` (the
+    replicas decode different slots) when the slot count divides; the per-slot vectors
+    (``valid``, ``write_pos``, keys) follow the slots. A pytree of ``NamedSharding`` shaped
+    like :class:`SlotState` (hashable: it is a static argument of the programs)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    replicas = mesh.shape["data"] * mesh.shape["fsdp"]
+    rows = ("data", "fsdp") if replicas > 1 and slots % replicas == 0 else None
+    heads = "tensor" if mesh.shape["tensor"] > 1 and cfg.num_kv_heads % mesh.shape["tensor"] == 0 else None
+    kv: Any = NamedSharding(mesh, P(rows, None, heads, None))
+    per_slot: Any = NamedSharding(mesh, P(rows))
+    per_slot_row: Any = NamedSharding(mesh, P(rows, None))
+    return SlotState(
+        cache=KVCache(layers=tuple(LayerKV(kv, kv) for _ in range(cfg.num_layers)), valid=per_slot_row,
+                      write_pos=per_slot),
+        keys=per_slot_row,
+    )
+
+
+def _constrain(state: SlotState, layout: Any) -> SlotState:
+    """``state`` pinned to ``layout`` (:func:`slot_state_shardings`), so every call returns the
+    state on the shardings it was given (donation reuses the buffers, no recompiles); with
+    ``layout`` None (the engine on the trainer's arrays) the program is left to XLA as before."""
+    return state if layout is None else jax.lax.with_sharding_constraint(state, layout)
 
 
 class SlotControls(NamedTuple):
@@ -114,12 +143,14 @@ def snapshot(controls: SlotControls) -> SlotControls:
 # --------------------------------------------------------------------------- prefill
 
 
-def _prefill_insert(graphdef, params, state: SlotState, prompt_ids, prompt_mask, dst_rows, root_key, sample_id, turn, key_index):
+def _prefill_insert(graphdef, params, state: SlotState, prompt_ids, prompt_mask, dst_rows, root_key, sample_id, turn, key_index,
+                    layout=None):
     """Prefill one prompt and copy it into slots ``dst_rows``.
 
     ``prompt_ids``/``prompt_mask`` [1, bucket] (right-padded; the mask may be all false);
     ``dst_rows`` int32 [slots], entries ``>= slots`` are ignored; ``key_index`` uint32
-    [slots]: the key index (``index_in_group + j``) of each destination row.
+    [slots]: the key index (``index_in_group + j``) of each destination row; ``layout``
+    (static): the state's shardings on an engine mesh, or None.
     """
     _count_trace("prefill_insert")
     cfg = graphdef_config(graphdef, params)
@@ -129,7 +160,7 @@ def _prefill_insert(graphdef, params, state: SlotState, prompt_ids, prompt_mask,
     base = jax.random.fold_in(root_key, sample_id)
     new_keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(base, i), turn))(key_index)
     keys = state.keys.at[dst_rows].set(new_keys, mode="drop")
-    return SlotState(cache, keys)
+    return _constrain(SlotState(cache, keys), layout)
 
 
 def graphdef_config(graphdef: Any, params: Any) -> Any:
@@ -229,12 +260,13 @@ class _Chunk(NamedTuple):
     emitted: jax.Array  # bool [S, steps]: the slot was active at that step
 
 
-def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, steps: int, filtered: bool):
+def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, steps: int, filtered: bool, layout=None):
     """Decode up to ``steps`` tokens for every active slot: each step is the model's own
     KV-cache :func:`~asyncrl.model.transformer.forward` with ``T = 1`` (idle slots masked out).
 
     Returns the new state and ``tokens`` int32, ``logprobs`` float32, ``emitted`` bool, each
     [S, steps]: ``emitted`` marks the steps at which the slot was active and produced the token.
+    ``layout`` (static): the state's shardings on an engine mesh, or None.
     """
     _count_trace("decode_chunk_topk_topp" if filtered else "decode_chunk")
     slots = controls.active.shape[0]
@@ -269,8 +301,8 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
         emitted=jnp.zeros((slots, steps), bool),
     )
     out = jax.lax.while_loop(lambda c: (c.step < steps) & jnp.any(c.active), body, init)
-    return SlotState(out.cache, state.keys), out.tokens, out.logprobs, out.emitted
+    return _constrain(SlotState(out.cache, state.keys), layout), out.tokens, out.logprobs, out.emitted
 
 
-prefill_insert_jit = jax.jit(_prefill_insert, static_argnums=0, donate_argnums=2)
-decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 4, 5), donate_argnums=2)
+prefill_insert_jit = jax.jit(_prefill_insert, static_argnums=(0, 10), donate_argnums=2)
+decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 4, 5, 6), donate_argnums=2)

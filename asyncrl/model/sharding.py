@@ -26,6 +26,7 @@ from typing import Any, Optional
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from asyncrl.errors import ConfigError
 from asyncrl.model.config import DecoderConfig
 from asyncrl.pytree import dotted_name
 
@@ -110,3 +111,14 @@ def param_shardings(cfg: DecoderConfig, params: Any, mesh: Mesh) -> Any:
 def shard_params(cfg: DecoderConfig, params: Any, mesh: Mesh) -> Any:
     """``params`` placed on ``mesh`` by the partition rules (``jax.device_put``)."""
     return jax.device_put(params, param_shardings(cfg, params, mesh))
+
+
+def check_tensor_parallel(tensor_parallel: int, cfg: DecoderConfig) -> None:
+    """``engine.tensor_parallel`` must divide the model's KV heads: a tensor-parallel engine
+    keeps whole KV heads of its cache on each device (the partition rules above would
+    silently replicate them instead). One error line naming the field otherwise."""
+    if cfg.num_kv_heads % tensor_parallel:
+        raise ConfigError(
+            f"engine.tensor_parallel = {tensor_parallel} does not divide the model's {cfg.num_kv_heads} KV heads "
+            f"(num_key_value_heads); use a divisor of {cfg.num_kv_heads}"
+        )

@@ -1,0 +1,148 @@
+"""Where the trainer and the in-process engine run (docs/scaling.md "Placement").
+
+:func:`resolve_placement` turns the ``placement`` section, ``mesh`` and
+``engine.tensor_parallel`` into a :class:`Placement` once ``jax.devices()`` is known (at
+start, before anything is built), with one error line naming the field for each thing that
+cannot work: overlapping ranges, ranges past the device count, a trainer mesh that does not
+fit its devices, an engine device count the tensor-parallel degree does not divide, an
+engine outside process 0 in a multi-process run. :func:`check_tensor_parallel` adds the
+model's part (whole KV heads per device) once the model config is known.
+
+The trainer mesh is ``build_mesh(cfg.mesh, devices=placement.trainer_devices)``; the engine's
+own mesh is :func:`engine_mesh` (axes ``data``, ``fsdp``, ``tensor`` of shape
+``(replicas, 1, tensor_parallel)``: the trainer's axis names, so the model's partition rules
+apply unchanged and the slots split over ``data`` like the trainer's batch rows).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from asyncrl.config_sections import parse_device_range
+from asyncrl.errors import ConfigError, TrainerError
+from asyncrl.model.sharding import check_tensor_parallel
+
+__all__ = ["Placement", "check_tensor_parallel", "engine_mesh", "resolve_placement"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The devices of the trainer and of the in-process engine (each in (process, id) order)."""
+
+    trainer_devices: tuple[Any, ...]
+    """The trainer mesh's devices: ``build_mesh(cfg.mesh, devices=trainer_devices)`` (one process:
+    exactly ``data x fsdp x tensor`` of them)."""
+    engine_devices: tuple[Any, ...]
+    """The engine's devices (``replicas x tensor_parallel`` of them)."""
+    tensor_parallel: int
+    """``engine.tensor_parallel``: devices one engine replica splits the model over."""
+    colocated: bool
+    """Every engine device is also a trainer device (they share them; no speed-up from asynchrony)."""
+    shares_trainer_arrays: bool
+    """The default of one process: colocated on exactly the trainer's devices with
+    ``tensor_parallel`` 1, so the engine serves the trainer's own arrays on the trainer's
+    shardings (no engine mesh, publishing copies nothing; the behaviour before placements)."""
+
+    @property
+    def engine_replicas(self) -> int:
+        """Engine replicas (each decodes its own share of the slots)."""
+        return len(self.engine_devices) // self.tensor_parallel
+
+
+def resolve_placement(cfg: Any, devices: Optional[Sequence[Any]] = None, process_count: Optional[int] = None) -> Placement:
+    """The :class:`Placement` of ``cfg`` on ``devices`` (default ``jax.devices()``).
+
+    Raises :class:`~asyncrl.errors.ConfigError` with one line naming the field at fault.
+    ``process_count`` defaults to ``jax.process_count()``.
+    """
+    import jax
+
+    from asyncrl.trainer.mesh import mesh_shape
+
+    devices = sorted(jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id))
+    processes = jax.process_count() if process_count is None else process_count
+    placement = cfg.placement
+    trainer = _device_range(placement.trainer, devices, "placement.trainer")
+    try:
+        shape = mesh_shape(cfg.mesh, len(trainer))
+    except TrainerError as err:
+        where = f"placement.trainer = {placement.trainer!r} ({len(trainer)} devices)" if placement.trainer else "placement.trainer"
+        raise ConfigError(f"{where}: {err}") from None
+    size = math.prod(shape)
+    if placement.trainer is not None and size != len(trainer):
+        raise ConfigError(
+            f"placement.trainer = {placement.trainer!r} has {len(trainer)} devices but mesh.data x mesh.fsdp x "
+            f"mesh.tensor = {' x '.join(map(str, shape))} uses {size}; make the mesh fill its devices (mesh.data: null does)"
+        )
+    if processes == 1:  # build_mesh's rule: one process may leave devices unused, several may not (it says so)
+        trainer = trainer[:size]
+    engine = _engine_devices(placement, devices, trainer, processes)
+    tp = cfg.engine.tensor_parallel
+    if len(engine) % tp:
+        where = f"placement.engine = {placement.engine!r}" if placement.engine else "placement.engine (colocated)"
+        raise ConfigError(
+            f"engine.tensor_parallel = {tp} does not divide the {len(engine)} devices of {where}; give the engine a "
+            "multiple of engine.tensor_parallel devices"
+        )
+    colocated = set(engine) <= set(trainer)
+    shares = processes == 1 and tuple(engine) == tuple(trainer) and tp == 1
+    return Placement(tuple(trainer), tuple(engine), tp, colocated, shares)
+
+
+def _device_range(text: Optional[str], devices: Sequence[Any], field: str) -> list[Any]:
+    """The devices ``text`` (``"start:stop"``) selects; null selects all."""
+    count = len(devices)
+    if text is None:
+        return list(devices)
+    start, stop, fractional = parse_device_range(text)
+    if fractional:
+        lo, hi = start * count, stop * count
+        if not (lo.is_integer() and hi.is_integer()):
+            raise ConfigError(
+                f"{field} = {text!r}: on {count} devices the bounds fall at {lo:g}:{hi:g}, not on whole devices; "
+                f"give fractions that are multiples of 1/{count}, or device indices"
+            )
+        start, stop = lo, hi
+    if stop > count:
+        raise ConfigError(
+            f"{field} = {text!r} needs devices up to index {int(stop) - 1}, but jax.devices() has {count} "
+            f"(indices 0..{count - 1}); shrink the range or run on more devices"
+        )
+    return list(devices[int(start):int(stop)])
+
+
+def _engine_devices(placement: Any, devices: Sequence[Any], trainer: list[Any], processes: int) -> list[Any]:
+    """The engine's devices: its range, or by default the trainer's (process 0's share of
+    them with several processes); the range must not partly overlap the trainer's."""
+    if placement.engine is None:
+        return [d for d in trainer if d.process_index == 0] if processes > 1 else list(trainer)
+    engine = _device_range(placement.engine, devices, "placement.engine")
+    shared = set(engine) & set(trainer)
+    if shared and not set(engine) <= set(trainer):
+        raise ConfigError(
+            f"placement.engine = {placement.engine!r} overlaps placement.trainer = {placement.trainer or 'all devices'!r} "
+            f"in {len(shared)} of its {len(engine)} devices; use disjoint ranges (e.g. trainer '0:4', engine '4:8') "
+            "or an engine range inside the trainer's (shared devices)"
+        )
+    if processes > 1 and any(d.process_index != 0 for d in engine):
+        raise ConfigError(
+            f"placement.engine = {placement.engine!r} includes devices of processes other than 0; the engine runs in "
+            f"process 0, on its {sum(d.process_index == 0 for d in devices)} local devices (indices 0.."
+            f"{sum(d.process_index == 0 for d in devices) - 1})"
+        )
+    return engine
+
+
+def engine_mesh(placement: Placement) -> Any:
+    """The engine's own mesh: axes ``("data", "fsdp", "tensor")`` of shape ``(replicas, 1,
+    tensor_parallel)`` over ``placement.engine_devices`` (a replica's tensor-parallel
+    devices are neighbours in device order)."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from asyncrl.model.sharding import MESH_AXES
+
+    shape = (placement.engine_replicas, 1, placement.tensor_parallel)
+    return Mesh(np.array(placement.engine_devices, dtype=object).reshape(shape), MESH_AXES)

@@ -1,0 +1,258 @@
+"""Placements: the trainer and the engine on their own devices, a tensor-parallel engine, and
+publishing from one to the other device to device.
+
+Bad placements are checked in-process on stand-in devices (``resolve_placement`` takes the
+device list); everything that needs 8 devices runs in a spawned subprocess with
+``--xla_force_host_platform_device_count=8``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.errors import ConfigError
+from asyncrl.placement import check_tensor_parallel, resolve_placement
+from tests.helpers import run_python, subprocess_env
+
+EIGHT = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
+
+
+class Dev(NamedTuple):
+    """A stand-in for a ``jax.Device``: what placement reads of one."""
+
+    id: int
+    process_index: int = 0
+
+
+def devices(n: int, processes: int = 1) -> list[Dev]:
+    per = n // processes
+    return [Dev(i, i // per) for i in range(n)]
+
+
+def cfg(**sections):
+    return load_config(data=sections)
+
+
+def error_of(config, devs, processes: int = 1) -> str:
+    with pytest.raises(ConfigError) as info:
+        resolve_placement(config, devs, process_count=processes)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+# ----------------------------------------------------------------------------- resolving (no devices needed)
+
+
+def test_default_is_colocated_on_the_trainer_arrays():
+    p = resolve_placement(cfg(), devices(8), process_count=1)
+    assert p.trainer_devices == p.engine_devices == tuple(devices(8))
+    assert p.colocated and p.shares_trainer_arrays and p.engine_replicas == 8
+    # An explicit mesh smaller than the devices keeps today's behaviour: the first devices.
+    p = resolve_placement(cfg(mesh={"data": 2}), devices(8), process_count=1)
+    assert p.trainer_devices == tuple(devices(2)) and p.shares_trainer_arrays
+
+
+def test_split_ranges_and_fractions():
+    p = resolve_placement(cfg(placement={"trainer": "0:4", "engine": "4:8"}, mesh={"fsdp": 2},
+                              engine={"tensor_parallel": 2}), devices(8), process_count=1)
+    assert [d.id for d in p.trainer_devices] == [0, 1, 2, 3] and [d.id for d in p.engine_devices] == [4, 5, 6, 7]
+    assert not p.colocated and not p.shares_trainer_arrays and p.engine_replicas == 2
+    q = resolve_placement(cfg(placement={"trainer": "0.0:0.5", "engine": "0.5:1.0"}, mesh={"fsdp": 2},
+                              engine={"tensor_parallel": 2}), devices(8), process_count=1)
+    assert q == p
+    # an engine inside the trainer's range shares its devices; tensor_parallel > 1 needs its own mesh
+    shared = resolve_placement(cfg(engine={"tensor_parallel": 2}), devices(8), process_count=1)
+    assert shared.colocated and not shared.shares_trainer_arrays and shared.engine_replicas == 4
+
+
+def test_bad_placements_name_the_field():
+    eight = devices(8)
+    assert "placement.engine = '2:6' overlaps placement.trainer = '0:4'" in error_of(
+        cfg(placement={"trainer": "0:4", "engine": "2:6"}), eight)
+    assert "placement.engine = '4:12' needs devices up to index 11, but jax.devices() has 8" in error_of(
+        cfg(placement={"trainer": "0:4", "engine": "4:12"}), eight)
+    assert "placement.engine = '0.3:1.0': on 8 devices the bounds fall at 2.4:8" in error_of(
+        cfg(placement={"trainer": "0:2", "engine": "0.3:1.0"}), eight)
+    message = error_of(cfg(placement={"trainer": "0:4", "engine": "4:8"}, mesh={"fsdp": 3}), eight)
+    assert message.startswith("placement.trainer = '0:4' (4 devices): mesh.fsdp x mesh.tensor = 3 x 1 does not divide"), message
+    assert "mesh.data x mesh.fsdp x mesh.tensor = 2 x 1 x 1 uses 2" in error_of(
+        cfg(placement={"trainer": "0:4", "engine": "4:8"}, mesh={"data": 2}), eight)
+    assert "engine.tensor_parallel = 2 does not divide the 3 devices of placement.engine = '5:8'" in error_of(
+        cfg(placement={"trainer": "0:4", "engine": "5:8"}, engine={"tensor_parallel": 2}), eight)
+    assert "engine.tensor_parallel = 4 does not divide the 2 devices of placement.engine (colocated)" in error_of(
+        cfg(engine={"tensor_parallel": 4}), devices(2))
+
+
+def test_bad_ranges_fail_when_the_config_loads():
+    for bad, words in [("4", "is not a device range"), ("0.5:4", "mixes an index and a fraction"),
+                       ("4:4", "is empty"), ("0.5:1.5", "fractions need")]:
+        with pytest.raises(ConfigError) as info:
+            cfg(placement={"engine": bad})
+        assert str(info.value).startswith("placement.engine: ") and words in str(info.value)
+    with pytest.raises(ConfigError, match="placement.engine / engine.tensor_parallel: place the in-process engine"):
+        cfg(placement={"engine": "4:8"}, engine={"remote": {"urls": ["http://127.0.0.1:1"]}})
+
+
+def test_tensor_parallel_must_divide_the_kv_heads():
+    class Model(NamedTuple):
+        num_kv_heads: int
+
+    check_tensor_parallel(2, Model(2))
+    with pytest.raises(ConfigError, match=r"^engine.tensor_parallel = 4 does not divide the model's 2 KV heads"):
+        check_tensor_parallel(4, Model(2))
+
+
+def test_multi_process_engine_lives_on_process_0():
+    two = devices(8, processes=2)
+    p = resolve_placement(cfg(), two, process_count=2)
+    assert [d.id for d in p.engine_devices] == [0, 1, 2, 3] and p.colocated and not p.shares_trainer_arrays
+    assert "includes devices of processes other than 0; the engine runs in process 0, on its 4 local devices" in error_of(
+        cfg(placement={"trainer": "0:4", "engine": "4:8"}), two, processes=2)
+
+
+# ----------------------------------------------------------------------------- 8 devices (subprocesses)
+
+ENGINE_CODE = """
+import numpy as np, jax
+import jax._src.array as jax_array
+from asyncrl.config import EngineConfig, load_config
+from asyncrl.engine.jax_engine import JaxEngine
+from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls
+from asyncrl.engine.protocol import GenerationRequest
+from asyncrl.model import load_model
+from asyncrl.model.sharding import shard_params
+from asyncrl.placement import engine_mesh, resolve_placement
+from asyncrl.trainer import build_mesh
+assert jax.device_count() == 8
+lm = load_model("tiny:kv_heads=4,layers=1", with_tokenizer=False)  # 4 KV heads: tensor-parallel 2 and 4
+graphdef, params = lm.split()
+ENGINE = {"slots": 8, "kv_capacity": 48, "decode_chunk": 4, "prefill_buckets": [16]}
+requests = [GenerationRequest(prompt_ids=[int(t) for t in np.random.default_rng(i).integers(6, 28, size=9)], n=2,
+                              greedy=True, max_new_tokens=12, stop_token_ids=[]) for i in range(3)]
+
+def tokens(engine):
+    return [r.output_ids.tolist() for q in requests for r in engine.generate(q)]
+
+single = JaxEngine(graphdef, params, config=EngineConfig(**ENGINE))
+reference = tokens(single)
+single.shutdown()
+host_reads = []
+real_value = jax_array.ArrayImpl._value
+for tp in (2, 4):
+    cfg = load_config(data={"placement": {"trainer": "0:4", "engine": "4:8"}, "mesh": {"fsdp": 2},
+                            "engine": {**ENGINE, "tensor_parallel": tp}, "data": {"max_prompt_tokens": 16},
+                            "rollout": {"max_new_tokens": 16, "group_size": 2}})
+    placement = resolve_placement(cfg)
+    engine = JaxEngine(graphdef, params, config=cfg.engine, mesh=engine_mesh(placement))
+    assert tokens(engine) == reference, tp
+    k = engine._state.cache.layers[0].k  # [slots, capacity, kv_heads, head_dim]
+    assert k.sharding.device_set == set(placement.engine_devices)
+    per_device = (8 // (4 // tp), 48, 4 // tp, 16)
+    assert {s.data.shape for s in k.addressable_shards} == {per_device}, (tp, k.sharding)
+    # XLA's own program works on those shards: the compiled decode step's cache operands are per-device slices.
+    hlo = decode_chunk_jit.lower(graphdef, engine._params, engine._state, idle_controls(8, 8), 4, False,
+                                 engine._layout).compile().as_text()
+    assert "f32[%d,48,%d,16]" % per_device[::2] in hlo and "f32[8,48,4,16]" not in hlo, tp
+    q = engine._params["layers"][0]["self_attn"]["q_proj"]["kernel"]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "tensor"), q.sharding
+    # Publish from the trainer's (data x fsdp) arrays: device to device, never through host numpy.
+    trainer_params = shard_params(lm.config, params, build_mesh(cfg.mesh, devices=placement.trainer_devices))
+    jax_array.ArrayImpl._value = property(lambda self: (host_reads.append(self.shape), real_value.fget(self))[1])
+    try:
+        engine.update_weights(trainer_params, 1)
+    finally:
+        jax_array.ArrayImpl._value = real_value
+    assert engine.version == 1 and tokens(engine) == reference, tp
+    engine.shutdown()
+assert host_reads == [], host_reads
+# asyncrl serve with a run config serves on its placement.engine with its tensor_parallel.
+import tempfile, yaml
+from asyncrl.serve import build_state
+with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+    yaml.safe_dump({"model": {"path": "tiny:kv_heads=4,layers=1"}, "engine": {**ENGINE, "tensor_parallel": 2},
+                    "placement": {"engine": "6:8"}, "data": {"max_prompt_tokens": 16},
+                    "rollout": {"max_new_tokens": 16, "group_size": 2}}, f)
+served = build_state(f.name, weights_root=None, api_key=None, seed=None, weight_version="0").engine
+assert served.mesh.shape["tensor"] == 2 and {d.id for d in served.mesh.devices.flat} == {6, 7}
+assert tokens(served) == reference
+served.shutdown()
+print("tensor-parallel engines match")
+"""
+
+
+LOOP_CODE = """
+import io, sys
+import jax
+from asyncrl.config import load_config
+from asyncrl.errors import ConfigError
+from asyncrl.train import train
+assert jax.device_count() == 8
+steps, out = int(sys.argv[1]), sys.argv[2]
+extra_layouts = sys.argv[3:]
+BASE = ["stages=[]", f"run.total_steps={steps}", "rollout.max_staleness=0", "eval.every_steps=0",
+        "checkpoint.every_steps=0", "logging.dump_every_steps=0", "rollout.batch_size=4",
+        "model.path=tiny:kv_heads=4,layers=1", "engine.slots=32"]
+
+def run(name, *overrides):
+    cfg = load_config("configs/quickstart.yaml", [*BASE, f"run.output_dir={out}/{name}", *overrides])
+    rows = [h for h in train(cfg, console=io.StringIO()).history if "loss/total" in h]
+    assert len(rows) == steps and all(r["perf/publish_time"] > 0 for r in rows)
+    return rows
+
+reference = run("single", "placement.trainer=0:1")
+layouts = {"tp2x2": ["engine.tensor_parallel=2"], "tp4": ["engine.tensor_parallel=4"]}
+for name in ["tp2x2", *extra_layouts]:
+    rows = run(name, "placement.trainer=0:4", "placement.engine=4:8", "mesh.fsdp=2", *layouts[name])
+    for step, (a, b) in enumerate(zip(reference, rows), 1):
+        assert a["reward/mean"] == b["reward/mean"], (name, step, a["reward/mean"], b["reward/mean"])
+        assert abs(a["loss/total"] - b["loss/total"]) < 1e-5, (name, step, a["loss/total"], b["loss/total"])
+    print(name, "matches", [round(r["reward/mean"], 4) for r in rows])
+try:  # tiny's 2 KV heads do not split 4 ways: refused at start, naming the field
+    run("bad", "model.path=tiny", "placement.trainer=0:4", "placement.engine=4:8", "engine.tensor_parallel=4")
+except ConfigError as err:
+    print("refused:", err)
+"""
+
+
+def _loop(out, steps: int, *layouts: str, engine_checks: bool = False) -> str:
+    code = (ENGINE_CODE if engine_checks else "") + LOOP_CODE
+    args = (str(steps), str(out), *layouts)
+    proc = run_python(code, env=EIGHT, timeout=280, args=args)
+    assert "refused: engine.tensor_parallel = 4 does not divide the model's 2 KV heads" in proc.stdout
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def eight_devices(tmp_path_factory):
+    """One 8-device subprocess for the default selection (an interpreter and its JAX start-up
+    are a large part of these tests' time): the engine checks, then the 3-step loop."""
+    return _loop(tmp_path_factory.mktemp("placement"), 3, engine_checks=True)
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_engine_equals_single_device(eight_devices):
+    """Greedy tokens of a tensor-parallel engine (2 x 2 replicas, and 4) on devices 4-7 equal the
+    single-device engine's; the KV cache is split by KV heads and slots in the compiled program;
+    a publish from the trainer's devices reads nothing back to the host; ``asyncrl serve`` with a
+    run config uses its engine placement."""
+    assert "tensor-parallel engines match" in eight_devices
+
+
+@pytest.mark.timeout(300)
+def test_split_placement_trains_like_one_device(eight_devices):
+    """Trainer on devices 0-3 (data x fsdp = 2 x 2), engine on 4-7 (tensor-parallel 2 x 2
+    replicas): 3 seeded synchronous steps give the single-device run's rewards exactly and its
+    losses within 1e-5; a tensor-parallel degree the model's KV heads do not allow is refused."""
+    assert "tp2x2 matches" in eight_devices
+
+
+@pytest.mark.slow  # ~35 s at load 8 (warm compile cache): three 10-step runs
+@pytest.mark.timeout(300)
+def test_split_placement_ten_steps(tmp_path):
+    """The issue's acceptance: 10 steps, tensor-parallel 2 x 2 and 4."""
+    out = _loop(tmp_path, 10, "tp4")
+    assert "tp2x2 matches" in out and "tp4 matches" in out
