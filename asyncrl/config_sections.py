@@ -356,8 +356,8 @@ class SFTConfig(Section):
 class DistributedConfig(Section):
     """Multi-process (multi-host) SPMD training on JAX's own distributed runtime."""
 
-    enabled: bool = False
-    """Call ``jax.distributed.initialize`` before anything else touches JAX; every process runs the same program."""
+    enabled: Optional[bool] = None
+    """Call ``jax.distributed.initialize`` before anything else touches JAX; every process runs the same program. null: on exactly when the environment variable ``JAX_COORDINATOR_ADDRESS`` is set (null fields below are then read from ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); ``asyncrl train`` decides this first thing (docs/scaling.md)."""
     coordinator_address: Optional[str] = None
     """``host:port`` of process 0's coordinator; null: JAX's detection (``JAX_COORDINATOR_ADDRESS``, SLURM, Open MPI, Kubernetes, ...)."""
     num_processes: Optional[int] = Field(default=None, ge=1)
@@ -392,6 +392,8 @@ class CheckpointConfig(Section):
     """Keep the newest this many complete checkpoints (older ones are deleted once the new one is in place); null keeps all."""
     resume: Literal["never", "auto"] = "never"
     """``auto`` (or ``asyncrl train --resume``): continue from the newest complete checkpoint in ``run.output_dir``, or start fresh if there is none; ``never``: always start fresh."""
+    barrier_timeout_s: float = Field(default=600.0, gt=0)
+    """Multi-process runs: how long every process waits at the barrier after a checkpoint for process 0 to finish writing it before the run fails."""
 
 
 class LoggingConfig(Section):
