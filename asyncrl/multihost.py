@@ -41,7 +41,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
 
@@ -289,6 +289,11 @@ class Hosts:
             return source
         return HostBatchSource(self, source, row_multiple)
 
+    def eval_blocks(self, data: Any, row_multiple: int) -> Any:
+        """An SFT eval split (``SFTData``) whose batches are this process's blocks
+        (:class:`EvalBlocks`); ``data`` itself with one process."""
+        return EvalBlocks(data, self, row_multiple) if self.multi else data
+
     def next_seq(self) -> int:
         self._seq += 1
         return self._seq
@@ -474,6 +479,27 @@ def _wait_header(key: str, index: int, version: int) -> dict:
             last_log = time.monotonic()
             log.info("process %d: waiting %.0f s for process 0's batch of step %d", index,
                      last_log - started, version + 1)
+
+
+class EvalBlocks:
+    """What :func:`asyncrl.sft.eval_loss` reads of an ``SFTData`` eval split, with each batch
+    replaced by this process's block of it (:func:`split_rows`). Every process builds the same
+    split from the task, so nothing is sent: each takes its own rows of the same batches."""
+
+    def __init__(self, data: Any, hosts: Hosts, row_multiple: int):
+        self.data, self.hosts, self.row_multiple = data, hosts, row_multiple
+
+    @property
+    def cfg(self) -> Any:
+        return self.data.cfg
+
+    @property
+    def skipped_too_long(self) -> int:
+        return self.data.skipped_too_long
+
+    def batches_once(self, limit: Optional[int] = None) -> Iterator[TrainBatch]:
+        for batch in self.data.batches_once(limit):
+            yield split_rows(batch, self.hosts.count, self.row_multiple)[self.hosts.index]
 
 
 # ---------------------------------------------------------------------------- checkpoints

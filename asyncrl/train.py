@@ -144,8 +144,6 @@ def run_stages(run: "Run") -> tuple[Any, Any]:
     and the final weights (merged with LoRA) as host arrays."""
     cfg = run.cfg
     parts = preflight(cfg, run.loaded.tokenizer)
-    if run.hosts.multi:
-        _check_multiprocess_stages(cfg)
     start_stage = run.resumed.state["stage_index"] if run.resumed is not None else 0
     params = run.params  # a resumed stage starts from its saved weights (run.stage_start)
     trainer = None
@@ -163,7 +161,7 @@ def run_stages(run: "Run") -> tuple[Any, Any]:
             build = rl_source if stage.type == "rl" else sft_source
             # Process 0 makes the batches (executor, workflows, engine) and evaluates; every
             # process trains on its block of each batch (asyncrl.multihost).
-            source, evaluate = build(run, stage, trainer) if run.hosts.is_main else (None, _no_eval)
+            source, evaluate = build(run, stage, trainer)
             source = run.hosts.batch_source(source, trainer.row_multiple)
             run_stage(run, stage, trainer, source, evaluate)
         params = trainer.trainable_params()
@@ -261,25 +259,19 @@ def _no_eval(tracker: Any) -> None:
     """The evaluation of a process other than 0: the engine and the logs are process 0's."""
 
 
-def _check_multiprocess_stages(cfg: Config) -> None:
-    for index, (spec, _) in enumerate(cfg.stage_configs()):
-        if spec.type == "sft":
-            raise AsyncRLError(
-                f"stages.{index} ({spec.name}): SFT stages do not run multi-process yet (their held-out loss is "
-                "computed by process 0 alone); run the SFT stage with one process and start the RL run from its export"
-            )
-
-
 def eval_due(scfg: Config, stage_step: int) -> bool:
     every = scfg.eval.every_steps
     return bool(every) and (stage_step % every == 0 or stage_step == scfg.run.total_steps)
 
 
 def rl_source(run: "Run", stage: Stage, trainer: Any) -> tuple[BatchSource, Callable[[Any], None]]:
-    """The RL stage's executor (its rollout state restored on a resume, started) and its eval."""
+    """The RL stage's executor (its rollout state restored on a resume, started) and its eval
+    (process 0's; None and no eval on the other processes)."""
     from asyncrl.data import SampleOrder
     from asyncrl.rollout.executor import WorkflowExecutor
 
+    if not run.hosts.is_main:
+        return None, _no_eval
     scfg = stage.cfg
     executor = WorkflowExecutor(stage.workflow, run.engine, SampleOrder(stage.task.train, scfg.run.seed), scfg,
                                 version=run.version, row_multiple=trainer.row_multiple)
@@ -291,14 +283,18 @@ def rl_source(run: "Run", stage: Stage, trainer: Any) -> tuple[BatchSource, Call
 
 def sft_source(run: "Run", stage: Stage, trainer: Any) -> tuple[BatchSource, Callable[[Any], None]]:
     """The SFT stage's data (its position restored on a resume) and its eval: the task's
-    greedy eval through the engine, as in RL, and the held-out loss."""
+    greedy eval through the engine, as in RL, and the held-out loss. With several processes
+    the data and the greedy eval are process 0's; every process computes the held-out loss on
+    its block of each eval batch (the eval split is the same everywhere)."""
     from asyncrl.sft import SFTData, eval_loss
 
     scfg = stage.cfg
     eos = run.loaded.stop_token_ids[0] if run.loaded.stop_token_ids else None
+    held_out = run.hosts.eval_blocks(SFTData.for_task(stage.task, stage.workflow, scfg, split="eval", eos_token_id=eos,
+                                                      row_multiple=trainer.row_multiple), trainer.row_multiple)
+    if not run.hosts.is_main:
+        return None, lambda tracker: tracker.scalars(eval_loss(trainer, held_out), reduce="last")
     data = SFTData.for_task(stage.task, stage.workflow, scfg, eos_token_id=eos, row_multiple=trainer.row_multiple)
-    held_out = SFTData.for_task(stage.task, stage.workflow, scfg, split="eval", eos_token_id=eos,
-                                row_multiple=trainer.row_multiple)
     if stage.done is not None:
         data.load_state_dict(run.resumed.state["sft"])
 
