@@ -264,7 +264,7 @@ def eval_due(scfg: Config, stage_step: int) -> bool:
     return bool(every) and (stage_step % every == 0 or stage_step == scfg.run.total_steps)
 
 
-def rl_source(run: "Run", stage: Stage, trainer: Any) -> tuple[BatchSource, Callable[[Any], None]]:
+def rl_source(run: "Run", stage: Stage, trainer: Any) -> tuple[Optional[BatchSource], Callable[[Any], None]]:
     """The RL stage's executor (its rollout state restored on a resume, started) and its eval
     (process 0's; None and no eval on the other processes)."""
     from asyncrl.data import SampleOrder
@@ -281,7 +281,7 @@ def rl_source(run: "Run", stage: Stage, trainer: Any) -> tuple[BatchSource, Call
     return executor, lambda tracker: run.evaluate(stage, tracker)
 
 
-def sft_source(run: "Run", stage: Stage, trainer: Any) -> tuple[BatchSource, Callable[[Any], None]]:
+def sft_source(run: "Run", stage: Stage, trainer: Any) -> tuple[Optional[BatchSource], Callable[[Any], None]]:
     """The SFT stage's data (its position restored on a resume) and its eval: the task's
     greedy eval through the engine, as in RL, and the held-out loss. With several processes
     the data and the greedy eval are process 0's; every process computes the held-out loss on
