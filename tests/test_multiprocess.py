@@ -51,6 +51,10 @@ BASE: dict[str, Any] = {
 }
 
 PROCESS_TIMEOUT_S = 240
+# tests/helpers.py FAST_COMPILE as XLA flags (about half the compile time of these tiny programs);
+# every run of a comparison uses them. Process 1 of a run compiles its own programs: JAX's
+# persistent cache serves process 0 only here.
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 # ---------------------------------------------------------------------------- pure parts
@@ -134,7 +138,8 @@ def _start(config: Path, processes: int, devices: int, *args: str) -> list[subpr
     port = _free_port()
     procs = []
     for pid in range(processes):
-        env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+        env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_FLAGS}",
+                             JAX_PLATFORMS="cpu")
         if processes > 1:
             env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes),
                        JAX_PROCESS_ID=str(pid))
