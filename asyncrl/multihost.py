@@ -195,7 +195,10 @@ class Hosts:
             self._last_poll = time.monotonic()
             posted = _client().key_value_dir_get(_STOP_DIR)
             if posted:
-                self._code = int(sorted(posted)[0][1])
+                key, code = sorted(posted)[0]
+                self._code = int(code)
+                log.warning("process %s received a signal: abandoning the wait for the batch, every process "
+                            "checkpoints and exits with status %d", key.rsplit("/", 1)[-1], self._code)
                 return True
         return False
 

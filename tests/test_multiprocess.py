@@ -126,7 +126,10 @@ def _config(tmp_path: Path, name: str, **sections: Any) -> Path:
     cfg = {key: dict(value) for key, value in BASE.items() if isinstance(value, dict)}
     cfg.update({k: v for k, v in BASE.items() if not isinstance(v, dict)})
     for section, values in sections.items():
-        cfg[section].update(values)
+        if isinstance(values, dict):
+            cfg[section].update(values)
+        else:
+            cfg[section] = values
     cfg["run"]["output_dir"] = str(tmp_path / name)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -247,11 +250,16 @@ def test_ten_steps_match_and_a_sigkilled_two_process_run_resumes_exactly(tmp_pat
 @pytest.mark.timeout(2 * PROCESS_TIMEOUT_S)
 @pytest.mark.parametrize("signalled", [0, 1])
 def test_sigterm_to_one_process_stops_both_with_one_checkpoint_and_143(tmp_path, signalled):
-    cfg = _config(tmp_path, "stop", run={"total_steps": 200})
+    """SIGTERM to process 0, or to process 1 while process 0 waits for rollouts (a reward that
+    takes a second per call): both stop at the same step with one checkpoint, exit 143."""
+    slow = {"rewards": [{"fn": "tests.multiprocess_rewards:slow_copy_match"}]} if signalled else {}
+    cfg = _config(tmp_path, "stop", run={"total_steps": 200}, **slow)
     procs = _start(cfg, 2, 2)
     out = tmp_path / "stop"
     _wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2,
               PROCESS_TIMEOUT_S, procs, "two trained steps")
+    if signalled:
+        time.sleep(0.5)  # both processes are past the step's stop agreement: process 0 waits for the batch
     procs[signalled].send_signal(signal.SIGTERM)
     sent = time.monotonic()
     codes = _wait(procs, cfg, timeout=60)
@@ -264,7 +272,9 @@ def test_sigterm_to_one_process_stops_both_with_one_checkpoint_and_143(tmp_path,
     assert checkpoint is not None and checkpoint_problems(checkpoint) == []
     assert load_checkpoint(checkpoint).state["process_count"] == 2
     assert max(_rows(out)) == steps[0]  # the checkpoint is of the last step trained
-    if signalled == 0:
+    if signalled:
+        assert "process 1 received a signal: abandoning the wait for the batch" in _logs(cfg, 1)
+    else:
         # Resuming it with one process is one clear line, exit 1.
         single = _start(cfg, 1, 4, "--resume")
         assert _wait(single, cfg, timeout=120) == [1]
