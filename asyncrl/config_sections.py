@@ -356,8 +356,8 @@ class SFTConfig(Section):
 class DistributedConfig(Section):
     """Multi-process (multi-host) SPMD training on JAX's own distributed runtime."""
 
-    enabled: Optional[bool] = None
-    """Call ``jax.distributed.initialize`` before anything else touches JAX; every process runs the same program. null: on exactly when the environment variable ``JAX_COORDINATOR_ADDRESS`` is set (null fields below are then read from ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); ``asyncrl train`` decides this first thing (docs/scaling.md)."""
+    enabled: bool = False
+    """Call ``jax.distributed.initialize`` before anything else touches JAX; every process runs the same program. Also on when ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` are all set (null fields below are then read from them); ``asyncrl train`` decides this first thing (docs/scaling.md)."""
     coordinator_address: Optional[str] = None
     """``host:port`` of process 0's coordinator; null: JAX's detection (``JAX_COORDINATOR_ADDRESS``, SLURM, Open MPI, Kubernetes, ...)."""
     num_processes: Optional[int] = Field(default=None, ge=1)

@@ -6,8 +6,8 @@ program in every process; this module holds everything in it that differs by pro
 loop (:mod:`asyncrl.train`) reads the same with one process or many:
 
 * **Start** (:func:`start_distributed`): ``jax.distributed.initialize`` first thing, before
-  anything touches a device. ``mesh.distributed.enabled: null`` (the default) means "on when
-  ``JAX_COORDINATOR_ADDRESS`` is set"; null fields are read from the variables above.
+  anything touches a device; on with ``mesh.distributed.enabled`` or when all three variables
+  above are set, null fields read from them.
 * **Roles** (:class:`Hosts`): process 0 runs the executor, the workflows and the engine on
   its own devices and writes every file of the run; every process runs the trainer step on
   the global mesh.
@@ -68,12 +68,13 @@ _STOP_POLL_S = 0.2
 def resolved_distributed(dist: Any, environ: Mapping[str, str] = os.environ) -> Any:
     """``mesh.distributed`` with ``enabled`` decided and null fields taken from the environment.
 
-    ``enabled: null`` is on exactly when ``JAX_COORDINATOR_ADDRESS`` is set; then a null
-    ``coordinator_address`` / ``num_processes`` / ``process_id`` is read from
-    ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` when set (else
-    JAX's cluster detection fills it: SLURM, Open MPI, ...). Pure: reads no device.
+    On with ``enabled: true``, or when ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+    ``JAX_PROCESS_ID`` are all set (as a launcher sets them); then a null
+    ``coordinator_address`` / ``num_processes`` / ``process_id`` is read from its variable
+    when set (else JAX's cluster detection fills it: SLURM, Open MPI, ...). Pure: reads no device.
     """
-    enabled = dist.enabled if dist.enabled is not None else bool(environ.get(ENV_COORDINATOR))
+    launched = all(environ.get(name) for name in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID))
+    enabled = dist.enabled or launched
     if not enabled:
         return dist.model_copy(update={"enabled": False})
     update: dict[str, Any] = {"enabled": True}

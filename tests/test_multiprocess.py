@@ -60,14 +60,14 @@ FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expe
 # ---------------------------------------------------------------------------- pure parts
 
 
-def test_enabled_null_follows_the_coordinator_variable_and_fields_come_from_the_environment():
+def test_the_three_variables_turn_it_on_and_fill_the_null_fields():
     dist = DistributedConfig()
-    assert dist.enabled is None
+    assert dist.enabled is False
     assert resolved_distributed(dist, {}).enabled is False
     env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
     on = resolved_distributed(dist, env)
     assert (on.enabled, on.coordinator_address, on.num_processes, on.process_id) == (True, "10.0.0.1:1234", 4, 3)
-    assert resolved_distributed(DistributedConfig(enabled=False), env).enabled is False
+    assert resolved_distributed(dist, {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}).enabled is False  # all three
     mine = resolved_distributed(DistributedConfig(process_id=1), env)  # a config field wins over the variable
     assert mine.process_id == 1
     slurm = resolved_distributed(DistributedConfig(enabled=True), {})  # JAX's cluster detection fills the rest
