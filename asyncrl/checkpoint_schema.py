@@ -109,6 +109,8 @@ class RunState(_Strict):
     """The data position, in an SFT stage."""
     lora: Optional[LoraBase] = None
     """A ``model.lora`` run's base model (its params and optimizer state are adapters only)."""
+    process_count: int = Field(default=1, ge=1)
+    """JAX processes of the run that wrote it (a resume needs as many; absent in older checkpoints: 1)."""
 
 
 # --------------------------------------------------------------------------- rollout.json
@@ -262,7 +264,7 @@ def _check_arrays(saved: Optional[Mapping[str, Any]], model_params: Any, where: 
 # --------------------------------------------------------------------------- config.yaml on resume
 
 
-RESUME_MUTABLE_FIELDS = ("logging", "run.total_steps", "eval", "checkpoint")
+RESUME_MUTABLE_FIELDS = ("logging", "run.total_steps", "eval", "checkpoint", "mesh.distributed")
 """Dotted config paths (a section or a field) that may differ between a checkpoint and its resume."""
 
 

@@ -360,7 +360,7 @@ class DistributedConfig(Section):
     """Multi-process (multi-host) SPMD training on JAX's own distributed runtime."""
 
     enabled: bool = False
-    """Call ``jax.distributed.initialize`` before anything else touches JAX; every process runs the same program. Also on when ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` are all set (``asyncrl launch`` sets them)."""
+    """Call ``jax.distributed.initialize`` before anything else touches JAX; every process runs the same program. Also on when ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` are all set (null fields below are then read from them; ``asyncrl launch`` sets them); ``asyncrl train`` decides this first thing (docs/scaling.md)."""
     coordinator_address: Optional[str] = None
     """``host:port`` of process 0's coordinator; null: JAX's detection (``JAX_COORDINATOR_ADDRESS``, SLURM, Open MPI, Kubernetes, ...)."""
     num_processes: Optional[int] = Field(default=None, ge=1)
@@ -450,6 +450,8 @@ class CheckpointConfig(Section):
     """Keep the newest this many complete checkpoints (older ones are deleted once the new one is in place); null keeps all."""
     resume: Literal["never", "auto"] = "never"
     """``auto`` (or ``asyncrl train --resume``): continue from the newest complete checkpoint in ``run.output_dir``, or start fresh if there is none; ``never``: always start fresh."""
+    barrier_timeout_s: float = Field(default=600.0, gt=0)
+    """Multi-process runs: how long every process waits at the barrier after a checkpoint for process 0 to finish writing it before the run fails."""
 
 
 class LoggingConfig(Section):

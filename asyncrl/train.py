@@ -17,6 +17,10 @@ Rollouts run in the background the whole time, bounded by ``rollout.max_stalenes
 ``0`` is synchronous on-policy training with the same code. Data only flows down this
 list; the only thing that goes back up is published weights with their version.
 
+Run as N processes (``mesh.distributed``, or ``JAX_COORDINATOR_ADDRESS``...), the same loop
+runs in each: process 0's source, engine and logs, every process's trainer step on its block
+of each batch; :mod:`asyncrl.multihost` holds what differs by process (docs/scaling.md).
+
 Any thread's crash ends the run with that thread's traceback (the executor re-raises
 rollout and engine failures in the main thread), and everything is stopped in a
 ``finally`` so nothing hangs. SIGINT/SIGTERM: the step in progress ends (or the wait for
@@ -101,22 +105,36 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
     :class:`TrainingInterrupted` (the CLI exits 130/143); a second signal exits at once.
     """
     from asyncrl.checkpoint import resume_checkpoint
+    from asyncrl.multihost import Hosts, check_resumed_processes, start_distributed
     from asyncrl.provenance import write_provenance
     from asyncrl.shutdown import ShutdownGuard
 
     started = time.monotonic()
+    start_distributed(cfg)  # before anything touches a JAX device
+    hosts = Hosts(barrier_timeout_s=cfg.checkpoint.barrier_timeout_s)
     check_output_dir_path(cfg)
     resumed = resume_checkpoint(cfg)
+    hosts.same_everywhere(resumed.step if resumed is not None else -1, "the checkpoint to resume from (-1: none)",
+                          "every process must see the same run.output_dir (a shared file system)")
     _check_resumed_state(resumed, cfg)
-    out = prepare_output_dir(cfg, resumed.step if resumed is not None else None)
-    write_provenance(out, dump_config(cfg), argv)
+    check_resumed_processes(resumed, hosts.count)
+
+    def prepare() -> Path:
+        out = prepare_output_dir(cfg, resumed.step if resumed is not None else None)
+        write_provenance(out, dump_config(cfg), argv)
+        return out
+
+    # Only process 0 writes in run.output_dir (logs, provenance, checkpoints, exports).
+    out = hosts.on_main(prepare, "preparing run.output_dir") or cfg.run.resolved_output_dir
     with ShutdownGuard() as guard:
-        run = Run(cfg, out, console, resumed, guard)
+        hosts.watch(guard)
+        run = Run(cfg, out, console, resumed, guard, hosts)
         try:
             _check_resumed_params(run)
             params, final_params = run_stages(run)
         finally:
             run.close()
+            hosts.close()
     _check_all_steps_ran(run, cfg)
     return _finish(run, params, final_params, time.monotonic() - started, console)
 
@@ -141,7 +159,10 @@ def run_stages(run: "Run") -> tuple[Any, Any]:
         if done != scfg.run.total_steps:
             run.ensure_engine(trainer, scfg)
             build = rl_source if stage.type == "rl" else sft_source
+            # Process 0 makes the batches (executor, workflows, engine) and evaluates; every
+            # process trains on its block of each batch (asyncrl.multihost).
             source, evaluate = build(run, stage, trainer)
+            source = run.hosts.batch_source(source, trainer.row_multiple)
             run_stage(run, stage, trainer, source, evaluate)
         params = trainer.trainable_params()
     assert trainer is not None, "a config has at least one stage"
@@ -153,6 +174,9 @@ def _finish(run: "Run", params: Any, final_params: Any, wall: float, console: An
     from asyncrl.model import export_hf
 
     cfg, out = run.cfg, run.out
+    if not run.hosts.is_main:  # process 0 writes the exports and prints the summary
+        return TrainResult(steps=run.version, final_eval=run.final_eval, wall_time_s=wall, output_dir=out,
+                           history=run.history, final_params=final_params)
     # A resumed run (killed after its last checkpoint, or resumed when already finished)
     # may find its own earlier export: the final weights are the same, so replace it.
     overwrite = run.resumed is not None or cfg.run.overwrite
@@ -210,23 +234,29 @@ def run_stage(run: "Run", stage: Stage, trainer: Any, source: BatchSource,
             if eval_due(scfg, stage_step):
                 evaluate(tracker)
             run.history.append(tracker.commit(run.version))
-            if run.checkpoint_due(stage_step, scfg.run.total_steps):
+            stop = run.hosts.agree_stop()  # the same answer on every process
+            if run.checkpoint_due(stage_step, scfg.run.total_steps, stopping=stop is not None):
                 run.save(stage, stage_step, trainer, source)
-            run.stop_if_requested()
+            if stop is not None:
+                raise TrainingInterrupted(stop, run.last_checkpoint)
 
 
 def _next_batch(run: "Run", stage: Stage, stage_step: int, trainer: Any, source: BatchSource) -> PreparedBatch:
     """The step's batch; a signal while waiting for it checkpoints the last step and stops."""
     try:
         return source.next_batch(run.version, timeout=stage.cfg.rollout.batch_timeout_s,
-                                 abandon_if=lambda: run.guard.requested)
+                                 abandon_if=run.hosts.stop_requested)
     except BatchAbandoned:
-        # A signal came while waiting for rollouts (which may take longer than the guard's
-        # grace period): the step never started, so checkpoint the last one.
+        # A signal (here, or on another process) came while waiting for rollouts (which may
+        # take longer than the guard's grace period): the step never started, so checkpoint
+        # the last one. Every process takes this path for the same batch.
         if run.last_checkpoint_version != run.version:
             run.save(stage, stage_step - 1, trainer, source)
-        run.stop_if_requested()
-        raise
+        raise TrainingInterrupted(run.hosts.abandon_code(), run.last_checkpoint) from None
+
+
+def _no_eval(tracker: Any) -> None:
+    """The evaluation of a process other than 0: the engine and the logs are process 0's."""
 
 
 def eval_due(scfg: Config, stage_step: int) -> bool:
@@ -234,11 +264,14 @@ def eval_due(scfg: Config, stage_step: int) -> bool:
     return bool(every) and (stage_step % every == 0 or stage_step == scfg.run.total_steps)
 
 
-def rl_source(run: "Run", stage: Stage, trainer: Any) -> tuple[BatchSource, Callable[[Any], None]]:
-    """The RL stage's executor (its rollout state restored on a resume, started) and its eval."""
+def rl_source(run: "Run", stage: Stage, trainer: Any) -> tuple[Optional[BatchSource], Callable[[Any], None]]:
+    """The RL stage's executor (its rollout state restored on a resume, started) and its eval
+    (process 0's; None and no eval on the other processes)."""
     from asyncrl.data import SampleOrder
     from asyncrl.rollout.executor import WorkflowExecutor
 
+    if not run.hosts.is_main:
+        return None, _no_eval
     scfg = stage.cfg
     executor = WorkflowExecutor(stage.workflow, run.engine, SampleOrder(stage.task.train, scfg.run.seed), scfg,
                                 version=run.version, row_multiple=trainer.row_multiple)
@@ -248,16 +281,20 @@ def rl_source(run: "Run", stage: Stage, trainer: Any) -> tuple[BatchSource, Call
     return executor, lambda tracker: run.evaluate(stage, tracker)
 
 
-def sft_source(run: "Run", stage: Stage, trainer: Any) -> tuple[BatchSource, Callable[[Any], None]]:
+def sft_source(run: "Run", stage: Stage, trainer: Any) -> tuple[Optional[BatchSource], Callable[[Any], None]]:
     """The SFT stage's data (its position restored on a resume) and its eval: the task's
-    greedy eval through the engine, as in RL, and the held-out loss."""
+    greedy eval through the engine, as in RL, and the held-out loss. With several processes
+    the data and the greedy eval are process 0's; every process computes the held-out loss on
+    its block of each eval batch (the eval split is the same everywhere)."""
     from asyncrl.sft import SFTData, eval_loss
 
     scfg = stage.cfg
     eos = run.loaded.stop_token_ids[0] if run.loaded.stop_token_ids else None
+    held_out = run.hosts.eval_blocks(SFTData.for_task(stage.task, stage.workflow, scfg, split="eval", eos_token_id=eos,
+                                                      row_multiple=trainer.row_multiple), trainer.row_multiple)
+    if not run.hosts.is_main:
+        return None, lambda tracker: tracker.scalars(eval_loss(trainer, held_out), reduce="last")
     data = SFTData.for_task(stage.task, stage.workflow, scfg, eos_token_id=eos, row_multiple=trainer.row_multiple)
-    held_out = SFTData.for_task(stage.task, stage.workflow, scfg, split="eval", eos_token_id=eos,
-                                row_multiple=trainer.row_multiple)
     if stage.done is not None:
         data.load_state_dict(run.resumed.state["sft"])
 
@@ -313,13 +350,19 @@ class Run:
     """The state one run shares across its stages: the loaded model (and LoRA adapters), the
     mesh, the engine, the metric sinks, the served version, and the checkpoint it resumed from."""
 
-    def __init__(self, cfg: Config, out: Path, console: Any, resumed: Any, guard: Any):
+    def __init__(self, cfg: Config, out: Path, console: Any, resumed: Any, guard: Any, hosts: Any = None):
         from asyncrl.metrics import ConsoleSink, JsonlSink, LogAppender
         from asyncrl.model import load_model
         from asyncrl.placement import check_tensor_parallel, resolve_placement
+        from asyncrl.multihost import Hosts, NoSink
         from asyncrl.trainer import build_mesh
 
         self.cfg, self.out, self.guard = cfg, out, guard
+        self.hosts = hosts if hosts is not None else Hosts()
+        """This process's role (process 0 runs the engine and writes the run's files) and the
+        agreements between processes (:class:`~asyncrl.multihost.Hosts`)."""
+        if self.hosts.guard is None:
+            self.hosts.watch(guard)
         self.resumed = resumed
         """The :class:`~asyncrl.checkpoint.Checkpoint` this run continues, or None."""
         self.placement = resolve_placement(cfg)
@@ -344,9 +387,10 @@ class Run:
         """Seconds of the last ``engine.update_weights`` (``perf/publish_time``)."""
         self.version = resumed.step if resumed is not None else 0
         """Completed trainer steps over all stages: the version the engine serves."""
-        self.console = ConsoleSink(cfg.total_steps, start_step=self.version, stream=console)
-        self.jsonl = JsonlSink(out / "metrics.jsonl")
-        self.trajectory_log = LogAppender(out / "trajectories.jsonl", create=False)
+        main = self.hosts.is_main
+        self.console: Any = ConsoleSink(cfg.total_steps, start_step=self.version, stream=console) if main else NoSink()
+        self.jsonl: Any = JsonlSink(out / "metrics.jsonl") if main else NoSink()
+        self.trajectory_log: Any = LogAppender(out / "trajectories.jsonl", create=False) if main else NoSink()
         self.history: list[dict[str, float]] = []
         self.final_eval: dict[str, float] = dict(resumed.state.get("final_eval", {})) if resumed else {}
         self.engine_counter_base: dict[str, float] = dict(resumed.state.get("engine_counters", {})) if resumed else {}
@@ -399,29 +443,41 @@ class Run:
         each stage writes its own TensorBoard run (``tensorboard/<stage>/``), so curves of
         different stages never collide under one name."""
         from asyncrl.metrics import StatsTracker, TensorBoardSink
+        from asyncrl.multihost import NoSink
 
         multi = bool(self.cfg.stages)
         self.jsonl.tags = {"stage": stage_name} if multi else {}
         self.console.prefix = f"[{stage_name}] " if multi else ""
-        tensorboard = TensorBoardSink(self.out / "tensorboard" / stage_name if multi else self.out / "tensorboard")
+        if not self.hosts.is_main:
+            tensorboard: Any = NoSink()
+        else:
+            tensorboard = TensorBoardSink(self.out / "tensorboard" / stage_name if multi else self.out / "tensorboard")
         return StatsTracker([self.jsonl, tensorboard, self.console]), tensorboard
 
     def ensure_engine(self, trainer: Any, scfg: Config) -> Any:
+        """The run's engine (process 0's; None on the others), built once from the trainer's weights."""
         if self.engine is None:
-            self.engine = build_engine(scfg, self.loaded, self.graphdef, trainer.params_for_publish(),
-                                       version=self.version, out=self.out, placement=self.placement)
+            params = self.hosts.engine_copy(trainer.params_for_publish())  # every process joins the gather
+            if self.hosts.is_main:
+                self.engine = build_engine(scfg, self.loaded, self.graphdef, params, version=self.version, out=self.out,
+                                           placement=self.placement)
         return self.engine
 
     def publish(self, trainer: Any) -> None:
+        """Version ``v + 1`` to the engine (process 0's, from the global params; every process calls this)."""
         started = time.perf_counter()
-        self.engine.update_weights(trainer.params_for_publish(), self.version + 1)
-        self.publish_time = time.perf_counter() - started  # moving weights to the engine's devices + the swap
+        params = self.hosts.engine_copy(trainer.params_for_publish())
+        if self.engine is not None:
+            self.engine.update_weights(params, self.version + 1)
+        self.publish_time = time.perf_counter() - started  # gathering, moving to the engine's devices, the swap
         self.version += 1
 
     def read_engine_counters(self) -> dict[str, float]:
         """The engine's metrics, its counters continued from the resumed run's; the counters
         are kept for the next checkpoint (as of this call: work started later is not counted,
         since a resume redoes it)."""
+        if self.engine is None:
+            return {}  # a process other than 0: no engine, no metrics of its own in the logs
         engine_metrics = self.engine.metrics()
         for name in ENGINE_COUNTERS:
             if name in engine_metrics:
@@ -440,7 +496,9 @@ class Run:
         generated = engine_metrics.get("engine/decode_tokens", 0.0)
         loop = {
             "perf/step_time": step_time,  # batch wait + train + publish
-            "perf/trained_tokens_per_s": float(got.batch.loss_mask.sum()) / step_time,
+            # The whole batch's (a process's got.batch is its own block in a multi-process run).
+            "perf/trained_tokens_per_s": float(train_metrics.get("train/trained_tokens", got.batch.loss_mask.sum()))
+            / step_time,
             "perf/gen_tokens_per_s": (generated - self.generated_before) / step_time,
             "perf/publish_time": self.publish_time,  # part of step_time
         }
@@ -462,16 +520,23 @@ class Run:
         for name in self.reward_failures:
             self.reward_failures[name] += float(counts.get(name, 0.0))
 
-    def checkpoint_due(self, stage_step: int, stage_total: int) -> bool:
+    def checkpoint_due(self, stage_step: int, stage_total: int, stopping: bool = False) -> bool:
+        """After ``stage_step``: the stage's last step, every ``checkpoint.every_steps`` versions,
+        or a stop every process agreed on (:meth:`~asyncrl.multihost.Hosts.agree_stop`)."""
         every = self.cfg.checkpoint.every_steps
-        return stage_step == stage_total or (every > 0 and self.version % every == 0) or self.guard.requested
+        return stage_step == stage_total or (every > 0 and self.version % every == 0) or stopping
 
     def save(self, stage: Stage, stage_step: int, trainer: Any, source: BatchSource) -> None:
         """A checkpoint of the run after ``stage_step`` steps of ``stage``: weights, optimizer,
         counters and the source's position (RL: the rollout state; SFT: the data position)."""
-        from asyncrl.checkpoint import save_checkpoint
+        from asyncrl.checkpoint import checkpoints_root, save_checkpoint, step_dir_name
 
-        trainer_state = trainer.state_dict()
+        trainer_state = trainer.state_dict()  # gathered to every host: all processes call this
+        if not self.hosts.is_main:  # process 0 alone writes the checkpoint; wait until it is complete
+            self.hosts.barrier(f"checkpoint-{self.version}")
+            self.last_checkpoint = checkpoints_root(self.out) / step_dir_name(self.version)
+            self.last_checkpoint_version = self.version
+            return
         arrays = {"params": trainer_state.pop("params"), "opt_state": trainer_state.pop("opt_state")}
         if stage.index > 0 and trainer.ref_params is not None:
             arrays["stage_start_params"] = stage.start_params
@@ -479,6 +544,8 @@ class Run:
             "format": RUN_STATE_FORMAT, "version": self.version, "stage_index": stage.index, "stage_step": stage_step,
             "trainer": trainer_state, "final_eval": self.final_eval, "engine_counters": self.engine_counters,
         }
+        if self.hosts.multi:
+            state["process_count"] = self.hosts.count  # a resume needs as many processes
         rollout_state = source.state_dict() if stage.type == "rl" else None
         if stage.type == "sft":
             state["sft"] = source.state_dict()
@@ -489,10 +556,7 @@ class Run:
             rollout_state=rollout_state, keep=self.cfg.checkpoint.keep,
         )
         self.last_checkpoint_version = self.version
-
-    def stop_if_requested(self) -> None:
-        if self.guard.requested:
-            raise TrainingInterrupted(self.guard.exit_code, self.last_checkpoint)
+        self.hosts.barrier(f"checkpoint-{self.version}")  # the others go on once it is complete
 
 
 # ---------------------------------------------------------------------------- resume and export

@@ -138,6 +138,14 @@ SLOW_CHAINS = {
                                                    "--set", "stages.1.total_steps=3", "--set", "eval.every_steps=3"),
              check=_sweep),
     ),
+    # docs/scaling.md: two processes on this host (process 1 in the background, then process 0)
+    "multiprocess": tuple(
+        Step(f"JAX_COORDINATOR_ADDRESS=127.0.0.1:12355 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID={pid} asyncrl train "
+             f"configs/quickstart.yaml{' &' if pid else ''}", QUICKSTART_QUICK,
+             swap=(("127.0.0.1:12355", "127.0.0.1:{mp_port}"),),
+             check=None if pid else _exists("runs/quickstart/hf/config.json", "runs/quickstart/checkpoints/step_00000005"))
+        for pid in (1, 0)
+    ),
     "chaos": (
         Step("python scripts/chaos.py configs/quickstart.yaml --kills 20 --set rollout.max_staleness=0 "
              "--set checkpoint.every_steps=20",
@@ -264,12 +272,16 @@ def test_documented_commands_run(name, chain, workspace, monkeypatch, capsys):
 def _run(step: Step, ws: Path, capsys) -> str:
     command = step.command
     for documented, local in step.swap:
-        command = command.replace(documented, local.format(port=_free_port(), tmp=ws))
-    argv = shlex.split(command) + list(step.quick)
+        command = command.replace(documented, local.format(port=_free_port(), tmp=ws, mp_port=_mp_port()))
+    argv = shlex.split(command)
+    background = argv[-1] == "&"
+    argv = argv[:-1] + list(step.quick) if background else argv + list(step.quick)
     env_assignments = {}
     while argv and re.fullmatch(r"[A-Z_]+=.*", argv[0]):
         key, _, value = argv.pop(0).partition("=")
         env_assignments[key] = value
+    if argv[0] == "asyncrl" and "JAX_PROCESS_ID" in env_assignments:
+        return _process_of_a_run(argv, env_assignments, ws, background)
     if argv[:2] == ["asyncrl", "serve"]:
         return _serve(argv[1:], ws)
     if argv[0] == "asyncrl":
@@ -292,6 +304,40 @@ def _free_port() -> int:
     from tests.remote_helpers import free_port
 
     return free_port()
+
+
+_MP_PORT: list[int] = []
+_BACKGROUND: list[subprocess.Popen] = []
+
+
+def _mp_port() -> int:
+    """The coordinator port of the documented multi-process run (one for all its commands)."""
+    if not _MP_PORT:
+        _MP_PORT.append(_free_port())
+    return _MP_PORT[0]
+
+
+def _process_of_a_run(argv: list[str], env: dict[str, str], ws: Path, background: bool) -> str:
+    """One process of a multi-process ``asyncrl train`` (its own interpreter: jax.distributed is
+    per process). ``&``: started and left running; otherwise run to the end, then every
+    background process must end with status 0 too."""
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", *argv[1:]], cwd=ws, env=subprocess_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if background:
+        _BACKGROUND.append(proc)
+        return ""
+    procs = [proc, *_BACKGROUND]
+    _BACKGROUND.clear()
+    try:
+        outputs = [p.communicate(timeout=800)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    for p, output in zip(procs, outputs):
+        assert p.returncode == 0, f"{argv} (process {p.args}) exited {p.returncode}:\n{output[-3000:]}"
+    return outputs[0]
 
 
 def _serve(args: list[str], ws: Path) -> str:

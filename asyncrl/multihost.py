@@ -1,0 +1,522 @@
+"""The asynchronous loop across processes (JAX's multi-controller runtime).
+
+``asyncrl train CONFIG`` started as N processes (``mesh.distributed``, or the environment
+variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``) runs one
+program in every process; this module holds everything in it that differs by process, so the
+loop (:mod:`asyncrl.train`) reads the same with one process or many:
+
+* **Start** (:func:`start_distributed`): ``jax.distributed.initialize`` first thing, before
+  anything touches a device; on with ``mesh.distributed.enabled`` or when all three variables
+  above are set, null fields read from them.
+* **Roles** (:class:`Hosts`): process 0 runs the executor, the workflows and the engine on
+  its own devices and writes every file of the run; every process runs the trainer step on
+  the global mesh.
+* **Batches** (:class:`HostBatchSource`): process 0's source makes the step's batch; its
+  groups are split into one contiguous block of whole groups per process (:func:`split_rows`,
+  every block padded to the same rows); a small JSON header goes through the coordinator's
+  key-value store (the others wait for it in bounded polls), then the packed arrays through
+  one ``broadcast_one_to_all`` collective, and each process keeps its own block.
+* **Stop agreement**: a signal on any process makes all of them stop at the same step
+  boundary. Process 0 learns of another process's signal from the key-value store while it
+  waits for a batch (the header then says "abandoned", with the exit code); after each step
+  every process's flag is combined by a tiny all-gather (:meth:`Hosts.agree_stop`).
+* **Publishing** (:meth:`Hosts.engine_copy`): the trainer's global params are all-gathered
+  to a replicated sharding on the trainer mesh by a jitted identity (device to device), and
+  process 0 hands its local replica to its engine, which ``device_put`` s it onto its own
+  shardings.
+* **Checkpoints**: every process joins the host gather of the trainer state, process 0 alone
+  writes the checkpoint, then all meet at a barrier with a timeout
+  (``checkpoint.barrier_timeout_s``). A checkpoint records its process count; a resume with
+  another count is refused (:func:`check_resumed_processes`).
+
+Every cross-process wait is bounded (key-value waits in polls that end when the coordinator
+is lost, barriers with timeouts) or is a collective that JAX's failure detection ends.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import numpy as np
+
+from asyncrl.errors import AsyncRLError, CheckpointError, ConfigError, RolloutError
+from asyncrl.rollout.batch import BatchAbandoned, PreparedBatch
+from asyncrl.rollout.trajectory import TrainBatch
+
+log = logging.getLogger(__name__)
+
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+
+_STOP_DIR = "asyncrl/stop/"
+_BATCH_KEY = "asyncrl/batch/{}"
+_WAIT_POLL_MS = 5000
+_WAIT_LOG_S = 120.0
+_STOP_POLL_S = 0.2
+
+
+# ---------------------------------------------------------------------------- start
+
+
+def resolved_distributed(dist: Any, environ: Mapping[str, str] = os.environ) -> Any:
+    """``mesh.distributed`` with ``enabled`` decided and null fields taken from the environment.
+
+    On with ``enabled: true``, or when ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+    ``JAX_PROCESS_ID`` are all set (as a launcher sets them); then a null
+    ``coordinator_address`` / ``num_processes`` / ``process_id`` is read from its variable
+    when set (else JAX's cluster detection fills it: SLURM, Open MPI, ...). Pure: reads no device.
+    """
+    launched = all(environ.get(name) for name in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID))
+    enabled = dist.enabled or launched
+    if not enabled:
+        return dist.model_copy(update={"enabled": False})
+    update: dict[str, Any] = {"enabled": True}
+    if dist.coordinator_address is None and environ.get(ENV_COORDINATOR):
+        update["coordinator_address"] = environ[ENV_COORDINATOR]
+    for field, name, low in (("num_processes", ENV_NUM_PROCESSES, 1), ("process_id", ENV_PROCESS_ID, 0)):
+        text = environ.get(name)
+        if getattr(dist, field) is not None or text is None:
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < low:
+            raise ConfigError([f"environment variable {name}={text!r} is not an integer >= {low}; set it (or "
+                               f"mesh.distributed.{field}) to this process's value"])
+        update[field] = value
+    num, pid = update.get("num_processes", dist.num_processes), update.get("process_id", dist.process_id)
+    if num is not None and pid is not None and pid >= num:
+        raise ConfigError([f"mesh.distributed.process_id ({ENV_PROCESS_ID}) = {pid} is not below num_processes "
+                           f"({ENV_NUM_PROCESSES}) = {num}; process ids are 0 .. num_processes - 1"])
+    return dist.model_copy(update=update)
+
+
+def start_distributed(cfg: Any) -> bool:
+    """Join the multi-process run when ``mesh.distributed`` (or the environment) asks for one;
+    must run before anything touches a JAX device. Returns whether it is distributed."""
+    dist = resolved_distributed(cfg.mesh.distributed)
+    if not dist.enabled:
+        return False
+    from asyncrl.trainer.mesh import initialize_distributed
+
+    initialize_distributed(cfg.mesh.model_copy(update={"distributed": dist}))
+    return True
+
+
+def _client() -> Any:
+    """The coordination service's client of this process (key-value store and barriers)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise AsyncRLError("multi-process run without a jax.distributed client: call start_distributed(cfg) first")
+    return client
+
+
+def _is_deadline(err: Exception) -> bool:
+    text = str(err)
+    return "DEADLINE_EXCEEDED" in text or "Deadline Exceeded" in text
+
+
+# ---------------------------------------------------------------------------- roles and agreement
+
+
+class NoSink:
+    """The log sinks of a process other than 0: it writes nothing in ``run.output_dir``."""
+
+    tags: dict = {}
+    prefix = ""
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def append(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Hosts:
+    """This process's place in the run, and the agreements between processes.
+
+    With one process every method is the local answer (no collective, no thread).
+    """
+
+    def __init__(self, *, barrier_timeout_s: float = 600.0):
+        import jax
+
+        self.count = jax.process_count()
+        self.index = jax.process_index()
+        self.multi = self.count > 1
+        self.is_main = self.index == 0
+        """Process 0: runs the executor, the workflows and the engine, and writes the run's files."""
+        self.barrier_timeout_s = barrier_timeout_s
+        self.guard: Any = None
+        self._code: Optional[int] = None
+        self._seq = 0
+        self._last_poll = 0.0
+        self._closed = threading.Event()
+        self._watcher: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ signals
+
+    def watch(self, guard: Any) -> None:
+        """Follow ``guard`` (the run's ShutdownGuard). On a process other than 0 a daemon thread
+        posts its first signal to the key-value store, where process 0 sees it while it waits
+        for a batch (this process's main thread may be blocked in a collective meanwhile)."""
+        self.guard = guard
+        if self.multi and not self.is_main:
+            self._watcher = threading.Thread(target=self._post_signal, name="asyncrl-stop-poster", daemon=True)
+            self._watcher.start()
+
+    def _post_signal(self) -> None:
+        while not self._closed.is_set():
+            if self.guard.wait(0.5):
+                try:
+                    _client().key_value_set(f"{_STOP_DIR}{self.index}", str(self.guard.exit_code))
+                except Exception as err:  # the coordinator is gone: the collectives fail too
+                    log.warning("process %d: cannot post the stop request to process 0 (%s)", self.index, err)
+                return
+
+    def stop_requested(self) -> bool:
+        """Whether to abandon the wait for a batch: a signal here, or (process 0) on any process."""
+        if self.guard.requested:
+            self._code = self._code or self.guard.exit_code
+            return True
+        if self.multi and self.is_main and time.monotonic() - self._last_poll >= _STOP_POLL_S:
+            self._last_poll = time.monotonic()
+            posted = _client().key_value_dir_get(_STOP_DIR)
+            if posted:
+                key, code = sorted(posted)[0]
+                self._code = int(code)
+                log.warning("process %s received a signal: abandoning the wait for the batch, every process "
+                            "checkpoints and exits with status %d", key.rsplit("/", 1)[-1], self._code)
+                return True
+        return False
+
+    def abandon_code(self) -> int:
+        """The exit code all processes use after an abandoned batch (that of the first signal seen)."""
+        return self._code or self.guard.exit_code
+
+    def agree_stop(self) -> Optional[int]:
+        """At a step boundary, the same answer on every process: None (go on) or the exit code
+        to stop with (128 + the signal of the lowest-numbered process that got one)."""
+        local = self.guard.exit_code if self.guard.requested else 0
+        if not self.multi:
+            return local or None
+        from jax.experimental import multihost_utils
+
+        codes = np.asarray(multihost_utils.process_allgather(np.int32(local))).reshape(-1)
+        stop = next((int(c) for c in codes if c), None)
+        if stop is not None:
+            self._code = self._code or stop
+        return stop
+
+    # ------------------------------------------------------------------ agreement and barriers
+
+    def same_everywhere(self, value: int, what: str, fix: str) -> None:
+        """Refuse a run whose processes see different ``value`` s of ``what`` (one line with ``fix``)."""
+        if not self.multi:
+            return
+        from jax.experimental import multihost_utils
+
+        values = [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int64(value))).reshape(-1)]
+        if len(set(values)) > 1:
+            seen = ", ".join(f"process {i}: {v}" for i, v in enumerate(values))
+            raise AsyncRLError(f"the processes disagree on {what} ({seen}); {fix}")
+
+    def on_main(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run ``fn`` on process 0 only; every process learns whether it succeeded (a failure
+        there ends the others with one line instead of leaving them in a collective)."""
+        if not self.multi:
+            return fn()
+        result, failure = None, None
+        if self.is_main:
+            try:
+                result = fn()
+            except Exception as err:
+                failure = err
+        from jax.experimental import multihost_utils
+
+        failed = np.asarray(multihost_utils.process_allgather(np.int32(failure is not None))).reshape(-1)
+        if failure is not None:
+            raise failure
+        if failed.any():
+            raise AsyncRLError(f"process 0 failed {what}; its log has the cause")
+        return result
+
+    def barrier(self, name: str) -> None:
+        """Wait until every process reaches ``name`` (at most ``barrier_timeout_s``)."""
+        if not self.multi:
+            return
+        try:
+            _client().wait_at_barrier(f"asyncrl/{name}", int(self.barrier_timeout_s * 1000))
+        except Exception as err:
+            raise AsyncRLError(
+                f"process {self.index}: not every process reached the barrier {name!r} within "
+                f"{self.barrier_timeout_s:g} s (checkpoint.barrier_timeout_s): {err}"
+            ) from None
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=2.0)
+
+    # ------------------------------------------------------------------ weights
+
+    def engine_copy(self, params: Any) -> Any:
+        """The weights as process 0's engine takes them. Every process must call this (an
+        all-gather over the trainer mesh when the params span processes); returns process 0's
+        local replica (a tree of arrays replicated over its own devices of the trainer mesh),
+        None on the other processes, ``params`` itself with one process."""
+        if not self.multi:
+            return params
+        import jax
+
+        replicated = _replicate(params)
+        if not self.is_main:
+            return None
+        return jax.tree.map(_local_replica, replicated)
+
+    def batch_source(self, source: Any, row_multiple: int) -> Any:
+        """``source`` (process 0's; None elsewhere) as every process's BatchSource."""
+        if not self.multi:
+            return source
+        return HostBatchSource(self, source, row_multiple)
+
+    def eval_blocks(self, data: Any, row_multiple: int) -> Any:
+        """An SFT eval split (``SFTData``) whose batches are this process's blocks
+        (:class:`EvalBlocks`); ``data`` itself with one process."""
+        return EvalBlocks(data, self, row_multiple) if self.multi else data
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+
+@functools.lru_cache(maxsize=8)
+def _replicator(mesh: Any) -> Any:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def _replicate(params: Any) -> Any:
+    """``params`` replicated on every device of their mesh (one jitted all-gather)."""
+    import jax
+
+    leaves = jax.tree.leaves(params)
+    if all(x.is_fully_replicated for x in leaves):
+        return params
+    mesh = leaves[0].sharding.mesh
+    return _replicator(mesh)(params)
+
+
+def _local_replica(x: Any) -> Any:
+    """This process's shards of a replicated global array, as one array over its own devices."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    shards = sorted(x.addressable_shards, key=lambda s: s.device.id)
+    mesh = Mesh(np.array([s.device for s in shards]), ("replica",))
+    return jax.make_array_from_single_device_arrays(x.shape, NamedSharding(mesh, PartitionSpec()), [s.data for s in shards])
+
+
+# ---------------------------------------------------------------------------- batches
+
+
+_FIELDS = (("input_ids", np.int32, 2), ("attention_mask", np.bool_, 2), ("loss_mask", np.bool_, 2),
+           ("behavior_logprobs", np.float32, 2), ("versions", np.int32, 2), ("rewards", np.float32, 1),
+           ("group_index", np.int32, 1), ("truncated", np.bool_, 1))
+_PAD = {"versions": -1, "group_index": -1}
+
+
+def split_rows(batch: TrainBatch, parts: int, row_multiple: int) -> list[TrainBatch]:
+    """``batch`` as ``parts`` blocks of whole groups: groups ``[p*n/parts, (p+1)*n/parts)`` (by
+    ``group_index``, in order) go to block ``p`` with local group indices from 0; every block
+    has the same ``[rows, L]``, rows the largest block's rows rounded up to ``row_multiple``
+    (at least one multiple), padded with padding rows. Pure numpy."""
+    gi = np.asarray(batch.group_index)
+    groups = int(gi.max()) + 1 if (gi >= 0).any() else 0
+    bounds = [p * groups // parts for p in range(parts + 1)]
+    picks = [np.flatnonzero((gi >= bounds[p]) & (gi < bounds[p + 1])) for p in range(parts)]
+    rows = max(row_multiple, -(-max(len(p) for p in picks) // row_multiple) * row_multiple)
+    blocks = []
+    for p, pick in enumerate(picks):
+        fields: dict[str, Any] = {}
+        for name, dtype, _ in _FIELDS + ((("advantages", np.float32, 2),) if batch.advantages is not None else ()):
+            value = np.asarray(getattr(batch, name))
+            out = np.full((rows, *value.shape[1:]), _PAD.get(name, 0), dtype)
+            out[: len(pick)] = value[pick]
+            fields[name] = out
+        fields["group_index"][: len(pick)] -= bounds[p]
+        blocks.append(TrainBatch(temperature=batch.temperature, **fields))
+    return blocks
+
+
+def pack_blocks(blocks: list[TrainBatch]) -> np.ndarray:
+    """The blocks' arrays as one int32 buffer (field by field, block-major within a field),
+    padded to a power of two of words so that its broadcast compiles for few sizes."""
+    parts = []
+    names = [f[0] for f in _FIELDS] + (["advantages"] if blocks[0].advantages is not None else [])
+    for name in names:
+        parts.append(np.concatenate([np.ascontiguousarray(getattr(b, name)) for b in blocks]).tobytes())
+    raw = b"".join(parts)
+    words = max(1024, 1 << (max(1, -(-len(raw) // 4)) - 1).bit_length())
+    buffer = np.zeros(words * 4, np.uint8)
+    buffer[: len(raw)] = np.frombuffer(raw, np.uint8)
+    return buffer.view(np.int32)
+
+
+def unpack_block(buffer: np.ndarray, header: Mapping[str, Any], parts: int, index: int) -> TrainBatch:
+    """Block ``index`` of what :func:`pack_blocks` packed (shapes from the header)."""
+    raw = np.ascontiguousarray(buffer).view(np.uint8)
+    rows, length = int(header["rows"]), int(header["length"])
+    specs = _FIELDS + ((("advantages", np.float32, 2),) if header["advantages"] else ())
+    offset, fields = 0, {}
+    for name, dtype, ndim in specs:
+        shape = (rows, length) if ndim == 2 else (rows,)
+        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        start = offset + index * size
+        fields[name] = np.frombuffer(raw[start: start + size].tobytes(), dtype).reshape(shape)
+        offset += parts * size
+    return TrainBatch(temperature=float(header["temperature"]), **fields)
+
+
+class HostBatchSource:
+    """Every process's :class:`~asyncrl.rollout.batch.BatchSource` in a multi-process run:
+    process 0 wraps the stage's real source and sends each batch on; the others receive.
+
+    Each call of :meth:`next_batch` is one exchange (the same number on every process): a
+    header through the key-value store (``status``: ``batch``, ``abandoned`` with the exit
+    code, or ``failed`` with process 0's error), then for a batch the packed arrays through
+    ``broadcast_one_to_all``. Process 0's :class:`PreparedBatch` keeps the step's groups and
+    metrics (it alone logs them); its ``batch``, like every process's, is its own block.
+    """
+
+    def __init__(self, hosts: Hosts, source: Any, row_multiple: int):
+        if hosts.is_main == (source is None):
+            raise AsyncRLError("HostBatchSource: process 0 wraps the stage's source, the others pass None")
+        self.hosts, self.source, self.row_multiple = hosts, source, row_multiple
+
+    def next_batch(self, version: int, timeout: Optional[float] = None, *,
+                   abandon_if: Optional[Callable[[], bool]] = None) -> PreparedBatch:
+        key = _BATCH_KEY.format(self.hosts.next_seq())
+        if self.hosts.is_main:
+            return self._send(key, version, timeout, abandon_if)
+        return self._receive(key, version, timeout)
+
+    def _send(self, key: str, version: int, timeout: Optional[float],
+              abandon_if: Optional[Callable[[], bool]]) -> PreparedBatch:
+        client = _client()
+        try:
+            got = self.source.next_batch(version, timeout, abandon_if=abandon_if)
+        except BatchAbandoned:
+            client.key_value_set(key, json.dumps({"status": "abandoned", "code": self.hosts.abandon_code()}))
+            raise
+        except BaseException as err:
+            client.key_value_set(key, json.dumps({"status": "failed", "error": f"{type(err).__name__}: {err}"}))
+            raise
+        blocks = split_rows(got.batch, self.hosts.count, self.row_multiple)
+        rows, length = blocks[0].input_ids.shape
+        header = {"status": "batch", "rows": rows, "length": length, "advantages": blocks[0].advantages is not None,
+                  "temperature": float(got.batch.temperature)}
+        buffer = pack_blocks(blocks)
+        header["words"] = int(buffer.size)
+        client.key_value_set(key, json.dumps(header))
+        _broadcast(buffer)
+        client.key_value_delete(key)  # every process has read it: each joined the broadcast
+        return PreparedBatch(batch=blocks[0], groups=got.groups, sample_ids=got.sample_ids, metrics=got.metrics)
+
+    def _receive(self, key: str, version: int, timeout: Optional[float]) -> PreparedBatch:
+        header = _wait_header(key, self.hosts.index, version)
+        if header["status"] == "abandoned":
+            self.hosts._code = int(header["code"])
+            raise BatchAbandoned(f"process 0 abandoned the batch of step {version + 1} (a stop was requested)")
+        if header["status"] == "failed":
+            raise RolloutError(f"process 0 could not make the batch of step {version + 1}: {header['error']}")
+        buffer = _broadcast(np.zeros(int(header["words"]), np.int32))
+        return PreparedBatch(batch=unpack_block(buffer, header, self.hosts.count, self.hosts.index))
+
+    def set_version(self, version: int) -> None:
+        if self.source is not None:
+            self.source.set_version(version)
+
+    def state_dict(self) -> Any:
+        """Process 0's source state (the others have none: process 0 writes the checkpoint)."""
+        return self.source.state_dict() if self.source is not None else None
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()
+
+
+def _broadcast(buffer: np.ndarray) -> np.ndarray:
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+
+
+def _wait_header(key: str, index: int, version: int) -> dict:
+    """Process 0's header for this exchange. Waits in bounded polls (process 0 may be
+    generating or evaluating for long); a lost coordinator ends the wait with an error."""
+    client = _client()
+    started = last_log = time.monotonic()
+    while True:
+        try:
+            return json.loads(client.blocking_key_value_get(key, _WAIT_POLL_MS))
+        except Exception as err:
+            if not _is_deadline(err):
+                raise AsyncRLError(f"process {index}: lost contact with process 0 while waiting for the batch of "
+                                   f"step {version + 1} ({err})") from None
+        if time.monotonic() - last_log >= _WAIT_LOG_S:
+            last_log = time.monotonic()
+            log.info("process %d: waiting %.0f s for process 0's batch of step %d", index,
+                     last_log - started, version + 1)
+
+
+class EvalBlocks:
+    """What :func:`asyncrl.sft.eval_loss` reads of an ``SFTData`` eval split, with each batch
+    replaced by this process's block of it (:func:`split_rows`). Every process builds the same
+    split from the task, so nothing is sent: each takes its own rows of the same batches."""
+
+    def __init__(self, data: Any, hosts: Hosts, row_multiple: int):
+        self.data, self.hosts, self.row_multiple = data, hosts, row_multiple
+
+    @property
+    def cfg(self) -> Any:
+        return self.data.cfg
+
+    @property
+    def skipped_too_long(self) -> int:
+        return self.data.skipped_too_long
+
+    def batches_once(self, limit: Optional[int] = None) -> Iterator[TrainBatch]:
+        for batch in self.data.batches_once(limit):
+            yield split_rows(batch, self.hosts.count, self.row_multiple)[self.hosts.index]
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def check_resumed_processes(resumed: Any, count: int) -> None:
+    """A checkpoint is resumed by as many processes as wrote it (one line otherwise)."""
+    if resumed is None:
+        return
+    saved = int(resumed.state.get("process_count", 1))
+    if saved != count:
+        raise CheckpointError(
+            f"checkpoint {resumed.path}: state.json: field process_count: written by a run of {saved} process(es), "
+            f"this run has {count}; resume it with {saved} process(es) (each process trains its own block of every "
+            "batch, so another count would not continue the same run)"
+        )
