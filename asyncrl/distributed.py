@@ -32,9 +32,9 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
-from asyncrl.errors import AsyncRLError, TrainerError
+from asyncrl.errors import AsyncRLError, ConfigError, TrainerError
 
 log = logging.getLogger(__name__)
 
@@ -59,20 +59,38 @@ ENV_PROCESS_ID = "JAX_PROCESS_ID"
 the coordinator address itself; asyncrl fills ``num_processes`` / ``process_id`` from the others."""
 
 
-def launched_by_env() -> bool:
-    """True when the environment names a multi-process run (as ``asyncrl launch`` sets it)."""
-    return all(os.environ.get(name) for name in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID))
+def resolved_distributed(dist: Any, environ: Mapping[str, str] = os.environ) -> Any:
+    """``mesh.distributed`` with ``enabled`` decided and null fields taken from the environment.
 
-
-def _env_int(name: str) -> Optional[int]:
-    value = os.environ.get(name)
-    if not value:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise TrainerError(f"environment variable {name}={value!r} is not an integer (set by the launcher; "
-                           "unset it or give the process count / index)") from None
+    On with ``enabled: true``, or when ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+    ``JAX_PROCESS_ID`` are all set (as a launcher sets them); then a null
+    ``coordinator_address`` / ``num_processes`` / ``process_id`` is read from its variable
+    when set (else JAX's cluster detection fills it: SLURM, Open MPI, ...). Pure: reads no device.
+    """
+    launched = all(environ.get(name) for name in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID))
+    enabled = dist.enabled or launched
+    if not enabled:
+        return dist.model_copy(update={"enabled": False})
+    update: dict[str, Any] = {"enabled": True}
+    if dist.coordinator_address is None and environ.get(ENV_COORDINATOR):
+        update["coordinator_address"] = environ[ENV_COORDINATOR]
+    for field, name, low in (("num_processes", ENV_NUM_PROCESSES, 1), ("process_id", ENV_PROCESS_ID, 0)):
+        text = environ.get(name)
+        if getattr(dist, field) is not None or text is None:
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < low:
+            raise ConfigError([f"environment variable {name}={text!r} is not an integer >= {low}; set it (or "
+                               f"mesh.distributed.{field}) to this process's value"])
+        update[field] = value
+    num, pid = update.get("num_processes", dist.num_processes), update.get("process_id", dist.process_id)
+    if num is not None and pid is not None and pid >= num:
+        raise ConfigError([f"mesh.distributed.process_id ({ENV_PROCESS_ID}) = {pid} is not below num_processes "
+                           f"({ENV_NUM_PROCESSES}) = {num}; process ids are 0 .. num_processes - 1"])
+    return dist.model_copy(update=update)
 
 
 class DistributedError(AsyncRLError):
@@ -87,8 +105,8 @@ def initialize_distributed(mesh_cfg: Any) -> None:
     else from JAX's cluster detection (SLURM, Open MPI, Kubernetes, Cloud TPU, ...). On CPU,
     collectives go through gloo (set before the backend starts; it only affects the CPU client).
     """
-    dist = mesh_cfg.distributed
-    if not (dist.enabled or launched_by_env()):
+    dist = resolved_distributed(mesh_cfg.distributed)
+    if not dist.enabled:
         return
     import jax
 
@@ -99,8 +117,8 @@ def initialize_distributed(mesh_cfg: Any) -> None:
     try:
         jax.distributed.initialize(
             coordinator_address=dist.coordinator_address,
-            num_processes=dist.num_processes if dist.num_processes is not None else _env_int(ENV_NUM_PROCESSES),
-            process_id=dist.process_id if dist.process_id is not None else _env_int(ENV_PROCESS_ID),
+            num_processes=dist.num_processes,
+            process_id=dist.process_id,
             initialization_timeout=dist.initialization_timeout_s,
             heartbeat_timeout_seconds=jax_heartbeat_timeout(dist.heartbeat_timeout_s),
             shutdown_timeout_seconds=dist.shutdown_timeout_s,
@@ -117,7 +135,7 @@ def initialize_distributed(mesh_cfg: Any) -> None:
     log.info("jax.distributed: process %d of %d, %d local devices",
              jax.process_index(), jax.process_count(), jax.local_device_count())
     if jax.process_count() > 1:
-        start_watchdog(_client(), jax.process_index(), jax.process_count(), dist.heartbeat_timeout_s)
+        start_watchdog(coordination_client(), jax.process_index(), jax.process_count(), dist.heartbeat_timeout_s)
 
 
 def _startup_timer(dist: Any) -> threading.Timer:
@@ -126,8 +144,8 @@ def _startup_timer(dist: Any) -> threading.Timer:
     JAX itself aborts (SIGABRT, a C++ stack trace) some seconds later (measured: the timeout
     plus 6-7 s), naming neither the setting nor what is missing.
     """
-    address = dist.coordinator_address or os.environ.get(ENV_COORDINATOR) or "(cluster detection)"
-    count = dist.num_processes or os.environ.get(ENV_NUM_PROCESSES) or "(cluster detection)"
+    address = dist.coordinator_address or "(cluster detection)"
+    count = dist.num_processes or "(cluster detection)"
 
     def give_up() -> None:
         _say(f"asyncrl: error: mesh.distributed: not all {count} processes reached the coordinator {address} within "
@@ -152,7 +170,8 @@ def watch_interval(heartbeat_timeout_s: float) -> float:
     return min(max(heartbeat_timeout_s / 10, 0.25), 5.0)
 
 
-def _client() -> Any:
+def coordination_client() -> Any:
+    """This process's client of the coordination service (key-value store and barriers)."""
     from jax._src import distributed as jax_distributed
 
     client = jax_distributed.global_state.client
@@ -366,7 +385,7 @@ def wait_at_barrier(name: str, timeout_s: float, process_ids: Optional[list[int]
     if jax.process_count() == 1:
         return
     try:
-        _client().wait_at_barrier(name, int(timeout_s * 1000), process_ids)
+        coordination_client().wait_at_barrier(name, int(timeout_s * 1000), process_ids)
     except Exception as err:  # jaxlib raises its own runtime error type
         raise DistributedError(
             f"barrier {name!r}: not every process arrived within {timeout_s:g} s ({_first_line(err)}); "

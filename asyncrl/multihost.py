@@ -5,9 +5,9 @@ variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``
 program in every process; this module holds everything in it that differs by process, so the
 loop (:mod:`asyncrl.train`) reads the same with one process or many:
 
-* **Start** (:func:`start_distributed`): ``jax.distributed.initialize`` first thing, before
-  anything touches a device; on with ``mesh.distributed.enabled`` or when all three variables
-  above are set, null fields read from them.
+* **Start** (:func:`~asyncrl.distributed.initialize_distributed`): ``jax.distributed.initialize``
+  first thing, before anything touches a device; on with ``mesh.distributed.enabled`` or when
+  all three variables above are set, null fields read from them.
 * **Roles** (:class:`Hosts`): process 0 runs the executor, the workflows and the engine on
   its own devices and writes every file of the run; every process runs the trainer step on
   the global mesh.
@@ -22,8 +22,7 @@ loop (:mod:`asyncrl.train`) reads the same with one process or many:
   every process's flag is combined by a tiny all-gather (:meth:`Hosts.agree_stop`).
 * **Publishing** (:meth:`Hosts.engine_copy`): the trainer's global params are all-gathered
   to a replicated sharding on the trainer mesh by a jitted identity (device to device), and
-  process 0 hands its local replica to its engine, which ``device_put`` s it onto its own
-  shardings.
+  process 0 hands one local copy to its engine, which moves it onto its own shardings.
 * **Checkpoints**: every process joins the host gather of the trainer state, process 0 alone
   writes the checkpoint, then all meet at a barrier with a timeout
   (``checkpoint.barrier_timeout_s``). A checkpoint records its process count; a resume with
@@ -35,90 +34,26 @@ is lost, barriers with timeouts) or is a collective that JAX's failure detection
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
 
-from asyncrl.errors import AsyncRLError, CheckpointError, ConfigError, RolloutError
+from asyncrl.distributed import DistributedError, coordination_client, wait_at_barrier
+from asyncrl.errors import AsyncRLError, CheckpointError, RolloutError
 from asyncrl.rollout.batch import BatchAbandoned, PreparedBatch
 from asyncrl.rollout.trajectory import TrainBatch
 
 log = logging.getLogger(__name__)
-
-ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
-ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
-ENV_PROCESS_ID = "JAX_PROCESS_ID"
 
 _STOP_DIR = "asyncrl/stop/"
 _BATCH_KEY = "asyncrl/batch/{}"
 _WAIT_POLL_MS = 5000
 _WAIT_LOG_S = 120.0
 _STOP_POLL_S = 0.2
-
-
-# ---------------------------------------------------------------------------- start
-
-
-def resolved_distributed(dist: Any, environ: Mapping[str, str] = os.environ) -> Any:
-    """``mesh.distributed`` with ``enabled`` decided and null fields taken from the environment.
-
-    On with ``enabled: true``, or when ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
-    ``JAX_PROCESS_ID`` are all set (as a launcher sets them); then a null
-    ``coordinator_address`` / ``num_processes`` / ``process_id`` is read from its variable
-    when set (else JAX's cluster detection fills it: SLURM, Open MPI, ...). Pure: reads no device.
-    """
-    launched = all(environ.get(name) for name in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID))
-    enabled = dist.enabled or launched
-    if not enabled:
-        return dist.model_copy(update={"enabled": False})
-    update: dict[str, Any] = {"enabled": True}
-    if dist.coordinator_address is None and environ.get(ENV_COORDINATOR):
-        update["coordinator_address"] = environ[ENV_COORDINATOR]
-    for field, name, low in (("num_processes", ENV_NUM_PROCESSES, 1), ("process_id", ENV_PROCESS_ID, 0)):
-        text = environ.get(name)
-        if getattr(dist, field) is not None or text is None:
-            continue
-        try:
-            value = int(text)
-        except ValueError:
-            value = -1
-        if value < low:
-            raise ConfigError([f"environment variable {name}={text!r} is not an integer >= {low}; set it (or "
-                               f"mesh.distributed.{field}) to this process's value"])
-        update[field] = value
-    num, pid = update.get("num_processes", dist.num_processes), update.get("process_id", dist.process_id)
-    if num is not None and pid is not None and pid >= num:
-        raise ConfigError([f"mesh.distributed.process_id ({ENV_PROCESS_ID}) = {pid} is not below num_processes "
-                           f"({ENV_NUM_PROCESSES}) = {num}; process ids are 0 .. num_processes - 1"])
-    return dist.model_copy(update=update)
-
-
-def start_distributed(cfg: Any) -> bool:
-    """Join the multi-process run when ``mesh.distributed`` (or the environment) asks for one;
-    must run before anything touches a JAX device. Returns whether it is distributed."""
-    dist = resolved_distributed(cfg.mesh.distributed)
-    if not dist.enabled:
-        return False
-    from asyncrl.trainer.mesh import initialize_distributed
-
-    initialize_distributed(cfg.mesh.model_copy(update={"distributed": dist}))
-    return True
-
-
-def _client() -> Any:
-    """The coordination service's client of this process (key-value store and barriers)."""
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:
-        raise AsyncRLError("multi-process run without a jax.distributed client: call start_distributed(cfg) first")
-    return client
 
 
 def _is_deadline(err: Exception) -> bool:
@@ -182,7 +117,7 @@ class Hosts:
         while not self._closed.is_set():
             if self.guard.wait(0.5):
                 try:
-                    _client().key_value_set(f"{_STOP_DIR}{self.index}", str(self.guard.exit_code))
+                    coordination_client().key_value_set(f"{_STOP_DIR}{self.index}", str(self.guard.exit_code))
                 except Exception as err:  # the coordinator is gone: the collectives fail too
                     log.warning("process %d: cannot post the stop request to process 0 (%s)", self.index, err)
                 return
@@ -194,7 +129,7 @@ class Hosts:
             return True
         if self.multi and self.is_main and time.monotonic() - self._last_poll >= _STOP_POLL_S:
             self._last_poll = time.monotonic()
-            posted = _client().key_value_dir_get(_STOP_DIR)
+            posted = coordination_client().key_value_dir_get(_STOP_DIR)
             if posted:
                 key, code = sorted(posted)[0]
                 self._code = int(code)
@@ -255,16 +190,13 @@ class Hosts:
         return result
 
     def barrier(self, name: str) -> None:
-        """Wait until every process reaches ``name`` (at most ``barrier_timeout_s``)."""
+        """Wait until every process reaches ``name`` (at most ``checkpoint.barrier_timeout_s``)."""
         if not self.multi:
             return
         try:
-            _client().wait_at_barrier(f"asyncrl/{name}", int(self.barrier_timeout_s * 1000))
-        except Exception as err:
-            raise AsyncRLError(
-                f"process {self.index}: not every process reached the barrier {name!r} within "
-                f"{self.barrier_timeout_s:g} s (checkpoint.barrier_timeout_s): {err}"
-            ) from None
+            wait_at_barrier(f"asyncrl/{name}", self.barrier_timeout_s)
+        except DistributedError as err:
+            raise DistributedError(f"process {self.index}: {err} (checkpoint.barrier_timeout_s)") from None
 
     def close(self) -> None:
         self._closed.set()
@@ -275,17 +207,18 @@ class Hosts:
 
     def engine_copy(self, params: Any) -> Any:
         """The weights as process 0's engine takes them. Every process must call this (an
-        all-gather over the trainer mesh when the params span processes); returns process 0's
-        local replica (a tree of arrays replicated over its own devices of the trainer mesh),
-        None on the other processes, ``params`` itself with one process."""
+        all-gather over the trainer mesh when the params span processes,
+        :func:`~asyncrl.engine.jax_engine.local_copy`); returns process 0's single-device
+        copies, None on the other processes, ``params`` itself with one process."""
         if not self.multi:
             return params
         import jax
 
-        replicated = _replicate(params)
-        if not self.is_main:
-            return None
-        return jax.tree.map(_local_replica, replicated)
+        from asyncrl.engine.jax_engine import local_copy
+
+        leaves, treedef = jax.tree.flatten(params)
+        copies = local_copy(leaves)
+        return jax.tree.unflatten(treedef, copies) if self.is_main else None
 
     def batch_source(self, source: Any, row_multiple: int) -> Any:
         """``source`` (process 0's; None elsewhere) as every process's BatchSource."""
@@ -301,35 +234,6 @@ class Hosts:
     def next_seq(self) -> int:
         self._seq += 1
         return self._seq
-
-
-@functools.lru_cache(maxsize=8)
-def _replicator(mesh: Any) -> Any:
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, PartitionSpec()))
-
-
-def _replicate(params: Any) -> Any:
-    """``params`` replicated on every device of their mesh (one jitted all-gather)."""
-    import jax
-
-    leaves = jax.tree.leaves(params)
-    if all(x.is_fully_replicated for x in leaves):
-        return params
-    mesh = leaves[0].sharding.mesh
-    return _replicator(mesh)(params)
-
-
-def _local_replica(x: Any) -> Any:
-    """This process's shards of a replicated global array, as one array over its own devices."""
-    import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    shards = sorted(x.addressable_shards, key=lambda s: s.device.id)
-    mesh = Mesh(np.array([s.device for s in shards]), ("replica",))
-    return jax.make_array_from_single_device_arrays(x.shape, NamedSharding(mesh, PartitionSpec()), [s.data for s in shards])
 
 
 # ---------------------------------------------------------------------------- batches
@@ -418,7 +322,7 @@ class HostBatchSource:
 
     def _send(self, key: str, version: int, timeout: Optional[float],
               abandon_if: Optional[Callable[[], bool]]) -> PreparedBatch:
-        client = _client()
+        client = coordination_client()
         try:
             got = self.source.next_batch(version, timeout, abandon_if=abandon_if)
         except BatchAbandoned:
@@ -470,7 +374,7 @@ def _broadcast(buffer: np.ndarray) -> np.ndarray:
 def _wait_header(key: str, index: int, version: int) -> dict:
     """Process 0's header for this exchange. Waits in bounded polls (process 0 may be
     generating or evaluating for long); a lost coordinator ends the wait with an error."""
-    client = _client()
+    client = coordination_client()
     started = last_log = time.monotonic()
     while True:
         try:

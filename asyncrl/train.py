@@ -105,12 +105,13 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
     :class:`TrainingInterrupted` (the CLI exits 130/143); a second signal exits at once.
     """
     from asyncrl.checkpoint import resume_checkpoint
-    from asyncrl.multihost import Hosts, check_resumed_processes, start_distributed
+    from asyncrl.distributed import initialize_distributed
+    from asyncrl.multihost import Hosts, check_resumed_processes
     from asyncrl.provenance import write_provenance
     from asyncrl.shutdown import ShutdownGuard
 
     started = time.monotonic()
-    start_distributed(cfg)  # before anything touches a JAX device
+    initialize_distributed(cfg.mesh)  # before anything touches a JAX device
     hosts = Hosts(barrier_timeout_s=cfg.checkpoint.barrier_timeout_s)
     check_output_dir_path(cfg)
     resumed = resume_checkpoint(cfg)

@@ -146,6 +146,11 @@ SLOW_CHAINS = {
              check=None if pid else _exists("runs/quickstart/hf/config.json", "runs/quickstart/checkpoints/step_00000005"))
         for pid in (1, 0)
     ),
+    # docs/scaling.md: the same two processes started by asyncrl launch
+    "launch": (
+        Step("asyncrl launch --nproc 2 --cpu-devices 2 -- train configs/quickstart.yaml", QUICKSTART_QUICK,
+             check=_exists("runs/quickstart/hf/config.json", "runs/quickstart/checkpoints/step_00000005")),
+    ),
     "chaos": (
         Step("python scripts/chaos.py configs/quickstart.yaml --kills 20 --set rollout.max_staleness=0 "
              "--set checkpoint.every_steps=20",
@@ -177,8 +182,6 @@ NOT_RUNNABLE_HERE = {
     "gcloud compute tpus tpu-vm ssh my-tpu-pod --zone=us-central2-b --worker=all --command=\"cd asyncrl && asyncrl "
     "train configs/my_run.yaml --set mesh.distributed.enabled=true\"":
         "needs a Cloud TPU pod slice; tests/test_launch.py runs processes with the same environment on loopback",
-    "asyncrl launch --nproc 2 --cpu-devices 2 -- train configs/quickstart.yaml":
-        "TODO(merge, issue 15): runnable once the multi-process training loop (branch i15-multiproc) is merged",
 }
 """Commands the docs show that cannot run on this machine (third-party servers, clusters) or not yet."""
 

@@ -356,10 +356,6 @@ def test_a_python_error_in_process_1_ends_process_0_at_once_naming_it():
 
 # ---------------------------------------------------------------- end to end: `asyncrl train` as 2 processes
 
-MULTIPROCESS_TRAIN = pytest.mark.skip(
-    reason="needs the multi-process training loop (asyncrl train as N processes: batch broadcast, stop agreement, "
-    "checkpoints across processes; branch i15-multiproc); remove this skip once it is merged")
-
 QUICKSTART = REPO_ROOT / "configs" / "quickstart.yaml"
 
 
@@ -396,7 +392,6 @@ def _wait_for_step(out_dir, step: int, procs: list[subprocess.Popen], timeout_s:
     raise AssertionError(f"no step {step} in {metrics} within {timeout_s} s")
 
 
-@MULTIPROCESS_TRAIN
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_launch_two_processes_trains_to_the_end(tmp_path):
@@ -409,29 +404,9 @@ def test_launch_two_processes_trains_to_the_end(tmp_path):
     assert "[p0]" in proc.stdout and "[p1]" in proc.stdout
 
 
-@MULTIPROCESS_TRAIN
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_sigterm_to_process_0_ends_both_with_one_complete_checkpoint(tmp_path):
-    from asyncrl.checkpoint import checkpoint_problems, checkpoints_root
-
-    out = tmp_path / "run"
-    procs = _train_processes(_tiny_run(out, 500))
-    try:
-        _wait_for_step(out, 3, procs)
-        signalled = time.monotonic()
-        procs[0].send_signal(signal.SIGTERM)
-        outputs = [proc.communicate(timeout=40)[0] for proc in procs]
-        took = time.monotonic() - signalled
-    finally:
-        _end(procs)
-    assert [proc.returncode for proc in procs] == [143, 143], [o[-3000:] for o in outputs]
-    assert took < 30, took
-    written = sorted(p for p in checkpoints_root(out).iterdir() if p.name.startswith("step_"))
-    assert len(written) == 1 and checkpoint_problems(written[0]) == [], written
+# SIGTERM to either process: tests/test_multiprocess.py::test_sigterm_to_one_process_stops_both_with_one_checkpoint_and_143
 
 
-@MULTIPROCESS_TRAIN
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sigkill_of_process_1_ends_the_training_process_0_naming_it(tmp_path):
