@@ -15,7 +15,6 @@ import time
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.algo import AlgoParams
@@ -278,7 +277,7 @@ class Trainer:
 
         With ``objective="sft"`` the loss is ``loss/sft`` (token-mean negative log-likelihood
         of the trained tokens, at temperature 1 whatever ``batch.temperature``; no ``loss/total``)
-        and ``train/entropy``, with the same optimizer, norm, count and perf metrics.
+        (and ``train/entropy`` with ``algo.log_entropy``), with the same optimizer, norm, count and perf metrics.
         """
         start = time.perf_counter()
         args, kwargs = self._step_arguments(batch)
@@ -327,7 +326,8 @@ class Trainer:
         arrays, temperature, window = self._device_batch(batch)
         if self.objective == "sft":
             temperature = 1.0  # cross-entropy of the model's own distribution
-        args = (self.graphdef, self.params, self.opt_state, self.ref_params, arrays, jnp.float32(temperature),
+        # A numpy scalar travels with the arguments; jnp.float32(...) would dispatch a program of its own.
+        args = (self.graphdef, self.params, self.opt_state, self.ref_params, arrays, np.float32(temperature),
                 self.frozen, self._dropout_key())
         return args, dict(algo=self._step_algo, optim=self.optim, spec=self.spec, window=window)
 
