@@ -98,7 +98,7 @@ class ModelConfig(Section):
     logprob_chunk_budget_mb: float = Field(default=1024.0, ge=0)
     """With ``logprob_chunk_size`` null: the lm head is chunked (under ``jax.checkpoint``) when one float32 ``[rows, positions, vocab]`` logits tensor of a forward would exceed this many MiB, with the most positions per chunk that fit; 0: never chunk automatically."""
     attention: Literal["auto", "xla", "cudnn", "reference"] = "auto"
-    """Attention of training, scoring and prefill (more than one new token): ``jax.nn.dot_product_attention`` with ``xla`` or ``cudnn`` (GPU, bfloat16/float16 compute); ``auto``: cudnn on GPU with bfloat16 compute, else xla; ``reference``: asyncrl's own einsum attention. Decoding one token at a time always uses the einsum path."""
+    """Attention of training, scoring and prefill (more than one new token): ``jax.nn.dot_product_attention`` with ``xla`` or ``cudnn`` (GPU with bfloat16/float16 compute; opt-in, not yet measured here); ``auto``: xla; ``reference``: asyncrl's own einsum attention. Decoding one token at a time always uses the einsum path."""
     lora: Optional[LoraConfig] = None
     """Train low-rank adapters on frozen base weights instead of every weight (``{rank, alpha, target_modules, dropout}``); null: off."""
 

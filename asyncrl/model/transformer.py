@@ -9,7 +9,10 @@ holds the parameters; :func:`forward` is the pure function callers jit:
 Numerics follow transformers' PyTorch models: RMSNorm normalises in float32 and
 multiplies by its weight in the compute dtype; rotary embeddings use the rotate-half
 convention with cos/sin computed in float32; attention scores and softmax run in
-float32; logits are float32.
+float32; logits are float32. Attention over more than one new token (training, scoring,
+prefill) goes through ``jax.nn.dot_product_attention`` (``model.attention``: ``xla`` by
+default, ``cudnn`` on GPUs), decoding one token through :func:`reference_attention`; both
+take the same boolean mask and agree to float32 rounding.
 
 KV cache (:class:`KVCache`)
 ---------------------------
@@ -254,12 +257,14 @@ class Attention(nnx.Module):
 def attention_implementation(choice: str, dtype: Any) -> str:
     """The attention path of ``model.attention`` (``choice``) for ``dtype`` activations:
     ``reference`` (:func:`reference_attention`) or a ``jax.nn.dot_product_attention``
-    implementation. ``auto`` is cuDNN's fused kernel on GPU with 16-bit compute (it supports
-    no float32), else XLA's."""
+    implementation. ``auto`` is XLA's (every backend and dtype; tested equal to the reference
+    in float32). ``cudnn`` (GPU, 16-bit compute only) is opt-in: not yet measured or tested
+    on a GPU here."""
     if choice != "auto":
+        if choice == "cudnn" and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            raise ValueError(f"model.attention 'cudnn' needs bfloat16 or float16 compute (model.compute_dtype), "
+                             f"not {jnp.dtype(dtype).name}; use 'xla' or 'auto'")
         return choice
-    if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return "cudnn"
     return "xla"
 
 
