@@ -32,6 +32,7 @@ import json
 import os
 import statistics
 import time
+from typing import Any
 
 
 def matmul_peak(n: int = 2048, repeats: int = 10) -> float:
@@ -79,7 +80,7 @@ def compiled_step_times(trainer, data, steps: int) -> tuple[float, float]:
     args, kwargs = trainer._step_arguments(data)
     compiled = train_step.lower(*args, **kwargs).compile()
     cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
     times = []
     for _ in range(steps):
         call_args = list(args)
@@ -100,7 +101,7 @@ def bench_model(name: str, rows: int, length: int, steps: int, peak: float, lora
         graphdef, params = split_params(init_decoder(bench_40m_config(), seed=0))
     else:
         graphdef, params = load_model(name, with_tokenizer=False).split()
-    data = {"rollout": {"group_size": 4, "batch_size": rows // 4}}
+    data: dict[str, Any] = {"rollout": {"group_size": 4, "batch_size": rows // 4}}
     if lora_rank:
         data["model"] = {"lora": {"rank": lora_rank, "alpha": 2 * lora_rank}}
     cfg = load_config(data=data)

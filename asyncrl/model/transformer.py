@@ -249,7 +249,8 @@ class Attention(nnx.Module):
         if implementation == "reference":
             out = reference_attention(q, k, v, mask)
         else:
-            out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=implementation)
+            kernel: Any = implementation  # "xla" | "cudnn"
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=kernel)
         out = out.reshape(b, t, cfg.num_heads * cfg.head_dim)
         return self.o_proj(out), new_cache
 
