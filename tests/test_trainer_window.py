@@ -74,6 +74,7 @@ def test_windowed_step_equals_the_full_sequence_step(tiny):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.slow  # a step compiled for bfloat16 (seconds); the paths it runs are the float32 ones
 def test_bfloat16_compute_keeps_float32_master_weights(tiny):
     """compute_dtype bfloat16: float32 parameters and Adam moments, and losses near float32's."""
     from asyncrl.model import init_decoder, split_params
