@@ -90,12 +90,16 @@ class ModelConfig(Section):
     """Local Hugging Face directory, hub id, or built-in spec: ``tiny`` (character vocabulary) or ``tiny-qwen3`` (Qwen3-shaped, BPE tokenizer trained on GSM8K)."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype the parameters are stored and updated in."""
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of activations and matmuls; norms and log-probs always run in float32."""
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of activations and matmuls; norms, softmax and log-probs always run in float32. ``auto``: bfloat16 on GPU/TPU (with float32 ``param_dtype``: float32 master weights and optimizer state), float32 on CPU (as fast there, and more accurate)."""
     remat: bool = False
     """Rematerialise each decoder layer in the backward pass (less memory, ~1/3 more compute)."""
     logprob_chunk_size: Optional[int] = Field(default=None, ge=1)
-    """Sequence positions per lm-head chunk in ``per_token_logprobs`` (bounds [B, chunk, vocab] memory); null: no chunking."""
+    """Sequence positions per lm-head chunk in ``per_token_logprobs`` (bounds [B, chunk, vocab] memory); null: chosen automatically under ``logprob_chunk_budget_mb``."""
+    logprob_chunk_budget_mb: float = Field(default=1024.0, ge=0)
+    """With ``logprob_chunk_size`` null: the lm head is chunked (under ``jax.checkpoint``) when one float32 ``[rows, positions, vocab]`` logits tensor of a forward would exceed this many MiB, with the most positions per chunk that fit; 0: never chunk automatically."""
+    attention: Literal["auto", "xla", "cudnn", "reference"] = "auto"
+    """Attention of training, scoring and prefill (more than one new token): ``jax.nn.dot_product_attention`` with ``xla`` or ``cudnn`` (GPU with bfloat16/float16 compute; opt-in, not yet measured here); ``auto``: xla; ``reference``: asyncrl's own einsum attention. Decoding one token at a time always uses the einsum path."""
     lora: Optional[LoraConfig] = None
     """Train low-rank adapters on frozen base weights instead of every weight (``{rank, alpha, target_modules, dropout}``); null: off."""
 
@@ -213,6 +217,8 @@ class AlgoConfig(Section):
     """Per-token KL estimator (Schulman's k1, k2, k3) with delta = log pi - log pi_ref."""
     entropy_coef: float = Field(default=0.0, ge=0)
     """Entropy bonus: the loss is reduced by this times the token entropy."""
+    log_entropy: bool = False
+    """Log ``train/entropy`` (token-mean entropy of the policy on trained tokens) even when ``entropy_coef`` is 0: one more pass over every trained token's full-vocabulary distribution per training forward (with ``entropy_coef`` > 0 it is computed, and logged, anyway)."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How token losses of a mini-batch become one scalar (real rows only)."""
     loss_norm_tokens: Optional[int] = Field(default=None, ge=1)

@@ -20,6 +20,7 @@ from asyncrl.errors import ModelError
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "reference")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -57,6 +58,8 @@ class DecoderConfig:
     compute_dtype: str = "float32"
     remat: bool = False  # rematerialise each layer in the backward pass
     logprob_chunk_size: Optional[int] = None  # per_token_logprobs: positions per lm-head chunk
+    logprob_chunk_budget_mb: Optional[float] = 1024.0  # auto chunk when [B, positions, V] float32 logits exceed it
+    attention: str = "auto"  # auto | xla | cudnn | reference: see transformer.attention_implementation
 
     def __post_init__(self) -> None:
         problems = []
@@ -73,6 +76,10 @@ class DecoderConfig:
                 problems.append(f"{name}={getattr(self, name)!r} must be one of {', '.join(DTYPES)}")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             problems.append(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            problems.append(f"attention={self.attention!r} must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        if self.logprob_chunk_budget_mb is not None and self.logprob_chunk_budget_mb < 0:
+            problems.append(f"logprob_chunk_budget_mb={self.logprob_chunk_budget_mb} must be >= 0")
         if problems:
             raise ModelError("invalid model config: " + "; ".join(problems))
 
@@ -116,7 +123,7 @@ def from_hf_config(hf: Any, *, source: str = "config.json", **runtime: Any) -> D
     """Translate a ``transformers`` config object (from ``AutoConfig``) into a DecoderConfig.
 
     ``runtime`` sets the runtime fields (param_dtype, compute_dtype, remat,
-    logprob_chunk_size). Unsupported model types or options raise ModelError naming
+    logprob_chunk_size, logprob_chunk_budget_mb, attention). Unsupported model types or options raise ModelError naming
     ``source`` and every offending option.
     """
     model_type = getattr(hf, "model_type", None)

@@ -33,6 +33,24 @@ def runtime_fields() -> tuple[str, ...]:
     return tuple(name for name in ModelConfig.model_fields if name in decoder)
 
 
+def runtime_options(section: ModelConfig) -> dict[str, Any]:
+    """The :class:`DecoderConfig` runtime options of a ``model`` section, ``compute_dtype: auto`` resolved."""
+    runtime = {name: getattr(section, name) for name in runtime_fields()}
+    if runtime.get("compute_dtype") == "auto":
+        runtime["compute_dtype"] = auto_compute_dtype()
+    return runtime
+
+
+def auto_compute_dtype(backend: Optional[str] = None) -> str:
+    """``model.compute_dtype: auto``: bfloat16 on accelerators (GPU, TPU), float32 on CPU, where
+    bfloat16 is no faster and less accurate. ``backend`` defaults to ``jax.default_backend()``."""
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    return "float32" if backend == "cpu" else "bfloat16"
+
+
 def resolve_model_dir(path: str | os.PathLike) -> Path:
     """A local HF directory for ``path``: an existing directory, a built ``tiny`` / ``tiny-qwen3``
     spec, or (only when no such directory exists) a hub id downloaded with huggingface_hub."""
@@ -69,13 +87,16 @@ def load_model(
 
     Returns :class:`LoadedModel` ``(model, tokenizer, stop_token_ids, pad_token_id, path)``;
     ``with_tokenizer=False`` skips the tokenizer (``tokenizer`` is then None), for bare
-    checkpoints. The dtype/remat/chunking keywords override the ModelConfig's fields.
+    checkpoints. The dtype/remat/chunking keywords override the ModelConfig's fields;
+    ``compute_dtype="auto"`` resolves by :func:`auto_compute_dtype`.
     """
     runtime: dict[str, Any] = {}
     if isinstance(path, ModelConfig):
-        runtime = {name: getattr(path, name) for name in runtime_fields()}
+        runtime = runtime_options(path)
         path = path.path
     given = {"param_dtype": param_dtype, "compute_dtype": compute_dtype, "remat": remat,
              "logprob_chunk_size": logprob_chunk_size}
     runtime.update({name: value for name, value in given.items() if value is not None})
+    if runtime.get("compute_dtype") == "auto":
+        runtime["compute_dtype"] = auto_compute_dtype()
     return load_hf_directory(resolve_model_dir(path), with_tokenizer=with_tokenizer, **runtime)

@@ -6,9 +6,19 @@
 token of a left-padded row, which has no context, is 0 too; for right-padded rows
 this is exactly "0 on padding"). Nothing else in asyncrl shifts logits.
 
-With a chunk size the lm head runs over ``chunk`` positions at a time under
+Window. The trainer only needs the log-probs of trained (completion) tokens, and the lm
+head (``hidden x vocab``) is a large share of a step's work: with ``window=W`` and
+``window_start [B]`` only the ``W`` token positions ``window_start[b] + j`` of each row go
+through the lm head, log-softmax and entropy, and the outputs are ``[B, W]`` (column ``j``
+is position ``window_start[b] + j``; a position past ``L`` is 0). ``W`` is static, so a
+window size compiles once; :func:`window_starts` picks starts that cover a mask.
+
+Chunking. With a chunk size the lm head runs over ``chunk`` positions at a time under
 ``jax.checkpoint``, so neither the forward nor the backward pass holds more than
 ``[B, chunk, V]`` float32 logits: this is what bounds memory at large vocabularies.
+With ``logprob_chunk_size`` null the chunk is chosen automatically
+(:func:`auto_chunk_size`): none while one ``[B, positions, V]`` float32 logits tensor
+fits ``logprob_chunk_budget_mb``, else the most positions that fit.
 """
 
 from __future__ import annotations
@@ -20,17 +30,76 @@ import jax.numpy as jnp
 from flax import nnx
 
 
-def token_logprobs_from_logits(logits: jax.Array, tokens: jax.Array, temperature: float | jax.Array = 1.0):
+def token_logprobs_from_logits(logits: jax.Array, tokens: jax.Array, temperature: float | jax.Array = 1.0,
+                               *, with_entropy: bool = True):
     """``(log_softmax(logits / T)[tokens], entropy)`` float32, over the last axis.
 
     ``logits [..., V]``, ``tokens int [...]``. No shifting: the engine uses this on the
     logits it samples from; :func:`per_token_logprobs` uses it after shifting.
+    ``with_entropy=False`` returns ``(logprobs, None)`` and skips the entropy's pass over
+    the vocabulary (the chosen log-prob is ``z[token] - logsumexp(z)``: no ``[..., V]``
+    log-softmax is materialised).
     """
     z = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
-    log_p = jax.nn.log_softmax(z, axis=-1)
-    chosen = jnp.take_along_axis(log_p, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    entropy = -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    chosen = jnp.take_along_axis(z, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
+    if not with_entropy:
+        return chosen, None
+    # H = lse - sum(p z): one reduction over z, no log_softmax tensor.
+    p = jnp.exp(z - lse[..., None])
+    entropy = lse - jnp.sum(p * z, axis=-1)
     return chosen, entropy
+
+
+def auto_chunk_size(rows: int, positions: int, vocab: int, budget_mb: Optional[float]) -> Optional[int]:
+    """Positions per lm-head chunk so that one float32 ``[rows, chunk, vocab]`` logits tensor fits
+    ``budget_mb`` MiB; None (no chunking) when all ``positions`` fit or the budget is None/0."""
+    if not budget_mb:
+        return None
+    per_position = rows * vocab * 4
+    fits = int(budget_mb * 2**20 // max(per_position, 1))
+    return None if fits >= positions else max(1, fits)
+
+
+def window_starts(mask: jax.Array, window: int) -> jax.Array:
+    """int32 ``[B]``: per row, the first position of a ``window``-wide span that holds every true
+    entry of ``mask`` bool ``[B, L]`` (when the row's span fits ``window``): the first true
+    position, moved left so that the window ends by ``L``. Rows without a true entry start at 0."""
+    length = mask.shape[1]
+    first = jnp.argmax(mask, axis=1).astype(jnp.int32)  # 0 for a row with no true entry
+    return jnp.clip(first, 0, max(length - window, 0)).astype(jnp.int32)
+
+
+def take_window(x: jax.Array, starts: jax.Array, window: int) -> jax.Array:
+    """``x [B, L, ...]`` -> ``[B, window, ...]``: row b's positions ``starts[b] + j`` (clipped to
+    ``L - 1``; callers mask those past the end)."""
+    length = x.shape[1]
+    idx = jnp.minimum(starts[:, None] + jnp.arange(window, dtype=jnp.int32)[None, :], length - 1)
+    idx = idx.reshape(idx.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, idx, axis=1)
+
+
+def _head_logprobs(model: Any, hidden: jax.Array, targets: jax.Array, temperature: Any, chunk_size: Optional[int],
+                   with_entropy: bool) -> tuple[jax.Array, Optional[jax.Array]]:
+    """Log-probs (and entropy) of ``targets [B, P]`` from ``hidden [B, P, H]`` through the lm head,
+    ``chunk_size`` positions at a time (None: all at once)."""
+    b, length, _ = hidden.shape
+    if chunk_size is None or chunk_size >= length:
+        return token_logprobs_from_logits(model.logits(hidden), targets, temperature, with_entropy=with_entropy)
+    n_chunks = -(-length // chunk_size)
+    pad = n_chunks * chunk_size - length
+    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n_chunks, chunk_size, -1).swapaxes(0, 1)
+    tg = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n_chunks, chunk_size).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one_chunk(args):
+        h_c, t_c = args
+        lp_c, ent_c = token_logprobs_from_logits(model.logits(h_c), t_c, temperature, with_entropy=with_entropy)
+        return lp_c, (ent_c if with_entropy else jnp.zeros_like(lp_c))
+
+    lp, ent = jax.lax.map(one_chunk, (h, tg))
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(b, -1)[:, :length]
+    return unchunk(lp), (unchunk(ent) if with_entropy else None)
 
 
 def per_token_logprobs(
@@ -42,50 +111,47 @@ def per_token_logprobs(
     *,
     chunk_size: Optional[int] = None,
     positions: Optional[jax.Array] = None,
-) -> tuple[jax.Array, jax.Array]:
-    """``(logprobs [B, L], entropy [B, L])`` float32, aligned with ``input_ids``.
+    window: Optional[int] = None,
+    window_start: Optional[jax.Array] = None,
+    with_entropy: bool = True,
+) -> tuple[jax.Array, Optional[jax.Array]]:
+    """``(logprobs, entropy)`` float32, ``[B, L]`` aligned with ``input_ids`` (or ``[B, W]`` with a window).
 
     ``graphdef, params`` come from ``nnx.split(model)`` (params: State or pure dict);
     ``attention_mask`` bool [B, L] marks real tokens; ``temperature`` > 0 divides the
     logits before ``log_softmax``. ``chunk_size`` (default: the model config's
-    ``logprob_chunk_size``; None = no chunking) bounds the lm-head memory. Traceable
-    and differentiable: call it inside your jitted loss, or use
-    :data:`per_token_logprobs_jit`.
+    ``logprob_chunk_size``, or :func:`auto_chunk_size` under ``logprob_chunk_budget_mb``)
+    bounds the lm-head memory. ``window`` (static int) with ``window_start`` int32 ``[B]``:
+    only token positions ``window_start[b] + j``, ``j < window``, are scored (module
+    docstring). ``with_entropy=False``: entropy is None and not computed. Traceable and
+    differentiable: call it inside your jitted loss, or use :data:`per_token_logprobs_jit`.
     """
     model = nnx.merge(graphdef, params)
-    if chunk_size is None:
-        chunk_size = model.cfg.logprob_chunk_size
     attention_mask = attention_mask.astype(bool)
     hidden, _ = model.hidden_states(input_ids, positions, attention_mask)  # [B, L, H]
     b, length, _ = hidden.shape
-    # Position t's logits score token t + 1; the last position scores nothing.
-    targets = jnp.concatenate([input_ids[:, 1:], jnp.zeros((b, 1), input_ids.dtype)], axis=1)
-
-    if chunk_size is None or chunk_size >= length:
-        lp, ent = token_logprobs_from_logits(model.logits(hidden), targets, temperature)
-    else:
-        n_chunks = -(-length // chunk_size)
-        pad = n_chunks * chunk_size - length
-        h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        tg = jnp.pad(targets, ((0, 0), (0, pad)))
-        h = h.reshape(b, n_chunks, chunk_size, -1).swapaxes(0, 1)
-        tg = tg.reshape(b, n_chunks, chunk_size).swapaxes(0, 1)
-
-        @jax.checkpoint
-        def one_chunk(args):
-            h_c, t_c = args
-            return token_logprobs_from_logits(model.logits(h_c), t_c, temperature)
-
-        lp, ent = jax.lax.map(one_chunk, (h, tg))
-        lp = lp.swapaxes(0, 1).reshape(b, -1)[:, :length]
-        ent = ent.swapaxes(0, 1).reshape(b, -1)[:, :length]
-
-    scored = attention_mask[:, 1:] & attention_mask[:, :-1]  # token t and its context t-1 are real
-    zeros = jnp.zeros((b, 1), jnp.float32)
-    logprobs = jnp.concatenate([zeros, jnp.where(scored, lp[:, :-1], 0.0)], axis=1)
-    entropy = jnp.concatenate([zeros, jnp.where(scored, ent[:, :-1], 0.0)], axis=1)
+    # scored[b, t]: token t and its context t-1 are real (t >= 1); position t-1's logits score token t.
+    scored = jnp.concatenate([jnp.zeros((b, 1), bool), attention_mask[:, 1:] & attention_mask[:, :-1]], axis=1)
+    context = jnp.concatenate([hidden[:, :1], hidden[:, :-1]], axis=1)  # [B, L, H]: hidden of position t-1
+    targets = input_ids
+    if window is not None:
+        if window_start is None:
+            raise ValueError("per_token_logprobs: window needs window_start [B]")
+        in_range = (window_start[:, None] + jnp.arange(window, dtype=jnp.int32)[None, :]) < length
+        scored = take_window(scored, window_start, window) & in_range
+        context = take_window(context, window_start, window)
+        targets = take_window(targets, window_start, window)
+    if chunk_size is None:
+        chunk_size = model.cfg.logprob_chunk_size
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(b, context.shape[1], model.cfg.vocab_size, model.cfg.logprob_chunk_budget_mb)
+    lp, ent = _head_logprobs(model, context, targets, temperature, chunk_size, with_entropy)
+    logprobs = jnp.where(scored, lp, 0.0)
+    entropy = jnp.where(scored, ent, 0.0) if ent is not None else None
     return logprobs, entropy
 
 
-per_token_logprobs_jit = jax.jit(per_token_logprobs, static_argnums=0, static_argnames=("chunk_size",))
-"""``per_token_logprobs`` jitted at module level (graphdef and chunk_size static)."""
+per_token_logprobs_jit = jax.jit(
+    per_token_logprobs, static_argnums=0, static_argnames=("chunk_size", "window", "with_entropy")
+)
+"""``per_token_logprobs`` jitted at module level (graphdef, chunk_size, window and with_entropy static)."""

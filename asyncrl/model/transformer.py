@@ -9,7 +9,10 @@ holds the parameters; :func:`forward` is the pure function callers jit:
 Numerics follow transformers' PyTorch models: RMSNorm normalises in float32 and
 multiplies by its weight in the compute dtype; rotary embeddings use the rotate-half
 convention with cos/sin computed in float32; attention scores and softmax run in
-float32; logits are float32.
+float32; logits are float32. Attention over more than one new token (training, scoring,
+prefill) goes through ``jax.nn.dot_product_attention`` (``model.attention``: ``xla`` by
+default, ``cudnn`` on GPUs), decoding one token through :func:`reference_attention`; both
+take the same boolean mask and agree to float32 rounding.
 
 KV cache (:class:`KVCache`)
 ---------------------------
@@ -242,15 +245,42 @@ class Attention(nnx.Module):
             cache_v = cache.v.at[rows, write_idx].set(v.astype(cache.v.dtype), mode="drop")
             k, v = cache_k.astype(q.dtype), cache_v.astype(q.dtype)
             new_cache = LayerKV(cache_k, cache_v)
-        groups = cfg.num_heads // cfg.num_kv_heads
-        q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (cfg.head_dim**-0.5)
-        scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+        implementation = attention_implementation(cfg.attention, q.dtype) if t > 1 else "reference"
+        if implementation == "reference":
+            out = reference_attention(q, k, v, mask)
+        else:
+            kernel: Any = implementation  # "xla" | "cudnn"
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=kernel)
         out = out.reshape(b, t, cfg.num_heads * cfg.head_dim)
         return self.o_proj(out), new_cache
+
+
+def attention_implementation(choice: str, dtype: Any) -> str:
+    """The attention path of ``model.attention`` (``choice``) for ``dtype`` activations:
+    ``reference`` (:func:`reference_attention`) or a ``jax.nn.dot_product_attention``
+    implementation. ``auto`` is XLA's (every backend and dtype; tested equal to the reference
+    in float32). ``cudnn`` (GPU, 16-bit compute only) is opt-in: not yet measured or tested
+    on a GPU here."""
+    if choice != "auto":
+        if choice == "cudnn" and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            raise ValueError(f"model.attention 'cudnn' needs bfloat16 or float16 compute (model.compute_dtype), "
+                             f"not {jnp.dtype(dtype).name}; use 'xla' or 'auto'")
+        return choice
+    return "xla"
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention by einsum: ``q [B, T, heads, D]``, ``k, v [B, S, kv_heads, D]``,
+    ``mask`` bool ``[B, T, S]`` -> ``[B, T, heads, D]``. Scores and softmax in float32; a fully
+    masked query row gets uniform weights (never NaN). Used to decode one token at a time."""
+    b, t, heads, d = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, heads // kv_heads, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (d**-0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, heads, d)
 
 
 class MLP(nnx.Module):

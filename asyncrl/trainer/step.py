@@ -63,7 +63,7 @@ from asyncrl.algo import (
     token_mean,
     trained_mask,
 )
-from asyncrl.model.logprobs import per_token_logprobs
+from asyncrl.model.logprobs import per_token_logprobs, take_window, window_starts
 from asyncrl.model.sharding import param_shardings
 from asyncrl.trainer.mesh import ROW_AXES, row_shards
 from asyncrl.trainer.optim import OptimParams, build_optimizer, dotted_path, learning_rate_schedule, update_count
@@ -88,6 +88,9 @@ class StepSpec:
     (one optimizer update per step: ``ppo_epochs == mini_batches == 1``)."""
     lora_dropout: float = 0.0
     """LoRA adapter-input dropout of the gradient passes (0: none; see :mod:`asyncrl.model.lora`)."""
+    entropy: bool = True
+    """Compute the policy's token entropy (a pass over ``[tokens, vocab]``): needed when
+    ``algo.entropy_coef > 0``, else only for the ``train/entropy`` diagnostic (``algo.log_entropy``)."""
 
     @property
     def row_shards(self) -> int:
@@ -137,16 +140,20 @@ def lora_weights(frozen: Optional[Any], dropout: float, theta: Any, key: Optiona
     return combine_params(frozen, theta, keys)
 
 
-def sft_loss(logprobs: jax.Array, entropy: jax.Array, mask: jax.Array, denominators: Any) -> tuple[jax.Array, dict]:
+def sft_loss(logprobs: jax.Array, entropy: Optional[jax.Array], mask: jax.Array, denominators: Any) -> tuple[jax.Array, dict]:
     """This micro-batch's share of the mini-batch's token-mean negative log-likelihood.
 
-    ``logprobs``/``entropy`` float32 ``[b, L]`` (from :func:`per_token_logprobs` at T = 1),
+    ``logprobs``/``entropy`` float32 ``[b, L]`` (from :func:`per_token_logprobs` at T = 1;
+    ``entropy`` None: not computed, no ``entropy`` diagnostic),
     ``mask`` bool ``[b, L]`` the trained tokens; ``denominators`` are the whole mini-batch's
     (:func:`~asyncrl.algo.aggregation_denominators`), so the shares of the micro-batches add up
     to the mini-batch loss exactly. Masked positions never reach the value or the gradient.
     Returns ``(loss, {"sft_loss", "entropy"})`` (diagnostics are shares too)."""
     nll = token_mean(-logprobs, mask, denominators)
-    return nll, {"sft_loss": nll, "entropy": token_mean(entropy, mask, denominators)}
+    diagnostics = {"sft_loss": nll}
+    if entropy is not None:
+        diagnostics["entropy"] = token_mean(jax.lax.stop_gradient(entropy), mask, denominators)
+    return nll, diagnostics
 
 
 def batch_targets(batch: dict[str, jax.Array], algo: Optional[AlgoParams], sft: bool) -> tuple[jax.Array, jax.Array]:
@@ -165,12 +172,12 @@ def batch_targets(batch: dict[str, jax.Array], algo: Optional[AlgoParams], sft: 
 
 
 def batch_logprobs(forward: Callable, weights: Any, chunks: dict[str, jax.Array]) -> jax.Array:
-    """``[M, U, S * b, L]`` log-probs of every chunk under ``weights``, no gradient (pi_prox or
+    """``[M, U, S * b, W]`` log-probs (``W`` the step's window) of every chunk under ``weights``, no gradient (pi_prox or
     pi_ref). One micro-batch at a time (``lax.map``): the memory of one forward, like training."""
     m_count, u_count = chunks["input_ids"].shape[:2]
     flat = lambda x: x.reshape(m_count * u_count, *x.shape[2:])
-    one = lambda a: forward(weights, a[0], a[1])[0]
-    out = jax.lax.map(one, (flat(chunks["input_ids"]), flat(chunks["attention_mask"])))
+    one = lambda a: forward(weights, a[0], a[1], a[2], with_entropy=False)[0]
+    out = jax.lax.map(one, (flat(chunks["input_ids"]), flat(chunks["attention_mask"]), flat(chunks["window_start"])))
     return jax.lax.stop_gradient(out.reshape(m_count, u_count, *out.shape[1:]))
 
 
@@ -178,8 +185,9 @@ def micro_loss(theta: Any, x: dict[str, jax.Array], denominators: Any, key: Opti
                forward: Callable, algo: Optional[AlgoParams]) -> tuple[jax.Array, dict]:
     """One micro-batch's share of its mini-batch's loss, and the diagnostics; differentiated
     in ``theta``. ``x``: the micro-batch's chunks, ``[S * b, L]`` / ``[S * b]``; ``algo`` None
-    for SFT; ``key`` the micro-batch's LoRA dropout key (or None)."""
-    logprobs, entropy = forward(theta, x["input_ids"], x["attention_mask"], key)
+    for SFT; ``key`` the micro-batch's LoRA dropout key (or None). Token arrays other than
+    ``input_ids`` / ``attention_mask`` are ``[S * b, W]`` windows (``window_start``)."""
+    logprobs, entropy = forward(theta, x["input_ids"], x["attention_mask"], x["window_start"], key)
     if algo is None:
         return sft_loss(logprobs, entropy, x["mask"], denominators)
     return policy_loss(
@@ -283,10 +291,16 @@ def _train_step_impl(
     algo: Optional[AlgoParams],
     optim: OptimParams,
     spec: StepSpec,
+    window: Optional[int] = None,
 ):
     """One trainer step. ``batch``: the TrainBatch fields, ``[rows, L]`` / ``[rows]``, rows in
     device order (see the module docstring). Returns ``(params, opt_state, metrics)``; metrics
     hold scalars plus ``finite [updates]`` (whether each update was applied, in order).
+
+    ``window`` (static; None: ``L``): every row's ``loss_mask`` lies within ``window``
+    consecutive positions (:func:`loss_window`). Only those positions go through the lm head,
+    log-softmax and loss (:func:`~asyncrl.model.logprobs.per_token_logprobs` with a window):
+    the result equals the full-sequence computation, with less work when prompts are long.
 
     ``algo`` is None for SFT (``spec.objective == "sft"``). LoRA: ``params`` (and ``ref_params``)
     are the adapters, ``frozen`` the base weights that every forward combines them with (no
@@ -297,18 +311,30 @@ def _train_step_impl(
     p_shardings = param_shardings(spec.model_cfg, params, spec.mesh)
     o_shardings = opt_state_shardings(build_optimizer(optim), opt_state, p_shardings, spec.mesh)
 
-    # The policy's forward at this step's temperature: (theta, ids, attention, key) -> (logprobs, entropy).
-    def forward(theta, input_ids, attention_mask, key=None):
-        weights = lora_weights(frozen, spec.lora_dropout, theta, key)
-        return per_token_logprobs(graphdef, weights, input_ids, attention_mask, temperature)
+    length = batch["input_ids"].shape[1]
+    window = length if window is None else min(window, length)
 
-    # 1. Whole-batch quantities, then the batch cut into [M, U, S * b, ...] chunks.
+    # The policy's forward at this step's temperature, over the window:
+    # (theta, ids, attention, starts, key) -> (logprobs, entropy) [b, W].
+    def forward(theta, input_ids, attention_mask, starts, key=None, with_entropy=spec.entropy):
+        weights = lora_weights(frozen, spec.lora_dropout, theta, key)
+        return per_token_logprobs(graphdef, weights, input_ids, attention_mask, temperature, with_entropy=with_entropy,
+                                  window=None if window == length else window, window_start=starts)
+
+    # 1. Whole-batch quantities, token ones cut to the window, then the batch cut into
+    # [M, U, S * b, ...] chunks.
+    starts = window_starts(batch["loss_mask"], window)
+    cut = (lambda x: x) if window == length else (lambda x: take_window(x, starts, window))
     mask, advantages = batch_targets(batch, algo, sft)
+    if window < length:  # positions past L (only when window > the row's room) are never trained
+        mask = take_window(mask, starts, window) & ((starts[:, None] + jnp.arange(window)[None, :]) < length)
+        advantages = cut(advantages) if advantages.ndim == 2 else advantages
     chunks = {
         "input_ids": to_chunks(batch["input_ids"], spec),
         "attention_mask": to_chunks(batch["attention_mask"], spec),
+        "window_start": to_chunks(starts, spec),
         "mask": to_chunks(mask, spec),
-        "behavior_logprobs": to_chunks(batch["behavior_logprobs"].astype(jnp.float32), spec),
+        "behavior_logprobs": to_chunks(cut(batch["behavior_logprobs"].astype(jnp.float32)), spec),
         "advantages": to_chunks(advantages, spec),
         "real": to_chunks(batch["group_index"] >= 0, spec),
     }
@@ -332,7 +358,7 @@ def _train_step_impl(
 
 
 train_step = jax.jit(
-    _train_step_impl, static_argnames=("graphdef", "algo", "optim", "spec"), donate_argnames=("opt_state",)
+    _train_step_impl, static_argnames=("graphdef", "algo", "optim", "spec", "window"), donate_argnames=("opt_state",)
 )
 """The jitted step. Donates the optimizer state; never the parameters (they may have been
 published: the engine may hold the very same buffers)."""
@@ -350,9 +376,23 @@ def nll_sums(graphdef: Any, params: Any, batch: dict[str, jax.Array], frozen: Op
     (no gradient): SFT's eval loss is ``sum / count`` accumulated over batches. With LoRA,
     ``params`` are the adapters and ``frozen`` the base."""
     logprobs, _ = per_token_logprobs(graphdef, lora_weights(frozen, 0.0, params), batch["input_ids"],
-                                     batch["attention_mask"], 1.0)
+                                     batch["attention_mask"], 1.0, with_entropy=False)
     mask = batch["loss_mask"] & (batch["group_index"] >= 0)[:, None]
     return jnp.sum(jnp.where(mask, -logprobs, 0.0)), jnp.sum(mask)
+
+
+def loss_window(loss_mask: np.ndarray, multiple: int) -> int:
+    """The static ``window`` of :func:`train_step` for a host ``loss_mask`` bool ``[rows, L]``: the
+    widest span from a row's first to its last trained position, rounded up to ``multiple``
+    (``rollout.length_bucket``, so a run compiles one window per bucket) and capped at ``L``."""
+    rows, length = loss_mask.shape
+    any_true = loss_mask.any(axis=1)
+    if not any_true.any():
+        return min(length, multiple)
+    first = np.argmax(loss_mask, axis=1)
+    last = length - 1 - np.argmax(loss_mask[:, ::-1], axis=1)
+    span = int(np.max(np.where(any_true, last - first + 1, 0)))
+    return min(length, -(-span // multiple) * multiple)
 
 
 # --------------------------------------------------------------------------- what a step costs
@@ -370,18 +410,21 @@ def matmul_params(params: Any, model_cfg: Any) -> int:
 
 
 def step_flops(n_matmul_params: int, model_cfg: Any, algo: Optional[AlgoParams], epochs: int, rows: int, length: int,
-               train_passes: int = 3) -> float:
+               train_passes: int = 3, window: Optional[int] = None) -> float:
     """Model FLOPs of one step (rematerialisation not counted), on every position of the padded batch.
 
     A forward pass costs ``2 * n_matmul_params + 4 * layers * L * heads * head_dim`` per token
-    (:func:`matmul_params`; the attention is computed over all L positions); a training pass
-    (forward + backward) three forwards; pi_prox and pi_ref one forward each when computed
-    (``algo=None``: an SFT step, training passes only). With LoRA a training pass is
+    (:func:`matmul_params`; the attention is computed over all L positions), except that the lm
+    head (``2 * vocab * hidden``) runs over the ``window`` scored positions only (default ``L``);
+    a training pass (forward + backward) three forwards; pi_prox and pi_ref one forward each when
+    computed (``algo=None``: an SFT step, training passes only). With LoRA a training pass is
     ``train_passes=2`` forwards: the frozen weights need no weight gradients (the adapters'
     own matmuls are not counted).
     """
-    per_token = 2 * n_matmul_params + 4 * model_cfg.num_layers * length * model_cfg.num_heads * model_cfg.head_dim
+    head = 2 * model_cfg.vocab_size * model_cfg.hidden_size
+    window = length if window is None else min(window, length)
+    per_token = 2 * n_matmul_params - head + 4 * model_cfg.num_layers * length * model_cfg.num_heads * model_cfg.head_dim
     passes = train_passes * epochs
     if algo is not None:
         passes += int(algo.needs_prox_recompute) + int(algo.needs_reference)
-    return float(per_token) * rows * length * passes
+    return (float(per_token) * length + float(head) * window) * rows * passes

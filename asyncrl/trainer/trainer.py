@@ -15,7 +15,6 @@ import time
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.algo import AlgoParams
@@ -28,6 +27,7 @@ from asyncrl.trainer.step import (
     StepSpec,
     compile_count,
     init_opt_state,
+    loss_window,
     matmul_params,
     nll_sums,
     step_flops,
@@ -134,6 +134,7 @@ class Trainer:
             mesh=self.mesh, model_cfg=self.model_cfg, ppo_epochs=1 if sft else cfg.algo.ppo_epochs,
             mini_batches=1 if sft else cfg.algo.mini_batches, micro_batches=cfg.optim.micro_batches,
             objective=objective, lora_dropout=self.lora.dropout if self.lora is not None else 0.0,
+            entropy=cfg.algo.log_entropy or (not sft and cfg.algo.entropy_coef > 0),
         )
         self.frozen = None if frozen is None else _place(frozen, param_shardings(self.model_cfg, frozen, self.mesh))
         self.param_shardings = param_shardings(self.model_cfg, params, self.mesh)
@@ -199,8 +200,10 @@ class Trainer:
         """This process's rows must be a multiple of this (``prepare_batch(row_multiple=...)``)."""
         return local_row_shards(self.mesh) * self.spec.mini_batches * self.spec.micro_batches
 
-    def _device_batch(self, batch: Any) -> tuple[dict[str, jax.Array], float]:
-        """Check the batch, permute its rows into device order and place them on the mesh."""
+    def _device_batch(self, batch: Any) -> tuple[dict[str, jax.Array], float, int]:
+        """Check the batch, permute its rows into device order and place them on the mesh.
+        Returns ``(arrays, temperature, window)``: ``window`` the step's static lm-head window
+        (:func:`~asyncrl.trainer.step.loss_window`)."""
         fields = {name: np.asarray(getattr(batch, name)) for name in BATCH_FIELDS}
         if batch.advantages is not None:
             fields["advantages"] = np.asarray(batch.advantages)
@@ -247,7 +250,12 @@ class Trainer:
             ordered = device_order(value)
             global_shape = (rows * jax.process_count(), *ordered.shape[1:])
             placed[name] = jax.make_array_from_process_local_data(row_sharding(self.mesh, ordered.ndim), ordered, global_shape)
-        return placed, temperature
+        window = loss_window(fields["loss_mask"], self.cfg.rollout.length_bucket)
+        if jax.process_count() > 1:  # one static window for every process's program
+            from jax.experimental import multihost_utils
+
+            window = int(np.max(multihost_utils.process_allgather(np.int32(window))))
+        return placed, temperature, window
 
     # ------------------------------------------------------------------ the step
 
@@ -269,19 +277,15 @@ class Trainer:
 
         With ``objective="sft"`` the loss is ``loss/sft`` (token-mean negative log-likelihood
         of the trained tokens, at temperature 1 whatever ``batch.temperature``; no ``loss/total``)
-        and ``train/entropy``, with the same optimizer, norm, count and perf metrics.
+        (and ``train/entropy`` with ``algo.log_entropy``), with the same optimizer, norm, count and perf metrics.
         """
         start = time.perf_counter()
-        arrays, temperature = self._device_batch(batch)
-        if self.objective == "sft":
-            temperature = 1.0  # cross-entropy of the model's own distribution
-        self.params, self.opt_state, out = train_step(
-            self.graphdef, self.params, self.opt_state, self.ref_params, arrays, jnp.float32(temperature),
-            self.frozen, self._dropout_key(), algo=self._step_algo, optim=self.optim, spec=self.spec,
-        )
+        args, kwargs = self._step_arguments(batch)
+        self.params, self.opt_state, out = train_step(*args, **kwargs)
         if self.objective == "sft":
             out.pop("loss")  # the same number as sft_loss
-        out = tree_to_host(out)
+        # One transfer for every metric (each leaf's own would wait on the device once per metric).
+        out = jax.device_get(out) if jax.process_count() == 1 else tree_to_host(out)
         elapsed = time.perf_counter() - start
 
         finite = out.pop("finite")
@@ -301,7 +305,8 @@ class Trainer:
         self.version += 1
         rows, length = batch.input_ids.shape
         flops = step_flops(self._matmul_params, self.model_cfg, self._step_algo, self.spec.ppo_epochs,
-                           rows * jax.process_count(), length, train_passes=2 if self.lora is not None else 3)
+                           rows * jax.process_count(), length, train_passes=2 if self.lora is not None else 3,
+                           window=kwargs["window"])
         metrics = {step_metric_name(k): float(v) for k, v in out.items()}
         metrics.update({
             "train/skipped_updates": float(skipped),
@@ -315,6 +320,17 @@ class Trainer:
         })
         return metrics
 
+    def _step_arguments(self, batch: Any) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` of :func:`~asyncrl.trainer.step.train_step` for ``batch`` (also what
+        ``train_step.lower(*args, **kwargs)`` takes, e.g. for the compiled step's cost analysis)."""
+        arrays, temperature, window = self._device_batch(batch)
+        if self.objective == "sft":
+            temperature = 1.0  # cross-entropy of the model's own distribution
+        # A numpy scalar travels with the arguments; jnp.float32(...) would dispatch a program of its own.
+        args = (self.graphdef, self.params, self.opt_state, self.ref_params, arrays, np.float32(temperature),
+                self.frozen, self._dropout_key())
+        return args, dict(algo=self._step_algo, optim=self.optim, spec=self.spec, window=window)
+
     def _dropout_key(self) -> Optional[jax.Array]:
         """The LoRA dropout key of this step: a function of ``run.seed`` and the version only,
         so a resumed run drops exactly what the uninterrupted one did."""
@@ -325,7 +341,7 @@ class Trainer:
     def nll(self, batch: Any) -> tuple[float, int]:
         """``(sum of -log p, trained tokens)`` of ``batch`` under the current weights at T = 1,
         no update (SFT eval loss; rows as for :meth:`step`)."""
-        arrays, _ = self._device_batch(batch)
+        arrays, _, _ = self._device_batch(batch)
         total, count = nll_sums(self.graphdef, self.params, arrays, self.frozen)
         return float(to_host(total)), int(to_host(count))
 
