@@ -73,7 +73,7 @@ def enable_compile_cache(enabled: bool = True) -> Optional[Path]:
                     "JAX_COMPILATION_CACHE_DIR to a writable directory", where, err.errno, err.strerror)
         return None
     jax.config.update("jax_enable_compilation_cache", True)
-    if jax.config.jax_compilation_cache_dir != str(where):
+    if jax.config.values.get("jax_compilation_cache_dir") != str(where):
         jax.config.update("jax_compilation_cache_dir", str(where))
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
