@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -122,27 +123,31 @@ def run_config(model_path: str, shape: dict, staleness: int, steps: int, out: Pa
 
 def timed_train(argv: list[str], env: dict[str, str], timeout: float) -> tuple[dict[int, float], str]:
     """Run ``python -m asyncrl.cli`` + ``argv``; returns {step: seconds since start at its console
-    line} and the output. A failed run raises with its output's tail."""
+    line} and the output. A failed run, or one still running after ``timeout`` s (killed), raises
+    with its output's tail."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO_ROOT)
     seen: dict[int, float] = {}
-    lines = []
-    assert proc.stdout is not None
-    try:
+    lines: list[str] = []
+
+    def read() -> None:  # timestamps each line as it comes; ends when the child closes its output
+        assert proc.stdout is not None
         for line in proc.stdout:
-            now = time.perf_counter() - start
             lines.append(line)
             match = STEP_LINE.match(line)
             if match:
-                seen.setdefault(int(match.group(1)), now)
-            if now > timeout:
-                raise TimeoutError(f"asyncrl train ran over {timeout} s")
+                seen.setdefault(int(match.group(1)), time.perf_counter() - start)
+
+    reader = threading.Thread(target=read, name="bench-rl-reader", daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
         proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        raise TimeoutError(f"asyncrl {' '.join(argv)} ran over {timeout} s:\n{''.join(lines)[-3000:]}") from None
+    reader.join(timeout=60)
     output = "".join(lines)
     if proc.returncode != 0:
         raise RuntimeError(f"asyncrl {' '.join(argv)} exited {proc.returncode}:\n{output[-3000:]}")
