@@ -6,7 +6,8 @@ model and one ``rollout.max_staleness``. The parent timestamps the run's per-ste
 lines and reads its ``metrics.jsonl`` afterwards. Figures are over the steady window
 from the end of step 1 to the end of the last step (steps 2..N; step 1 includes the
 compiles), and ``ttfs_s`` is the time from the subprocess start to step 1's line (import,
-model load, compile or cache load, the first batch and the first train step).
+model load, compile or cache load, the step-0 eval when eval is on, the first batch and the
+first train step).
 
 Fields of an entry: ``trained_tokens_per_s`` (loss-mask tokens trained per wall second),
 ``generated_tokens_per_s`` (tokens the engine decoded, eval included), ``step_time_median_s``
