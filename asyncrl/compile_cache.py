@@ -5,7 +5,9 @@ model. With the cache on (``run.compile_cache: true``, the default) XLA's execut
 written under the user's cache directory and a later run with the same shapes, config and
 jax version loads them instead of compiling again. Where the cache lives, first match wins:
 
-1. ``$JAX_COMPILATION_CACHE_DIR`` (JAX's own variable: the user's or the test suite's choice);
+1. a directory already configured in JAX: ``$JAX_COMPILATION_CACHE_DIR`` (JAX's own variable:
+   the user's or the test suite's choice) or ``jax.config.update("jax_compilation_cache_dir", ...)``
+   in the user's code before :func:`asyncrl.train.train`;
 2. ``$ASYNCRL_CACHE_DIR/jax``, else ``$XDG_CACHE_HOME/asyncrl/jax``, else ``~/.cache/asyncrl/jax``
    (:func:`asyncrl.model.tiny.default_cache_dir`, beside the built ``tiny`` models).
 
@@ -56,8 +58,10 @@ def enable_compile_cache(enabled: bool = True) -> Optional[Path]:
     turns the cache off with one warning: a cache is never a reason for a run to fail."""
     import jax
 
+    configured = jax.config.values.get("jax_compilation_cache_dir")  # set by the user's own code
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": configured} if configured else os.environ
     try:
-        where = compile_cache_dir(enabled, os.environ)
+        where = compile_cache_dir(enabled, env)
     except ValueError as err:
         from asyncrl.errors import ConfigError
 
