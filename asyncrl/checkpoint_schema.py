@@ -264,7 +264,7 @@ def _check_arrays(saved: Optional[Mapping[str, Any]], model_params: Any, where: 
 # --------------------------------------------------------------------------- config.yaml on resume
 
 
-RESUME_MUTABLE_FIELDS = ("logging", "run.total_steps", "eval", "checkpoint", "mesh.distributed")
+RESUME_MUTABLE_FIELDS = ("logging", "run.total_steps", "run.compile_cache", "eval", "checkpoint", "mesh.distributed")
 """Dotted config paths (a section or a field) that may differ between a checkpoint and its resume."""
 
 
@@ -316,7 +316,7 @@ def _show(value: Any) -> str:
 
 def check_resume_compatible(saved: Config, new: Config, *, where: str = "the checkpoint") -> None:
     """Refuse a resume whose config changes anything but ``logging.*``, ``run.total_steps``,
-    ``eval.*`` and ``checkpoint.*``: a :class:`ConfigError` lists every differing dotted
+    ``run.compile_cache``, ``eval.*`` and ``checkpoint.*``: a :class:`ConfigError` lists every differing dotted
     field with the checkpoint's value and the new one."""
     diffs = _config_differences(saved.model_dump(mode="json"), new.model_dump(mode="json"), "")
     refused = [(dotted, a, b) for dotted, a, b in diffs if not _mutable_on_resume(dotted)]

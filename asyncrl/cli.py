@@ -272,8 +272,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             return stop.exit_code
         return 0
     if args.command == "eval":
+        from asyncrl.compile_cache import enable_compile_cache
         from asyncrl.evaluate import evaluate_model
 
+        enable_compile_cache(cfg.run.compile_cache)
         evaluate_model(cfg)
         return 0
     raise AssertionError(f"unhandled command {args.command}")

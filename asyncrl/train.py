@@ -105,12 +105,14 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
     :class:`TrainingInterrupted` (the CLI exits 130/143); a second signal exits at once.
     """
     from asyncrl.checkpoint import resume_checkpoint
+    from asyncrl.compile_cache import enable_compile_cache
     from asyncrl.distributed import initialize_distributed
     from asyncrl.multihost import Hosts, check_resumed_processes
     from asyncrl.provenance import write_provenance
     from asyncrl.shutdown import ShutdownGuard
 
     started = time.monotonic()
+    enable_compile_cache(cfg.run.compile_cache)  # before the first compilation of the run
     initialize_distributed(cfg.mesh)  # before anything touches a JAX device
     hosts = Hosts(barrier_timeout_s=cfg.checkpoint.barrier_timeout_s)
     check_output_dir_path(cfg)
@@ -214,7 +216,7 @@ def run_stage(run: "Run", stage: Stage, trainer: Any, source: BatchSource,
         tracker, tensorboard = run.tracker_for(stage.name)
         cleanup.callback(tensorboard.close)
         if stage.index == 0 and stage.done is None and scfg.eval.every_steps:
-            evaluate(tracker)  # step 0: the model before any training
+            _timed_eval(evaluate, tracker)  # step 0: the model before any training
             run.history.append(tracker.commit(run.version))
         for stage_step in range((stage.done or 0) + 1, scfg.run.total_steps + 1):
             step_start = time.perf_counter()
@@ -233,13 +235,24 @@ def run_stage(run: "Run", stage: Stage, trainer: Any, source: BatchSource,
                 _dump_trajectories(run.trajectory_log, run.version, got.groups, run.loaded.tokenizer,
                                    scfg.logging.dump_groups)
             if eval_due(scfg, stage_step):
-                evaluate(tracker)
+                _timed_eval(evaluate, tracker)
             run.history.append(tracker.commit(run.version))
             stop = run.hosts.agree_stop()  # the same answer on every process
             if run.checkpoint_due(stage_step, scfg.run.total_steps, stopping=stop is not None):
+                saving = time.perf_counter()
                 run.save(stage, stage_step, trainer, source)
+                # Rows are committed before their checkpoint (a resume cuts the logs back to it),
+                # so this lands in the next step's row; the stage's last checkpoint is not logged.
+                tracker.scalar("perf/checkpoint_time", time.perf_counter() - saving, reduce="last")
             if stop is not None:
                 raise TrainingInterrupted(stop, run.last_checkpoint)
+
+
+def _timed_eval(evaluate: Callable[[Any], None], tracker: Any) -> None:
+    """``evaluate(tracker)`` and its wall time as ``perf/eval_time`` (outside ``perf/step_time``)."""
+    start = time.perf_counter()
+    evaluate(tracker)
+    tracker.scalar("perf/eval_time", time.perf_counter() - start, reduce="last")
 
 
 def _next_batch(run: "Run", stage: Stage, stage_step: int, trainer: Any, source: BatchSource) -> PreparedBatch:

@@ -13,7 +13,7 @@ import json
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("spec", nargs="?", default="tiny", help="tiny or tiny:name=value,...")
-    parser.add_argument("--cache-dir", default=None, help="default: $ASYNCRL_CACHE_DIR or ~/.cache/asyncrl")
+    parser.add_argument("--cache-dir", default=None, help="default: $ASYNCRL_CACHE_DIR, else $XDG_CACHE_HOME/asyncrl, else ~/.cache/asyncrl")
     args = parser.parse_args()
 
     from asyncrl.model.tiny import ensure_tiny, parse_tiny_spec, tiny_decoder_config

@@ -1,4 +1,5 @@
-"""Test-wide settings: JAX's persistent compilation cache, CPU only, and the slow marker.
+"""Test-wide settings: JAX's persistent compilation cache (under ``.pytest_cache/``, never the
+user's cache directory that runs use by default), CPU only, and the slow marker.
 
 The settings go through environment variables so that subprocesses started by tests
 (mesh and multi-process tests) inherit them too.
@@ -20,6 +21,10 @@ def pytest_configure(config):
     cache_dir = cache.mkdir("jax-compilation-cache") if cache is not None else None
     if cache_dir is not None:
         os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_dir))
+    elif not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        # Runs turn JAX's cache on under the user's cache directory (asyncrl/compile_cache.py):
+        # tests never write there, so with no test cache directory runs keep it off.
+        os.environ.setdefault("ASYNCRL_COMPILE_CACHE", "0")
     # Cache every compilation, however small: tests recompile the same tiny models
     # across processes, and small programs are most of what they compile.
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

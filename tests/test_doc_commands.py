@@ -112,7 +112,34 @@ LORA_CHAIN = (
     Step("asyncrl export runs/quickstart-lora my-model/ --merged", check=_exists("my-model/config.json")),
 )
 
+def _bench_rl(_: Path, output: str) -> None:
+    result = json.loads(output.strip().splitlines()[-1])
+    [entry] = result["entries"]
+    assert entry["model"] == "tiny" and entry["max_staleness"] == 0 and entry["ttfs_s"] > 0, entry
+    assert entry["trained_tokens_per_s"] > 0 and entry["generated_tokens_per_s"] > 0, entry
+    share = entry["share"]
+    assert share["training"] > 0 and share["eval"] > 0 and share["checkpoint"] > 0, share  # eval/checkpoint every 2
+
+
+def _bench_accel(_: Path, output: str) -> None:
+    result = json.loads(output.strip().splitlines()[-1])
+    assert result["jax"] and result["device_kind"] and result["peak"]["source"] in ("table", "measured"), result
+    assert result["train"]["achieved_flops_per_s"] > 0 and result["decode"]["ms_per_step"] > 0, result
+
+
+def _bench_vs_trl_dry(_: Path, output: str) -> None:
+    result = json.loads(output.strip().splitlines()[-1])
+    assert result["dry_run"] and result["asyncrl"]["rollout"]["max_staleness"] == 0, result
+    trl = result["trl"]
+    assert trl["beta"] == 0.0 and trl["gradient_checkpointing"] is False and trl["lr_scheduler_type"] == "constant"
+    assert trl["per_device_train_batch_size"] == 32 and trl["num_generations"] == result["asyncrl"]["rollout"]["group_size"]
+
+
 BENCH_CHAIN = (
+    Step("python scripts/bench_rl.py", ("--quick",), check=_bench_rl),
+    Step("python scripts/bench_accel.py", ("--quick",), check=_bench_accel),
+    # Needs TRL (the optional [compare] extra) and minutes per step: the dry form checks the two configs.
+    Step("python scripts/bench_vs_trl.py", ("--dry-run",), check=_bench_vs_trl_dry),
     Step("python scripts/bench_train.py", ("--models", "tiny", "--steps", "2"), check=_json_line),
     Step("python scripts/bench_engine.py", ("--skip-40m", "--repeats", "1"), check=_json_line),
     Step("python scripts/bench_model.py", ("--models", "tiny", "--steps", "1"), check=_json_line),
@@ -128,6 +155,8 @@ SLOW_CHAINS = {
              check=_json_line),
     ),
     "bench_remote": (Step("python scripts/bench_remote.py", ("--requests", "8", "--repeats", "1"), check=_json_line),),
+    # Two quickstart start-ups in an empty compilation cache, beside the quick loop run.
+    "bench_rl_quickstart": (Step("python scripts/bench_rl.py --quickstart", ("--quick",), check=_json_line),),
     "serve": (
         Step("asyncrl serve configs/quickstart.yaml --port 30000 --weights-root /shared/run1/weights "
              "--set engine.prefill_buckets=[32]", swap=(("--port 30000", "--port {port}"),

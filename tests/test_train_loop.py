@@ -61,14 +61,14 @@ def test_metrics_jsonl_and_tensorboard_names(quick_run):
     # step 0: eval before training; every row tagged with its stage
     assert [(row["step"], row["stage"]) for row in rows] == [(0, "sft"), (1, "sft"), (2, "sft"), (3, "rl"), (4, "rl"), (5, "rl")]
     sft_names = {"loss/sft", "sft/samples_drawn", "perf/step_time", "perf/trained_tokens_per_s", "eval/reward", "eval/loss",
-                 "perf/train_tokens_per_train_s", "perf/train_time"}
+                 "perf/train_tokens_per_train_s", "perf/train_time", "perf/eval_time"}
     assert sft_names <= set(rows[2]), sorted(sft_names - set(rows[2]))
     last = rows[-1]
     rl_names = {
         "reward/mean", "reward/positional_match", "eval/reward", "eval/accuracy",
         "rollout/lag_max", "rollout/lag_mean", "rollout/lag_p90", "rollout/dropped_stale", "rollout/queue_depth",
         "rollout/zero_variance_share", "loss/total", "loss/pg", "perf/step_time", "perf/trained_tokens_per_s",
-        "perf/gen_tokens_per_s", "engine/decode_tokens_per_s", "engine/version",
+        "perf/gen_tokens_per_s", "engine/decode_tokens_per_s", "engine/version", "perf/eval_time",
     }
     assert rl_names <= set(last), sorted(rl_names - set(last))
     assert last["engine/version"] == 5

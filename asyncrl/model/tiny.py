@@ -10,7 +10,7 @@ chat template. It is written as an ordinary HF directory (``export_hf``) into
 place, so parallel builders race safely (the loser discards its copy).
 
 ``model.path: tiny`` uses the defaults; ``tiny:hidden=128,layers=4`` overrides fields
-of :class:`TinySpec`. The cache is ``$ASYNCRL_CACHE_DIR`` or ``~/.cache/asyncrl``.
+of :class:`TinySpec`. The cache is ``$ASYNCRL_CACHE_DIR``, else ``$XDG_CACHE_HOME/asyncrl``, else ``~/.cache/asyncrl``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from asyncrl.errors import ModelError
 from asyncrl.model.config import DecoderConfig
@@ -170,8 +170,14 @@ def bench_40m_config(**runtime: Any) -> DecoderConfig:
     )
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("ASYNCRL_CACHE_DIR") or Path.home() / ".cache" / "asyncrl")
+def default_cache_dir(env: Optional[Mapping[str, str]] = None) -> Path:
+    """asyncrl's cache root: ``$ASYNCRL_CACHE_DIR``, else ``$XDG_CACHE_HOME/asyncrl``, else ``~/.cache/asyncrl``."""
+    env = os.environ if env is None else env
+    if env.get("ASYNCRL_CACHE_DIR"):
+        return Path(env["ASYNCRL_CACHE_DIR"])
+    if env.get("XDG_CACHE_HOME"):
+        return Path(env["XDG_CACHE_HOME"]) / "asyncrl"
+    return Path.home() / ".cache" / "asyncrl"
 
 
 def tiny_dir_name(spec: TinySpec) -> str:

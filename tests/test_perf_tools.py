@@ -1,0 +1,117 @@
+"""Issue 19's measuring tools: the compilation cache of runs (where it goes, its switch, that it
+really caches small CPU programs) and the arithmetic of scripts/bench_rl.py and bench_accel.py.
+The scripts themselves run in tests/test_doc_commands.py (their quick forms)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.compile_cache import compile_cache_dir
+from tests.helpers import REPO_ROOT, run_python, subprocess_env
+
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+import bench_accel  # noqa: E402
+import bench_rl  # noqa: E402
+
+
+# --------------------------------------------------------------------------- the compilation cache
+
+
+def test_cache_dir_order_of_precedence():
+    home = Path.home() / ".cache" / "asyncrl" / "jax"
+    assert compile_cache_dir(True, {}) == home
+    assert compile_cache_dir(True, {"XDG_CACHE_HOME": "/x"}) == Path("/x/asyncrl/jax")
+    assert compile_cache_dir(True, {"XDG_CACHE_HOME": "/x", "ASYNCRL_CACHE_DIR": "/a"}) == Path("/a/jax")
+    # JAX's own variable (the test suite's choice) wins over asyncrl's default.
+    assert compile_cache_dir(True, {"ASYNCRL_CACHE_DIR": "/a", "JAX_COMPILATION_CACHE_DIR": "/j"}) == Path("/j")
+
+
+def test_cache_switches_off_by_config_or_environment():
+    assert compile_cache_dir(False, {"JAX_COMPILATION_CACHE_DIR": "/j"}) is None
+    for off in ("0", "false", "OFF", "no"):
+        assert compile_cache_dir(True, {"ASYNCRL_COMPILE_CACHE": off, "JAX_COMPILATION_CACHE_DIR": "/j"}) is None
+    assert compile_cache_dir(True, {"ASYNCRL_COMPILE_CACHE": "1", "XDG_CACHE_HOME": "/x"}) == Path("/x/asyncrl/jax")
+    with pytest.raises(ValueError, match="ASYNCRL_COMPILE_CACHE='maybe': use 0"):
+        compile_cache_dir(True, {"ASYNCRL_COMPILE_CACHE": "maybe"})
+
+
+CACHE_PROBE = """
+import sys
+from pathlib import Path
+import jax, jax.numpy as jnp
+from asyncrl.compile_cache import enable_compile_cache
+where = enable_compile_cache(True)
+jax.jit(lambda x: x * 2 + 1)(jnp.arange(3.0)).block_until_ready()  # compiles in well under JAX's 1 s threshold
+files = sorted(p.name for p in Path(sys.argv[1]).rglob("*") if p.is_file()) if Path(sys.argv[1]).exists() else []
+print(where, len(files))
+"""
+
+
+def test_a_run_process_caches_small_programs_under_the_user_cache_and_the_switch_stops_it(tmp_path):
+    env = subprocess_env(XDG_CACHE_HOME=str(tmp_path))
+    for name in ("JAX_COMPILATION_CACHE_DIR", "ASYNCRL_CACHE_DIR", "ASYNCRL_COMPILE_CACHE",
+                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):
+        env.pop(name, None)
+    cache = tmp_path / "asyncrl" / "jax"
+    where, count = run_python(CACHE_PROBE, env=env, args=[str(cache)]).stdout.split()
+    assert where == str(cache) and int(count) >= 1
+    off = run_python(CACHE_PROBE, env={**env, "ASYNCRL_COMPILE_CACHE": "0"}, args=[str(tmp_path / "off")])
+    assert off.stdout.split() == ["None", "0"]
+
+
+# --------------------------------------------------------------------------- bench_rl's window
+
+
+def _row(step: int, **values: float) -> dict:
+    base = {"step": step, "perf/trained_tokens_per_s": 100.0, "perf/step_time": 1.0, "perf/train_time": 0.5,
+            "rollout/wait_s": 0.3, "engine/decode_tokens": 50.0 * step, "engine/decode_s": 0.4 * step,
+            "engine/prefill_tokens": 10.0 * step, "engine/prefill_tokens_per_s": 100.0, "rollout/lag_max": 1.0}
+    return {**base, **values}
+
+
+def test_bench_rl_shares_are_over_steps_2_to_n():
+    rows = [_row(1, **{"perf/train_time": 9.0}), _row(2, **{"perf/eval_time": 0.5}),
+            _row(3, **{"perf/checkpoint_time": 0.25}), _row(4)]
+    times = {1: 10.0, 2: 11.5, 3: 12.75, 4: 13.75}  # window: 3.75 s of wall time for steps 2..4
+    got = bench_rl.summarise(rows, times, steps=4)
+    assert got["wall_s"] == 3.75
+    assert got["trained_tokens_per_s"] == round(300.0 / 3.75, 1)
+    assert got["generated_tokens_per_s"] == round(150.0 / 3.75, 1)
+    share = got["share"]
+    assert share["training"] == round(1.5 / 3.75, 4) and share["batch_wait"] == round(0.9 / 3.75, 4)
+    assert share["eval"] == round(0.5 / 3.75, 4) and share["checkpoint"] == round(0.25 / 3.75, 4)
+    assert share["publishing"] is None  # no perf/publish_time reported: unknown, not zero
+    assert abs(sum(v for k, v in share.items() if k != "generation" and v is not None) - 1.0) < 1e-3
+    # engine busy: decode 0.4 s/step + prefill 10 tokens at 100/s per step, for 3 steps
+    assert share["generation"] == round(3 * 0.5 / 3.75, 4)
+    published = bench_rl.summarise([_row(s, **{"perf/publish_time": 0.1}) for s in range(1, 5)], times, steps=4)
+    assert published["share"]["publishing"] == round(0.3 / 3.75, 4)
+
+
+# --------------------------------------------------------------------------- bench_accel's tables and floor
+
+
+def test_bench_accel_peak_table_matches_device_kinds():
+    assert bench_accel.table_peak("NVIDIA H100 80GB HBM3", "bfloat16") == (989.4e12, 3.35e12)
+    assert bench_accel.table_peak("NVIDIA H100 PCIe", "bfloat16")[1] == 2.0e12
+    assert bench_accel.table_peak("NVIDIA H200", "float32") == (494.7e12, 4.8e12)
+    assert bench_accel.table_peak("TPU v5 lite", "bfloat16") == (197e12, 0.819e12)
+    assert bench_accel.table_peak("TPU v5 lite", "float32") == (None, 0.819e12)  # measured instead
+    assert bench_accel.table_peak("cpu", "float32") == (None, None)
+
+
+def test_bench_accel_decode_floor_counts_weights_and_kv_cache():
+    cfg = bench_accel.model_config(quick=False, dtype="bfloat16")
+    decode = {"batch": 16, "prompt": 128, "new": 128, "ms_per_step": 2.0}
+    param_bytes = 2 * cfg.num_params()
+    got = bench_accel.decode_floor(cfg, cfg.num_params(), param_bytes, decode, flops=989.4e12, bandwidth=3.35e12)
+    kv = 2 * 24 * 2 * 64 * 2 * (128 + 64)  # K and V, layers, kv heads, head_dim, bf16, mean context
+    assert got["bytes_per_step"] == param_bytes + 16 * kv
+    assert got["floor_bound"] == "memory"
+    assert got["floor_ms_per_step"] == round(1e3 * got["bytes_per_step"] / 3.35e12, 3)
+    assert got["vs_floor"] == pytest.approx(2.0 / got["floor_ms_per_step"], rel=1e-2)
+    assert 490e6 < cfg.num_params() < 500e6  # Qwen2.5-0.5B: 494M
