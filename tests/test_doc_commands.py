@@ -154,6 +154,8 @@ SLOW_CHAINS = {
         Step("python scripts/bench_train.py --models bench-40m --steps 3 --lora-rank 8", ("--models", "tiny", "--steps", "1"),
              check=_json_line),
     ),
+    # Three layouts, each its own 8-device subprocess (a minute here).
+    "bench_placement": (Step("python scripts/bench_placement.py", ("--steps", "4"), check=_json_line),),
     "bench_remote": (Step("python scripts/bench_remote.py", ("--requests", "8", "--repeats", "1"), check=_json_line),),
     # Two quickstart start-ups in an empty compilation cache, beside the quick loop run.
     "bench_rl_quickstart": (Step("python scripts/bench_rl.py --quickstart", ("--quick",), check=_json_line),),
