@@ -136,10 +136,6 @@ def _bench_vs_trl_dry(_: Path, output: str) -> None:
 
 
 BENCH_CHAIN = (
-    Step("python scripts/bench_rl.py", ("--quick",), check=_bench_rl),
-    Step("python scripts/bench_accel.py", ("--quick",), check=_bench_accel),
-    # Needs TRL (the optional [compare] extra) and minutes per step: the dry form checks the two configs.
-    Step("python scripts/bench_vs_trl.py", ("--dry-run",), check=_bench_vs_trl_dry),
     Step("python scripts/bench_train.py", ("--models", "tiny", "--steps", "2"), check=_json_line),
     Step("python scripts/bench_engine.py", ("--skip-40m", "--repeats", "1"), check=_json_line),
     Step("python scripts/bench_model.py", ("--models", "tiny", "--steps", "1"), check=_json_line),
@@ -147,6 +143,14 @@ BENCH_CHAIN = (
 )
 
 SLOW_CHAINS = {
+    # The whole-loop and accelerator benchmarks, quick (a training run and a 494M-shaped model's
+    # small twin: about a minute here).
+    "bench_loop": (
+        Step("python scripts/bench_rl.py", ("--quick",), check=_bench_rl),
+        Step("python scripts/bench_accel.py", ("--quick",), check=_bench_accel),
+        # Needs TRL (the optional [compare] extra) and minutes per step: the dry form checks the two configs.
+        Step("python scripts/bench_vs_trl.py", ("--dry-run",), check=_bench_vs_trl_dry),
+    ),
     # bench-40m swapped for tiny: the documented LoRA memory comparison, quick
     "lora_bench": (
         Step("python scripts/bench_train.py --models bench-40m --steps 3", ("--models", "tiny", "--steps", "1"),
