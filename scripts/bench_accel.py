@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import time
+import sys
+from pathlib import Path
 from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import copy_bandwidth, dot_flops, load_avg  # noqa: E402
 
 # Dense peaks (no sparsity) from the vendors' data sheets: FLOP/s in bfloat16 and in float32
 # as XLA runs it by default (TF32 tensor cores on NVIDIA Ampere and later; TPUs: null,
@@ -69,37 +72,6 @@ def table_peak(device_kind: str, dtype: str) -> tuple[Optional[float], Optional[
         if name.lower() in device_kind.lower():
             return peak.get(dtype), peak["hbm"]
     return None, None
-
-
-def _median_time(fn: Any, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def measured_matmul_peak(dtype: str, n: int) -> float:
-    """FLOP/s of an ``n x n`` ``jnp.dot`` in ``dtype`` (median of 5)."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
-    dot = jax.jit(jnp.dot)
-    return 2.0 * n**3 / _median_time(lambda: dot(a, b).block_until_ready(), 5)
-
-
-def measured_bandwidth(mib: int) -> float:
-    """Bytes/s of a jitted elementwise pass over ``mib`` MiB of float32 (read + write counted)."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((mib * 1024 * 1024 // 4,), jnp.float32)
-    f = jax.jit(lambda a: a * 1.0001 + 1.0)
-    return 2 * x.nbytes / _median_time(lambda: f(x).block_until_ready(), 5)
 
 
 def model_config(quick: bool, dtype: str) -> Any:
@@ -204,7 +176,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     from asyncrl.model import init_decoder, split_params
 
-    load_start = _load_avg()
+    load_start = load_avg()
     device = jax.devices()[0]
     dtype = args.dtype or ("float32" if device.platform == "cpu" else "bfloat16")
     cfg = model_config(args.quick, dtype)
@@ -215,8 +187,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     # Sizes that saturate the device: 8192 / 2 GiB on an accelerator, 1024 / 64 MiB on a CPU;
     # the quick form only checks the script.
     matmul_n, copy_mib = (256, 8) if args.quick else (1024, 64) if device.platform == "cpu" else (8192, 2048)
-    measured = {"matmul_flops_per_s": round(measured_matmul_peak(dtype, matmul_n)),
-                "copy_bytes_per_s": round(measured_bandwidth(copy_mib))}
+    measured = {"matmul_flops_per_s": round(dot_flops(matmul_n, dtype)),
+                "copy_bytes_per_s": round(copy_bandwidth(copy_mib))}
     peak_flops, hbm = table_peak(device.device_kind, dtype)
     source = "table" if peak_flops and hbm else "measured"
     flops = peak_flops or measured["matmul_flops_per_s"]
@@ -234,17 +206,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "device_count": jax.device_count(), "shape": "quick" if args.quick else "qwen2.5-0.5b", "params": int(n_params),
         "dtype": dtype, "peak": {"flops_per_s": flops, "hbm_bytes_per_s": bandwidth, "source": source},
         "measured": measured, "train": train, "decode": decode,
-        "load_avg_start": load_start, "load_avg_end": _load_avg(),
+        "load_avg_start": load_start, "load_avg_end": load_avg(),
     }
     print(json.dumps(result), flush=True)
     return result
-
-
-def _load_avg() -> Optional[list[float]]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 if __name__ == "__main__":

@@ -23,26 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
+
+import sys
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import copy_bandwidth, dot_flops, median_time  # noqa: E402
+
 BATCH, PROMPT, NEW = 16, 32, 64
 VAR_REQUESTS, VAR_MIN, VAR_MAX = 128, 8, 64
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def make_engine(graphdef, params, decode_chunk: int):
@@ -130,30 +124,6 @@ def variable_workload(engine, vocab: int, repeats: int) -> tuple[float, float]:
                 f.result()
 
     return total / median_time(continuous, repeats), total / median_time(static, repeats)
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a jitted elementwise pass over 256 MiB (read + write counted)."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((64 * 1024 * 1024,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    f(x).block_until_ready()
-    seconds = median_time(lambda: f(x).block_until_ready(), 5)
-    return 2 * x.nbytes / seconds
-
-
-def dot_flops() -> float:
-    import jax
-    import jax.numpy as jnp
-
-    n = 1024
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, a).block_until_ready()
-    seconds = median_time(lambda: f(a, a).block_until_ready(), 5)
-    return 2 * n**3 / seconds
 
 
 def bench_model(graphdef, params, model_dir: str, vocab: int, repeats: int, decode_chunk: int) -> dict:

@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_engine import median_time  # noqa: E402  (scripts/ is on the path when run as a script)
+from bench_common import median_time  # noqa: E402  (scripts/ is on the path when run as a script)
 from tests.remote_helpers import API_KEY, Server  # noqa: E402
 
 ENGINE = ["--set", "engine.slots=64", "--set", "engine.kv_capacity=64", "--set", "engine.prefill_buckets=[16,64]"]

@@ -46,6 +46,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import load_avg  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STEP_LINE = re.compile(r"(?:\[\w+\] )?step (\d+)/(\d+)")
 
@@ -54,13 +57,6 @@ SHAPES = {
     "tiny": {"batch_size": 8, "group_size": 8, "max_new_tokens": 8, "kv_capacity": 32},
     "bench-40m": {"batch_size": 8, "group_size": 4, "max_new_tokens": 64, "kv_capacity": 96},
 }
-
-
-def load_avg() -> Optional[list[float]]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 # --------------------------------------------------------------------------- the model directories

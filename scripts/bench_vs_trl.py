@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rl import REPO_ROOT, bench_40m_dir, child_env, load_avg  # noqa: E402
+from bench_common import load_avg  # noqa: E402
+from bench_rl import REPO_ROOT, bench_40m_dir, child_env  # noqa: E402
 
 
 def write_prompts(path: Path, count: int = 512, seed: int = 0) -> Path:
