@@ -344,6 +344,8 @@ class JaxEngine:
             "engine/decode_steps": float(s["decode_steps"]),
             "engine/decode_s": float(s["decode_s"]),
             "engine/decode_ms_per_step": 1e3 * s["decode_s"] / s["decode_steps"] if s["decode_steps"] else 0.0,
+            "engine/decode_wait_s": float(s["decode_wait_s"]),
+            "engine/decode_host_s": float(s["decode_host_s"]),
             "engine/swaps": float(s["swaps"]),
             "engine/swap_latency_s": s["swap_s"] / s["swaps"] if s["swaps"] else 0.0,
             "engine/swap_latency_max_s": float(s["swap_max_s"]),
@@ -559,11 +561,17 @@ class JaxEngine:
         c = self._controls
         active = c.active.copy()
         filtered = bool(np.any(active & ((c.top_k > 0) | (c.top_p < 1.0))))
+        with self._cond:
+            # A slot freed inside the chunk ends it early when the next waiting request fits
+            # (or, with none waiting, at the first finish: a client usually submits again at once).
+            c.refill_free[...] = self._waiting[0].request.n if self._waiting else 1
         version = self._version
         self._state, tokens, logprobs, emitted = decode_chunk_jit(
             self.graphdef, self._params, self._state, snapshot(c), self.chunk, filtered, self._layout
         )
+        dispatched = time.monotonic()
         tokens, logprobs, emitted = np.asarray(tokens), np.asarray(logprobs), np.asarray(emitted)
+        ready = time.monotonic()
         steps = int(emitted.any(axis=0).sum())
         self._stats["decode_steps"] += steps
         self._stats["decode_tokens"] += int(emitted.sum())
@@ -572,7 +580,10 @@ class JaxEngine:
             assert owner is not None, f"active slot {slot} has no owner"
             pending, j = owner
             self._consume(pending, j, slot, tokens[slot], logprobs[slot], emitted[slot], version)
-        self._stats["decode_s"] += time.monotonic() - started
+        finished = time.monotonic()
+        self._stats["decode_s"] += finished - started
+        self._stats["decode_wait_s"] += ready - dispatched
+        self._stats["decode_host_s"] += (dispatched - started) + (finished - ready)
 
     def _consume(self, pending: _Pending, j: int, slot: int, tokens, logprobs, emitted, version: int) -> None:
         """Append one slot's chunk output to its sample and end the sample when it stopped."""
