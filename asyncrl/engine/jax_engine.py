@@ -21,7 +21,10 @@ included) comes out of the same decode program: the model's own KV-cache forward
 for all slots, then sampling. What each slot asks for (temperature, top-k/top-p, stops,
 limits, its last token) is a :class:`~asyncrl.engine.jax_programs.SlotControls` the
 scheduler keeps on the host and hands to every chunk. Finished slots are refilled from the
-queue at the next chunk boundary (continuous batching). The programs are module-level jits
+queue at the next chunk boundary (continuous batching); a chunk ends early once a slot
+finished in it and the next waiting request fits in the free slots (with none waiting, at the
+first finish: callers typically submit again at once), so a freed slot idles for at most
+the steps until the next finish rather than the rest of a chunk plus a whole one. The programs are module-level jits
 shared by every engine with the same model shapes: one prefill per bucket and two decode
 variants (:func:`compile_count`, reported as ``engine/compiles``).
 
@@ -325,7 +328,10 @@ class JaxEngine:
         return compile_count()
 
     def metrics(self) -> dict[str, float]:
-        """Cumulative figures since start (``engine/...``)."""
+        """Cumulative figures since start (``engine/...``). ``decode_s`` (wall time of decode
+        chunks) splits into ``decode_wait_s`` (blocked on a chunk's results: device time not
+        hidden by host work) and ``decode_host_s`` (dispatch, control upload, per-slot
+        bookkeeping on the scheduler thread)."""
         s = self._stats
         slot_steps = s["decode_steps"] * self.slots
         return {
