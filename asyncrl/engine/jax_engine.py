@@ -208,6 +208,8 @@ class JaxEngine:
         self._closed = False
         self._crash: Optional[str] = None
         self._warned_truncation = False
+        self._freed = 0  # slots the last decode chunk freed
+        self._step_s = 0.0  # wall seconds per step of the last decode chunk
         self._stats: collections.defaultdict[str, float] = collections.defaultdict(float)  # the figures behind metrics()
         self._started = time.monotonic()
         if warmup:
@@ -331,7 +333,8 @@ class JaxEngine:
         """Cumulative figures since start (``engine/...``). ``decode_s`` (wall time of decode
         chunks) splits into ``decode_wait_s`` (blocked on a chunk's results: device time not
         hidden by host work) and ``decode_host_s`` (dispatch, control upload, per-slot
-        bookkeeping on the scheduler thread)."""
+        bookkeeping on the scheduler thread); ``refill_wait_s`` is the time spent after chunks
+        that freed slots waiting (briefly) for callers to submit again."""
         s = self._stats
         slot_steps = s["decode_steps"] * self.slots
         return {
@@ -352,6 +355,7 @@ class JaxEngine:
             "engine/decode_ms_per_step": 1e3 * s["decode_s"] / s["decode_steps"] if s["decode_steps"] else 0.0,
             "engine/decode_wait_s": float(s["decode_wait_s"]),
             "engine/decode_host_s": float(s["decode_host_s"]),
+            "engine/refill_wait_s": float(s["refill_wait_s"]),
             "engine/swaps": float(s["swaps"]),
             "engine/swap_latency_s": s["swap_s"] / s["swaps"] if s["swaps"] else 0.0,
             "engine/swap_latency_max_s": float(s["swap_max_s"]),
@@ -433,6 +437,7 @@ class JaxEngine:
                 self._admit()
                 if self._running:
                     self._decode()
+                    self._await_refill()
         except BaseException:  # noqa: BLE001 - delivered to every caller
             tb = traceback.format_exc()
             logger.error("inference engine thread died:\n%s", tb)
@@ -587,9 +592,24 @@ class JaxEngine:
             pending, j = owner
             self._consume(pending, j, slot, tokens[slot], logprobs[slot], emitted[slot], version)
         finished = time.monotonic()
+        self._freed = int(np.sum(active & ~c.active))
+        self._step_s = (finished - started) / max(steps, 1)
         self._stats["decode_s"] += finished - started
         self._stats["decode_wait_s"] += ready - dispatched
         self._stats["decode_host_s"] += (dispatched - started) + (finished - ready)
+
+    def _await_refill(self) -> None:
+        """After a chunk that freed slots, give the callers whose requests just finished a moment
+        to submit their next one before the next chunk starts without them: up to a tenth of a
+        decode step, woken at once by a submission (the idle slot would otherwise wait for the
+        next chunk boundary, i.e. the next finish)."""
+        if not self._freed:
+            return
+        started = time.monotonic()
+        with self._cond:
+            if not (self._waiting or self._closed or self._update is not None or self._aborts):
+                self._cond.wait(min(0.1 * self._step_s, 0.05))
+        self._stats["refill_wait_s"] += time.monotonic() - started
 
     def _consume(self, pending: _Pending, j: int, slot: int, tokens, logprobs, emitted, version: int) -> None:
         """Append one slot's chunk output to its sample and end the sample when it stopped."""
