@@ -517,14 +517,22 @@ class JaxEngine:
                     self._end_sample(p, j, "aborted")
 
     def _admit(self) -> None:
+        admitted = False
         while True:
             free = self._free_slots()
             with self._cond:
                 if not self._waiting or self._waiting[0].request.n > len(free):
-                    return
+                    break
                 pending = self._waiting.popleft()
                 self._running.add(pending)
             self._prefill(pending, free[: pending.request.n])
+            admitted = True
+        if admitted:
+            # Prefills run asynchronously: wait for them here so that their device time counts
+            # as prefill_s, not as the next chunk's decode_s (engine/decode_ms_per_step).
+            started = time.monotonic()
+            jax.block_until_ready(self._state)
+            self._stats["prefill_s"] += time.monotonic() - started
 
     def _prefill(self, pending: _Pending, rows: list[int]) -> None:
         request = pending.request
