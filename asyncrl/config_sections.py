@@ -296,7 +296,7 @@ class EngineConfig(Section):
     kv_capacity: int = Field(default=512, ge=2)
     """Tokens one slot holds: prompt + ``max_new_tokens`` of every request must fit."""
     decode_chunk: int = Field(default=8, ge=1)
-    """Tokens decoded per compiled call; finished slots are refilled and published weights installed between chunks."""
+    """Most tokens decoded per compiled call (a call ends early once every slot is done, or a slot finished and the next waiting request fits); finished slots are refilled and published weights installed between calls."""
     prefill_buckets: list[int] = Field(default_factory=lambda: [16, 32, 64, 128, 256, 512])
     """Prompt lengths prefill is compiled for (one program each); a prompt uses the smallest that holds it."""
     max_stop_ids: int = Field(default=8, ge=1)

@@ -410,6 +410,43 @@ def test_inverse_cdf_sampler_frequencies():
     assert freq[2] == 0
 
 
+def test_inverse_cdf_sampler_across_blocks():
+    """The two-level inverse CDF (blocks of 128 tokens, a padded last block, blocks without
+    mass) draws each token with its probability and never a zero-probability one."""
+    from asyncrl.engine.jax_programs import _sample
+
+    probs = np.zeros(300, np.float32)
+    probs[[5, 127, 128, 200, 299]] = [0.2, 0.1, 0.3, 0.15, 0.25]
+    with np.errstate(divide="ignore"):
+        logits = jnp.asarray(np.log(probs))
+    keys = jax.random.split(jax.random.PRNGKey(1), 40000)
+    draws = np.asarray(jax.jit(jax.vmap(lambda k: _sample(k[None], logits[None])[0]))(keys))
+    freq = np.bincount(draws, minlength=300) / len(draws)
+    np.testing.assert_allclose(freq, probs, atol=0.01)
+    assert set(np.flatnonzero(freq)) <= {5, 127, 128, 200, 299}
+
+
+def test_decode_chunk_ends_early_when_a_finished_slot_can_be_refilled(tiny):
+    """A slot that finishes inside a chunk ends it once ``refill_free`` slots are free (so the
+    scheduler refills it at once); with ``refill_free`` above the slot count the chunk runs on."""
+    from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls, init_slot_state
+
+    lm, graphdef, params = tiny
+    controls = idle_controls(2, 8)
+    controls.active[:] = True
+    controls.max_new_tokens[:] = [3, 20]
+    controls.last_token[:] = [7, 9]
+    emitted = {}
+    for refill_free in (1, 2, 3):
+        controls.refill_free[...] = refill_free
+        state = init_slot_state(lm.model.cfg, 2, 32)
+        _, _, _, out = decode_chunk_jit(graphdef, params, state, controls, 8, False, None)
+        emitted[refill_free] = np.asarray(out).sum(axis=1).tolist()
+    assert emitted[1] == [3, 3]  # slot 0 ended at step 3 and one free slot is enough to refill
+    assert emitted[2] == [3, 8]  # two free slots needed: slot 1 is still running
+    assert emitted[3] == [3, 8]
+
+
 def test_engine_config_cross_field_checks():
     from asyncrl.config import load_config
     from asyncrl.errors import ConfigError

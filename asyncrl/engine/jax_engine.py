@@ -21,7 +21,10 @@ included) comes out of the same decode program: the model's own KV-cache forward
 for all slots, then sampling. What each slot asks for (temperature, top-k/top-p, stops,
 limits, its last token) is a :class:`~asyncrl.engine.jax_programs.SlotControls` the
 scheduler keeps on the host and hands to every chunk. Finished slots are refilled from the
-queue at the next chunk boundary (continuous batching). The programs are module-level jits
+queue at the next chunk boundary (continuous batching); a chunk ends early once a slot
+finished in it and the next waiting request fits in the free slots (with none waiting, at the
+first finish: callers typically submit again at once), so a freed slot idles for at most
+the steps until the next finish rather than the rest of a chunk plus a whole one. The programs are module-level jits
 shared by every engine with the same model shapes: one prefill per bucket and two decode
 variants (:func:`compile_count`, reported as ``engine/compiles``).
 
@@ -205,6 +208,8 @@ class JaxEngine:
         self._closed = False
         self._crash: Optional[str] = None
         self._warned_truncation = False
+        self._freed = 0  # slots the last decode chunk freed
+        self._step_s = 0.0  # wall seconds per step of the last decode chunk
         self._stats: collections.defaultdict[str, float] = collections.defaultdict(float)  # the figures behind metrics()
         self._started = time.monotonic()
         if warmup:
@@ -325,7 +330,11 @@ class JaxEngine:
         return compile_count()
 
     def metrics(self) -> dict[str, float]:
-        """Cumulative figures since start (``engine/...``)."""
+        """Cumulative figures since start (``engine/...``). ``decode_s`` (wall time of decode
+        chunks) splits into ``decode_wait_s`` (blocked on a chunk's results: device time not
+        hidden by host work) and ``decode_host_s`` (dispatch, control upload, per-slot
+        bookkeeping on the scheduler thread); ``refill_wait_s`` is the time spent after chunks
+        that freed slots waiting (briefly) for callers to submit again."""
         s = self._stats
         slot_steps = s["decode_steps"] * self.slots
         return {
@@ -344,6 +353,9 @@ class JaxEngine:
             "engine/decode_steps": float(s["decode_steps"]),
             "engine/decode_s": float(s["decode_s"]),
             "engine/decode_ms_per_step": 1e3 * s["decode_s"] / s["decode_steps"] if s["decode_steps"] else 0.0,
+            "engine/decode_wait_s": float(s["decode_wait_s"]),
+            "engine/decode_host_s": float(s["decode_host_s"]),
+            "engine/refill_wait_s": float(s["refill_wait_s"]),
             "engine/swaps": float(s["swaps"]),
             "engine/swap_latency_s": s["swap_s"] / s["swaps"] if s["swaps"] else 0.0,
             "engine/swap_latency_max_s": float(s["swap_max_s"]),
@@ -425,6 +437,7 @@ class JaxEngine:
                 self._admit()
                 if self._running:
                     self._decode()
+                    self._await_refill()
         except BaseException:  # noqa: BLE001 - delivered to every caller
             tb = traceback.format_exc()
             logger.error("inference engine thread died:\n%s", tb)
@@ -504,14 +517,22 @@ class JaxEngine:
                     self._end_sample(p, j, "aborted")
 
     def _admit(self) -> None:
+        admitted = False
         while True:
             free = self._free_slots()
             with self._cond:
                 if not self._waiting or self._waiting[0].request.n > len(free):
-                    return
+                    break
                 pending = self._waiting.popleft()
                 self._running.add(pending)
             self._prefill(pending, free[: pending.request.n])
+            admitted = True
+        if admitted:
+            # Prefills run asynchronously: wait for them here so that their device time counts
+            # as prefill_s, not as the next chunk's decode_s (engine/decode_ms_per_step).
+            started = time.monotonic()
+            jax.block_until_ready(self._state)
+            self._stats["prefill_s"] += time.monotonic() - started
 
     def _prefill(self, pending: _Pending, rows: list[int]) -> None:
         request = pending.request
@@ -559,11 +580,17 @@ class JaxEngine:
         c = self._controls
         active = c.active.copy()
         filtered = bool(np.any(active & ((c.top_k > 0) | (c.top_p < 1.0))))
+        with self._cond:
+            # A slot freed inside the chunk ends it early when the next waiting request fits
+            # (or, with none waiting, at the first finish: a client usually submits again at once).
+            c.refill_free[...] = self._waiting[0].request.n if self._waiting else 1
         version = self._version
         self._state, tokens, logprobs, emitted = decode_chunk_jit(
             self.graphdef, self._params, self._state, snapshot(c), self.chunk, filtered, self._layout
         )
+        dispatched = time.monotonic()
         tokens, logprobs, emitted = np.asarray(tokens), np.asarray(logprobs), np.asarray(emitted)
+        ready = time.monotonic()
         steps = int(emitted.any(axis=0).sum())
         self._stats["decode_steps"] += steps
         self._stats["decode_tokens"] += int(emitted.sum())
@@ -572,7 +599,25 @@ class JaxEngine:
             assert owner is not None, f"active slot {slot} has no owner"
             pending, j = owner
             self._consume(pending, j, slot, tokens[slot], logprobs[slot], emitted[slot], version)
-        self._stats["decode_s"] += time.monotonic() - started
+        finished = time.monotonic()
+        self._freed = int(np.sum(active & ~c.active))
+        self._step_s = (finished - started) / max(steps, 1)
+        self._stats["decode_s"] += finished - started
+        self._stats["decode_wait_s"] += ready - dispatched
+        self._stats["decode_host_s"] += (dispatched - started) + (finished - ready)
+
+    def _await_refill(self) -> None:
+        """After a chunk that freed slots, give the callers whose requests just finished a moment
+        to submit their next one before the next chunk starts without them: up to a tenth of a
+        decode step, woken at once by a submission (the idle slot would otherwise wait for the
+        next chunk boundary, i.e. the next finish)."""
+        if not self._freed:
+            return
+        started = time.monotonic()
+        with self._cond:
+            if not (self._waiting or self._closed or self._update is not None or self._aborts):
+                self._cond.wait(min(0.1 * self._step_s, 0.05))
+        self._stats["refill_wait_s"] += time.monotonic() - started
 
     def _consume(self, pending: _Pending, j: int, slot: int, tokens, logprobs, emitted, version: int) -> None:
         """Append one slot's chunk output to its sample and end the sample when it stopped."""
