@@ -254,7 +254,9 @@ def test_update_weights_at_chunk_boundary_and_not_stale(tiny):
         logits = np.asarray(logits, np.float64)[0, : n - switch] / temperature
         logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
         ref = logits[np.arange(n - switch), r.output_ids[switch:]] - logz
-        np.testing.assert_allclose(r.logprobs[switch:], ref, atol=1e-5, rtol=0)
+        # float32 log-probs of magnitude ~10 summed in another order (one token at a time vs the whole
+        # rest at once) differ by a few ulp; the old weights' log-probs would be off by far more.
+        np.testing.assert_allclose(r.logprobs[switch:], ref, atol=1e-4, rtol=0)
 
         # A greedy request after update_weights returned is the new weights' greedy output.
         (g,) = eng.generate(GenerationRequest(prompt_ids=prompt, greedy=True, max_new_tokens=30, stop_token_ids=[]))
