@@ -299,7 +299,10 @@ def from_hf_config(hf: Any, *, source: str = "config.json", **runtime: Any) -> D
         pad_token_id=getattr(hf, "pad_token_id", None),
     )
     cfg.update(runtime)
-    return DecoderConfig(**cfg)
+    try:
+        return DecoderConfig(**cfg)
+    except ModelError as err:  # e.g. heads not a multiple of kv heads: say which file
+        raise ModelError(f"{source}: {err}") from None
 
 
 def to_hf_config(cfg: DecoderConfig) -> Any:
