@@ -8,7 +8,7 @@ Loading imports no torch for ``config.json``, which is read as JSON and normalis
 ``transformers.AutoConfig`` does (class defaults; older layouts, e.g. top-level ``rope_theta`` +
 ``rope_scaling``, into ``rope_parameters``; :func:`~asyncrl.model.config.hf_config_from_dict`),
 nor for the built-in models' tokenizers, loaded without ``AutoTokenizer`` (:func:`load_tokenizer`);
-tensors are read through ``safetensors.safe_open(framework="flax")``
+tensors are read through ``safetensors.safe_open(framework="np")``
 (bfloat16 included), single-file or sharded (``model.safetensors.index.json``).
 Every missing, unexpected or mis-shaped tensor is listed in one ModelError; a tied
 head is not missing (and an ``lm_head.weight`` saved beside tied embeddings is
@@ -84,7 +84,9 @@ def read_hf_config(model_dir: Path) -> Any:
 
 
 def read_safetensors(model_dir: Path) -> dict[str, Any]:
-    """All tensors of a directory as jax arrays (bf16 stays bf16): sharded or single file."""
+    """All tensors of a directory as host numpy arrays (bf16 stays bf16, as ml_dtypes'
+    bfloat16): sharded or single file. Read as numpy, not as jax arrays: safetensors' flax
+    reader runs a jax program per tensor shape (a compile or cache load each at start-up)."""
     from safetensors import safe_open
 
     index = model_dir / SAFETENSORS_INDEX
@@ -108,7 +110,7 @@ def read_safetensors(model_dir: Path) -> dict[str, Any]:
         if not file.is_file():
             raise ModelError(f"{index}: names shard {name}, which does not exist")
         try:
-            with safe_open(str(file), framework="flax") as f:
+            with safe_open(str(file), framework="np") as f:
                 for key in f.keys():
                     tensors[key] = f.get_tensor(key)
         except ModelError:
@@ -118,14 +120,16 @@ def read_safetensors(model_dir: Path) -> dict[str, Any]:
     return tensors
 
 
-def _param_layout(cfg: DecoderConfig) -> dict[tuple, tuple[str, bool, tuple[int, ...]]]:
-    """Our param path -> (HF tensor name, transposed?, our shape)."""
+def _param_layout(cfg: DecoderConfig, abstract: Any = None) -> dict[tuple, tuple[str, bool, tuple[int, ...]]]:
+    """Our param path -> (HF tensor name, transposed?, our shape). ``abstract``: the
+    ``nnx.eval_shape`` Decoder of ``cfg`` when the caller has one (tracing it again costs time)."""
     import jax
     from flax import nnx
 
     from asyncrl.model.transformer import Decoder
 
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    if abstract is None:
+        abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
     pure = nnx.to_pure_dict(nnx.state(abstract))
     layout = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(pure)[0]:
@@ -139,13 +143,19 @@ def _param_layout(cfg: DecoderConfig) -> dict[tuple, tuple[str, bool, tuple[int,
     return layout
 
 
-def params_from_hf(cfg: DecoderConfig, tensors: dict[str, Any], source: str) -> dict:
-    """Our pure params dict from HF tensors; one ModelError lists every problem."""
-    import jax.numpy as jnp
+def params_from_hf(cfg: DecoderConfig, tensors: dict[str, Any], source: str, abstract: Any = None) -> dict:
+    """Our pure params dict from HF tensors; one ModelError lists every problem.
+
+    Casts and transposes run in numpy on the host (bfloat16 through ml_dtypes), then each array
+    is put on the device once: as jax operations each tensor shape was a program of its own to
+    compile or load from the compilation cache, tens of them at every start-up (``jnp.asarray``
+    of a numpy array too, in this jax; ``jax.device_put`` is a plain transfer)."""
+    import jax
+    import numpy as np
 
     from asyncrl.model.transformer import dtype_of
 
-    layout = _param_layout(cfg)
+    layout = _param_layout(cfg, abstract)
     expected = {hf_name for hf_name, _, _ in layout.values()}
     missing, mis_shaped = [], []
     params: dict = {}
@@ -158,11 +168,11 @@ def params_from_hf(cfg: DecoderConfig, tensors: dict[str, Any], source: str) -> 
         if tuple(tensor.shape) != hf_shape:
             mis_shaped.append(f"{hf_name}: file has {list(tensor.shape)}, config needs {list(hf_shape)}")
             continue
-        value = jnp.asarray(tensor).astype(dtype_of(cfg.param_dtype))
+        value = np.asarray(tensor).astype(dtype_of(cfg.param_dtype), copy=False)
         node = params
         for k in keys[:-1]:
             node = node.setdefault(k, {})
-        node[keys[-1]] = value.T if transposed else value
+        node[keys[-1]] = jax.device_put(np.ascontiguousarray(value.T) if transposed else value)
     allowed_extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     unexpected = sorted(
         n for n in tensors if n not in expected and n not in allowed_extra and not n.endswith(_IGNORED_SUFFIXES)
@@ -264,8 +274,8 @@ def load_hf_directory(model_dir: Path, *, with_tokenizer: bool = True, builtin: 
 
     hf_config = read_hf_config(model_dir)
     cfg = from_hf_config(hf_config, source=str(model_dir / "config.json"), **runtime)
-    params = params_from_hf(cfg, read_safetensors(model_dir), str(model_dir))
     model = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    params = params_from_hf(cfg, read_safetensors(model_dir), str(model_dir), abstract=model)
     state = nnx.state(model)
     nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
