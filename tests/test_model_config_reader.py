@@ -138,18 +138,21 @@ def test_builtin_tokenizers_load_as_autotokenizer_loads_them(builtin_dirs):
 def test_loading_a_builtin_model_imports_no_torch(builtin_dirs, tmp_path):
     """The start-up path of a run on a built-in model: the CLI and train modules, the model with
     its tokenizer, the TensorBoard sink. transformers' config classes (and tensorboardX) import
-    torch whenever it is installed, which was most of a small run's start-up."""
+    torch whenever it is installed, which was most of a small run's start-up; flax imports
+    IPython (where installed) only to ask whether a notebook is running."""
     run_python(f"""
         import sys
         from pathlib import Path
-        import asyncrl.cli, asyncrl.train
+        import asyncrl.cli
+        asyncrl.cli._import_flax_without_ipython()  # as `asyncrl train` does before its imports
+        import asyncrl.train
         from asyncrl.metrics import TensorBoardSink
         from asyncrl.model import load_model
         from asyncrl.model.hf import load_hf_directory
         for lm in (load_model("tiny"), load_hf_directory(Path({str(builtin_dirs["tiny-qwen3"])!r}), builtin=True)):
             assert lm.tokenizer.apply_chat_template([{{"role": "user", "content": "1"}}], tokenize=False)
         TensorBoardSink({str(tmp_path)!r}).close()
-        heavy = sorted(m for m in ("torch", "transformers.configuration_utils") if m in sys.modules)
+        heavy = sorted(m for m in ("torch", "transformers.configuration_utils", "IPython") if m in sys.modules)
         assert not heavy, heavy
         import torch  # still importable afterwards
     """)
