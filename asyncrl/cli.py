@@ -234,6 +234,21 @@ def _exit_on_signal_outside_the_run() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+def _import_flax_without_ipython() -> None:
+    """Import flax now, without the import of IPython it makes only to ask whether an IPython
+    shell is running (``flax.nnx.reprlib``; 0.4 to 1 s of start-up where IPython is installed).
+    A shell runs only where IPython is already imported, so when it is not, the answer without
+    it (no shell) is the same; the command has started no other thread yet."""
+    if "flax.nnx" in sys.modules or "IPython" in sys.modules:
+        return
+    sys.modules["IPython"] = None  # type: ignore[assignment]  # makes `import IPython` raise ImportError
+    try:
+        import flax.nnx  # noqa: F401
+    finally:
+        if "IPython" in sys.modules and sys.modules["IPython"] is None:
+            del sys.modules["IPython"]
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "version":
         print(f"asyncrl {__version__}")
@@ -262,6 +277,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     # Other libraries (jax, transformers) speak at WARNING and up; asyncrl at logging.level.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("asyncrl").setLevel(cfg.logging.level)
+    _import_flax_without_ipython()
     if args.command == "train":
         from asyncrl.train import TrainingInterrupted, train
 

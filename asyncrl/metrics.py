@@ -170,14 +170,31 @@ class JsonlSink:
         self._appender.close()
 
 
+def _summary_writer_class() -> type:
+    """tensorboardX's ``SummaryWriter``, imported without importing torch.
+
+    tensorboardX's writer module imports torch whenever it is installed, only for a type alias
+    (``numpy_compatible``), and that import was seconds of every run's start-up; the sink logs
+    plain floats. So while tensorboardX first loads (once per process), ``import torch`` fails
+    for it; torch imports normally afterwards. Where torch is already imported this changes nothing."""
+    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # makes `import torch` raise ImportError
+        try:
+            import tensorboardX  # noqa: F401
+        finally:
+            if "torch" in sys.modules and sys.modules["torch"] is None:
+                del sys.modules["torch"]
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter
+
+
 class TensorBoardSink:
     """TensorBoard event files under ``logdir`` (``tensorboard --logdir <run.output_dir>``)."""
 
     def __init__(self, logdir: str | Path):
-        from tensorboardX import SummaryWriter
-
         self._logdir = logdir
-        self._writer = SummaryWriter(logdir=str(logdir))
+        self._writer = _summary_writer_class()(logdir=str(logdir))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         try:

@@ -14,6 +14,8 @@ option, never a silently different model.
 from __future__ import annotations
 
 import dataclasses
+import json
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from asyncrl.errors import ModelError
@@ -106,6 +108,104 @@ class DecoderConfig:
         return self.vocab_size * h + self.num_layers * layer + h + head
 
 
+# --------------------------------------------------------------------------- config.json without transformers
+
+# What transformers 5's LlamaConfig / Qwen2Config / Qwen3Config give a field config.json leaves
+# out, for every field from_hf_config and the loader read (tests/test_model_config_reader.py
+# compares this reader with AutoConfig on each family).
+_LLAMA_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=None, head_dim=None, hidden_act="silu", max_position_embeddings=2048,
+    initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=None,
+    attention_bias=False, mlp_bias=False, pad_token_id=None, bos_token_id=1, eos_token_id=2,
+)
+_QWEN2_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=32, hidden_act="silu", max_position_embeddings=32768, initializer_range=0.02,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=None, use_sliding_window=False,
+    sliding_window=4096, max_window_layers=28, layer_types=None, pad_token_id=None, bos_token_id=None,
+    eos_token_id=None,
+)
+_HF_DEFAULTS = {
+    "llama": _LLAMA_DEFAULTS,
+    "qwen2": _QWEN2_DEFAULTS,
+    "qwen3": {**_QWEN2_DEFAULTS, "head_dim": 128, "attention_bias": False},
+}
+_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings", "max_window_layers")
+_FLOAT_FIELDS = ("rms_norm_eps", "initializer_range")
+_ROPE_REQUIRED = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+
+
+def hf_config_from_dict(raw: dict[str, Any], *, source: str = "config.json") -> SimpleNamespace:
+    """The parsed ``config.json`` of a supported family as the attributes ``AutoConfig`` would
+    give it (class defaults filled in, rope settings normalised into ``rope_parameters``), for
+    :func:`from_hf_config`; without importing transformers (whose config classes import torch
+    whenever it is installed, seconds of every start-up).
+
+    Other model types come back as they are, for :func:`from_hf_config` to refuse by name.
+    A field of the wrong type, or a rope setting missing a required key, is a ModelError
+    naming ``source``, where transformers would refuse the file too."""
+    model_type = raw.get("model_type")
+    if model_type not in _HF_DEFAULTS:
+        return SimpleNamespace(**raw)
+    values = {**_HF_DEFAULTS[model_type], **raw}
+    for name in _INT_FIELDS:
+        value = values.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ModelError(f"{source}: {name} must be an integer, got {value!r}")
+    for name in _FLOAT_FIELDS:
+        value = values.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ModelError(f"{source}: {name} must be a number, got {value!r}")
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    if model_type == "llama":
+        if values["head_dim"] is None:
+            values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+        if values["hidden_size"] % values["num_attention_heads"]:
+            raise ModelError(f"{source}: hidden_size={values['hidden_size']} is not a multiple of "
+                             f"num_attention_heads={values['num_attention_heads']}")
+    else:  # Qwen2/Qwen3: sliding layers are those from max_window_layers on, when use_sliding_window
+        values["sliding_window"] = values["sliding_window"] if values["use_sliding_window"] else None
+        if values["layer_types"] is None:
+            values["layer_types"] = [
+                "sliding_attention" if values["sliding_window"] is not None and i >= values["max_window_layers"]
+                else "full_attention" for i in range(values["num_hidden_layers"])
+            ]
+    values["rope_parameters"] = _normalised_rope(values, model_type, source)
+    return SimpleNamespace(**values)
+
+
+def _normalised_rope(values: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """``rope_parameters`` as transformers 5 standardises it: a legacy ``rope_scaling`` wins,
+    top-level ``rope_theta`` / ``partial_rotary_factor`` move in, ``type`` becomes ``rope_type``,
+    llama3 scaling gets ``original_max_position_embeddings`` from ``max_position_embeddings``."""
+    rope = values.pop("rope_scaling", None) or values.get("rope_parameters")
+    rope = json.loads(json.dumps(rope)) if rope else {}  # a deep copy: the caller's dict stays as read
+    theta = values.pop("rope_theta", 10000.0)
+    partial = values.pop("partial_rotary_factor", None)
+    # per-layer-type parameters are nested under layer-type names (from_hf_config refuses them)
+    labels = values.get("layer_types") if model_type != "llama" else None
+    nested = [key for key in rope if key in (labels or ())]
+    for params in [rope[key] for key in nested] or [rope]:
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise ModelError(f"{source}: rope_parameters must be an object, got {params!r}")
+        params.setdefault("rope_type", params.get("type", "default"))
+        params.setdefault("rope_theta", theta)
+        if partial is not None:
+            params.setdefault("partial_rotary_factor", partial)
+        if params["rope_type"] in ("llama3", "yarn", "longrope"):
+            params.setdefault("original_max_position_embeddings", values["max_position_embeddings"])
+        missing = [key for key in _ROPE_REQUIRED.get(params["rope_type"], ()) if key not in params]
+        if missing:
+            raise ModelError(f"{source}: rope_parameters of rope_type {params['rope_type']!r} needs "
+                             f"{', '.join(missing)}")
+    return rope
+
+
 # --------------------------------------------------------------------------- from / to HF
 
 
@@ -120,7 +220,8 @@ def _has_sliding_layers(hf: Any) -> bool:
 
 
 def from_hf_config(hf: Any, *, source: str = "config.json", **runtime: Any) -> DecoderConfig:
-    """Translate a ``transformers`` config object (from ``AutoConfig``) into a DecoderConfig.
+    """Translate a ``transformers`` config object (from ``AutoConfig``), or the equivalent view
+    :func:`hf_config_from_dict` makes of a ``config.json``, into a DecoderConfig.
 
     ``runtime`` sets the runtime fields (param_dtype, compute_dtype, remat,
     logprob_chunk_size, logprob_chunk_budget_mb, attention). Unsupported model types or options raise ModelError naming
@@ -198,7 +299,10 @@ def from_hf_config(hf: Any, *, source: str = "config.json", **runtime: Any) -> D
         pad_token_id=getattr(hf, "pad_token_id", None),
     )
     cfg.update(runtime)
-    return DecoderConfig(**cfg)
+    try:
+        return DecoderConfig(**cfg)
+    except ModelError as err:  # e.g. heads not a multiple of kv heads: say which file
+        raise ModelError(f"{source}: {err}") from None
 
 
 def to_hf_config(cfg: DecoderConfig) -> Any:

@@ -4,9 +4,11 @@ Resolving ``model.path`` (a hub id, ``tiny``, ``tiny-qwen3``) to such a director
 :mod:`asyncrl.model.loading`'s (above this module and the built-in models, which write
 their directories through :func:`export_hf`).
 
-Loading never needs torch: ``config.json`` is read through ``transformers.AutoConfig``
-(which also normalises older layouts, e.g. top-level ``rope_theta`` + ``rope_scaling``,
-into ``rope_parameters``), tensors through ``safetensors.safe_open(framework="flax")``
+Loading imports no torch for ``config.json``, which is read as JSON and normalised the way
+``transformers.AutoConfig`` does (class defaults; older layouts, e.g. top-level ``rope_theta`` +
+``rope_scaling``, into ``rope_parameters``; :func:`~asyncrl.model.config.hf_config_from_dict`),
+nor for the built-in models' tokenizers, loaded without ``AutoTokenizer`` (:func:`load_tokenizer`);
+tensors are read through ``safetensors.safe_open(framework="np")``
 (bfloat16 included), single-file or sharded (``model.safetensors.index.json``).
 Every missing, unexpected or mis-shaped tensor is listed in one ModelError; a tied
 head is not missing (and an ``lm_head.weight`` saved beside tied embeddings is
@@ -30,7 +32,7 @@ from typing import Any, NamedTuple, Optional
 
 
 from asyncrl.errors import ModelError
-from asyncrl.model.config import DecoderConfig, from_hf_config, to_hf_config
+from asyncrl.model.config import DecoderConfig, from_hf_config, hf_config_from_dict, to_hf_config
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -62,23 +64,29 @@ class LoadedModel(NamedTuple):
 
 
 def read_hf_config(model_dir: Path) -> Any:
-    """``config.json`` through ``transformers.AutoConfig`` (errors name the file)."""
-    from transformers import AutoConfig
-
+    """``config.json`` as the attributes ``transformers.AutoConfig`` would give it, read by
+    :func:`~asyncrl.model.config.hf_config_from_dict` (errors name the file). Not through
+    transformers itself: its config classes import torch whenever torch is installed, which
+    was most of a small run's start-up."""
     cfg_file = model_dir / "config.json"
     if not cfg_file.is_file():
         raise ModelError(f"{model_dir}: no config.json")
     try:
-        return AutoConfig.from_pretrained(str(model_dir))
-    except Exception as err:
-        raise ModelError(f"{cfg_file}: transformers cannot read it: {err}") from err
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelError(f"{cfg_file}: cannot read it as JSON ({err})") from err
+    if not isinstance(raw, dict):
+        raise ModelError(f"{cfg_file}: not a JSON object (found {type(raw).__name__})")
+    return hf_config_from_dict(raw, source=str(cfg_file))
 
 
 # --------------------------------------------------------------------------- tensors
 
 
 def read_safetensors(model_dir: Path) -> dict[str, Any]:
-    """All tensors of a directory as jax arrays (bf16 stays bf16): sharded or single file."""
+    """All tensors of a directory as host numpy arrays (bf16 stays bf16, as ml_dtypes'
+    bfloat16): sharded or single file. Read as numpy, not as jax arrays: safetensors' flax
+    reader runs a jax program per tensor shape (a compile or cache load each at start-up)."""
     from safetensors import safe_open
 
     index = model_dir / SAFETENSORS_INDEX
@@ -102,7 +110,7 @@ def read_safetensors(model_dir: Path) -> dict[str, Any]:
         if not file.is_file():
             raise ModelError(f"{index}: names shard {name}, which does not exist")
         try:
-            with safe_open(str(file), framework="flax") as f:
+            with safe_open(str(file), framework="np") as f:
                 for key in f.keys():
                     tensors[key] = f.get_tensor(key)
         except ModelError:
@@ -112,14 +120,16 @@ def read_safetensors(model_dir: Path) -> dict[str, Any]:
     return tensors
 
 
-def _param_layout(cfg: DecoderConfig) -> dict[tuple, tuple[str, bool, tuple[int, ...]]]:
-    """Our param path -> (HF tensor name, transposed?, our shape)."""
+def _param_layout(cfg: DecoderConfig, abstract: Any = None) -> dict[tuple, tuple[str, bool, tuple[int, ...]]]:
+    """Our param path -> (HF tensor name, transposed?, our shape). ``abstract``: the
+    ``nnx.eval_shape`` Decoder of ``cfg`` when the caller has one (tracing it again costs time)."""
     import jax
     from flax import nnx
 
     from asyncrl.model.transformer import Decoder
 
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    if abstract is None:
+        abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
     pure = nnx.to_pure_dict(nnx.state(abstract))
     layout = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(pure)[0]:
@@ -133,13 +143,19 @@ def _param_layout(cfg: DecoderConfig) -> dict[tuple, tuple[str, bool, tuple[int,
     return layout
 
 
-def params_from_hf(cfg: DecoderConfig, tensors: dict[str, Any], source: str) -> dict:
-    """Our pure params dict from HF tensors; one ModelError lists every problem."""
-    import jax.numpy as jnp
+def params_from_hf(cfg: DecoderConfig, tensors: dict[str, Any], source: str, abstract: Any = None) -> dict:
+    """Our pure params dict from HF tensors; one ModelError lists every problem.
+
+    Casts and transposes run in numpy on the host (bfloat16 through ml_dtypes), then each array
+    is put on the device once: as jax operations each tensor shape was a program of its own to
+    compile or load from the compilation cache, tens of them at every start-up (``jnp.asarray``
+    of a numpy array too, in this jax; ``jax.device_put`` is a plain transfer)."""
+    import jax
+    import numpy as np
 
     from asyncrl.model.transformer import dtype_of
 
-    layout = _param_layout(cfg)
+    layout = _param_layout(cfg, abstract)
     expected = {hf_name for hf_name, _, _ in layout.values()}
     missing, mis_shaped = [], []
     params: dict = {}
@@ -152,11 +168,11 @@ def params_from_hf(cfg: DecoderConfig, tensors: dict[str, Any], source: str) -> 
         if tuple(tensor.shape) != hf_shape:
             mis_shaped.append(f"{hf_name}: file has {list(tensor.shape)}, config needs {list(hf_shape)}")
             continue
-        value = jnp.asarray(tensor).astype(dtype_of(cfg.param_dtype))
+        value = np.asarray(tensor).astype(dtype_of(cfg.param_dtype), copy=False)
         node = params
         for k in keys[:-1]:
             node = node.setdefault(k, {})
-        node[keys[-1]] = value.T if transposed else value
+        node[keys[-1]] = jax.device_put(np.ascontiguousarray(value.T) if transposed else value)
     allowed_extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     unexpected = sorted(
         n for n in tensors if n not in expected and n not in allowed_extra and not n.endswith(_IGNORED_SUFFIXES)
@@ -209,21 +225,48 @@ def read_stop_token_ids(model_dir: Path, hf_config: Any = None, tokenizer: Any =
     return ()
 
 
-def load_tokenizer(model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
+SAVED_TOKENIZER_CLASS = "TokenizersBackend"
+"""The class transformers 5 saves a ``tokenizers``-library tokenizer as (the built-in models' kind)."""
 
+
+def load_tokenizer(model_dir: Path, *, builtin: bool = False) -> Any:
+    """The directory's tokenizer through ``transformers.AutoTokenizer``.
+
+    ``builtin=True`` (a directory asyncrl built, :mod:`asyncrl.model.tiny` / ``tiny_qwen3``):
+    the ``TokenizersBackend`` it was saved as is loaded directly, which is what AutoTokenizer
+    picks for these directories too (tests/test_model_config_reader.py checks both give the
+    same tokenizer) but without AutoTokenizer's import of transformers' config classes, which
+    import torch whenever it is installed. Any other directory keeps AutoTokenizer's choice of
+    class by model type."""
     try:
+        if builtin and _saved_tokenizer_class(model_dir) == SAVED_TOKENIZER_CLASS:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(str(model_dir))
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as err:
         raise ModelError(f"{model_dir}: transformers cannot load the tokenizer: {err}") from err
 
 
-def load_hf_directory(model_dir: Path, *, with_tokenizer: bool = True, **runtime: Any) -> LoadedModel:
+def _saved_tokenizer_class(model_dir: Path) -> Optional[str]:
+    """``tokenizer_class`` of ``tokenizer_config.json``, or None (absent or unreadable: AutoTokenizer decides)."""
+    try:
+        saved = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return saved.get("tokenizer_class") if isinstance(saved, dict) else None
+
+
+def load_hf_directory(model_dir: Path, *, with_tokenizer: bool = True, builtin: bool = False,
+                      **runtime: Any) -> LoadedModel:
     """Read the local HF directory ``model_dir`` into a :class:`LoadedModel`.
 
     ``runtime``: :func:`~asyncrl.model.loading.runtime_fields` of the :class:`DecoderConfig`
     (dtypes, remat, log-prob chunking), which no checkpoint records. ``with_tokenizer=False``
-    skips the tokenizer (``tokenizer`` is then None), for bare checkpoints.
+    skips the tokenizer (``tokenizer`` is then None), for bare checkpoints. ``builtin``: the
+    directory is a built-in model's (:func:`load_tokenizer`).
     """
     from flax import nnx
 
@@ -231,12 +274,12 @@ def load_hf_directory(model_dir: Path, *, with_tokenizer: bool = True, **runtime
 
     hf_config = read_hf_config(model_dir)
     cfg = from_hf_config(hf_config, source=str(model_dir / "config.json"), **runtime)
-    params = params_from_hf(cfg, read_safetensors(model_dir), str(model_dir))
     model = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    params = params_from_hf(cfg, read_safetensors(model_dir), str(model_dir), abstract=model)
     state = nnx.state(model)
     nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
-    tokenizer = load_tokenizer(model_dir) if with_tokenizer else None
+    tokenizer = load_tokenizer(model_dir, builtin=builtin) if with_tokenizer else None
     stop_ids = read_stop_token_ids(model_dir, hf_config, tokenizer)
     pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
     if pad is None:

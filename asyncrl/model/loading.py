@@ -99,4 +99,12 @@ def load_model(
     runtime.update({name: value for name, value in given.items() if value is not None})
     if runtime.get("compute_dtype") == "auto":
         runtime["compute_dtype"] = auto_compute_dtype()
-    return load_hf_directory(resolve_model_dir(path), with_tokenizer=with_tokenizer, **runtime)
+    model_dir = resolve_model_dir(path)
+    return load_hf_directory(model_dir, with_tokenizer=with_tokenizer, builtin=is_builtin(path), **runtime)
+
+
+def is_builtin(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a built-in model (``tiny``, ``tiny-qwen3``) rather than a directory
+    (a local directory of that name wins, as in :func:`resolve_model_dir`)."""
+    text = os.fspath(path)
+    return (is_tiny(text) or is_tiny_qwen3(text)) and not Path(text).expanduser().is_dir()
