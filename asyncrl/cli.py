@@ -239,14 +239,9 @@ def _import_flax_without_ipython() -> None:
     shell is running (``flax.nnx.reprlib``; 0.4 to 1 s of start-up where IPython is installed).
     A shell runs only where IPython is already imported, so when it is not, the answer without
     it (no shell) is the same; the command has started no other thread yet."""
-    if "flax.nnx" in sys.modules or "IPython" in sys.modules:
-        return
-    sys.modules["IPython"] = None  # type: ignore[assignment]  # makes `import IPython` raise ImportError
-    try:
-        import flax.nnx  # noqa: F401
-    finally:
-        if "IPython" in sys.modules and sys.modules["IPython"] is None:
-            del sys.modules["IPython"]
+    from asyncrl.imports import import_without
+
+    import_without("flax.nnx", "IPython")
 
 
 def _dispatch(args: argparse.Namespace) -> int:

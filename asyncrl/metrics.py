@@ -177,13 +177,9 @@ def _summary_writer_class() -> type:
     (``numpy_compatible``), and that import was seconds of every run's start-up; the sink logs
     plain floats. So while tensorboardX first loads (once per process), ``import torch`` fails
     for it; torch imports normally afterwards. Where torch is already imported this changes nothing."""
-    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
-        sys.modules["torch"] = None  # type: ignore[assignment]  # makes `import torch` raise ImportError
-        try:
-            import tensorboardX  # noqa: F401
-        finally:
-            if "torch" in sys.modules and sys.modules["torch"] is None:
-                del sys.modules["torch"]
+    from asyncrl.imports import import_without
+
+    import_without("tensorboardX", "torch")
     from tensorboardX import SummaryWriter
 
     return SummaryWriter
