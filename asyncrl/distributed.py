@@ -319,7 +319,9 @@ class Watchdog:
         deadline = self.clock() + timeout_s
         while True:
             try:
-                acked = set(self._dir("ack"))
+                # A peer that failed too is not going to acknowledge: it is exiting as well (a config
+                # error, say, fails on every process at once).
+                acked = set(self._dir("ack")) | set(self._dir("failed"))
             except Exception:  # noqa: BLE001 - coordinator gone
                 return False
             if acked >= set(self._seen):
@@ -356,8 +358,8 @@ def _at_exit() -> None:
 def exit_after_failure(exit_code: int, reason: str = "see its log") -> None:
     """End a failed process of a multi-process run now, telling the others first.
 
-    Publishes the failure notice, waits (at most the heartbeat timeout) until every other
-    process acknowledged it, then ``os._exit(exit_code)``: JAX's graceful shutdown barrier
+    Publishes the failure notice, waits (at most the heartbeat timeout plus one interval) until
+    every other process acknowledged it or failed too, then ``os._exit(exit_code)``: JAX's graceful shutdown barrier
     would wait for processes stuck in a collective with this one. No-op (returns) in a
     single-process run. While it waits, the watchdog may end the process first with
     :data:`EXIT_PEER_LOST` when the failure was caused by a lost process: the root cause.

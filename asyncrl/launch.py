@@ -22,7 +22,7 @@ import threading
 import time
 from typing import IO, Callable, Optional, Sequence
 
-from asyncrl.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from asyncrl.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, EXIT_PEER_FAILED, EXIT_PEER_LOST
 
 POLL_S = 0.1
 """How often the launcher looks at its processes (every wait is this bounded)."""
@@ -140,6 +140,9 @@ class Launcher:
             if first_failure is None:
                 failed = [(pid, code) for pid, code in enumerate(codes) if code not in (None, 0)]
                 if failed:
+                    # Exits 69/70 are processes the watchdog stopped because of another one: when
+                    # they are seen in the same poll as the root cause, name the root cause.
+                    failed.sort(key=lambda f: f[1] in (EXIT_PEER_LOST, EXIT_PEER_FAILED))
                     first_failure = failed[0]
                     alive = sum(code is None for code in codes)
                     verb = "ended" if self._signals else "failed"

@@ -131,7 +131,7 @@ class Hosts:
             self._last_poll = time.monotonic()
             posted = coordination_client().key_value_dir_get(_STOP_DIR)
             if posted:
-                key, code = sorted(posted)[0]
+                key, code = min(posted, key=lambda kv: int(kv[0].rsplit("/", 1)[-1]))  # the lowest process
                 self._code = int(code)
                 log.warning("process %s received a signal: abandoning the wait for the batch, every process "
                             "checkpoints and exits with status %d", key.rsplit("/", 1)[-1], self._code)

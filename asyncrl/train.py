@@ -107,11 +107,14 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
     from asyncrl.checkpoint import resume_checkpoint
     from asyncrl.compile_cache import enable_compile_cache
     from asyncrl.distributed import initialize_distributed
+    from asyncrl.imports import import_without
     from asyncrl.multihost import Hosts, check_resumed_processes
     from asyncrl.provenance import write_provenance
     from asyncrl.shutdown import ShutdownGuard
 
     started = time.monotonic()
+    # tensorboardX without its torch import, before any thread (watchdog, engine, rollouts) starts.
+    import_without("tensorboardX", "torch")
     enable_compile_cache(cfg.run.compile_cache)  # before the first compilation of the run
     initialize_distributed(cfg.mesh)  # before anything touches a JAX device
     hosts = Hosts(barrier_timeout_s=cfg.checkpoint.barrier_timeout_s)
@@ -131,12 +134,14 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
     out = hosts.on_main(prepare, "preparing run.output_dir") or cfg.run.resolved_output_dir
     with ShutdownGuard() as guard:
         hosts.watch(guard)
-        run = Run(cfg, out, console, resumed, guard, hosts)
         try:
-            _check_resumed_params(run)
-            params, final_params = run_stages(run)
+            run = Run(cfg, out, console, resumed, guard, hosts)
+            try:
+                _check_resumed_params(run)
+                params, final_params = run_stages(run)
+            finally:
+                run.close()
         finally:
-            run.close()
             hosts.close()
     _check_all_steps_ran(run, cfg)
     return _finish(run, params, final_params, time.monotonic() - started, console)
@@ -364,19 +369,17 @@ class Run:
     """The state one run shares across its stages: the loaded model (and LoRA adapters), the
     mesh, the engine, the metric sinks, the served version, and the checkpoint it resumed from."""
 
-    def __init__(self, cfg: Config, out: Path, console: Any, resumed: Any, guard: Any, hosts: Any = None):
+    def __init__(self, cfg: Config, out: Path, console: Any, resumed: Any, guard: Any, hosts: Any):
         from asyncrl.metrics import ConsoleSink, JsonlSink, LogAppender
         from asyncrl.model import load_model
         from asyncrl.placement import check_tensor_parallel, resolve_placement
-        from asyncrl.multihost import Hosts, NoSink
+        from asyncrl.multihost import NoSink
         from asyncrl.trainer import build_mesh
 
         self.cfg, self.out, self.guard = cfg, out, guard
-        self.hosts = hosts if hosts is not None else Hosts()
+        self.hosts = hosts
         """This process's role (process 0 runs the engine and writes the run's files) and the
-        agreements between processes (:class:`~asyncrl.multihost.Hosts`)."""
-        if self.hosts.guard is None:
-            self.hosts.watch(guard)
+        agreements between processes (:class:`~asyncrl.multihost.Hosts`, already watching ``guard``)."""
         self.resumed = resumed
         """The :class:`~asyncrl.checkpoint.Checkpoint` this run continues, or None."""
         self.placement = resolve_placement(cfg)

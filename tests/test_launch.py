@@ -215,6 +215,16 @@ def test_watchdog_stops_on_a_failure_notice_and_acknowledges_it(capfd):
     assert d2.wait_for_acknowledgements(0)
 
 
+def test_processes_that_all_failed_do_not_wait_for_each_others_acknowledgement():
+    """A config error fails on every process at once: nobody is left to acknowledge, and
+    waiting for it would hold each process for the whole heartbeat timeout."""
+    client, now, (d0, d1) = _watchdogs(n=2)
+    d0.announce_failure(1, "ConfigError: placement.engine")
+    assert not d0.wait_for_acknowledgements(0)  # process 1 is still working: it must see the notice
+    d1.announce_failure(1, "ConfigError: placement.engine")
+    assert d0.wait_for_acknowledgements(0) and d1.wait_for_acknowledgements(0)
+
+
 def test_watchdog_ignores_finished_processes_and_reports_a_lost_coordinator(capfd):
     client, now, (d0, d1) = _watchdogs(n=2)
     d1.mark_exiting()  # done with its work, waiting at JAX's shutdown barrier
