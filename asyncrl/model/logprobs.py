@@ -40,15 +40,47 @@ def token_logprobs_from_logits(logits: jax.Array, tokens: jax.Array, temperature
     the vocabulary (the chosen log-prob is ``z[token] - logsumexp(z)``: no ``[..., V]``
     log-softmax is materialised).
     """
-    z = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    chosen = jnp.take_along_axis(z, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
+    logits = logits.astype(jnp.float32)
+    temperature = jnp.asarray(temperature, jnp.float32)
+    chosen = _chosen_logprob(logits, tokens.astype(jnp.int32), temperature)
     if not with_entropy:
         return chosen, None
+    z = logits / temperature
+    lse = jax.nn.logsumexp(z, axis=-1)
     # H = lse - sum(p z): one reduction over z, no log_softmax tensor.
     p = jnp.exp(z - lse[..., None])
     entropy = lse - jnp.sum(p * z, axis=-1)
     return chosen, entropy
+
+
+@jax.custom_vjp
+def _chosen_logprob(logits: jax.Array, tokens: jax.Array, temperature: jax.Array) -> jax.Array:
+    """``log_softmax(logits / T)[tokens]``: ``logits`` float32 ``[..., V]``, ``tokens`` int32 ``[...]``.
+
+    Its own gradient because the automatic one takes several passes over ``[..., V]`` (softmax,
+    the one-hot term, the temperature), each writing a tensor as large as the logits; here the
+    logits' cotangent ``g * (onehot - softmax(z)) / T`` is one elementwise expression."""
+    return _chosen_forward(logits, tokens, temperature)[0]
+
+
+def _chosen_forward(logits, tokens, temperature):
+    z = logits / temperature
+    lse = jax.nn.logsumexp(z, axis=-1)
+    chosen = jnp.take_along_axis(z, tokens[..., None], axis=-1)[..., 0] - lse
+    return chosen, (logits, tokens, temperature, lse)
+
+
+def _chosen_backward(residuals, g):
+    logits, tokens, temperature, lse = residuals
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    onehot = (vocab == tokens[..., None]).astype(logits.dtype)
+    d_logits = (onehot - jnp.exp(logits / temperature - lse[..., None])) * (g / temperature)[..., None]
+    # z = logits / T, so dz/dT = -logits / T^2 = -(dz/dlogits) * logits / T.
+    d_temperature = -jnp.sum(d_logits * logits) / temperature
+    return d_logits, None, d_temperature.astype(temperature.dtype).reshape(temperature.shape)
+
+
+_chosen_logprob.defvjp(_chosen_forward, _chosen_backward)
 
 
 def auto_chunk_size(rows: int, positions: int, vocab: int, budget_mb: Optional[float]) -> Optional[int]:

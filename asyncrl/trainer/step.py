@@ -97,6 +97,28 @@ class StepSpec:
         return row_shards(self.mesh)
 
 
+class HashedGraphDef:
+    """A model graphdef as :func:`train_step`'s static argument, hashed once.
+
+    jit hashes its static arguments on every call, and an NNX graphdef hashes its whole node
+    tree each time (about half a millisecond for ``tiny``: a visible share of a small step's
+    fixed cost). Equal to another wrapper of an equal graphdef, so equal models still share
+    one compilation."""
+
+    __slots__ = ("graphdef", "_hash")
+
+    def __init__(self, graphdef: Any):
+        self.graphdef = graphdef
+        self._hash = hash(graphdef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, HashedGraphDef) and self._hash == other._hash
+                                 and self.graphdef == other.graphdef)
+
+
 def opt_state_shardings(optimizer: optax.GradientTransformation, opt_state: Any, p_shardings: Any, mesh: Any) -> Any:
     """Shardings of an optax state: per-parameter leaves follow their parameter, the rest replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -232,13 +254,23 @@ def apply_if_finite(theta: Any, state: Any, grads: Any, loss: jax.Array, *, opti
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     lr = learning_rate_schedule(optim)(update_count(state))
-    updates, new_state = build_optimizer(optim).update(grads, state, theta)
-    new_theta = optax.apply_updates(theta, updates)
-    # Old values where not finite; dtypes kept (bfloat16 params/moments with float32 gradients).
-    keep = lambda new, old: jnp.where(finite, new, old).astype(old.dtype)
-    theta = jax.lax.with_sharding_constraint(jax.tree.map(keep, new_theta, theta), p_shardings)
-    state = jax.lax.with_sharding_constraint(jax.tree.map(keep, new_state, state), o_shardings)
-    stats = dict(grad_norm=grad_norm, lr=lr, finite=finite, update_norm=jnp.where(finite, optax.tree.norm(updates), 0.0))
+
+    def apply(state_theta):
+        state, theta = state_theta
+        updates, new_state = build_optimizer(optim).update(grads, state, theta)
+        new_theta = optax.apply_updates(theta, updates)
+        cast = lambda new, old: new.astype(old.dtype)  # dtypes kept (bfloat16 params/moments, float32 grads)
+        return (jax.tree.map(cast, new_state, state), jax.tree.map(cast, new_theta, theta)), optax.tree.norm(updates)
+
+    def keep(state_theta):
+        return state_theta, jnp.zeros((), jnp.float32)
+
+    # A branch rather than a select of new and old values: a select reads the old optimizer
+    # state after the update has written it, so XLA copied the donated state whole.
+    (state, theta), update_norm = jax.lax.cond(finite, apply, keep, (state, theta))
+    theta = jax.lax.with_sharding_constraint(theta, p_shardings)
+    state = jax.lax.with_sharding_constraint(state, o_shardings)
+    stats = dict(grad_norm=grad_norm, lr=lr, finite=finite, update_norm=update_norm)
     return theta, state, stats
 
 
@@ -294,7 +326,7 @@ def _train_step_impl(
     window: Optional[int] = None,
 ):
     """One trainer step. ``batch``: the TrainBatch fields, ``[rows, L]`` / ``[rows]``, rows in
-    device order (see the module docstring). Returns ``(params, opt_state, metrics)``; metrics
+    device order (see the module docstring). Returns ``(opt_state, params, metrics)``; metrics
     hold scalars plus ``finite [updates]`` (whether each update was applied, in order).
 
     ``window`` (static; None: ``L``): every row's ``loss_mask`` lies within ``window``
@@ -307,6 +339,8 @@ def _train_step_impl(
     gradient, no optimizer state); ``dropout_key`` seeds the adapter dropout of the gradient
     passes when ``spec.lora_dropout > 0``."""
     _TRACE_COUNT[0] += 1
+    if isinstance(graphdef, HashedGraphDef):
+        graphdef = graphdef.graphdef
     sft = spec.objective == "sft"
     p_shardings = param_shardings(spec.model_cfg, params, spec.mesh)
     o_shardings = opt_state_shardings(build_optimizer(optim), opt_state, p_shardings, spec.mesh)
@@ -354,13 +388,17 @@ def _train_step_impl(
                                optim=optim, p_shardings=p_shardings, o_shardings=o_shardings)
     n_updates = spec.ppo_epochs * spec.mini_batches
     (params, opt_state), per_update = jax.lax.scan(update, (params, opt_state), jnp.arange(n_updates))
-    return params, opt_state, step_metrics(per_update, mask)
+    # The optimizer state comes first: jit aliases each donated input to the first output of
+    # its shape, so with the parameters first every donated moment buffer went to a parameter
+    # output and XLA copied the whole state in and out of the step (twice its bytes).
+    return opt_state, params, step_metrics(per_update, mask)
 
 
 train_step = jax.jit(
     _train_step_impl, static_argnames=("graphdef", "algo", "optim", "spec", "window"), donate_argnames=("opt_state",)
 )
-"""The jitted step. Donates the optimizer state; never the parameters (they may have been
+"""The jitted step: ``(opt_state, params, metrics)``. Donates the optimizer state (updated in
+place: it is the first output); never the parameters (they may have been
 published: the engine may hold the very same buffers)."""
 
 
