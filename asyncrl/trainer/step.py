@@ -69,7 +69,7 @@ from asyncrl.trainer.mesh import ROW_AXES, row_shards
 from asyncrl.trainer.optim import OptimParams, build_optimizer, dotted_path, learning_rate_schedule, update_count
 
 _TRACE_COUNT = [0]
-"""Traces of the train step in this process (fallback for :func:`compile_count`)."""
+"""Traces of the train step in this process (:func:`compile_count`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,9 +403,10 @@ published: the engine may hold the very same buffers)."""
 
 
 def compile_count() -> int:
-    """Compilations of :func:`train_step` in this process, all trainers together."""
-    size = getattr(train_step, "_cache_size", None)
-    return int(size()) if callable(size) else _TRACE_COUNT[0]
+    """Compilations of :func:`train_step` in this process, all trainers together: its traces
+    (each new trace is compiled). Not jit's dispatch-cache size, which also grows when only an
+    argument's sharding is spelled differently (``P()`` vs ``P(None, None)``: one program)."""
+    return _TRACE_COUNT[0]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
