@@ -14,8 +14,10 @@ Device state and programs (:mod:`asyncrl.engine.jax_programs`)
 A fixed number of batch slots (``engine.slots``) over one model KV cache of fixed capacity
 (``engine.kv_capacity``; :mod:`asyncrl.model.transformer` documents the slot protocol),
 plus one random key per slot (:class:`~asyncrl.engine.jax_programs.SlotState`). A request
-with ``n`` samples prefills ``prompt[:-1]`` once into a batch-1 cache whose capacity is the
-smallest prefill bucket that holds it, and that row is copied into ``n`` free slots. The
+with ``n`` samples prefills ``prompt[:-1]`` once into one row of a small cache whose capacity
+is the smallest prefill bucket that holds it, and that row is copied into ``n`` free slots;
+the requests admitted at one chunk boundary are prefilled together, one program call per
+prompt bucket (rows padded to a power of two: :func:`prefill_row_buckets`). The
 last prompt token is fed by the first decode step, so every sampled token (the first one
 included) comes out of the same decode program: the model's own KV-cache forward, one step
 for all slots, then sampling. What each slot asks for (temperature, top-k/top-p, stops,
@@ -64,6 +66,7 @@ from asyncrl.engine.jax_programs import (
     idle_controls,
     init_slot_state,
     prefill_insert_jit,
+    prefill_row_buckets,
     slot_state_shardings,
     snapshot,
 )
@@ -187,6 +190,7 @@ class JaxEngine:
         self.capacity = cfg.kv_capacity
         self.chunk = cfg.decode_chunk
         self.buckets = tuple(sorted(b for b in set(cfg.prefill_buckets) if b <= cfg.kv_capacity))
+        self.row_buckets = prefill_row_buckets(cfg.slots)
         if not self.buckets:
             raise EngineRequestError(f"engine.prefill_buckets {cfg.prefill_buckets}: none fits engine.kv_capacity = {cfg.kv_capacity}")
         self._check_stop_ids(self.default_stop_ids, "stop_token_ids (the model's default)")
@@ -315,13 +319,16 @@ class JaxEngine:
         return self._crash
 
     def warmup(self) -> int:
-        """Compile every program (each prefill bucket, both decode variants); returns the compile count."""
+        """Compile every program (each prefill bucket and row count, both decode variants); returns the compile count."""
+        nowhere = np.full((self.slots,), self.slots, np.int32)
+        zeros = np.zeros((self.slots,), np.uint32)
         for bucket in self.buckets:
-            ids = np.zeros((1, bucket), np.int32)
-            self._state = prefill_insert_jit(
-                self.graphdef, self._params, self._state, ids, ids.astype(bool), np.full((self.slots,), self.slots, np.int32),
-                self._root_key, np.uint32(0), np.uint32(0), np.zeros((self.slots,), np.uint32), self._layout,
-            )
+            for rows in self.row_buckets:
+                ids = np.zeros((rows, bucket), np.int32)
+                self._state = prefill_insert_jit(
+                    self.graphdef, self._params, self._state, ids, ids.astype(bool), np.zeros((self.slots,), np.int32),
+                    nowhere, self._root_key, zeros, zeros, zeros, self._layout,
+                )
         idle = idle_controls(self.slots, self.config.max_stop_ids)
         for filtered in (False, True):
             self._state, *_ = decode_chunk_jit(self.graphdef, self._params, self._state, idle, self.chunk, filtered,
@@ -347,6 +354,7 @@ class JaxEngine:
             "engine/queue_wait_s": s["queue_wait_s"] / s["admitted"] if s["admitted"] else 0.0,
             "engine/queue_wait_max_s": float(s["queue_wait_max_s"]),
             "engine/prefill_tokens": float(s["prefill_tokens"]),
+            "engine/prefill_calls": float(s["prefill_calls"]),
             "engine/prefill_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,
             "engine/decode_tokens": float(s["decode_tokens"]),
             "engine/decode_tokens_per_s": s["decode_tokens"] / s["decode_s"] if s["decode_s"] else 0.0,
@@ -517,51 +525,69 @@ class JaxEngine:
                     self._end_sample(p, j, "aborted")
 
     def _admit(self) -> None:
-        admitted = False
+        """Move waiting requests (in order) into free slots while the next one fits, and prefill
+        them all: one program call per prompt bucket, so the weights are read once per call
+        rather than once per request."""
+        admitted: list[tuple[_Pending, list[int]]] = []
+        free = self._free_slots()
         while True:
-            free = self._free_slots()
             with self._cond:
                 if not self._waiting or self._waiting[0].request.n > len(free):
                     break
                 pending = self._waiting.popleft()
                 self._running.add(pending)
-            self._prefill(pending, free[: pending.request.n])
-            admitted = True
-        if admitted:
-            # Prefills run asynchronously: wait for them here so that their device time counts
-            # as prefill_s, not as the next chunk's decode_s (engine/decode_ms_per_step).
-            started = time.monotonic()
-            jax.block_until_ready(self._state)
-            self._stats["prefill_s"] += time.monotonic() - started
-
-    def _prefill(self, pending: _Pending, rows: list[int]) -> None:
-        request = pending.request
+            n = pending.request.n
+            admitted.append((pending, free[:n]))
+            free = free[n:]
+        if not admitted:
+            return
         started = time.monotonic()
-        wait = started - pending.submitted
-        self._stats["admitted"] += 1
-        self._stats["queue_wait_s"] += wait
-        self._stats["queue_wait_max_s"] = max(self._stats["queue_wait_max_s"], wait)
-        prompt = np.asarray(request.prompt_ids, np.int32)
-        context = len(prompt) - 1  # the last prompt token is fed by the first decode step
-        bucket = next(b for b in self.buckets if b >= max(context, 1))
-        ids = np.zeros((1, bucket), np.int32)
-        ids[0, :context] = prompt[:context]
-        mask = np.zeros((1, bucket), bool)
-        mask[0, :context] = True
-        dst = np.full((self.slots,), self.slots, np.int32)
-        dst[: len(rows)] = rows
-        key_index = np.zeros((self.slots,), np.uint32)
-        key_index[: len(rows)] = [(request.index_in_group + j) % 2**32 for j in range(len(rows))]
-        self._state = prefill_insert_jit(
-            self.graphdef, self._params, self._state, ids, mask, dst, self._root_key,
-            np.uint32(request.sample_id % 2**32), np.uint32(request.turn % 2**32), key_index, self._layout,
-        )
-        for j, slot in enumerate(rows):
-            self._slot_owner[slot] = (pending, j)
-            pending.samples[j].slot = slot
-            self._start_slot(slot, request, pending.stop_ids, int(prompt[-1]))
-        self._stats["prefill_tokens"] += context
+        by_bucket: dict[int, list[tuple[_Pending, list[int]]]] = {}
+        for pending, rows in admitted:
+            context = len(pending.request.prompt_ids) - 1  # the last prompt token is fed by the first decode step
+            bucket = next(b for b in self.buckets if b >= max(context, 1))
+            by_bucket.setdefault(bucket, []).append((pending, rows))
+        for bucket in sorted(by_bucket):
+            self._prefill(bucket, by_bucket[bucket], started)
+        # Prefills run asynchronously: wait for them here so that their device time counts
+        # as prefill_s, not as the next chunk's decode_s (engine/decode_ms_per_step).
+        jax.block_until_ready(self._state)
         self._stats["prefill_s"] += time.monotonic() - started
+
+    def _prefill(self, bucket: int, group: list[tuple[_Pending, list[int]]], admitted_at: float) -> None:
+        """Prefill ``group`` (requests and their slots, prompts of ``bucket`` tokens at most) in one
+        call: prompt row ``r`` is request ``r``'s ``prompt[:-1]``, right-padded; rows past the
+        group are all padding (the row count is a :func:`prefill_row_buckets` entry)."""
+        ids = np.zeros((next(r for r in self.row_buckets if r >= len(group)), bucket), np.int32)
+        mask = np.zeros(ids.shape, bool)
+        # One entry per destination slot: which prompt row it copies, and its key's parts.
+        src, dst = np.zeros((self.slots,), np.int32), np.full((self.slots,), self.slots, np.int32)
+        sample_id, turn, key_index = (np.zeros((self.slots,), np.uint32) for _ in range(3))
+        k = 0
+        for row, (pending, slots) in enumerate(group):
+            request = pending.request
+            wait = admitted_at - pending.submitted
+            self._stats["admitted"] += 1
+            self._stats["queue_wait_s"] += wait
+            self._stats["queue_wait_max_s"] = max(self._stats["queue_wait_max_s"], wait)
+            prompt = np.asarray(request.prompt_ids, np.int32)
+            context = len(prompt) - 1
+            ids[row, :context] = prompt[:context]
+            mask[row, :context] = True
+            for j, slot in enumerate(slots):
+                src[k], dst[k] = row, slot
+                sample_id[k], turn[k] = request.sample_id % 2**32, request.turn % 2**32
+                key_index[k] = (request.index_in_group + j) % 2**32
+                k += 1
+                self._slot_owner[slot] = (pending, j)
+                pending.samples[j].slot = slot
+                self._start_slot(slot, request, pending.stop_ids, int(prompt[-1]))
+            self._stats["prefill_tokens"] += context
+        self._stats["prefill_calls"] += 1
+        self._state = prefill_insert_jit(
+            self.graphdef, self._params, self._state, ids, mask, src, dst, self._root_key, sample_id, turn, key_index,
+            self._layout,
+        )
 
     def _start_slot(self, slot: int, request: GenerationRequest, stop_ids: tuple[int, ...], last_token: int) -> None:
         """Set a freshly prefilled slot's controls from its request."""
