@@ -355,6 +355,7 @@ class JaxEngine:
             "engine/queue_wait_max_s": float(s["queue_wait_max_s"]),
             "engine/prefill_tokens": float(s["prefill_tokens"]),
             "engine/prefill_calls": float(s["prefill_calls"]),
+            "engine/prefill_s": float(s["prefill_s"]),
             "engine/prefill_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,
             "engine/decode_tokens": float(s["decode_tokens"]),
             "engine/decode_tokens_per_s": s["decode_tokens"] / s["decode_s"] if s["decode_s"] else 0.0,
