@@ -24,11 +24,14 @@ for all slots, then sampling. What each slot asks for (temperature, top-k/top-p,
 limits, its last token) is a :class:`~asyncrl.engine.jax_programs.SlotControls` the
 scheduler keeps on the host and hands to every chunk. Finished slots are refilled from the
 queue at the next chunk boundary (continuous batching); a chunk ends early once a slot
-finished in it and the next waiting request fits in the free slots (with none waiting, at the
-first finish: callers typically submit again at once), so a freed slot idles for at most
-the steps until the next finish rather than the rest of a chunk plus a whole one. The programs are module-level jits
-shared by every engine with the same model shapes: one prefill per bucket and two decode
-variants (:func:`compile_count`, reported as ``engine/compiles``).
+finished in it and enough slots are free for the next waiting request and, with 8 slots or
+more, for two prompts (with none waiting: callers typically submit again at once). So a freed
+slot idles for at most the steps until the next finish rather than the rest of a chunk plus a
+whole one, and refills come in pairs, prefilled in one call that costs about what one prompt
+alone costs (small prefills read all the weights for few tokens). The programs are
+module-level jits shared by every engine with the same model shapes: one prefill per bucket
+and prompt-row count and two decode variants (:func:`compile_count`, reported as
+``engine/compiles``).
 
 Sampling and randomness (docs/design.md "Randomness", "Log-probabilities")
 -----------------------------------------------------------------
@@ -608,9 +611,11 @@ class JaxEngine:
         active = c.active.copy()
         filtered = bool(np.any(active & ((c.top_k > 0) | (c.top_p < 1.0))))
         with self._cond:
-            # A slot freed inside the chunk ends it early when the next waiting request fits
-            # (or, with none waiting, at the first finish: a client usually submits again at once).
-            c.refill_free[...] = self._waiting[0].request.n if self._waiting else 1
+            # A slot freed inside the chunk ends it early when the next waiting request fits and
+            # (with 8 slots or more) two slots are free: two prompts prefill in one call for about
+            # the price of one, while the first freed slot idles only until the next finish. With
+            # none waiting the same holds: a client usually submits again at once.
+            c.refill_free[...] = max(self._waiting[0].request.n if self._waiting else 1, 2 if self.slots >= 8 else 1)
         version = self._version
         self._state, tokens, logprobs, emitted = decode_chunk_jit(
             self.graphdef, self._params, self._state, snapshot(c), self.chunk, filtered, self._layout
@@ -635,15 +640,20 @@ class JaxEngine:
 
     def _await_refill(self) -> None:
         """After a chunk that freed slots, give the callers whose requests just finished a moment
-        to submit their next one before the next chunk starts without them: up to a tenth of a
-        decode step, woken at once by a submission (the idle slot would otherwise wait for the
-        next chunk boundary, i.e. the next finish)."""
+        to submit their next ones before the next chunk starts without them: until waiting
+        samples cover the freed slots (so they are prefilled in one call), at most a tenth of a
+        decode step (an idle slot would otherwise wait for the next chunk boundary)."""
         if not self._freed:
             return
         started = time.monotonic()
+        deadline = started + min(0.1 * self._step_s, 0.05)
         with self._cond:
-            if not (self._waiting or self._closed or self._update is not None or self._aborts):
-                self._cond.wait(min(0.1 * self._step_s, 0.05))
+            while not (sum(p.request.n for p in self._waiting) >= self._freed or self._closed
+                       or self._update is not None or self._aborts):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
         self._stats["refill_wait_s"] += time.monotonic() - started
 
     def _consume(self, pending: _Pending, j: int, slot: int, tokens, logprobs, emitted, version: int) -> None:
