@@ -129,12 +129,13 @@ def variable_workload(engine, vocab: int, repeats: int) -> dict:
 
     out: dict = {}
     for name, run in (("continuous", continuous), ("static", static)):
-        before = engine.metrics()
+        before, calls = engine.metrics(), engine.prefill_calls
         out[f"{name}_tokens_per_s"] = total / median_time(run, repeats)
         after = engine.metrics()
         runs = repeats + 1  # median_time's untimed warm-up run included
-        for key in ("decode_steps", "prefill_calls", "prefill_s"):
+        for key in ("decode_steps", "prefill_s"):
             out[f"{name}_{key}"] = (after[f"engine/{key}"] - before[f"engine/{key}"]) / runs
+        out[f"{name}_prefill_calls"] = (engine.prefill_calls - calls) / runs
     out["continuous_vs_static"] = out["continuous_tokens_per_s"] / out["static_tokens_per_s"]
     out["continuous_vs_static_steps"] = out["static_decode_steps"] / out["continuous_decode_steps"]
     return out

@@ -202,37 +202,29 @@ def test_compile_count_constant_on_second_pass(engine):
     after_first = compile_count()
     workload()
     assert compile_count() == after_first
-    # Bounded by configuration: one prefill per bucket and prompt-row count, two decode variants.
-    assert after_first - before <= len(CFG.prefill_buckets) * len(engine.row_buckets) + 2
+    # Bounded by configuration: one prefill per bucket and two decode variants.
+    assert after_first - before <= len(CFG.prefill_buckets) + 2
     assert engine.metrics()["engine/compiles"] == after_first
 
 
 def test_requests_admitted_together_are_prefilled_together(engine):
-    """Requests waiting at one chunk boundary are prefilled in one call per prompt bucket (rows
-    padded to a power of two), and each draws exactly what it draws when prefilled alone."""
+    """Requests waiting at one chunk boundary are prefilled two prompts of one bucket per call,
+    and each draws exactly the tokens and log-probs (bitwise) it draws when prefilled alone."""
     requests = [
         GenerationRequest(prompt_ids=prompt_of(400 + i, 3 + 4 * i), n=1 + i % 2, temperature=1.0, max_new_tokens=12,
                           stop_token_ids=[], sample_id=500 + i, index_in_group=i)
         for i in range(5)
     ]  # contexts 2, 6 (bucket 8) and 10, 14, 18 (bucket 32); 7 samples in all
     alone = [engine.generate(r) for r in requests]
-    calls = engine.metrics()["engine/prefill_calls"]
+    calls = engine.prefill_calls
     with engine._cond:  # the scheduler cannot take any of them before all five wait
         futures = [engine.submit(r) for r in requests]
     together = [f.result(timeout=60) for f in futures]
-    assert engine.metrics()["engine/prefill_calls"] - calls == 2
+    assert engine.prefill_rows == 2 and engine.prefill_calls - calls == 3  # [2, 6] and [10, 14], [18]
     for a_samples, b_samples in zip(alone, together):
         for a, b in zip(a_samples, b_samples):
             np.testing.assert_array_equal(a.output_ids, b.output_ids)
-            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6, rtol=0)
-
-
-def test_prefill_row_buckets():
-    from asyncrl.engine.jax_programs import prefill_row_buckets
-
-    assert prefill_row_buckets(16) == (1, 2, 4, 8, 16)
-    assert prefill_row_buckets(12) == (1, 2, 4, 8, 12)
-    assert prefill_row_buckets(1) == (1,)
+            np.testing.assert_array_equal(a.logprobs, b.logprobs)
 
 
 # --------------------------------------------------------------------------- weights

@@ -16,8 +16,9 @@ A fixed number of batch slots (``engine.slots``) over one model KV cache of fixe
 plus one random key per slot (:class:`~asyncrl.engine.jax_programs.SlotState`). A request
 with ``n`` samples prefills ``prompt[:-1]`` once into one row of a small cache whose capacity
 is the smallest prefill bucket that holds it, and that row is copied into ``n`` free slots;
-the requests admitted at one chunk boundary are prefilled together, one program call per
-prompt bucket (rows padded to a power of two: :func:`prefill_row_buckets`). The
+the requests admitted at one chunk boundary are prefilled together, ``PREFILL_ROWS`` prompts
+of one bucket per program call (a fixed row count, so a prompt's KV is bitwise the same
+whatever is prefilled beside it). The
 last prompt token is fed by the first decode step, so every sampled token (the first one
 included) comes out of the same decode program: the model's own KV-cache forward, one step
 for all slots, then sampling. What each slot asks for (temperature, top-k/top-p, stops,
@@ -30,7 +31,7 @@ slot idles for at most the steps until the next finish rather than the rest of a
 whole one, and refills come in pairs, prefilled in one call that costs about what one prompt
 alone costs (small prefills read all the weights for few tokens). The programs are
 module-level jits shared by every engine with the same model shapes: one prefill per bucket
-and prompt-row count and two decode variants (:func:`compile_count`, reported as
+and two decode variants (:func:`compile_count`, reported as
 ``engine/compiles``).
 
 Sampling and randomness (docs/design.md "Randomness", "Log-probabilities")
@@ -69,7 +70,7 @@ from asyncrl.engine.jax_programs import (
     idle_controls,
     init_slot_state,
     prefill_insert_jit,
-    prefill_row_buckets,
+    PREFILL_ROWS,
     slot_state_shardings,
     snapshot,
 )
@@ -193,7 +194,7 @@ class JaxEngine:
         self.capacity = cfg.kv_capacity
         self.chunk = cfg.decode_chunk
         self.buckets = tuple(sorted(b for b in set(cfg.prefill_buckets) if b <= cfg.kv_capacity))
-        self.row_buckets = prefill_row_buckets(cfg.slots)
+        self.prefill_rows = min(PREFILL_ROWS, cfg.slots)
         if not self.buckets:
             raise EngineRequestError(f"engine.prefill_buckets {cfg.prefill_buckets}: none fits engine.kv_capacity = {cfg.kv_capacity}")
         self._check_stop_ids(self.default_stop_ids, "stop_token_ids (the model's default)")
@@ -317,21 +318,26 @@ class JaxEngine:
         self.shutdown()
 
     @property
+    def prefill_calls(self) -> int:
+        """Prefill program calls so far (one per prompt bucket per chunk boundary that admitted
+        requests). Not in :meth:`metrics`: how arrivals group into calls depends on timing."""
+        return int(self._stats["prefill_calls"])
+
+    @property
     def crashed(self) -> Optional[str]:
         """The scheduler thread's traceback if it died, else None."""
         return self._crash
 
     def warmup(self) -> int:
-        """Compile every program (each prefill bucket and row count, both decode variants); returns the compile count."""
+        """Compile every program (each prefill bucket, both decode variants); returns the compile count."""
         nowhere = np.full((self.slots,), self.slots, np.int32)
         zeros = np.zeros((self.slots,), np.uint32)
         for bucket in self.buckets:
-            for rows in self.row_buckets:
-                ids = np.zeros((rows, bucket), np.int32)
-                self._state = prefill_insert_jit(
-                    self.graphdef, self._params, self._state, ids, ids.astype(bool), np.zeros((self.slots,), np.int32),
-                    nowhere, self._root_key, zeros, zeros, zeros, self._layout,
-                )
+            ids = np.zeros((self.prefill_rows, bucket), np.int32)
+            self._state = prefill_insert_jit(
+                self.graphdef, self._params, self._state, ids, ids.astype(bool), np.zeros((self.slots,), np.int32),
+                nowhere, self._root_key, zeros, zeros, zeros, self._layout,
+            )
         idle = idle_controls(self.slots, self.config.max_stop_ids)
         for filtered in (False, True):
             self._state, *_ = decode_chunk_jit(self.graphdef, self._params, self._state, idle, self.chunk, filtered,
@@ -357,7 +363,6 @@ class JaxEngine:
             "engine/queue_wait_s": s["queue_wait_s"] / s["admitted"] if s["admitted"] else 0.0,
             "engine/queue_wait_max_s": float(s["queue_wait_max_s"]),
             "engine/prefill_tokens": float(s["prefill_tokens"]),
-            "engine/prefill_calls": float(s["prefill_calls"]),
             "engine/prefill_s": float(s["prefill_s"]),
             "engine/prefill_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,
             "engine/decode_tokens": float(s["decode_tokens"]),
@@ -530,8 +535,8 @@ class JaxEngine:
 
     def _admit(self) -> None:
         """Move waiting requests (in order) into free slots while the next one fits, and prefill
-        them all: one program call per prompt bucket, so the weights are read once per call
-        rather than once per request."""
+        them all, ``PREFILL_ROWS`` prompts of one bucket per program call, so the weights are
+        read once per call rather than once per request."""
         admitted: list[tuple[_Pending, list[int]]] = []
         free = self._free_slots()
         while True:
@@ -552,17 +557,19 @@ class JaxEngine:
             bucket = next(b for b in self.buckets if b >= max(context, 1))
             by_bucket.setdefault(bucket, []).append((pending, rows))
         for bucket in sorted(by_bucket):
-            self._prefill(bucket, by_bucket[bucket], started)
+            group = by_bucket[bucket]
+            for first in range(0, len(group), self.prefill_rows):
+                self._prefill(bucket, group[first : first + self.prefill_rows], started)
         # Prefills run asynchronously: wait for them here so that their device time counts
         # as prefill_s, not as the next chunk's decode_s (engine/decode_ms_per_step).
         jax.block_until_ready(self._state)
         self._stats["prefill_s"] += time.monotonic() - started
 
     def _prefill(self, bucket: int, group: list[tuple[_Pending, list[int]]], admitted_at: float) -> None:
-        """Prefill ``group`` (requests and their slots, prompts of ``bucket`` tokens at most) in one
-        call: prompt row ``r`` is request ``r``'s ``prompt[:-1]``, right-padded; rows past the
-        group are all padding (the row count is a :func:`prefill_row_buckets` entry)."""
-        ids = np.zeros((next(r for r in self.row_buckets if r >= len(group)), bucket), np.int32)
+        """Prefill ``group`` (up to ``prefill_rows`` requests and their slots, prompts of ``bucket``
+        tokens at most) in one call: prompt row ``r`` is request ``r``'s ``prompt[:-1]``,
+        right-padded; rows past the group are all padding."""
+        ids = np.zeros((self.prefill_rows, bucket), np.int32)
         mask = np.zeros(ids.shape, bool)
         # One entry per destination slot: which prompt row it copies, and its key's parts.
         src, dst = np.zeros((self.slots,), np.int32), np.full((self.slots,), self.slots, np.int32)
