@@ -535,35 +535,41 @@ class JaxEngine:
 
     def _admit(self) -> None:
         """Move waiting requests (in order) into free slots while the next one fits, and prefill
-        them all, ``PREFILL_ROWS`` prompts of one bucket per program call, so the weights are
-        read once per call rather than once per request."""
+        them, ``PREFILL_ROWS`` prompts of one bucket per program call, so the weights are read
+        once per call rather than once per request. Requests that arrive while the calls are
+        dispatched are taken too (clients of a burst submit a moment apart)."""
+        started = time.monotonic()
+        any_admitted = False
+        while admitted := self._take_waiting():
+            any_admitted = True
+            by_bucket: dict[int, list[tuple[_Pending, list[int]]]] = {}
+            for pending, rows in admitted:
+                context = len(pending.request.prompt_ids) - 1  # the last prompt token is fed by the first decode step
+                bucket = next(b for b in self.buckets if b >= max(context, 1))
+                by_bucket.setdefault(bucket, []).append((pending, rows))
+            for bucket in sorted(by_bucket):
+                group = by_bucket[bucket]
+                for first in range(0, len(group), self.prefill_rows):
+                    self._prefill(bucket, group[first : first + self.prefill_rows], started)
+        if any_admitted:
+            # Prefills run asynchronously: wait for them here so that their device time counts
+            # as prefill_s, not as the next chunk's decode_s (engine/decode_ms_per_step).
+            jax.block_until_ready(self._state)
+            self._stats["prefill_s"] += time.monotonic() - started
+
+    def _take_waiting(self) -> list[tuple[_Pending, list[int]]]:
+        """Pop waiting requests in order while the next one fits in the free slots; each with
+        the slots it will fill (not yet owned: :meth:`_prefill` takes them)."""
         admitted: list[tuple[_Pending, list[int]]] = []
         free = self._free_slots()
-        while True:
-            with self._cond:
-                if not self._waiting or self._waiting[0].request.n > len(free):
-                    break
+        with self._cond:
+            while self._waiting and self._waiting[0].request.n <= len(free):
                 pending = self._waiting.popleft()
                 self._running.add(pending)
-            n = pending.request.n
-            admitted.append((pending, free[:n]))
-            free = free[n:]
-        if not admitted:
-            return
-        started = time.monotonic()
-        by_bucket: dict[int, list[tuple[_Pending, list[int]]]] = {}
-        for pending, rows in admitted:
-            context = len(pending.request.prompt_ids) - 1  # the last prompt token is fed by the first decode step
-            bucket = next(b for b in self.buckets if b >= max(context, 1))
-            by_bucket.setdefault(bucket, []).append((pending, rows))
-        for bucket in sorted(by_bucket):
-            group = by_bucket[bucket]
-            for first in range(0, len(group), self.prefill_rows):
-                self._prefill(bucket, group[first : first + self.prefill_rows], started)
-        # Prefills run asynchronously: wait for them here so that their device time counts
-        # as prefill_s, not as the next chunk's decode_s (engine/decode_ms_per_step).
-        jax.block_until_ready(self._state)
-        self._stats["prefill_s"] += time.monotonic() - started
+                n = pending.request.n
+                admitted.append((pending, free[:n]))
+                free = free[n:]
+        return admitted
 
     def _prefill(self, bucket: int, group: list[tuple[_Pending, list[int]]], admitted_at: float) -> None:
         """Prefill ``group`` (up to ``prefill_rows`` requests and their slots, prompts of ``bucket``
