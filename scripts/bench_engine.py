@@ -14,6 +14,9 @@
 * ``continuous_vs_static``: 128 requests, 16 slots, ``max_new_tokens`` uniform in [8, 64],
   EOS ignored, on bench-40m: 16 client threads keeping the slots full (continuous
   batching) vs batches of 16 submitted together, each waiting for its longest member.
+  ``continuous_vs_static_steps`` is the same ratio in decode steps (what the scheduling
+  alone saves; prefill time, which both pay, dilutes the wall-time ratio), and
+  ``*_prefill_s`` / ``*_prefill_calls`` the prefill time and program calls of one run.
 
 Every figure is the median of ``--repeats`` timed runs after one untimed warm-up run.
 """
@@ -93,8 +96,9 @@ def hf_fixed(model_dir: str, vocab: int, repeats: int, threads: int = 2) -> floa
     return BATCH * NEW / median_time(run, repeats)
 
 
-def variable_workload(engine, vocab: int, repeats: int) -> tuple[float, float]:
-    """(continuous tokens/s, static tokens/s) on 128 requests of 8..64 new tokens."""
+def variable_workload(engine, vocab: int, repeats: int) -> dict:
+    """Continuous and static tokens/s on 128 requests of 8..64 new tokens, with each run's
+    decode steps, prefill seconds and prefill calls (engine counters, averaged over runs)."""
     from asyncrl.engine.protocol import GenerationRequest
 
     rng = np.random.default_rng(1)
@@ -123,7 +127,18 @@ def variable_workload(engine, vocab: int, repeats: int) -> tuple[float, float]:
             for f in [engine.submit(r) for r in reqs[start : start + BATCH]]:
                 f.result()
 
-    return total / median_time(continuous, repeats), total / median_time(static, repeats)
+    out: dict = {}
+    for name, run in (("continuous", continuous), ("static", static)):
+        before, calls = engine.metrics(), engine.prefill_calls
+        out[f"{name}_tokens_per_s"] = total / median_time(run, repeats)
+        after = engine.metrics()
+        runs = repeats + 1  # median_time's untimed warm-up run included
+        for key in ("decode_steps", "prefill_s"):
+            out[f"{name}_{key}"] = (after[f"engine/{key}"] - before[f"engine/{key}"]) / runs
+        out[f"{name}_prefill_calls"] = (engine.prefill_calls - calls) / runs
+    out["continuous_vs_static"] = out["continuous_tokens_per_s"] / out["static_tokens_per_s"]
+    out["continuous_vs_static_steps"] = out["static_decode_steps"] / out["continuous_decode_steps"]
+    return out
 
 
 def bench_model(graphdef, params, model_dir: str, vocab: int, repeats: int, decode_chunk: int) -> dict:
@@ -176,10 +191,9 @@ def main() -> None:
         )
         engine = make_engine(g, p, args.decode_chunk)
         try:
-            cont, stat = variable_workload(engine, cfg.vocab_size, args.repeats)
+            out.update(variable_workload(engine, cfg.vocab_size, args.repeats))
         finally:
             engine.shutdown()
-        out.update(continuous_tokens_per_s=cont, static_tokens_per_s=stat, continuous_vs_static=cont / stat)
     out["load_avg_end"] = os.getloadavg()[0]
     print(json.dumps(out))
 

@@ -207,6 +207,26 @@ def test_compile_count_constant_on_second_pass(engine):
     assert engine.metrics()["engine/compiles"] == after_first
 
 
+def test_requests_admitted_together_are_prefilled_together(engine):
+    """Requests waiting at one chunk boundary are prefilled two prompts of one bucket per call,
+    and each draws exactly the tokens and log-probs (bitwise) it draws when prefilled alone."""
+    requests = [
+        GenerationRequest(prompt_ids=prompt_of(400 + i, 3 + 4 * i), n=1 + i % 2, temperature=1.0, max_new_tokens=12,
+                          stop_token_ids=[], sample_id=500 + i, index_in_group=i)
+        for i in range(5)
+    ]  # contexts 2, 6 (bucket 8) and 10, 14, 18 (bucket 32); 7 samples in all
+    alone = [engine.generate(r) for r in requests]
+    calls = engine.prefill_calls
+    with engine._cond:  # the scheduler cannot take any of them before all five wait
+        futures = [engine.submit(r) for r in requests]
+    together = [f.result(timeout=60) for f in futures]
+    assert engine.prefill_rows == 2 and engine.prefill_calls - calls == 3  # [2, 6] and [10, 14], [18]
+    for a_samples, b_samples in zip(alone, together):
+        for a, b in zip(a_samples, b_samples):
+            np.testing.assert_array_equal(a.output_ids, b.output_ids)
+            np.testing.assert_array_equal(a.logprobs, b.logprobs)
+
+
 # --------------------------------------------------------------------------- weights
 
 

@@ -217,7 +217,7 @@ def test_prefix_copied_into_engine_slots(checkpoints):
         ref = np.asarray(forward_jit(graphdef, params, jnp.asarray(seq))[0])[0, -1]
         assert np.abs(np.asarray(logits)[slot, 0] - ref).max() < 1e-5
     assert int(slots.write_pos[1]) == 0 and not bool(slots.valid[1].any())
-    assert len(slots.layers) == lm.config.num_layers and slots.layers[0].k.shape == (4, 16, lm.config.num_kv_heads, lm.config.head_dim)
+    assert len(slots.layers) == lm.config.num_layers and slots.layers[0].k.shape == (4, lm.config.num_kv_heads, 16, lm.config.head_dim)
     cleared = kv_cache_clear_rows(slots, jnp.array([False, False, True, False]))
     assert int(cleared.write_pos[2]) == 0 and not bool(cleared.valid[2].any()) and bool(cleared.valid[0].any())
 

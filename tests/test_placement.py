@@ -149,14 +149,14 @@ for tp in (2, 4):
     placement = resolve_placement(cfg)
     engine = JaxEngine(graphdef, params, config=cfg.engine, mesh=engine_mesh(placement))
     assert tokens(engine) == reference, tp
-    k = engine._state.cache.layers[0].k  # [slots, capacity, kv_heads, head_dim]
+    k = engine._state.cache.layers[0].k  # [slots, kv_heads, capacity, head_dim]
     assert k.sharding.device_set == set(placement.engine_devices)
-    per_device = (8 // (4 // tp), 48, 4 // tp, 16)
+    per_device = (8 // (4 // tp), 4 // tp, 48, 16)
     assert {s.data.shape for s in k.addressable_shards} == {per_device}, (tp, k.sharding)
     # XLA's own program works on those shards: the compiled decode step's cache operands are per-device slices.
     hlo = decode_chunk_jit.lower(graphdef, engine._params, engine._state, idle_controls(8, 8), 4, False,
                                  engine._layout).compile().as_text()
-    assert "f32[%d,48,%d,16]" % per_device[::2] in hlo and "f32[8,48,4,16]" not in hlo, tp
+    assert "f32[%d,%d,48,16]" % per_device[:2] in hlo and "f32[8,4,48,16]" not in hlo, tp
     q = engine._params["layers"][0]["self_attn"]["q_proj"]["kernel"]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "tensor"), q.sharding
     # Publish from the trainer's (data x fsdp) arrays: device to device, never through host numpy.

@@ -14,19 +14,25 @@ Device state and programs (:mod:`asyncrl.engine.jax_programs`)
 A fixed number of batch slots (``engine.slots``) over one model KV cache of fixed capacity
 (``engine.kv_capacity``; :mod:`asyncrl.model.transformer` documents the slot protocol),
 plus one random key per slot (:class:`~asyncrl.engine.jax_programs.SlotState`). A request
-with ``n`` samples prefills ``prompt[:-1]`` once into a batch-1 cache whose capacity is the
-smallest prefill bucket that holds it, and that row is copied into ``n`` free slots. The
+with ``n`` samples prefills ``prompt[:-1]`` once into one row of a small cache whose capacity
+is the smallest prefill bucket that holds it, and that row is copied into ``n`` free slots;
+the requests admitted at one chunk boundary are prefilled together, ``PREFILL_ROWS`` prompts
+of one bucket per program call (a fixed row count, so a prompt's KV is bitwise the same
+whatever is prefilled beside it). The
 last prompt token is fed by the first decode step, so every sampled token (the first one
 included) comes out of the same decode program: the model's own KV-cache forward, one step
 for all slots, then sampling. What each slot asks for (temperature, top-k/top-p, stops,
 limits, its last token) is a :class:`~asyncrl.engine.jax_programs.SlotControls` the
 scheduler keeps on the host and hands to every chunk. Finished slots are refilled from the
 queue at the next chunk boundary (continuous batching); a chunk ends early once a slot
-finished in it and the next waiting request fits in the free slots (with none waiting, at the
-first finish: callers typically submit again at once), so a freed slot idles for at most
-the steps until the next finish rather than the rest of a chunk plus a whole one. The programs are module-level jits
-shared by every engine with the same model shapes: one prefill per bucket and two decode
-variants (:func:`compile_count`, reported as ``engine/compiles``).
+finished in it and enough slots are free for the next waiting request and, with 8 slots or
+more, for two prompts (with none waiting: callers typically submit again at once). So a freed
+slot idles for at most the steps until the next finish rather than the rest of a chunk plus a
+whole one, and refills come in pairs, prefilled in one call that costs about what one prompt
+alone costs (small prefills read all the weights for few tokens). The programs are
+module-level jits shared by every engine with the same model shapes: one prefill per bucket
+and two decode variants (:func:`compile_count`, reported as
+``engine/compiles``).
 
 Sampling and randomness (docs/design.md "Randomness", "Log-probabilities")
 -----------------------------------------------------------------
@@ -64,6 +70,7 @@ from asyncrl.engine.jax_programs import (
     idle_controls,
     init_slot_state,
     prefill_insert_jit,
+    PREFILL_ROWS,
     slot_state_shardings,
     snapshot,
 )
@@ -187,6 +194,7 @@ class JaxEngine:
         self.capacity = cfg.kv_capacity
         self.chunk = cfg.decode_chunk
         self.buckets = tuple(sorted(b for b in set(cfg.prefill_buckets) if b <= cfg.kv_capacity))
+        self.prefill_rows = min(PREFILL_ROWS, cfg.slots)
         if not self.buckets:
             raise EngineRequestError(f"engine.prefill_buckets {cfg.prefill_buckets}: none fits engine.kv_capacity = {cfg.kv_capacity}")
         self._check_stop_ids(self.default_stop_ids, "stop_token_ids (the model's default)")
@@ -310,17 +318,25 @@ class JaxEngine:
         self.shutdown()
 
     @property
+    def prefill_calls(self) -> int:
+        """Prefill program calls so far (one per prompt bucket per chunk boundary that admitted
+        requests). Not in :meth:`metrics`: how arrivals group into calls depends on timing."""
+        return int(self._stats["prefill_calls"])
+
+    @property
     def crashed(self) -> Optional[str]:
         """The scheduler thread's traceback if it died, else None."""
         return self._crash
 
     def warmup(self) -> int:
         """Compile every program (each prefill bucket, both decode variants); returns the compile count."""
+        nowhere = np.full((self.slots,), self.slots, np.int32)
+        zeros = np.zeros((self.slots,), np.uint32)
         for bucket in self.buckets:
-            ids = np.zeros((1, bucket), np.int32)
+            ids = np.zeros((self.prefill_rows, bucket), np.int32)
             self._state = prefill_insert_jit(
-                self.graphdef, self._params, self._state, ids, ids.astype(bool), np.full((self.slots,), self.slots, np.int32),
-                self._root_key, np.uint32(0), np.uint32(0), np.zeros((self.slots,), np.uint32), self._layout,
+                self.graphdef, self._params, self._state, ids, ids.astype(bool), np.zeros((self.slots,), np.int32),
+                nowhere, self._root_key, zeros, zeros, zeros, self._layout,
             )
         idle = idle_controls(self.slots, self.config.max_stop_ids)
         for filtered in (False, True):
@@ -347,6 +363,7 @@ class JaxEngine:
             "engine/queue_wait_s": s["queue_wait_s"] / s["admitted"] if s["admitted"] else 0.0,
             "engine/queue_wait_max_s": float(s["queue_wait_max_s"]),
             "engine/prefill_tokens": float(s["prefill_tokens"]),
+            "engine/prefill_s": float(s["prefill_s"]),
             "engine/prefill_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,
             "engine/decode_tokens": float(s["decode_tokens"]),
             "engine/decode_tokens_per_s": s["decode_tokens"] / s["decode_s"] if s["decode_s"] else 0.0,
@@ -517,51 +534,77 @@ class JaxEngine:
                     self._end_sample(p, j, "aborted")
 
     def _admit(self) -> None:
-        admitted = False
-        while True:
-            free = self._free_slots()
-            with self._cond:
-                if not self._waiting or self._waiting[0].request.n > len(free):
-                    break
-                pending = self._waiting.popleft()
-                self._running.add(pending)
-            self._prefill(pending, free[: pending.request.n])
-            admitted = True
-        if admitted:
+        """Move waiting requests (in order) into free slots while the next one fits, and prefill
+        them, ``PREFILL_ROWS`` prompts of one bucket per program call, so the weights are read
+        once per call rather than once per request. Requests that arrive while the calls are
+        dispatched are taken too (clients of a burst submit a moment apart)."""
+        started = time.monotonic()
+        any_admitted = False
+        while admitted := self._take_waiting():
+            any_admitted = True
+            by_bucket: dict[int, list[tuple[_Pending, list[int]]]] = {}
+            for pending, rows in admitted:
+                context = len(pending.request.prompt_ids) - 1  # the last prompt token is fed by the first decode step
+                bucket = next(b for b in self.buckets if b >= max(context, 1))
+                by_bucket.setdefault(bucket, []).append((pending, rows))
+            for bucket in sorted(by_bucket):
+                group = by_bucket[bucket]
+                for first in range(0, len(group), self.prefill_rows):
+                    self._prefill(bucket, group[first : first + self.prefill_rows], started)
+        if any_admitted:
             # Prefills run asynchronously: wait for them here so that their device time counts
             # as prefill_s, not as the next chunk's decode_s (engine/decode_ms_per_step).
-            started = time.monotonic()
             jax.block_until_ready(self._state)
             self._stats["prefill_s"] += time.monotonic() - started
 
-    def _prefill(self, pending: _Pending, rows: list[int]) -> None:
-        request = pending.request
-        started = time.monotonic()
-        wait = started - pending.submitted
-        self._stats["admitted"] += 1
-        self._stats["queue_wait_s"] += wait
-        self._stats["queue_wait_max_s"] = max(self._stats["queue_wait_max_s"], wait)
-        prompt = np.asarray(request.prompt_ids, np.int32)
-        context = len(prompt) - 1  # the last prompt token is fed by the first decode step
-        bucket = next(b for b in self.buckets if b >= max(context, 1))
-        ids = np.zeros((1, bucket), np.int32)
-        ids[0, :context] = prompt[:context]
-        mask = np.zeros((1, bucket), bool)
-        mask[0, :context] = True
-        dst = np.full((self.slots,), self.slots, np.int32)
-        dst[: len(rows)] = rows
-        key_index = np.zeros((self.slots,), np.uint32)
-        key_index[: len(rows)] = [(request.index_in_group + j) % 2**32 for j in range(len(rows))]
+    def _take_waiting(self) -> list[tuple[_Pending, list[int]]]:
+        """Pop waiting requests in order while the next one fits in the free slots; each with
+        the slots it will fill (not yet owned: :meth:`_prefill` takes them)."""
+        admitted: list[tuple[_Pending, list[int]]] = []
+        free = self._free_slots()
+        with self._cond:
+            while self._waiting and self._waiting[0].request.n <= len(free):
+                pending = self._waiting.popleft()
+                self._running.add(pending)
+                n = pending.request.n
+                admitted.append((pending, free[:n]))
+                free = free[n:]
+        return admitted
+
+    def _prefill(self, bucket: int, group: list[tuple[_Pending, list[int]]], admitted_at: float) -> None:
+        """Prefill ``group`` (up to ``prefill_rows`` requests and their slots, prompts of ``bucket``
+        tokens at most) in one call: prompt row ``r`` is request ``r``'s ``prompt[:-1]``,
+        right-padded; rows past the group are all padding."""
+        ids = np.zeros((self.prefill_rows, bucket), np.int32)
+        mask = np.zeros(ids.shape, bool)
+        # One entry per destination slot: which prompt row it copies, and its key's parts.
+        src, dst = np.zeros((self.slots,), np.int32), np.full((self.slots,), self.slots, np.int32)
+        sample_id, turn, key_index = (np.zeros((self.slots,), np.uint32) for _ in range(3))
+        k = 0
+        for row, (pending, slots) in enumerate(group):
+            request = pending.request
+            wait = admitted_at - pending.submitted
+            self._stats["admitted"] += 1
+            self._stats["queue_wait_s"] += wait
+            self._stats["queue_wait_max_s"] = max(self._stats["queue_wait_max_s"], wait)
+            prompt = np.asarray(request.prompt_ids, np.int32)
+            context = len(prompt) - 1
+            ids[row, :context] = prompt[:context]
+            mask[row, :context] = True
+            for j, slot in enumerate(slots):
+                src[k], dst[k] = row, slot
+                sample_id[k], turn[k] = request.sample_id % 2**32, request.turn % 2**32
+                key_index[k] = (request.index_in_group + j) % 2**32
+                k += 1
+                self._slot_owner[slot] = (pending, j)
+                pending.samples[j].slot = slot
+                self._start_slot(slot, request, pending.stop_ids, int(prompt[-1]))
+            self._stats["prefill_tokens"] += context
+        self._stats["prefill_calls"] += 1
         self._state = prefill_insert_jit(
-            self.graphdef, self._params, self._state, ids, mask, dst, self._root_key,
-            np.uint32(request.sample_id % 2**32), np.uint32(request.turn % 2**32), key_index, self._layout,
+            self.graphdef, self._params, self._state, ids, mask, src, dst, self._root_key, sample_id, turn, key_index,
+            self._layout,
         )
-        for j, slot in enumerate(rows):
-            self._slot_owner[slot] = (pending, j)
-            pending.samples[j].slot = slot
-            self._start_slot(slot, request, pending.stop_ids, int(prompt[-1]))
-        self._stats["prefill_tokens"] += context
-        self._stats["prefill_s"] += time.monotonic() - started
 
     def _start_slot(self, slot: int, request: GenerationRequest, stop_ids: tuple[int, ...], last_token: int) -> None:
         """Set a freshly prefilled slot's controls from its request."""
@@ -581,9 +624,11 @@ class JaxEngine:
         active = c.active.copy()
         filtered = bool(np.any(active & ((c.top_k > 0) | (c.top_p < 1.0))))
         with self._cond:
-            # A slot freed inside the chunk ends it early when the next waiting request fits
-            # (or, with none waiting, at the first finish: a client usually submits again at once).
-            c.refill_free[...] = self._waiting[0].request.n if self._waiting else 1
+            # A slot freed inside the chunk ends it early when the next waiting request fits and
+            # (with 8 slots or more) two slots are free: two prompts prefill in one call for about
+            # the price of one, while the first freed slot idles only until the next finish. With
+            # none waiting the same holds: a client usually submits again at once.
+            c.refill_free[...] = max(self._waiting[0].request.n if self._waiting else 1, 2 if self.slots >= 8 else 1)
         version = self._version
         self._state, tokens, logprobs, emitted = decode_chunk_jit(
             self.graphdef, self._params, self._state, snapshot(c), self.chunk, filtered, self._layout
@@ -608,15 +653,20 @@ class JaxEngine:
 
     def _await_refill(self) -> None:
         """After a chunk that freed slots, give the callers whose requests just finished a moment
-        to submit their next one before the next chunk starts without them: up to a tenth of a
-        decode step, woken at once by a submission (the idle slot would otherwise wait for the
-        next chunk boundary, i.e. the next finish)."""
+        to submit their next ones before the next chunk starts without them: until waiting
+        samples cover the freed slots (so they are prefilled in one call), at most a tenth of a
+        decode step (an idle slot would otherwise wait for the next chunk boundary)."""
         if not self._freed:
             return
         started = time.monotonic()
+        deadline = started + min(0.1 * self._step_s, 0.05)
         with self._cond:
-            if not (self._waiting or self._closed or self._update is not None or self._aborts):
-                self._cond.wait(min(0.1 * self._step_s, 0.05))
+            while not (sum(p.request.n for p in self._waiting) >= self._freed or self._closed
+                       or self._update is not None or self._aborts):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
         self._stats["refill_wait_s"] += time.monotonic() - started
 
     def _consume(self, pending: _Pending, j: int, slot: int, tokens, logprobs, emitted, version: int) -> None:

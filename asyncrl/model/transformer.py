@@ -11,13 +11,15 @@ multiplies by its weight in the compute dtype; rotary embeddings use the rotate-
 convention with cos/sin computed in float32; attention scores and softmax run in
 float32; logits are float32. Attention over more than one new token (training, scoring,
 prefill) goes through ``jax.nn.dot_product_attention`` (``model.attention``: ``xla`` by
-default, ``cudnn`` on GPUs), decoding one token through :func:`reference_attention`; both
+default, ``cudnn`` on GPUs), decoding one token by einsum on the cache (:func:`cached_attention`); both
 take the same boolean mask and agree to float32 rounding.
 
 KV cache (:class:`KVCache`)
 ---------------------------
 A fixed-capacity pytree: ``layers``, one :class:`LayerKV` per decoder layer with
-``k, v: [B, capacity, kv_heads, head_dim]`` (compute dtype), ``valid: bool [B, capacity]``
+``k, v: [B, kv_heads, capacity, head_dim]`` (compute dtype; heads before slots, so a
+decode step's attention reads each head's keys as one contiguous ``[capacity, head_dim]``
+matrix, with no transposed copy of the cache), ``valid: bool [B, capacity]``
 (which slots hold a real token) and ``write_pos: int32 [B]`` (the slot where each row's
 next token is written). The cache is per layer, not one stacked ``[layers, ...]`` array:
 each layer reads and updates its own arrays in place, so a decode step never slices and
@@ -39,10 +41,11 @@ one past row ``b``'s last real token of the call (it stays put when the row had 
 
 The continuous-batching engine (:mod:`asyncrl.engine.jax_programs`) keeps one cache of
 ``num_slots`` rows and decodes all slots together through :func:`forward` with ``T = 1``
-(``attention_mask[b, 0] = False`` for idle slots). To start a request it prefills the
-prompt into a small cache (batch 1, capacity = the prompt's bucket) with :func:`forward`
-and copies that row into ``n`` free slots with :func:`kv_cache_copy_rows`
-(``src_rows = [0] * n``): the slots get the prefix KV, the same ``valid`` and
+(``attention_mask[b, 0] = False`` for idle slots). To start requests it prefills their
+prompts into a small cache (one row per request, capacity = the prompts' bucket) with
+:func:`forward` and copies each row into its request's free slots with
+:func:`kv_cache_copy_rows` (``src_rows = [0] * n`` for one request with ``n`` samples):
+the slots get the prefix KV, the same ``valid`` and
 ``write_pos``, and everything past the prefix marked invalid. A finished slot needs no
 clearing: the next prefill into it overwrites ``valid`` and ``write_pos`` whole
 (:func:`kv_cache_clear_rows` empties rows for callers that reuse them otherwise).
@@ -75,8 +78,8 @@ def dtype_of(name: str) -> Any:
 class LayerKV(NamedTuple):
     """One decoder layer's keys and values in a :class:`KVCache`."""
 
-    k: jax.Array  # [B, capacity, kv_heads, head_dim] (compute dtype)
-    v: jax.Array  # [B, capacity, kv_heads, head_dim]
+    k: jax.Array  # [B, kv_heads, capacity, head_dim] (compute dtype)
+    v: jax.Array  # [B, kv_heads, capacity, head_dim]
 
 
 class KVCache(NamedTuple):
@@ -99,7 +102,7 @@ class KVCache(NamedTuple):
 def init_kv_cache(cfg: DecoderConfig, batch: int, capacity: int, dtype: Any = None) -> KVCache:
     """An empty cache (every slot invalid, write positions 0) in the compute dtype."""
     dtype = dtype or dtype_of(cfg.compute_dtype)
-    shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
     return KVCache(
         layers=tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)),
         valid=jnp.zeros((batch, capacity), bool),
@@ -121,7 +124,7 @@ def kv_cache_copy_rows(dst: KVCache, src: KVCache, src_rows: jax.Array, dst_rows
     c = src.capacity
 
     def copy(d: jax.Array, s: jax.Array) -> jax.Array:
-        return d.at[dst_rows, :c].set(s[src_rows].astype(d.dtype), mode="drop")
+        return d.at[dst_rows, :, :c].set(s[src_rows].astype(d.dtype), mode="drop")
 
     layers = tuple(LayerKV(copy(d.k, s.k), copy(d.v, s.v)) for d, s in zip(dst.layers, src.layers))
     valid_rows = jnp.zeros((src_rows.shape[0], dst.capacity), bool).at[:, :c].set(src.valid[src_rows])
@@ -237,8 +240,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, mask, cache: Optional[LayerKV] = None, write_idx=None):
         """x [B, T, H]; mask bool [B, T, S]. Without a cache S = T; with one, the new
-        k/v are scattered into the layer's cache [B, C, KV, D] at write_idx [B, T] first
-        and S = C. Returns (out [B, T, H], the updated LayerKV or None)."""
+        k/v are scattered into the layer's cache [B, KV, C, D] at write_idx [B, T] first
+        and S = C (:func:`cached_attention`). Returns (out [B, T, H], the updated LayerKV or None)."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = _dense(self.q_proj, x).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -249,11 +252,8 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         new_cache = None
         if cache is not None:
-            rows = jnp.arange(b)[:, None]
-            cache_k = cache.k.at[rows, write_idx].set(k.astype(cache.k.dtype), mode="drop")
-            cache_v = cache.v.at[rows, write_idx].set(v.astype(cache.v.dtype), mode="drop")
-            k, v = cache_k.astype(q.dtype), cache_v.astype(q.dtype)
-            new_cache = LayerKV(cache_k, cache_v)
+            out, new_cache = cached_attention(q, k, v, mask, cache, write_idx, cfg.attention)
+            return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim)), new_cache
         implementation = attention_implementation(cfg.attention, q.dtype) if t > 1 else "reference"
         if implementation == "reference":
             out = reference_attention(q, k, v, mask)
@@ -290,6 +290,47 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, heads, d)
+
+
+def cached_attention(q, k, v, mask, cache: LayerKV, write_idx, choice: str) -> tuple[jax.Array, LayerKV]:
+    """Attention of ``q [B, T, heads, D]`` over a layer's cache after writing the new ``k, v``
+    ``[B, T, kv_heads, D]`` into it at ``write_idx`` int32 [B, T] (indices past the capacity are
+    dropped); ``mask`` bool [B, T, capacity]. Returns ``(out [B, T, heads, D], the updated
+    LayerKV)``.
+
+    One new token (a decode step) attends by einsum straight on the ``[B, kv_heads, C, D]``
+    cache: batch and head dims lead and head_dim is minor, which is the layout XLA's batched
+    dot wants, so no transposed copy of the cache is made per step. Several new tokens (prefill
+    into a cache) go through ``model.attention``'s implementation (``choice``) on a transposed
+    view, once per call.
+    """
+    b, t = write_idx.shape
+    rows = jnp.arange(b)[:, None]
+    # Advanced indices around the head slice: the indexed block is [B, T, kv_heads, D], as k is.
+    cache_k = cache.k.at[rows, :, write_idx].set(k.astype(cache.k.dtype), mode="drop")
+    cache_v = cache.v.at[rows, :, write_idx].set(v.astype(cache.v.dtype), mode="drop")
+    k_all, v_all = cache_k.astype(q.dtype), cache_v.astype(q.dtype)
+    implementation = attention_implementation(choice, q.dtype) if t > 1 else "reference"
+    if implementation == "reference":
+        out = _heads_major_attention(q, k_all, v_all, mask)
+    else:
+        kernel: Any = implementation  # "xla" | "cudnn"
+        out = jax.nn.dot_product_attention(q, k_all.swapaxes(1, 2), v_all.swapaxes(1, 2), mask=mask[:, None],
+                                           implementation=kernel)
+    return out, LayerKV(cache_k, cache_v)
+
+
+def _heads_major_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """:func:`reference_attention` on keys and values laid out ``[B, kv_heads, S, D]`` (the
+    cache's layout): the same float32 scores and softmax, in the same order."""
+    b, t, heads, d = q.shape
+    kv_heads = k.shape[1]
+    q = q.reshape(b, t, kv_heads, heads // kv_heads, d)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (d**-0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bksd->btkgd", probs, v).reshape(b, t, heads, d)
 
 
 class MLP(nnx.Module):
