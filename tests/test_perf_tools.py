@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from asyncrl.compile_cache import compile_cache_dir
@@ -15,7 +16,23 @@ from tests.helpers import REPO_ROOT, run_python, subprocess_env
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 import bench_accel  # noqa: E402
+import bench_engine  # noqa: E402
 import bench_rl  # noqa: E402
+
+
+# --------------------------------------------------------------------------- benchmark arithmetic
+
+
+def test_decode_step_bound_refills_the_slot_that_frees_first():
+    # Two slots. Static: batches (4, 1) and (1, 4), each as long as its longest: 8 steps.
+    # Continuous: the second slot frees after step 1 and takes the third request (ends at 2),
+    # then the fourth (ends at 6) while the first slot runs to 4.
+    assert bench_engine.decode_step_bound(np.array([4, 1, 1, 4]), 2) == (8, 6)
+    assert bench_engine.decode_step_bound(np.array([3, 3]), 4) == (3, 3)  # fewer requests than slots
+    # The benchmark's own workload: the ceiling its continuous_vs_static can reach in decode steps.
+    lengths = np.random.default_rng(1).integers(8, 65, size=128)
+    static, continuous = bench_engine.decode_step_bound(lengths, 16)
+    assert (static, continuous) == (485, 319)
 
 
 # --------------------------------------------------------------------------- the compilation cache
