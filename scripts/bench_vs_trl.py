@@ -65,8 +65,11 @@ def asyncrl_config(args: argparse.Namespace, model_dir: Path, prompts: Path, out
                                                            "answer_field": "answer"}},
                  "max_prompt_tokens": 16},
         "rewards": [{"fn": "positional_match"}],
+        # length_bucket 8: TRL pads each batch to its longest sequence, asyncrl to a multiple of the
+        # bucket (64 by default, capped by max_seq_len = 16 + new): 72 positions here instead of 80,
+        # so both train the same positions. The default bucket bounds recompilation when lengths vary.
         "rollout": {"batch_size": args.prompts, "group_size": args.group, "max_staleness": 0, "max_new_tokens": args.new,
-                    "temperature": 1.0, "max_concurrent": args.prompts},
+                    "temperature": 1.0, "max_concurrent": args.prompts, "length_bucket": 8},
         "engine": {"slots": slots, "kv_capacity": 16 + args.new, "prefill_buckets": [16], "decode_chunk": 8},
         "optim": {"lr": args.lr, "schedule": "constant", "warmup_steps": 0},
         "algo": {"kl_coef": 0.0, "ppo_epochs": 1, "mini_batches": 1},
