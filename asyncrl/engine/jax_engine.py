@@ -542,6 +542,7 @@ class JaxEngine:
         any_admitted = False
         while admitted := self._take_waiting():
             any_admitted = True
+            taken_at = time.monotonic()  # a request taken on a later pass may have arrived after `started`
             by_bucket: dict[int, list[tuple[_Pending, list[int]]]] = {}
             for pending, rows in admitted:
                 context = len(pending.request.prompt_ids) - 1  # the last prompt token is fed by the first decode step
@@ -550,7 +551,7 @@ class JaxEngine:
             for bucket in sorted(by_bucket):
                 group = by_bucket[bucket]
                 for first in range(0, len(group), self.prefill_rows):
-                    self._prefill(bucket, group[first : first + self.prefill_rows], started)
+                    self._prefill(bucket, group[first : first + self.prefill_rows], taken_at)
         if any_admitted:
             # Prefills run asynchronously: wait for them here so that their device time counts
             # as prefill_s, not as the next chunk's decode_s (engine/decode_ms_per_step).
