@@ -46,6 +46,21 @@ def test_chosen_logprob_gradient_equals_autodiff_of_log_softmax(temperature):
     np.testing.assert_allclose(d_t, ref_t, rtol=1e-5)
 
 
+def test_per_row_temperature_and_negative_token_ids_keep_exact_gradients():
+    """A broadcast temperature [rows, 1, 1] takes plain autodiff; a negative token id reads the
+    vocabulary from its end in the value and in the gradient alike (as take_along_axis does)."""
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(3, 5, 37)) * 3, jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 37, size=(3, 5)), jnp.int32).at[0, 0].set(-1)
+    weights = jnp.asarray(rng.normal(size=(3, 5)), jnp.float32)
+    for t in (jnp.asarray([0.5, 1.0, 1.5], jnp.float32)[:, None, None], jnp.float32(0.8)):
+        wrapped = jnp.where(tokens < 0, tokens + 37, tokens)
+        (d_logits, d_t), (ref_logits, ref_t) = (_ours_grad(logits, t, tokens, weights),
+                                                 _reference_grad(logits, t, wrapped, weights))
+        np.testing.assert_allclose(d_logits, ref_logits, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(d_t, ref_t, rtol=1e-5, atol=1e-6)
+
+
 def test_compiled_step_copies_no_optimizer_state():
     """jit pairs each donated input with the first output of its shape: the step must return the
     optimizer state first, and must not read the old state after updating it, or XLA copies it."""

@@ -69,8 +69,8 @@ from asyncrl.engine.jax_programs import (
     graphdef_config,
     idle_controls,
     init_slot_state,
-    prefill_insert_jit,
     PREFILL_ROWS,
+    prefill_insert_jit,
     slot_state_shardings,
     snapshot,
 )
@@ -80,6 +80,10 @@ from asyncrl.model.sharding import check_tensor_parallel, param_shardings
 from asyncrl.registry import register
 
 logger = logging.getLogger("asyncrl.engine")
+
+PAIRED_REFILL_MIN_SLOTS = 8
+"""From this many slots a chunk ends early only once ``prefill_rows`` slots are free, so refills
+are prefilled together; with fewer, one idle slot is too large a share to keep waiting."""
 
 # --------------------------------------------------------------------------- host bookkeeping
 
@@ -319,8 +323,8 @@ class JaxEngine:
 
     @property
     def prefill_calls(self) -> int:
-        """Prefill program calls so far (one per prompt bucket per chunk boundary that admitted
-        requests). Not in :meth:`metrics`: how arrivals group into calls depends on timing."""
+        """Prefill program calls so far (one per ``prefill_rows`` prompts of one bucket admitted
+        together). Not in :meth:`metrics`: how arrivals group into calls depends on timing."""
         return int(self._stats["prefill_calls"])
 
     @property
@@ -626,10 +630,12 @@ class JaxEngine:
         filtered = bool(np.any(active & ((c.top_k > 0) | (c.top_p < 1.0))))
         with self._cond:
             # A slot freed inside the chunk ends it early when the next waiting request fits and
-            # (with 8 slots or more) two slots are free: two prompts prefill in one call for about
-            # the price of one, while the first freed slot idles only until the next finish. With
-            # none waiting the same holds: a client usually submits again at once.
-            c.refill_free[...] = max(self._waiting[0].request.n if self._waiting else 1, 2 if self.slots >= 8 else 1)
+            # (with PAIRED_REFILL_MIN_SLOTS or more) prefill_rows slots are free: two prompts
+            # prefill in one call for about the price of one, while the first freed slot idles
+            # only until the next finish. With none waiting the same holds: a client usually
+            # submits again at once.
+            pair = self.prefill_rows if self.slots >= PAIRED_REFILL_MIN_SLOTS else 1
+            c.refill_free[...] = max(self._waiting[0].request.n if self._waiting else 1, pair)
         version = self._version
         self._state, tokens, logprobs, emitted = decode_chunk_jit(
             self.graphdef, self._params, self._state, snapshot(c), self.chunk, filtered, self._layout
@@ -655,7 +661,7 @@ class JaxEngine:
     def _await_refill(self) -> None:
         """After a chunk that freed slots, give the callers whose requests just finished a moment
         to submit their next ones before the next chunk starts without them: until waiting
-        samples cover the freed slots (so they are prefilled in one call), at most a tenth of a
+        samples cover the freed slots (so they are prefilled together, ``prefill_rows`` per call), at most a tenth of a
         decode step (an idle slot would otherwise wait for the next chunk boundary)."""
         if not self._freed:
             return

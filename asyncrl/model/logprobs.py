@@ -38,11 +38,17 @@ def token_logprobs_from_logits(logits: jax.Array, tokens: jax.Array, temperature
     logits it samples from; :func:`per_token_logprobs` uses it after shifting.
     ``with_entropy=False`` returns ``(logprobs, None)`` and skips the entropy's pass over
     the vocabulary (the chosen log-prob is ``z[token] - logsumexp(z)``: no ``[..., V]``
-    log-softmax is materialised).
+    log-softmax is materialised). ``temperature`` is a scalar or broadcasts against ``[..., 1]``;
+    a scalar one takes the one-pass gradient of :func:`_chosen_logprob` (reverse mode only).
     """
     logits = logits.astype(jnp.float32)
     temperature = jnp.asarray(temperature, jnp.float32)
-    chosen = _chosen_logprob(logits, tokens.astype(jnp.int32), temperature)
+    tokens = tokens.astype(jnp.int32)
+    tokens = jnp.where(tokens < 0, tokens + logits.shape[-1], tokens)  # as take_along_axis reads them
+    if temperature.ndim == 0:
+        chosen = _chosen_logprob(logits, tokens, temperature)
+    else:  # a per-row temperature: plain autodiff (the one-pass backward assumes a scalar)
+        chosen = _chosen_forward(logits, tokens, temperature)[0]
     if not with_entropy:
         return chosen, None
     z = logits / temperature

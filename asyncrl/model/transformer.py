@@ -250,10 +250,9 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        new_cache = None
         if cache is not None:
             out, new_cache = cached_attention(q, k, v, mask, cache, write_idx, cfg.attention)
-            return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim)), new_cache
+            return _dense(self.o_proj, out.reshape(b, t, cfg.num_heads * cfg.head_dim)), new_cache
         implementation = attention_implementation(cfg.attention, q.dtype) if t > 1 else "reference"
         if implementation == "reference":
             out = reference_attention(q, k, v, mask)
@@ -261,7 +260,7 @@ class Attention(nnx.Module):
             kernel: Any = implementation  # "xla" | "cudnn"
             out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=kernel)
         out = out.reshape(b, t, cfg.num_heads * cfg.head_dim)
-        return _dense(self.o_proj, out), new_cache
+        return _dense(self.o_proj, out), None
 
 
 def attention_implementation(choice: str, dtype: Any) -> str:
@@ -281,7 +280,8 @@ def attention_implementation(choice: str, dtype: Any) -> str:
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Grouped-query attention by einsum: ``q [B, T, heads, D]``, ``k, v [B, S, kv_heads, D]``,
     ``mask`` bool ``[B, T, S]`` -> ``[B, T, heads, D]``. Scores and softmax in float32; a fully
-    masked query row gets uniform weights (never NaN). Used to decode one token at a time."""
+    masked query row gets uniform weights (never NaN). The path of one-token calls without a
+    cache and of ``model.attention: reference``; cached decoding uses :func:`cached_attention`."""
     b, t, heads, d = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(b, t, kv_heads, heads // kv_heads, d)
