@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from asyncrl.compile_cache import compile_cache_dir
+from asyncrl.engine.fake import FakeEngine
 from tests.helpers import REPO_ROOT, run_python, subprocess_env
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
@@ -33,6 +34,36 @@ def test_decode_step_bound_refills_the_slot_that_frees_first():
     lengths = np.random.default_rng(1).integers(8, 65, size=128)
     static, continuous = bench_engine.decode_step_bound(lengths, 16)
     assert (static, continuous) == (485, 319)
+
+
+class _StepCountingEngine(FakeEngine):
+    """FakeEngine with the counters bench_engine reads: one prefill call per request and n
+    decode steps per request of n new tokens (no batching: both runs count the same steps)."""
+
+    def __init__(self) -> None:
+        super().__init__(vocab_size=64, eos_prob=0.0)
+        self.prefill_calls = 0
+        self.steps = 0
+
+    def generate(self, request):
+        with self._lock:
+            self.prefill_calls += 1
+            self.steps += request.max_new_tokens
+        return super().generate(request)
+
+    def metrics(self) -> dict:
+        with self._lock:
+            return {"engine/decode_steps": float(self.steps), "engine/prefill_s": 0.0}
+
+
+def test_variable_workload_reports_both_runs_and_the_bound():
+    out = bench_engine.variable_workload(_StepCountingEngine(), 64, repeats=1)
+    assert out["continuous_tokens_per_s"] > 0 and out["static_tokens_per_s"] > 0
+    # Per run (the untimed warm-up included in the counters, divided out): every request once.
+    assert out["continuous_prefill_calls"] == out["static_prefill_calls"] == 128
+    assert out["continuous_decode_steps"] == out["static_decode_steps"]  # the fake counts tokens alike
+    assert out["continuous_vs_static_steps"] == 1.0 and out["continuous_prefill_s"] == 0.0
+    assert out["continuous_vs_static_bound"] == 485 / 319
 
 
 # --------------------------------------------------------------------------- the compilation cache
