@@ -282,14 +282,21 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
     ``mask`` bool ``[B, T, S]`` -> ``[B, T, heads, D]``. Scores and softmax in float32; a fully
     masked query row gets uniform weights (never NaN). The path of one-token calls without a
     cache and of ``model.attention: reference``; cached decoding uses :func:`cached_attention`."""
+    return _einsum_attention(q, k, v, mask, kv_spec="bskd")
+
+
+def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, kv_spec: str) -> jax.Array:
+    """Grouped-query attention by einsum with keys and values laid out as ``kv_spec`` says:
+    ``bskd`` (``[B, S, kv_heads, D]``) or ``bksd`` (the cache's ``[B, kv_heads, S, D]``); the
+    same float32 scores and softmax, in the same order, either way."""
     b, t, heads, d = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[kv_spec.index("k")]
     q = q.reshape(b, t, kv_heads, heads // kv_heads, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum(f"btkgd,{kv_spec}->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (d**-0.5)
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, heads, d)
+    return jnp.einsum(f"bkgts,{kv_spec}->btkgd", probs, v).reshape(b, t, heads, d)
 
 
 def cached_attention(q, k, v, mask, cache: LayerKV, write_idx, choice: str) -> tuple[jax.Array, LayerKV]:
@@ -312,25 +319,12 @@ def cached_attention(q, k, v, mask, cache: LayerKV, write_idx, choice: str) -> t
     k_all, v_all = cache_k.astype(q.dtype), cache_v.astype(q.dtype)
     implementation = attention_implementation(choice, q.dtype) if t > 1 else "reference"
     if implementation == "reference":
-        out = _heads_major_attention(q, k_all, v_all, mask)
+        out = _einsum_attention(q, k_all, v_all, mask, kv_spec="bksd")
     else:
         kernel: Any = implementation  # "xla" | "cudnn"
         out = jax.nn.dot_product_attention(q, k_all.swapaxes(1, 2), v_all.swapaxes(1, 2), mask=mask[:, None],
                                            implementation=kernel)
     return out, LayerKV(cache_k, cache_v)
-
-
-def _heads_major_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """:func:`reference_attention` on keys and values laid out ``[B, kv_heads, S, D]`` (the
-    cache's layout): the same float32 scores and softmax, in the same order."""
-    b, t, heads, d = q.shape
-    kv_heads = k.shape[1]
-    q = q.reshape(b, t, kv_heads, heads // kv_heads, d)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (d**-0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bksd->btkgd", probs, v).reshape(b, t, heads, d)
 
 
 class MLP(nnx.Module):
