@@ -661,8 +661,9 @@ class JaxEngine:
     def _await_refill(self) -> None:
         """After a chunk that freed slots, give the callers whose requests just finished a moment
         to submit their next ones before the next chunk starts without them: until waiting
-        samples cover the freed slots (so they are prefilled together, ``prefill_rows`` per call), at most a tenth of a
-        decode step (an idle slot would otherwise wait for the next chunk boundary)."""
+        samples cover the freed slots (so they are prefilled together, ``prefill_rows`` per
+        call), at most a tenth of a decode step (an idle slot would otherwise wait for the next
+        chunk boundary)."""
         if not self._freed:
             return
         started = time.monotonic()

@@ -253,13 +253,7 @@ class Attention(nnx.Module):
         if cache is not None:
             out, new_cache = cached_attention(q, k, v, mask, cache, write_idx, cfg.attention)
             return _dense(self.o_proj, out.reshape(b, t, cfg.num_heads * cfg.head_dim)), new_cache
-        implementation = attention_implementation(cfg.attention, q.dtype) if t > 1 else "reference"
-        if implementation == "reference":
-            out = reference_attention(q, k, v, mask)
-        else:
-            kernel: Any = implementation  # "xla" | "cudnn"
-            out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=kernel)
-        out = out.reshape(b, t, cfg.num_heads * cfg.head_dim)
+        out = _attend(q, k, v, mask, cfg.attention, kv_spec="bskd").reshape(b, t, cfg.num_heads * cfg.head_dim)
         return _dense(self.o_proj, out), None
 
 
@@ -311,20 +305,26 @@ def cached_attention(q, k, v, mask, cache: LayerKV, write_idx, choice: str) -> t
     into a cache) go through ``model.attention``'s implementation (``choice``) on a transposed
     view, once per call.
     """
-    b, t = write_idx.shape
+    b = write_idx.shape[0]
     rows = jnp.arange(b)[:, None]
     # Advanced indices around the head slice: the indexed block is [B, T, kv_heads, D], as k is.
     cache_k = cache.k.at[rows, :, write_idx].set(k.astype(cache.k.dtype), mode="drop")
     cache_v = cache.v.at[rows, :, write_idx].set(v.astype(cache.v.dtype), mode="drop")
-    k_all, v_all = cache_k.astype(q.dtype), cache_v.astype(q.dtype)
-    implementation = attention_implementation(choice, q.dtype) if t > 1 else "reference"
-    if implementation == "reference":
-        out = _einsum_attention(q, k_all, v_all, mask, kv_spec="bksd")
-    else:
-        kernel: Any = implementation  # "xla" | "cudnn"
-        out = jax.nn.dot_product_attention(q, k_all.swapaxes(1, 2), v_all.swapaxes(1, 2), mask=mask[:, None],
-                                           implementation=kernel)
+    out = _attend(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask, choice, kv_spec="bksd")
     return out, LayerKV(cache_k, cache_v)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, choice: str, kv_spec: str) -> jax.Array:
+    """Attention by ``model.attention``'s implementation (``choice``) for several query tokens,
+    by einsum (:func:`_einsum_attention`) for one; ``k, v`` laid out as ``kv_spec`` says
+    (``bskd``, or the cache's ``bksd``, which ``jax.nn.dot_product_attention`` gets transposed)."""
+    implementation = attention_implementation(choice, q.dtype) if q.shape[1] > 1 else "reference"
+    if implementation == "reference":
+        return _einsum_attention(q, k, v, mask, kv_spec)
+    if kv_spec == "bksd":
+        k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
+    kernel: Any = implementation  # "xla" | "cudnn"
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=kernel)
 
 
 class MLP(nnx.Module):
