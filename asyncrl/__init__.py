@@ -35,7 +35,7 @@ _EXPORTS: dict[str, str] = {
     "SingleTurnWorkflow": "asyncrl.rollout.workflow",
     "WorkflowExecutor": "asyncrl.rollout.executor",
     "prepare_batch": "asyncrl.rollout.batch",
-    "train": "asyncrl.train",
+    "train": "asyncrl.run.loop",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -118,7 +118,7 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from asyncrl.launch import launch
+    from asyncrl.cluster.launch import launch
 
     child = args.child[1:] if args.child[:1] == ["--"] else args.child
     if args.nproc < 1 or (args.cpu_devices is not None and args.cpu_devices < 1) or not child:
@@ -129,7 +129,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from asyncrl.serve import serve
+    from asyncrl.engine.serve import serve
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve(args.model, host=args.host, port=args.port, weights_root=args.weights_root, api_key=args.api_key,
@@ -159,10 +159,10 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     code = _main(argv)
-    if code != 0 and "asyncrl.distributed" in sys.modules:
+    if code != 0 and "asyncrl.cluster.distributed" in sys.modules:
         # A failed process of a multi-process run: tell the others and exit now, instead of
         # JAX's graceful shutdown waiting for processes stuck in a collective with this one.
-        from asyncrl.distributed import SIGNAL_EXIT_CODES, exit_after_failure
+        from asyncrl.cluster.distributed import SIGNAL_EXIT_CODES, exit_after_failure
 
         if code not in SIGNAL_EXIT_CODES:
             exit_after_failure(code)
@@ -214,7 +214,7 @@ def _exit_on_signal_outside_the_run() -> Iterator[None]:
     callback, where Python prints "Exception ignored" and carries on: the run would then
     start as if nothing happened. Nothing is lost by exiting: no step has been trained
     outside the run's handler, and every file asyncrl writes is written to a temporary name
-    and renamed. The run's :class:`~asyncrl.shutdown.ShutdownGuard` takes over during training.
+    and renamed. The run's :class:`~asyncrl.run.shutdown.ShutdownGuard` takes over during training.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -251,7 +251,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "export":
-        from asyncrl.export import export_run
+        from asyncrl.run.export import export_run
 
         written = export_run(args.run_dir, args.out_dir, merged=args.merged)
         print(f"asyncrl: wrote {written}")
@@ -274,7 +274,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     logging.getLogger("asyncrl").setLevel(cfg.logging.level)
     _import_flax_without_ipython()
     if args.command == "train":
-        from asyncrl.train import TrainingInterrupted, train
+        from asyncrl.run.loop import TrainingInterrupted, train
 
         try:
             train(cfg, argv=["asyncrl", *sys.argv[1:]])
@@ -283,8 +283,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             return stop.exit_code
         return 0
     if args.command == "eval":
-        from asyncrl.compile_cache import enable_compile_cache
-        from asyncrl.evaluate import evaluate_model
+        from asyncrl.run.compile_cache import enable_compile_cache
+        from asyncrl.run.evaluate import evaluate_model
 
         enable_compile_cache(cfg.run.compile_cache)
         evaluate_model(cfg)

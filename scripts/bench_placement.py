@@ -38,7 +38,7 @@ METRICS = ("perf/step_time", "perf/train_time", "perf/gen_tokens_per_s", "perf/p
 CHILD = """
 import io, sys
 from asyncrl.config import load_config
-from asyncrl.train import train
+from asyncrl.run.loop import train
 train(load_config(sys.argv[1], sys.argv[2:]), console=io.StringIO())
 """
 

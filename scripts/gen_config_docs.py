@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncrl.config_docs import config_reference_markdown  # noqa: E402
+from asyncrl.config.docs import config_reference_markdown  # noqa: E402
 
 TARGET = ROOT / "docs" / "config.md"
 

@@ -22,7 +22,7 @@ def pytest_configure(config):
     if cache_dir is not None:
         os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_dir))
     elif not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        # Runs turn JAX's cache on under the user's cache directory (asyncrl/compile_cache.py):
+        # Runs turn JAX's cache on under the user's cache directory (asyncrl/run/compile_cache.py):
         # tests never write there, so with no test cache directory runs keep it off.
         os.environ.setdefault("ASYNCRL_COMPILE_CACHE", "0")
     # Cache every compilation, however small: tests recompile the same tiny models

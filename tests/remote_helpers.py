@@ -131,8 +131,8 @@ class InProcessServer:
     def __init__(self, loaded: Any, cfg: Any, weights_root: Path, api_key: Optional[str] = API_KEY):
         import uvicorn
 
-        from asyncrl.build import build_local_engine
-        from asyncrl.serve import ServeState, build_app
+        from asyncrl.run.build import build_local_engine
+        from asyncrl.engine.serve import ServeState, build_app
 
         engine = build_local_engine(cfg, *loaded.split(), loaded.stop_token_ids)
         self.state = ServeState(engine, loaded.model.cfg, str(loaded.path), weights_root=weights_root, api_key=api_key)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
-from asyncrl import checkpoint as ck
+from asyncrl.checkpoint import store as ck
 from asyncrl import pytree
 from asyncrl.config import Config, dump_config, load_config
 from asyncrl.errors import CheckpointError, ConfigError
@@ -552,7 +552,7 @@ def test_checkpoint_modules_import_no_jax():
     from tests.helpers import REPO_ROOT, subprocess_env
 
     code = ("import sys; from asyncrl.checkpoint import save_checkpoint, load_checkpoint, latest_checkpoint; "
-            "from asyncrl.shutdown import ShutdownGuard; "
+            "from asyncrl.run.shutdown import ShutdownGuard; "
             "print(sorted(m for m in ('jax', 'safetensors', 'flax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), cwd=REPO_ROOT,
                          timeout=60, check=True).stdout

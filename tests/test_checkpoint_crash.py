@@ -17,14 +17,14 @@ import time
 
 import pytest
 
-from asyncrl import checkpoint as ck
+from asyncrl.checkpoint import store as ck
 from tests.helpers import REPO_ROOT, subprocess_env
 
 WRITER = textwrap.dedent(
     """
     import sys, time
     import numpy as np
-    from asyncrl import checkpoint as ck
+    from asyncrl.checkpoint import store as ck
 
     out, stop_at, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
     rollout = {"meta": {"format": 1, "ledger": {"version": 0}, "groups": {}},

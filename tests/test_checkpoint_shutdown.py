@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from asyncrl.shutdown import EXIT_SIGINT, EXIT_SIGTERM, ShutdownGuard
+from asyncrl.run.shutdown import EXIT_SIGINT, EXIT_SIGTERM, ShutdownGuard
 from tests.helpers import REPO_ROOT, subprocess_env
 
 # A miniature training loop: steps until the guard asks it to stop, then "writes a checkpoint"
@@ -22,7 +22,7 @@ from tests.helpers import REPO_ROOT, subprocess_env
 LOOP = textwrap.dedent(
     """
     import signal, sys, time
-    from asyncrl.shutdown import ShutdownGuard
+    from asyncrl.run.shutdown import ShutdownGuard
 
     marker = sys.argv[1]
     before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
@@ -50,7 +50,7 @@ LOOP = textwrap.dedent(
 STUCK = textwrap.dedent(
     """
     import signal, sys, time
-    from asyncrl.shutdown import ShutdownGuard
+    from asyncrl.run.shutdown import ShutdownGuard
 
     with ShutdownGuard(grace_s=float(sys.argv[1])) as guard:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})

@@ -8,7 +8,7 @@ import pytest
 from pydantic import Field
 
 from asyncrl.config import Config, Section, dump_config, load_config
-from asyncrl.config_overrides import apply_override
+from asyncrl.config.overrides import apply_override
 from asyncrl.errors import ConfigError
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncrl.config_docs import config_reference_markdown
+from asyncrl.config.docs import config_reference_markdown
 from tests.helpers import REPO_ROOT
 
 

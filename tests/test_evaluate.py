@@ -8,7 +8,7 @@ import math
 import pytest
 
 from asyncrl.engine.fake import FakeEngine
-from asyncrl.evaluate import EvalError, evaluate, pass_at_k
+from asyncrl.run.evaluate import EvalError, evaluate, pass_at_k
 from asyncrl.rollout.workflow import RewardFunction, SingleTurnWorkflow
 from tests.rollout_fakes import char_tokenizer, make_cfg
 from workflows.synthetic import positional_match

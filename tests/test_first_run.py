@@ -15,7 +15,7 @@ import pytest
 
 from asyncrl.engine.fake import FakeEngine
 from asyncrl.errors import ConfigError, RolloutError
-from asyncrl.evaluate import EVAL_SAMPLE_ID_BASE, evaluate
+from asyncrl.run.evaluate import EVAL_SAMPLE_ID_BASE, evaluate
 from asyncrl.rollout.executor import WorkflowExecutor
 from asyncrl.rollout.workflow import (
     RewardFailuresExceeded,
@@ -141,7 +141,7 @@ def test_eval_runs_the_workflows_own_episodes(docs_module):
 def test_sft_encodes_with_a_custom_workflow(docs_module):
     """Item 8: an SFT stage formats prompts with any RolloutWorkflow (tokenizer and messages
     come from the base class)."""
-    from asyncrl.sft import encode_example
+    from asyncrl.run.sft import encode_example
 
     tokenizer = char_tokenizer()
     workflow = build_workflow(docs_cfg(), tokenizer)
@@ -153,7 +153,7 @@ def test_workflow_without_base_init_gets_cfg_and_tokenizer_from_the_builder():
     """Item 8: a subclass that skips super().__init__ still gets cfg and tokenizer from the
     builder (so SFT and eval work), and a clear message (not a bare AttributeError) when
     built by hand and used."""
-    from asyncrl.sft import encode_example
+    from asyncrl.run.sft import encode_example
 
     class NoInit(RolloutWorkflow):
         def __init__(self, cfg, tokenizer):
@@ -244,7 +244,7 @@ def _no_kwargs_reward(prompt, completion):
 
 
 def test_run_dir_without_a_completed_step_is_no_run(tmp_path):
-    from asyncrl.rundir import RunDirError, prepare_output_dir
+    from asyncrl.run.rundir import RunDirError, prepare_output_dir
 
     cfg = make_cfg(run={"output_dir": str(tmp_path)})
     (tmp_path / "metrics.jsonl").write_text("")  # a start-up failure left this
@@ -276,7 +276,7 @@ def test_failed_episodes_log_the_first_few_then_a_summary(caplog, monkeypatch):
 def test_trained_tokens_per_s_has_one_producer():
     """The trainer names its metrics itself (its compute time and tokens over it are not the
     loop's whole-step figures), and the loop's merge refuses a name with two producers."""
-    from asyncrl.metrics import merge_producers
+    from asyncrl.run.metrics import merge_producers
     from asyncrl.trainer.trainer import step_metric_name
 
     assert [step_metric_name(k) for k in ("loss", "pg_loss", "sft_loss", "logprob_gap", "grad_norm")] == [

@@ -70,7 +70,7 @@ def check_run(out: Path, steps: int, checkpoints: list[str]) -> dict:
 @pytest.mark.timeout(300)
 def test_two_steps_of_the_recipe_on_cpu(tmp_path, monkeypatch):
     from asyncrl.config import load_config
-    from asyncrl.train import train
+    from asyncrl.run.loop import train
 
     monkeypatch.setenv("ASYNCRL_TINY_QWEN3_CORPUS", str(TRAIN))
     argv = documented_smoke_command()

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import yaml
 
-from asyncrl import checkpoint as ck
+from asyncrl.checkpoint import store as ck
 from asyncrl import pytree
 from asyncrl import cli
 from asyncrl.config import dump_config, load_config
@@ -117,7 +117,7 @@ def test_a_write_failure_in_a_checkpoint_stops_the_run_and_a_log_failure_does_no
     assert not [p for p in (run_copy / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
     monkeypatch.setattr(ck, "_write_bytes", real_write)
 
-    import asyncrl.metrics as metrics
+    import asyncrl.run.metrics as metrics
 
     real_os_write = os.write
 
@@ -181,7 +181,7 @@ def test_a_full_small_filesystem_keeps_the_previous_checkpoint_and_logs_go_on(tm
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here")
     try:
-        from asyncrl.metrics import JsonlSink
+        from asyncrl.run.metrics import JsonlSink
 
         arrays = {"params": {"w": np.ones(64 * 1024, np.float32)}}  # 256 KiB
         ck.save_checkpoint(mount, 1, arrays=arrays, state={"version": 1}, config_yaml="{}\n", keep=5)
@@ -337,7 +337,7 @@ def test_an_optimizer_state_that_does_not_fit_names_the_key_and_the_likely_cause
 
 def test_the_unedited_hand_built_checkpoint_passes_the_checks():
     """The control of the test above: the same contents, unedited, are accepted."""
-    from asyncrl.checkpoint_schema import check_checkpoint_params, check_run_checkpoint
+    from asyncrl.checkpoint.schema import check_checkpoint_params, check_run_checkpoint
     from asyncrl.model import load_model
 
     cfg = load_config(data=STAGED)
@@ -489,7 +489,7 @@ def test_a_run_that_ends_short_of_its_steps_never_counts_as_finished():
     from types import SimpleNamespace
 
     from asyncrl.errors import AsyncRLError
-    from asyncrl.train import _check_all_steps_ran
+    from asyncrl.run.loop import _check_all_steps_ran
 
     cfg = load_config(data=STAGED)
     _check_all_steps_ran(SimpleNamespace(version=5, resumed=None), cfg)

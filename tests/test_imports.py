@@ -14,15 +14,43 @@ from tests.helpers import REPO_ROOT
 
 PACKAGES = ("asyncrl", "workflows")
 
-# module -> modules it must never reach through imports (the one-way data flow of DESIGN):
-# checkpoints store arrays and JSON and do not know the rollout executor; the math does not
-# know the moving parts.
+# The folders by layer (docs/design.md "Module map"), lowest first. A module may import its own
+# layer and the layers below it, never one above: the tree reads like the layer table.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("foundation", ("asyncrl", "asyncrl.errors", "asyncrl.imports", "asyncrl.pytree", "asyncrl.registry",
+                    "asyncrl.config", "asyncrl.data")),
+    ("math and model", ("asyncrl.algo", "asyncrl.model")),
+    ("cluster", ("asyncrl.cluster",)),
+    ("engines", ("asyncrl.engine",)),
+    ("rollout", ("asyncrl.rollout",)),
+    ("trainer", ("asyncrl.trainer",)),
+    ("checkpoint", ("asyncrl.checkpoint",)),
+    ("run", ("asyncrl.run",)),
+    ("workflows", ("workflows",)),
+    ("entry points", ("asyncrl.cli", "asyncrl.__main__")),
+)
+
+# module -> modules it must never reach through imports, even below its own layer (the one-way
+# data flow of DESIGN): checkpoints store arrays and JSON and do not know the rollout executor;
+# the math does not know the moving parts; eval does not know the loop.
 FORBIDDEN_REACH = {
-    "asyncrl.checkpoint": ("asyncrl.rollout.executor", "asyncrl.train"),
-    "asyncrl.algo": ("asyncrl.trainer", "asyncrl.rollout", "asyncrl.engine", "asyncrl.train"),
-    "asyncrl.model": ("asyncrl.trainer", "asyncrl.rollout", "asyncrl.engine", "asyncrl.train"),
-    "asyncrl.evaluate": ("asyncrl.train",),
+    "asyncrl.checkpoint": ("asyncrl.rollout.executor", "asyncrl.run.loop"),
+    "asyncrl.algo": ("asyncrl.trainer", "asyncrl.rollout", "asyncrl.engine", "asyncrl.run"),
+    "asyncrl.model": ("asyncrl.trainer", "asyncrl.rollout", "asyncrl.engine", "asyncrl.run"),
+    "asyncrl.run.evaluate": ("asyncrl.run.loop",),
 }
+
+
+def layer_of(module: str) -> int:
+    """Index in LAYERS of the longest prefix that names ``module`` or a package holding it."""
+    best, best_len = -1, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    if best < 0:
+        raise AssertionError(f"{module} is in no layer of LAYERS: add its folder to the table (and to docs/design.md)")
+    return best
 
 
 def _modules(root: Path) -> dict[str, tuple[Path, bool]]:
@@ -132,7 +160,15 @@ def test_no_module_imports_one_that_imports_it_back():
     assert not found, "import cycles (function-level imports count): " + " | ".join(_describe(graph, c) for c in found)
 
 
-def test_layers_do_not_reach_upwards():
+def test_every_import_points_to_its_own_layer_or_below():
+    graph = import_graph()
+    upward = [f"{source} ({LAYERS[layer_of(source)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+              for source, targets in sorted(graph.items()) for target in sorted(targets)
+              if layer_of(target) > layer_of(source)]
+    assert not upward, "imports into a higher layer: " + "; ".join(upward)
+
+
+def test_forbidden_reaches():
     graph = import_graph()
     problems = []
     for source, banned in FORBIDDEN_REACH.items():
@@ -156,3 +192,14 @@ def test_the_checker_finds_a_cycle_hidden_in_a_function(tmp_path):
     assert graph["asyncrl.c"] == {"asyncrl", "asyncrl.b"}  # ``from . import b`` runs the package too
     assert cycles(graph) == [["asyncrl.a", "asyncrl.b"]]
     assert reachable(graph, "asyncrl.c") == {"asyncrl", "asyncrl.a", "asyncrl.b"}
+
+
+def test_public_train_is_the_function_whatever_was_imported_first():
+    import importlib.util
+    import inspect
+
+    import asyncrl.run.loop  # noqa: F401 - imported first on purpose: it once made `asyncrl.train` the module
+    from asyncrl import train
+
+    assert inspect.isfunction(train) and train.__module__ == "asyncrl.run.loop"
+    assert importlib.util.find_spec("asyncrl.train") is None  # no module shadows the public function

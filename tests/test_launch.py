@@ -1,4 +1,4 @@
-"""``asyncrl launch`` and failure detection across processes (asyncrl/launch.py, asyncrl/distributed.py).
+"""``asyncrl launch`` and failure detection across processes (asyncrl/cluster/launch.py, asyncrl/cluster/distributed.py).
 
 The launcher runs small stand-in children (``python -c``); the failure tests run two JAX
 processes on loopback with gloo collectives. Everything runs in spawned subprocesses under
@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from asyncrl.distributed import EXIT_PEER_FAILED, EXIT_PEER_LOST, Watchdog
-from asyncrl.launch import Launcher
+from asyncrl.cluster.distributed import EXIT_PEER_FAILED, EXIT_PEER_LOST, Watchdog
+from asyncrl.cluster.launch import Launcher
 from tests.helpers import REPO_ROOT, subprocess_env
 
 # ---------------------------------------------------------------- the launcher, with stand-in children
@@ -81,7 +81,7 @@ def test_first_failure_is_named_and_returned_and_the_others_are_stopped():
 
 LAUNCHER_PROCESS = """
 import sys
-from asyncrl.launch import Launcher, run_with_signals
+from asyncrl.cluster.launch import Launcher, run_with_signals
 child = '''
 import os, signal, sys, time
 def on_term(signum, frame):
@@ -245,8 +245,8 @@ def test_watchdog_ignores_finished_processes_and_reports_a_lost_coordinator(capf
 COLLECTIVES = """
 import os, sys, time
 import numpy as np
-from asyncrl.config_sections import MeshConfig
-from asyncrl.distributed import initialize_distributed
+from asyncrl.config.sections import MeshConfig
+from asyncrl.cluster.distributed import initialize_distributed
 initialize_distributed(MeshConfig(distributed={"heartbeat_timeout_s": int(sys.argv[1])}))
 import jax
 from jax.experimental import multihost_utils
@@ -256,7 +256,7 @@ mesh = Mesh(np.array(jax.devices()), ("x",))
 total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))
 ones = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), np.ones((1,), np.float32))
 assert float(total(ones)) == 2.0
-from asyncrl.distributed import DistributedError, wait_at_barrier
+from asyncrl.cluster.distributed import DistributedError, wait_at_barrier
 if pid == 0:  # a barrier process 1 never reaches times out with an error naming it (and the run goes on)
     try:
         wait_at_barrier("lonely", 0.5)
@@ -277,7 +277,7 @@ while True:
 
 
 def _two_jax_processes(mode: str, heartbeat_s: int) -> list[subprocess.Popen]:
-    from asyncrl.launch import child_env, free_port
+    from asyncrl.cluster.launch import child_env, free_port
 
     env = subprocess_env()
     env.pop("XLA_FLAGS", None)
@@ -312,10 +312,10 @@ def _end(procs: list[subprocess.Popen]) -> None:
 @pytest.mark.timeout(60)
 def test_a_process_alone_at_start_ends_after_the_initialization_timeout_naming_the_setting():
     """Process 1 of 2 never starts: JAX would abort some seconds after the timeout with a C++ stack trace."""
-    from asyncrl.launch import child_env, free_port
+    from asyncrl.cluster.launch import child_env, free_port
 
-    code = ("from asyncrl.config_sections import MeshConfig\n"
-            "from asyncrl.distributed import initialize_distributed\n"
+    code = ("from asyncrl.config.sections import MeshConfig\n"
+            "from asyncrl.cluster.distributed import initialize_distributed\n"
             "initialize_distributed(MeshConfig(distributed={'initialization_timeout_s': 1}))\n")
     env = child_env(subprocess_env(), 0, 2, f"127.0.0.1:{free_port()}", None)
     env.pop("XLA_FLAGS", None)
@@ -378,7 +378,7 @@ def _tiny_run(out_dir, rl_steps: int, *extra: str) -> list[str]:
 
 def _train_processes(args: list[str], nproc: int = 2, cpu_devices: int = 2) -> list[subprocess.Popen]:
     """``python -m asyncrl.cli ARGS`` as ``nproc`` processes, each with the launcher's environment."""
-    from asyncrl.launch import child_env, free_port
+    from asyncrl.cluster.launch import child_env, free_port
 
     coordinator = f"127.0.0.1:{free_port()}"
     return [subprocess.Popen([sys.executable, "-m", "asyncrl.cli", *args], cwd=REPO_ROOT, text=True,

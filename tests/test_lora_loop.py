@@ -35,7 +35,7 @@ def is_adapter(key: str) -> bool:
 
 def test_quickstart_with_lora_keeps_one_adapter_and_exports_it(tmp_path):
     from asyncrl.cli import main
-    from asyncrl.train import train
+    from asyncrl.run.loop import train
 
     out = tmp_path / "run"
     # A KL term makes every checkpoint keep the stage's starting adapters (its reference).
@@ -141,7 +141,7 @@ def test_docs_show_the_tested_lora_quickstart_commands():
 def test_quickstart_with_lora_learns(tmp_path):
     """The issue's acceptance: rank 8, adjusted lr, seeded, CPU: held-out eval reward +0.3 over
     the LoRA run (docs/lora.md's two commands; the base is the quickstart's SFT warm start)."""
-    from asyncrl.train import train
+    from asyncrl.run.loop import train
 
     base = tmp_path / "base"
     train(load_config(QUICKSTART, [*BASE_SFT, f"run.output_dir={base}"]), console=io.StringIO())

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from asyncrl.metrics import ConsoleSink, JsonlSink, StatsTracker, TensorBoardSink
+from asyncrl.run.metrics import ConsoleSink, JsonlSink, StatsTracker, TensorBoardSink
 
 
 def test_reductions_and_reset(tmp_path):

@@ -145,8 +145,8 @@ def test_loading_a_builtin_model_imports_no_torch(builtin_dirs, tmp_path):
         from pathlib import Path
         import asyncrl.cli
         asyncrl.cli._import_flax_without_ipython()  # as `asyncrl train` does before its imports
-        import asyncrl.train
-        from asyncrl.metrics import TensorBoardSink
+        import asyncrl.run.loop
+        from asyncrl.run.metrics import TensorBoardSink
         from asyncrl.model import load_model
         from asyncrl.model.hf import load_hf_directory
         for lm in (load_model("tiny"), load_hf_directory(Path({str(builtin_dirs["tiny-qwen3"])!r}), builtin=True)):

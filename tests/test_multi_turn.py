@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from asyncrl.checkpoint_files import load_rollout_state, save_rollout_state
+from asyncrl.checkpoint.files import load_rollout_state, save_rollout_state
 from asyncrl.config import load_config
 from asyncrl.engine import FakeEngine
 from asyncrl.rollout import WorkflowExecutor
@@ -224,7 +224,7 @@ def test_rl_steps_with_the_tiny_model(tmp_path):
     counters reach metrics.jsonl."""
     import json
 
-    from asyncrl.train import train
+    from asyncrl.run.loop import train
 
     cfg = load_config(data={
         "run": {"output_dir": str(tmp_path / "run"), "total_steps": 3},

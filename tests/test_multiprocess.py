@@ -30,10 +30,10 @@ import pytest
 import yaml
 
 from asyncrl.checkpoint import checkpoint_problems, checkpoints_root, latest_checkpoint, load_checkpoint, step_dir_name
-from asyncrl.config_sections import DistributedConfig
+from asyncrl.config.sections import DistributedConfig
 from asyncrl.errors import CheckpointError, ConfigError
-from asyncrl.distributed import resolved_distributed
-from asyncrl.multihost import check_resumed_processes, pack_blocks, split_rows, unpack_block
+from asyncrl.cluster.distributed import resolved_distributed
+from asyncrl.run.multihost import check_resumed_processes, pack_blocks, split_rows, unpack_block
 from tests.helpers import REPO_ROOT, subprocess_env
 from tests.trainer_fixtures import make_batch
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from asyncrl.compile_cache import compile_cache_dir
+from asyncrl.run.compile_cache import compile_cache_dir
 from asyncrl.engine.fake import FakeEngine
 from tests.helpers import REPO_ROOT, run_python, subprocess_env
 
@@ -91,7 +91,7 @@ CACHE_PROBE = """
 import sys
 from pathlib import Path
 import jax, jax.numpy as jnp
-from asyncrl.compile_cache import enable_compile_cache
+from asyncrl.run.compile_cache import enable_compile_cache
 where = enable_compile_cache(True)
 jax.jit(lambda x: x * 2 + 1)(jnp.arange(3.0)).block_until_ready()  # compiles in well under JAX's 1 s threshold
 files = sorted(p.name for p in Path(sys.argv[1]).rglob("*") if p.is_file()) if Path(sys.argv[1]).exists() else []

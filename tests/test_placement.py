@@ -14,7 +14,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.errors import ConfigError
-from asyncrl.placement import check_tensor_parallel, resolve_placement
+from asyncrl.cluster.placement import check_tensor_parallel, resolve_placement
 from tests.helpers import run_python, subprocess_env
 
 EIGHT = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
@@ -125,7 +125,7 @@ from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls
 from asyncrl.engine.protocol import GenerationRequest
 from asyncrl.model import load_model
 from asyncrl.model.sharding import shard_params
-from asyncrl.placement import engine_mesh, resolve_placement
+from asyncrl.cluster.placement import engine_mesh, resolve_placement
 from asyncrl.trainer import build_mesh
 assert jax.device_count() == 8
 lm = load_model("tiny:kv_heads=4,layers=1", with_tokenizer=False)  # 4 KV heads: tensor-parallel 2 and 4
@@ -171,7 +171,7 @@ for tp in (2, 4):
 assert host_reads == [], host_reads
 # asyncrl serve with a run config serves on its placement.engine with its tensor_parallel.
 import tempfile, yaml
-from asyncrl.serve import build_state
+from asyncrl.engine.serve import build_state
 with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
     yaml.safe_dump({"model": {"path": "tiny:kv_heads=4,layers=1"}, "engine": {**ENGINE, "tensor_parallel": 2},
                     "placement": {"engine": "6:8"}, "data": {"max_prompt_tokens": 16},
@@ -189,7 +189,7 @@ import io, sys
 import jax
 from asyncrl.config import load_config
 from asyncrl.errors import ConfigError
-from asyncrl.train import train
+from asyncrl.run.loop import train
 assert jax.device_count() == 8
 steps, out = int(sys.argv[1]), sys.argv[2]
 extra_layouts = sys.argv[3:]

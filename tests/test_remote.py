@@ -114,7 +114,7 @@ def test_every_endpoint_speaks_sglang_protocol(two, model):
 
 
 def test_greedy_and_sampled_equal_the_in_process_engine(two, model):
-    from asyncrl.build import build_local_engine
+    from asyncrl.run.build import build_local_engine
 
     tmp, started = two
     cfg, loaded = model

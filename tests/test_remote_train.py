@@ -72,7 +72,7 @@ def test_short_remote_run_versions_and_accounting(tmp_path, record_generations):
     """1 SFT + 3 RL steps on two servers: every token's version is the weights that made it,
     lag stays within max_staleness, each step's batch is whole, the servers end on the last version."""
     from asyncrl.model import load_model
-    from asyncrl.train import train
+    from asyncrl.run.loop import train
 
     cfg0 = load_config(QUICKSTART, ["engine.prefill_buckets=[32]"])
     loaded = load_model(cfg0.model)
@@ -97,7 +97,7 @@ def test_short_remote_run_versions_and_accounting(tmp_path, record_generations):
 def test_quickstart_learns_on_two_servers(tmp_path, record_generations):
     """The quickstart (20 SFT + 300 RL steps) with rollouts on two ``asyncrl serve`` subprocesses
     learns like the in-process run: held-out eval reward +0.3."""
-    from asyncrl.train import train
+    from asyncrl.run.loop import train
 
     with servers(tmp_path, 2) as started:
         out = tmp_path / "run"
@@ -122,7 +122,7 @@ def test_a_killed_server_loses_no_sample_and_rejoins(tmp_path, record_generation
     Timing is pinned, not hoped for: the kill waits until the victim holds a request (so one
     must be retried), and generation then waits for the restart (so the run cannot end before
     the restarted server could rejoin)."""
-    from asyncrl.train import train
+    from asyncrl.run.loop import train
 
     engines: list[RemoteEngine] = []
     killed, restart_ready = threading.Event(), threading.Event()

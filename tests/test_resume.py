@@ -2,7 +2,7 @@
 
 Every run is a few steps of the ``tiny`` model on the ``copy`` task, configured here
 explicitly (not from ``configs/quickstart.yaml``). Runs that must be killed or signalled
-run ``asyncrl train`` in a subprocess (:data:`CHILD`); the rest call :func:`asyncrl.train.train`
+run ``asyncrl train`` in a subprocess (:data:`CHILD`); the rest call :func:`asyncrl.run.loop.train`
 in-process.
 
 What "identical metrics" means (:func:`comparable`): every metrics row is compared name for
@@ -91,7 +91,7 @@ def engine_work_if_restored_queued(checkpoint: Any) -> frozenset[str]:
     """The engine work counters when ``checkpoint`` held groups of the next step that finished
     before it was written: those are restored queued, not generated again, so a run resumed
     from it counts less engine work than an uninterrupted one (by exactly theirs)."""
-    from asyncrl.train import ENGINE_COUNTERS
+    from asyncrl.run.loop import ENGINE_COUNTERS
 
     early = checkpoint.rollout_state["meta"]["groups"] if checkpoint.rollout_state else {}
     return frozenset(ENGINE_COUNTERS) if early else frozenset()
@@ -123,7 +123,7 @@ def read_rows(out: Path) -> list[dict]:
 
 
 def run_in_process(config_path: Path, *overrides: str):
-    from asyncrl.train import train
+    from asyncrl.run.loop import train
 
     return train(load_config(config_path, list(overrides)), console=io.StringIO())
 
@@ -137,7 +137,7 @@ CHILD = textwrap.dedent(
     import json, os, signal, sys, threading, time
     kill_at = os.environ.get("ASYNCRL_TEST_KILL_AT")
     if kill_at:
-        from asyncrl import checkpoint
+        from asyncrl.checkpoint import store as checkpoint
         stage, nth = kill_at.rsplit(":", 1)
         seen = [0]
         def hook(name):
@@ -306,7 +306,7 @@ def test_sigkill_after_a_checkpoint_then_resume_matches_and_never_unpickles(sync
     # Groups of the next step that finished before the checkpoint was written are restored
     # queued, not generated again, so the resumed run's counts fall short of an uninterrupted
     # run's by exactly that work: compared exactly only when the checkpoint held no such group.
-    from asyncrl.train import ENGINE_COUNTERS
+    from asyncrl.run.loop import ENGINE_COUNTERS
 
     checkpoint = load_checkpoint(latest)
     work = engine_work_if_restored_queued(checkpoint)

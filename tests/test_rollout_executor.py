@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from asyncrl.checkpoint_files import load_rollout_state, save_rollout_state
+from asyncrl.checkpoint.files import load_rollout_state, save_rollout_state
 from asyncrl.engine import FakeEngine, GenerationRequest
 from asyncrl.errors import EngineCrashed, RolloutError
 from asyncrl.rollout import SkipSample, TrajectoryBuilder, TrajectoryGroup, WorkflowExecutor

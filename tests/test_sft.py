@@ -15,7 +15,7 @@ from asyncrl.data import DataError
 from asyncrl.model import forward_jit, load_model, token_logprobs_from_logits
 from asyncrl.rollout.trajectory import TrainBatch
 from asyncrl.rollout.workflow import RewardFunction, SingleTurnWorkflow, _token_ids
-from asyncrl.sft import SFTData, build_sft_batch, eval_loss
+from asyncrl.run.sft import SFTData, build_sft_batch, eval_loss
 from asyncrl.algo import aggregation_denominators
 from asyncrl.trainer import Trainer, sft_loss
 from tests.helpers import FAST_COMPILE, SHARED_DATA
@@ -195,7 +195,7 @@ def test_gsm8k_sft_config_runs_two_steps_on_tiny(tiny):
     cfg = load_config("configs/gsm8k_sft.yaml", ["model.path=tiny", f"data.dataset.kwargs.path={path}",
                                                  "sft.batch_size=8", "model.compute_dtype=float32"])
     assert cfg.data.dataset.target == "gsm8k" and cfg.max_seq_len == 512
-    from asyncrl.build import build_task_and_workflow
+    from asyncrl.run.build import build_task_and_workflow
 
     cfg, task, workflow = build_task_and_workflow(cfg, tiny.tokenizer)
     graphdef, params = tiny.split()

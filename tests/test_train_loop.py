@@ -36,7 +36,7 @@ def quick_config(out_dir, *extra: str):
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    from asyncrl.train import train
+    from asyncrl.run.loop import train
 
     out = tmp_path_factory.mktemp("quick")
     cfg = quick_config(out)
@@ -137,7 +137,7 @@ def test_eval_on_the_export_reproduces_the_final_eval(quick_run, capsys):
 
 
 def test_synchronous_run_trains_only_current_tokens(tmp_path):
-    from asyncrl.train import train
+    from asyncrl.run.loop import train
 
     cfg = quick_config(tmp_path, "rollout.max_staleness=0", "eval.every_steps=0", "logging.dump_every_steps=0",
                        "stages.0.total_steps=1")
@@ -149,8 +149,8 @@ def test_synchronous_run_trains_only_current_tokens(tmp_path):
 
 
 def test_output_dir_of_an_earlier_run_is_refused(quick_run):
-    from asyncrl.rundir import RunDirError
-    from asyncrl.train import train
+    from asyncrl.run.rundir import RunDirError
+    from asyncrl.run.loop import train
 
     cfg, _, out, _ = quick_run
     with pytest.raises(RunDirError, match="already holds a run"):
@@ -164,7 +164,7 @@ def _crash_config(tmp_path, *extra: str):
 def test_engine_crash_ends_the_run_with_the_engine_traceback(tmp_path, monkeypatch):
     from asyncrl.engine import jax_engine
     from asyncrl.errors import EngineCrashed
-    from asyncrl.train import train
+    from asyncrl.run.loop import train
 
     def broken(self, *args, **kwargs):
         raise RuntimeError("injected engine failure")
@@ -177,7 +177,7 @@ def test_engine_crash_ends_the_run_with_the_engine_traceback(tmp_path, monkeypat
 
 def test_trainer_crash_ends_the_run(tmp_path, monkeypatch):
     from asyncrl.trainer import trainer
-    from asyncrl.train import train
+    from asyncrl.run.loop import train
 
     calls = []
 
@@ -222,7 +222,7 @@ def test_quickstart_learns(seed, tmp_path):
     """The README's promise: eval reward +0.3 and training reward +0.3 within 300 s."""
     import time
 
-    from asyncrl.train import train
+    from asyncrl.run.loop import train
 
     cfg = load_config(QUICKSTART, [f"run.output_dir={tmp_path}", f"run.seed={seed}"])
     start = time.monotonic()

@@ -147,7 +147,7 @@ class JaxEngine:
             default) and others go to the first device. Later ``update_weights`` params are
             put on the same shardings.
         mesh: the engine's own device mesh (axes ``data``, ``fsdp``, ``tensor``: replicas x 1 x
-            tensor-parallel degree; :func:`asyncrl.placement.engine_mesh` builds it). Params
+            tensor-parallel degree; :func:`asyncrl.cluster.placement.engine_mesh` builds it). Params
             are placed on it by the model's partition rules, the KV cache is split by KV heads
             over ``tensor`` and by slots over the replicas (:func:`slot_state_shardings`), and
             published params are moved onto it device to device (:func:`move_params`).

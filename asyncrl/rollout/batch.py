@@ -52,8 +52,8 @@ class PreparedBatch:
 
 
 class BatchSource(Protocol):
-    """What a stage of the loop (:func:`asyncrl.train.run_stage`) trains on: the RL stage's
-    :class:`~asyncrl.rollout.executor.WorkflowExecutor`, the SFT stage's :class:`~asyncrl.sft.SFTData`."""
+    """What a stage of the loop (:func:`asyncrl.run.loop.run_stage`) trains on: the RL stage's
+    :class:`~asyncrl.rollout.executor.WorkflowExecutor`, the SFT stage's :class:`~asyncrl.run.sft.SFTData`."""
 
     def next_batch(self, version: int, timeout: Optional[float] = None, *,
                    abandon_if: Optional[Callable[[], bool]] = None) -> PreparedBatch:

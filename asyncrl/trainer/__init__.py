@@ -6,11 +6,11 @@
   pi_prox / pi_ref, the scan over optimizer updates and micro-batches) and its FLOP count;
 - :mod:`asyncrl.trainer.optim`: the optax chain (clipping, AdamW with a weight-decay mask,
   warm-up + constant/cosine schedule) from the ``optim`` config section;
-- :mod:`asyncrl.trainer.mesh`: the ``(data, fsdp, tensor)`` mesh and ``jax.distributed`` set-up
-  from the ``mesh`` config section.
+- the ``(data, fsdp, tensor)`` mesh and ``jax.distributed`` set-up come from
+  :mod:`asyncrl.cluster.mesh` (re-exported here).
 """
 
-from asyncrl.trainer.mesh import build_mesh, initialize_distributed, row_sharding
+from asyncrl.cluster.mesh import build_mesh, initialize_distributed, row_sharding
 from asyncrl.trainer.optim import OptimParams, build_optimizer, learning_rate_schedule, weight_decay_mask
 from asyncrl.trainer.step import StepSpec, compile_count, nll_sums, sft_loss, step_flops, train_step
 from asyncrl.trainer.trainer import Trainer

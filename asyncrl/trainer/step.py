@@ -65,7 +65,7 @@ from asyncrl.algo import (
 )
 from asyncrl.model.logprobs import per_token_logprobs, take_window, window_starts
 from asyncrl.model.sharding import param_shardings
-from asyncrl.trainer.mesh import ROW_AXES, row_shards
+from asyncrl.cluster.mesh import ROW_AXES, row_shards
 from asyncrl.trainer.optim import OptimParams, build_optimizer, dotted_path, learning_rate_schedule, update_count
 
 _TRACE_COUNT = [0]

@@ -21,7 +21,7 @@ from asyncrl.algo import AlgoParams
 from asyncrl.errors import TrainerError
 from asyncrl.pytree import TreeError, fill, keyed_leaves, to_host, tree_to_host
 from asyncrl.model.sharding import param_shardings
-from asyncrl.trainer.mesh import build_mesh, initialize_distributed, local_row_shards, row_sharding
+from asyncrl.cluster.mesh import build_mesh, initialize_distributed, local_row_shards, row_sharding
 from asyncrl.trainer.optim import OptimParams, update_count
 from asyncrl.trainer.step import (
     HashedGraphDef,
@@ -93,7 +93,7 @@ class Trainer:
     non-finite guard, metrics, state) train supervised: :meth:`step` then minimises the
     token-mean cross-entropy of ``batch.loss_mask`` tokens at temperature 1 (:func:`~asyncrl.trainer.step.sft_loss`),
     one optimizer update per step (``algo`` is not read); batches come from
-    :class:`asyncrl.sft.SFTData`.
+    :class:`asyncrl.run.sft.SFTData`.
 
     LoRA (``model.lora``): ``Trainer(cfg, lora.graphdef, lora.adapters, frozen=lora.frozen)``
     with ``lora = asyncrl.model.lora.attach_lora(...)`` (or :meth:`from_config`). Only the

@@ -13,7 +13,7 @@ from typing import Any, Union
 import yaml
 from pydantic import BaseModel
 
-from asyncrl.config_paths import child_annotation, closest_key, field_names_at, is_model, join_path, unwrap_optional
+from asyncrl.config.paths import child_annotation, closest_key, field_names_at, is_model, join_path, unwrap_optional
 from asyncrl.errors import ConfigError
 
 

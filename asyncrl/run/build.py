@@ -2,7 +2,7 @@
 and workflow, the start-up checks of every stage (:func:`preflight`), the inference engine,
 and the per-episode metric means that both the loop and eval report.
 
-Nothing here imports the loop (:mod:`asyncrl.train`) or eval (:mod:`asyncrl.evaluate`):
+Nothing here imports the loop (:mod:`asyncrl.run.loop`) or eval (:mod:`asyncrl.run.evaluate`):
 both import this module, so neither imports the other.
 """
 
@@ -118,13 +118,13 @@ def _check_prompts_fit(scfg: Config, train: Any, workflow: Any, tokenizer: Any, 
 def build_local_engine(cfg: Config, graphdef: Any, params: Any, stop_token_ids: Any, *, version: int = 0,
                        placement: Any = None) -> Any:
     """An in-process :class:`~asyncrl.engine.jax_engine.JaxEngine` serving ``params`` on its
-    placement (``placement``, a :class:`~asyncrl.placement.Placement`; None: resolved from
+    placement (``placement``, a :class:`~asyncrl.cluster.placement.Placement`; None: resolved from
     ``cfg`` now). The default placement (colocated, ``engine.tensor_parallel: 1``, one
     process) serves the given arrays as they are (not copied); any other gets the engine's
-    own mesh on its devices (:func:`~asyncrl.placement.engine_mesh`) and a copy of
+    own mesh on its devices (:func:`~asyncrl.cluster.placement.engine_mesh`) and a copy of
     ``params`` placed there by the model's partition rules."""
     from asyncrl.engine.jax_engine import JaxEngine
-    from asyncrl.placement import engine_mesh, resolve_placement
+    from asyncrl.cluster.placement import engine_mesh, resolve_placement
 
     placement = placement if placement is not None else resolve_placement(cfg)
     mesh = None if placement.shares_trainer_arrays else engine_mesh(placement)

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from asyncrl.config_sections import parse_device_range
+from asyncrl.config.sections import parse_device_range
 from asyncrl.errors import ConfigError, TrainerError
 from asyncrl.model.sharding import check_tensor_parallel
 
@@ -59,7 +59,7 @@ def resolve_placement(cfg: Any, devices: Optional[Sequence[Any]] = None, process
     """
     import jax
 
-    from asyncrl.trainer.mesh import mesh_shape
+    from asyncrl.cluster.mesh import mesh_shape
 
     devices = sorted(jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id))
     processes = jax.process_count() if process_count is None else process_count

@@ -37,7 +37,7 @@ from asyncrl.engine import sglang_protocol as sp
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse
 from asyncrl.errors import AsyncRLError, ConfigError, EngineRequestError
 
-logger = logging.getLogger("asyncrl.serve")
+logger = logging.getLogger("asyncrl.engine.serve")
 
 
 class HTTPError(Exception):
@@ -354,7 +354,7 @@ def build_state(model_or_config: str, *, weights_root: Optional[str], api_key: O
     if model_or_config.endswith((".yaml", ".yml")):
         cfg = load_config(model_or_config, overrides)
         if cfg.engine.tensor_parallel > 1 or cfg.placement.engine is not None:
-            from asyncrl.placement import engine_mesh, resolve_placement
+            from asyncrl.cluster.placement import engine_mesh, resolve_placement
 
             mesh = engine_mesh(resolve_placement(cfg))  # the config's engine devices (docs/scaling.md)
         loaded, engine_cfg, run_seed = load_model(cfg.model, with_tokenizer=False), cfg.engine, cfg.run.seed

@@ -2,9 +2,9 @@
 
 The root :class:`Config` (its cross-field checks and multi-stage resolution) and
 :func:`load_config` / :func:`dump_config` live here; the sections are defined in
-:mod:`asyncrl.config_sections` and importable from this module. Beside the schema:
-:mod:`asyncrl.config_overrides` parses ``--set a.b=VALUE``, :mod:`asyncrl.config_errors`
-turns pydantic errors into one line per problem, :mod:`asyncrl.config_docs` generates
+:mod:`asyncrl.config.sections` and importable from this module. Beside the schema:
+:mod:`asyncrl.config.overrides` parses ``--set a.b=VALUE``, :mod:`asyncrl.config.errors`
+turns pydantic errors into one line per problem, :mod:`asyncrl.config.docs` generates
 ``docs/config.md``. This module imports no jax, flax or transformers, so validating a
 config and printing it are instant.
 
@@ -22,9 +22,9 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from asyncrl.config_errors import format_validation_error
-from asyncrl.config_overrides import apply_override
-from asyncrl.config_sections import (
+from asyncrl.config.errors import format_validation_error
+from asyncrl.config.overrides import apply_override
+from asyncrl.config.sections import (
     LORA_TARGET_MODULES,
     AlgoConfig,
     CheckpointConfig,

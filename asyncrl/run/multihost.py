@@ -3,9 +3,9 @@
 ``asyncrl train CONFIG`` started as N processes (``mesh.distributed``, or the environment
 variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``) runs one
 program in every process; this module holds everything in it that differs by process, so the
-loop (:mod:`asyncrl.train`) reads the same with one process or many:
+loop (:mod:`asyncrl.run.loop`) reads the same with one process or many:
 
-* **Start** (:func:`~asyncrl.distributed.initialize_distributed`): ``jax.distributed.initialize``
+* **Start** (:func:`~asyncrl.cluster.distributed.initialize_distributed`): ``jax.distributed.initialize``
   first thing, before anything touches a device; on with ``mesh.distributed.enabled`` or when
   all three variables above are set, null fields read from them.
 * **Roles** (:class:`Hosts`): process 0 runs the executor, the workflows and the engine on
@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
 
-from asyncrl.distributed import DistributedError, coordination_client, wait_at_barrier
+from asyncrl.cluster.distributed import DistributedError, coordination_client, wait_at_barrier
 from asyncrl.errors import AsyncRLError, CheckpointError, RolloutError
 from asyncrl.rollout.batch import BatchAbandoned, PreparedBatch
 from asyncrl.rollout.trajectory import TrainBatch
@@ -390,7 +390,7 @@ def _wait_header(key: str, index: int, version: int) -> dict:
 
 
 class EvalBlocks:
-    """What :func:`asyncrl.sft.eval_loss` reads of an ``SFTData`` eval split, with each batch
+    """What :func:`asyncrl.run.sft.eval_loss` reads of an ``SFTData`` eval split, with each batch
     replaced by this process's block of it (:func:`split_rows`). Every process builds the same
     split from the task, so nothing is sent: each takes its own rows of the same batches."""
 

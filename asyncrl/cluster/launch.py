@@ -1,7 +1,7 @@
 """``asyncrl launch``: N processes of one asyncrl command on this host, for development and tests.
 
 Each process gets ``JAX_COORDINATOR_ADDRESS`` (a free port on 127.0.0.1),
-``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, which :func:`asyncrl.distributed.initialize_distributed`
+``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, which :func:`asyncrl.cluster.distributed.initialize_distributed`
 reads; optionally ``K`` forced CPU devices (``XLA_FLAGS``). Output lines are prefixed with
 ``[p<i>]``. SIGINT/SIGTERM to the launcher are forwarded to every process (a second one
 kills them). When a process fails, the launcher names it and its exit code, gives the
@@ -22,7 +22,7 @@ import threading
 import time
 from typing import IO, Callable, Optional, Sequence
 
-from asyncrl.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, EXIT_PEER_FAILED, EXIT_PEER_LOST
+from asyncrl.cluster.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, EXIT_PEER_FAILED, EXIT_PEER_LOST
 
 POLL_S = 0.1
 """How often the launcher looks at its processes (every wait is this bounded)."""

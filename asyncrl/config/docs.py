@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel
 
 from asyncrl.config import ComponentRef, Config
-from asyncrl.config_paths import is_model, unwrap_optional
+from asyncrl.config.paths import is_model, unwrap_optional
 
 
 def config_reference_markdown() -> str:
@@ -20,7 +20,7 @@ def config_reference_markdown() -> str:
     lines = [
         "# Config reference",
         "",
-        "Generated from the models in `asyncrl/config.py` and `asyncrl/config_sections.py` by `python scripts/gen_config_docs.py`; do not edit by hand.",
+        "Generated from the models in `asyncrl/config/tree.py` and `asyncrl/config/sections.py` by `python scripts/gen_config_docs.py`; do not edit by hand.",
         "Every section rejects unknown keys. Override any field on the command line with",
         "`--set section.field=VALUE` (YAML, except that `str` fields take the raw text).",
         "",
@@ -71,5 +71,5 @@ def _default_text(field: Any) -> str:
 
 def _type_text(annotation: Any) -> str:
     text = repr(annotation) if not isinstance(annotation, type) else annotation.__name__
-    text = text.replace("typing.", "").replace("asyncrl.config_sections.", "").replace("asyncrl.config.", "").replace("NoneType", "None")
+    text = text.replace("typing.", "").replace("asyncrl.config.sections.", "").replace("asyncrl.config.tree.", "").replace("NoneType", "None")
     return text.replace("|", "\\|")

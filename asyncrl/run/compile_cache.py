@@ -7,7 +7,7 @@ jax version loads them instead of compiling again. Where the cache lives, first 
 
 1. a directory already configured in JAX: ``$JAX_COMPILATION_CACHE_DIR`` (JAX's own variable:
    the user's or the test suite's choice) or ``jax.config.update("jax_compilation_cache_dir", ...)``
-   in the user's code before :func:`asyncrl.train.train`;
+   in the user's code before :func:`asyncrl.run.loop.train`;
 2. ``$ASYNCRL_CACHE_DIR/jax``, else ``$XDG_CACHE_HOME/asyncrl/jax``, else ``~/.cache/asyncrl/jax``
    (:func:`asyncrl.model.tiny.default_cache_dir`, beside the built ``tiny`` models).
 

@@ -203,7 +203,7 @@ def evaluate(engine: InferenceEngine, workflow: Any, samples: Sequence[Mapping[s
              eval_metrics: Optional[Mapping[str, Callable[..., float]]] = None) -> EvalResult:
     """Run the workflow's episodes on the eval samples: greedily (reward, accuracy, components,
     ``eval_metrics``) and, with ``eval.n_samples``, sampled (pass@k)."""
-    from asyncrl.build import episode_metric_means
+    from asyncrl.run.build import episode_metric_means
 
     _check_workflow(workflow)
     ev = cfg.eval
@@ -305,7 +305,7 @@ def evaluate_model(cfg: Config, stream: Any = None) -> EvalResult:
     import json
     import sys
 
-    from asyncrl.build import build_local_engine, build_task_and_workflow
+    from asyncrl.run.build import build_local_engine, build_task_and_workflow
     from asyncrl.model import load_model
 
     stream = stream or sys.stdout

@@ -407,7 +407,7 @@ DEVICE_RANGE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*:\s*(\d+(?:\.\d*)?|\.\d+
 def parse_device_range(text: str) -> tuple[float, float, bool]:
     """``(start, stop, fractional)`` of a device range such as ``"4:8"`` or ``"0.5:1.0"``;
     a bad form raises ``ValueError`` (the caller names the field). Bounds are resolved against the device
-    count at start (:func:`asyncrl.placement.resolve_placement`)."""
+    count at start (:func:`asyncrl.cluster.placement.resolve_placement`)."""
     match = DEVICE_RANGE.match(text)
     if match is None:
         raise ValueError(f"{text!r} is not a device range; write 'start:stop' with device indices "

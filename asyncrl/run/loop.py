@@ -4,7 +4,7 @@ A run is a list of stages (RL or SFT); :func:`train` builds what they share (:cl
 model, mesh, engine, sinks, the version, the checkpoint it resumed from) and runs each with
 :func:`run_stage` over its batch source (:class:`~asyncrl.rollout.batch.BatchSource`: the RL
 stage's :class:`~asyncrl.rollout.executor.WorkflowExecutor`, the SFT stage's
-:class:`~asyncrl.sft.SFTData`). Per step, on the main thread::
+:class:`~asyncrl.run.sft.SFTData`). Per step, on the main thread::
 
     got = source.next_batch(v)                 # RL: groups with lag <= max_staleness
     metrics = trainer.step(got.batch)          # ppo_epochs x mini_batches optax updates
@@ -19,7 +19,7 @@ list; the only thing that goes back up is published weights with their version.
 
 Run as N processes (``mesh.distributed``, or ``JAX_COORDINATOR_ADDRESS``...), the same loop
 runs in each: process 0's source, engine and logs, every process's trainer step on its block
-of each batch; :mod:`asyncrl.multihost` holds what differs by process (docs/scaling.md).
+of each batch; :mod:`asyncrl.run.multihost` holds what differs by process (docs/scaling.md).
 
 Any thread's crash ends the run with that thread's traceback (the executor re-raises
 rollout and engine failures in the main thread), and everything is stopped in a
@@ -40,13 +40,13 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from asyncrl.build import build_engine, episode_metric_means, preflight
-from asyncrl.checkpoint_schema import RUN_STATE_FORMAT
+from asyncrl.run.build import build_engine, episode_metric_means, preflight
+from asyncrl.checkpoint.schema import RUN_STATE_FORMAT
 from asyncrl.config import Config, dump_config
 from asyncrl.errors import AsyncRLError, CheckpointError
 from asyncrl.rollout.batch import BatchAbandoned, BatchSource, PreparedBatch
 from asyncrl.pytree import tree_to_host
-from asyncrl.rundir import check_output_dir_path, prepare_output_dir
+from asyncrl.run.rundir import check_output_dir_path, prepare_output_dir
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Stage:
     type: str
     """``rl`` or ``sft``."""
     cfg: Config
-    """The stage's config, rewards defaulted to the task's (:func:`~asyncrl.build.preflight`)."""
+    """The stage's config, rewards defaulted to the task's (:func:`~asyncrl.run.build.preflight`)."""
     task: Any
     workflow: Any
     start_params: Any
@@ -105,12 +105,12 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
     :class:`TrainingInterrupted` (the CLI exits 130/143); a second signal exits at once.
     """
     from asyncrl.checkpoint import resume_checkpoint
-    from asyncrl.compile_cache import enable_compile_cache
-    from asyncrl.distributed import initialize_distributed
+    from asyncrl.run.compile_cache import enable_compile_cache
+    from asyncrl.cluster.distributed import initialize_distributed
     from asyncrl.imports import import_without
-    from asyncrl.multihost import Hosts, check_resumed_processes
-    from asyncrl.provenance import write_provenance
-    from asyncrl.shutdown import ShutdownGuard
+    from asyncrl.run.multihost import Hosts, check_resumed_processes
+    from asyncrl.run.provenance import write_provenance
+    from asyncrl.run.shutdown import ShutdownGuard
 
     started = time.monotonic()
     # tensorboardX without its torch import, before any thread (watchdog, engine, rollouts) starts.
@@ -168,7 +168,7 @@ def run_stages(run: "Run") -> tuple[Any, Any]:
             run.ensure_engine(trainer, scfg)
             build = rl_source if stage.type == "rl" else sft_source
             # Process 0 makes the batches (executor, workflows, engine) and evaluates; every
-            # process trains on its block of each batch (asyncrl.multihost).
+            # process trains on its block of each batch (asyncrl.run.multihost).
             source, evaluate = build(run, stage, trainer)
             source = run.hosts.batch_source(source, trainer.row_multiple)
             run_stage(run, stage, trainer, source, evaluate)
@@ -305,7 +305,7 @@ def sft_source(run: "Run", stage: Stage, trainer: Any) -> tuple[Optional[BatchSo
     greedy eval through the engine, as in RL, and the held-out loss. With several processes
     the data and the greedy eval are process 0's; every process computes the held-out loss on
     its block of each eval batch (the eval split is the same everywhere)."""
-    from asyncrl.sft import SFTData, eval_loss
+    from asyncrl.run.sft import SFTData, eval_loss
 
     scfg = stage.cfg
     eos = run.loaded.stop_token_ids[0] if run.loaded.stop_token_ids else None
@@ -342,7 +342,7 @@ def reward_metrics(groups: Any) -> dict[str, float]:
 
 def _dump_trajectories(log_file: Any, step: int, groups: Any, tokenizer: Any, limit: int) -> None:
     """Append the first ``limit`` groups of a step to ``trajectories.jsonl`` (a
-    :class:`~asyncrl.metrics.LogAppender`: a failed write warns and the run goes on)."""
+    :class:`~asyncrl.run.metrics.LogAppender`: a failed write warns and the run goes on)."""
     lines = []
     for group in groups[:limit]:
         for traj in group.trajectories:
@@ -370,16 +370,16 @@ class Run:
     mesh, the engine, the metric sinks, the served version, and the checkpoint it resumed from."""
 
     def __init__(self, cfg: Config, out: Path, console: Any, resumed: Any, guard: Any, hosts: Any):
-        from asyncrl.metrics import ConsoleSink, JsonlSink, LogAppender
+        from asyncrl.run.metrics import ConsoleSink, JsonlSink, LogAppender
         from asyncrl.model import load_model
-        from asyncrl.placement import check_tensor_parallel, resolve_placement
-        from asyncrl.multihost import NoSink
+        from asyncrl.cluster.placement import check_tensor_parallel, resolve_placement
+        from asyncrl.run.multihost import NoSink
         from asyncrl.trainer import build_mesh
 
         self.cfg, self.out, self.guard = cfg, out, guard
         self.hosts = hosts
         """This process's role (process 0 runs the engine and writes the run's files) and the
-        agreements between processes (:class:`~asyncrl.multihost.Hosts`, already watching ``guard``)."""
+        agreements between processes (:class:`~asyncrl.run.multihost.Hosts`, already watching ``guard``)."""
         self.resumed = resumed
         """The :class:`~asyncrl.checkpoint.Checkpoint` this run continues, or None."""
         self.placement = resolve_placement(cfg)
@@ -459,8 +459,8 @@ class Run:
         """Sinks of one stage. With several stages, rows of metrics.jsonl carry ``stage`` and
         each stage writes its own TensorBoard run (``tensorboard/<stage>/``), so curves of
         different stages never collide under one name."""
-        from asyncrl.metrics import StatsTracker, TensorBoardSink
-        from asyncrl.multihost import NoSink
+        from asyncrl.run.metrics import StatsTracker, TensorBoardSink
+        from asyncrl.run.multihost import NoSink
 
         multi = bool(self.cfg.stages)
         self.jsonl.tags = {"stage": stage_name} if multi else {}
@@ -508,7 +508,7 @@ class Run:
         producers is an error): the trainer's, the source's, the engine's, the batch's rewards,
         the process's (RSS, threads, device memory: a leak shows as a rising curve) and the
         loop's own whole-step figures."""
-        from asyncrl.metrics import merge_producers, process_metrics
+        from asyncrl.run.metrics import merge_producers, process_metrics
 
         generated = engine_metrics.get("engine/decode_tokens", 0.0)
         loop = {
@@ -524,7 +524,7 @@ class Run:
                                rewards=reward_metrics(got.groups), process=process_metrics(self.device), loop=loop)
 
     def evaluate(self, stage: Stage, tracker: Any) -> None:
-        from asyncrl.evaluate import evaluate
+        from asyncrl.run.evaluate import evaluate
 
         task = stage.task
         result = evaluate(self.engine, stage.workflow, task.eval, stage.cfg, eval_metrics=task.eval_metrics)
@@ -539,7 +539,7 @@ class Run:
 
     def checkpoint_due(self, stage_step: int, stage_total: int, stopping: bool = False) -> bool:
         """After ``stage_step``: the stage's last step, every ``checkpoint.every_steps`` versions,
-        or a stop every process agreed on (:meth:`~asyncrl.multihost.Hosts.agree_stop`)."""
+        or a stop every process agreed on (:meth:`~asyncrl.run.multihost.Hosts.agree_stop`)."""
         every = self.cfg.checkpoint.every_steps
         return stage_step == stage_total or (every > 0 and self.version % every == 0) or stopping
 
@@ -595,7 +595,7 @@ def _check_resumed_state(resumed: Any, cfg: Config) -> None:
     """A resumed checkpoint's JSON files parse and agree with each other and with the config's
     stages, before anything of it is used (or any log is cut back to its step)."""
     if resumed is not None:
-        from asyncrl.checkpoint_schema import check_run_checkpoint
+        from asyncrl.checkpoint.schema import check_run_checkpoint
 
         check_run_checkpoint(resumed, cfg)
 
@@ -603,7 +603,7 @@ def _check_resumed_state(resumed: Any, cfg: Config) -> None:
 def _check_resumed_params(run: Run) -> None:
     """A resumed checkpoint's parameters have the loaded model's names, shapes and dtypes."""
     if run.resumed is not None:
-        from asyncrl.checkpoint_schema import check_checkpoint_params
+        from asyncrl.checkpoint.schema import check_checkpoint_params
 
         check_checkpoint_params(run.resumed, run.params)
 

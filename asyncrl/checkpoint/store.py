@@ -7,7 +7,7 @@ A checkpoint of trainer step ``k`` is one directory ``<run.output_dir>/checkpoin
     opt_state.safetensors    keys are the pytree paths joined by "/" (asyncrl.pytree: "layers/0/mlp/kernel",
                              "1/0/mu/layers/0/mlp/kernel" for an optax chain's Adam moment)
     state.json               the caller's JSON state: version, trainer counters, stage index, ...
-    rollout.json, .npz       the rollout executor's state: JSON plus named arrays (asyncrl.checkpoint_files)
+    rollout.json, .npz       the rollout executor's state: JSON plus named arrays (asyncrl.checkpoint.files)
     config.yaml              the resolved config of the run
     MANIFEST.json            written last: step, trees, and every file's size and sha256
 
@@ -50,8 +50,9 @@ import numpy as np
 
 from pydantic import ValidationError
 
-from asyncrl import checkpoint_files, pytree
-from asyncrl.checkpoint_schema import (  # noqa: F401 - the config checks a resume runs, importable from here
+from asyncrl import pytree
+import asyncrl.checkpoint.files as checkpoint_files
+from asyncrl.checkpoint.schema import (  # noqa: F401 - the config checks a resume runs, importable from here
     RESUME_MUTABLE_FIELDS,
     Manifest,
     check_resume_compatible,

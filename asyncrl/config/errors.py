@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from asyncrl.config_paths import closest_key, field_names_at, join_path
+from asyncrl.config.paths import closest_key, field_names_at, join_path
 
 
 def format_validation_error(err: ValidationError, root: type[BaseModel], source: str | None = None) -> list[str]:

@@ -85,7 +85,7 @@ def _truncate_log(path: Path, last_step: int) -> None:
     ``step``) is dropped with one warning naming the file, the first such line and the count."""
     if not path.exists():
         return
-    from asyncrl.provenance import atomic_write_text
+    from asyncrl.run.provenance import atomic_write_text
 
     kept, bad = [], []
     for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):

@@ -1,7 +1,7 @@
 """Walking the config schema by dotted path: the annotation at ``a.b.0.c``, the keys allowed
 there, and the closest key to a misspelt one. Shared by the ``--set`` parser
-(:mod:`asyncrl.config_overrides`), the error formatter (:mod:`asyncrl.config_errors`) and
-the docs generator (:mod:`asyncrl.config_docs`); knows no particular section."""
+(:mod:`asyncrl.config.overrides`), the error formatter (:mod:`asyncrl.config.errors`) and
+the docs generator (:mod:`asyncrl.config.docs`); knows no particular section."""
 
 from __future__ import annotations
 

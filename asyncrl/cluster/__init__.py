@@ -1,0 +1,2 @@
+"""Where the trainer and the engine run: device placement, JAX's multi-process runtime and its
+watchdog, what differs by process in a multi-process run, and ``asyncrl launch``."""
