@@ -173,6 +173,8 @@ def check_run_checkpoint(checkpoint: Any, cfg: Any) -> RunState:
     Raises :class:`CheckpointError` naming the directory, the file and the field."""
     where = checkpoint.path
     state: RunState = parse(RunState, checkpoint.state, where, "state.json")
+    check_stage_lengths(saved_config(checkpoint.config_yaml, where=str(where / "config.yaml")), cfg,
+                        state.stage_index, state.stage_step)
     _check_position(state, checkpoint.step, cfg, where)
     if (state.lora is None) != (cfg.model.lora is None):
         held, configured = ("adapters", "no model.lora") if state.lora is not None else ("full weights", "model.lora")
@@ -264,8 +266,13 @@ def _check_arrays(saved: Optional[Mapping[str, Any]], model_params: Any, where: 
 # --------------------------------------------------------------------------- config.yaml on resume
 
 
-RESUME_MUTABLE_FIELDS = ("logging", "run.total_steps", "run.compile_cache", "eval", "checkpoint", "mesh.distributed")
-"""Dotted config paths (a section or a field) that may differ between a checkpoint and its resume."""
+RESUME_MUTABLE_FIELDS = ("logging", "run.total_steps", "run.compile_cache", "run.output_dir", "run.name", "eval",
+                         "checkpoint", "mesh.distributed", "stages.N.total_steps")
+"""Dotted config paths (a section or a field) that may differ between a checkpoint and its resume
+(``N``: any stage index; a stage's length is checked against the run's position by
+:func:`check_stage_lengths` once ``state.json`` is read). ``run.output_dir`` and ``run.name`` may
+differ because a run directory may be moved or copied: a checkpoint stores no path of its own
+(it is found in, and its files are read from, the directory the config names now)."""
 
 
 def saved_config(config_yaml: str, *, where: str = "checkpoint config.yaml") -> Config:
@@ -283,7 +290,28 @@ def saved_config(config_yaml: str, *, where: str = "checkpoint config.yaml") -> 
 
 
 def _mutable_on_resume(dotted: str) -> bool:
-    return any(dotted == p or dotted.startswith(p + ".") for p in RESUME_MUTABLE_FIELDS)
+    generic = re.sub(r"^stages\.\d+\.", "stages.N.", dotted)
+    return any(generic == p or generic.startswith(p + ".") for p in RESUME_MUTABLE_FIELDS)
+
+
+def check_stage_lengths(saved: Config, new: Config, stage_index: int, stage_step: int) -> None:
+    """A resume may lengthen (or shorten) the stage it is in and the stages after it, never a
+    finished stage, and never end the current one before the ``stage_step`` steps it has done.
+    Raises :class:`ConfigError` naming ``stages.N.total_steps``."""
+    if not saved.stages or not new.stages or len(saved.stages) != len(new.stages):
+        return  # a different stage list is refused by check_resume_compatible
+    problems = []
+    for index, (before, now) in enumerate(zip(saved.stages, new.stages)):
+        if before.total_steps == now.total_steps:
+            continue
+        if index < stage_index:
+            problems.append(f"stages.{index}.total_steps: stage {index} ({now.name}) is finished at {before.total_steps} "
+                            f"steps; only the current stage ({stage_index}) and later ones may change length on resume")
+        elif index == stage_index and now.total_steps < stage_step:
+            problems.append(f"stages.{index}.total_steps: {now.total_steps} is below the {stage_step} steps stage {index} "
+                            f"({now.name}) has done; give at least {stage_step}")
+    if problems:
+        raise ConfigError(problems)
 
 
 def _config_differences(a: Any, b: Any, prefix: str) -> list[tuple[str, Any, Any]]:
