@@ -310,3 +310,13 @@ def test_loading_sits_above_the_directory_format_and_the_builtin_models():
         assert not imported(name) & (forbidden | {"asyncrl.model"}), name
     # The model section's runtime options are derived, not listed: every one reaches the DecoderConfig.
     assert set(runtime_fields()) == set(ModelConfig.model_fields) - {"path", "lora"}
+
+
+def test_tiny_qwen3_finds_its_corpus_wherever_the_command_runs(tmp_path, monkeypatch):
+    """The default tokenizer corpus is found from the checkout, not the working directory."""
+    from asyncrl.model.tiny_qwen3 import CORPUS_ENV, corpus_path, parse_spec
+    from tests.helpers import SHARED_DATA
+
+    monkeypatch.delenv(CORPUS_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert corpus_path(parse_spec("tiny-qwen3")).resolve() == (SHARED_DATA / "gsm8k" / "train.jsonl").resolve()

@@ -8,7 +8,7 @@ and the model has Qwen3's layout (q/k RMSNorm, no attention biases, an explicit
 
 The tokenizer is a byte-level BPE (Qwen's kind) trained at build time with the
 ``tokenizers`` library on a text corpus, by default GSM8K's training split
-(``../shared/data/gsm8k/train.jsonl`` from the working directory, or
+(``shared/data/gsm8k/train.jsonl`` beside the asyncrl checkout, wherever the command runs, or
 ``$ASYNCRL_TINY_QWEN3_CORPUS``), with Qwen's special tokens (``<|endoftext|>`` pad,
 ``<|im_start|>``, ``<|im_end|>`` EOS) and a ChatML chat template. A JSONL corpus
 contributes every string field of every record; any other file, its lines.
@@ -40,7 +40,9 @@ CHATML_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
-DEFAULT_CORPUS = "../shared/data/gsm8k/train.jsonl"
+DEFAULT_CORPUS = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
+"""GSM8K's training split in ``shared/`` beside the checkout (the project's data layout), found
+from this file rather than the working directory, so the model builds wherever a command runs."""
 CORPUS_ENV = "ASYNCRL_TINY_QWEN3_CORPUS"
 _BUILD_FORMAT = 1  # bump when the recipe changes, so old cache entries are not reused
 
@@ -81,9 +83,10 @@ def parse_spec(text: str) -> TinyQwen3Spec:
 def corpus_path(spec: TinyQwen3Spec) -> Path:
     path = Path(spec.corpus or os.environ.get(CORPUS_ENV) or DEFAULT_CORPUS).expanduser()
     if not path.is_file():
+        origin = "corpus=" if spec.corpus else CORPUS_ENV if os.environ.get(CORPUS_ENV) else "the default, beside the checkout"
         raise ModelError(
-            f"model.path {PREFIX}: tokenizer corpus {path} not found (from {'corpus=' if spec.corpus else CORPUS_ENV if os.environ.get(CORPUS_ENV) else 'the default'}); "
-            f"run from the repository root so {DEFAULT_CORPUS} resolves, set {CORPUS_ENV}, or give {PREFIX}:corpus=/path/to/text"
+            f"model.path {PREFIX}: tokenizer corpus {path} not found (from {origin}); "
+            f"set {CORPUS_ENV} or give {PREFIX}:corpus=/path/to/text (a JSONL file or plain text)"
         )
     return path
 
