@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.model import forward_jit, init_kv_cache
-from asyncrl.rollout.workflow import _token_ids
 
 
 def greedy_completions(
@@ -20,7 +19,7 @@ def greedy_completions(
     """Greedy completion text of each sample's chat-templated prompt (EOS excluded)."""
     tokenizer = workflow.tokenizer
     prompts = [
-        _token_ids(tokenizer.apply_chat_template(workflow.messages(s)[0], add_generation_prompt=True, tokenize=True))
+        workflow.prompt_ids(workflow.messages(s)[0])
         for s in samples
     ]
     width = -(-max(len(p) for p in prompts) // prompt_bucket) * prompt_bucket

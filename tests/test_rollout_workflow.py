@@ -120,3 +120,39 @@ def test_build_workflow_from_config(tokenizer):
     with pytest.raises(ConfigError, match="workflow.kwargs: got an unexpected keyword argument 'colour'"):
         build_workflow(make_cfg(workflow={"target": "single_turn", "kwargs": {"colour": 1}},
                                 rewards=[{"fn": "tests.test_rollout_workflow:exact_match"}]), tokenizer)
+
+
+def test_chat_template_kwargs_reach_every_prompt_rendering(tokenizer):
+    """data.chat_template_kwargs (Qwen3's enable_thinking) is passed to the template by rollouts,
+    SFT examples and the start-up length check alike, so they render the same tokens."""
+    from asyncrl.data import DataError
+    from asyncrl.run.build import _check_prompts_fit
+    from asyncrl.run.sft import encode_example
+
+    think = char_tokenizer()
+    think.chat_template = (
+        "{% for m in messages %}<u>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>"
+        "{% if enable_thinking is defined and enable_thinking is false %}    {% endif %}{% endif %}"
+    )
+    plain, off = make_cfg(), make_cfg(data={"chat_template_kwargs": {"enable_thinking": False}})
+    sample = {"prompt": "1+1=?", "answer": "2", "response": "2", "sample_id": 0}
+    expected = think.apply_chat_template([{"role": "user", "content": "1+1=?"}], add_generation_prompt=True,
+                                         tokenize=True, enable_thinking=False)["input_ids"]
+    workflow = SingleTurnWorkflow(off, think, [RewardFunction(exact_match)])
+    assert workflow.prompt_ids(workflow.messages(sample)[0]) == list(expected)
+    assert len(expected) == len(SingleTurnWorkflow(plain, think, [RewardFunction(exact_match)])
+                                .prompt_ids([{"role": "user", "content": "1+1=?"}])) + 4
+    engine = scripted_engine(think, ["2", "2"])
+    group = workflow.run_episode(engine, sample)
+    assert list(group.trajectories[0].input_ids[:len(expected)]) == list(expected)
+    ids, mask = encode_example(sample, workflow, think.eos_token_id)
+    assert ids[:len(expected)].tolist() == list(expected) and not mask[:len(expected)].any()
+    # 11 prompt tokens with the think block, 7 without: only the kwargs make it too long for 8.
+    tight = make_cfg(data={"max_prompt_tokens": 8, "chat_template_kwargs": {"enable_thinking": False}})
+    with pytest.raises(DataError, match="0 of 1 train prompts"):
+        _check_prompts_fit(tight, [sample], SingleTurnWorkflow(tight, think, [RewardFunction(exact_match)]), think, "")
+
+
+def test_chat_template_kwargs_refuse_what_asyncrl_sets_itself():
+    with pytest.raises(ConfigError, match="data.chat_template_kwargs.*add_generation_prompt.*cannot be set here"):
+        make_cfg(data={"chat_template_kwargs": {"add_generation_prompt": False}})

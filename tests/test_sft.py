@@ -14,7 +14,7 @@ from asyncrl.config import load_config
 from asyncrl.data import DataError
 from asyncrl.model import forward_jit, load_model, token_logprobs_from_logits
 from asyncrl.rollout.trajectory import TrainBatch
-from asyncrl.rollout.workflow import RewardFunction, SingleTurnWorkflow, _token_ids
+from asyncrl.rollout.workflow import RewardFunction, SingleTurnWorkflow, token_ids
 from asyncrl.run.sft import SFTData, build_sft_batch, eval_loss
 from asyncrl.algo import aggregation_denominators
 from asyncrl.trainer import Trainer, sft_loss
@@ -64,7 +64,7 @@ def test_example_layout(tiny):
     order = data.samples
     for row in range(5):
         sample = order.sample(row)
-        prompt = _token_ids(tiny.tokenizer.apply_chat_template(
+        prompt = token_ids(tiny.tokenizer.apply_chat_template(
             workflow.messages(sample)[0], add_generation_prompt=True, tokenize=True))
         response = tiny.tokenizer.encode(sample["response"], add_special_tokens=False)
         n = len(prompt) + len(response) + 1

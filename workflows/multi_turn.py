@@ -41,7 +41,7 @@ from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, Infer
 from asyncrl.errors import ConfigError
 from asyncrl.registry import register
 from asyncrl.rollout.trajectory import TrajectoryBuilder, TrajectoryGroup
-from asyncrl.rollout.workflow import RewardFunction, SingleTurnWorkflow, SkipSample, _token_ids
+from asyncrl.rollout.workflow import RewardFunction, SingleTurnWorkflow, SkipSample
 
 from .calculator import CalcError, calculate
 
@@ -174,7 +174,7 @@ class CalculatorWorkflow(SingleTurnWorkflow):
     def run_episode(self, engine: InferenceEngine, sample: Mapping[str, Any]) -> Optional[TrajectoryGroup]:
         rollout = self.cfg.rollout
         messages, prompt = self.messages(sample)
-        prompt_ids = _token_ids(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        prompt_ids = self.prompt_ids(messages)
         if len(prompt_ids) > self.cfg.data.max_prompt_tokens:
             raise SkipSample("prompt_too_long", f"{len(prompt_ids)} tokens > data.max_prompt_tokens = {self.cfg.data.max_prompt_tokens}")
         sample_id = sample["sample_id"]

@@ -167,6 +167,22 @@ class DataConfig(Section):
     """Dataset/task: a built-in (``copy``, ``reverse``, ``add``, ``gsm8k``, ``jsonl``, ``hf``), an import path, or ``{target, kwargs}`` (e.g. ``{target: jsonl, kwargs: {path: data.jsonl, eval_size: 64}}``)."""
     max_prompt_tokens: int = Field(default=256, ge=1)
     """A prompt longer than this (in tokens, chat template included) is skipped and counted (``dropped:prompt_too_long``)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the tokenizer's chat template wherever a prompt is rendered (rollouts, eval, SFT, the start-up length check), e.g. ``{enable_thinking: false}`` for Qwen3."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs_not_reserved(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(
+                f"{', '.join(reserved)} cannot be set here: asyncrl passes the conversation and renders "
+                "prompts with add_generation_prompt=True, tokenize=True itself; pass only the template's own variables"
+            )
+        return kwargs
+
+
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "add_generation_prompt", "tokenize", "return_dict"})
 
 
 class RewardSpec(Section):

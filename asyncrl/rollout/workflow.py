@@ -120,6 +120,11 @@ class RolloutWorkflow:
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         return messages, prompt
 
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of ``messages`` as the model sees them: :func:`render_prompt` with this
+        workflow's tokenizer and the config's ``data.chat_template_kwargs``."""
+        return render_prompt(self.tokenizer, messages, self.cfg.data.chat_template_kwargs)
+
     @property
     def scorer(self) -> "RewardScorer":
         """The :class:`RewardScorer` of the config's ``rewards:``, built on first use."""
@@ -364,14 +369,23 @@ class RewardScorer:
 # --------------------------------------------------------------------------- single turn
 
 
-def _token_ids(encoded: Any) -> list[int]:
-    """``apply_chat_template(tokenize=True)`` returns a list, or a BatchEncoding (transformers 5)."""
+def token_ids(encoded: Any) -> list[int]:
+    """Token ids as a flat ``list[int]`` from what ``apply_chat_template(tokenize=True)`` or
+    ``encode`` returned: a list, a batch of one, or a BatchEncoding (transformers 5)."""
     if isinstance(encoded, Mapping) or hasattr(encoded, "keys"):
         encoded = encoded["input_ids"]
     ids = list(encoded)
     if ids and isinstance(ids[0], (list, tuple)):
         ids = list(ids[0])
     return [int(t) for t in ids]
+
+
+def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template_kwargs: Optional[Mapping[str, Any]] = None) -> list[int]:
+    """Prompt token ids of ``messages`` through the tokenizer's chat template, with the
+    generation prompt, and ``template_kwargs`` (``data.chat_template_kwargs``, e.g.
+    ``{"enable_thinking": False}``) passed to the template. Every place that renders a
+    prompt (rollouts, eval, SFT, the start-up length check) goes through here so they agree."""
+    return token_ids(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **dict(template_kwargs or {})))
 
 
 @register("workflow", "single_turn")
@@ -410,7 +424,7 @@ class SingleTurnWorkflow(RolloutWorkflow):
     def run_episode(self, engine: InferenceEngine, sample: Mapping[str, Any]) -> Optional[TrajectoryGroup]:
         rollout = self.cfg.rollout
         messages, prompt = self.messages(sample)
-        prompt_ids = _token_ids(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        prompt_ids = self.prompt_ids(messages)
         limit = self.cfg.data.max_prompt_tokens
         if len(prompt_ids) > limit:
             raise SkipSample("prompt_too_long", f"{len(prompt_ids)} tokens > data.max_prompt_tokens = {limit}")

@@ -88,7 +88,7 @@ def _check_prompts_fit(scfg: Config, train: Any, workflow: Any, tokenizer: Any, 
     (each would be dropped and the first batch would wait for its timeout). Checks workflows
     that say how they render a prompt (``messages(sample)``, like the single-turn one)."""
     from asyncrl.data import DataError
-    from asyncrl.rollout.workflow import _token_ids
+    from asyncrl.rollout.workflow import render_prompt
 
     if not callable(getattr(workflow, "messages", None)):
         return
@@ -100,8 +100,7 @@ def _check_prompts_fit(scfg: Config, train: Any, workflow: Any, tokenizer: Any, 
             messages, _ = workflow.messages(train[position])
         except (KeyError, ValueError, TypeError) as err:
             raise DataError(f"{where}data.dataset: train sample {position}: {err}") from None
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        lengths.append(len(_token_ids(ids)))
+        lengths.append(len(render_prompt(tokenizer, messages, scfg.data.chat_template_kwargs)))
     fit = sum(length <= limit for length in lengths)
     if fit == 0:
         raise DataError(

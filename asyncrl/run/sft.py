@@ -65,11 +65,9 @@ def encode_example(
 
     ``workflow`` supplies ``messages(sample)`` and ``tokenizer`` (a SingleTurnWorkflow).
     """
-    from asyncrl.rollout.workflow import _token_ids
-
     tokenizer = workflow.tokenizer
     messages, prompt = workflow.messages(sample)
-    prompt_ids = _token_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    prompt_ids = workflow.prompt_ids(messages)
     if not prompt_ids:
         raise DataError(f"SFT: the chat template gave no prompt tokens for prompt {prompt[:60]!r}")
     response_ids = [int(t) for t in tokenizer.encode(response_text(sample, prompt, solver), add_special_tokens=False)]
