@@ -6,12 +6,21 @@ A spec is one of
   * a mapping ``{target: <alias or import path>, kwargs: {...}}``, whose kwargs are
     bound to the component.
 
-Built-ins register themselves with :func:`register` when their module is imported;
-those modules are imported lazily, on the first :func:`resolve` of their kind, so
-adding a component never means editing a central factory and importing asyncrl
-stays cheap. The bundled ``workflows`` package is found by its location next to
-``asyncrl`` (:func:`_import_bundled_workflows`), so a user's own top-level package
-called ``workflows`` never hides the built-in tasks.
+Components register themselves with :func:`register` when their module is imported. The
+registry knows no module by name: the modules to import are the entry points of the group
+:data:`ENTRY_POINT_GROUP` (``asyncrl.components``) in the installed packages' metadata, each
+named ``<kind>.<label>`` and imported on the first :func:`resolve` of that kind. asyncrl lists
+its own built-ins there (setup.cfg), the bundled ``workflows`` package among them, and a
+third-party package adds components the same way::
+
+    [options.entry_points]
+    asyncrl.components =
+        reward.mine = mypkg.rewards
+
+so adding a component never means editing a central factory, and importing asyncrl stays cheap.
+A user's own top-level package called ``workflows`` (first on ``sys.path`` when ``asyncrl
+train`` runs beside it) does not hide the bundled one: that is loaded from beside ``asyncrl``
+under a private name instead (:func:`_import_own_module`).
 
 Import paths are imported as given; ``asyncrl train`` and ``asyncrl eval`` put the
 current working directory first on ``sys.path`` (as ``python -m`` does), so a module
@@ -24,6 +33,7 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import os
@@ -37,20 +47,13 @@ from asyncrl.errors import ConfigError
 
 KINDS = ("workflow", "reward", "dataset", "engine", "estimator")
 
-# Modules whose import registers the built-ins of each kind. Each entry is imported
-# once, on the first resolve of that kind; a module missing here is simply skipped
-# (the package may be installed without it), any other import error propagates.
-# BUNDLED_WORKFLOWS is asyncrl's own ``workflows`` folder, imported by location.
-BUNDLED_WORKFLOWS = "<bundled workflows>"
-PRIVATE_WORKFLOWS_NAME = "asyncrl_bundled_workflows"
-"""The module name the bundled ``workflows`` package gets when a user's ``workflows`` shadows it."""
-BUILTIN_MODULES: dict[str, list[str]] = {
-    "workflow": ["asyncrl.rollout.workflow", BUNDLED_WORKFLOWS],
-    "reward": [BUNDLED_WORKFLOWS],
-    "dataset": ["asyncrl.data", BUNDLED_WORKFLOWS],
-    "engine": ["asyncrl.engine", "asyncrl.engine.jax_engine"],
-    "estimator": ["asyncrl.algo"],
-}
+ENTRY_POINT_GROUP = "asyncrl.components"
+"""The entry-point group naming the modules whose import registers components (``<kind>.<label> = module``)."""
+OWN_DISTRIBUTION = "asyncrl"
+PRIVATE_PREFIX = "asyncrl_bundled_"
+"""A module of asyncrl's own entry points whose name a user's package shadows loads as ``asyncrl_bundled_<name>``."""
+OWN_ROOT = Path(__file__).resolve().parent.parent
+"""The folder holding ``asyncrl`` and the bundled ``workflows``."""
 
 _registry: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
 _loaded: set[str] = set()
@@ -125,6 +128,9 @@ def _lookup(kind: str, target: str, where: str) -> Any:
         names = sorted(known)
     close = difflib.get_close_matches(target, names, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else ""
+    if not any(_distribution_name(ep) == OWN_DISTRIBUTION for ep in _entry_points()):
+        hint += (f" (asyncrl's built-ins are listed in its package metadata, entry-point group {ENTRY_POINT_GROUP}, "
+                 "which this Python does not have: install the checkout with pip install -e .)")
     listing = ", ".join(names) if names else "none registered"
     raise ConfigError(
         f"{where}: unknown {kind} '{target}'{hint} Known {kind}s: {listing}; "
@@ -156,40 +162,60 @@ def _where_raised(err: BaseException) -> str:
     return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
-def _import_bundled_workflows() -> None:
-    """Import asyncrl's own ``workflows`` package (the folder next to ``asyncrl``).
+def _entry_points() -> list[importlib.metadata.EntryPoint]:
+    return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
 
-    As ``workflows`` when that name finds this folder (the usual case); under
-    :data:`PRIVATE_WORKFLOWS_NAME` when a user's own ``workflows`` package comes first on
-    ``sys.path``, so the built-in tasks and rewards resolve whatever the user's packages are called.
+
+def _distribution_name(entry: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(entry, "dist", None)
+    return str(dist.name) if dist is not None else "?"
+
+
+def component_modules(kind: str) -> list[tuple[str, str]]:
+    """``(module, distribution)`` of each ``asyncrl.components`` entry point of ``kind``, in
+    metadata order. A name that is not ``<kind>.<label>`` with a known kind is an error naming
+    the package that declares it."""
+    found = []
+    for entry in _entry_points():
+        entry_kind, _, label = entry.name.partition(".")
+        if entry_kind not in KINDS or not label:
+            raise ConfigError(
+                f"entry point '{entry.name} = {entry.value}' of package {_distribution_name(entry)} (group "
+                f"{ENTRY_POINT_GROUP}): its name must be '<kind>.<label>' with kind one of {', '.join(KINDS)}"
+            )
+        if entry_kind == kind:
+            found.append((entry.module, _distribution_name(entry)))
+    return found
+
+
+def _import_own_module(module_name: str) -> None:
+    """Import a module of asyncrl's own entry points, the one beside ``asyncrl``.
+
+    By its name when that name finds it (the usual case); when a user's package of the same
+    top-level name comes first on ``sys.path``, under :data:`PRIVATE_PREFIX` + the name, loaded
+    from :data:`OWN_ROOT`, so the built-ins resolve whatever the user's packages are called.
     """
-    init = (Path(__file__).resolve().parent.parent / "workflows" / "__init__.py")
-    if not init.is_file():
-        return  # installed without the bundled workflows
-    loaded = sys.modules.get("workflows")
-    if loaded is not None and _same_file(getattr(loaded, "__file__", None), init):
+    top, _, rest = module_name.partition(".")
+    init = OWN_ROOT / top / "__init__.py"
+    found = sys.modules.get(top) or importlib.util.find_spec(top)
+    origin = getattr(found, "__file__", None) or getattr(found, "origin", None)
+    if top == "asyncrl" or not init.is_file() or (origin and Path(origin).resolve() == init):
+        importlib.import_module(module_name)
         return
-    if loaded is None:
-        spec = importlib.util.find_spec("workflows")
-        if spec is not None and _same_file(spec.origin, init):
-            importlib.import_module("workflows")
-            return
-    if PRIVATE_WORKFLOWS_NAME in sys.modules:
-        return
-    spec = importlib.util.spec_from_file_location(PRIVATE_WORKFLOWS_NAME, init, submodule_search_locations=[str(init.parent)])
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load asyncrl's bundled workflows from {init}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[PRIVATE_WORKFLOWS_NAME] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[PRIVATE_WORKFLOWS_NAME]
-        raise
-
-
-def _same_file(path: Any, other: Path) -> bool:
-    return bool(path) and Path(path).resolve() == other
+    private = PRIVATE_PREFIX + top
+    if private not in sys.modules:
+        spec = importlib.util.spec_from_file_location(private, init, submodule_search_locations=[str(init.parent)])
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load asyncrl's bundled '{top}' from {init}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[private] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[private]
+            raise
+    if rest:
+        importlib.import_module(f"{private}.{rest}")
 
 
 def _check_kwargs(obj: Any, kwargs: dict, where: str) -> None:
@@ -209,28 +235,31 @@ def _check_kwargs(obj: Any, kwargs: dict, where: str) -> None:
 
 
 def _load_builtins(kind: str) -> None:
-    for module_name in BUILTIN_MODULES.get(kind, []):
-        if module_name in _loaded:
+    for module_name, distribution in component_modules(kind):
+        key = f"{distribution}:{module_name}"
+        if key in _loaded:
             continue
         with _lock:
-            if module_name in _loaded:
+            if key in _loaded:
                 continue
             try:
-                if module_name == BUNDLED_WORKFLOWS:
-                    _import_bundled_workflows()
+                if distribution == OWN_DISTRIBUTION:
+                    _import_own_module(module_name)
                 else:
                     importlib.import_module(module_name)
             except ModuleNotFoundError as err:
-                if err.name is None or not module_name.startswith(err.name):
-                    raise
-            _loaded.add(module_name)
+                raise ConfigError(
+                    f"{kind}: package {distribution} declares components in module '{module_name}' (entry-point group "
+                    f"{ENTRY_POINT_GROUP}), which cannot be imported: {err}; reinstall that package"
+                ) from None
+            _loaded.add(key)
 
 
 def _qualname(obj: Any) -> str:
     if isinstance(obj, functools.partial):
         return f"partial({_qualname(obj.func)}, {obj.args!r}, {sorted(obj.keywords.items())!r})"
     module = getattr(obj, "__module__", None) or "?"
-    if module == PRIVATE_WORKFLOWS_NAME or module.startswith(PRIVATE_WORKFLOWS_NAME + "."):
-        # The bundled package loaded under its private name is the same code as `workflows`.
-        module = "workflows" + module[len(PRIVATE_WORKFLOWS_NAME):]
+    if module.startswith(PRIVATE_PREFIX):
+        # A bundled package loaded under its private name is the same code as under its own.
+        module = module[len(PRIVATE_PREFIX):]
     return f"{module}.{getattr(obj, '__qualname__', repr(obj))}"

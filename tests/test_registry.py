@@ -72,3 +72,47 @@ def test_malformed_specs():
 def test_duplicate_alias_for_a_different_object_is_refused(registered_reward):
     with pytest.raises(ValueError, match="already registered"):
         registry.register("reward", "test_exact")(lambda prompt, completion: 0.0)
+
+
+def _third_party_package(root, entry_name: str) -> None:
+    """An installed-looking package ``mypkg`` (a dist-info with entry points) whose module registers a reward."""
+    dist = root / "mypkg-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mypkg\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[asyncrl.components]\n{entry_name} = mypkg_rewards\n")
+    (root / "mypkg_rewards.py").write_text(
+        "from asyncrl.registry import register\n\n"
+        "@register('reward', 'mine')\n"
+        "def mine(prompt, completion, **fields):\n    return 7.0\n"
+    )
+
+
+def test_a_third_party_package_adds_components_through_the_entry_point_group(tmp_path):
+    from tests.helpers import run_python, subprocess_env
+
+    _third_party_package(tmp_path, "reward.mine")
+    env = subprocess_env(PYTHONPATH=f"{subprocess_env()['PYTHONPATH']}:{tmp_path}")
+    run_python("""
+        from asyncrl.registry import resolve
+        assert resolve("reward", "mine")("p", "c") == 7.0
+        assert resolve("reward", "exact_match")  # the bundled ones still resolve beside it
+        assert resolve("workflow", "single_turn") and resolve("engine", "jax") and resolve("estimator", "grpo")
+    """, env=env)
+
+
+def test_a_badly_named_entry_point_is_an_error_naming_its_package(tmp_path):
+    from tests.helpers import run_python, subprocess_env
+
+    _third_party_package(tmp_path, "rewards.mine")
+    env = subprocess_env(PYTHONPATH=f"{subprocess_env()['PYTHONPATH']}:{tmp_path}")
+    run_python("""
+        from asyncrl.errors import ConfigError
+        from asyncrl.registry import resolve
+        try:
+            resolve("reward", "mine")
+        except ConfigError as err:
+            assert "entry point 'rewards.mine = mypkg_rewards' of package mypkg" in str(err), err
+            assert "'<kind>.<label>' with kind one of workflow, reward" in str(err), err
+        else:
+            raise AssertionError("no error")
+    """, env=env)
