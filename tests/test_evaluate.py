@@ -60,3 +60,55 @@ def test_workflow_without_prompts_is_a_clear_error():
     cfg, _, samples, engine = _setup()
     with pytest.raises(EvalError, match="workflow 'object' has no run_episode"):
         evaluate(engine, object(), samples, cfg)
+
+
+def test_every_sample_skipped_says_why_and_which_setting():
+    tokenizer = char_tokenizer()
+    cfg = make_cfg(data={"max_prompt_tokens": 4})
+    workflow = SingleTurnWorkflow(cfg, tokenizer, rewards=[RewardFunction(positional_match)])
+    samples = [{"prompt": "123456", "answer": "1"}, {"prompt": "1234567", "answer": "1"}]
+    with pytest.raises(EvalError, match=r"skipped every one of the 2 eval samples: 2 prompt_too_long "
+                                        r"\(e\.g\. prompt_too_long: 8 tokens > data\.max_prompt_tokens = 4\): "
+                                        r"raise data\.max_prompt_tokens"):
+        evaluate(FakeEngine(vocab_size=len(tokenizer)), workflow, samples, cfg)
+
+
+def test_eval_episodes_run_on_daemon_threads_kept_from_one_eval_to_the_next():
+    import threading
+
+    from asyncrl.run import evaluate as evaluate_module
+
+    cfg, workflow, samples, engine = _setup({"n_samples": 3})
+    evaluate(engine, workflow, samples, cfg)
+    threads = evaluate_module._POOL.threads
+    names = {t.name for t in threading.enumerate() if t.name.startswith("asyncrl-eval-")}
+    evaluate(engine, workflow, samples, cfg)
+    evaluate(engine, workflow, samples, cfg)
+    assert evaluate_module._POOL.threads == threads  # no new thread for the later evals
+    pool = [t for t in threading.enumerate() if t.name.startswith("asyncrl-eval-")]
+    assert {t.name for t in pool} == names and all(t.daemon for t in pool)
+
+
+@pytest.mark.timeout(30)
+def test_a_stuck_eval_episode_is_an_error_and_the_next_eval_still_runs():
+    import threading
+
+    tokenizer = char_tokenizer()
+    cfg = make_cfg(rollout={"episode_timeout_s": 0.5})
+    release = threading.Event()
+
+    class Stuck(SingleTurnWorkflow):
+        def run_episode(self, engine, sample):
+            if sample["prompt"] == "99":
+                release.wait(20)  # stuck until the test ends
+            return super().run_episode(engine, sample)
+
+    workflow = Stuck(cfg, tokenizer, rewards=[RewardFunction(positional_match)])
+    engine = FakeEngine(vocab_size=len(tokenizer))
+    try:
+        with pytest.raises(EvalError, match="ran past rollout.episode_timeout_s = 0.5 s"):
+            evaluate(engine, workflow, [{"prompt": "99", "answer": "1"}], cfg)
+        result = evaluate(engine, workflow, [{"prompt": "12", "answer": "1"}, {"prompt": "34", "answer": "1"}], cfg)
+        assert result.metrics["eval/n_prompts"] == 2
+    finally:
+        release.set()

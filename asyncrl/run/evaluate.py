@@ -17,7 +17,9 @@ prompt: the first of its group.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -130,9 +132,54 @@ def _check_workflow(workflow: Any) -> None:
         )
 
 
+class _EpisodePool:
+    """Daemon threads that run eval episodes and live from one eval to the next (an eval used
+    to start and end a thread per episode, up to 256, at every eval of a run).
+
+    A thread is busy from :meth:`start` until its job returns. A job that never returns (an
+    episode past its timeout, reported by the caller) keeps its thread: that thread is left
+    behind and :meth:`reserve` starts another, so one stuck episode never shrinks later evals.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._busy = 0
+
+    def reserve(self, workers: int) -> None:
+        """Make sure ``workers`` threads are idle (each job then starts the moment it is submitted)."""
+        with self._lock:
+            missing = workers - (self._threads - self._busy)
+            for _ in range(max(0, missing)):
+                self._threads += 1
+                threading.Thread(target=self._work, name=f"asyncrl-eval-{self._threads}", daemon=True).start()
+
+    def start(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            self._busy += 1
+        self._jobs.put(job)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()  # an idle daemon thread waits here between evals
+            try:
+                job()  # jobs catch their own errors (see _run_concurrently)
+            finally:
+                with self._lock:
+                    self._busy -= 1
+
+    @property
+    def threads(self) -> int:
+        return self._threads
+
+
+_POOL = _EpisodePool()
+
+
 def _run_concurrently(jobs: Sequence[Callable[[], Any]], workers: int, timeout_s: float) -> list[tuple[str, Any]]:
-    """Run ``jobs`` in daemon threads, at most ``workers`` at once: ``[("ok", value) or ("error", exc)]``.
-    A job running past ``timeout_s`` is an :class:`EvalError` (its thread is abandoned)."""
+    """Run ``jobs`` on the eval pool's daemon threads, at most ``workers`` at once: ``[("ok", value) or
+    ("error", exc)]``. A job running past ``timeout_s`` is an :class:`EvalError` (its thread is abandoned)."""
     outcomes: list[Optional[tuple[str, Any]]] = [None] * len(jobs)
     started: dict[int, float] = {}
     cond = threading.Condition()
@@ -155,13 +202,14 @@ def _run_concurrently(jobs: Sequence[Callable[[], Any]], workers: int, timeout_s
             raise EvalError(f"eval: the episode of eval sample {late[0]} ran past rollout.episode_timeout_s = {timeout_s} s")
         cond.wait(1.0)
 
+    _POOL.reserve(workers)
     with cond:
         for index in range(len(jobs)):
             while running[0] >= workers:
                 wait()
             running[0] += 1
             started[index] = time.monotonic()
-            threading.Thread(target=run, args=(index,), name=f"asyncrl-eval-{index}", daemon=True).start()
+            _POOL.start(functools.partial(run, index))
         while any(outcome is None for outcome in outcomes):
             wait()
     return outcomes  # type: ignore[return-value]
@@ -180,6 +228,29 @@ def _episode_group(outcome: tuple[str, Any], workflow: Any, index: int) -> Any:
         raise value
     raise EvalError(f"eval: workflow '{type(workflow).__name__}' failed on eval sample {index}: "
                     f"{type(value).__name__}: {value}") from value
+
+
+def _skip_reason(outcome: tuple[str, Any]) -> tuple[str, str]:
+    """``(reason, detail)`` of an eval episode that gave no group."""
+    kind, value = outcome
+    if kind == "error":  # a SkipSample (other errors were raised by _episode_group)
+        return value.reason, str(value)
+    return "returned_none", "run_episode returned no trajectories"
+
+
+_SKIP_ADVICE = {
+    "prompt_too_long": "raise data.max_prompt_tokens (with engine.kv_capacity), or shorten the prompts "
+                       "(the limit counts the chat template's tokens too)",
+}
+
+
+def _describe_skips(skips: Mapping[str, list[str]]) -> str:
+    """``16 prompt_too_long (e.g. prompt_too_long: 40 tokens > data.max_prompt_tokens = 32): raise ...``."""
+    parts = []
+    for reason, details in sorted(skips.items(), key=lambda item: -len(item[1])):
+        advice = _SKIP_ADVICE.get(reason)
+        parts.append(f"{len(details)} {reason} (e.g. {details[0]})" + (f": {advice}" if advice else ""))
+    return "; ".join(parts)
 
 
 def _texts(workflow: Any, sample: Mapping[str, Any], group: Any) -> tuple[str, str]:
@@ -226,9 +297,12 @@ def evaluate(engine: InferenceEngine, workflow: Any, samples: Sequence[Mapping[s
     outcomes = _run_concurrently(jobs, min(len(jobs), _MAX_EVAL_THREADS), cfg.rollout.episode_timeout_s)
 
     rows, greedy_trajs, kept = [], [], []
+    skips: dict[str, list[str]] = {}  # reason -> details, for the error when nothing is left
     for index in range(n):
         group = _episode_group(outcomes[index], workflow, index)
         if group is None:
+            reason, detail = _skip_reason(outcomes[index])
+            skips.setdefault(reason, []).append(detail)
             continue
         traj = group.trajectories[0]
         served = traj.versions[traj.versions >= 0]
@@ -240,7 +314,8 @@ def evaluate(engine: InferenceEngine, workflow: Any, samples: Sequence[Mapping[s
         greedy_trajs.append(traj)
         kept.append(index)
     if not rows:
-        raise EvalError(f"eval: workflow '{type(workflow).__name__}' skipped every one of the {n} eval samples")
+        raise EvalError(f"eval: workflow '{type(workflow).__name__}' skipped every one of the {n} eval samples: "
+                        + _describe_skips(skips))
     metrics = _greedy_metrics(rows, greedy_trajs, ev.success_threshold)
     metrics.update({f"eval/episode/{k}": v for k, v in episode_metric_means(greedy_trajs).items()})
     metrics.update(_task_metrics(eval_metrics or {}, rows, [samples[i] for i in kept]))
