@@ -283,3 +283,17 @@ def test_stop_sequences_are_applied_across_segments():
             engine.shutdown()
     assert out.output_ids.tolist() == [4, 5, 6, 7] and out.stop_reason == "stop"
     assert engine.metrics()["engine/resubmits"] == 1
+
+
+def test_a_server_without_weight_version_stops_the_cli_with_one_line(tmp_path, capsys):
+    """SGLang-Jax 0.0.1 reports no weight_version: asyncrl train says so in one line, no traceback."""
+    from asyncrl.cli import main
+    from tests.remote_helpers import QUICKSTART
+
+    with scripted_server(lambda path, body: _model_info(None)) as url:
+        remote = json.dumps({"urls": [url], "weights_dir": str(tmp_path / "weights"), "health_check_every_s": 0})
+        code = main(["train", str(QUICKSTART), "--set", f"run.output_dir={tmp_path / 'runs'}", "--set", f"engine.remote={remote}"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"asyncrl: error: {url}/get_model_info: weight_version None is not an asyncrl version"), err

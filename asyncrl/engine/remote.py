@@ -48,7 +48,7 @@ from pydantic import ValidationError
 from asyncrl.config import RemoteEngineConfig
 from asyncrl.engine import sglang_protocol as sp
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
-from asyncrl.engine.remote_server import RemoteEngineError, RemoteServer, ServerUnavailable
+from asyncrl.engine.remote_server import RemoteEngineError, RemoteEngineStartupError, RemoteServer, ServerUnavailable
 from asyncrl.errors import EngineClosed, EngineRequestError
 from asyncrl.registry import register
 
@@ -119,7 +119,13 @@ class RemoteEngine:
         self._stats_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(concurrent, thread_name_prefix="asyncrl-remote")
         if check:
-            self._check_servers()
+            try:
+                self._check_servers()
+            except RemoteEngineError as err:  # nothing has run yet: a user error, shown in one line
+                self._pool.shutdown(wait=False)
+                for server in self.servers:
+                    server.client.close()
+                raise RemoteEngineStartupError(str(err)) from None
         self._stop_health = threading.Event()
         self._health: Optional[threading.Thread] = None
         if settings.health_check_every_s > 0:

@@ -20,7 +20,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from asyncrl.engine import sglang_protocol as sp
-from asyncrl.errors import EngineCrashed, EngineRequestError
+from asyncrl.errors import AsyncRLError, EngineCrashed, EngineRequestError
 
 
 class RemoteEngineError(EngineCrashed):
@@ -29,6 +29,11 @@ class RemoteEngineError(EngineCrashed):
 
     def __init__(self, message: str):
         super().__init__(message)
+
+
+class RemoteEngineStartupError(RemoteEngineError, AsyncRLError):
+    """The servers failed the start-up check (unreachable, a refused key, a ``weight_version``
+    that is not an asyncrl version): nothing has run, so it is a user error (one line, no traceback)."""
 
 
 class ServerUnavailable(Exception):
