@@ -1,3 +1,3 @@
-from asyncrl.cli import main
+from asyncrl.cli import entry
 
-raise SystemExit(main())
+entry()

@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from asyncrl import __version__
 from asyncrl.errors import AsyncRLError, ConfigError
@@ -155,6 +155,29 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
         "(VALUE is YAML; str fields take the raw text); repeatable",
     )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+
+
+def entry() -> None:
+    """The ``asyncrl`` command (console script and ``python -m asyncrl``): :func:`main`, then exit
+    with its code. From here until the process is gone (JAX's and the threads' exit work, which
+    can take seconds after the last checkpoint is written), SIGINT/SIGTERM exit at once with one
+    line, as during start-up, instead of a KeyboardInterrupt traceback from an exit callback.
+    ``main`` itself restores the handlers it found, so calling it in-process changes nothing."""
+    code = main()
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _exit_while_exiting(code))
+    sys.exit(code)
+
+
+def _exit_while_exiting(code: int) -> Callable[[int, object], None]:
+    def exit_now(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        os.write(2, f"asyncrl: interrupted ({name}) while exiting; the command had finished (exit status {code}) "
+                    "and checkpoints already written are intact\n".encode())
+        os._exit(128 + signum)
+
+    return exit_now
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -183,3 +183,26 @@ def test_guard_off_the_main_thread_installs_nothing(caplog):
     thread.join(10)
     assert seen == {"installed": False, "handler": previous, "requested": True}
     assert "not handled here" in caplog.text
+
+
+def test_a_signal_while_the_command_is_exiting_exits_at_once_without_a_traceback():
+    """After ``main`` has returned (the final checkpoint written), the process still runs exit work
+    (JAX's atexit callbacks, thread joins): a SIGINT there gives one line and 130, not a
+    KeyboardInterrupt traceback from an exit callback."""
+    code = textwrap.dedent("""
+        import atexit, os, signal, sys, time
+        def slow_exit_work():  # stands in for JAX's atexit shutdown
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        atexit.register(slow_exit_work)
+        sys.argv = ["asyncrl", "version"]
+        from asyncrl.cli import entry
+        entry()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env=subprocess_env(), cwd=REPO_ROOT)
+    assert proc.returncode == EXIT_SIGINT, proc.stderr
+    assert proc.stdout.startswith("asyncrl ")
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == ("asyncrl: interrupted (SIGINT) while exiting; the command had finished (exit "
+                                   "status 0) and checkpoints already written are intact"), proc.stderr
