@@ -10,15 +10,20 @@ import time
 from typing import Any, Callable, Optional
 
 
-def median_time(fn: Callable[[], Any], repeats: int) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` calls, after one untimed warm-up call."""
+def run_times(fn: Callable[[], Any], repeats: int) -> list[float]:
+    """Wall seconds of each of ``repeats`` calls of ``fn()``, after one untimed warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls, after one untimed warm-up call."""
+    return statistics.median(run_times(fn, repeats))
 
 
 def dot_flops(n: int = 1024, dtype: str = "float32") -> float:

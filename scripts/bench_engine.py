@@ -6,7 +6,9 @@
   (one request each: 32-token prompt, 64 new tokens, EOS ignored, temperature 1) over
   transformers' ``generate`` on the same weights with one batch of 16 (``do_sample=True``,
   ``top_k=0``, ``top_p=1``, ``min_new_tokens = max_new_tokens = 64``, 2 torch threads, no
-  ``torch.compile``).
+  ``torch.compile``). transformers' timing on two threads swings several-fold between runs
+  on a loaded 2-core machine, so ``*_vs_hf_spread`` gives the lowest and highest ratio over
+  the repeats (the engine's median over each of transformers' runs): read the ratio with it.
 * ``decode_ms_per_step`` of bench-40m at batch 16 (engine metric: wall time of decode
   chunks / steps, host work included) against its floor
   ``max(parameter bytes / copy bandwidth, 2 * params * batch / jnp.dot FLOP/s)``, both
@@ -31,6 +33,7 @@ import argparse
 import heapq
 import json
 import os
+import statistics
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import copy_bandwidth, dot_flops, median_time  # noqa: E402
+from bench_common import copy_bandwidth, dot_flops, median_time, run_times  # noqa: E402
 
 BATCH, PROMPT, NEW = 16, 32, 64
 VAR_REQUESTS, VAR_MIN, VAR_MAX = 128, 8, 64
@@ -83,7 +86,8 @@ def engine_fixed(engine, vocab: int, repeats: int) -> tuple[float, float]:
     return BATCH * NEW / seconds, 1e3 * d_time / d_steps
 
 
-def hf_fixed(model_dir: str, vocab: int, repeats: int, threads: int = 2) -> float:
+def hf_fixed(model_dir: str, vocab: int, repeats: int, threads: int = 2) -> list[float]:
+    """New tokens/s of each of ``repeats`` timed runs of transformers' generate."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -98,7 +102,7 @@ def hf_fixed(model_dir: str, vocab: int, repeats: int, threads: int = 2) -> floa
                                  max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0)
         assert out.shape[1] == PROMPT + NEW
 
-    return BATCH * NEW / median_time(run, repeats)
+    return [BATCH * NEW / seconds for seconds in run_times(run, repeats)]
 
 
 def decode_step_bound(lengths: "np.ndarray", slots: int) -> tuple[int, int]:
@@ -170,10 +174,11 @@ def bench_model(graphdef, params, model_dir: str, vocab: int, repeats: int, deco
         tok_s, ms_step = engine_fixed(engine, vocab, repeats)
     finally:
         engine.shutdown()
-    hf_tok_s = hf_fixed(model_dir, vocab, repeats)
+    hf_runs = hf_fixed(model_dir, vocab, repeats)
     # Not part of the ratio: 2 OpenMP threads collapse on a loaded 2-core machine, 1 does not.
-    hf_1 = hf_fixed(model_dir, vocab, repeats, threads=1)
-    return {"engine_tokens_per_s": tok_s, "hf_tokens_per_s": hf_tok_s, "hf_tokens_per_s_1thread": hf_1, "decode_ms_per_step": ms_step}
+    hf_1 = statistics.median(hf_fixed(model_dir, vocab, repeats, threads=1))
+    return {"engine_tokens_per_s": tok_s, "hf_tokens_per_s": statistics.median(hf_runs), "hf_tokens_per_s_1thread": hf_1,
+            "decode_ms_per_step": ms_step, "vs_hf_spread": [tok_s / max(hf_runs), tok_s / min(hf_runs)]}
 
 
 def main() -> None:
@@ -193,6 +198,7 @@ def main() -> None:
     res = bench_model(g, p, str(tiny.path), tiny.config.vocab_size, args.repeats, args.decode_chunk)
     out["tiny"] = res
     out["tiny_vs_hf"] = res["engine_tokens_per_s"] / res["hf_tokens_per_s"]
+    out["tiny_vs_hf_spread"] = res["vs_hf_spread"]
 
     if not args.skip_40m:
         cfg = bench_40m_config()
@@ -205,6 +211,7 @@ def main() -> None:
             res = bench_model(g, p, str(model_dir), cfg.vocab_size, args.repeats, args.decode_chunk)
         out["bench40m"] = res
         out["bench40m_vs_hf"] = res["engine_tokens_per_s"] / res["hf_tokens_per_s"]
+        out["bench40m_vs_hf_spread"] = res["vs_hf_spread"]
         bandwidth, flops = copy_bandwidth(), dot_flops()
         floor_s = max(param_bytes / bandwidth, 2 * n_params * BATCH / flops)
         out.update(
