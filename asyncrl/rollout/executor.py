@@ -11,6 +11,14 @@ filters through the pure :func:`~asyncrl.rollout.batch.prepare_batch`, records e
 the ledger, and returns a :class:`~asyncrl.rollout.batch.PreparedBatch` (batch, groups, sample ids,
 metrics): the executor is the RL stage's :class:`~asyncrl.rollout.batch.BatchSource`.
 
+Where batches are chosen: the :class:`SimpleDataQueue` is only the hand-off from the rollout
+threads to the trainer's thread (the documented contract: workers put, nobody else takes).
+``next_batch`` moves everything on it into ``_ready``, a buffer keyed by ledger ticket, and
+the batch is chosen there: the ledger orders the ready tickets (``rollout.batch_order``),
+:func:`~asyncrl.rollout.batch.prepare_batch` drops the stale or filtered ones, and the first
+``batch_size`` survivors are consumed. ``next_batch`` waits on the executor's condition
+``_wake``, not on the queue: a finished episode, a fatal error and ``close()`` notify it.
+
 Failure handling:
 
 * an episode that raises, breaks the schema (``failed:schema:<rule>``) or runs past
@@ -106,6 +114,7 @@ class WorkflowExecutor:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ready: dict[int, TrajectoryGroup] = {}
+        """Groups taken off the queue, by ticket, not yet consumed: where next_batch chooses a batch."""
         self._latency: dict[int, float] = {}
         self._running: dict[int, _Episode] = {}
         self._pending: collections.deque[_Episode] = collections.deque()
@@ -365,8 +374,8 @@ class WorkflowExecutor:
             if cause is not None and cause is not error:
                 error.__cause__ = cause
             self._fatal = error
-        self._queue.close()  # wakes next_batch at once
-        self._wake.notify_all()
+        self._queue.close()  # no more hand-offs: a group finished from now on stays in _ready (for state_dict)
+        self._wake.notify_all()  # what wakes next_batch (it waits on _wake, not on the queue)
 
     def _raise_fatal(self) -> None:
         if self._fatal is not None:
