@@ -49,6 +49,7 @@ Stop ids end a sample on device; stop sequences are matched on the host after ea
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -134,6 +135,31 @@ class _Update:
 
 
 # --------------------------------------------------------------------------- the engine
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """The cumulative figures behind :meth:`JaxEngine.metrics`, updated by the scheduler thread
+    (``requests`` and ``aborted`` also by callers, under the engine's condition). Fields, not
+    string keys, so a misspelt counter is an error instead of a new key."""
+
+    requests: int = 0  # generate/submit calls accepted
+    aborted: int = 0  # samples ended by abort (timeout or cancel)
+    admitted: int = 0  # requests given slots
+    queue_wait_s: float = 0.0  # summed wait from submit to admission
+    queue_wait_max_s: float = 0.0
+    prefill_calls: int = 0  # prefill-insert program calls
+    prefill_tokens: int = 0  # prompt tokens prefilled
+    prefill_s: float = 0.0
+    decode_steps: int = 0  # decode steps (every slot advances one token per step)
+    decode_tokens: int = 0  # tokens emitted by decode steps
+    decode_s: float = 0.0  # wall time of decode chunks = decode_wait_s + decode_host_s
+    decode_wait_s: float = 0.0  # blocked on a chunk's results (device time not hidden by host work)
+    decode_host_s: float = 0.0  # dispatch, control upload and per-slot bookkeeping
+    refill_wait_s: float = 0.0  # after chunks that freed slots, waiting for callers to submit again
+    swaps: int = 0  # weight versions installed
+    swap_s: float = 0.0  # summed install latency (publish to installed)
+    swap_max_s: float = 0.0
 
 
 @register("engine", "jax")
@@ -222,7 +248,7 @@ class JaxEngine:
         self._warned_truncation = False
         self._freed = 0  # slots the last decode chunk freed
         self._step_s = 0.0  # wall seconds per step of the last decode chunk
-        self._stats: collections.defaultdict[str, float] = collections.defaultdict(float)  # the figures behind metrics()
+        self._stats = EngineStats()
         self._started = time.monotonic()
         if warmup:
             self.warmup()
@@ -325,7 +351,7 @@ class JaxEngine:
     def prefill_calls(self) -> int:
         """Prefill program calls so far (one per ``prefill_rows`` prompts of one bucket admitted
         together). Not in :meth:`metrics`: how arrivals group into calls depends on timing."""
-        return int(self._stats["prefill_calls"])
+        return self._stats.prefill_calls
 
     @property
     def crashed(self) -> Optional[str]:
@@ -356,30 +382,30 @@ class JaxEngine:
         bookkeeping on the scheduler thread); ``refill_wait_s`` is the time spent after chunks
         that freed slots waiting (briefly) for callers to submit again."""
         s = self._stats
-        slot_steps = s["decode_steps"] * self.slots
+        slot_steps = s.decode_steps * self.slots
         return {
             "engine/version": float(self._version),
             "engine/compiles": float(compile_count()),
-            "engine/requests": float(s["requests"]),
-            "engine/samples_aborted": float(s["aborted"]),
+            "engine/requests": float(s.requests),
+            "engine/samples_aborted": float(s.aborted),
             "engine/waiting": float(len(self._waiting)),
-            "engine/slot_occupancy": s["decode_tokens"] / slot_steps if slot_steps else 0.0,
-            "engine/queue_wait_s": s["queue_wait_s"] / s["admitted"] if s["admitted"] else 0.0,
-            "engine/queue_wait_max_s": float(s["queue_wait_max_s"]),
-            "engine/prefill_tokens": float(s["prefill_tokens"]),
-            "engine/prefill_s": float(s["prefill_s"]),
-            "engine/prefill_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,
-            "engine/decode_tokens": float(s["decode_tokens"]),
-            "engine/decode_tokens_per_s": s["decode_tokens"] / s["decode_s"] if s["decode_s"] else 0.0,
-            "engine/decode_steps": float(s["decode_steps"]),
-            "engine/decode_s": float(s["decode_s"]),
-            "engine/decode_ms_per_step": 1e3 * s["decode_s"] / s["decode_steps"] if s["decode_steps"] else 0.0,
-            "engine/decode_wait_s": float(s["decode_wait_s"]),
-            "engine/decode_host_s": float(s["decode_host_s"]),
-            "engine/refill_wait_s": float(s["refill_wait_s"]),
-            "engine/swaps": float(s["swaps"]),
-            "engine/swap_latency_s": s["swap_s"] / s["swaps"] if s["swaps"] else 0.0,
-            "engine/swap_latency_max_s": float(s["swap_max_s"]),
+            "engine/slot_occupancy": s.decode_tokens / slot_steps if slot_steps else 0.0,
+            "engine/queue_wait_s": s.queue_wait_s / s.admitted if s.admitted else 0.0,
+            "engine/queue_wait_max_s": float(s.queue_wait_max_s),
+            "engine/prefill_tokens": float(s.prefill_tokens),
+            "engine/prefill_s": float(s.prefill_s),
+            "engine/prefill_tokens_per_s": s.prefill_tokens / s.prefill_s if s.prefill_s else 0.0,
+            "engine/decode_tokens": float(s.decode_tokens),
+            "engine/decode_tokens_per_s": s.decode_tokens / s.decode_s if s.decode_s else 0.0,
+            "engine/decode_steps": float(s.decode_steps),
+            "engine/decode_s": float(s.decode_s),
+            "engine/decode_ms_per_step": 1e3 * s.decode_s / s.decode_steps if s.decode_steps else 0.0,
+            "engine/decode_wait_s": float(s.decode_wait_s),
+            "engine/decode_host_s": float(s.decode_host_s),
+            "engine/refill_wait_s": float(s.refill_wait_s),
+            "engine/swaps": float(s.swaps),
+            "engine/swap_latency_s": s.swap_s / s.swaps if s.swaps else 0.0,
+            "engine/swap_latency_max_s": float(s.swap_max_s),
         }
 
     # ------------------------------------------------------------------ validation (caller's thread)
@@ -474,9 +500,9 @@ class JaxEngine:
         self._params = update.params
         self._version = update.version
         latency = time.monotonic() - update.requested
-        self._stats["swaps"] += 1
-        self._stats["swap_s"] += latency
-        self._stats["swap_max_s"] = max(self._stats["swap_max_s"], latency)
+        self._stats.swaps += 1
+        self._stats.swap_s += latency
+        self._stats.swap_max_s = max(self._stats.swap_max_s, latency)
         update.done.set()
 
     def _abort_now(self, aborts: list[threading.Event]) -> None:
@@ -507,14 +533,14 @@ class JaxEngine:
 
     def _finish(self, pending: _Pending) -> None:
         self._running.discard(pending)
-        self._stats["requests"] += 1
+        self._stats.requests += 1
         pending.future.set_result(pending.response())
 
     def _end_sample(self, pending: _Pending, j: int, reason: StopReason) -> None:
         sample = pending.samples[j]
         sample.stop_reason = reason
         if reason == "aborted":
-            self._stats["aborted"] += 1
+            self._stats.aborted += 1
         if sample.slot is not None:
             self._slot_owner[sample.slot] = None
             self._controls.active[sample.slot] = False
@@ -560,7 +586,7 @@ class JaxEngine:
             # Prefills run asynchronously: wait for them here so that their device time counts
             # as prefill_s, not as the next chunk's decode_s (engine/decode_ms_per_step).
             jax.block_until_ready(self._state)
-            self._stats["prefill_s"] += time.monotonic() - started
+            self._stats.prefill_s += time.monotonic() - started
 
     def _take_waiting(self) -> list[tuple[_Pending, list[int]]]:
         """Pop waiting requests in order while the next one fits in the free slots; each with
@@ -589,9 +615,9 @@ class JaxEngine:
         for row, (pending, slots) in enumerate(group):
             request = pending.request
             wait = admitted_at - pending.submitted
-            self._stats["admitted"] += 1
-            self._stats["queue_wait_s"] += wait
-            self._stats["queue_wait_max_s"] = max(self._stats["queue_wait_max_s"], wait)
+            self._stats.admitted += 1
+            self._stats.queue_wait_s += wait
+            self._stats.queue_wait_max_s = max(self._stats.queue_wait_max_s, wait)
             prompt = np.asarray(request.prompt_ids, np.int32)
             context = len(prompt) - 1
             ids[row, :context] = prompt[:context]
@@ -604,8 +630,8 @@ class JaxEngine:
                 self._slot_owner[slot] = (pending, j)
                 pending.samples[j].slot = slot
                 self._start_slot(slot, request, pending.stop_ids, int(prompt[-1]))
-            self._stats["prefill_tokens"] += context
-        self._stats["prefill_calls"] += 1
+            self._stats.prefill_tokens += context
+        self._stats.prefill_calls += 1
         self._state = prefill_insert_jit(
             self.graphdef, self._params, self._state, ids, mask, src, dst, self._root_key, sample_id, turn, key_index,
             self._layout,
@@ -644,8 +670,8 @@ class JaxEngine:
         tokens, logprobs, emitted = np.asarray(tokens), np.asarray(logprobs), np.asarray(emitted)
         ready = time.monotonic()
         steps = int(emitted.any(axis=0).sum())
-        self._stats["decode_steps"] += steps
-        self._stats["decode_tokens"] += int(emitted.sum())
+        self._stats.decode_steps += steps
+        self._stats.decode_tokens += int(emitted.sum())
         for slot in map(int, np.flatnonzero(active)):
             owner = self._slot_owner[slot]
             assert owner is not None, f"active slot {slot} has no owner"
@@ -654,9 +680,9 @@ class JaxEngine:
         finished = time.monotonic()
         self._freed = int(np.sum(active & ~c.active))
         self._step_s = (finished - started) / max(steps, 1)
-        self._stats["decode_s"] += finished - started
-        self._stats["decode_wait_s"] += ready - dispatched
-        self._stats["decode_host_s"] += (dispatched - started) + (finished - ready)
+        self._stats.decode_s += finished - started
+        self._stats.decode_wait_s += ready - dispatched
+        self._stats.decode_host_s += (dispatched - started) + (finished - ready)
 
     def _await_refill(self) -> None:
         """After a chunk that freed slots, give the callers whose requests just finished a moment
@@ -675,7 +701,7 @@ class JaxEngine:
                 if left <= 0:
                     break
                 self._cond.wait(left)
-        self._stats["refill_wait_s"] += time.monotonic() - started
+        self._stats.refill_wait_s += time.monotonic() - started
 
     def _consume(self, pending: _Pending, j: int, slot: int, tokens, logprobs, emitted, version: int) -> None:
         """Append one slot's chunk output to its sample and end the sample when it stopped."""

@@ -32,7 +32,7 @@ and figures are :class:`~asyncrl.engine.remote_server.RemoteServer`'s.
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import logging
 import os
 import shutil
@@ -66,6 +66,19 @@ class _Sample:
         self.stop_reason: Optional[StopReason] = None
         self.segments = 0
 
+
+
+@dataclasses.dataclass
+class RemoteStats:
+    """The cumulative figures behind :meth:`RemoteEngine.metrics` (fields, so a misspelt name is an error)."""
+
+    requests: int = 0  # generate/submit calls accepted
+    aborted: int = 0  # samples ended by abort
+    tokens: int = 0  # tokens the servers returned
+    retries: int = 0  # requests retried after a failed try
+    resubmits: int = 0  # samples cut by a pause and resubmitted with their tokens so far
+    swaps: int = 0  # weight versions loaded by the servers
+    last_update_s: float = 0.0  # wall time of the last pause -> load -> continue
 
 @register("engine", "remote")
 class RemoteEngine:
@@ -115,7 +128,7 @@ class RemoteEngine:
         self._lock = threading.Condition()
         self._update_lock = threading.Lock()
         self._closed = False
-        self._stats: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self._stats = RemoteStats()
         self._stats_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(concurrent, thread_name_prefix="asyncrl-remote")
         if check:
@@ -201,22 +214,23 @@ class RemoteEngine:
         s = self._stats
         out = {
             "engine/version": float(self._version),
-            "engine/requests": float(s["requests"]),
-            "engine/samples_aborted": float(s["aborted"]),
-            "engine/decode_tokens": float(s["tokens"]),
-            "engine/retries": float(s["retries"]),
-            "engine/resubmits": float(s["resubmits"]),
-            "engine/swaps": float(s["swaps"]),
+            "engine/requests": float(s.requests),
+            "engine/samples_aborted": float(s.aborted),
+            "engine/decode_tokens": float(s.tokens),
+            "engine/retries": float(s.retries),
+            "engine/resubmits": float(s.resubmits),
+            "engine/swaps": float(s.swaps),
             "engine/healthy_servers": float(sum(srv.healthy for srv in self.servers)),
-            "engine/pause_update_s": float(s["last_update_s"]),
+            "engine/pause_update_s": float(s.last_update_s),
         }
         for server in self.servers:
             out.update(server.metrics())
         return out
 
-    def _count(self, name: str, value: float) -> None:
+    def _count(self, name: str, value: float = 1) -> None:
+        """Add ``value`` to the :class:`RemoteStats` field ``name`` (an unknown name is an error)."""
         with self._stats_lock:
-            self._stats[name] += value
+            setattr(self._stats, name, getattr(self._stats, name) + value)
 
     def _check_servers(self) -> None:
         """Ask every server for its model and weights version; one try each, so an unreachable
@@ -325,7 +339,7 @@ class RemoteEngine:
         if errors:
             raise errors[0]
         self._count("swaps", 1)
-        self._stats["last_update_s"] = time.monotonic() - started
+        self._stats.last_update_s = time.monotonic() - started
         self._require_healthy(f"publishing version {version}")
 
     def _update_one(self, server: RemoteServer, path: Path, version: int, rejoin: bool = False) -> None:
