@@ -67,7 +67,6 @@ class _Sample:
         self.segments = 0
 
 
-
 @dataclasses.dataclass
 class RemoteStats:
     """The cumulative figures behind :meth:`RemoteEngine.metrics` (fields, so a misspelt name is an error)."""
