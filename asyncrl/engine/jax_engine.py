@@ -71,6 +71,7 @@ from asyncrl.engine.jax_programs import (
     idle_controls,
     init_slot_state,
     PREFILL_ROWS,
+    PrefillPlan,
     prefill_insert_jit,
     slot_state_shardings,
     snapshot,
@@ -360,14 +361,9 @@ class JaxEngine:
 
     def warmup(self) -> int:
         """Compile every program (each prefill bucket, both decode variants); returns the compile count."""
-        nowhere = np.full((self.slots,), self.slots, np.int32)
-        zeros = np.zeros((self.slots,), np.uint32)
         for bucket in self.buckets:
-            ids = np.zeros((self.prefill_rows, bucket), np.int32)
-            self._state = prefill_insert_jit(
-                self.graphdef, self._params, self._state, ids, ids.astype(bool), np.zeros((self.slots,), np.int32),
-                nowhere, self._root_key, zeros, zeros, zeros, self._layout,
-            )
+            plan = PrefillPlan.empty(self.prefill_rows, bucket, self.slots)  # no destination: the state is unchanged
+            self._state = prefill_insert_jit(self.graphdef, self._params, self._state, plan, self._root_key, self._layout)
         idle = idle_controls(self.slots, self.config.max_stop_ids)
         for filtered in (False, True):
             self._state, *_ = decode_chunk_jit(self.graphdef, self._params, self._state, idle, self.chunk, filtered,
@@ -606,12 +602,8 @@ class JaxEngine:
         """Prefill ``group`` (up to ``prefill_rows`` requests and their slots, prompts of ``bucket``
         tokens at most) in one call: prompt row ``r`` is request ``r``'s ``prompt[:-1]``,
         right-padded; rows past the group are all padding."""
-        ids = np.zeros((self.prefill_rows, bucket), np.int32)
-        mask = np.zeros(ids.shape, bool)
-        # One entry per destination slot: which prompt row it copies, and its key's parts.
-        src, dst = np.zeros((self.slots,), np.int32), np.full((self.slots,), self.slots, np.int32)
-        sample_id, turn, key_index = (np.zeros((self.slots,), np.uint32) for _ in range(3))
-        k = 0
+        plan = PrefillPlan.empty(self.prefill_rows, bucket, self.slots)
+        k = 0  # destinations filled so far
         for row, (pending, slots) in enumerate(group):
             request = pending.request
             wait = admitted_at - pending.submitted
@@ -620,22 +612,19 @@ class JaxEngine:
             self._stats.queue_wait_max_s = max(self._stats.queue_wait_max_s, wait)
             prompt = np.asarray(request.prompt_ids, np.int32)
             context = len(prompt) - 1
-            ids[row, :context] = prompt[:context]
-            mask[row, :context] = True
+            plan.prompt_ids[row, :context] = prompt[:context]
+            plan.prompt_mask[row, :context] = True
             for j, slot in enumerate(slots):
-                src[k], dst[k] = row, slot
-                sample_id[k], turn[k] = request.sample_id % 2**32, request.turn % 2**32
-                key_index[k] = (request.index_in_group + j) % 2**32
+                plan.src_rows[k], plan.dst_rows[k] = row, slot
+                plan.sample_id[k], plan.turn[k] = request.sample_id % 2**32, request.turn % 2**32
+                plan.key_index[k] = (request.index_in_group + j) % 2**32
                 k += 1
                 self._slot_owner[slot] = (pending, j)
                 pending.samples[j].slot = slot
                 self._start_slot(slot, request, pending.stop_ids, int(prompt[-1]))
             self._stats.prefill_tokens += context
         self._stats.prefill_calls += 1
-        self._state = prefill_insert_jit(
-            self.graphdef, self._params, self._state, ids, mask, src, dst, self._root_key, sample_id, turn, key_index,
-            self._layout,
-        )
+        self._state = prefill_insert_jit(self.graphdef, self._params, self._state, plan, self._root_key, self._layout)
 
     def _start_slot(self, slot: int, request: GenerationRequest, stop_ids: tuple[int, ...], last_token: int) -> None:
         """Set a freshly prefilled slot's controls from its request."""

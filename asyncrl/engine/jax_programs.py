@@ -148,24 +148,36 @@ def snapshot(controls: SlotControls) -> SlotControls:
 # --------------------------------------------------------------------------- prefill
 
 
-def _prefill_insert(graphdef, params, state: SlotState, prompt_ids, prompt_mask, src_rows, dst_rows, root_key, sample_id, turn,
-                    key_index, layout=None):
-    """Prefill a batch of prompts and copy each into its request's slots.
+class PrefillPlan(NamedTuple):
+    """What one prefill-insert call does: the prompts to prefill and, per destination slot, the
+    prompt row it copies and its sample key's parts. Host arrays, uploaded with the call."""
 
-    ``prompt_ids``/``prompt_mask`` [rows, bucket]: one right-padded prompt per row (rows
-    past the admitted requests are all-false padding); per destination, all int32/uint32
-    [slots]: ``dst_rows`` the slot (entries ``>= slots`` are ignored), ``src_rows`` the
-    prompt row it copies, and its key's ``sample_id``, ``turn`` and ``key_index``
-    (``index_in_group + j``). A slot's key depends on those three numbers only, never on
-    the batch. ``layout`` (static): the state's shardings on an engine mesh, or None.
-    """
+    prompt_ids: Any  # int32 [rows, bucket]: one right-padded prompt per row (rows past the admitted requests: padding)
+    prompt_mask: Any  # bool [rows, bucket]
+    src_rows: Any  # int32 [slots]: the prompt row each destination copies
+    dst_rows: Any  # int32 [slots]: the destination slot (entries >= slots are ignored)
+    sample_id: Any  # uint32 [slots]: the key's parts; a slot's key depends on these three only,
+    turn: Any  # uint32 [slots]     never on the batch it was prefilled with
+    key_index: Any  # uint32 [slots]: index_in_group + j
+
+    @classmethod
+    def empty(cls, rows: int, bucket: int, slots: int) -> "PrefillPlan":
+        """All-padding prompts and no destination (every ``dst_rows`` entry is ``slots``), to fill in."""
+        prompt_ids = np.zeros((rows, bucket), np.int32)
+        return cls(prompt_ids, np.zeros(prompt_ids.shape, bool), np.zeros((slots,), np.int32),
+                   np.full((slots,), slots, np.int32), *(np.zeros((slots,), np.uint32) for _ in range(3)))
+
+
+def _prefill_insert(graphdef, params, state: SlotState, plan: PrefillPlan, root_key, layout=None):
+    """Prefill ``plan``'s prompts and copy each into its request's slots (:class:`PrefillPlan`).
+    ``layout`` (static): the state's shardings on an engine mesh, or None."""
     _count_trace("prefill_insert")
     cfg = graphdef_config(graphdef, params)
-    small = init_kv_cache(cfg, prompt_ids.shape[0], prompt_ids.shape[1], state.cache.layers[0].k.dtype)
-    _, small = hidden_states(graphdef, params, prompt_ids, None, prompt_mask, small)
-    cache = kv_cache_copy_rows(state.cache, small, src_rows, dst_rows)
-    new_keys = jax.vmap(_slot_key, in_axes=(None, 0, 0, 0))(root_key, sample_id, key_index, turn)
-    keys = state.keys.at[dst_rows].set(new_keys, mode="drop")
+    small = init_kv_cache(cfg, plan.prompt_ids.shape[0], plan.prompt_ids.shape[1], state.cache.layers[0].k.dtype)
+    _, small = hidden_states(graphdef, params, plan.prompt_ids, None, plan.prompt_mask, small)
+    cache = kv_cache_copy_rows(state.cache, small, plan.src_rows, plan.dst_rows)
+    new_keys = jax.vmap(_slot_key, in_axes=(None, 0, 0, 0))(root_key, plan.sample_id, plan.key_index, plan.turn)
+    keys = state.keys.at[plan.dst_rows].set(new_keys, mode="drop")
     return _constrain(SlotState(cache, keys), layout)
 
 
@@ -362,5 +374,5 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
     return _constrain(SlotState(out.cache, state.keys), layout), out.tokens, out.logprobs, out.emitted
 
 
-prefill_insert_jit = jax.jit(_prefill_insert, static_argnums=(0, 11), donate_argnums=2)
+prefill_insert_jit = jax.jit(_prefill_insert, static_argnums=(0, 5), donate_argnums=2)
 decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 4, 5, 6), donate_argnums=2)
