@@ -463,7 +463,8 @@ def test_only_logging_total_steps_eval_and_checkpoint_may_change_on_resume():
         ck.check_resume_compatible(saved, changed, where="runs/x/checkpoints/step_00000004")
     problems = err.value.problems
     assert problems[0].startswith("cannot resume from runs/x/checkpoints/step_00000004")
-    assert "only logging.*, run.total_steps, run.compile_cache, eval.*, checkpoint.*, mesh.distributed may" in problems[0]
+    assert ("only logging.*, run.total_steps, run.compile_cache, run.output_dir, run.name, eval.*, checkpoint.*, "
+            "mesh.distributed, stages.N.total_steps may") in problems[0]
     body = problems[1:]
     assert "rollout.batch_size: checkpoint has 8, this config has 16" in body
     assert 'model.path: checkpoint has "tiny", this config has "other/model"' in body
