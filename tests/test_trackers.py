@@ -189,6 +189,55 @@ def test_an_unreachable_tracker_warns_once_and_training_goes_on(offline, tmp_pat
     assert not (out / "tensorboard").exists()  # logging.trackers without tensorboard
 
 
+CHILD = """
+import sys, threading
+from asyncrl.cli import main
+code = main(["train", sys.argv[1]])
+print("TRACKER_THREAD_ALIVE", any(t.name == "asyncrl-trackers" and t.is_alive() for t in threading.enumerate()), flush=True)
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_flushes_the_trackers_and_marks_the_mlflow_run_killed(offline, tmp_path):
+    """SIGTERM mid-run: the loop checkpoints and exits 143, and on the way out the trackers send
+    every row metrics.jsonl has (the flush at close); the MLflow run ends KILLED."""
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.helpers import REPO_ROOT, subprocess_env
+
+    out = tmp_path / "run"
+    raw = json.loads(json.dumps(BASE))
+    raw["run"].update(output_dir=str(out), total_steps=500)
+    raw["checkpoint"]["every_steps"] = 0
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    env = subprocess_env()  # the offline fixture's WANDB_*/MLFLOW_* settings included (os.environ)
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=REPO_ROOT)
+    try:
+        deadline = time.monotonic() + 90
+        while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    assert "TRACKER_THREAD_ALIVE False" in stdout
+    rows = jsonl_rows(out)
+    _, history, _, _ = wandb_history(out)
+    assert [step for step, _ in history] == sorted(rows)
+    run, client = mlflow_run(offline)
+    assert run["status"] == "KILLED"
+    assert [m.step for m in client.get_metric_history(run["run_id"], "reward/mean")] == sorted(rows)
+
+
 # ---------------------------------------------------------------------------- TrackerSinks
 
 
