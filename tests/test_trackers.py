@@ -42,10 +42,18 @@ BASE: dict[str, Any] = {
 }
 
 
+@pytest.fixture(scope="module")
+def mlflow_store(tmp_path_factory):
+    """One local MLflow store for the module (creating its tables takes seconds); each test
+    logs to an experiment of its own."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
 @pytest.fixture
-def offline(tmp_path, monkeypatch):
-    """Environment of a run whose trackers never reach a network; returns the MLflow store URI."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def offline(tmp_path, monkeypatch, mlflow_store):
+    """Environment of a run whose trackers never reach a network; returns the MLflow
+    experiment of this test (named after its ``tmp_path``) in the module's store."""
+    uri = mlflow_store
     for name, value in {
         "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false",
         "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"), "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"),
@@ -54,14 +62,15 @@ def offline(tmp_path, monkeypatch):
     }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    return uri
+    return tmp_path.name
 
 
-def train_run(out: Path, **logging_overrides: Any) -> Any:
+def train_run(out: Path, experiment: str, **logging_overrides: Any) -> Any:
     from asyncrl.run.loop import train
 
     raw = json.loads(json.dumps(BASE))
     raw["run"]["output_dir"] = str(out)
+    raw["logging"]["mlflow"] = {"experiment": experiment}
     raw["logging"].update(logging_overrides)
     return raw, train(load_config(data=raw), console=io.StringIO())
 
@@ -91,19 +100,23 @@ def wandb_history(out: Path) -> tuple[list[str], list[tuple[int, dict]], dict, l
     return ids, history, config, tags
 
 
-def mlflow_run(uri: str) -> tuple[Any, Any]:
+def mlflow_run(experiment: str) -> tuple[Any, Any]:
+    """The one run of ``experiment`` in the store of ``$MLFLOW_TRACKING_URI``, and a client."""
+    import os
+
     import mlflow
     from mlflow.tracking import MlflowClient
 
+    uri = os.environ["MLFLOW_TRACKING_URI"]
     mlflow.set_tracking_uri(uri)
-    runs = mlflow.search_runs(experiment_names=["asyncrl"])
+    runs = mlflow.search_runs(experiment_names=[experiment])
     assert len(runs) == 1, runs
     return runs.iloc[0], MlflowClient(uri)
 
 
 def test_wandb_and_mlflow_get_the_run_and_resume_continues_it_without_a_repeated_step(offline, tmp_path):
     out = tmp_path / "run"
-    raw, _ = train_run(out)
+    raw, _ = train_run(out, offline)
     rows = jsonl_rows(out)
     assert sorted(rows) == [1, 2, 3, 4]
 
@@ -180,13 +193,29 @@ def test_an_unreachable_tracker_warns_once_and_training_goes_on(offline, tmp_pat
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     out = tmp_path / "run"
     caplog.set_level(logging.WARNING, logger="asyncrl.run.trackers")
-    _, result = train_run(out, trackers=["mlflow"], mlflow={"tracking_uri": f"http://127.0.0.1:{closed_port()}"})
+    _, result = train_run(out, offline, trackers=["mlflow"], mlflow={"tracking_uri": f"http://127.0.0.1:{closed_port()}"})
     assert result.steps == 4 and sorted(jsonl_rows(out)) == [1, 2, 3, 4]
     warnings = [r.getMessage() for r in caplog.records if r.name == "asyncrl.run.trackers"]
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("tracker mlflow failed in start (") and "training goes on" in warnings[0]
     assert "trackers" not in json.loads((out / "checkpoints" / "step_00000004" / "state.json").read_text())
     assert not (out / "tensorboard").exists()  # logging.trackers without tensorboard
+
+
+def test_mlflow_takes_any_metric_name_and_long_config_values(offline, tmp_path):
+    """One key MLflow refuses fails a whole batch: names are made acceptable, long values cut."""
+    from asyncrl.config.sections import MlflowConfig
+    from asyncrl.run.trackers import MLFLOW_PARAM_MAX, MlflowTracker
+
+    config = {"run": {"name": "x"}, "workflow": {"kwargs": {"system prompt?": "y" * 7000}}}
+    tracker = MlflowTracker(MlflowConfig(experiment=offline), "odd", tmp_path, config)
+    sinks = TrackerSinks([tracker], tmp_path / "trackers.json", flush_timeout_s=60)  # a new store takes seconds
+    sinks.write(1, {"episode/tool calls (ok)?": 2.0, "reward/mean": float("nan")})
+    sinks.close()
+    run, client = mlflow_run(offline)
+    assert run["status"] == "FINISHED"
+    assert [(m.step, m.value) for m in client.get_metric_history(run["run_id"], "episode/tool calls _ok__")] == [(1, 2.0)]
+    assert len(run["params.workflow.kwargs.system prompt_"]) == MLFLOW_PARAM_MAX
 
 
 CHILD = """
@@ -213,6 +242,7 @@ def test_sigterm_flushes_the_trackers_and_marks_the_mlflow_run_killed(offline, t
     out = tmp_path / "run"
     raw = json.loads(json.dumps(BASE))
     raw["run"].update(output_dir=str(out), total_steps=500)
+    raw["logging"]["mlflow"] = {"experiment": offline}
     raw["checkpoint"]["every_steps"] = 0
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))

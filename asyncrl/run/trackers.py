@@ -34,6 +34,7 @@ import importlib.util
 import json
 import logging
 import queue
+import re
 import secrets
 import string
 import threading
@@ -135,6 +136,13 @@ MLFLOW_PARAM_MAX = 6000
 """MLflow's limit on a param value's length (longer values are cut, ending in ``...``)."""
 MLFLOW_BATCH = 1000
 """Metrics per ``log_batch`` call (MLflow's limit)."""
+_MLFLOW_BAD_KEY = re.compile(r"[^\w\-. /:]")
+
+
+def mlflow_key(name: str) -> str:
+    """``name`` as MLflow accepts a metric or param key (word characters, ``-. /:``, at most
+    250): a workflow's ``episode/<name>`` may hold others, and one bad key fails a whole batch."""
+    return _MLFLOW_BAD_KEY.sub("_", name)[:250]
 
 
 class MlflowTracker:
@@ -172,13 +180,13 @@ class MlflowTracker:
                 experiment_id = client.create_experiment(self.settings.experiment, artifact_location=location)
             self.run_id = client.create_run(experiment_id, run_name=self.run_name).info.run_id
             logged = set()
-        self._log_params({k: v for k, v in _flatten(self.config).items() if k not in logged})
+        self._log_params({k: v for k, v in _flatten(self.config).items() if mlflow_key(k) not in logged})
         client.log_dict(self.run_id, self.config, "config.json")
 
     def _log_params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, v if len(v) <= MLFLOW_PARAM_MAX else v[: MLFLOW_PARAM_MAX - 3] + "...")
+        items = [Param(mlflow_key(k), v if len(v) <= MLFLOW_PARAM_MAX else v[: MLFLOW_PARAM_MAX - 3] + "...")
                  for k, v in params.items()]
         for first in range(0, len(items), 100):  # MLflow's limit of params per batch
             self._client.log_batch(self.run_id, params=items[first:first + 100])
@@ -187,7 +195,7 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         stamp = int(time.time() * 1000)
-        items = [Metric(k, float(v), stamp, step) for k, v in metrics.items()]
+        items = [Metric(mlflow_key(k), float(v), stamp, step) for k, v in metrics.items()]
         for first in range(0, len(items), MLFLOW_BATCH):
             self._client.log_batch(self.run_id, metrics=items[first:first + MLFLOW_BATCH])
 
