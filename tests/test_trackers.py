@@ -181,6 +181,25 @@ def test_wandb_and_mlflow_get_the_run_and_resume_continues_it_without_a_repeated
     assert [f.path for f in client.list_artifacts(run["run_id"], "trajectories")][-1] == "trajectories/step_00000006.json"
 
 
+@pytest.mark.slow  # compiles the SFT step too (about 40 s)
+def test_each_stage_is_tagged(offline, tmp_path):
+    """An SFT then RL run: W&B's run carries both stages' tags, MLflow's ``stage`` tag names the
+    stage being trained (the last one at the end), and the global step goes on across stages."""
+    out = tmp_path / "run"
+    raw = json.loads(json.dumps(BASE))
+    del raw["run"]["total_steps"]
+    raw["run"]["output_dir"] = str(out)
+    raw["stages"] = [{"name": "sft", "type": "sft", "total_steps": 1}, {"name": "rl", "type": "rl", "total_steps": 1}]
+    raw["logging"]["mlflow"] = {"experiment": offline}
+    from asyncrl.run.loop import train
+
+    train(load_config(data=raw), console=io.StringIO())
+    _, history, _, tags = wandb_history(out)
+    assert tags == [["stage:sft", "stage:rl"]] and [step for step, _ in history] == [1, 2]
+    run, _ = mlflow_run(offline)
+    assert run["tags.stage"] == "rl" and run["status"] == "FINISHED"
+
+
 def closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

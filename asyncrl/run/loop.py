@@ -142,8 +142,10 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
             try:
                 _check_resumed_params(run)
                 params, final_params = run_stages(run)
-            finally:
-                run.close()
+            except BaseException as failure:
+                run.close(failure)
+                raise
+            run.close()
         finally:
             hosts.close()
     _check_all_steps_ran(run, cfg)
@@ -440,12 +442,11 @@ class Run:
         lora = attach_lora(self.loaded.config, self.params, LoraSpec.from_config(cfg.model.lora), seed=cfg.run.seed)
         self.train_graphdef, self.params, self.frozen = lora.graphdef, lora.adapters, lora.frozen
 
-    def close(self) -> None:
-        """Shut the engine down and close the run's logs."""
+    def close(self, failure: Optional[BaseException] = None) -> None:
+        """Shut the engine down and close the run's logs; ``failure``: what ended the run early."""
         if self.engine is not None:
             self.engine.shutdown()
         if self.trackers is not None:  # sends what is queued (bounded wait), also after a signal
-            failure = sys.exc_info()[1]
             status = "finished" if failure is None else "killed" if isinstance(failure, TrainingInterrupted) else "failed"
             self.trackers.close(status)
         self.jsonl.close()

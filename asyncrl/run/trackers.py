@@ -312,6 +312,12 @@ class TrackerSinks:
     # ------------------------------------------------------------------ the thread
 
     def _work(self) -> None:
+        try:
+            self._send_all()
+        except Exception:  # a bug here, not in a tracker: the trackers stop, training goes on
+            _log.exception("the tracker thread failed; W&B/MLflow get nothing more in this run")
+
+    def _send_all(self) -> None:
         for tracker in self.trackers:
             self._call(tracker, "start")
         self._save_ledger()
