@@ -287,6 +287,21 @@ def test_sigterm_flushes_the_trackers_and_marks_the_mlflow_run_killed(offline, t
     assert [m.step for m in client.get_metric_history(run["run_id"], "reward/mean")] == sorted(rows)
 
 
+@pytest.mark.slow  # a 2-process run of 2 steps: about a minute
+@pytest.mark.timeout(400)
+def test_only_process_0_logs_to_the_trackers(offline, tmp_path):
+    """Two JAX processes on loopback: one W&B run and one MLflow run, written by process 0."""
+    from tests.test_multiprocess import _config, _logs, _start, _wait
+
+    config = _config(tmp_path, "two", logging={"level": "INFO", "dump_every_steps": 0, "trackers": ["wandb", "mlflow"],
+                                                "mlflow": {"experiment": offline}, "tracker_flush_timeout_s": 60})
+    assert _wait(_start(config, 2, 2), config) == [0, 0], _logs(config, 2)
+    ids, history, _, _ = wandb_history(tmp_path / "two")
+    assert len(ids) == 1 and [step for step, _ in history] == [1, 2]
+    run, client = mlflow_run(offline)
+    assert [m.step for m in client.get_metric_history(run["run_id"], "reward/mean")] == [1, 2]
+
+
 # ---------------------------------------------------------------------------- TrackerSinks
 
 
