@@ -607,8 +607,6 @@ def _open_trackers(cfg: Config, out: Path, resumed: Any) -> Any:
 
     from asyncrl.run.trackers import open_trackers
 
-    if not any(name in ("wandb", "mlflow") for name in cfg.logging.trackers):
-        return None
     try:
         provenance = json.loads((out / "provenance.json").read_text())
     except (OSError, ValueError):
