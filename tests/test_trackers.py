@@ -62,6 +62,10 @@ def offline(tmp_path, monkeypatch, mlflow_store):
     }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    from mlflow.tracking import MlflowClient
+
+    # Artifacts in tmp_path (a database store would put them in ./mlruns, inside the checkout).
+    MlflowClient(uri).create_experiment(tmp_path.name, artifact_location=(tmp_path / "mlartifacts").as_uri())
     return tmp_path.name
 
 
