@@ -481,7 +481,7 @@ class MlflowConfig(Section):
     """The MLflow run of ``logging.trackers: [mlflow]`` (``pip install 'asyncrl[mlflow]'``)."""
 
     tracking_uri: Optional[str] = None
-    """Tracking server or store (``http://host:5000``, ``sqlite:///mlflow.db``); null: ``$MLFLOW_TRACKING_URI``, else a local store ``sqlite:///<run.output_dir>/mlflow.db`` with artifacts under ``<run.output_dir>/mlartifacts/``."""
+    """Tracking server or store (``http://host:5000``, ``sqlite:///mlflow.db``); null: ``$MLFLOW_TRACKING_URI``, else a local store ``sqlite:///<run.output_dir>/mlflow.db`` with artifacts under ``<run.output_dir>/mlartifacts/``. With a URI, artifacts (trajectory tables, ``config.json``) go where its experiment says: a server's artifact root, or MLflow's default ``./mlruns`` for an experiment a database store creates."""
     experiment: str = "asyncrl"
     """Experiment the run belongs to (created if missing)."""
 
