@@ -147,9 +147,10 @@ def mlflow_key(name: str) -> str:
 
 class MlflowTracker:
     """An MLflow run through ``MlflowClient`` (no global active run): rows via ``log_batch``,
-    the config and provenance as dotted params plus ``config.yaml``/``provenance.json``
-    artifacts, trajectories as ``trajectories/step_<k>.json`` tables (``mlflow.log_table``'s
-    format), the stage as the tag ``stage``."""
+    the config and provenance as dotted params (a resumed run adds only new ones: MLflow params
+    never change) plus the whole of them as the ``config.json`` artifact (rewritten by a resume),
+    trajectories as ``trajectories/step_<k>.json`` tables (``mlflow.log_table``'s format), the
+    stage as the tag ``stage``."""
 
     name = "mlflow"
     STATUS = {"finished": "FINISHED", "killed": "KILLED", "failed": "FAILED"}
@@ -168,9 +169,8 @@ class MlflowTracker:
         local = uri is None
         self._client = client = MlflowClient(tracking_uri=uri or f"sqlite:///{self.out.resolve() / 'mlflow.db'}")
         if self.run_id is not None:  # --resume: the same run, running again
-            client.get_run(self.run_id)  # raises if the store does not have it
+            logged = set(client.get_run(self.run_id).data.params)  # raises if the store does not have it
             client.update_run(self.run_id, status="RUNNING")
-            logged = set(client.get_run(self.run_id).data.params)
         else:
             experiment = client.get_experiment_by_name(self.settings.experiment)
             if experiment is not None:
