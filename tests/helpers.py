@@ -67,3 +67,37 @@ def read_tensorboard_scalars(logdir: str | Path) -> dict[str, list[tuple[int, fl
                 if value.HasField("simple_value"):
                     scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
+
+
+def read_wandb_records(path: str | Path) -> list:
+    """The records of a W&B run's transaction log (``run-<id>.wandb`` of an offline run) as
+    ``wandb_internal_pb2.Record`` protobufs.
+
+    The file is W&B's 7-byte header (``:W&B``, magic, version) followed by LevelDB's log
+    format (32 KiB blocks; each chunk a 4-byte CRC, 2-byte length and 1-byte type: full,
+    first, middle or last); wandb ships the protobufs but, since its Go core, no Python reader.
+    """
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
+    block, offset, pending, records = 32768, 7, b"", []
+    while offset + 7 <= len(data):
+        if block - offset % block < 7:  # a block's tail too short for a header is padding
+            offset += block - offset % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[offset:offset + 7])
+        chunk = data[offset + 7:offset + 7 + length]
+        offset += 7 + length
+        if kind == 0:  # zero padding
+            offset += block - offset % block if offset % block else 0
+            continue
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records

@@ -111,6 +111,8 @@ class RunState(_Strict):
     """A ``model.lora`` run's base model (its params and optimizer state are adapters only)."""
     process_count: int = Field(default=1, ge=1)
     """JAX processes of the run that wrote it (a resume needs as many; absent in older checkpoints: 1)."""
+    trackers: Optional[dict[str, str]] = None
+    """``{tracker: run id}`` of the run's W&B/MLflow runs, which ``--resume`` continues (absent without them)."""
 
 
 # --------------------------------------------------------------------------- rollout.json

@@ -478,6 +478,30 @@ class CheckpointConfig(Section):
     """Multi-process runs: how long every process waits at the barrier after a checkpoint for process 0 to finish writing it before the run fails."""
 
 
+class WandbConfig(Section):
+    """The Weights & Biases run of ``logging.trackers: [wandb]`` (``pip install 'asyncrl[wandb]'``)."""
+
+    project: str = "asyncrl"
+    """W&B project the run is logged to."""
+    entity: Optional[str] = None
+    """W&B team or user; null: the logged-in user's default entity."""
+    group: Optional[str] = None
+    """W&B group (runs of one experiment shown together); null: none."""
+    tags: list[str] = Field(default_factory=list)
+    """Tags of the run; the stage being trained is added as ``stage:<name>``."""
+    mode: Optional[Literal["online", "offline", "disabled"]] = None
+    """``offline`` keeps the run under ``<run.output_dir>/wandb/`` (upload later with ``wandb sync``); null: ``$WANDB_MODE``, else online."""
+
+
+class MlflowConfig(Section):
+    """The MLflow run of ``logging.trackers: [mlflow]`` (``pip install 'asyncrl[mlflow]'``)."""
+
+    tracking_uri: Optional[str] = None
+    """Tracking server or store (``http://host:5000``, ``sqlite:///mlflow.db``); null: ``$MLFLOW_TRACKING_URI``, else a local store ``sqlite:///<run.output_dir>/mlflow.db`` with artifacts under ``<run.output_dir>/mlartifacts/``. With a URI, artifacts (trajectory tables, ``config.json``) go where its experiment says: a server's artifact root, or MLflow's default ``./mlruns`` for an experiment a database store creates."""
+    experiment: str = "asyncrl"
+    """Experiment the run belongs to (created if missing)."""
+
+
 class LoggingConfig(Section):
     """What the run reports and how."""
 
@@ -487,3 +511,21 @@ class LoggingConfig(Section):
     """Append a few of the step's trajectories (prompt, completion, reward components, versions) to ``trajectories.jsonl`` every this many steps; 0 is off."""
     dump_groups: int = Field(default=2, ge=1)
     """Groups written per trajectory dump."""
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default=["tensorboard"])
+    """Where each step's metric row goes besides ``metrics.jsonl`` (always written): ``tensorboard`` (event files under ``tensorboard/``), ``wandb`` (Weights & Biases, ``pip install 'asyncrl[wandb]'``), ``mlflow`` (``pip install 'asyncrl[mlflow]'``). W&B and MLflow also get the resolved config and provenance, the stage as a tag and the dumped trajectories as a table; they log from a background thread (a failing tracker warns once and the run goes on) and ``--resume`` continues their run (README, "Outputs")."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Settings of the W&B tracker."""
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    """Settings of the MLflow tracker."""
+    tracker_queue_size: int = Field(default=1000, ge=1)
+    """Rows (and trajectory tables) waiting for W&B/MLflow at most; beyond it a row is dropped with a warning rather than slow a step."""
+    tracker_flush_timeout_s: float = Field(default=10.0, gt=0)
+    """At the end of a run (and after SIGINT/SIGTERM) how long to wait for W&B/MLflow to send what is queued before giving up with a warning."""
+
+    @field_validator("trackers")
+    @classmethod
+    def _no_repeated_tracker(cls, trackers: list[str]) -> list[str]:
+        repeated = sorted({t for t in trackers if trackers.count(t) > 1})
+        if repeated:
+            raise ValueError(f"{', '.join(repeated)} listed more than once")
+        return trackers

@@ -111,6 +111,7 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
     from asyncrl.run.multihost import Hosts, check_resumed_processes
     from asyncrl.run.provenance import write_provenance
     from asyncrl.run.shutdown import ShutdownGuard
+    from asyncrl.run.trackers import check_trackers_installed
 
     started = time.monotonic()
     # tensorboardX without its torch import, before any thread (watchdog, engine, rollouts) starts.
@@ -119,6 +120,8 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
     initialize_distributed(cfg.mesh)  # before anything touches a JAX device
     hosts = Hosts(barrier_timeout_s=cfg.checkpoint.barrier_timeout_s)
     check_output_dir_path(cfg)
+    if hosts.is_main:  # only process 0 logs to W&B/MLflow
+        check_trackers_installed(cfg.logging.trackers)
     resumed = resume_checkpoint(cfg)
     hosts.same_everywhere(resumed.step if resumed is not None else -1, "the checkpoint to resume from (-1: none)",
                           "every process must see the same run.output_dir (a shared file system)")
@@ -139,8 +142,10 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
             try:
                 _check_resumed_params(run)
                 params, final_params = run_stages(run)
-            finally:
-                run.close()
+            except BaseException as failure:
+                run.close(failure)
+                raise
+            run.close()
         finally:
             hosts.close()
     _check_all_steps_ran(run, cfg)
@@ -237,8 +242,10 @@ def run_stage(run: "Run", stage: Stage, trainer: Any, source: BatchSource,
 
             tracker.scalars(run.step_metrics(got, train_metrics, engine_metrics, step_time), reduce="last")
             if scfg.logging.dump_every_steps and stage_step % scfg.logging.dump_every_steps == 0 and got.groups:
-                _dump_trajectories(run.trajectory_log, run.version, got.groups, run.loaded.tokenizer,
-                                   scfg.logging.dump_groups)
+                records = _dump_trajectories(run.trajectory_log, run.version, got.groups, run.loaded.tokenizer,
+                                             scfg.logging.dump_groups)
+                if run.trackers is not None:
+                    run.trackers.log_trajectories(run.version, records)
             if eval_due(scfg, stage_step):
                 _timed_eval(evaluate, tracker)
             run.history.append(tracker.commit(run.version))
@@ -340,10 +347,11 @@ def reward_metrics(groups: Any) -> dict[str, float]:
     return out
 
 
-def _dump_trajectories(log_file: Any, step: int, groups: Any, tokenizer: Any, limit: int) -> None:
+def _dump_trajectories(log_file: Any, step: int, groups: Any, tokenizer: Any, limit: int) -> list[dict]:
     """Append the first ``limit`` groups of a step to ``trajectories.jsonl`` (a
-    :class:`~asyncrl.run.metrics.LogAppender`: a failed write warns and the run goes on)."""
-    lines = []
+    :class:`~asyncrl.run.metrics.LogAppender`: a failed write warns and the run goes on);
+    returns the records (the trackers' trajectory table)."""
+    lines, records = [], []
     for group in groups[:limit]:
         for traj in group.trajectories:
             prompt_ids = traj.input_ids[~traj.loss_mask & (traj.versions < 0)]
@@ -359,7 +367,9 @@ def _dump_trajectories(log_file: Any, step: int, groups: Any, tokenizer: Any, li
                 "metadata": traj.metadata,
             }
             lines.append(json.dumps(record, default=str) + "\n")
+            records.append(record)
     log_file.append("".join(lines))
+    return records
 
 
 # ---------------------------------------------------------------------------- what the stages share
@@ -408,6 +418,8 @@ class Run:
         self.console: Any = ConsoleSink(cfg.total_steps, start_step=self.version, stream=console) if main else NoSink()
         self.jsonl: Any = JsonlSink(out / "metrics.jsonl") if main else NoSink()
         self.trajectory_log: Any = LogAppender(out / "trajectories.jsonl", create=False) if main else NoSink()
+        self.trackers = _open_trackers(cfg, out, resumed) if main else None
+        """W&B/MLflow (:class:`~asyncrl.run.trackers.TrackerSinks`; process 0's), or None."""
         self.history: list[dict[str, float]] = []
         self.final_eval: dict[str, float] = dict(resumed.state.get("final_eval", {})) if resumed else {}
         self.engine_counter_base: dict[str, float] = dict(resumed.state.get("engine_counters", {})) if resumed else {}
@@ -430,10 +442,13 @@ class Run:
         lora = attach_lora(self.loaded.config, self.params, LoraSpec.from_config(cfg.model.lora), seed=cfg.run.seed)
         self.train_graphdef, self.params, self.frozen = lora.graphdef, lora.adapters, lora.frozen
 
-    def close(self) -> None:
-        """Shut the engine down and close the run's logs."""
+    def close(self, failure: Optional[BaseException] = None) -> None:
+        """Shut the engine down and close the run's logs; ``failure``: what ended the run early."""
         if self.engine is not None:
             self.engine.shutdown()
+        if self.trackers is not None:  # sends what is queued (bounded wait), also after a signal
+            status = "finished" if failure is None else "killed" if isinstance(failure, TrainingInterrupted) else "failed"
+            self.trackers.close(status)
         self.jsonl.close()
         self.trajectory_log.close()
         self.console.close()
@@ -465,11 +480,15 @@ class Run:
         multi = bool(self.cfg.stages)
         self.jsonl.tags = {"stage": stage_name} if multi else {}
         self.console.prefix = f"[{stage_name}] " if multi else ""
-        if not self.hosts.is_main:
+        if not self.hosts.is_main or "tensorboard" not in self.cfg.logging.trackers:
             tensorboard: Any = NoSink()
         else:
             tensorboard = TensorBoardSink(self.out / "tensorboard" / stage_name if multi else self.out / "tensorboard")
-        return StatsTracker([self.jsonl, tensorboard, self.console]), tensorboard
+        trackers: list[Any] = []
+        if self.trackers is not None:
+            self.trackers.set_stage(stage_name)
+            trackers.append(self.trackers)
+        return StatsTracker([self.jsonl, tensorboard, *trackers, self.console]), tensorboard
 
     def ensure_engine(self, trainer: Any, scfg: Config) -> Any:
         """The run's engine (process 0's; None on the others), built once from the trainer's weights."""
@@ -568,6 +587,8 @@ class Run:
             state["sft"] = source.state_dict()
         if self.lora_state is not None:
             state["lora"] = self.lora_state  # params are adapters: of this base only
+        if self.trackers is not None and self.trackers.run_ids():
+            state["trackers"] = self.trackers.run_ids()  # --resume continues these W&B/MLflow runs
         self.last_checkpoint = save_checkpoint(
             self.out, self.version, arrays=arrays, state=state, config_yaml=dump_config(self.cfg),
             rollout_state=rollout_state, keep=self.cfg.checkpoint.keep,
@@ -577,6 +598,23 @@ class Run:
 
 
 # ---------------------------------------------------------------------------- resume and export
+
+
+def _open_trackers(cfg: Config, out: Path, resumed: Any) -> Any:
+    """The run's W&B/MLflow trackers (None without any), given the resolved config and
+    ``provenance.json`` as the run's config; a resumed run continues its trackers' runs."""
+    import yaml
+
+    from asyncrl.run.trackers import open_trackers
+
+    try:
+        provenance = json.loads((out / "provenance.json").read_text())
+    except (OSError, ValueError):
+        provenance = {}
+    config = {**yaml.safe_load(dump_config(cfg)), "provenance": provenance}
+    return open_trackers(cfg.logging, cfg.run.name, out, config,
+                         saved_ids=resumed.state.get("trackers") if resumed is not None else None,
+                         resumed_step=resumed.step if resumed is not None else None)
 
 
 def _stage_trainer(run: Run, stage: Stage) -> Any:
