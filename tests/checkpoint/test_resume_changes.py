@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from asyncrl.errors import ConfigError
-from tests.test_resume import read_rows, run_in_process, write_config
+from tests.checkpoint.test_resume import read_rows, run_in_process, write_config
 
 STAGES = {
     "stages": [

@@ -480,7 +480,7 @@ def test_signal_checkpoints_and_exits(signum, stall, tmp_path):
     extra = {"run": {"total_steps": 500}, "checkpoint": {"every_steps": 0}}
     env = {}
     if stall:
-        extra["workflow"] = "tests.test_resume:StallingWorkflow"
+        extra["workflow"] = "tests.checkpoint.test_resume:StallingWorkflow"
         env["ASYNCRL_TEST_STALL_FROM"] = "8"  # steps 1 and 2 train; step 3 waits forever
     config = write_config(tmp_path, out, **extra)
     proc = start_child(config, **env)

@@ -194,7 +194,7 @@ def test_trainer_crash_ends_the_run(tmp_path, monkeypatch):
 def test_workflow_failures_beyond_the_limit_exit_non_zero_with_the_traceback(tmp_path):
     """Through the CLI in its own process: status, printed traceback, no hang."""
     args = [f"--set=run.output_dir={tmp_path}", "--set=eval.every_steps=0", "--set=stages.0.total_steps=1",
-            "--set=stages.1.total_steps=2", "--set=stages.1.workflow=tests.test_train_loop:FailingWorkflow",
+            "--set=stages.1.total_steps=2", "--set=stages.1.workflow=tests.run.test_train_loop:FailingWorkflow",
             "--set=rollout.max_consecutive_failures=3"]
     proc = subprocess.run(
         [sys.executable, "-m", "asyncrl", "train", str(QUICKSTART), *args],

@@ -18,12 +18,12 @@ import pytest
 from asyncrl.checkpoint import checkpoints_root, load_checkpoint, step_dir_name
 from asyncrl.config import load_config
 from asyncrl.errors import CheckpointError
-from tests.test_lora import hf_logprobs
-from tests.test_resume import (
+from tests.model.test_lora import hf_logprobs
+from tests.checkpoint.test_resume import (
     PROCESS_WIDE, assert_rows_equal, engine_work_if_restored_queued, read_rows, run_in_process, write_config,
 )
 from tests.helpers import REPO_ROOT
-from tests.test_train_loop import FAST, QUICKSTART
+from tests.run.test_train_loop import FAST, QUICKSTART
 
 LORA = ["model.lora={rank: 8, alpha: 16}", "optim.lr=0.01", "stages.0.optim.lr=0.01"]
 """Both quickstart stages (SFT then RL) on one rank-8 adapter, 10x the RL learning rate."""
@@ -81,7 +81,7 @@ def test_quickstart_with_lora_keeps_one_adapter_and_exports_it(tmp_path):
 
 @pytest.mark.slow
 def test_lora_run_resumes_exactly_and_refuses_another_base(tmp_path):
-    """The full-weight resume promise (tests/test_resume.py) with adapters, dropout and a KL
+    """The full-weight resume promise (tests/checkpoint/test_resume.py) with adapters, dropout and a KL
     reference; then the base weights change under the same model.path and the resume is refused."""
     from asyncrl.model.loading import resolve_model_dir
 
@@ -97,7 +97,7 @@ def test_lora_run_resumes_exactly_and_refuses_another_base(tmp_path):
     shutil.rmtree(checkpoints_root(out) / step_dir_name(4))
     shutil.rmtree(out / "hf")
     shutil.rmtree(out / "adapter")
-    # As in tests/test_resume.py: groups of step 3 that finished before the step-2 checkpoint are
+    # As in tests/checkpoint/test_resume.py: groups of step 3 that finished before the step-2 checkpoint are
     # restored queued, not generated again, so only then are the engine work counters not comparable.
     work = engine_work_if_restored_queued(load_checkpoint(checkpoints_root(out) / step_dir_name(2)))
     run_in_process(config, "checkpoint.resume=auto")

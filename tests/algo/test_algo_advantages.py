@@ -121,7 +121,7 @@ def test_estimators_are_registered_and_unknown_ones_are_config_errors():
 
 
 def test_custom_estimator_by_import_path():
-    params = AlgoParams(estimator="tests.test_algo_advantages:_scaled_rewards", estimator_kwargs=(("scale", 3.0),))
+    params = AlgoParams(estimator="tests.algo.test_algo_advantages:_scaled_rewards", estimator_kwargs=(("scale", 3.0),))
     got = compute_advantages(np.array([1.0, 2.0, 5.0], np.float32), np.array([0, 0, -1], np.int32), np.zeros(3), params)
     np.testing.assert_allclose(got, [3.0, 6.0, 0.0])
 

@@ -231,7 +231,7 @@ def test_consecutive_reward_failures_stop_training_with_the_cause():
 
 
 def test_build_reward_functions_then_check_names_the_config_field():
-    cfg = make_cfg(rewards=[{"fn": "exact_match"}, {"fn": "tests.test_first_run:_no_kwargs_reward"}])
+    cfg = make_cfg(rewards=[{"fn": "exact_match"}, {"fn": "tests.run.test_first_run:_no_kwargs_reward"}])
     with pytest.raises(ConfigError, match=r"rewards\.1\.fn: _no_kwargs_reward"):
         check_reward_signatures(build_reward_functions(cfg), {"prompt": "1", "answer": "1"})
 

@@ -295,7 +295,7 @@ def test_sigterm_flushes_the_trackers_and_marks_the_mlflow_run_killed(offline, t
 @pytest.mark.timeout(400)
 def test_only_process_0_logs_to_the_trackers(offline, tmp_path):
     """Two JAX processes on loopback: one W&B run and one MLflow run, written by process 0."""
-    from tests.test_multiprocess import _config, _logs, _start, _wait
+    from tests.cluster.test_multiprocess import _config, _logs, _start, _wait
 
     config = _config(tmp_path, "two", logging={"level": "INFO", "dump_every_steps": 0, "trackers": ["wandb", "mlflow"],
                                                 "mlflow": {"experiment": offline}, "tracker_flush_timeout_s": 60})

@@ -2,7 +2,7 @@
 attention through ``jax.nn.dot_product_attention`` equals the einsum reference (GQA, causal,
 left/right padding, KV-cache prefill), the automatically chunked lm head equals the unchunked
 one, and ``compute_dtype: auto`` is float32 on CPU. (Parity of the default path with
-transformers, qk-norm included, is tests/test_model.py's.)"""
+transformers, qk-norm included, is tests/model/test_model.py's.)"""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_dot_product_attention_equals_the_reference_path():
 
 
 def test_automatic_chunking_equals_the_unchunked_head():
-    """Values here; chunked gradients equal plain ones in tests/test_model.py (explicit chunk size)."""
+    """Values here; chunked gradients equal plain ones in tests/model/test_model.py (explicit chunk size)."""
     base = tiny_decoder_config(TinySpec(layers=1))
     rows, vocab = 3, base.vocab_size
     budget = rows * 5 * vocab * 4 / 2**20  # five positions of [rows, positions, vocab] float32 logits

@@ -414,7 +414,7 @@ def test_launch_two_processes_trains_to_the_end(tmp_path):
     assert "[p0]" in proc.stdout and "[p1]" in proc.stdout
 
 
-# SIGTERM to either process: tests/test_multiprocess.py::test_sigterm_to_one_process_stops_both_with_one_checkpoint_and_143
+# SIGTERM to either process: tests/cluster/test_multiprocess.py::test_sigterm_to_one_process_stops_both_with_one_checkpoint_and_143
 
 
 @pytest.mark.slow

@@ -104,8 +104,8 @@ def test_prompt_too_long_is_a_counted_skip(tokenizer):
 
 
 def test_build_workflow_from_config(tokenizer):
-    cfg = make_cfg(rewards=[{"fn": "tests.test_rollout_workflow:exact_match", "weight": 2.0},
-                            {"fn": {"target": "tests.test_rollout_workflow:length_penalty", "kwargs": {"scale": 1.0}},
+    cfg = make_cfg(rewards=[{"fn": "tests.rollout.test_rollout_workflow:exact_match", "weight": 2.0},
+                            {"fn": {"target": "tests.rollout.test_rollout_workflow:length_penalty", "kwargs": {"scale": 1.0}},
                              "name": "length"}],
                    workflow={"target": "single_turn", "kwargs": {"prompt_field": "question"}})
     workflow = build_workflow(cfg, tokenizer)
@@ -119,7 +119,7 @@ def test_build_workflow_from_config(tokenizer):
         build_workflow(make_cfg(rewards=[{"fn": "no_such_module:f"}]), tokenizer)
     with pytest.raises(ConfigError, match="workflow.kwargs: got an unexpected keyword argument 'colour'"):
         build_workflow(make_cfg(workflow={"target": "single_turn", "kwargs": {"colour": 1}},
-                                rewards=[{"fn": "tests.test_rollout_workflow:exact_match"}]), tokenizer)
+                                rewards=[{"fn": "tests.rollout.test_rollout_workflow:exact_match"}]), tokenizer)
 
 
 def test_chat_template_kwargs_reach_every_prompt_rendering(tokenizer):

@@ -80,7 +80,7 @@ def test_recipes_in_the_docs_are_valid_configs():
 
     import yaml
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "algorithms.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "algorithms.md").read_text()
     blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
     assert len(blocks) == 5
     for block in blocks:
