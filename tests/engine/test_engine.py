@@ -21,7 +21,7 @@ from asyncrl.config import EngineConfig
 from asyncrl.engine.jax_engine import JaxEngine, compile_count
 from asyncrl.engine.protocol import GenerationRequest
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
-from asyncrl.model import forward_jit, init_kv_cache, load_model, per_token_logprobs_jit
+from asyncrl.model import forward_jit, init_kv_cache, per_token_logprobs_jit
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,15 +30,8 @@ REF_LEN = 96  # reference sequences are right-padded to this length (one compila
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    lm = load_model("tiny", with_tokenizer=False)
-    graphdef, params = lm.split()
-    return lm, graphdef, params
-
-
-@pytest.fixture(scope="module")
-def engine(tiny):
-    lm, graphdef, params = tiny
+def engine(tiny_split):
+    lm, graphdef, params = tiny_split
     eng = JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=CFG, seed=1)
     yield eng
     eng.shutdown()
@@ -90,8 +83,8 @@ def slow_decode(engine, seconds: float):
 # --------------------------------------------------------------------------- correctness
 
 
-def test_logprobs_match_per_token_logprobs_and_stops(engine, tiny):
-    lm, graphdef, params = tiny
+def test_logprobs_match_per_token_logprobs_and_stops(engine, tiny_split):
+    lm, graphdef, params = tiny_split
     prompt = prompt_of(0, 11)
     request = GenerationRequest(prompt_ids=prompt, n=4, temperature=0.7, max_new_tokens=40, sample_id=3)
     responses = engine.generate(request)
@@ -112,8 +105,8 @@ def test_logprobs_match_per_token_logprobs_and_stops(engine, tiny):
     check_logprobs(graphdef, params, prompt, greedy, 1.0)
 
 
-def test_seeded_request_identical_alone_and_among_31_concurrent(engine, tiny):
-    _, graphdef, params = tiny
+def test_seeded_request_identical_alone_and_among_31_concurrent(engine, tiny_split):
+    _, graphdef, params = tiny_split
     target = GenerationRequest(prompt_ids=prompt_of(1, 9), n=2, temperature=1.0, max_new_tokens=30, sample_id=77, index_in_group=2, turn=1)
     alone = engine.generate(target)
     others = [
@@ -143,8 +136,8 @@ def test_seeded_request_identical_alone_and_among_31_concurrent(engine, tiny):
     assert any(not np.array_equal(a.output_ids, b.output_ids) for a, b in zip(alone, other_turn))
 
 
-def test_32_threads_complete_and_correct(engine, tiny):
-    _, graphdef, params = tiny
+def test_32_threads_complete_and_correct(engine, tiny_split):
+    _, graphdef, params = tiny_split
     requests = [
         GenerationRequest(prompt_ids=prompt_of(200 + i, 1 + (5 * i) % 33), temperature=0.9, max_new_tokens=5 + (13 * i) % 60,
                           min_new_tokens=(i % 3), sample_id=1000 + i)
@@ -233,8 +226,8 @@ def test_requests_admitted_together_are_prefilled_together(engine):
 # --------------------------------------------------------------------------- weights
 
 
-def test_update_weights_at_chunk_boundary_and_not_stale(tiny):
-    lm, graphdef, params = tiny
+def test_update_weights_at_chunk_boundary_and_not_stale(tiny_split):
+    lm, graphdef, params = tiny_split
     new_params = perturbed(params, 0.3, seed=6)  # changes the greedy output (checked below)
     eng = JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=CFG, seed=1, version=3)
     try:
@@ -301,8 +294,8 @@ def test_update_weights_at_chunk_boundary_and_not_stale(tiny):
         eng.shutdown()
 
 
-def test_update_weights_when_idle_and_bad_params(tiny):
-    lm, graphdef, params = tiny
+def test_update_weights_when_idle_and_bad_params(tiny_split):
+    lm, graphdef, params = tiny_split
     eng = JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=CFG)
     try:
         t0 = time.monotonic()
@@ -341,8 +334,8 @@ def test_bad_requests_raise_on_caller_thread(engine):
         GenerationRequest(prompt_ids=[7], temperature=0.0)
 
 
-def test_timeout_aborts_with_partial_output(tiny):
-    lm, graphdef, params = tiny
+def test_timeout_aborts_with_partial_output(tiny_split):
+    lm, graphdef, params = tiny_split
     eng = JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=CFG)
     try:
         slow_decode(eng, 0.05)
@@ -354,8 +347,8 @@ def test_timeout_aborts_with_partial_output(tiny):
         eng.shutdown()
 
 
-def test_crash_reaches_every_caller(tiny):
-    lm, graphdef, params = tiny
+def test_crash_reaches_every_caller(tiny_split):
+    lm, graphdef, params = tiny_split
     eng = JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=CFG)
     try:
         def boom():
@@ -375,8 +368,8 @@ def test_crash_reaches_every_caller(tiny):
         eng.shutdown()
 
 
-def test_shutdown_fails_pending_and_joins(tiny):
-    lm, graphdef, params = tiny
+def test_shutdown_fails_pending_and_joins(tiny_split):
+    lm, graphdef, params = tiny_split
     eng = JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=CFG)
     slow_decode(eng, 0.05)
     futures = [eng.submit(GenerationRequest(prompt_ids=[7, 8], n=8, max_new_tokens=60, stop_token_ids=[], sample_id=i)) for i in range(4)]
@@ -451,12 +444,12 @@ def test_inverse_cdf_sampler_across_blocks():
     assert set(np.flatnonzero(freq)) <= {5, 127, 128, 200, 299}
 
 
-def test_decode_chunk_ends_early_when_a_finished_slot_can_be_refilled(tiny):
+def test_decode_chunk_ends_early_when_a_finished_slot_can_be_refilled(tiny_split):
     """A slot that finishes inside a chunk ends it once ``refill_free`` slots are free (so the
     scheduler refills it at once); with ``refill_free`` above the slot count the chunk runs on."""
     from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls, init_slot_state
 
-    lm, graphdef, params = tiny
+    lm, graphdef, params = tiny_split
     controls = idle_controls(2, 8)
     controls.active[:] = True
     controls.max_new_tokens[:] = [3, 20]

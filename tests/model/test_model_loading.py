@@ -16,16 +16,6 @@ from asyncrl.errors import ConfigError, ModelError
 from asyncrl.model import TINY_ALPHABET, ensure_tiny, export_hf, forward_jit, load_model
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return ensure_tiny("tiny", cache_dir=tmp_path_factory.mktemp("cache"))
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return load_model(str(tiny_dir))
-
-
 @pytest.fixture()
 def copy_of_tiny(tiny_dir, tmp_path) -> Path:
     target = tmp_path / "model"
@@ -77,7 +67,7 @@ def test_tiny_build_is_cached_and_safe_under_racing_builders(tmp_path):
     assert other != built and read_tensors(other)["model.norm.weight"].shape == (32,)
 
 
-def test_export_losing_a_race_keeps_the_winner(tiny, tmp_path, monkeypatch):
+def test_export_losing_a_race_keeps_the_winner(tiny_from_dir, tmp_path, monkeypatch):
     """Another process renames its build into place while we assemble ours (exist_ok)."""
     import tempfile
 
@@ -91,13 +81,13 @@ def test_export_losing_a_race_keeps_the_winner(tiny, tmp_path, monkeypatch):
         return ours
 
     monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp_then_lose)
-    assert export_hf(tiny, None, target, exist_ok=True) == target
+    assert export_hf(tiny_from_dir, None, target, exist_ok=True) == target
     assert [p.name for p in tmp_path.iterdir()] == ["tiny-x"]  # our temporary copy is gone
     assert [p.name for p in target.iterdir()] == ["config.json"]  # the winner's files untouched
     target.rename(tmp_path / "gone")
     monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp_then_lose)
     with pytest.raises(ModelError, match=r"appeared while exporting"):
-        export_hf(tiny, None, target)
+        export_hf(tiny_from_dir, None, target)
 
 
 def test_tiny_resolves_by_name_with_options(tiny_dir, monkeypatch):
@@ -123,11 +113,11 @@ def test_tiny_resolves_by_name_with_options(tiny_dir, monkeypatch):
         load_model("tiny:layers=two")
 
 
-def test_tiny_tokenizer_loads_with_autotokenizer(tiny, tiny_dir):
+def test_tiny_tokenizer_loads_with_autotokenizer(tiny_from_dir, tiny_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_dir))
-    assert len(tok) == tiny.config.vocab_size <= 32
+    assert len(tok) == tiny_from_dir.config.vocab_size <= 32
     ids = {c: tok.convert_tokens_to_ids(c) for c in TINY_ALPHABET}
     assert len(set(ids.values())) == len(TINY_ALPHABET) and tok.unk_token_id not in ids.values()
     text = "A:12+30=42 R:987\nC:5-3"
@@ -143,9 +133,9 @@ def test_tiny_tokenizer_loads_with_autotokenizer(tiny, tiny_dir):
     assert prompt_ids[0] == tok.convert_tokens_to_ids("<|user|>") and len(prompt_ids) == 1 + 5 + 1 + 1
 
     end = tok.convert_tokens_to_ids("<|end|>")
-    assert tok.eos_token_id == end and tiny.stop_token_ids == (end,)
+    assert tok.eos_token_id == end and tiny_from_dir.stop_token_ids == (end,)
     assert json.loads((tiny_dir / "generation_config.json").read_text())["eos_token_id"] == end
-    assert tiny.pad_token_id == tok.pad_token_id != end
+    assert tiny_from_dir.pad_token_id == tok.pad_token_id != end
 
 
 def test_pad_token_may_be_absent(copy_of_tiny):
@@ -166,7 +156,7 @@ def test_pad_token_may_be_absent(copy_of_tiny):
 # --------------------------------------------------------------------------- checkpoints
 
 
-def test_sharded_checkpoint_and_legacy_tied_head_load(tiny, copy_of_tiny):
+def test_sharded_checkpoint_and_legacy_tied_head_load(tiny_from_dir, copy_of_tiny):
     tensors = read_tensors(copy_of_tiny)
     (copy_of_tiny / "model.safetensors").unlink()
     from safetensors.numpy import save_file
@@ -179,7 +169,7 @@ def test_sharded_checkpoint_and_legacy_tied_head_load(tiny, copy_of_tiny):
         weight_map.update({k: file for k in keys})
     index = copy_of_tiny / "model.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    assert np.array_equal(logits_of(load_model(str(copy_of_tiny))), logits_of(tiny))
+    assert np.array_equal(logits_of(load_model(str(copy_of_tiny))), logits_of(tiny_from_dir))
 
     # transformers 4 also saved lm_head.weight beside tied embeddings: accepted and ignored
     extra = {"lm_head.weight": tensors["model.embed_tokens.weight"]}
@@ -187,7 +177,7 @@ def test_sharded_checkpoint_and_legacy_tied_head_load(tiny, copy_of_tiny):
     weight_map["lm_head.weight"] = "model-00003.safetensors"
     weight_map["model.layers.0.self_attn.rotary_emb.inv_freq"] = "model-00003.safetensors"
     index.write_text(json.dumps({"weight_map": weight_map}))
-    assert np.array_equal(logits_of(load_model(str(copy_of_tiny))), logits_of(tiny))
+    assert np.array_equal(logits_of(load_model(str(copy_of_tiny))), logits_of(tiny_from_dir))
 
     weight_map["model.norm.weight"] = "model-00009.safetensors"
     index.write_text(json.dumps({"weight_map": weight_map}))
@@ -272,16 +262,16 @@ def test_file_level_errors(copy_of_tiny, tmp_path, monkeypatch):
         load_model("nobody-here/no-model")
 
 
-def test_export_refuses_to_clobber_unless_asked(tiny, tmp_path):
-    out = export_hf(tiny, None, tmp_path / "out")
+def test_export_refuses_to_clobber_unless_asked(tiny_from_dir, tmp_path):
+    out = export_hf(tiny_from_dir, None, tmp_path / "out")
     with pytest.raises(ModelError, match=r"already exists \(pass overwrite=True"):
-        export_hf(tiny, None, out)
-    export_hf(tiny, None, out, overwrite=True)
+        export_hf(tiny_from_dir, None, out)
+    export_hf(tiny_from_dir, None, out, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     reloaded = load_model(str(out))
-    assert reloaded.stop_token_ids == tiny.stop_token_ids
-    assert np.array_equal(logits_of(reloaded), logits_of(tiny))
-    assert reloaded.tokenizer("12")["input_ids"] == tiny.tokenizer("12")["input_ids"]
+    assert reloaded.stop_token_ids == tiny_from_dir.stop_token_ids
+    assert np.array_equal(logits_of(reloaded), logits_of(tiny_from_dir))
+    assert reloaded.tokenizer("12")["input_ids"] == tiny_from_dir.tokenizer("12")["input_ids"]
 
 
 def test_loading_sits_above_the_directory_format_and_the_builtin_models():

@@ -12,12 +12,7 @@ from asyncrl.errors import TrainerError
 from asyncrl.model import per_token_logprobs_jit
 from asyncrl.trainer import Trainer, compile_count, learning_rate_schedule, weight_decay_mask
 from asyncrl.trainer.optim import OptimParams
-from tests.trainer_fixtures import make_batch, tiny_model, trainer_config
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_model(layers=1)  # one layer: half the compile time, same code paths
+from tests.trainer_fixtures import make_batch, trainer_config
 
 
 def host(tree):
@@ -28,8 +23,8 @@ def max_diff(a, b):
     return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def test_nan_in_batch_skips_update_and_repeated_nan_stops(tiny):
-    graphdef, params = tiny
+def test_nan_in_batch_skips_update_and_repeated_nan_stops(tiny_one_layer):
+    graphdef, params = tiny_one_layer
     cfg = trainer_config(optim={"max_consecutive_nonfinite": 2})  # same compilation as the other tests
     trainer = Trainer(cfg, graphdef, params)
     trainer.step(make_batch(seed=1))  # one good update: Adam's count and the schedule at 1
@@ -54,8 +49,8 @@ def test_nan_in_batch_skips_update_and_repeated_nan_stops(tiny):
     assert trainer.skipped_updates_total == 2
 
 
-def test_published_params_stay_readable_after_next_steps(tiny):
-    graphdef, params = tiny
+def test_published_params_stay_readable_after_next_steps(tiny_one_layer):
+    graphdef, params = tiny_one_layer
     trainer = Trainer(trainer_config(), graphdef, params)
     initial = trainer.params_for_publish()
     trainer.step(make_batch(seed=3))
@@ -73,8 +68,8 @@ def test_published_params_stay_readable_after_next_steps(tiny):
     assert max_diff(host(trainer.params), copy) > 0.0  # while training moved on
 
 
-def test_state_dict_round_trip_continues_identically(tiny):
-    graphdef, params = tiny
+def test_state_dict_round_trip_continues_identically(tiny_one_layer):
+    graphdef, params = tiny_one_layer
     cfg = trainer_config()
     a = Trainer(cfg, graphdef, params)
     a.step(make_batch(seed=6))
@@ -93,10 +88,10 @@ def test_state_dict_round_trip_continues_identically(tiny):
     assert max_diff(host(a.params), host(b.params)) == 0.0
 
 
-def test_prox_and_reference_logprobs(tiny):
+def test_prox_and_reference_logprobs(tiny_one_layer):
     """Decoupled PPO with KL: pi_prox and pi_ref are the step's starting weights on its
     first update, so the ratio starts at 1, KL(ref) at 0, and w = pi_prox / pi_behave."""
-    graphdef, params = tiny
+    graphdef, params = tiny_one_layer
     cfg = trainer_config(algo={"decoupled": True, "kl_coef": 0.1, "behave_weight_cap": None},
                          optim={"max_grad_norm": None})
     batch = make_batch(seed=8, temperature=0.7)
@@ -121,8 +116,8 @@ def test_prox_and_reference_logprobs(tiny):
     assert second["train/approx_kl_prox"] == pytest.approx(0.0, abs=1e-6)
 
 
-def test_batch_checks(tiny):
-    graphdef, params = tiny
+def test_batch_checks(tiny_one_layer):
+    graphdef, params = tiny_one_layer
     trainer = Trainer(trainer_config(algo={"mini_batches": 2}, optim={"micro_batches": 3}), graphdef, params)
     assert trainer.row_multiple == 6
     with pytest.raises(TrainerError, match="not a multiple of 6"):

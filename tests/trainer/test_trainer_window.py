@@ -12,14 +12,9 @@ import pytest
 from asyncrl.model.logprobs import window_starts
 from asyncrl.trainer import Trainer
 from asyncrl.trainer.step import loss_window, train_step
-from tests.trainer_fixtures import VOCAB_LOW, VOCAB_HIGH, make_batch, tiny_model, trainer_config
+from tests.trainer_fixtures import VOCAB_LOW, VOCAB_HIGH, make_batch, trainer_config
 
 LENGTH = 32
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_model(layers=1)
 
 
 def varied_prompt_batch(seed: int = 0):
@@ -50,10 +45,10 @@ def test_loss_window_covers_every_span_in_buckets():
     assert starts.tolist() == [5, 24, 0]  # row 1 moved left so that its window ends by L
 
 
-def test_windowed_step_equals_the_full_sequence_step(tiny):
+def test_windowed_step_equals_the_full_sequence_step(tiny_one_layer):
     """pi_prox recomputed (mismatch correction) and the entropy bonus on, prompts of varied
     lengths: one update over the window (16 of 32 positions) equals one over the full sequence."""
-    graphdef, params = tiny
+    graphdef, params = tiny_one_layer
     cfg = trainer_config(rollout={"length_bucket": 8}, algo={"mismatch_correction": True, "entropy_coef": 0.01},
                          optim={"lr": 0.05})
     batch = varied_prompt_batch(seed=2)
@@ -75,12 +70,12 @@ def test_windowed_step_equals_the_full_sequence_step(tiny):
 
 
 @pytest.mark.slow  # a step compiled for bfloat16 (seconds); the paths it runs are the float32 ones
-def test_bfloat16_compute_keeps_float32_master_weights(tiny):
+def test_bfloat16_compute_keeps_float32_master_weights(tiny_one_layer):
     """compute_dtype bfloat16: float32 parameters and Adam moments, and losses near float32's."""
     from asyncrl.model import init_decoder, split_params
     from asyncrl.model.tiny import TinySpec, tiny_decoder_config
 
-    graphdef, params = tiny
+    graphdef, params = tiny_one_layer
     bf16 = tiny_decoder_config(TinySpec(layers=1)).replace(compute_dtype="bfloat16")
     bf16_graphdef, bf16_params = split_params(init_decoder(bf16, seed=0))
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(bf16_params)))
