@@ -374,7 +374,7 @@ def _process_of_a_run(argv: list[str], env: dict[str, str], ws: Path, background
                 p.kill()
                 p.wait(10)
     for p, output in zip(procs, outputs):
-        assert p.returncode == 0, f"{argv} (process {p.args}) exited {p.returncode}:\n{output[-3000:]}"
+        assert p.returncode == 0, f"{argv} (process {p.args!r}) exited {p.returncode}:\n{output[-3000:]}"
     return outputs[0]
 
 

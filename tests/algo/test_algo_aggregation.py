@@ -85,9 +85,9 @@ def accumulated(weights, batch, real, all_params):
     results = []
     for params in all_params:
         for count in (1, 2, 4):
-            micro = jax.tree.map(lambda x: x.reshape(count, ROWS // count, *x.shape[1:]), batch)
+            micro = jax.tree.map(lambda x, count=count: x.reshape(count, ROWS // count, *x.shape[1:]), batch)
             # lax.map traces the micro-batch body once per shape (cheaper to compile).
-            losses, grads = jax.lax.map(lambda mb: grad_fn(weights, mb, params), micro)
+            losses, grads = jax.lax.map(lambda mb, params=params: grad_fn(weights, mb, params), micro)
             loss, grad = losses[0], grads[0]
             for i in range(1, count):  # sequential float32 accumulation, as in a trainer
                 loss, grad = loss + losses[i], grad + grads[i]

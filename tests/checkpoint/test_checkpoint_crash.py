@@ -60,6 +60,7 @@ def start_writer(out, stop_at: str, size: int) -> subprocess.Popen:
 
 
 def wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 60) -> str:
+    assert proc.stdout is not None and proc.stderr is not None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -88,6 +89,7 @@ def assert_crash_consistent(out) -> int:
 def kill(proc: subprocess.Popen) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
+    assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()
     proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL

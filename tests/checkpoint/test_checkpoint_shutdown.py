@@ -64,6 +64,7 @@ STUCK = textwrap.dedent(
 def start(code: str, *args: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=subprocess_env(), cwd=REPO_ROOT)
+    assert proc.stdout is not None and proc.stderr is not None
     line = proc.stdout.readline()
     if line.strip() != "READY":
         proc.kill()

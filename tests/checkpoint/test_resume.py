@@ -227,7 +227,7 @@ def finish(proc: subprocess.Popen, timeout: float = 100) -> tuple[int, str, str]
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"child did not finish in {timeout} s\nstdout:\n{stdout}\nstderr:\n{stderr}")
+        raise AssertionError(f"child did not finish in {timeout} s\nstdout:\n{stdout}\nstderr:\n{stderr}") from None
     return proc.returncode, stdout, stderr
 
 
@@ -388,7 +388,7 @@ def kill_and_resume_async(tmp_path: Path, kills: int, total_steps: int, seed: in
     out = tmp_path / "async"
     config = write_config(tmp_path, out, **merged(ASYNC, {"run": {"total_steps": total_steps}}))
     every_row: list[dict] = []  # rows of every process, also those a resume drops again
-    resumes: list[tuple[str, str]] = []
+    resumes: list[tuple[Optional[str], Optional[str]]] = []
     for attempt in range(kills + 1):
         args = ["--resume"] if attempt else []
         before = latest_checkpoint(out)
@@ -406,7 +406,7 @@ def kill_and_resume_async(tmp_path: Path, kills: int, total_steps: int, seed: in
         else:
             # SIGKILL at a random moment after the run made progress.
             proc = start_child(config, *args)
-            wait_for(lambda: max((r["step"] for r in read_rows(out)), default=0) > last_step, proc)
+            wait_for(lambda last_step=last_step: max((r["step"] for r in read_rows(out)), default=0) > last_step, proc)
             time.sleep(rng.uniform(0.0, 0.3))
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
@@ -429,8 +429,10 @@ def kill_and_resume_async(tmp_path: Path, kills: int, total_steps: int, seed: in
     assert max(r["rollout/dropped_stale"] for r in every_row) == 0
 
     # Accounting: the final checkpoint's ledger puts every sample drawn in exactly one category.
-    final = load_checkpoint(latest_checkpoint(out))
-    assert final.step == total_steps
+    latest = latest_checkpoint(out)
+    assert latest is not None
+    final = load_checkpoint(latest)
+    assert final.step == total_steps and final.rollout_state is not None
     ledger = final.rollout_state["meta"]["ledger"]
     counts = {**ledger["terminal"]}
     for entry in ledger["entries"]:

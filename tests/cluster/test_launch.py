@@ -293,7 +293,7 @@ def _wait_ready(procs: list[subprocess.Popen], timeout_s: float = 60) -> list[st
     printed = []
     for proc in procs:
         assert proc.stdout is not None
-        lines = []
+        lines: list[str] = []
         while not lines or not lines[-1].startswith("ready"):
             assert time.monotonic() < deadline, "processes did not start"
             lines.append(proc.stdout.readline())

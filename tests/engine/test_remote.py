@@ -47,6 +47,7 @@ def two(request, tmp_path_factory, model):
 
 def served_version(url: str) -> int:
     info = sp.ModelInfo.model_validate(httpx.get(f"{url}/get_model_info", headers=AUTH).json())
+    assert info.weight_version is not None, f"{url} reports no weight_version"
     return int(info.weight_version)
 
 

@@ -79,7 +79,7 @@ def test_import_errors_name_the_field_and_the_cause(tmp_path, monkeypatch, capsy
         rewards = [{"fn": "myrewards:good"}, {"fn": ["", "needs_dep:fn", "nowhere:fn"][index]}]
         assert main(["eval", str(config), "--set", f"rewards={yaml.safe_dump(rewards, default_flow_style=True).strip()}"]) == 2
         err = capsys.readouterr().err
-        assert f"rewards.1.fn:" in err and expected in err and "Traceback" not in err, err
+        assert "rewards.1.fn:" in err and expected in err and "Traceback" not in err, err
     assert "current directory" in err and str(tmp_path) in err
     # Item 1: the command itself runs (it failed with an ImportError for every config).
     assert main(["eval", str(config), "--set", "rewards=[{fn: 'myrewards:good'}]", "--set", "eval.max_new_tokens=2"]) == 0

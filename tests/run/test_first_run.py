@@ -172,7 +172,7 @@ def test_workflow_without_base_init_gets_cfg_and_tokenizer_from_the_builder():
     ids, mask = encode_example({"prompt": "12", "response": "3"}, workflow, eos_token_id=tokenizer.eos_token_id)
     assert tokenizer.decode(ids[mask].tolist()) == "3<eos>"
     with pytest.raises(WorkflowInitError, match="has no 'tokenizer' because its __init__ does not call super"):
-        NoInit(cfg, None).tokenizer
+        _ = NoInit(cfg, None).tokenizer
 
 
 def test_score_uses_the_configs_weights_and_fallback():

@@ -150,8 +150,8 @@ def test_too_long_examples_are_counted_skips(tiny_loaded):
 
     cfg_short, _, _ = make(tiny_loaded, "rollout.max_seq_len=9", "data.max_prompt_tokens=5", "rollout.max_new_tokens=4")
     with pytest.raises(DataError, match="longer than Config.max_seq_len"):
-        SFTData.for_task(synthetic_task("copy", seed=0, train_size=8, min_digits=4), workflow, cfg_short,
-                         eos_token_id=tiny_loaded.stop_token_ids[0], batch_size=2).next_batch().batch
+        _ = SFTData.for_task(synthetic_task("copy", seed=0, train_size=8, min_digits=4), workflow, cfg_short,
+                             eos_token_id=tiny_loaded.stop_token_ids[0], batch_size=2).next_batch().batch
 
 
 def test_order_is_seeded_and_resumable(tiny_loaded):
@@ -177,7 +177,7 @@ def test_order_is_seeded_and_resumable(tiny_loaded):
     direct = SFTData(list(task.train[:8]), workflow, cfg, eos_token_id=eos, batch_size=8).next_batch().batch
     assert np.array_equal(solved.input_ids, direct.input_ids)
     with pytest.raises(DataError, match="response_field"):
-        SFTData(no_response, workflow, cfg, eos_token_id=eos, batch_size=8).next_batch().batch
+        _ = SFTData(no_response, workflow, cfg, eos_token_id=eos, batch_size=8).next_batch().batch
 
 
 def test_gsm8k_sft_config_runs_two_steps_on_tiny(tiny_loaded):
