@@ -194,7 +194,7 @@ SLOW_CHAINS = {
     ),
 }
 
-STATIC_CHECKS = (Step("ruff check asyncrl workflows scripts"),)  # mypy: .ci/run (a minute cold; too slow here)
+STATIC_CHECKS = (Step("ruff check asyncrl workflows scripts tests"),)  # mypy: .ci/run (a minute cold; too slow here)
 
 CHAINS = {"static": STATIC_CHECKS, "readme": README_CHAIN, "lora": LORA_CHAIN, "bench": BENCH_CHAIN, **SLOW_CHAINS}
 
