@@ -15,7 +15,7 @@ import pytest
 
 from asyncrl.engine.fake import FakeEngine
 from asyncrl.errors import ConfigError, RolloutError
-from asyncrl.run.evaluate import EVAL_SAMPLE_ID_BASE, evaluate
+from asyncrl.run.evaluate import EVAL_SAMPLE_ID_BASE, evaluate_workflow
 from asyncrl.rollout.executor import WorkflowExecutor
 from asyncrl.rollout.workflow import (
     RewardFailuresExceeded,
@@ -121,7 +121,7 @@ def test_eval_runs_the_workflows_own_episodes(docs_module):
 
     engine.submit = record
     lengths = {"answer_length": lambda prompt, completion, **fields: float(len(completion))}
-    result = evaluate(engine, workflow, SAMPLES, cfg, eval_metrics=lengths)
+    result = evaluate_workflow(engine, workflow, SAMPLES, cfg, eval_metrics=lengths)
     m = result.metrics
     # "12" and "34" are echoed right (exact 1, positional 1); "56" -> "65" is wrong (0 and 0).
     assert m["eval/reward"] == pytest.approx((2.5 + 2.5 + 0.0) / 3)
