@@ -41,7 +41,11 @@ Sampling and randomness (docs/design.md "Randomness", "Log-probabilities")
 ``j``: it never depends on the slot, the batch or the arrival order, and the batch shape is
 fixed, so a seeded request draws the same tokens whatever runs beside it. The reported
 log-prob is ``log_softmax(logits / T)[token]`` of the untruncated, unmasked logits (T = 1
-for greedy), i.e. what :func:`~asyncrl.model.per_token_logprobs` gives on the full sequence.
+for greedy), i.e. what :func:`~asyncrl.model.per_token_logprobs` gives on the full sequence;
+under a trie constraint (``GenerationRequest.constraint``, docs/decoding.md) it is the log-prob
+of the masked distribution the token was drawn from. Each running trie is in one pool of
+tables (:class:`~asyncrl.engine.constraints.TriePool`) and each slot carries its node, so
+constrained and free requests share a batch.
 Stop ids end a sample on device; stop sequences are matched on the host after each chunk
 (tokens a slot drew past the match are discarded).
 """
@@ -76,6 +80,7 @@ from asyncrl.engine.jax_programs import (
     slot_state_shardings,
     snapshot,
 )
+from asyncrl.engine.constraints import TokenTrie, TriePool
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
 from asyncrl.model.sharding import check_tensor_parallel, param_shardings
@@ -91,7 +96,7 @@ are prefilled together; with fewer, one idle slot is too large a share to keep w
 
 
 class _Sample:
-    __slots__ = ("tokens", "logprobs", "versions", "stop_reason", "slot")
+    __slots__ = ("tokens", "logprobs", "versions", "stop_reason", "slot", "node")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -99,6 +104,7 @@ class _Sample:
         self.versions: list[int] = []
         self.stop_reason: Optional[StopReason] = None
         self.slot: Optional[int] = None
+        self.node = 0  # the trie node after the tokens so far (constrained requests only)
 
 
 class _Pending:
@@ -238,6 +244,8 @@ class JaxEngine:
         # The per-slot controls (host numpy arrays, owned by the scheduler thread).
         self._controls: SlotControls = idle_controls(self.slots, cfg.max_stop_ids)
         self._slot_owner: list[Optional[tuple[_Pending, int]]] = [None] * self.slots
+        self._tries = TriePool()  # the tries of the constrained requests admitted (scheduler thread)
+        self._trie_tables: Any = None  # self._tries.tables on the device
 
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Pending] = collections.deque()
@@ -419,6 +427,16 @@ class JaxEngine:
         if bad:
             raise EngineRequestError(f"{what}: ids {bad} are outside the vocabulary [0, {self.vocab_size})")
 
+    def _check_constraint(self, request: GenerationRequest) -> None:
+        trie = request.constraint
+        if not isinstance(trie, TokenTrie):
+            raise EngineRequestError(f"GenerationRequest.constraint: expected a TokenTrie, got {type(trie).__name__}")
+        if trie.max_token >= self.vocab_size:
+            raise EngineRequestError(f"GenerationRequest.constraint {trie.name}: token {trie.max_token} is outside the vocabulary [0, {self.vocab_size})")
+        if request.max_new_tokens < trie.max_depth:
+            raise EngineRequestError(f"GenerationRequest.max_new_tokens = {request.max_new_tokens} is shorter than the longest sequence of "
+                                     f"constraint {trie.name} ({trie.max_depth} tokens): raise max_new_tokens")
+
     def _validate(self, request: GenerationRequest) -> tuple[int, ...]:
         if not isinstance(request, GenerationRequest):
             raise EngineRequestError(f"expected a GenerationRequest, got {type(request).__name__}")
@@ -452,6 +470,8 @@ class JaxEngine:
         for seq in request.stop_sequences:
             if any(not 0 <= int(t) < self.vocab_size for t in seq):
                 raise EngineRequestError(f"GenerationRequest.stop_sequences: {list(seq)} has ids outside [0, {self.vocab_size})")
+        if request.constraint is not None:
+            self._check_constraint(request)
         if (request.top_k > 0 or request.top_p < 1.0) and not request.greedy and not self._warned_truncation:
             self._warned_truncation = True
             logger.warning(
@@ -637,12 +657,33 @@ class JaxEngine:
         c.min_new_tokens[slot], c.max_new_tokens[slot] = request.min_new_tokens, request.max_new_tokens
         c.stop_ids[slot] = -1
         c.stop_ids[slot, : len(stop_ids)] = stop_ids
+        c.node[slot] = -1
+        if request.constraint is not None:
+            c.node[slot] = self._trie_offset(request.constraint)
+
+    def _trie_offset(self, trie: TokenTrie) -> int:
+        """``trie``'s node offset in the engine's pool, adding it (with the tries still in use, whose
+        slots' nodes are moved to their new offsets) when it is new."""
+        offset = self._tries.offset(trie)
+        if offset is not None:
+            return offset
+        live = [(owner[0].request.constraint, owner[0].samples[owner[1]], slot) for slot, owner in enumerate(self._slot_owner)
+                if owner is not None and owner[0].request.constraint is not None and self._controls.node[slot] >= 0]
+        self._tries.rebuild([t for t, _, _ in live] + [trie])
+        for live_trie, sample, slot in live:
+            self._controls.node[slot] = self._tries.require(live_trie) + sample.node
+        assert self._tries.tables is not None
+        replicated = (jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()) if self._layout is not None
+                      else self._state_shardings())
+        self._trie_tables = jax.device_put(self._tries.tables, replicated)
+        return self._tries.require(trie)
 
     def _decode(self) -> None:
         started = time.monotonic()
         c = self._controls
         active = c.active.copy()
         filtered = bool(np.any(active & ((c.top_k > 0) | (c.top_p < 1.0))))
+        constrained = bool(np.any(active & (c.node >= 0)))
         with self._cond:
             # A slot freed inside the chunk ends it early when the next waiting request fits and
             # (with PAIRED_REFILL_MIN_SLOTS or more) prefill_rows slots are free: two prompts
@@ -653,7 +694,8 @@ class JaxEngine:
             c.refill_free[...] = max(self._waiting[0].request.n if self._waiting else 1, pair)
         version = self._version
         self._state, tokens, logprobs, emitted = decode_chunk_jit(
-            self.graphdef, self._params, self._state, snapshot(c), self.chunk, filtered, self._layout
+            self.graphdef, self._params, self._state, snapshot(c), self.chunk, filtered, self._layout,
+            self._trie_tables if constrained else None, self._tries.max_branch if constrained else 0,
         )
         dispatched = time.monotonic()
         tokens, logprobs, emitted = np.asarray(tokens), np.asarray(logprobs), np.asarray(emitted)
@@ -696,13 +738,18 @@ class JaxEngine:
         """Append one slot's chunk output to its sample and end the sample when it stopped."""
         request = pending.request
         sample = pending.samples[j]
+        trie = request.constraint
         for t in np.flatnonzero(emitted):
             token = int(tokens[t])
             sample.tokens.append(token)
             sample.logprobs.append(float(logprobs[t]))
             sample.versions.append(version)
             index = len(sample.tokens) - 1
-            if index >= request.min_new_tokens:
+            if trie is not None:  # the device followed the same trie: the token is allowed
+                sample.node = trie.child(sample.node, token)
+                if trie.is_leaf(sample.node):
+                    return self._end_sample(pending, j, "stop")
+            elif index >= request.min_new_tokens:
                 if token in pending.stop_set:
                     return self._end_sample(pending, j, "eos")
                 for seq in pending.stop_sequences:
@@ -712,6 +759,8 @@ class JaxEngine:
                 return self._end_sample(pending, j, "length")
         self._controls.last_token[slot] = sample.tokens[-1]
         self._controls.generated[slot] = len(sample.tokens)
+        if trie is not None:
+            self._controls.node[slot] = self._tries.require(trie) + sample.node
 
 
 def _model_config(graphdef: Any, params: Any) -> Any:

@@ -16,9 +16,10 @@ Compiled programs
   early once every slot is done, or once a slot finished and enough slots are free for the
   scheduler to refill: ``SlotControls.refill_free``), in two variants: plain sampling, and sampling with
   top-k/top-p (two threshold searches over the vocabulary), used only for chunks in which
-  some slot asks for it.
+  some slot asks for it; each also with a trie mask (``_trie``), used only for chunks in which
+  some slot is constrained (compiled once per size class of the engine's trie pool).
 
-So at most ``len(prefill_buckets) + 2`` programs per model; :func:`compile_count` counts
+So at most ``len(prefill_buckets) + 2`` programs per model without constraints; :func:`compile_count` counts
 traces (each trace is one compilation) and is reported as ``engine/compiles``.
 
 Sampling (docs/design.md "Randomness", "Log-probabilities")
@@ -27,7 +28,9 @@ Per slot, on float32 logits: stop ids are masked while fewer than ``min_new_toke
 were generated; greedy takes the argmax; otherwise the ``i``-th generated token is drawn from
 ``softmax(logits / T)`` (after top-k, then top-p, when asked) by inverting its CDF at
 ``uniform(fold_in(key, i))``. The reported log-prob is ``log_softmax(logits / T)[token]`` of
-the untruncated, unmasked logits (T = 1 for greedy).
+the untruncated, unmasked logits (T = 1 for greedy). A slot under a trie constraint
+(docs/decoding.md) first sets the logits of the tokens its trie node does not allow to
+``-inf``; its draw, its argmax and its reported log-prob are all of that masked distribution.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from asyncrl.engine.constraints import TrieTables, allowed_tokens, is_leaf_node, next_nodes
 from asyncrl.model.transformer import KVCache, LayerKV, forward, hidden_states, init_kv_cache, kv_cache_copy_rows
 
 _compiles: collections.Counter = collections.Counter()
@@ -119,6 +123,7 @@ class SlotControls(NamedTuple):
     min_new_tokens: Any  # int32 [slots]: stop ids are masked before this many tokens
     max_new_tokens: Any  # int32 [slots]: the sample ends at this many tokens
     stop_ids: Any  # int32 [slots, max_stop_ids]: ids that end the sample (-1 pads)
+    node: Any  # int32 [slots]: the slot's node in the engine's trie pool (-1: unconstrained; docs/decoding.md)
     refill_free: Any  # int32 []: end the chunk early once a slot finished in it and this many slots are free
 
 
@@ -135,6 +140,7 @@ def idle_controls(slots: int, max_stop_ids: int) -> SlotControls:
         min_new_tokens=np.zeros((slots,), np.int32),
         max_new_tokens=np.zeros((slots,), np.int32),
         stop_ids=np.full((slots, max_stop_ids), -1, np.int32),
+        node=np.full((slots,), -1, np.int32),
         refill_free=np.array(1, np.int32),
     )
 
@@ -283,15 +289,26 @@ def _sample(keys: jax.Array, scaled: jax.Array) -> jax.Array:
     return jnp.minimum(block * _SAMPLE_BLOCK + offset, vocab - 1).astype(jnp.int32)
 
 
-def _choose_tokens(logits, controls: SlotControls, stop_vocab, keys, generated, filtered: bool):
+def allowed_vocab(tries: TrieTables, node: jax.Array, vocab: int, max_branch: int) -> jax.Array:
+    """bool [S, V]: the tokens each slot may take at its trie ``node`` [S] (every token where -1)."""
+    allowed = allowed_tokens(jnp, tries, node, max_branch)  # [S, K], -1 pads
+    rows = jnp.arange(node.shape[0])[:, None]
+    mask = jnp.zeros((node.shape[0], vocab), bool).at[rows, jnp.where(allowed < 0, vocab, allowed)].set(True, mode="drop")
+    return mask | (node < 0)[:, None]
+
+
+def _choose_tokens(logits, controls: SlotControls, stop_vocab, keys, generated, filtered: bool, allowed=None):
     """One token per slot from float32 ``logits`` [S, V] (see the module docstring).
 
     ``stop_vocab`` bool [S, V] marks each slot's stop ids; ``keys`` uint32 [S, 2] the slot
-    keys; ``generated`` int32 [S] each slot's token index. Returns ``(token int32 [S],
-    log-prob float32 [S], is_stop bool [S])``.
+    keys; ``generated`` int32 [S] each slot's token index; ``allowed`` bool [S, V] or None:
+    each slot's trie mask (the distribution is renormalised over it, and the log-prob is the
+    masked one). Returns ``(token int32 [S], log-prob float32 [S], is_stop bool [S])``.
     """
     rows = jnp.arange(logits.shape[0])
     unmasked = logits / controls.temperature[:, None]  # T = 1 for greedy rows
+    if allowed is not None:  # "unmasked" below means: not masked by stops or top-k/top-p
+        unmasked = jnp.where(allowed, unmasked, -jnp.inf)
     scaled = jnp.where((generated < controls.min_new_tokens)[:, None] & stop_vocab, -jnp.inf, unmasked)
     greedy_token = jnp.argmax(scaled, axis=-1)
     if filtered:
@@ -315,21 +332,27 @@ class _Chunk(NamedTuple):
     cache: KVCache
     last_token: jax.Array  # int32 [S]
     generated: jax.Array  # int32 [S]
+    node: jax.Array  # int32 [S]: the trie node the next token is chosen at (-1: unconstrained)
     active: jax.Array  # bool [S]
     tokens: jax.Array  # int32 [S, steps]: the token each slot produced at each step
     logprobs: jax.Array  # float32 [S, steps]
     emitted: jax.Array  # bool [S, steps]: the slot was active at that step
 
 
-def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, steps: int, filtered: bool, layout=None):
+def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, steps: int, filtered: bool, layout=None,
+                  tries=None, max_branch: int = 0):
     """Decode up to ``steps`` tokens for every active slot: each step is the model's own
     KV-cache :func:`~asyncrl.model.transformer.forward` with ``T = 1`` (idle slots masked out).
 
     Returns the new state and ``tokens`` int32, ``logprobs`` float32, ``emitted`` bool, each
     [S, steps]: ``emitted`` marks the steps at which the slot was active and produced the token.
-    ``layout`` (static): the state's shardings on an engine mesh, or None.
+    ``layout`` (static): the state's shardings on an engine mesh, or None. ``tries``: the
+    engine's trie pool (:class:`~asyncrl.engine.constraints.TrieTables`, device arrays) when
+    some slot is constrained (``controls.node >= 0``), else None; ``max_branch`` (static) its
+    widest node. A constrained slot samples from the masked distribution, ignores stop ids,
+    and ends when it reaches a leaf.
     """
-    _count_trace("decode_chunk_topk_topp" if filtered else "decode_chunk")
+    _count_trace(("decode_chunk_topk_topp" if filtered else "decode_chunk") + ("_trie" if tries is not None else ""))
     slots = controls.active.shape[0]
     vocab = params["embed_tokens"]["embedding"].shape[0]
     stop_vocab = jax.nn.one_hot(controls.stop_ids, vocab, dtype=bool).any(axis=1)  # [S, V]; -1 pads hit nothing
@@ -337,7 +360,13 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
     def body(c: _Chunk) -> _Chunk:
         logits, cache = forward(graphdef, params, c.last_token[:, None], None, c.active[:, None], c.cache)
         assert cache is not None  # forward returns the updated cache when given one
-        token, log_p, is_stop = _choose_tokens(logits[:, 0], controls, stop_vocab, state.keys, c.generated, filtered)
+        allowed = None if tries is None else allowed_vocab(tries, c.node, vocab, max_branch)
+        token, log_p, is_stop = _choose_tokens(logits[:, 0], controls, stop_vocab, state.keys, c.generated, filtered, allowed)
+        node = c.node
+        if tries is not None:
+            next_node = next_nodes(jnp, tries, c.node, token, max_branch)
+            is_stop = jnp.where(c.node >= 0, is_leaf_node(jnp, tries, next_node), is_stop)
+            node = jnp.where(c.active, next_node, c.node)
         generated = c.generated + c.active.astype(jnp.int32)
         done = is_stop | (generated >= controls.max_new_tokens)
         return _Chunk(
@@ -345,6 +374,7 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
             cache=cache,
             last_token=jnp.where(c.active, token, c.last_token),
             generated=generated,
+            node=node,
             active=c.active & ~done,
             tokens=c.tokens.at[:, c.step].set(token),
             logprobs=c.logprobs.at[:, c.step].set(log_p),
@@ -356,6 +386,7 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
         cache=state.cache,
         last_token=jnp.asarray(controls.last_token, jnp.int32),
         generated=jnp.asarray(controls.generated, jnp.int32),
+        node=jnp.asarray(controls.node, jnp.int32),
         active=jnp.asarray(controls.active, bool),
         tokens=jnp.zeros((slots, steps), jnp.int32),
         logprobs=jnp.zeros((slots, steps), jnp.float32),
@@ -375,4 +406,4 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
 
 
 prefill_insert_jit = jax.jit(_prefill_insert, static_argnums=(0, 5), donate_argnums=2)
-decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 4, 5, 6), donate_argnums=2)
+decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 4, 5, 6, 8), donate_argnums=2)
