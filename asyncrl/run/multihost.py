@@ -290,7 +290,8 @@ def unpack_block(buffer: np.ndarray, header: Mapping[str, Any], parts: int, inde
     raw = np.ascontiguousarray(buffer).view(np.uint8)
     rows, length = int(header["rows"]), int(header["length"])
     specs = _FIELDS + ((("advantages", np.float32, 2),) if header["advantages"] else ())
-    offset, fields = 0, {}
+    offset = 0
+    fields: dict[str, Any] = {}
     for name, dtype, ndim in specs:
         shape = (rows, length) if ndim == 2 else (rows,)
         size = int(np.prod(shape)) * np.dtype(dtype).itemsize
