@@ -297,3 +297,19 @@ class TriePool:
         # + 1 node: pool node ``n + 1`` is read for every n (first_edge[n + 1]); padding nodes are leaves.
         self.tables = pad_tables(tables, _size_class(nodes + 1, 64), _size_class(edges, 64))
         self.max_branch = _size_class(max(t.max_branch for t in unique), 8)
+
+
+_LOADED: dict[tuple[str, int, int], TokenTrie] = {}
+
+
+def load_trie(path: str | Path) -> TokenTrie:
+    """:meth:`TokenTrie.from_file`, read once per file version (the config's
+    ``rollout.decoding.constraint``: the workflow, the eval and the trainer share one trie)."""
+    resolved = Path(path).resolve()
+    if not resolved.is_file():
+        raise FileNotFoundError(f"decoding.constraint {path}: not found (a file of token-id sequences, one per line)")
+    stat = resolved.stat()
+    key = (str(resolved), stat.st_mtime_ns, stat.st_size)
+    if key not in _LOADED:
+        _LOADED[key] = TokenTrie.from_file(resolved)
+    return _LOADED[key]

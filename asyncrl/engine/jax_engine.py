@@ -45,7 +45,9 @@ for greedy), i.e. what :func:`~asyncrl.model.per_token_logprobs` gives on the fu
 under a trie constraint (``GenerationRequest.constraint``, docs/decoding.md) it is the log-prob
 of the masked distribution the token was drawn from. Each running trie is in one pool of
 tables (:class:`~asyncrl.engine.constraints.TriePool`) and each slot carries its node, so
-constrained and free requests share a batch.
+constrained and free requests share a batch. A beam-search request (``beam=True``) takes no
+slots: the scheduler runs it as one program call between two chunks
+(:func:`~asyncrl.engine.jax_programs._beam_search`), so running samples wait that long.
 Stop ids end a sample on device; stop sequences are matched on the host after each chunk
 (tokens a slot drew past the match are discarded).
 """
@@ -69,6 +71,7 @@ from asyncrl.config import EngineConfig
 from asyncrl.engine.jax_programs import (
     SlotControls,
     SlotState,
+    beam_search_jit,
     compile_count,
     decode_chunk_jit,
     graphdef_config,
@@ -96,7 +99,7 @@ are prefilled together; with fewer, one idle slot is too large a share to keep w
 
 
 class _Sample:
-    __slots__ = ("tokens", "logprobs", "versions", "stop_reason", "slot", "node")
+    __slots__ = ("tokens", "logprobs", "versions", "stop_reason", "slot", "node", "score")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -105,6 +108,7 @@ class _Sample:
         self.stop_reason: Optional[StopReason] = None
         self.slot: Optional[int] = None
         self.node = 0  # the trie node after the tokens so far (constrained requests only)
+        self.score: Optional[float] = None  # beam search's ranking score
 
 
 class _Pending:
@@ -127,6 +131,7 @@ class _Pending:
                 logprobs=np.asarray(s.logprobs, dtype=np.float32),
                 versions=np.asarray(s.versions, dtype=np.int32),
                 stop_reason=s.stop_reason or "aborted",
+                score=s.score,
             )
             for s in self.samples
         ]
@@ -164,6 +169,8 @@ class EngineStats:
     decode_wait_s: float = 0.0  # blocked on a chunk's results (device time not hidden by host work)
     decode_host_s: float = 0.0  # dispatch, control upload and per-slot bookkeeping
     refill_wait_s: float = 0.0  # after chunks that freed slots, waiting for callers to submit again
+    beam_calls: int = 0  # beam-search requests run
+    beam_s: float = 0.0  # their wall time
     swaps: int = 0  # weight versions installed
     swap_s: float = 0.0  # summed install latency (publish to installed)
     swap_max_s: float = 0.0
@@ -407,6 +414,8 @@ class JaxEngine:
             "engine/decode_wait_s": float(s.decode_wait_s),
             "engine/decode_host_s": float(s.decode_host_s),
             "engine/refill_wait_s": float(s.refill_wait_s),
+            "engine/beam_calls": float(s.beam_calls),
+            "engine/beam_s": float(s.beam_s),
             "engine/swaps": float(s.swaps),
             "engine/swap_latency_s": s.swap_s / s.swaps if s.swaps else 0.0,
             "engine/swap_latency_max_s": float(s.swap_max_s),
@@ -433,6 +442,9 @@ class JaxEngine:
             raise EngineRequestError(f"GenerationRequest.constraint: expected a TokenTrie, got {type(trie).__name__}")
         if trie.max_token >= self.vocab_size:
             raise EngineRequestError(f"GenerationRequest.constraint {trie.name}: token {trie.max_token} is outside the vocabulary [0, {self.vocab_size})")
+        if request.beam and request.n > trie.num_sequences:
+            raise EngineRequestError(f"GenerationRequest.n = {request.n} beams, but constraint {trie.name} has only "
+                                     f"{trie.num_sequences} sequences: lower n")
         if request.max_new_tokens < trie.max_depth:
             raise EngineRequestError(f"GenerationRequest.max_new_tokens = {request.max_new_tokens} is shorter than the longest sequence of "
                                      f"constraint {trie.name} ({trie.max_depth} tokens): raise max_new_tokens")
@@ -584,6 +596,7 @@ class JaxEngine:
         them, ``PREFILL_ROWS`` prompts of one bucket per program call, so the weights are read
         once per call rather than once per request. Requests that arrive while the calls are
         dispatched are taken too (clients of a burst submit a moment apart)."""
+        self._run_beams()
         started = time.monotonic()
         any_admitted = False
         while admitted := self._take_waiting():
@@ -604,13 +617,58 @@ class JaxEngine:
             jax.block_until_ready(self._state)
             self._stats.prefill_s += time.monotonic() - started
 
+    def _run_beams(self) -> None:
+        """Run the waiting beam-search requests, one program call each (they take no slots: the
+        running samples wait one call)."""
+        with self._cond:
+            beams = [p for p in self._waiting if p.request.beam]
+            for p in beams:
+                self._waiting.remove(p)
+                self._running.add(p)
+        for pending in beams:
+            self._beam(pending)
+
+    def _beam(self, pending: _Pending) -> None:
+        """Beam search for ``pending`` (:func:`~asyncrl.engine.jax_programs._beam_search`); the
+        ``n`` best beams become its samples, best first."""
+        request = pending.request
+        prompt = np.asarray(request.prompt_ids, np.int32)
+        context = len(prompt) - 1
+        bucket = next(b for b in self.buckets if b >= max(context, 1))
+        ids = np.zeros(bucket, np.int32)
+        ids[:context] = prompt[:context]
+        stop_vocab = np.zeros(self.vocab_size, bool)
+        stop_vocab[list(pending.stop_ids)] = True
+        trie = request.constraint
+        tries = None
+        if trie is not None:
+            root = self._trie_offset(trie)  # first: it may rebuild the pool's tables
+            tries = (self._trie_tables, np.int32(root))
+        started = time.monotonic()
+        out = beam_search_jit(self.graphdef, self._params, ids, np.arange(bucket) < context, np.int32(prompt[-1]), stop_vocab,
+                              np.float32(request.length_penalty), tries, k=request.n, max_new=request.max_new_tokens,
+                              capacity=bucket + request.max_new_tokens, max_branch=self._tries.max_branch if trie else 0)
+        tokens, logprobs, lengths, scores = (np.asarray(x) for x in out)
+        self._stats.beam_calls += 1
+        self._stats.beam_s += time.monotonic() - started
+        for j, sample in enumerate(pending.samples):
+            n = int(lengths[j])
+            sample.tokens, sample.logprobs = tokens[j, :n].tolist(), logprobs[j, :n].tolist()
+            sample.versions = [self._version] * n
+            sample.score = float(scores[j])
+            if trie is not None:
+                sample.stop_reason = "stop" if trie.contains(sample.tokens) else "length"
+            else:
+                sample.stop_reason = "eos" if n and sample.tokens[-1] in pending.stop_set else "length"
+        self._finish(pending)
+
     def _take_waiting(self) -> list[tuple[_Pending, list[int]]]:
         """Pop waiting requests in order while the next one fits in the free slots; each with
         the slots it will fill (not yet owned: :meth:`_prefill` takes them)."""
         admitted: list[tuple[_Pending, list[int]]] = []
         free = self._free_slots()
         with self._cond:
-            while self._waiting and self._waiting[0].request.n <= len(free):
+            while self._waiting and self._waiting[0].request.n <= len(free) and not self._waiting[0].request.beam:
                 pending = self._waiting.popleft()
                 self._running.add(pending)
                 n = pending.request.n

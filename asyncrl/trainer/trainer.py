@@ -133,6 +133,10 @@ class Trainer:
         self.algo = AlgoParams.from_config(cfg)
         self.optim = OptimParams.from_config(cfg, updates_per_step=1 if sft else None)
         self.mesh = mesh if mesh is not None else build_mesh(cfg.mesh)
+        if constraint is None and cfg.rollout.decoding.constraint and not sft:
+            from asyncrl.engine.constraints import load_trie
+
+            constraint = load_trie(cfg.rollout.decoding.constraint)
         self.constraint = constraint
         """The :class:`~asyncrl.engine.constraints.TokenTrie` rollouts are decoded under (the
         ``constraint`` argument, else ``rollout.decoding.constraint``), or None: batches whose
