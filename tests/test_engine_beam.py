@@ -133,7 +133,7 @@ def test_beams_and_samples_share_the_engine(engine):
     assert all(x.score >= y.score for x, y in zip(a, a[1:]))
 
 
-def test_remote_engine_refuses_constraints_and_beams():
+def test_remote_and_fake_engines_refuse_constraints_and_beams():
     from asyncrl.config import RemoteEngineConfig
     from asyncrl.engine.remote import RemoteEngine
 
@@ -145,3 +145,9 @@ def test_remote_engine_refuses_constraints_and_beams():
                 engine.submit(request)
     finally:
         engine.shutdown()
+    from asyncrl.engine.fake import FakeEngine
+
+    for request in (GenerationRequest(PROMPT, constraint=TokenTrie([[6, 7]]), max_new_tokens=2),
+                    GenerationRequest(PROMPT, n=2, beam=True)):
+        with pytest.raises(EngineRequestError, match="FakeEngine: trie constraints and beam search need the JAX engine"):
+            FakeEngine().generate(request)
