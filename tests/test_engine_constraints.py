@@ -285,3 +285,37 @@ def test_trainer_scores_constrained_tokens_under_the_same_mask(engine, tiny):
     metrics = trainer.step(batch)
     assert metrics["engine/logprob_gap"] < 1e-5
     assert abs(metrics["train/behave_weight_mean"] - 1.0) < 1e-5
+
+
+def test_masked_logprobs_chunked_and_windowed_equal_the_whole(tiny):
+    """per_token_logprobs(allowed=...) gives the same masked log-probs and entropies whether the
+    lm head runs at once, in chunks, or over a window (the trainer's three paths)."""
+    from asyncrl.engine.constraints import allowed_tokens
+    from asyncrl.model import per_token_logprobs
+
+    _, graphdef, params = tiny
+    trie = random_trie(20, seed=5)
+    rng = np.random.default_rng(0)
+    ids = np.zeros((4, 12), np.int32)
+    nodes = np.full((4, 12), -1, np.int32)
+    mask = np.zeros((4, 12), bool)
+    for b, seq in enumerate(trie.sequences()[:4]):
+        prompt = [int(t) for t in rng.integers(6, 28, size=3 + b)]
+        ids[b, : len(prompt) + len(seq)] = prompt + seq
+        mask[b, : len(prompt) + len(seq)] = True
+        nodes[b, len(prompt): len(prompt) + len(seq)] = trie.walk(seq)[:-1]
+    allowed = allowed_tokens(np, trie.tables(), nodes, trie.max_branch)
+    whole, whole_ent = per_token_logprobs(graphdef, params, ids, mask, 0.7, allowed=allowed)
+    chunked, chunked_ent = per_token_logprobs(graphdef, params, ids, mask, 0.7, allowed=allowed, chunk_size=5)
+    np.testing.assert_allclose(chunked, whole, atol=1e-6)
+    np.testing.assert_allclose(chunked_ent, whole_ent, atol=1e-6)
+    starts = np.array([3, 4, 5, 4], np.int32)
+    windowed, _ = per_token_logprobs(graphdef, params, ids, mask, 0.7, allowed=allowed, window=7, window_start=starts)
+    for b in range(4):
+        np.testing.assert_allclose(np.asarray(windowed)[b], np.asarray(whole)[b, starts[b]: starts[b] + 7], atol=1e-6)
+    # masked entropies are at most log(allowed count); free positions keep the full-vocabulary entropy
+    counts = (allowed >= 0).sum(-1)
+    constrained = (counts > 0) & mask
+    assert np.all(np.asarray(whole_ent)[constrained] <= np.log(counts[constrained]) + 1e-5)
+    free, free_ent = per_token_logprobs(graphdef, params, ids, mask, 0.7)
+    np.testing.assert_allclose(np.asarray(whole)[~constrained], np.asarray(free)[~constrained], atol=1e-6)
