@@ -17,12 +17,13 @@ def test_next_item_splits_are_held_out_and_consistent():
     assert len(task.train) == 50 and len(task.eval) == 4
     for sample in task.train + task.eval:
         history = sample["prompt"].removeprefix("M:").split(" ")
-        assert len(history) == 3 and all(nxt[a] == b for a, b in zip(history, history[1:]))
+        assert len(history) == 3 and set(history) <= set(catalog)
         assert sample["answer"] == sample["response"] == nxt[history[-1]]
     assert not {s["prompt"] for s in task.eval} & {s["prompt"] for s in task.train}
     assert task.reward == "exact_match"
+    assert next_item_task(items=20, train_size=50, eval_size=4, seed=1) == task  # a pure function
     with pytest.raises(ValueError, match="eval_size must be in"):
-        next_item_task(items=4, eval_size=4)
+        next_item_task(items=4, history=1, eval_size=2)
 
 
 def test_trie_lines_encode_every_item_with_the_end_token():

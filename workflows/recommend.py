@@ -2,8 +2,9 @@
 
 Items are 3-digit codes (``"482"``), so in the `tiny` model's character vocabulary an item ID
 is 3 tokens; with the end token, 4. A catalog of ``items`` codes is a pure function of the
-seed, and so is the order users browse it in: every item has one successor (a random cycle
-through the catalog). A sample shows a user's last ``history`` items and asks for the next:
+seed, and so is what users view next: every item has one successor (a random cycle through
+the catalog), the item viewed after it. A sample shows a user's last ``history`` items (the
+earlier ones random, the last one's successor unknown to the model) and asks for the next:
 
   ``M:482 193 775`` -> ``306``
 
@@ -12,13 +13,14 @@ catalog's trie (``rollout.decoding.constraint``, written by ``scripts/make_item_
 it can only name real items, and RL on the held-out next item (reward ``exact_match``) stays
 exact because the trainer scores under the same trie.
 
-The eval split holds out users whose last item is one of the ``eval_size`` held-out items,
-so a held-out history never appears in training.
+The eval split is ``eval_size`` histories that never appear in training (train samples that
+collide with one are skipped): the model must have learnt each item's successor, not the prompts.
 """
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from asyncrl.data import TaskData
 from asyncrl.registry import register
@@ -39,37 +41,38 @@ def successors(catalog: list[str], seed: int = 0) -> dict[str, str]:
 
 @register("dataset", "next_item")
 def next_item_task(*, items: int = 64, history: int = 3, seed: int = 0, train_size: int = 512,
-                   eval_size: int = 8) -> TaskData:
-    """Train and eval splits of the next-item task (module docstring). Train samples cycle
-    through the users whose last item is not held out; each sample has ``prompt``,
-    ``answer`` and ``response`` (the answer, for SFT)."""
+                   eval_size: int = 32) -> TaskData:
+    """Train and eval splits of the next-item task (module docstring), a pure function of the
+    arguments; each sample has ``prompt``, ``answer`` and ``response`` (the answer, for SFT)."""
     if history < 1:
         raise ValueError(f"history must be >= 1 (given {history})")
-    if not 0 <= eval_size < items:
-        raise ValueError(f"eval_size must be in [0, items) (given {eval_size} with {items} items)")
+    if not 0 <= eval_size <= items ** history // 4:
+        raise ValueError(f"eval_size must be in [0, items ** history / 4] (given {eval_size} with {items} items)")
     if train_size < 1:
         raise ValueError(f"train_size must be >= 1 (given {train_size})")
     catalog = item_catalog(items, seed)
     nxt = successors(catalog, seed)
-    prev = {b: a for a, b in nxt.items()}
 
-    def sample(last: str) -> dict:
-        seen = [last]
-        while len(seen) < history:
-            seen.insert(0, prev[seen[0]])
-        return {"prompt": "M:" + " ".join(seen), "answer": nxt[last], "response": nxt[last]}
+    def sample(split: str, index: int) -> dict:
+        seen = random.Random(f"next_item/{seed}/{split}/{index}").choices(catalog, k=history)
+        return {"prompt": "M:" + " ".join(seen), "answer": nxt[seen[-1]], "response": nxt[seen[-1]]}
 
-    held_out = set(random.Random(f"eval/{seed}").sample(catalog, eval_size))
-    users = [item for item in catalog if item not in held_out]
-    train = [sample(users[i % len(users)]) for i in range(train_size)]
-    evaluation = [sample(item) for item in catalog if item in held_out]
+    evaluation = [sample("eval", i) for i in range(eval_size)]
+    held_out = {s["prompt"] for s in evaluation}
+    train: list[dict] = []
+    index = 0
+    while len(train) < train_size:
+        candidate = sample("train", index)
+        index += 1
+        if candidate["prompt"] not in held_out:
+            train.append(candidate)
     return TaskData(train=train, eval=evaluation, reward="exact_match")
 
 
-def trie_lines(tokenizer: object, end_token_id: int, items: int = 64, seed: int = 0) -> list[str]:
+def trie_lines(tokenizer: Any, end_token_id: int, items: int = 64, seed: int = 0) -> list[str]:
     """The catalog as a constraint file's lines: each item's token ids, then ``end_token_id``."""
     lines = []
     for code in item_catalog(items, seed):
-        ids = list(tokenizer.encode(code, add_special_tokens=False))  # type: ignore[attr-defined]
+        ids = list(tokenizer.encode(code, add_special_tokens=False))
         lines.append(" ".join(str(t) for t in [*ids, end_token_id]))
     return lines
