@@ -1,7 +1,7 @@
 """Write the item catalog of the next-item task (workflows/recommend.py) as a constraint file:
 one line of token ids per item (its 3 characters, then the model's end token).
 
-    python scripts/make_item_trie.py --out runs/recommend/items.txt [--items 64] [--seed 0] [--model tiny]
+    python scripts/make_item_trie.py --out runs/recommend/items.txt [--items 16] [--seed 0] [--model tiny]
 
 Prints one JSON line: the file, the item count and the trie's size.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="the constraint file to write")
-    parser.add_argument("--items", type=int, default=64, help="catalog size (the dataset's items)")
+    parser.add_argument("--items", type=int, default=16, help="catalog size (the dataset's items)")
     parser.add_argument("--seed", type=int, default=0, help="catalog seed (the dataset's seed)")
     parser.add_argument("--model", default="tiny", help="model.path whose tokenizer encodes the items")
     args = parser.parse_args()

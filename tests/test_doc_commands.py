@@ -144,7 +144,7 @@ BENCH_CHAIN = (
 
 def _item_trie(ws: Path, output: str) -> None:
     result = json.loads(output.strip().splitlines()[-1])
-    assert result["items"] == 64 and result["max_depth"] == 4 and (ws / "runs/recommend/items.txt").is_file(), result
+    assert result["items"] == 16 and result["max_depth"] == 4 and (ws / "runs/recommend/items.txt").is_file(), result
 
 
 def _recommend_trained(ws: Path, _: str) -> None:

@@ -26,7 +26,7 @@ from asyncrl.data import TaskData
 from asyncrl.registry import register
 
 
-def item_catalog(items: int = 64, seed: int = 0) -> list[str]:
+def item_catalog(items: int = 16, seed: int = 0) -> list[str]:
     """``items`` distinct 3-digit item codes, in catalog order (a pure function of the seed)."""
     if not 2 <= items <= 1000:
         raise ValueError(f"items must be in [2, 1000] (3-digit codes; given {items})")
@@ -40,7 +40,7 @@ def successors(catalog: list[str], seed: int = 0) -> dict[str, str]:
 
 
 @register("dataset", "next_item")
-def next_item_task(*, items: int = 64, history: int = 3, seed: int = 0, train_size: int = 512,
+def next_item_task(*, items: int = 16, history: int = 3, seed: int = 0, train_size: int = 512,
                    eval_size: int = 32) -> TaskData:
     """Train and eval splits of the next-item task (module docstring), a pure function of the
     arguments; each sample has ``prompt``, ``answer`` and ``response`` (the answer, for SFT)."""
@@ -69,7 +69,7 @@ def next_item_task(*, items: int = 64, history: int = 3, seed: int = 0, train_si
     return TaskData(train=train, eval=evaluation, reward="exact_match")
 
 
-def trie_lines(tokenizer: Any, end_token_id: int, items: int = 64, seed: int = 0) -> list[str]:
+def trie_lines(tokenizer: Any, end_token_id: int, items: int = 16, seed: int = 0) -> list[str]:
     """The catalog as a constraint file's lines: each item's token ids, then ``end_token_id``."""
     lines = []
     for code in item_catalog(items, seed):
