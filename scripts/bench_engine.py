@@ -24,6 +24,12 @@
   refills a slot the step it frees, for free), about 1.52 here rather than the 1.69 of mean
   longest over mean length: the last 16 requests drain with fewer than 16 busy slots.
 
+* ``constrained_vs_free_step``: decode ms/step of 16 requests (64 new tokens) each under a
+  trie of 1,024 random 64-token sequences (docs/decoding.md; the root allows up to 1,024
+  tokens, so every step gathers a 1,024-wide allowed set per slot) over the same requests
+  unconstrained, on the same engine and batch, runs alternating (bench-40m; tiny with
+  ``--skip-40m``). Target: <= 1.10. ``*_ms_per_step`` are the two step times.
+
 Every figure is the median of ``--repeats`` timed runs after one untimed warm-up run.
 """
 
@@ -84,6 +90,39 @@ def engine_fixed(engine, vocab: int, repeats: int) -> tuple[float, float]:
     d_steps = after["engine/decode_steps"] - before["engine/decode_steps"]
     d_time = after["engine/decode_s"] - before["engine/decode_s"]
     return BATCH * NEW / seconds, 1e3 * d_time / d_steps
+
+
+def constrained_vs_free(engine, vocab: int, repeats: int) -> dict:
+    """Decode ms/step of the fixed workload under a 1,024-sequence trie and free, alternating."""
+    from asyncrl.engine.constraints import TokenTrie
+    from asyncrl.engine.protocol import GenerationRequest
+
+    rng = np.random.default_rng(1)
+    trie = TokenTrie({tuple(int(t) for t in rng.integers(0, vocab, size=NEW)) for _ in range(1024)}, name="bench-1024x64")
+    batch = prompts(vocab, BATCH)
+    counter = iter(range(10**9))
+
+    def step_ms(constraint) -> float:
+        base = next(counter) * BATCH
+        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=NEW, stop_token_ids=[], sample_id=base + i,
+                                  constraint=constraint) for i, p in enumerate(batch)]
+        before = engine.metrics()
+        with ThreadPoolExecutor(BATCH) as pool:
+            out = list(pool.map(engine.generate, reqs))
+        after = engine.metrics()
+        assert all(len(r[0].output_ids) == NEW for r in out)
+        if constraint is not None:
+            assert all(trie.contains(r[0].output_ids.tolist()) for r in out)
+        return 1e3 * (after["engine/decode_s"] - before["engine/decode_s"]) / (after["engine/decode_steps"] - before["engine/decode_steps"])
+
+    step_ms(trie), step_ms(None)  # compile
+    constrained, free = [], []
+    for _ in range(repeats):
+        constrained.append(step_ms(trie))
+        free.append(step_ms(None))
+    c, f = statistics.median(constrained), statistics.median(free)
+    return {"constrained_ms_per_step": c, "free_ms_per_step": f, "constrained_vs_free_step": c / f,
+            "trie_nodes": trie.num_nodes, "trie_max_branch": trie.max_branch}
 
 
 def hf_fixed(model_dir: str, vocab: int, repeats: int, threads: int = 2) -> list[float]:
@@ -172,13 +211,14 @@ def bench_model(graphdef, params, model_dir: str, vocab: int, repeats: int, deco
     engine = make_engine(graphdef, params, decode_chunk)
     try:
         tok_s, ms_step = engine_fixed(engine, vocab, repeats)
+        constrained = constrained_vs_free(engine, vocab, repeats)
     finally:
         engine.shutdown()
     hf_runs = hf_fixed(model_dir, vocab, repeats)
     # Not part of the ratio: 2 OpenMP threads collapse on a loaded 2-core machine, 1 does not.
     hf_1 = statistics.median(hf_fixed(model_dir, vocab, repeats, threads=1))
     return {"engine_tokens_per_s": tok_s, "hf_tokens_per_s": statistics.median(hf_runs), "hf_tokens_per_s_1thread": hf_1,
-            "decode_ms_per_step": ms_step, "vs_hf_spread": [tok_s / max(hf_runs), tok_s / min(hf_runs)]}
+            "decode_ms_per_step": ms_step, "vs_hf_spread": [tok_s / max(hf_runs), tok_s / min(hf_runs)], **constrained}
 
 
 def main() -> None:
@@ -199,6 +239,7 @@ def main() -> None:
     out["tiny"] = res
     out["tiny_vs_hf"] = res["engine_tokens_per_s"] / res["hf_tokens_per_s"]
     out["tiny_vs_hf_spread"] = res["vs_hf_spread"]
+    out["constrained_vs_free_step"] = res["constrained_vs_free_step"]
 
     if not args.skip_40m:
         cfg = bench_40m_config()
@@ -212,6 +253,7 @@ def main() -> None:
         out["bench40m"] = res
         out["bench40m_vs_hf"] = res["engine_tokens_per_s"] / res["hf_tokens_per_s"]
         out["bench40m_vs_hf_spread"] = res["vs_hf_spread"]
+        out["constrained_vs_free_step"] = res["constrained_vs_free_step"]
         bandwidth, flops = copy_bandwidth(), dot_flops()
         floor_s = max(param_bytes / bandwidth, 2 * n_params * BATCH / flops)
         out.update(

@@ -142,7 +142,23 @@ BENCH_CHAIN = (
     Step("python scripts/bench_prepare_batch.py", ("--reps", "20"), check=_json_line),
 )
 
+def _item_trie(ws: Path, output: str) -> None:
+    result = json.loads(output.strip().splitlines()[-1])
+    assert result["items"] == 16 and result["max_depth"] == 4 and (ws / "runs/recommend/items.txt").is_file(), result
+
+
+def _recommend_trained(ws: Path, _: str) -> None:
+    rows = [json.loads(line) for line in (ws / "runs/recommend/metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "engine/logprob_gap" in row] == [3, 4, 5], rows
+    assert any("eval/accuracy" in row for row in rows) and (ws / "runs/recommend/hf/config.json").is_file()
+
+
 SLOW_CHAINS = {
+    # docs/decoding.md: the generative-recommendation example (trie-constrained GRPO, beam eval), quick
+    "recommend": (
+        Step("python scripts/make_item_trie.py --out runs/recommend/items.txt", check=_item_trie),
+        Step("asyncrl train configs/recommend.yaml", QUICKSTART_QUICK, check=_recommend_trained),
+    ),
     # The whole-loop and accelerator benchmarks, quick (a training run and a 494M-shaped model's
     # small twin: about a minute here).
     "bench_loop": (

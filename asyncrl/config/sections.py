@@ -106,6 +106,20 @@ class ModelConfig(Section):
     """Train low-rank adapters on frozen base weights instead of every weight (``{rank, alpha, target_modules, dropout}``); null: off."""
 
 
+class DecodingConfig(Section):
+    """How completions are decoded (docs/decoding.md): a strategy, and optionally a trie of the
+    token sequences a completion may be. In-process engine only: a remote engine refuses both."""
+
+    strategy: Literal["sample", "greedy", "beam"] = "sample"
+    """``sample`` draws from the policy (the only trainable strategy: rollouts must sample); ``greedy`` takes the argmax; ``beam`` keeps the ``beam_width`` best prefixes by summed log-prob and returns the best (eval)."""
+    constraint: Optional[str] = None
+    """A file of the allowed completions, one sequence of token ids per line (spaces or commas; ``#`` comments); every completion is then one of them: tokens outside its trie are masked at every step and a completion ends at a trie leaf. Log-probs are those of the masked distribution, and the trainer scores under the same mask, so RL stays exact. Null: unconstrained."""
+    beam_width: int = Field(default=4, ge=1)
+    """``beam``: prefixes kept per step (k); at most ``engine.slots``."""
+    length_penalty: float = 1.0
+    """``beam``: a finished beam's score is its summed log-prob divided by ``length ** length_penalty`` (0: raw sum, which favours short completions; 1: mean per token)."""
+
+
 class RolloutConfig(Section):
     """How episodes are generated, and how stale their tokens may be when trained."""
 
@@ -137,6 +151,8 @@ class RolloutConfig(Section):
     """This many finished groups in a row dropped (``too_long``, ``prompt_too_long``, ``aborted``, a workflow's ``SkipSample``; not ``stale`` or ``zero_variance``) with none kept stop training with the reason and the setting to change. Default: ``max(64, 4 * batch_size)``."""
     batch_timeout_s: float = Field(default=600.0, gt=0)
     """The trainer gives up (and the run stops with the rollout counts) when a batch is not ready after this long."""
+    decoding: DecodingConfig = Field(default_factory=DecodingConfig)
+    """Decoding of training rollouts: ``strategy`` must be ``sample`` (greedy and beam completions are not samples of the policy); ``constraint`` restricts completions to a trie (docs/decoding.md)."""
     length_bucket: int = Field(default=64, ge=1)
     """Batch length ``L`` is the longest sequence rounded up to a multiple of this (fewer recompilations)."""
     max_seq_len: Optional[int] = Field(default=None, ge=2)
@@ -264,6 +280,8 @@ class EvalConfig(Section):
     """A completion counts as correct (accuracy, pass@k) when its reward is at least this."""
     timeout_s: float = Field(default=300.0, gt=0)
     """Eval requests still unfinished after this long come back aborted."""
+    decoding: DecodingConfig = Field(default_factory=lambda: DecodingConfig(strategy="greedy"))
+    """Decoding of the eval completions scored for reward/accuracy: ``greedy`` (default) or ``beam`` (the best of ``beam_width`` beams); the pass@k samples always sample. ``constraint``: a trie for eval alone (an unconstrained policy evaluated under one); with ``rollout.decoding.constraint`` set, eval uses that and this stays null."""
 
 
 class RemoteEngineConfig(Section):

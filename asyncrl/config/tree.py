@@ -177,6 +177,24 @@ class Config(Section):
                 "placement.engine / engine.tensor_parallel: place the in-process engine; with engine.remote set "
                 "generation runs on the servers, so leave both at their defaults"
             )
+        rollout_decoding, eval_decoding = self.rollout.decoding, self.eval.decoding
+        if rollout_decoding.strategy != "sample":
+            problems.append(
+                f"rollout.decoding.strategy: training rollouts must sample (given {rollout_decoding.strategy!r}); greedy and "
+                "beam completions are not samples of the policy, so their log-probs cannot be trained on. Use eval.decoding"
+            )
+        if engine.remote is not None and (rollout_decoding.constraint or eval_decoding.constraint or eval_decoding.strategy == "beam"):
+            problems.append(
+                "rollout.decoding / eval.decoding: trie constraints and beam search need the in-process engine; "
+                "engine.remote is set (drop the constraint and use strategy greedy or sample)"
+            )
+        if eval_decoding.strategy == "beam" and eval_decoding.beam_width > engine.slots:
+            problems.append(f"eval.decoding.beam_width ({eval_decoding.beam_width}) must be at most engine.slots ({engine.slots})")
+        if eval_decoding.constraint and rollout_decoding.constraint:
+            problems.append("eval.decoding.constraint: eval decodes under rollout.decoding.constraint when that is set; "
+                            "leave eval.decoding.constraint null")
+        if eval_decoding.strategy == "sample":
+            problems.append("eval.decoding.strategy: 'greedy' or 'beam' (eval's sampled completions are eval.n_samples)")
         if self.rollout.group_size > engine.slots:
             problems.append(
                 f"engine.slots ({engine.slots}) must be at least rollout.group_size ({self.rollout.group_size}): "

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
-from asyncrl.errors import EngineCrashed
+from asyncrl.errors import EngineCrashed, EngineRequestError
 from asyncrl.registry import register
 
 Delay = Union[float, tuple[float, float], Callable[[GenerationRequest], float]]
@@ -94,6 +94,9 @@ class FakeEngine:
             self._version = version
 
     def generate(self, request: GenerationRequest) -> list[GenerationResponse]:
+        if request.constraint is not None or request.beam:
+            raise EngineRequestError("FakeEngine: trie constraints and beam search need the JAX engine (a scripted "
+                                     "responder would silently ignore them)")
         with self._lock:
             call = self.calls
             self.calls += 1

@@ -41,7 +41,13 @@ Sampling and randomness (docs/design.md "Randomness", "Log-probabilities")
 ``j``: it never depends on the slot, the batch or the arrival order, and the batch shape is
 fixed, so a seeded request draws the same tokens whatever runs beside it. The reported
 log-prob is ``log_softmax(logits / T)[token]`` of the untruncated, unmasked logits (T = 1
-for greedy), i.e. what :func:`~asyncrl.model.per_token_logprobs` gives on the full sequence.
+for greedy), i.e. what :func:`~asyncrl.model.per_token_logprobs` gives on the full sequence;
+under a trie constraint (``GenerationRequest.constraint``, docs/decoding.md) it is the log-prob
+of the masked distribution the token was drawn from. Each running trie is in one pool of
+tables (:class:`~asyncrl.engine.constraints.TriePool`) and each slot carries its node, so
+constrained and free requests share a batch. A beam-search request (``beam=True``) takes no
+slots: the scheduler runs it as one program call between two chunks
+(:func:`~asyncrl.engine.jax_programs._beam_search`), so running samples wait that long.
 Stop ids end a sample on device; stop sequences are matched on the host after each chunk
 (tokens a slot drew past the match are discarded).
 """
@@ -65,6 +71,7 @@ from asyncrl.config import EngineConfig
 from asyncrl.engine.jax_programs import (
     SlotControls,
     SlotState,
+    beam_search_jit,
     compile_count,
     decode_chunk_jit,
     graphdef_config,
@@ -76,6 +83,7 @@ from asyncrl.engine.jax_programs import (
     slot_state_shardings,
     snapshot,
 )
+from asyncrl.engine.constraints import TokenTrie, TriePool
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
 from asyncrl.model.sharding import check_tensor_parallel, param_shardings
@@ -91,7 +99,7 @@ are prefilled together; with fewer, one idle slot is too large a share to keep w
 
 
 class _Sample:
-    __slots__ = ("tokens", "logprobs", "versions", "stop_reason", "slot")
+    __slots__ = ("tokens", "logprobs", "versions", "stop_reason", "slot", "node", "score")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -99,6 +107,8 @@ class _Sample:
         self.versions: list[int] = []
         self.stop_reason: Optional[StopReason] = None
         self.slot: Optional[int] = None
+        self.node = 0  # the trie node after the tokens so far (constrained requests only)
+        self.score: Optional[float] = None  # beam search's ranking score
 
 
 class _Pending:
@@ -121,6 +131,7 @@ class _Pending:
                 logprobs=np.asarray(s.logprobs, dtype=np.float32),
                 versions=np.asarray(s.versions, dtype=np.int32),
                 stop_reason=s.stop_reason or "aborted",
+                score=s.score,
             )
             for s in self.samples
         ]
@@ -158,6 +169,8 @@ class EngineStats:
     decode_wait_s: float = 0.0  # blocked on a chunk's results (device time not hidden by host work)
     decode_host_s: float = 0.0  # dispatch, control upload and per-slot bookkeeping
     refill_wait_s: float = 0.0  # after chunks that freed slots, waiting for callers to submit again
+    beam_calls: int = 0  # beam-search requests run
+    beam_s: float = 0.0  # their wall time
     swaps: int = 0  # weight versions installed
     swap_s: float = 0.0  # summed install latency (publish to installed)
     swap_max_s: float = 0.0
@@ -238,6 +251,8 @@ class JaxEngine:
         # The per-slot controls (host numpy arrays, owned by the scheduler thread).
         self._controls: SlotControls = idle_controls(self.slots, cfg.max_stop_ids)
         self._slot_owner: list[Optional[tuple[_Pending, int]]] = [None] * self.slots
+        self._tries = TriePool()  # the tries of the constrained requests admitted (scheduler thread)
+        self._trie_tables: Any = None  # self._tries.tables on the device
 
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Pending] = collections.deque()
@@ -399,6 +414,8 @@ class JaxEngine:
             "engine/decode_wait_s": float(s.decode_wait_s),
             "engine/decode_host_s": float(s.decode_host_s),
             "engine/refill_wait_s": float(s.refill_wait_s),
+            "engine/beam_calls": float(s.beam_calls),
+            "engine/beam_s": float(s.beam_s),
             "engine/swaps": float(s.swaps),
             "engine/swap_latency_s": s.swap_s / s.swaps if s.swaps else 0.0,
             "engine/swap_latency_max_s": float(s.swap_max_s),
@@ -418,6 +435,19 @@ class JaxEngine:
         bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
         if bad:
             raise EngineRequestError(f"{what}: ids {bad} are outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_constraint(self, request: GenerationRequest) -> None:
+        trie = request.constraint
+        if not isinstance(trie, TokenTrie):
+            raise EngineRequestError(f"GenerationRequest.constraint: expected a TokenTrie, got {type(trie).__name__}")
+        if trie.max_token >= self.vocab_size:
+            raise EngineRequestError(f"GenerationRequest.constraint {trie.name}: token {trie.max_token} is outside the vocabulary [0, {self.vocab_size})")
+        if request.beam and request.n > trie.num_sequences:
+            raise EngineRequestError(f"GenerationRequest.n = {request.n} beams, but constraint {trie.name} has only "
+                                     f"{trie.num_sequences} sequences: lower n")
+        if request.max_new_tokens < trie.max_depth:
+            raise EngineRequestError(f"GenerationRequest.max_new_tokens = {request.max_new_tokens} is shorter than the longest sequence of "
+                                     f"constraint {trie.name} ({trie.max_depth} tokens): raise max_new_tokens")
 
     def _validate(self, request: GenerationRequest) -> tuple[int, ...]:
         if not isinstance(request, GenerationRequest):
@@ -452,6 +482,8 @@ class JaxEngine:
         for seq in request.stop_sequences:
             if any(not 0 <= int(t) < self.vocab_size for t in seq):
                 raise EngineRequestError(f"GenerationRequest.stop_sequences: {list(seq)} has ids outside [0, {self.vocab_size})")
+        if request.constraint is not None:
+            self._check_constraint(request)
         if (request.top_k > 0 or request.top_p < 1.0) and not request.greedy and not self._warned_truncation:
             self._warned_truncation = True
             logger.warning(
@@ -564,6 +596,7 @@ class JaxEngine:
         them, ``PREFILL_ROWS`` prompts of one bucket per program call, so the weights are read
         once per call rather than once per request. Requests that arrive while the calls are
         dispatched are taken too (clients of a burst submit a moment apart)."""
+        self._run_beams()
         started = time.monotonic()
         any_admitted = False
         while admitted := self._take_waiting():
@@ -584,13 +617,58 @@ class JaxEngine:
             jax.block_until_ready(self._state)
             self._stats.prefill_s += time.monotonic() - started
 
+    def _run_beams(self) -> None:
+        """Run the waiting beam-search requests, one program call each (they take no slots: the
+        running samples wait one call)."""
+        with self._cond:
+            beams = [p for p in self._waiting if p.request.beam]
+            for p in beams:
+                self._waiting.remove(p)
+                self._running.add(p)
+        for pending in beams:
+            self._beam(pending)
+
+    def _beam(self, pending: _Pending) -> None:
+        """Beam search for ``pending`` (:func:`~asyncrl.engine.jax_programs._beam_search`); the
+        ``n`` best beams become its samples, best first."""
+        request = pending.request
+        prompt = np.asarray(request.prompt_ids, np.int32)
+        context = len(prompt) - 1
+        bucket = next(b for b in self.buckets if b >= max(context, 1))
+        ids = np.zeros(bucket, np.int32)
+        ids[:context] = prompt[:context]
+        stop_vocab = np.zeros(self.vocab_size, bool)
+        stop_vocab[list(pending.stop_ids)] = True
+        trie = request.constraint
+        tries = None
+        if trie is not None:
+            root = self._trie_offset(trie)  # first: it may rebuild the pool's tables
+            tries = (self._trie_tables, np.int32(root))
+        started = time.monotonic()
+        out = beam_search_jit(self.graphdef, self._params, ids, np.arange(bucket) < context, np.int32(prompt[-1]), stop_vocab,
+                              np.float32(request.length_penalty), tries, k=request.n, max_new=request.max_new_tokens,
+                              capacity=bucket + request.max_new_tokens, max_branch=self._tries.max_branch if trie else 0)
+        tokens, logprobs, lengths, scores = (np.asarray(x) for x in out)
+        self._stats.beam_calls += 1
+        self._stats.beam_s += time.monotonic() - started
+        for j, sample in enumerate(pending.samples):
+            n = int(lengths[j])
+            sample.tokens, sample.logprobs = tokens[j, :n].tolist(), logprobs[j, :n].tolist()
+            sample.versions = [self._version] * n
+            sample.score = float(scores[j])
+            if trie is not None:
+                sample.stop_reason = "stop" if trie.contains(sample.tokens) else "length"
+            else:
+                sample.stop_reason = "eos" if n and sample.tokens[-1] in pending.stop_set else "length"
+        self._finish(pending)
+
     def _take_waiting(self) -> list[tuple[_Pending, list[int]]]:
         """Pop waiting requests in order while the next one fits in the free slots; each with
         the slots it will fill (not yet owned: :meth:`_prefill` takes them)."""
         admitted: list[tuple[_Pending, list[int]]] = []
         free = self._free_slots()
         with self._cond:
-            while self._waiting and self._waiting[0].request.n <= len(free):
+            while self._waiting and self._waiting[0].request.n <= len(free) and not self._waiting[0].request.beam:
                 pending = self._waiting.popleft()
                 self._running.add(pending)
                 n = pending.request.n
@@ -637,12 +715,33 @@ class JaxEngine:
         c.min_new_tokens[slot], c.max_new_tokens[slot] = request.min_new_tokens, request.max_new_tokens
         c.stop_ids[slot] = -1
         c.stop_ids[slot, : len(stop_ids)] = stop_ids
+        c.node[slot] = -1
+        if request.constraint is not None:
+            c.node[slot] = self._trie_offset(request.constraint)
+
+    def _trie_offset(self, trie: TokenTrie) -> int:
+        """``trie``'s node offset in the engine's pool, adding it (with the tries still in use, whose
+        slots' nodes are moved to their new offsets) when it is new."""
+        offset = self._tries.offset(trie)
+        if offset is not None:
+            return offset
+        live = [(owner[0].request.constraint, owner[0].samples[owner[1]], slot) for slot, owner in enumerate(self._slot_owner)
+                if owner is not None and owner[0].request.constraint is not None and self._controls.node[slot] >= 0]
+        self._tries.rebuild([t for t, _, _ in live] + [trie])
+        for live_trie, sample, slot in live:
+            self._controls.node[slot] = self._tries.require(live_trie) + sample.node
+        assert self._tries.tables is not None
+        replicated = (jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()) if self._layout is not None
+                      else self._state_shardings())
+        self._trie_tables = jax.device_put(self._tries.tables, replicated)
+        return self._tries.require(trie)
 
     def _decode(self) -> None:
         started = time.monotonic()
         c = self._controls
         active = c.active.copy()
         filtered = bool(np.any(active & ((c.top_k > 0) | (c.top_p < 1.0))))
+        constrained = bool(np.any(active & (c.node >= 0)))
         with self._cond:
             # A slot freed inside the chunk ends it early when the next waiting request fits and
             # (with PAIRED_REFILL_MIN_SLOTS or more) prefill_rows slots are free: two prompts
@@ -653,7 +752,8 @@ class JaxEngine:
             c.refill_free[...] = max(self._waiting[0].request.n if self._waiting else 1, pair)
         version = self._version
         self._state, tokens, logprobs, emitted = decode_chunk_jit(
-            self.graphdef, self._params, self._state, snapshot(c), self.chunk, filtered, self._layout
+            self.graphdef, self._params, self._state, snapshot(c), self.chunk, filtered, self._layout,
+            self._trie_tables if constrained else None, self._tries.max_branch if constrained else 0,
         )
         dispatched = time.monotonic()
         tokens, logprobs, emitted = np.asarray(tokens), np.asarray(logprobs), np.asarray(emitted)
@@ -696,13 +796,18 @@ class JaxEngine:
         """Append one slot's chunk output to its sample and end the sample when it stopped."""
         request = pending.request
         sample = pending.samples[j]
+        trie = request.constraint
         for t in np.flatnonzero(emitted):
             token = int(tokens[t])
             sample.tokens.append(token)
             sample.logprobs.append(float(logprobs[t]))
             sample.versions.append(version)
             index = len(sample.tokens) - 1
-            if index >= request.min_new_tokens:
+            if trie is not None:  # the device followed the same trie: the token is allowed
+                sample.node = trie.child(sample.node, token)
+                if trie.is_leaf(sample.node):
+                    return self._end_sample(pending, j, "stop")
+            elif index >= request.min_new_tokens:
                 if token in pending.stop_set:
                     return self._end_sample(pending, j, "eos")
                 for seq in pending.stop_sequences:
@@ -712,6 +817,8 @@ class JaxEngine:
                 return self._end_sample(pending, j, "length")
         self._controls.last_token[slot] = sample.tokens[-1]
         self._controls.generated[slot] = len(sample.tokens)
+        if trie is not None:
+            self._controls.node[slot] = self._tries.require(trie) + sample.node
 
 
 def _model_config(graphdef: Any, params: Any) -> Any:

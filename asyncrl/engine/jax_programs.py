@@ -16,9 +16,13 @@ Compiled programs
   early once every slot is done, or once a slot finished and enough slots are free for the
   scheduler to refill: ``SlotControls.refill_free``), in two variants: plain sampling, and sampling with
   top-k/top-p (two threshold searches over the vocabulary), used only for chunks in which
-  some slot asks for it.
+  some slot asks for it; each also with a trie mask (``_trie``), used only for chunks in which
+  some slot is constrained (compiled once per size class of the engine's trie pool).
 
-So at most ``len(prefill_buckets) + 2`` programs per model; :func:`compile_count` counts
+* ``beam_search``: one request's whole beam search (:func:`_beam_search`), compiled per
+  prompt bucket, width, ``max_new_tokens`` and trie size class; used only by beam requests.
+
+So at most ``len(prefill_buckets) + 2`` programs per model without constraints or beams; :func:`compile_count` counts
 traces (each trace is one compilation) and is reported as ``engine/compiles``.
 
 Sampling (docs/design.md "Randomness", "Log-probabilities")
@@ -27,7 +31,9 @@ Per slot, on float32 logits: stop ids are masked while fewer than ``min_new_toke
 were generated; greedy takes the argmax; otherwise the ``i``-th generated token is drawn from
 ``softmax(logits / T)`` (after top-k, then top-p, when asked) by inverting its CDF at
 ``uniform(fold_in(key, i))``. The reported log-prob is ``log_softmax(logits / T)[token]`` of
-the untruncated, unmasked logits (T = 1 for greedy).
+the untruncated, unmasked logits (T = 1 for greedy). A slot under a trie constraint
+(docs/decoding.md) first sets the logits of the tokens its trie node does not allow to
+``-inf``; its draw, its argmax and its reported log-prob are all of that masked distribution.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from asyncrl.engine.constraints import TrieTables, allowed_tokens, is_leaf_node, next_nodes
 from asyncrl.model.transformer import KVCache, LayerKV, forward, hidden_states, init_kv_cache, kv_cache_copy_rows
 
 _compiles: collections.Counter = collections.Counter()
@@ -119,6 +126,7 @@ class SlotControls(NamedTuple):
     min_new_tokens: Any  # int32 [slots]: stop ids are masked before this many tokens
     max_new_tokens: Any  # int32 [slots]: the sample ends at this many tokens
     stop_ids: Any  # int32 [slots, max_stop_ids]: ids that end the sample (-1 pads)
+    node: Any  # int32 [slots]: the slot's node in the engine's trie pool (-1: unconstrained; docs/decoding.md)
     refill_free: Any  # int32 []: end the chunk early once a slot finished in it and this many slots are free
 
 
@@ -135,6 +143,7 @@ def idle_controls(slots: int, max_stop_ids: int) -> SlotControls:
         min_new_tokens=np.zeros((slots,), np.int32),
         max_new_tokens=np.zeros((slots,), np.int32),
         stop_ids=np.full((slots, max_stop_ids), -1, np.int32),
+        node=np.full((slots,), -1, np.int32),
         refill_free=np.array(1, np.int32),
     )
 
@@ -283,15 +292,26 @@ def _sample(keys: jax.Array, scaled: jax.Array) -> jax.Array:
     return jnp.minimum(block * _SAMPLE_BLOCK + offset, vocab - 1).astype(jnp.int32)
 
 
-def _choose_tokens(logits, controls: SlotControls, stop_vocab, keys, generated, filtered: bool):
+def allowed_vocab(tries: TrieTables, node: jax.Array, vocab: int, max_branch: int) -> jax.Array:
+    """bool [S, V]: the tokens each slot may take at its trie ``node`` [S] (every token where -1)."""
+    allowed = allowed_tokens(jnp, tries, node, max_branch)  # [S, K], -1 pads
+    rows = jnp.arange(node.shape[0])[:, None]
+    mask = jnp.zeros((node.shape[0], vocab), bool).at[rows, jnp.where(allowed < 0, vocab, allowed)].set(True, mode="drop")
+    return mask | (node < 0)[:, None]
+
+
+def _choose_tokens(logits, controls: SlotControls, stop_vocab, keys, generated, filtered: bool, allowed=None):
     """One token per slot from float32 ``logits`` [S, V] (see the module docstring).
 
     ``stop_vocab`` bool [S, V] marks each slot's stop ids; ``keys`` uint32 [S, 2] the slot
-    keys; ``generated`` int32 [S] each slot's token index. Returns ``(token int32 [S],
-    log-prob float32 [S], is_stop bool [S])``.
+    keys; ``generated`` int32 [S] each slot's token index; ``allowed`` bool [S, V] or None:
+    each slot's trie mask (the distribution is renormalised over it, and the log-prob is the
+    masked one). Returns ``(token int32 [S], log-prob float32 [S], is_stop bool [S])``.
     """
     rows = jnp.arange(logits.shape[0])
     unmasked = logits / controls.temperature[:, None]  # T = 1 for greedy rows
+    if allowed is not None:  # "unmasked" below means: not masked by stops or top-k/top-p
+        unmasked = jnp.where(allowed, unmasked, -jnp.inf)
     scaled = jnp.where((generated < controls.min_new_tokens)[:, None] & stop_vocab, -jnp.inf, unmasked)
     greedy_token = jnp.argmax(scaled, axis=-1)
     if filtered:
@@ -315,21 +335,27 @@ class _Chunk(NamedTuple):
     cache: KVCache
     last_token: jax.Array  # int32 [S]
     generated: jax.Array  # int32 [S]
+    node: jax.Array  # int32 [S]: the trie node the next token is chosen at (-1: unconstrained)
     active: jax.Array  # bool [S]
     tokens: jax.Array  # int32 [S, steps]: the token each slot produced at each step
     logprobs: jax.Array  # float32 [S, steps]
     emitted: jax.Array  # bool [S, steps]: the slot was active at that step
 
 
-def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, steps: int, filtered: bool, layout=None):
+def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, steps: int, filtered: bool, layout=None,
+                  tries=None, max_branch: int = 0):
     """Decode up to ``steps`` tokens for every active slot: each step is the model's own
     KV-cache :func:`~asyncrl.model.transformer.forward` with ``T = 1`` (idle slots masked out).
 
     Returns the new state and ``tokens`` int32, ``logprobs`` float32, ``emitted`` bool, each
     [S, steps]: ``emitted`` marks the steps at which the slot was active and produced the token.
-    ``layout`` (static): the state's shardings on an engine mesh, or None.
+    ``layout`` (static): the state's shardings on an engine mesh, or None. ``tries``: the
+    engine's trie pool (:class:`~asyncrl.engine.constraints.TrieTables`, device arrays) when
+    some slot is constrained (``controls.node >= 0``), else None; ``max_branch`` (static) its
+    widest node. A constrained slot samples from the masked distribution, ignores stop ids,
+    and ends when it reaches a leaf.
     """
-    _count_trace("decode_chunk_topk_topp" if filtered else "decode_chunk")
+    _count_trace(("decode_chunk_topk_topp" if filtered else "decode_chunk") + ("_trie" if tries is not None else ""))
     slots = controls.active.shape[0]
     vocab = params["embed_tokens"]["embedding"].shape[0]
     stop_vocab = jax.nn.one_hot(controls.stop_ids, vocab, dtype=bool).any(axis=1)  # [S, V]; -1 pads hit nothing
@@ -337,7 +363,13 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
     def body(c: _Chunk) -> _Chunk:
         logits, cache = forward(graphdef, params, c.last_token[:, None], None, c.active[:, None], c.cache)
         assert cache is not None  # forward returns the updated cache when given one
-        token, log_p, is_stop = _choose_tokens(logits[:, 0], controls, stop_vocab, state.keys, c.generated, filtered)
+        allowed = None if tries is None else allowed_vocab(tries, c.node, vocab, max_branch)
+        token, log_p, is_stop = _choose_tokens(logits[:, 0], controls, stop_vocab, state.keys, c.generated, filtered, allowed)
+        node = c.node
+        if tries is not None:
+            next_node = next_nodes(jnp, tries, c.node, token, max_branch)
+            is_stop = jnp.where(c.node >= 0, is_leaf_node(jnp, tries, next_node), is_stop)
+            node = jnp.where(c.active, next_node, c.node)
         generated = c.generated + c.active.astype(jnp.int32)
         done = is_stop | (generated >= controls.max_new_tokens)
         return _Chunk(
@@ -345,6 +377,7 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
             cache=cache,
             last_token=jnp.where(c.active, token, c.last_token),
             generated=generated,
+            node=node,
             active=c.active & ~done,
             tokens=c.tokens.at[:, c.step].set(token),
             logprobs=c.logprobs.at[:, c.step].set(log_p),
@@ -356,6 +389,7 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
         cache=state.cache,
         last_token=jnp.asarray(controls.last_token, jnp.int32),
         generated=jnp.asarray(controls.generated, jnp.int32),
+        node=jnp.asarray(controls.node, jnp.int32),
         active=jnp.asarray(controls.active, bool),
         tokens=jnp.zeros((slots, steps), jnp.int32),
         logprobs=jnp.zeros((slots, steps), jnp.float32),
@@ -375,4 +409,104 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
 
 
 prefill_insert_jit = jax.jit(_prefill_insert, static_argnums=(0, 5), donate_argnums=2)
-decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 4, 5, 6), donate_argnums=2)
+decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 4, 5, 6, 8), donate_argnums=2)
+
+
+# --------------------------------------------------------------------------- beam search
+
+
+class BeamResult(NamedTuple):
+    """The ``k`` best finished beams of one :func:`_beam_search`, best first."""
+
+    tokens: jax.Array  # int32 [k, max_new]: each beam's tokens (past its length: 0)
+    logprobs: jax.Array  # float32 [k, max_new]: each token's log-prob (T = 1, masked under a constraint)
+    length: jax.Array  # int32 [k]: tokens in the beam (0: fewer than k beams exist)
+    score: jax.Array  # float32 [k]: sum(logprobs) / length ** length_penalty (-inf: no beam)
+
+
+def _beam_search(graphdef, params, prompt_ids, prompt_mask, last_token, stop_vocab, length_penalty, tries=None,
+                 k: int = 1, max_new: int = 1, capacity: int = 2, max_branch: int = 0) -> BeamResult:
+    """Beam search of width ``k`` for one prompt: ``prompt_ids``/``prompt_mask`` [bucket] hold
+    ``prompt[:-1]`` right-padded and ``last_token`` [] the last prompt token (fed by the first
+    step, as in the engine's decode). ``stop_vocab`` bool [V]: the stop ids (free decoding);
+    ``tries``: ``(trie pool tables, the constraint's root node)`` or None (unconstrained);
+    ``max_branch`` (static) the pool's widest node.
+
+    Each step extends the ``k`` live beams by every token (log-softmax of the masked logits,
+    T = 1), keeps the ``2k`` best extensions, moves those that end (a stop id, a trie leaf, or
+    ``max_new`` tokens) into the pool of finished beams ranked by
+    ``sum(logprobs) / length ** length_penalty`` (the ``k`` best kept), and continues with the
+    ``k`` best that do not end. It stops when no live beam is left. With ``2k`` >= all
+    extensions of ``k`` beams that hold every prefix (small vocabulary or trie) this is exhaustive.
+    """
+    _count_trace("beam_search")
+    cfg = graphdef_config(graphdef, params)
+    vocab = params["embed_tokens"]["embedding"].shape[0]
+    rows = jnp.arange(k)
+    cache = init_kv_cache(cfg, k, capacity)
+    ids = jnp.broadcast_to(prompt_ids[None], (k, prompt_ids.shape[0]))
+    mask = jnp.broadcast_to(prompt_mask[None], ids.shape)
+    _, cache = hidden_states(graphdef, params, ids, None, mask, cache)
+    table, root = (None, None) if tries is None else tries
+
+    class Carry(NamedTuple):
+        step: jax.Array
+        cache: KVCache
+        last: jax.Array  # int32 [k]
+        beam_logp: jax.Array  # float32 [k]: summed log-prob (-inf: no beam)
+        node: jax.Array  # int32 [k]
+        tokens: jax.Array  # int32 [k, max_new]
+        logps: jax.Array  # float32 [k, max_new]
+        pool: BeamResult
+
+    empty = BeamResult(jnp.zeros((k, max_new), jnp.int32), jnp.zeros((k, max_new), jnp.float32),
+                       jnp.zeros((k,), jnp.int32), jnp.full((k,), -jnp.inf, jnp.float32))
+    init = Carry(jnp.int32(0), cache, jnp.full((k,), last_token, jnp.int32),
+                 jnp.where(rows == 0, 0.0, -jnp.inf).astype(jnp.float32),  # the k beams start equal: expand one
+                 jnp.full((k,), -1, jnp.int32) if root is None else jnp.full((k,), root, jnp.int32),
+                 jnp.zeros((k, max_new), jnp.int32), jnp.zeros((k, max_new), jnp.float32), empty)
+
+    def body(c: Carry) -> Carry:
+        live = jnp.isfinite(c.beam_logp)
+        logits, cache = forward(graphdef, params, c.last[:, None], None, live[:, None], c.cache)
+        assert cache is not None
+        z = logits[:, 0].astype(jnp.float32)
+        if table is not None:
+            z = jnp.where(allowed_vocab(table, c.node, vocab, max_branch), z, -jnp.inf)
+        logp = jax.nn.log_softmax(z, axis=-1)  # [k, V]
+        cand = jnp.where(live[:, None], c.beam_logp[:, None] + logp, -jnp.inf).reshape(-1)
+        cand_score, flat = jax.lax.top_k(cand, 2 * k)  # [2k], best first
+        parent, token = flat // vocab, (flat % vocab).astype(jnp.int32)
+        token_logp = logp[parent, token]
+        length = c.step + 1
+        if table is not None:
+            child = next_nodes(jnp, table, c.node[parent], token, max_branch)
+            ends = is_leaf_node(jnp, table, child)
+        else:
+            child = jnp.full((2 * k,), -1, jnp.int32)
+            ends = stop_vocab[token]
+        ends = ends | (length >= max_new)
+        valid = jnp.isfinite(cand_score)
+        history = c.tokens[parent].at[:, c.step].set(token)  # [2k, max_new]
+        history_logp = c.logps[parent].at[:, c.step].set(token_logp)
+        # Finished candidates join the pool; the pool keeps its k best by score.
+        score = jnp.where(valid & ends, cand_score / jnp.power(length.astype(jnp.float32), length_penalty), -jnp.inf)
+        all_score = jnp.concatenate([c.pool.score, score])
+        best_score, best = jax.lax.top_k(all_score, k)
+        pick = lambda old, new: jnp.concatenate([old, new])[best]
+        pool = BeamResult(pick(c.pool.tokens, history), pick(c.pool.logprobs, history_logp),
+                          pick(c.pool.length, jnp.full((2 * k,), length, jnp.int32)), best_score)
+        # The k best candidates that go on become the beams (stable: best first).
+        order = jnp.argsort(jnp.where(valid & ~ends, 0, 1), stable=True)[:k]
+        keep = (valid & ~ends)[order]
+        cache = jax.tree.map(lambda x: x[parent[order]], cache)
+        return Carry(c.step + 1, cache, token[order], jnp.where(keep, cand_score[order], -jnp.inf), child[order],
+                     history[order], history_logp[order], pool)
+
+    def more(c: Carry) -> jax.Array:
+        return (c.step < max_new) & jnp.any(jnp.isfinite(c.beam_logp))
+
+    return jax.lax.while_loop(more, body, init).pool
+
+
+beam_search_jit = jax.jit(_beam_search, static_argnums=0, static_argnames=("k", "max_new", "capacity", "max_branch"))

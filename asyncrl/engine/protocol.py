@@ -17,7 +17,8 @@ re-issuing an episode after a resume (same ``sample_id``, same ``turn``) draws t
 
 Log-probs are ``log_softmax(logits / temperature)`` of the chosen token, taken before any
 top-k/top-p truncation, in float32 (docs/design.md "Log-probabilities"). A greedy request reports
-log-probs at temperature 1 and is not trainable.
+log-probs at temperature 1 and is not trainable. Under a constraint (a trie, docs/decoding.md)
+they are those of the masked distribution the token was drawn from.
 """
 
 from __future__ import annotations
@@ -73,6 +74,19 @@ class GenerationRequest:
     episode must not repeat turn 0's randomness."""
     timeout_s: Optional[float] = None
     """Give up after this long: the unfinished samples come back with ``stop_reason == "aborted"``."""
+    constraint: Optional[Any] = None
+    """A :class:`~asyncrl.engine.constraints.TokenTrie`: every sample is one of its sequences
+    (tokens outside the trie are masked at every step, the log-probs are those of the masked
+    distribution, stop ids and stop sequences are ignored, and a sample ends at a trie leaf,
+    ``stop_reason == "stop"``, or at ``max_new_tokens``). In-process engine only
+    (docs/decoding.md)."""
+    beam: bool = False
+    """Beam search of width ``n`` instead of sampling: the ``n`` best completions by
+    ``sum of log-probs / length ** length_penalty`` (log-probs at temperature 1 of the masked
+    distribution under a constraint), best first, each with its ``sequence_logprob``. Deterministic
+    (no key); not trainable (the completions are not samples of the policy). In-process engine only."""
+    length_penalty: float = 1.0
+    """Beam search: a finished beam's score is its summed log-prob divided by ``length ** length_penalty``."""
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:
@@ -81,6 +95,10 @@ class GenerationRequest:
             raise ValueError(f"GenerationRequest.n must be >= 1 (given {self.n})")
         if not self.greedy and not self.temperature > 0:
             raise ValueError(f"GenerationRequest.temperature must be > 0 (given {self.temperature}); use greedy=True")
+        if self.beam and (self.top_k or self.top_p < 1.0 or self.min_new_tokens):
+            raise ValueError("GenerationRequest: beam search takes no top_k, top_p or min_new_tokens")
+        if self.constraint is not None and self.min_new_tokens > 0:
+            raise ValueError("GenerationRequest: min_new_tokens must be 0 with a constraint (its trie decides where a sample ends)")
         if self.max_new_tokens < 1 or self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
                 "GenerationRequest: need 0 <= min_new_tokens <= max_new_tokens and max_new_tokens >= 1 "
@@ -105,6 +123,8 @@ class GenerationResponse:
     weights are published during generation)."""
     stop_reason: StopReason
     """Why the sample ended: ``eos``, ``stop``, ``length`` or ``aborted``."""
+    score: Optional[float] = None
+    """Beam search only: the beam's ranking score, ``sum(logprobs) / len ** length_penalty``."""
 
 
 @runtime_checkable

@@ -163,6 +163,9 @@ class RemoteEngine:
     def submit(self, request: GenerationRequest) -> "Future[list[GenerationResponse]]":
         if not isinstance(request, GenerationRequest):
             raise EngineRequestError(f"expected a GenerationRequest, got {type(request).__name__}")
+        if request.constraint is not None or request.beam:
+            raise EngineRequestError("GenerationRequest: trie constraints and beam search need the in-process JAX engine "
+                                     "(the remote engine only samples or decodes greedily; docs/decoding.md)")
         if self._closed:
             raise EngineClosed("the remote engine was shut down")
         return self._pool.submit(self._run, request)

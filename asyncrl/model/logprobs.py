@@ -31,7 +31,7 @@ from flax import nnx
 
 
 def token_logprobs_from_logits(logits: jax.Array, tokens: jax.Array, temperature: float | jax.Array = 1.0,
-                               *, with_entropy: bool = True):
+                               *, with_entropy: bool = True, allowed: Optional[jax.Array] = None):
     """``(log_softmax(logits / T)[tokens], entropy)`` float32, over the last axis.
 
     ``logits [..., V]``, ``tokens int [...]``. No shifting: the engine uses this on the
@@ -40,7 +40,14 @@ def token_logprobs_from_logits(logits: jax.Array, tokens: jax.Array, temperature
     the vocabulary (the chosen log-prob is ``z[token] - logsumexp(z)``: no ``[..., V]``
     log-softmax is materialised). ``temperature`` is a scalar or broadcasts against ``[..., 1]``;
     a scalar one takes the one-pass gradient of :func:`_chosen_logprob` (reverse mode only).
+
+    ``allowed`` int32 ``[..., K]`` (optional): the tokens a trie constraint allowed at each
+    position, ``-1`` padding; a position with any allowed token gets the log-prob (and entropy)
+    of ``softmax(logits / T)`` restricted to them, which is the distribution the engine drew
+    from (docs/decoding.md); positions with none are unconstrained.
     """
+    if allowed is not None:
+        return _masked_token_logprobs(logits, tokens, temperature, allowed, with_entropy)
     logits = logits.astype(jnp.float32)
     temperature = jnp.asarray(temperature, jnp.float32)
     tokens = tokens.astype(jnp.int32)
@@ -57,6 +64,24 @@ def token_logprobs_from_logits(logits: jax.Array, tokens: jax.Array, temperature
     p = jnp.exp(z - lse[..., None])
     entropy = lse - jnp.sum(p * z, axis=-1)
     return chosen, entropy
+
+
+def _masked_token_logprobs(logits, tokens, temperature, allowed, with_entropy):
+    """:func:`token_logprobs_from_logits` with a per-position allowed-token set (plain autodiff:
+    the gradient reaches only the gathered ``[..., K]`` allowed logits and the chosen one)."""
+    free, free_entropy = token_logprobs_from_logits(logits, tokens, temperature, with_entropy=with_entropy)
+    z = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    valid = allowed >= 0
+    constrained = valid.any(axis=-1)
+    z_allowed = jnp.where(valid, jnp.take_along_axis(z, jnp.maximum(allowed, 0), axis=-1), -jnp.inf)  # [..., K]
+    lse = jax.nn.logsumexp(jnp.where(constrained[..., None], z_allowed, 0.0), axis=-1)
+    chosen = jnp.take_along_axis(z, tokens.astype(jnp.int32)[..., None], axis=-1)[..., 0] - lse
+    logprobs = jnp.where(constrained, chosen, free)
+    if not with_entropy:
+        return logprobs, None
+    p = jnp.where(valid, jnp.exp(z_allowed - lse[..., None]), 0.0)
+    entropy = lse - jnp.sum(p * jnp.where(valid, z_allowed, 0.0), axis=-1)
+    return logprobs, jnp.where(constrained, entropy, free_entropy)
 
 
 @jax.custom_vjp
@@ -118,24 +143,29 @@ def take_window(x: jax.Array, starts: jax.Array, window: int) -> jax.Array:
 
 
 def _head_logprobs(model: Any, hidden: jax.Array, targets: jax.Array, temperature: Any, chunk_size: Optional[int],
-                   with_entropy: bool) -> tuple[jax.Array, Optional[jax.Array]]:
+                   with_entropy: bool, allowed: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[jax.Array]]:
     """Log-probs (and entropy) of ``targets [B, P]`` from ``hidden [B, P, H]`` through the lm head,
-    ``chunk_size`` positions at a time (None: all at once)."""
+    ``chunk_size`` positions at a time (None: all at once); ``allowed [B, P, K]``: a constraint's
+    allowed tokens (:func:`token_logprobs_from_logits`)."""
     b, length, _ = hidden.shape
     if chunk_size is None or chunk_size >= length:
-        return token_logprobs_from_logits(model.logits(hidden), targets, temperature, with_entropy=with_entropy)
+        return token_logprobs_from_logits(model.logits(hidden), targets, temperature, with_entropy=with_entropy,
+                                          allowed=allowed)
     n_chunks = -(-length // chunk_size)
     pad = n_chunks * chunk_size - length
     h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n_chunks, chunk_size, -1).swapaxes(0, 1)
     tg = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n_chunks, chunk_size).swapaxes(0, 1)
+    al = None if allowed is None else jnp.pad(allowed, ((0, 0), (0, pad), (0, 0)), constant_values=-1).reshape(
+        b, n_chunks, chunk_size, -1).swapaxes(0, 1)
 
     @jax.checkpoint
     def one_chunk(args):
-        h_c, t_c = args
-        lp_c, ent_c = token_logprobs_from_logits(model.logits(h_c), t_c, temperature, with_entropy=with_entropy)
+        h_c, t_c, a_c = args
+        lp_c, ent_c = token_logprobs_from_logits(model.logits(h_c), t_c, temperature, with_entropy=with_entropy,
+                                                 allowed=a_c)
         return lp_c, (ent_c if with_entropy else jnp.zeros_like(lp_c))
 
-    lp, ent = jax.lax.map(one_chunk, (h, tg))
+    lp, ent = jax.lax.map(one_chunk, (h, tg, al))
     unchunk = lambda x: x.swapaxes(0, 1).reshape(b, -1)[:, :length]
     return unchunk(lp), (unchunk(ent) if with_entropy else None)
 
@@ -152,6 +182,7 @@ def per_token_logprobs(
     window: Optional[int] = None,
     window_start: Optional[jax.Array] = None,
     with_entropy: bool = True,
+    allowed: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, Optional[jax.Array]]:
     """``(logprobs, entropy)`` float32, ``[B, L]`` aligned with ``input_ids`` (or ``[B, W]`` with a window).
 
@@ -161,7 +192,10 @@ def per_token_logprobs(
     ``logprob_chunk_size``, or :func:`auto_chunk_size` under ``logprob_chunk_budget_mb``)
     bounds the lm-head memory. ``window`` (static int) with ``window_start`` int32 ``[B]``:
     only token positions ``window_start[b] + j``, ``j < window``, are scored (module
-    docstring). ``with_entropy=False``: entropy is None and not computed. Traceable and
+    docstring). ``with_entropy=False``: entropy is None and not computed. ``allowed`` int32
+    ``[B, L, K]`` (optional, aligned with ``input_ids``): the tokens a trie constraint allowed
+    for each token, ``-1`` padding; constrained tokens are scored under the masked distribution
+    (:func:`token_logprobs_from_logits`; built by :func:`asyncrl.engine.constraints.allowed_tokens`). Traceable and
     differentiable: call it inside your jitted loss, or use :data:`per_token_logprobs_jit`.
     """
     model = nnx.merge(graphdef, params)
@@ -179,11 +213,12 @@ def per_token_logprobs(
         scored = take_window(scored, window_start, window) & in_range
         context = take_window(context, window_start, window)
         targets = take_window(targets, window_start, window)
+        allowed = None if allowed is None else take_window(allowed, window_start, window)
     if chunk_size is None:
         chunk_size = model.cfg.logprob_chunk_size
     if chunk_size is None:
         chunk_size = auto_chunk_size(b, context.shape[1], model.cfg.vocab_size, model.cfg.logprob_chunk_budget_mb)
-    lp, ent = _head_logprobs(model, context, targets, temperature, chunk_size, with_entropy)
+    lp, ent = _head_logprobs(model, context, targets, temperature, chunk_size, with_entropy, allowed)
     logprobs = jnp.where(scored, lp, 0.0)
     entropy = jnp.where(scored, ent, 0.0) if ent is not None else None
     return logprobs, entropy

@@ -206,6 +206,14 @@ def build_train_batch(groups: Sequence[TrajectoryGroup], cfg: Config, *, row_mul
             rule=rule, field=RULES[rule][0],
         )
     advantages = np.zeros((rows, length), np.float32) if with_advantages else None
+    tries = sorted({t.constraint for *_, t in trajectories if t.constraint is not None})
+    if len(tries) > 1:
+        rule = "constraint_mismatch"
+        raise TrajectorySchemaError(
+            violation_message("prepare_batch", rule, f"the trajectories were decoded under {len(tries)} tries ({', '.join(tries)})"),
+            rule=rule, field=RULES[rule][0],
+        )
+    constraint_nodes = np.full((rows, length), -1, np.int32) if tries else None
 
     names = []
     for row, (k, group, i, traj) in enumerate(trajectories):
@@ -220,6 +228,8 @@ def build_train_batch(groups: Sequence[TrajectoryGroup], cfg: Config, *, row_mul
         truncated[row] = traj.stop_reason == "length"
         if advantages is not None:
             advantages[row, :n] = traj.advantages
+        if constraint_nodes is not None and traj.constraint_nodes is not None:
+            constraint_nodes[row, :n] = traj.constraint_nodes
         names.append(f"{group_name(group)}, trajectory {i}")
     batch = TrainBatch(
         input_ids=input_ids,
@@ -232,6 +242,8 @@ def build_train_batch(groups: Sequence[TrajectoryGroup], cfg: Config, *, row_mul
         truncated=truncated,
         temperature=float(temperature),
         advantages=advantages,
+        constraint=tries[0] if tries else None,
+        constraint_nodes=constraint_nodes,
     )
     check_batch(batch, names)
     return batch

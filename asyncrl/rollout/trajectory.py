@@ -58,6 +58,9 @@ RULES: dict[str, tuple[str, str]] = {
     "reward_components": ("reward_components", "reward components are finite floats keyed by name"),
     "metadata": ("metadata", "metadata is JSON-serialisable"),
     "advantages": ("advantages", "advantages, when given, are finite float32 [T]"),
+    "constraint": ("constraint_nodes", "constraint and constraint_nodes come together; the nodes are int32 [T], >= -1, "
+                   "and >= 0 only on generated tokens"),
+    "constraint_mismatch": ("constraint", "a batch's constrained trajectories share one trie (the trainer's rollout.decoding.constraint)"),
     "group_size": ("trajectories", "a group has exactly rollout.group_size trajectories"),
     "type": ("*", "fields have the types of the Trajectory model"),
     "packed_arrays": ("*", "a packed group has exactly the arrays its JSON lists, each [T]"),
@@ -123,6 +126,12 @@ class Trajectory(BaseModel):
     """JSON-serialisable facts (sample id, answer, turns, ...)."""
     advantages: Optional[FloatArray] = None
     """float32 ``[T]``, optional: a workflow's own per-token advantages (else the trainer computes them)."""
+    constraint: Optional[str] = None
+    """The fingerprint of the :class:`~asyncrl.engine.constraints.TokenTrie` some tokens were
+    decoded under (None: none); the trainer scores those tokens under the same mask (docs/decoding.md)."""
+    constraint_nodes: Optional[IdsArray] = None
+    """int32 ``[T]`` with ``constraint``: the trie node each token was chosen at, -1 for tokens
+    not decoded under it (prompt, free turns)."""
 
     @property
     def num_tokens(self) -> int:
@@ -180,9 +189,12 @@ class TrajectoryGroup(BaseModel):
                 arrays[f"t{i}_{name}"] = getattr(traj, name)
             if traj.advantages is not None:
                 arrays[f"t{i}_advantages"] = traj.advantages
+            if traj.constraint is not None and traj.constraint_nodes is not None:
+                arrays[f"t{i}_constraint_nodes"] = traj.constraint_nodes
             trajectories.append({
                 "temperature": traj.temperature, "reward": traj.reward, "reward_components": traj.reward_components,
                 "stop_reason": traj.stop_reason, "metadata": traj.metadata, "advantages": traj.advantages is not None,
+                "constraint": traj.constraint,
             })
         return {"metadata": self.metadata, "trajectories": trajectories}, arrays
 
@@ -199,7 +211,8 @@ class TrajectoryGroup(BaseModel):
             detail = f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
             raise TrajectorySchemaError(violation_message(where, "type", detail), rule="type", field="*") from None
         expected = {f"t{i}_{name}" for i, traj in enumerate(packed.trajectories)
-                    for name in [*ARRAY_FIELDS, *(["advantages"] if traj.advantages else [])]}
+                    for name in [*ARRAY_FIELDS, *(["advantages"] if traj.advantages else []),
+                                 *(["constraint_nodes"] if traj.constraint is not None else [])]}
         for key in sorted(expected ^ set(arrays)):
             detail = f"array {key!r} is {'missing' if key in expected else 'not listed in the JSON'}"
             raise TrajectorySchemaError(violation_message(where, "packed_arrays", detail), rule="packed_arrays", field=key)
@@ -207,6 +220,7 @@ class TrajectoryGroup(BaseModel):
         for i, traj in enumerate(packed.trajectories):
             fields: dict[str, Any] = {name: np.asarray(arrays[f"t{i}_{name}"]) for name in ARRAY_FIELDS}
             fields["advantages"] = np.asarray(arrays[f"t{i}_advantages"]) if traj.advantages else None
+            fields["constraint_nodes"] = np.asarray(arrays[f"t{i}_constraint_nodes"]) if traj.constraint is not None else None
             # model_construct: no dtype coercion, so a wrong dtype is the "dtype" rule's to report
             trajectory = Trajectory.model_construct(**fields, **traj.model_dump(exclude={"advantages"}))
             check_trajectory(trajectory, f"{where}, trajectory {i}")
@@ -228,6 +242,8 @@ class PackedTrajectory(BaseModel):
     metadata: dict[str, Any]
     advantages: bool
     """Whether ``t<i>_advantages`` is among the arrays."""
+    constraint: Optional[str] = None
+    """The trie fingerprint; ``t<i>_constraint_nodes`` is among the arrays when set."""
 
 
 class PackedGroup(BaseModel):
@@ -268,6 +284,10 @@ class TrainBatch:
     """The one sampling temperature of the batch."""
     advantages: Optional[np.ndarray] = None
     """float32 ``[rows, L]``, only when the workflow supplied its own."""
+    constraint: Optional[str] = None
+    """The fingerprint of the one trie the batch's constrained tokens were decoded under (None: none)."""
+    constraint_nodes: Optional[np.ndarray] = None
+    """int32 ``[rows, L]`` with ``constraint``: each token's trie node, -1 where unconstrained and on padding."""
 
 
 # --------------------------------------------------------------------------- checks
@@ -366,6 +386,15 @@ def check_trajectory(traj: Trajectory, where: str, *, expected_temperature: Opti
         adv = traj.advantages
         if adv.dtype != np.float32 or adv.shape != traj.input_ids.shape or not np.isfinite(adv).all():
             fail("advantages", f"dtype {adv.dtype}, shape {adv.shape}, expected float32 {traj.input_ids.shape}, finite")
+    if (traj.constraint is None) != (traj.constraint_nodes is None):
+        fail("constraint", "one of constraint and constraint_nodes is set without the other")
+    if traj.constraint_nodes is not None:
+        nodes = traj.constraint_nodes
+        if nodes.dtype != np.int32 or nodes.shape != traj.input_ids.shape:
+            fail("constraint", f"dtype {nodes.dtype}, shape {nodes.shape}, expected int32 {traj.input_ids.shape}")
+        outside = (nodes < -1) | ((nodes >= 0) & (traj.versions < 0))
+        if outside.any():
+            fail("constraint", f"at token {int(np.argmax(outside))}")
 
 
 def check_group(
@@ -419,6 +448,8 @@ class TrajectoryBuilder:
         self._mask: list[np.ndarray] = []
         self._logprobs: list[np.ndarray] = []
         self._versions: list[np.ndarray] = []
+        self._nodes: list[np.ndarray] = []
+        self._constraint: Optional[str] = None
         self.stop_reason: str = "eos"
 
     @property
@@ -434,10 +465,20 @@ class TrajectoryBuilder:
         self._mask.append(np.zeros(len(ids), bool))
         self._logprobs.append(np.zeros(len(ids), np.float32))
         self._versions.append(np.full(len(ids), -1, np.int32))
+        self._nodes.append(np.full(len(ids), -1, np.int32))
         return self
 
-    def add_generation(self, response: GenerationResponse, *, trained: bool = True) -> "TrajectoryBuilder":
+    def add_generation(self, response: GenerationResponse, *, trained: bool = True, constraint: Any = None) -> "TrajectoryBuilder":
+        """``constraint``: the request's :class:`~asyncrl.engine.constraints.TokenTrie`, if any
+        (its nodes travel with the trajectory so the trainer scores the tokens under its mask)."""
         n = len(response.output_ids)
+        if constraint is not None:
+            if self._constraint not in (None, constraint.fingerprint):
+                raise ValueError("TrajectoryBuilder.add_generation: one trajectory's turns must share one constraint")
+            self._constraint = constraint.fingerprint
+            self._nodes.append(np.asarray(constraint.walk(response.output_ids)[:-1], np.int32))
+        else:
+            self._nodes.append(np.full(n, -1, np.int32))
         self._ids.append(np.asarray(response.output_ids, np.int32))
         self._mask.append(np.full(n, trained, bool))
         self._logprobs.append(np.asarray(response.logprobs, np.float32))
@@ -457,4 +498,6 @@ class TrajectoryBuilder:
             reward_components=dict(reward_components or {}),
             stop_reason=stop_reason or self.stop_reason,
             metadata=dict(metadata or {}),
+            constraint=self._constraint,
+            constraint_nodes=None if self._constraint is None else np.concatenate(self._nodes).astype(np.int32),
         )

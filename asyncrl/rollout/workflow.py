@@ -126,6 +126,17 @@ class RolloutWorkflow:
         return render_prompt(self.tokenizer, messages, self.cfg.data.chat_template_kwargs)
 
     @property
+    def decoding_constraint(self) -> Any:
+        """The :class:`~asyncrl.engine.constraints.TokenTrie` of ``rollout.decoding.constraint`` (None
+        when unset): pass it as every request's ``constraint`` and to ``add_generation`` (docs/decoding.md)."""
+        path = self.cfg.rollout.decoding.constraint
+        if not path:
+            return None
+        from asyncrl.engine.constraints import load_trie
+
+        return load_trie(path)
+
+    @property
     def scorer(self) -> "RewardScorer":
         """The :class:`RewardScorer` of the config's ``rewards:``, built on first use."""
         if self._scorer is None:
@@ -436,13 +447,14 @@ class SingleTurnWorkflow(RolloutWorkflow):
             max_new_tokens=rollout.max_new_tokens,
             stop_token_ids=self.stop_token_ids,
             sample_id=sample_id,
+            constraint=self.decoding_constraint,
         )
         responses = engine.generate(request)
         trajectories = []
         for i, response in enumerate(responses):
             completion = self.tokenizer.decode(list(response.output_ids), skip_special_tokens=True)
             reward, components = self.score(prompt, completion, sample)
-            builder = TrajectoryBuilder().add_tokens(prompt_ids).add_generation(response)
+            builder = TrajectoryBuilder().add_tokens(prompt_ids).add_generation(response, constraint=request.constraint)
             trajectories.append(
                 builder.build(
                     temperature=rollout.temperature,

@@ -68,11 +68,19 @@ class EvalEngine:
     prompt and limits, e.g. the per-sample calls of a multi-turn workflow) share one
     computation. Sampling mode: ``temperature`` and ``max_new_tokens`` (when given). Every
     request gets ``timeout_s``. Anything else is the wrapped engine's.
+
+    ``beam_width`` > 0 (greedy mode; ``eval.decoding.strategy: beam``): the one computation is a
+    beam search of that width (``length_penalty``) and its best beam stands for the ``n``
+    samples. ``constraint`` (a :class:`~asyncrl.engine.constraints.TokenTrie`; ``eval.decoding.constraint``):
+    every request without a constraint of its own decodes under it.
     """
 
     def __init__(self, engine: InferenceEngine, *, greedy: bool, temperature: float, max_new_tokens: Optional[int],
-                 timeout_s: float):
+                 timeout_s: float, beam_width: int = 0, length_penalty: float = 1.0, constraint: Any = None):
         self.engine = engine
+        self.beam_width = beam_width
+        self.length_penalty = length_penalty
+        self.constraint = constraint
         self.greedy = greedy
         self.temperature = temperature
         self.max_new_tokens = max_new_tokens
@@ -89,6 +97,11 @@ class EvalEngine:
         max_new = self.max_new_tokens or request.max_new_tokens
         limited = dataclasses.replace(request, max_new_tokens=max_new, min_new_tokens=min(request.min_new_tokens, max_new),
                                       timeout_s=self.timeout_s)
+        if self.constraint is not None and request.constraint is None:
+            limited = dataclasses.replace(limited, constraint=self.constraint, min_new_tokens=0)
+        if self.greedy and self.beam_width:
+            return dataclasses.replace(limited, beam=True, n=self.beam_width, length_penalty=self.length_penalty,
+                                       greedy=False, top_k=0, top_p=1.0, min_new_tokens=0)
         if self.greedy:
             return dataclasses.replace(limited, greedy=True, n=1)
         return dataclasses.replace(limited, greedy=False, temperature=self.temperature)
@@ -99,7 +112,8 @@ class EvalEngine:
             return self.engine.submit(rewritten)
         key = (tuple(int(t) for t in rewritten.prompt_ids), rewritten.max_new_tokens, rewritten.min_new_tokens,
                None if rewritten.stop_token_ids is None else tuple(rewritten.stop_token_ids),
-               tuple(tuple(seq) for seq in rewritten.stop_sequences))
+               tuple(tuple(seq) for seq in rewritten.stop_sequences),
+               None if rewritten.constraint is None else rewritten.constraint.fingerprint)
         with self._lock:
             inner = self._greedy_cache.get(key)
             if inner is None:
@@ -111,7 +125,7 @@ class EvalEngine:
             if error is not None:
                 outer.set_exception(error)
             else:
-                outer.set_result(list(done.result()) * request.n)
+                outer.set_result(list(done.result())[:1] * request.n)  # greedy: the one; beam: the best
 
         inner.add_done_callback(repeat)
         return outer
@@ -283,9 +297,17 @@ def evaluate_workflow(engine: InferenceEngine, workflow: Any, samples: Sequence[
         raise EvalError("eval: the eval split is empty (raise the dataset's eval_size, or set eval.every_steps: 0)")
     version = engine.version
     start = time.perf_counter()
-    greedy = EvalEngine(engine, greedy=True, temperature=1.0, max_new_tokens=ev.max_new_tokens, timeout_s=ev.timeout_s)
+    decoding = ev.decoding
+    constraint = None
+    if decoding.constraint:
+        from asyncrl.engine.constraints import load_trie
+
+        constraint = load_trie(decoding.constraint)
+    greedy = EvalEngine(engine, greedy=True, temperature=1.0, max_new_tokens=ev.max_new_tokens, timeout_s=ev.timeout_s,
+                        beam_width=decoding.beam_width if decoding.strategy == "beam" else 0,
+                        length_penalty=decoding.length_penalty, constraint=constraint)
     sampling = EvalEngine(engine, greedy=False, temperature=ev.temperature or cfg.rollout.temperature,
-                          max_new_tokens=ev.max_new_tokens, timeout_s=ev.timeout_s)
+                          max_new_tokens=ev.max_new_tokens, timeout_s=ev.timeout_s, constraint=constraint)
     repeats = math.ceil(ev.n_samples / cfg.rollout.group_size) if ev.n_samples else 0
     n = len(samples)
 

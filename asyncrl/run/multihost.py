@@ -250,6 +250,9 @@ def split_rows(batch: TrainBatch, parts: int, row_multiple: int) -> list[TrainBa
     ``group_index``, in order) go to block ``p`` with local group indices from 0; every block
     has the same ``[rows, L]``, rows the largest block's rows rounded up to ``row_multiple``
     (at least one multiple), padded with padding rows. Pure numpy."""
+    if batch.constraint_nodes is not None:
+        raise NotImplementedError("rollout.decoding.constraint: multi-process training does not carry constraint nodes to "
+                                  "the other processes yet; train constrained rollouts in one process")
     gi = np.asarray(batch.group_index)
     groups = int(gi.max()) + 1 if (gi >= 0).any() else 0
     bounds = [p * groups // parts for p in range(parts + 1)]
@@ -287,7 +290,8 @@ def unpack_block(buffer: np.ndarray, header: Mapping[str, Any], parts: int, inde
     raw = np.ascontiguousarray(buffer).view(np.uint8)
     rows, length = int(header["rows"]), int(header["length"])
     specs = _FIELDS + ((("advantages", np.float32, 2),) if header["advantages"] else ())
-    offset, fields = 0, {}
+    offset = 0
+    fields: dict[str, Any] = {}
     for name, dtype, ndim in specs:
         shape = (rows, length) if ndim == 2 else (rows,)
         size = int(np.prod(shape)) * np.dtype(dtype).itemsize

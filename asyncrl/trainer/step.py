@@ -63,6 +63,7 @@ from asyncrl.algo import (
     token_mean,
     trained_mask,
 )
+from asyncrl.engine.constraints import TrieTables, allowed_tokens
 from asyncrl.model.logprobs import per_token_logprobs, take_window, window_starts
 from asyncrl.model.sharding import param_shardings
 from asyncrl.cluster.mesh import ROW_AXES, row_shards
@@ -88,6 +89,9 @@ class StepSpec:
     (one optimizer update per step: ``ppo_epochs == mini_batches == 1``)."""
     lora_dropout: float = 0.0
     """LoRA adapter-input dropout of the gradient passes (0: none; see :mod:`asyncrl.model.lora`)."""
+    trie_branch: int = 0
+    """With a decoding constraint (the ``trie`` argument of :func:`train_step`): the width of its
+    per-token allowed-token gather (the trie pool's ``max_branch``); 0 without one."""
     entropy: bool = True
     """Compute the policy's token entropy (a pass over ``[tokens, vocab]``): needed when
     ``algo.entropy_coef > 0``, else only for the ``train/entropy`` diagnostic (``algo.log_entropy``)."""
@@ -198,8 +202,10 @@ def batch_logprobs(forward: Callable, weights: Any, chunks: dict[str, jax.Array]
     pi_ref). One micro-batch at a time (``lax.map``): the memory of one forward, like training."""
     m_count, u_count = chunks["input_ids"].shape[:2]
     flat = lambda x: x.reshape(m_count * u_count, *x.shape[2:])
-    one = lambda a: forward(weights, a[0], a[1], a[2], with_entropy=False)[0]
-    out = jax.lax.map(one, (flat(chunks["input_ids"]), flat(chunks["attention_mask"]), flat(chunks["window_start"])))
+    one = lambda a: forward(weights, a[0], a[1], a[2], with_entropy=False, nodes=a[3])[0]
+    nodes = chunks.get("constraint_nodes")
+    out = jax.lax.map(one, (flat(chunks["input_ids"]), flat(chunks["attention_mask"]), flat(chunks["window_start"]),
+                            None if nodes is None else flat(nodes)))
     return jax.lax.stop_gradient(out.reshape(m_count, u_count, *out.shape[1:]))
 
 
@@ -209,7 +215,8 @@ def micro_loss(theta: Any, x: dict[str, jax.Array], denominators: Any, key: Opti
     in ``theta``. ``x``: the micro-batch's chunks, ``[S * b, L]`` / ``[S * b]``; ``algo`` None
     for SFT; ``key`` the micro-batch's LoRA dropout key (or None). Token arrays other than
     ``input_ids`` / ``attention_mask`` are ``[S * b, W]`` windows (``window_start``)."""
-    logprobs, entropy = forward(theta, x["input_ids"], x["attention_mask"], x["window_start"], key)
+    logprobs, entropy = forward(theta, x["input_ids"], x["attention_mask"], x["window_start"], key,
+                                nodes=x.get("constraint_nodes"))
     if algo is None:
         return sft_loss(logprobs, entropy, x["mask"], denominators)
     return policy_loss(
@@ -319,6 +326,7 @@ def _train_step_impl(
     temperature: jax.Array,
     frozen: Optional[Any] = None,
     dropout_key: Optional[jax.Array] = None,
+    trie: Optional[TrieTables] = None,
     *,
     algo: Optional[AlgoParams],
     optim: OptimParams,
@@ -337,7 +345,12 @@ def _train_step_impl(
     ``algo`` is None for SFT (``spec.objective == "sft"``). LoRA: ``params`` (and ``ref_params``)
     are the adapters, ``frozen`` the base weights that every forward combines them with (no
     gradient, no optimizer state); ``dropout_key`` seeds the adapter dropout of the gradient
-    passes when ``spec.lora_dropout > 0``."""
+    passes when ``spec.lora_dropout > 0``.
+
+    ``trie``: the run's decoding constraint (:class:`~asyncrl.engine.constraints.TrieTables`,
+    ``spec.trie_branch`` wide) when the batch carries ``constraint_nodes`` ``[rows, L]``: tokens
+    with a node >= 0 are scored under the distribution masked to that node's allowed tokens,
+    which is what the engine sampled from (docs/decoding.md), so the ratio is 1 on-policy."""
     _TRACE_COUNT[0] += 1
     if isinstance(graphdef, HashedGraphDef):
         graphdef = graphdef.graphdef
@@ -350,10 +363,11 @@ def _train_step_impl(
 
     # The policy's forward at this step's temperature, over the window:
     # (theta, ids, attention, starts, key) -> (logprobs, entropy) [b, W].
-    def forward(theta, input_ids, attention_mask, starts, key=None, with_entropy=spec.entropy):
+    def forward(theta, input_ids, attention_mask, starts, key=None, with_entropy=spec.entropy, nodes=None):
         weights = lora_weights(frozen, spec.lora_dropout, theta, key)
+        allowed = None if trie is None or nodes is None else allowed_tokens(jnp, trie, nodes, spec.trie_branch)
         return per_token_logprobs(graphdef, weights, input_ids, attention_mask, temperature, with_entropy=with_entropy,
-                                  window=None if window == length else window, window_start=starts)
+                                  window=None if window == length else window, window_start=starts, allowed=allowed)
 
     # 1. Whole-batch quantities, token ones cut to the window, then the batch cut into
     # [M, U, S * b, ...] chunks.
@@ -372,6 +386,8 @@ def _train_step_impl(
         "advantages": to_chunks(advantages, spec),
         "real": to_chunks(batch["group_index"] >= 0, spec),
     }
+    if trie is not None and "constraint_nodes" in batch:  # whole rows, like input_ids (forward cuts the window)
+        chunks["constraint_nodes"] = to_chunks(batch["constraint_nodes"], spec)
 
     # 2. pi_prox and pi_ref, once per step on the whole batch, from the step's starting weights.
     if not sft:
@@ -418,6 +434,21 @@ def nll_sums(graphdef: Any, params: Any, batch: dict[str, jax.Array], frozen: Op
                                      batch["attention_mask"], 1.0, with_entropy=False)
     mask = batch["loss_mask"] & (batch["group_index"] >= 0)[:, None]
     return jnp.sum(jnp.where(mask, -logprobs, 0.0)), jnp.sum(mask)
+
+
+def _token_logprobs(graphdef: Any, params: Any, frozen: Optional[Any], input_ids: jax.Array, attention_mask: jax.Array,
+                    temperature: jax.Array, trie: Optional[TrieTables], nodes: Optional[jax.Array], *,
+                    trie_branch: int) -> jax.Array:
+    """float32 ``[rows, L]``: :func:`~asyncrl.model.logprobs.per_token_logprobs` as the step's
+    forward computes it (LoRA combined, no dropout; tokens with a trie node scored under its mask)."""
+    if isinstance(graphdef, HashedGraphDef):
+        graphdef = graphdef.graphdef
+    allowed = None if trie is None or nodes is None else allowed_tokens(jnp, trie, nodes, trie_branch)
+    return per_token_logprobs(graphdef, lora_weights(frozen, 0.0, params), input_ids, attention_mask, temperature,
+                              with_entropy=False, allowed=allowed)[0]
+
+
+token_logprobs_jit = jax.jit(_token_logprobs, static_argnames=("graphdef", "trie_branch"))
 
 
 def loss_window(loss_mask: np.ndarray, multiple: int) -> int:

@@ -24,6 +24,7 @@ from asyncrl.model.sharding import param_shardings
 from asyncrl.cluster.mesh import build_mesh, initialize_distributed, local_row_shards, row_sharding
 from asyncrl.trainer.optim import OptimParams, update_count
 from asyncrl.trainer.step import (
+    token_logprobs_jit,
     HashedGraphDef,
     StepSpec,
     compile_count,
@@ -108,7 +109,7 @@ class Trainer:
 
     def __init__(
         self, cfg: Any, graphdef: Any, params: Any, *, mesh: Any = None, version: int = 0, objective: str = "rl",
-        frozen: Any = None,
+        frozen: Any = None, constraint: Any = None,
     ):
         from flax import nnx
 
@@ -132,11 +133,27 @@ class Trainer:
         self.algo = AlgoParams.from_config(cfg)
         self.optim = OptimParams.from_config(cfg, updates_per_step=1 if sft else None)
         self.mesh = mesh if mesh is not None else build_mesh(cfg.mesh)
+        if constraint is None and cfg.rollout.decoding.constraint and not sft:
+            from asyncrl.engine.constraints import load_trie
+
+            constraint = load_trie(cfg.rollout.decoding.constraint)
+        self.constraint = constraint
+        """The :class:`~asyncrl.engine.constraints.TokenTrie` rollouts are decoded under (the
+        ``constraint`` argument, else ``rollout.decoding.constraint``), or None: batches whose
+        tokens carry its nodes are scored under its mask (docs/decoding.md)."""
+        self._trie: Any = None
+        if constraint is not None:
+            from asyncrl.engine.constraints import TriePool
+
+            pool = TriePool()
+            pool.rebuild([constraint])
+            self._trie = jax.device_put(pool.tables, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
         self.spec = StepSpec(
             mesh=self.mesh, model_cfg=self.model_cfg, ppo_epochs=1 if sft else cfg.algo.ppo_epochs,
             mini_batches=1 if sft else cfg.algo.mini_batches, micro_batches=cfg.optim.micro_batches,
             objective=objective, lora_dropout=self.lora.dropout if self.lora is not None else 0.0,
             entropy=cfg.algo.log_entropy or (not sft and cfg.algo.entropy_coef > 0),
+            trie_branch=0 if constraint is None else pool.max_branch,
         )
         self.frozen = None if frozen is None else _place(frozen, param_shardings(self.model_cfg, frozen, self.mesh))
         self.param_shardings = param_shardings(self.model_cfg, params, self.mesh)
@@ -210,6 +227,16 @@ class Trainer:
         if batch.advantages is not None:
             fields["advantages"] = np.asarray(batch.advantages)
         rows, length = fields["input_ids"].shape
+        nodes = getattr(batch, "constraint_nodes", None)
+        if nodes is not None and np.any(np.asarray(nodes) >= 0):
+            fingerprint = self.constraint.fingerprint if self.constraint is not None else None
+            if batch.constraint != fingerprint:
+                raise TrainerError(
+                    f"Trainer.step: the batch was decoded under trie {batch.constraint}, but the trainer's constraint is "
+                    f"{fingerprint if fingerprint else 'none'}: set rollout.decoding.constraint to the file the rollouts used")
+        if self._trie is not None:  # always sent with a constraint, so the step compiles once
+            fields["constraint_nodes"] = (np.full((rows, length), -1, np.int32) if nodes is None
+                                          else np.asarray(nodes, np.int32))
         for name, value in fields.items():
             expected = (rows, length) if name not in ("rewards", "group_index", "truncated") else (rows,)
             if value.shape != expected:
@@ -335,7 +362,7 @@ class Trainer:
             temperature = 1.0  # cross-entropy of the model's own distribution
         # A numpy scalar travels with the arguments; jnp.float32(...) would dispatch a program of its own.
         args = (self._step_graphdef, self.params, self.opt_state, self.ref_params, arrays, np.float32(temperature),
-                self.frozen, self._dropout_key())
+                self.frozen, self._dropout_key(), self._trie)
         return args, dict(algo=self._step_algo, optim=self.optim, spec=self.spec, window=window)
 
     def _dropout_key(self) -> Optional[jax.Array]:
@@ -351,6 +378,18 @@ class Trainer:
         arrays, _, _ = self._device_batch(batch)
         total, count = nll_sums(self.graphdef, self.params, arrays, self.frozen)
         return float(to_host(total)), int(to_host(count))
+
+    def logprobs(self, batch: Any) -> np.ndarray:
+        """float32 ``[rows, L]``: each token's log-prob under the current weights at the batch's
+        temperature, as the step computes pi_prox (constrained tokens under the trie's mask; 0 at
+        position 0 and on padding). Rows in the batch's order."""
+        self._device_batch(batch)  # the same checks as a step
+        nodes = getattr(batch, "constraint_nodes", None)
+        trie = self._trie if nodes is not None else None
+        out = token_logprobs_jit(self._step_graphdef, self.params, self.frozen, np.asarray(batch.input_ids),
+                                 np.asarray(batch.attention_mask), np.float32(batch.temperature), trie,
+                                 None if trie is None else np.asarray(nodes, np.int32), trie_branch=self.spec.trie_branch)
+        return np.asarray(to_host(out))
 
     # ------------------------------------------------------------------ publishing and state
 
