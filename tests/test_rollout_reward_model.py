@@ -247,3 +247,35 @@ def test_reward_kwargs_in_config_and_their_errors(same_tokenizer_rm):
     cfg = rm_config(same_tokenizer_rm)
     with pytest.raises(ConfigError, match=r"rewards.0: the dataset's field\(s\) \['devices'\]"):
         prepare_reward_functions(build_reward_functions(cfg), cfg, char_tokenizer(), {"prompt": "a", "devices": 1})
+
+
+# --------------------------------------------------------------------------- a run
+
+
+def test_a_run_with_a_reward_model_reward_trains(tmp_path):
+    import json
+
+    from asyncrl.config.tree import read_yaml
+    from asyncrl.model.tiny import build_tiny_tokenizer
+    from asyncrl.run.loop import train
+    from tests.helpers import REPO_ROOT
+
+    path = write_reward_model(tmp_path / "rm", build_tiny_tokenizer(), seed=5)  # the policy's tokenizer
+    raw = read_yaml(REPO_ROOT / "configs" / "quickstart.yaml")
+    raw["run"]["output_dir"] = str(tmp_path / "run")
+    raw["stages"] = [{"name": "rl", "type": "rl", "total_steps": 2}]
+    raw["eval"] = {"every_steps": 0}
+    raw["checkpoint"] = {"every_steps": 0}
+    raw["logging"] = {"dump_every_steps": 1}
+    raw["rollout"].update(batch_size=4, group_size=4, max_concurrent=8)
+    raw["rewards"] = [{"fn": "reward_model", "kwargs": {"path": str(path), "batch_size": 16}, "weight": 0.5},
+                      {"fn": "positional_match", "weight": 1.0}]
+    result = train(load_config(data=raw), argv=["test"])
+    assert result.steps == 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("reward/reward_model" in row and np.isfinite(row["reward/reward_model"]) for row in rows if "reward/positional_match" in row)
+    records = [json.loads(line) for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
+    assert records
+    for record in records:
+        parts = record["reward_components"]
+        assert record["reward"] == pytest.approx(0.5 * parts["reward_model"] + parts["positional_match"], abs=1e-5)
