@@ -279,3 +279,34 @@ def test_a_run_with_a_reward_model_reward_trains(tmp_path):
     for record in records:
         parts = record["reward_components"]
         assert record["reward"] == pytest.approx(0.5 * parts["reward_model"] + parts["positional_match"], abs=1e-5)
+
+
+def test_placement_on_the_engines_devices_or_its_own_range(same_tokenizer_rm):
+    """On 4 devices: by default the reward model sits on the engine's devices (placement.engine),
+    or on kwargs.devices; a batch is split over them and scores the same as on one device."""
+    from tests.helpers import run_python, subprocess_env
+
+    code = f"""
+        import jax, numpy as np
+        from asyncrl.config import load_config
+        from asyncrl.rollout.reward_model import prepare_reward_model
+        from asyncrl.model.reward_model import load_reward_model
+        from asyncrl.rollout.reward_scoring import RewardModelScorer
+        from tests.rollout_fakes import char_tokenizer
+        cfg = load_config(data={{"placement": {{"trainer": "0:2", "engine": "2:4"}}}})
+        tok = char_tokenizer()
+        default = prepare_reward_model(cfg=cfg, tokenizer=tok, path={str(same_tokenizer_rm)!r}, batch_size=8)
+        own = prepare_reward_model(cfg=cfg, tokenizer=tok, path={str(same_tokenizer_rm)!r}, devices="1:2", batch_size=8)
+        devices = jax.devices()
+        assert default.scorer.devices == tuple(devices[2:4]), default.scorer.devices
+        assert own.scorer.devices == (devices[1],), own.scorer.devices
+        leaf = jax.tree_util.tree_leaves(default.scorer._params)[0]
+        assert leaf.sharding.device_set == set(devices[2:4]), leaf.sharding
+        seqs = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
+        one = RewardModelScorer(load_reward_model({str(same_tokenizer_rm)!r}, with_tokenizer=False), batch_size=8)
+        np.testing.assert_allclose(default.scorer.score(seqs, 60), one.score(seqs, 60), atol=1e-5)
+        np.testing.assert_allclose(own.scorer.score(seqs, 60), one.score(seqs, 60), atol=1e-5)
+        print("ok")
+    """
+    proc = run_python(code, env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"))
+    assert proc.stdout.strip().endswith("ok")
