@@ -308,5 +308,5 @@ def test_placement_on_the_engines_devices_or_its_own_range(same_tokenizer_rm):
         np.testing.assert_allclose(own.scorer.score(seqs, 60), one.score(seqs, 60), atol=1e-5)
         print("ok")
     """
-    proc = run_python(code, env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"))
+    proc = run_python(code, timeout=300, env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"))
     assert proc.stdout.strip().endswith("ok")

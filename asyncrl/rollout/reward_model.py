@@ -15,7 +15,7 @@ What is scored (its tokenizer and chat template are its own):
 * same tokenizer as the policy (same vocabulary, and the reward model's chat template is
   absent or the policy's): the reward model scores exactly the tokens the policy saw,
   prompt ids (chat template included) + completion ids (its stop token included), with no
-  re-rendering (the single-turn workflows pass them, :class:`ScoringGroup`);
+  re-rendering (the single-turn workflows pass them, :class:`~asyncrl.rollout.scoring_group.ScoringGroup`);
 * another tokenizer: the conversation is re-rendered for the reward model: the sample's
   chat messages (system prompt included) + ``{"role": "assistant", "content": completion}``
   through the reward model's chat template (or ``kwargs.chat_template``) with its tokenizer,
@@ -43,67 +43,22 @@ stage and workflow of the process that names the same kwargs.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import threading
-from concurrent.futures import Future
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.registry import register
 from asyncrl.rollout.reward_scoring import DEFAULT_LENGTH_BUCKETS, RewardModelScorer
+from asyncrl.rollout.scoring_group import ScoringGroup, current_scoring
+from asyncrl.rollout.workflow import token_ids
 
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_MAX_TOKENS = 2048
 DEFAULT_TIMEOUT_S = 300.0
 OWN_KWARGS = ("path", "devices", "batch_size", "max_tokens", "chat_template", "timeout_s")
 """The reward's own keyword arguments (a dataset field of one of these names is a config error)."""
-
-
-# --------------------------------------------------------------------------- what the workflow scored
-
-
-class ScoringGroup:
-    """The tokens of a group of completions, handed by a workflow to token-aware rewards.
-
-    The workflow scores completion ``i`` inside ``with group.scoring(i):``; the
-    ``reward_model`` reward reads the policy's ``prompt_ids`` + ``completion_ids[i]`` from it
-    (no re-rendering with the same tokenizer), and ``messages`` + ``completions[i]`` to
-    re-render for another. On its first call it submits the whole group, so the group's
-    completions share device batches.
-    """
-
-    def __init__(self, messages: Sequence[Mapping[str, Any]], prompt_ids: Sequence[int],
-                 completion_ids: Sequence[Sequence[int]], completions: Sequence[str]):
-        if len(completion_ids) != len(completions):
-            raise ValueError(f"ScoringGroup: {len(completion_ids)} completion id lists but {len(completions)} completions")
-        self.messages = [dict(m) for m in messages]
-        self.prompt_ids = [int(t) for t in prompt_ids]
-        self.completion_ids = [[int(t) for t in ids] for ids in completion_ids]
-        self.completions = list(completions)
-        self._futures: dict[Any, list[Future]] = {}
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def scoring(self, index: int) -> Iterator[None]:
-        """Completion ``index`` of this group is being scored (reward calls inside see it)."""
-        token = _CURRENT.set((self, index))
-        try:
-            yield
-        finally:
-            _CURRENT.reset(token)
-
-    def futures(self, key: Any, submit_all: Any) -> list[Future]:
-        """The futures of every completion for one reward model (``submit_all()`` on first use)."""
-        with self._lock:
-            if key not in self._futures:
-                self._futures[key] = submit_all()
-            return self._futures[key]
-
-
-_CURRENT: contextvars.ContextVar[Optional[tuple[ScoringGroup, int]]] = contextvars.ContextVar("scoring_group", default=None)
 
 
 # --------------------------------------------------------------------------- the prepared reward model
@@ -127,8 +82,6 @@ class PreparedRewardModel:
 
     def render(self, messages: Sequence[Mapping[str, Any]], completion: str) -> list[int]:
         """``messages`` + the completion as the assistant's turn, through the chat template."""
-        from asyncrl.rollout.workflow import token_ids
-
         conversation = [*messages, {"role": "assistant", "content": completion}]
         extra = {"chat_template": self.chat_template} if self.chat_template is not None else {}
         return token_ids(self.render_tokenizer.apply_chat_template(
@@ -268,7 +221,7 @@ def reward_model(prompt: str, completion: str, *, path: Optional[str] = None, de
     if prepared is None or prepared.scorer.closed:  # used outside asyncrl train/eval: no policy tokenizer known
         prepared = prepare_reward_model(path=path, devices=devices, batch_size=batch_size, max_tokens=max_tokens,
                                         chat_template=chat_template, timeout_s=timeout_s)
-    current = _CURRENT.get()
+    current = current_scoring()
     if current is None:
         future = prepared.scorer.submit(prepared.render([{"role": "user", "content": prompt}], completion))
     else:

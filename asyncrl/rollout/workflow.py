@@ -37,7 +37,7 @@ from asyncrl.config import Config
 from asyncrl.engine.protocol import GenerationRequest, InferenceEngine
 from asyncrl.errors import ConfigError, RolloutError
 from asyncrl.registry import register, resolve
-from asyncrl.rollout.reward_model import ScoringGroup
+from asyncrl.rollout.scoring_group import ScoringGroup
 from asyncrl.rollout.trajectory import TrajectoryBuilder, TrajectoryGroup
 
 log = logging.getLogger(__name__)
@@ -329,7 +329,7 @@ class RewardScorer:
     def _call(self, rf: RewardFunction, prompt: str, completion: str, fields: Mapping[str, Any], sample_id: Any) -> float:
         # On the caller's helper thread: a stuck reward function is abandoned, never waited on.
         # The caller's context travels with the call (the reward_model reward reads the tokens
-        # the workflow scored from it, asyncrl.rollout.reward_model.ScoringGroup).
+        # the workflow scored from it, asyncrl.rollout.scoring_group).
         context = contextvars.copy_context()
         job = _RewardHelper.for_current_thread().call(lambda: context.run(rf.fn, prompt, completion, **fields), self.timeout_s)
         if job is None:
