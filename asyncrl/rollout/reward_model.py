@@ -119,12 +119,23 @@ def prepare_reward_model(*, cfg: Any = None, tokenizer: Any = None, where: str =
     with _prepared_lock:
         found = _prepared.get(key)
         if found is not None and not found.scorer.closed:
-            if tokenizer is not None and not found.reuse_policy_tokens:
-                _render_choice(found.scorer.model.tokenizer, tokenizer, chat_template, where, path)  # same checks, this policy
-            return found
-        prepared = _load(cfg, tokenizer, where, path, devices, batch_size, max_tokens, chat_template)
+            if tokenizer is None:
+                return found
+            # Loaded already (another stage, an earlier run in this process): decide again for
+            # this policy's tokenizer, with the same checks, and keep the one scoring queue.
+            prepared = _rendering(found.scorer, cfg, tokenizer, where, path, chat_template)
+        else:
+            prepared = _load(cfg, tokenizer, where, path, devices, batch_size, max_tokens, chat_template)
         _prepared[key] = prepared
         return prepared
+
+
+def _rendering(scorer: RewardModelScorer, cfg: Any, tokenizer: Any, where: str, path: str,
+               chat_template: Optional[str]) -> PreparedRewardModel:
+    """How text becomes the reward model's tokens with this policy tokenizer (module docstring)."""
+    reuse, render_tokenizer, template = _render_choice(scorer.model.tokenizer, tokenizer, chat_template, where, path)
+    template_kwargs = dict(cfg.data.chat_template_kwargs) if (cfg is not None and render_tokenizer is tokenizer) else {}
+    return PreparedRewardModel(scorer, render_tokenizer, template, template_kwargs, reuse)
 
 
 def _load(cfg: Any, tokenizer: Any, where: str, path: str, devices: Optional[str], batch_size: int,
@@ -136,8 +147,7 @@ def _load(cfg: Any, tokenizer: Any, where: str, path: str, devices: Optional[str
         model = load_reward_model(resolve_model_dir(path))
     except AsyncRLError as err:
         raise ConfigError(f"{where}.kwargs.path: {str(err).replace(chr(10), ' ')}") from None
-    reuse, render_tokenizer, template = _render_choice(model.tokenizer, tokenizer, chat_template, where, path)
-    template_kwargs = dict(cfg.data.chat_template_kwargs) if (cfg is not None and render_tokenizer is tokenizer) else {}
+    _render_choice(model.tokenizer, tokenizer, chat_template, where, path)  # its errors before anything is placed
     buckets = sorted({b for b in DEFAULT_LENGTH_BUCKETS if b < max_tokens} | {max_tokens})
     scorer = RewardModelScorer(model, devices=_devices(cfg, devices, where), batch_size=batch_size,
                                length_buckets=buckets, name=f"{where} (reward_model {path})")
@@ -146,7 +156,7 @@ def _load(cfg: Any, tokenizer: Any, where: str, path: str, devices: Optional[str
     except Exception as err:
         scorer.close()
         raise ConfigError(f"{where}: the reward model {path} cannot score on its devices: {err}") from None
-    return PreparedRewardModel(scorer, render_tokenizer, template, template_kwargs, reuse)
+    return _rendering(scorer, cfg, tokenizer, where, path, chat_template)
 
 
 def _render_choice(rm_tokenizer: Any, policy_tokenizer: Any, chat_template: Optional[str], where: str,
@@ -175,7 +185,10 @@ def _devices(cfg: Any, devices: Optional[str], where: str) -> list[Any]:
     if devices is not None:
         chosen = device_range(devices, f"{where}.kwargs.devices")
     elif cfg is not None:
-        chosen = list(resolve_placement(cfg).engine_devices)
+        # The engine's devices in this process (in a multi-process run they are process 0's,
+        # where rollouts run; another process keeps its copy on its first device).
+        here = [d for d in resolve_placement(cfg).engine_devices if d.process_index == jax.process_index()]
+        chosen = here or list(jax.local_devices()[:1])
     else:
         chosen = list(jax.local_devices())
     foreign = [d for d in chosen if d.process_index != jax.process_index()]
