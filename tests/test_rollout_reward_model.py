@@ -192,6 +192,22 @@ def test_same_tokenizer_scores_the_policys_own_tokens_combined_by_weight(same_to
     assert workflow.metrics()["reward_errors"] == 0
 
 
+def test_a_remote_engine_config_needs_nothing_of_the_engine(same_tokenizer_rm):
+    """With engine.remote set (no server here: the reward never calls the engine), the reward
+    model is placed on this process's devices and scores the rollouts' tokens."""
+    import jax
+
+    cfg = make_cfg(rollout={"group_size": 2, "max_new_tokens": 4}, engine={"remote": {"urls": ["http://127.0.0.1:9"]}},
+                   rewards=[{"fn": "reward_model", "kwargs": {"path": str(same_tokenizer_rm)}}])
+    tokenizer = char_tokenizer()
+    _, group = run_group(cfg, tokenizer, {"prompt": "xy"})
+    from asyncrl.rollout.reward_model import prepare_reward_model
+
+    assert prepare_reward_model(cfg=cfg, tokenizer=tokenizer, path=str(same_tokenizer_rm)).scorer.devices == tuple(jax.devices())
+    expected = direct_scores(same_tokenizer_rm, [list(t.input_ids) for t in group.trajectories])
+    np.testing.assert_allclose([t.reward for t in group.trajectories], expected, atol=1e-5)
+
+
 def test_another_tokenizer_rescores_the_re_rendered_conversation(tmp_path):
     own = char_tokenizer(chars="abcdefghijklmnopqrstuvwxyz0123456789 +-=?.:!", system=True)  # another vocabulary
     path = write_reward_model(tmp_path, own, seed=3)
