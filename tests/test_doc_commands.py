@@ -135,6 +135,12 @@ def _bench_vs_trl_dry(_: Path, output: str) -> None:
     assert trl["per_device_train_batch_size"] == 32 and trl["num_generations"] == result["asyncrl"]["rollout"]["group_size"]
 
 
+def _bench_reward_model(_: Path, output: str) -> None:
+    result = json.loads(output.strip().splitlines()[-1])
+    assert result["batch"] == 64 and result["device_samples_per_s"] > 0 and result["queue_samples_per_s"] > 0, result
+    assert 1 <= result["queue_mean_batch"] <= 64, result
+
+
 BENCH_CHAIN = (
     Step("python scripts/bench_train.py", ("--models", "tiny", "--steps", "2"), check=_json_line),
     Step("python scripts/bench_engine.py", ("--skip-40m", "--repeats", "1"), check=_json_line),
@@ -177,6 +183,8 @@ SLOW_CHAINS = {
     # Three layouts, each its own 8-device subprocess (a minute here).
     "bench_placement": (Step("python scripts/bench_placement.py", ("--steps", "4"), check=_json_line),),
     "bench_remote": (Step("python scripts/bench_remote.py", ("--requests", "8", "--repeats", "1"), check=_json_line),),
+    # docs/performance.md: reward-model scoring throughput, on the 2-layer twin
+    "bench_reward_model": (Step("python scripts/bench_reward_model.py", ("--quick",), check=_bench_reward_model),),
     # Two quickstart start-ups in an empty compilation cache, beside the quick loop run.
     "bench_rl_quickstart": (Step("python scripts/bench_rl.py --quickstart", ("--quick",), check=_json_line),),
     "serve": (

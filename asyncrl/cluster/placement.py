@@ -24,7 +24,7 @@ from asyncrl.config.sections import parse_device_range
 from asyncrl.errors import ConfigError, TrainerError
 from asyncrl.model.sharding import check_tensor_parallel
 
-__all__ = ["Placement", "check_tensor_parallel", "engine_mesh", "resolve_placement"]
+__all__ = ["Placement", "check_tensor_parallel", "device_range", "engine_mesh", "resolve_placement"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,21 @@ def resolve_placement(cfg: Any, devices: Optional[Sequence[Any]] = None, process
     colocated = set(engine) <= set(trainer)
     shares = processes == 1 and tuple(engine) == tuple(trainer) and tp == 1
     return Placement(tuple(trainer), tuple(engine), tp, colocated, shares)
+
+
+def device_range(text: Optional[str], field: str, devices: Optional[Sequence[Any]] = None) -> list[Any]:
+    """The devices a ``"start:stop"`` range (:class:`~asyncrl.config.sections.PlacementConfig`'s
+    syntax) selects from ``devices`` (default ``jax.devices()`` in (process, id) order); null
+    selects all. A bad range is a ConfigError naming ``field``."""
+    import jax
+
+    if text is not None:
+        try:
+            parse_device_range(text)
+        except ValueError as err:
+            raise ConfigError(f"{field}: {err}") from None
+    devices = sorted(jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id))
+    return _device_range(text, devices, field)
 
 
 def _device_range(text: Optional[str], devices: Sequence[Any], field: str) -> list[Any]:

@@ -210,6 +210,24 @@ class RewardSpec(Section):
     """The reward is the weighted sum of the functions' raw scores."""
     name: Optional[str] = None
     """Key of its raw score in ``reward_components``; defaults to the alias or function name."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments bound to the function (as ``fn: {target, kwargs}`` does), e.g. ``{path: DIR}`` for ``fn: reward_model``."""
+
+    @model_validator(mode="after")
+    def _kwargs_given_once(self) -> "RewardSpec":
+        if self.kwargs and isinstance(self.fn, ComponentRef):
+            both = sorted(set(self.kwargs) & set(self.fn.kwargs))
+            if both:
+                raise ValueError(f"kwargs {both} are given both in fn.kwargs and in kwargs; give each once")
+        return self
+
+    def component(self) -> ComponentSpec:
+        """``fn`` with ``kwargs`` bound: what the registry resolves."""
+        if not self.kwargs:
+            return self.fn
+        if isinstance(self.fn, ComponentRef):
+            return ComponentRef(target=self.fn.target, kwargs={**self.fn.kwargs, **self.kwargs})
+        return ComponentRef(target=self.fn, kwargs=dict(self.kwargs))
 
 
 class AlgoConfig(Section):

@@ -22,6 +22,7 @@ caller's next call starts one replacement, so the thread count stays constant.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import inspect
 import logging
@@ -36,6 +37,7 @@ from asyncrl.config import Config
 from asyncrl.engine.protocol import GenerationRequest, InferenceEngine
 from asyncrl.errors import ConfigError, RolloutError
 from asyncrl.registry import register, resolve
+from asyncrl.rollout.scoring_group import ScoringGroup
 from asyncrl.rollout.trajectory import TrajectoryBuilder, TrajectoryGroup
 
 log = logging.getLogger(__name__)
@@ -199,7 +201,7 @@ def build_reward_functions(cfg: Config) -> list[RewardFunction]:
     """The ``rewards`` of the config, resolved through the registry."""
     out = []
     for i, spec in enumerate(cfg.rewards):
-        fn = resolve("reward", spec.fn, where=f"rewards.{i}.fn")
+        fn = resolve("reward", spec.component(), where=f"rewards.{i}.fn")
         if not callable(fn):
             raise ConfigError(f"rewards.{i}.fn: {spec.fn!r} is not callable")
         name = spec.name or (spec.fn if isinstance(spec.fn, str) and ":" not in spec.fn else _fn_name(fn))
@@ -337,7 +339,10 @@ class RewardScorer:
 
     def _call(self, rf: RewardFunction, prompt: str, completion: str, fields: Mapping[str, Any], sample_id: Any) -> float:
         # On the caller's helper thread: a stuck reward function is abandoned, never waited on.
-        job = _RewardHelper.for_current_thread().call(lambda: rf.fn(prompt, completion, **fields), self.timeout_s)
+        # The caller's context travels with the call (the reward_model reward reads the tokens
+        # the workflow scored from it, asyncrl.rollout.scoring_group).
+        context = contextvars.copy_context()
+        job = _RewardHelper.for_current_thread().call(lambda: context.run(rf.fn, prompt, completion, **fields), self.timeout_s)
         if job is None:
             return self._fallback(rf, sample_id, "timeout", f"ran past rollout.reward_timeout_s = {self.timeout_s} s")
         if job.error is not None:
@@ -450,10 +455,13 @@ class SingleTurnWorkflow(RolloutWorkflow):
             constraint=self.decoding_constraint,
         )
         responses = engine.generate(request)
+        completions = [self.tokenizer.decode(list(r.output_ids), skip_special_tokens=True) for r in responses]
+        # Token-aware rewards (reward_model) read the policy's own ids from the group.
+        group = ScoringGroup(messages, prompt_ids, [list(r.output_ids) for r in responses], completions)
         trajectories = []
-        for i, response in enumerate(responses):
-            completion = self.tokenizer.decode(list(response.output_ids), skip_special_tokens=True)
-            reward, components = self.score(prompt, completion, sample)
+        for i, (response, completion) in enumerate(zip(responses, completions)):
+            with group.scoring(i):
+                reward, components = self.score(prompt, completion, sample)
             builder = TrajectoryBuilder().add_tokens(prompt_ids).add_generation(response, constraint=request.constraint)
             trajectories.append(
                 builder.build(

@@ -26,6 +26,7 @@ PROMPT_CHECK_SAMPLES = 2000
 def build_task_and_workflow(cfg: Config, tokenizer: Any) -> tuple[Config, Any, Any]:
     """Resolve the dataset, default the rewards to the task's own, build the workflow."""
     from asyncrl.registry import resolve
+    from asyncrl.rollout.reward_model import prepare_reward_functions
     from asyncrl.rollout.workflow import build_reward_functions, build_workflow, check_reward_signatures
 
     factory = resolve("dataset", cfg.data.dataset, where="data.dataset")
@@ -43,8 +44,12 @@ def build_task_and_workflow(cfg: Config, tokenizer: Any) -> tuple[Config, Any, A
     # Every reward function must accept the documented call with this dataset's fields: a wrong
     # signature is a config error now, not a run of fallback scores.
     first = next(iter(task.train), None) or next(iter(task.eval), None)
+    functions = build_reward_functions(cfg)
     if first is not None:
-        check_reward_signatures(build_reward_functions(cfg), first, workflow.prompt_field)
+        check_reward_signatures(functions, first, workflow.prompt_field)
+    # Rewards that load something (reward_model: its checkpoint, tokenizer check, device
+    # placement, a first compile) do it now, before step 1.
+    prepare_reward_functions(functions, cfg, tokenizer, first)
     return cfg, task, workflow
 
 
