@@ -20,7 +20,8 @@ With ``http: true`` the client talks to the episode gateway over real HTTP
 (:mod:`asyncrl.agent.gateway`): ``client.base_url`` and ``client.api_key`` are an
 episode-scoped endpoint, to hand to agent frameworks that only take a ``base_url``.
 
-Everything else is a workflow's: staleness, the queue's accounting, eval (the eval engine
+A run whose first call does not fit (``context_length_exceeded``) and lets the error out skips
+the sample (``dropped:prompt_too_long``). Everything else is a workflow's: staleness, the queue's accounting, eval (the eval engine
 rewrites the requests), checkpoints (an episode re-issued after a resume draws the same tokens:
 run ``r``'s call ``t`` is keyed ``(sample_id, r * KEY_STRIDE + i, t)``).
 
@@ -37,6 +38,8 @@ import inspect
 import threading
 from typing import Any, Mapping, Optional
 
+import openai
+
 from asyncrl.agent.api import Limits, OpenAIEndpoint
 from asyncrl.agent.client import AgentAsyncOpenAI, AgentOpenAI
 from asyncrl.agent.recording import EpisodeRecorder, assemble_trajectories
@@ -45,7 +48,7 @@ from asyncrl.config import Config
 from asyncrl.engine.protocol import InferenceEngine
 from asyncrl.errors import ConfigError, RolloutError
 from asyncrl.rollout.trajectory import TrajectoryGroup
-from asyncrl.rollout.workflow import RolloutWorkflow
+from asyncrl.rollout.workflow import RolloutWorkflow, SkipSample
 
 
 def _on_daemon_thread(fn: Any, *args: Any) -> "asyncio.Future[Any]":
@@ -174,7 +177,12 @@ class AgentWorkflow(RolloutWorkflow):
                         self._gateway.close_episode(token)
 
     async def _checked(self, result: Any, recorder: EpisodeRecorder) -> Optional[float]:
-        value = await result
+        try:
+            value = await result
+        except openai.BadRequestError as err:
+            if err.code == "context_length_exceeded" and not recorder.records:
+                raise SkipSample("prompt_too_long", f"run {recorder.run_index}: {err.message}") from None
+            raise
         if value is None:
             return None
         try:
