@@ -88,6 +88,14 @@ def test_sync_client_and_text_completions_and_models():
     assert [r.call for r in recorder.records] == [0, 1]
 
 
+def test_logprobs_true_returns_the_recorded_behaviour_logprobs():
+    client, recorder = client_for(text_engine(TOK, lambda r, i: "abc"), sync=True)
+    choice = client.chat.completions.create(model="m", messages=USER, logprobs=True).choices[0]
+    got = [entry.logprob for entry in choice.logprobs.content]
+    np.testing.assert_allclose(got, recorder.records[0].response.logprobs, rtol=1e-6)
+    assert [entry.token for entry in choice.logprobs.content][:3] == ["a", "b", "c"]
+
+
 def test_sampling_parameters_map_to_the_engine_request():
     seen = []
     engine = text_engine(TOK, lambda r, i: seen.append(r) or "a, b. c")

@@ -296,8 +296,6 @@ class OpenAIEndpoint:
             raise _bad("chat_template_kwargs", "must be an object")
         try:
             prompt_ids = self.render(messages, tools if use_tools else None, extra)
-        except ApiError:
-            raise
         except Exception as err:  # noqa: BLE001 - a template error is the request's fault
             raise _bad("messages", f"the chat template failed on them: {type(err).__name__}: {err}") from None
         request, stops = self._sampling(body, prompt_ids, recorder)
