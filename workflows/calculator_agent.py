@@ -26,8 +26,6 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Optional
 
-import openai
-
 from asyncrl.agent import AgentWorkflow
 from asyncrl.errors import ConfigError
 from asyncrl.registry import register
@@ -84,7 +82,9 @@ class CalculatorAgent(AgentWorkflow):
         (``type: sft`` stages) and eval format prompts exactly as the agent's requests are rendered."""
         return self.endpoint.render(list(messages), [CALCULATOR])
 
-    async def run(self, client: openai.AsyncOpenAI, sample: Mapping[str, Any]) -> float:
+    async def run(self, client: Any, sample: Mapping[str, Any]) -> float:
+        import openai  # here: registering this workflow does not load the SDK
+
         chat, prompt = self.messages(sample)
         messages: list[Any] = list(chat)
         final = ""

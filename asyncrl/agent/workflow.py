@@ -38,10 +38,7 @@ import inspect
 import threading
 from typing import Any, Mapping, Optional
 
-import openai
-
 from asyncrl.agent.api import Limits, OpenAIEndpoint
-from asyncrl.agent.client import AgentAsyncOpenAI, AgentOpenAI
 from asyncrl.agent.recording import EpisodeRecorder, assemble_trajectories
 from asyncrl.agent.tools import TOOL_FORMATS
 from asyncrl.config import Config
@@ -177,6 +174,8 @@ class AgentWorkflow(RolloutWorkflow):
                         self._gateway.close_episode(token)
 
     async def _checked(self, result: Any, recorder: EpisodeRecorder) -> Optional[float]:
+        import openai  # here, not at import: `workflows` registers agents without loading the SDK
+
         try:
             value = await result
         except openai.BadRequestError as err:
@@ -191,6 +190,8 @@ class AgentWorkflow(RolloutWorkflow):
             raise TypeError(f"{self.name}.run returned {value!r} (run {recorder.run_index}): return a float reward or None") from None
 
     def _client(self, engine: InferenceEngine, recorder: EpisodeRecorder, is_async: bool) -> tuple[Any, Optional[str]]:
+        from asyncrl.agent.client import AgentAsyncOpenAI, AgentOpenAI
+
         if not self.http:
             cls = AgentAsyncOpenAI if is_async else AgentOpenAI
             return cls(engine, self.endpoint, recorder), None
