@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+
 import openai
 import pytest
 
@@ -143,3 +145,19 @@ def test_an_engine_crash_inside_an_agent_reaches_the_executor_as_engine_crashed(
         with pytest.raises(EngineCrashed):
             executor.next_batch(0, timeout=60)
 
+
+
+def test_a_reissued_episode_draws_the_same_tokens():
+    """What a resume relies on: run r's call t is keyed (sample_id, r * KEY_STRIDE + i, t), never by timing."""
+    from asyncrl.engine import FakeEngine
+
+    def sampled(delay):
+        engine = FakeEngine(vocab_size=len(TOK), eos_token_id=2, first_token_id=3, eos_prob=0.3, delay_s=delay, seed=5)
+        return Echo(cfg_for(group_size=3), TOK).run_episode(engine, {**DATA[6], "prompt": "say 6", "sample_id": 6})
+
+    first, again = sampled(0.0), sampled((0.0, 0.03))
+    assert len(first.trajectories) == len(again.trajectories)
+    for a, b in zip(first.trajectories, again.trajectories):
+        np.testing.assert_array_equal(a.input_ids, b.input_ids)
+        np.testing.assert_array_equal(a.behavior_logprobs, b.behavior_logprobs)
+    assert len({tuple(t.input_ids) for t in first.trajectories}) == len(first.trajectories)  # runs differ
