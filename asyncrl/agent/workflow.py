@@ -34,6 +34,7 @@ all of them. Counters: ``agent_completions``, ``agent_trajectories``, ``agent_sp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import threading
 from typing import Any, Mapping, Optional
@@ -156,18 +157,22 @@ class AgentWorkflow(RolloutWorkflow):
 
     async def _run_all(self, engine: InferenceEngine, recorders: list[EpisodeRecorder], sample: Mapping[str, Any]) -> list[Optional[float]]:
         is_async = inspect.iscoroutinefunction(self.run)
-        tokens = []
+        tokens, clients = [], []
         try:
             runs = []
             for recorder in recorders:
                 client, token = self._client(engine, recorder, is_async)
                 tokens.append(token)
+                clients.append(client)
                 if is_async:
                     runs.append(self._checked(self.run(client, dict(sample)), recorder))
                 else:
                     runs.append(self._checked(_on_daemon_thread(self.run, client, dict(sample)), recorder))
             return list(await asyncio.gather(*runs))
         finally:
+            for client in clients:  # its connections (to the gateway, with http: true) end with the run
+                with contextlib.suppress(Exception):
+                    await client.close() if is_async else client.close()
             if self._gateway is not None:
                 for token in tokens:
                     if token is not None:
