@@ -50,3 +50,31 @@ def test_refusals_name_the_parameter_and_the_key_is_required(server):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server, api_key="wrong", max_retries=0).models.list()
+
+
+@pytest.mark.timeout(300)
+def test_tiny_models_chat_over_asyncrl_serve_equals_the_engines_own_sample(tmp_path):
+    """The real JaxEngine behind the /v1 routes (the `tiny` model, its tokenizer and chat template):
+    a greedy chat completion's text is the decode of exactly what the engine generates for the
+    templated prompt, asked directly."""
+    from asyncrl.agent.api import Limits, OpenAIEndpoint
+    from asyncrl.config import load_config
+    from asyncrl.engine.protocol import GenerationRequest
+    from asyncrl.model import load_model
+    from tests.remote_helpers import QUICKSTART, InProcessServer
+
+    cfg = load_config(QUICKSTART, ["engine.prefill_buckets=[32]"])
+    loaded = load_model(cfg.model)
+    server = InProcessServer(loaded, cfg, tmp_path, api_key=None)
+    server.state.openai = OpenAIEndpoint(loaded.tokenizer, limits=Limits(max_new_tokens=8, max_total_tokens=32, max_prompt_tokens=32))
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "C:482"}]
+        answer = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=6)
+        prompt = server.state.openai.render(messages)
+        [direct] = server.state.engine.generate(GenerationRequest(prompt_ids=prompt, greedy=True, max_new_tokens=6))
+        assert answer.choices[0].message.content == loaded.tokenizer.decode(list(direct.output_ids), skip_special_tokens=True)
+        assert answer.usage.completion_tokens == len(direct.output_ids) and answer.usage.prompt_tokens == len(prompt)
+    finally:
+        server.terminate()
