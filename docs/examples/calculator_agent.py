@@ -54,6 +54,7 @@ def main(http: bool) -> None:
     })
     agent = CalculatorAgent(cfg, tokenizer, http=http)
     group = agent.run_episode(engine, {"prompt": "what is 12*7?", "answer": "84", "sample_id": 0})
+    assert group is not None  # an AgentWorkflow always returns its group (or raises)
     [trajectory] = group.trajectories
     ids, trained, versions = trajectory.input_ids, trajectory.loss_mask, trajectory.versions
     print(tokenizer.decode(ids.tolist()).split("</tools>")[-1].split("<|im_end|>\n", 1)[-1])  # past the tools block
