@@ -2,7 +2,7 @@
 
 Small pure ``jnp`` functions, each named by the config value that selects it
 (``algo.estimator``, ``algo.ratio``, ``algo.kl_estimator``, ``algo.aggregation``), every
-one checked against an independent numpy reference in ``tests/test_algo*.py``. Formulas,
+one checked against an independent numpy reference in ``tests/algo/``. Formulas,
 defaults and sources: ``docs/algorithms.md``. Static configuration is an
 :class:`AlgoParams` (frozen, hashable: a ``static_argnames`` argument), built once with
 ``AlgoParams.from_config(cfg)``.
