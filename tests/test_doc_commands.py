@@ -192,6 +192,11 @@ SLOW_CHAINS = {
              "--set engine.prefill_buckets=[32]", swap=(("--port 30000", "--port {port}"),
                                                         ("/shared/run1/weights", "{tmp}/weights"))),
     ),
+    # tiny-qwen3 with the OpenAI-SDK calculator agent: 2 SFT steps, then 2 RL steps.
+    "agents_train": (
+        Step("asyncrl train configs/calculator_agent.yaml", ("--set", "stages.0.total_steps=2", "--set", "stages.1.total_steps=2"),
+             check=_exists("runs/calculator_agent/metrics.jsonl")),
+    ),
     "staleness_sweep": (
         Step("python scripts/staleness_sweep.py", ("--staleness", "0", "2", "--set", "stages.0.total_steps=2",
                                                    "--set", "stages.1.total_steps=3", "--set", "eval.every_steps=3"),
@@ -218,9 +223,20 @@ SLOW_CHAINS = {
     ),
 }
 
+def _calculator_episode(_: Path, output: str) -> None:
+    lines = output.strip().splitlines()
+    assert lines[-1] == "reward 1.0  trajectories 1  trained tokens 88 of 820  splits 0", output[-2000:]
+    assert [line.split()[0] for line in lines[-5:-1]] == ["masked", "trained,", "masked", "trained,"], output[-2000:]
+
+
+AGENT_CHAIN = (
+    Step("python docs/examples/calculator_agent.py", check=_calculator_episode),
+    Step("python docs/examples/calculator_agent.py --http", check=_calculator_episode),
+)
+
 STATIC_CHECKS = (Step("ruff check asyncrl workflows scripts tests"),)  # mypy: .ci/run (a minute cold; too slow here)
 
-CHAINS = {"static": STATIC_CHECKS, "readme": README_CHAIN, "lora": LORA_CHAIN, "bench": BENCH_CHAIN, **SLOW_CHAINS}
+CHAINS = {"static": STATIC_CHECKS, "readme": README_CHAIN, "agents": AGENT_CHAIN, "lora": LORA_CHAIN, "bench": BENCH_CHAIN, **SLOW_CHAINS}
 
 ELSEWHERE = {
     "pip install -e '.[dev]'": ".ci/run",
@@ -307,7 +323,7 @@ def test_the_reader_finds_fenced_commands_only(tmp_path):
 @pytest.fixture
 def workspace(tmp_path):
     """A directory that looks like the repository root to the documented relative paths."""
-    for name in ("configs", "scripts", "asyncrl", "workflows", "pyproject.toml", "setup.cfg"):
+    for name in ("configs", "scripts", "asyncrl", "workflows", "docs", "pyproject.toml", "setup.cfg"):
         (tmp_path / name).symlink_to(REPO_ROOT / name)
     return tmp_path
 

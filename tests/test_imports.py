@@ -23,6 +23,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cluster", ("asyncrl.cluster",)),
     ("engines", ("asyncrl.engine",)),
     ("rollout", ("asyncrl.rollout",)),
+    # `asyncrl serve` (engine/serve.py) sits with the agents: it answers their OpenAI routes too.
+    ("agents", ("asyncrl.agent", "asyncrl.engine.serve")),
     ("trainer", ("asyncrl.trainer",)),
     ("checkpoint", ("asyncrl.checkpoint",)),
     ("run", ("asyncrl.run",)),

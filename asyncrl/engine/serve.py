@@ -14,6 +14,9 @@ Semantics that matter for exact per-token versions:
   ``meta_info.weight_version``. It loads only directories under ``--weights-root`` (403 otherwise;
   no root: updates are refused).
 * ``--api-key``: every endpoint needs ``Authorization: Bearer KEY`` (401 otherwise).
+* ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``: the OpenAI-compatible API of
+  :mod:`asyncrl.agent.api` over the same engine (the model directory's tokenizer and chat
+  template; no streaming), held while paused like ``/generate``. See docs/agents.md.
 * SIGTERM: uvicorn stops accepting, finishes in-flight answers (up to 10 s), then the engine stops.
 """
 
@@ -68,8 +71,15 @@ class ServeState:
     """
 
     def __init__(self, engine: Any, model_cfg: Any, model_path: str, *, weights_root: Optional[Path],
-                 api_key: Optional[str], weight_version: str = "0"):
+                 api_key: Optional[str], weight_version: str = "0", tokenizer: Any = None,
+                 openai_limits: Optional[Any] = None):
         self.engine = engine
+        self.openai: Any = None
+        """The OpenAI-compatible routes' endpoint (:mod:`asyncrl.agent.api`); None without a tokenizer."""
+        if tokenizer is not None:
+            from asyncrl.agent.api import Limits, OpenAIEndpoint
+
+            self.openai = OpenAIEndpoint(tokenizer, Path(model_path).name or model_path, limits=openai_limits or Limits())
         self.model_cfg = model_cfg
         self.model_path = model_path
         self.weights_root = weights_root.resolve() if weights_root is not None else None
@@ -329,7 +339,35 @@ def _handlers(state: ServeState, parse: Any) -> dict[str, tuple[Any, list[str]]]
     async def server_info(request: Request) -> Any:
         return {"weight_version": state.label, "paused": state.paused, **state.engine.metrics()}
 
+    async def openai_route(request: Request) -> Any:
+        from starlette.responses import JSONResponse
+
+        from asyncrl.agent.api import ApiError
+
+        if state.openai is None:
+            raise HTTPError(404, f"{request.url.path}: the model directory has no tokenizer, so asyncrl serve has no OpenAI routes")
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw.strip() else None
+            prepared = state.openai.prepare(request.method, request.url.path[len("/v1"):], body, None)
+        except json.JSONDecodeError as err:
+            raise HTTPError(400, f"{request.url.path}: the body is not JSON ({err})") from None
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        if prepared.request is None:
+            return prepared.finish([])
+        while state.paused:  # held while paused, like /generate
+            await state.resumed.wait()
+        try:
+            responses = await asyncio.wrap_future(state.engine.submit(prepared.request))
+        except EngineRequestError as err:
+            raise HTTPError(400, f"{request.url.path}: {err}") from None
+        return prepared.finish(responses)
+
     return {
+        "/v1/chat/completions": (openai_route, ["POST"]),
+        "/v1/completions": (openai_route, ["POST"]),
+        "/v1/models": (openai_route, ["GET"]),
         "/generate": (generate, ["POST"]),
         "/pause_generation": (pause, ["POST"]),
         "/continue_generation": (resume, ["POST"]),
@@ -366,8 +404,23 @@ def build_state(model_or_config: str, *, weights_root: Optional[str], api_key: O
     engine = JaxEngine(graphdef, params, stop_token_ids=loaded.stop_token_ids, config=engine_cfg,
                        seed=run_seed if seed is None else seed, mesh=mesh)
     root = Path(weights_root) if weights_root else None
+    from asyncrl.agent.api import Limits
+
+    limits = Limits(max_new_tokens=engine_cfg.kv_capacity, max_total_tokens=engine_cfg.kv_capacity,
+                    max_prompt_tokens=max(engine_cfg.prefill_buckets))
     return ServeState(engine, loaded.model.cfg, str(loaded.path), weights_root=root, api_key=api_key,
-                      weight_version=weight_version)
+                      weight_version=weight_version, tokenizer=_tokenizer_of(Path(loaded.path)), openai_limits=limits)
+
+
+def _tokenizer_of(model_dir: Path) -> Any:
+    """The model directory's tokenizer for the OpenAI routes, or None (then they answer 404)."""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as err:  # noqa: BLE001 - a directory without a tokenizer still serves /generate
+        logger.warning("asyncrl serve: no tokenizer in %s (%s): the OpenAI routes (/v1/...) are off", model_dir, err)
+        return None
 
 
 def serve(model_or_config: str, *, host: str = "127.0.0.1", port: int = 30000, weights_root: Optional[str] = None,

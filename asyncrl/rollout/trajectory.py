@@ -61,7 +61,8 @@ RULES: dict[str, tuple[str, str]] = {
     "constraint": ("constraint_nodes", "constraint and constraint_nodes come together; the nodes are int32 [T], >= -1, "
                    "and >= 0 only on generated tokens"),
     "constraint_mismatch": ("constraint", "a batch's constrained trajectories share one trie (the trainer's rollout.decoding.constraint)"),
-    "group_size": ("trajectories", "a group has exactly rollout.group_size trajectories"),
+    "group_size": ("trajectories", "a group has exactly rollout.group_size trajectories, or, with metadata['runs'] "
+                   "(the run of each trajectory: an agent run may yield several), trajectories of exactly runs 0..group_size-1"),
     "type": ("*", "fields have the types of the Trajectory model"),
     "packed_arrays": ("*", "a packed group has exactly the arrays its JSON lists, each [T]"),
 }
@@ -153,7 +154,8 @@ class TrajectoryGroup(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     trajectories: list[Trajectory]
-    """The sampled sequences, ``rollout.group_size`` of them."""
+    """The sampled sequences, ``rollout.group_size`` of them (or more, from ``group_size`` agent
+    runs, when ``metadata["runs"]`` names the run of each: see :mod:`asyncrl.agent.workflow`)."""
     metadata: dict[str, Any] = Field(default_factory=dict)
     """JSON-serialisable facts about the prompt."""
 
@@ -407,11 +409,17 @@ def check_group(
 ) -> None:
     """The per-trajectory checks of one episode's group (run in the rollout thread)."""
     where = f"workflow '{workflow}', sample {sample_id}"
-    if len(group.trajectories) != group_size:
+    runs = group.metadata.get("runs")
+    if runs is None and len(group.trajectories) != group_size:
         rule = "group_size"
         raise TrajectorySchemaError(
             violation_message(where, rule, f"got {len(group.trajectories)}, expected {group_size}"), rule=rule, field=RULES[rule][0]
         )
+    if runs is not None and (not isinstance(runs, list) or len(runs) != len(group.trajectories)
+                             or sorted(set(runs)) != list(range(group_size))):
+        rule = "group_size"
+        detail = f"metadata['runs'] = {runs!r} for {len(group.trajectories)} trajectories, expected runs 0..{group_size - 1}"
+        raise TrajectorySchemaError(violation_message(where, rule, detail), rule=rule, field=RULES[rule][0])
     if not _json_ok(group.metadata):
         rule = "metadata"
         raise TrajectorySchemaError(violation_message(where + " (group)", rule), rule=rule, field="metadata")
