@@ -30,6 +30,7 @@ from asyncrl.config.sections import (
     CheckpointConfig,
     ComponentRef,
     ComponentSpec,
+    CriticConfig,
     DataConfig,
     DistributedConfig,
     EngineConfig,
@@ -51,7 +52,8 @@ from asyncrl.config.sections import (
 from asyncrl.errors import ConfigError
 
 __all__ = [
-    "LORA_TARGET_MODULES", "AlgoConfig", "CheckpointConfig", "ComponentRef", "ComponentSpec", "Config", "DataConfig",
+    "LORA_TARGET_MODULES", "AlgoConfig", "CheckpointConfig", "ComponentRef", "ComponentSpec", "Config", "CriticConfig",
+    "DataConfig",
     "DistributedConfig", "EngineConfig", "EvalConfig", "LoggingConfig", "LoraConfig", "LoraTarget", "MeshConfig",
     "ModelConfig", "OptimConfig", "PlacementConfig", "RemoteEngineConfig", "RewardSpec", "RolloutConfig", "RunConfig",
     "SFTConfig", "Section", "StageConfig", "STAGE_SECTIONS", "GROUP_NORMALISED_ESTIMATORS", "dump_config", "load_config",
@@ -99,6 +101,8 @@ class Config(Section):
     """Rollout generation and staleness control."""
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     """The RL objective."""
+    critic: Optional[CriticConfig] = None
+    """The value model of ``algo.estimator: gae`` (``{path, optim, lora, value_clip, loss_coef}``); null: no critic (group-relative estimators need none)."""
     data: DataConfig = Field(default_factory=DataConfig)
     """Prompt limits."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -139,6 +143,12 @@ class Config(Section):
                 f"rollout.group_size: {self.rollout.group_size} is too small for algo.estimator '{target}', which "
                 "compares each sequence with the rest of its group; use group_size >= 2 or algo.estimator: batch"
             )
+        if target == "gae" and self.critic is None:
+            problems.append("algo.estimator: gae needs a value model; add a critic section (e.g. critic: {}) or use grpo")
+        if self.critic is not None and target != "gae":
+            problems.append(f"critic: only algo.estimator: gae uses a critic (the estimator is '{target}'); remove the critic section or set algo.estimator: gae")
+        if algo.reward_kl_coef > 0 and target != "gae":
+            problems.append(f"algo.reward_kl_coef: the KL penalty in the reward is part of gae (the estimator is '{target}'); use algo.kl_coef")
         if algo.truncated == "penalty" and algo.overlong_buffer > self.rollout.max_new_tokens:
             problems.append(
                 f"algo.overlong_buffer: {algo.overlong_buffer} exceeds rollout.max_new_tokens "

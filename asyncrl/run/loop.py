@@ -574,6 +574,9 @@ class Run:
             self.last_checkpoint_version = self.version
             return
         arrays = {"params": trainer_state.pop("params"), "opt_state": trainer_state.pop("opt_state")}
+        for name in trainer.CRITIC_TREES:  # the critic of algo.estimator gae, when there is one
+            if name in trainer_state:
+                arrays[name] = trainer_state.pop(name)
         if stage.index > 0 and trainer.ref_params is not None:
             arrays["stage_start_params"] = stage.start_params
         state = {
@@ -651,9 +654,11 @@ def _load_trainer_state(trainer: Any, resumed: Any) -> None:
     from asyncrl.errors import TrainerError
 
     try:
+        critic = {name: resumed.tree(name, getattr(trainer, name)) for name in trainer.CRITIC_TREES
+                  if getattr(trainer, name) is not None}
         trainer.load_state_dict(
             {"params": resumed.tree("params", trainer.params), "opt_state": resumed.tree("opt_state", trainer.opt_state),
-             **resumed.state["trainer"]}
+             **critic, **resumed.state["trainer"]}
         )
     except TrainerError as err:
         raise CheckpointError(f"checkpoint {resumed.path}: opt_state.safetensors: {err}") from None
