@@ -87,7 +87,7 @@ def load_critic(path: str | os.PathLike, *, vocab_size: int, runtime: Optional[d
         other = [a for a in architectures if not a.endswith(("ForCausalLM", "ForTokenClassification"))]
         if other:
             raise ModelError(f"architecture {other[0]} is neither a causal LM nor a token classifier")
-        labels = int(getattr(hf, "num_labels", 1) or 1) if token_classification else 1
+        labels = _num_labels(hf) if token_classification else 1
         if labels != 1:
             raise ModelError(f"num_labels is {labels}; a value head has exactly 1")
         cfg = critic_config(from_hf_config(hf, source=str(model_dir / "config.json"), **(runtime or {})))
@@ -110,6 +110,15 @@ def load_critic(path: str | os.PathLike, *, vocab_size: int, runtime: Optional[d
         if score_b is not None:
             head["bias"] = jnp.asarray(np.asarray(score_b, np.float32).reshape(1))
     return CriticModel(_graphdef(cfg), {"decoder": decoder, "value_head": head}, cfg)
+
+
+def _num_labels(hf: Any) -> int:
+    """A classifier config's label count as transformers reads it: ``num_labels``, else the size
+    of ``id2label`` (what ``save_pretrained`` writes), else transformers' default 2."""
+    if getattr(hf, "num_labels", None) is not None:
+        return int(hf.num_labels)
+    id2label = getattr(hf, "id2label", None)
+    return len(id2label) if id2label else 2
 
 
 def critic_shardings(cfg: DecoderConfig, params: dict, mesh: Any) -> dict:
