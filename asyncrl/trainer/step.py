@@ -600,3 +600,13 @@ def step_flops(n_matmul_params: int, model_cfg: Any, algo: Optional[AlgoParams],
     if algo is not None:
         passes += int(algo.needs_prox_recompute) + int(algo.needs_reference)
     return (float(per_token) * length + float(head) * window) * rows * passes
+
+
+def critic_step_flops(critic_matmul_params: int, model_cfg: Any, epochs: int, rows: int, length: int,
+                      train_passes: int = 3) -> float:
+    """Model FLOPs of the critic in one step (``algo.estimator: gae``): the forward of its values at
+    the step's start and ``train_passes`` forwards per epoch, every one without an lm head
+    (``critic_matmul_params``: :func:`matmul_params` of its decoder, which counts no head), the
+    value head's ``2 * hidden`` per position included."""
+    per_token = 2 * critic_matmul_params + 2 * model_cfg.hidden_size + 4 * model_cfg.num_layers * length * model_cfg.num_heads * model_cfg.head_dim
+    return float(per_token) * length * rows * (1 + train_passes * epochs)

@@ -28,6 +28,7 @@ from asyncrl.trainer.step import (
     HashedGraphDef,
     StepSpec,
     compile_count,
+    critic_step_flops,
     init_critic_opt_state,
     init_opt_state,
     loss_window,
@@ -203,6 +204,8 @@ class Trainer:
         self.critic_params = _place(trainable, critic_shardings(critic.config, trainable, self.mesh))
         self.critic_opt_state = init_critic_opt_state(self.critic_params, optim=optim, model_cfg=critic.config,
                                                       mesh=self.mesh)
+        # The critic's decoder is tied and never runs its head: no vocab x hidden matmul to count.
+        self._critic_matmul_params = matmul_params(critic.params["decoder"], critic.config) - critic.config.vocab_size * critic.config.hidden_size
 
     def critic_params_for_export(self) -> Optional[dict]:
         """The critic's ``{decoder, value_head}`` with LoRA adapters merged into the decoder (None without a critic)."""
@@ -234,6 +237,10 @@ class Trainer:
             "memory/frozen_param_bytes": float(tree_bytes(self.frozen) if self.frozen is not None else 0),
             "memory/opt_state_bytes": float(tree_bytes(self.opt_state)),
             "memory/grad_bytes": float(sum(4 * x.size for x in jax.tree.leaves(self.params))),  # float32 accumulator
+            **({} if self.critic_spec is None else {
+                "memory/critic_param_bytes": float(tree_bytes(self.critic_params) + tree_bytes(self.critic_frozen)),
+                "memory/critic_opt_state_bytes": float(tree_bytes(self.critic_opt_state)),
+            }),
         }
 
     @classmethod
@@ -346,7 +353,10 @@ class Trainer:
         ``train/trained_tokens``, ``train/version``; ``perf/train_time`` (this call's compute: the
         loop's ``perf/step_time`` is the whole step), ``perf/train_tokens_per_train_s`` (trained
         tokens over ``perf/train_time``), ``perf/compile_count``, ``perf/flops_per_s`` (model FLOPs,
-        :func:`step_flops`), ``memory/*``.
+        :func:`step_flops`, plus :func:`critic_step_flops` with a critic), ``memory/*``.
+        With a critic (``algo.estimator: gae``) also ``loss/value``, ``train/value_mean``, ``train/return_mean``,
+        ``train/explained_variance``, ``train/value_clip_frac``, ``train/critic_grad_norm``,
+        ``train/critic_update_norm``, ``train/critic_lr`` and ``train/critic_skipped_updates``.
         Raises :class:`TrainerError` after ``optim.max_consecutive_nonfinite`` skipped updates in a row.
 
         With ``objective="sft"`` the loss is ``loss/sft`` (token-mean negative log-likelihood
@@ -387,6 +397,10 @@ class Trainer:
         flops = step_flops(self._matmul_params, self.model_cfg, self._step_algo, self.spec.ppo_epochs,
                            rows * jax.process_count(), length, train_passes=2 if self.lora is not None else 3,
                            window=kwargs["window"])
+        if self.critic_spec is not None:
+            flops += critic_step_flops(self._critic_matmul_params, self.critic_spec.model_cfg, self.spec.ppo_epochs,
+                                       rows * jax.process_count(), length,
+                                       train_passes=2 if self.critic_frozen is not None else 3)
         metrics = {step_metric_name(k): float(v) for k, v in out.items()}
         if critic_finite is not None:
             metrics["train/critic_skipped_updates"] = float(critic_skipped)
