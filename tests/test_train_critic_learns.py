@@ -27,5 +27,8 @@ def test_quickstart_with_critic_learns(tmp_path):
     explained = [row["train/explained_variance"] for row in rows if "train/explained_variance" in row]
     print(json.dumps({"eval_first": evals[0], "eval_last": evals[-1], "evals": evals,
                       "explained_variance_last10": explained[-10:]}))
-    assert evals[-1] - evals[0] >= 0.3
+    assert evals[-1] - evals[0] >= 0.3  # GRPO's bar
+    # And the RL stage itself improves on the SFT warm start (seed 0 measured: 0.479 -> 0.865).
+    sft_end = [row["eval/reward"] for row in rows if "eval/reward" in row and row["step"] == cfg.stages[0].total_steps]
+    assert evals[-1] - sft_end[0] >= 0.2
     assert (tmp_path / "hf_critic" / "config.json").is_file()
