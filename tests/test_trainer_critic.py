@@ -188,3 +188,24 @@ for mesh, micro in [((4, 2, 1), 2), ((1, 4, 2), 1)]:
 def test_mesh_steps_with_critic_equal_single_device_step():
     proc = run_python(MESH_CODE, env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"), timeout=300)
     assert proc.stdout.count("max diff") == 2
+
+
+def test_critic_lora_trains_adapters_and_the_head_only(tiny):
+    graphdef, params = tiny
+    cfg = trainer_config(algo={"estimator": "gae"}, optim=SGD,
+                         critic={"optim": dict(SGD, lr=0.1), "lora": {"rank": 2, "alpha": 4.0}})
+    trainer = Trainer(cfg, graphdef, params)
+    frozen_before = host(trainer.critic_frozen)
+    full = host(critic_from_policy(model_config(tiny), params).params)
+    assert set(trainer.critic_params) == {"decoder", "value_head"}
+    assert "embed_tokens" not in trainer.critic_params["decoder"]  # adapters only
+    for seed in (1, 2):
+        metrics = trainer.step(make_batch(seed=seed))
+    assert np.isfinite(metrics["loss/value"]) and metrics["memory/critic_param_bytes"] > 0
+    assert max_diff(host(trainer.critic_frozen), frozen_before) == 0.0  # the base never changes
+    merged = host(trainer.critic_params_for_export())
+    assert jax.tree.structure(merged) == jax.tree.structure(full)  # the plain critic's tree: exportable
+    assert max_diff(merged["decoder"], full["decoder"]) > 0  # the adapters moved it
+    a = Trainer(cfg, graphdef, params)
+    a.load_state_dict(trainer.state_dict())
+    assert max_diff(host(a.critic_params), host(trainer.critic_params)) == 0.0
