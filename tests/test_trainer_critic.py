@@ -209,3 +209,15 @@ def test_critic_lora_trains_adapters_and_the_head_only(tiny):
     a = Trainer(cfg, graphdef, params)
     a.load_state_dict(trainer.state_dict())
     assert max_diff(host(a.critic_params), host(trainer.critic_params)) == 0.0
+
+
+def test_a_stage_may_switch_to_gae():
+    from asyncrl.config import load_config
+
+    cfg = load_config(data={"critic": {}, "stages": [{"name": "sft", "type": "sft", "total_steps": 2},
+                                                      {"name": "rl", "total_steps": 3, "algo": {"estimator": "gae"}}]})
+    assert [scfg.algo.estimator for _, scfg in cfg.stage_configs()] == ["grpo", "gae"]
+    with pytest.raises(ConfigError, match=r"stages\.0\.algo\.estimator: gae needs a value model"):
+        load_config(data={"stages": [{"name": "rl", "total_steps": 3, "algo": {"estimator": "gae"}}]})
+    with pytest.raises(ConfigError, match="algo.reward_kl_coef"):
+        load_config(data={"algo": {"reward_kl_coef": 0.1}})

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, model_validator
 
 from asyncrl.config.errors import format_validation_error
 from asyncrl.config.overrides import apply_override
@@ -59,6 +59,11 @@ __all__ = [
     "SFTConfig", "Section", "StageConfig", "STAGE_SECTIONS", "GROUP_NORMALISED_ESTIMATORS", "dump_config", "load_config",
     "read_utf8", "read_yaml", "validate_config",
 ]
+
+
+def _estimator_target(spec: Any) -> Any:
+    """The alias or import path of an ``algo.estimator`` value (a string or ``{target, kwargs}``)."""
+    return spec.get("target") if isinstance(spec, dict) else spec
 
 
 class StageConfig(Section):
@@ -129,7 +134,7 @@ class Config(Section):
     """Logging."""
 
     @model_validator(mode="after")
-    def _check_algo(self) -> "Config":
+    def _check_algo(self, info: ValidationInfo) -> "Config":
         problems = []
         algo = self.algo
         if algo.decoupled and algo.mismatch_correction:
@@ -145,10 +150,17 @@ class Config(Section):
             )
         if target == "gae" and self.critic is None:
             problems.append("algo.estimator: gae needs a value model; add a critic section (e.g. critic: {}) or use grpo")
-        if self.critic is not None and target != "gae":
-            problems.append(f"critic: only algo.estimator: gae uses a critic (the estimator is '{target}'); remove the critic section or set algo.estimator: gae")
-        if algo.reward_kl_coef > 0 and target != "gae":
-            problems.append(f"algo.reward_kl_coef: the KL penalty in the reward is part of gae (the estimator is '{target}'); use algo.kl_coef")
+        # Unused critic settings: judged on the whole run (a stage may switch to gae), not on a
+        # stage's resolved config (an SFT stage before a gae stage inherits them unused).
+        if not (info.context or {}).get("stage"):
+            run_targets = {target} | {_estimator_target(stage.algo["estimator"]) for stage in self.stages
+                                      if "estimator" in stage.algo}
+            if self.critic is not None and "gae" not in run_targets:
+                problems.append(f"critic: only algo.estimator: gae uses a critic (the estimator is '{target}'); "
+                                "remove the critic section or set algo.estimator: gae")
+            if algo.reward_kl_coef > 0 and "gae" not in run_targets:
+                problems.append(f"algo.reward_kl_coef: the KL penalty in the reward is part of gae (the estimator is "
+                                f"'{target}'); use algo.kl_coef")
         if algo.truncated == "penalty" and algo.overlong_buffer > self.rollout.max_new_tokens:
             problems.append(
                 f"algo.overlong_buffer: {algo.overlong_buffer} exceeds rollout.max_new_tokens "
@@ -238,7 +250,7 @@ class Config(Section):
                     [r.model_dump(mode="json") for r in override] if isinstance(override, list) else override
                 )
         raw["run"]["total_steps"] = stage.total_steps
-        return Config.model_validate(raw)
+        return Config.model_validate(raw, context={"stage": True})
 
     @property
     def total_steps(self) -> int:
