@@ -13,7 +13,10 @@ configs share one compilation (:func:`compile_count`). It reads top to bottom:
    gradient, when ``algo`` needs them recomputed (decoupled with ``prox_logp: recompute``,
    or mismatch correction); reference log-probs (frozen initial weights) only when
    ``algo.kl_coef > 0`` (:func:`batch_logprobs`);
-3. ``lax.scan`` over the updates (:func:`optimizer_update`); each accumulates float32
+2b. with a critic (``algo.estimator: gae``, a static :class:`CriticSpec`): the critic's values at the
+   step's start, and from them GAE advantages and returns (:func:`critic_targets`);
+3. ``lax.scan`` over the updates (:func:`optimizer_update`; with a critic, each policy update is
+   followed by one of the critic's, :func:`critic_micro_loss`); each accumulates float32
    gradients over ``optim.micro_batches`` (:func:`accumulate_gradients`, a ``lax.scan``) with
    the mini-batch's aggregation denominators, then clips the global norm once and applies the
    optax update. An update whose loss or gradient norm is not finite keeps the old parameters
