@@ -43,3 +43,50 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords and item.nodeid.split("[")[0] not in named:
             item.add_marker(skip)
+
+
+# The tiny model in the four shapes tests want it, each under its own name (module scope: one
+# load per test file, as before).
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The built-in ``tiny`` model written to a fresh directory (a Hugging Face layout)."""
+    from asyncrl.model.tiny import ensure_tiny
+
+    return ensure_tiny("tiny", cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_from_dir(tiny_dir):
+    """``tiny`` loaded back from :func:`tiny_dir` (a ``LoadedModel`` with its tokenizer)."""
+    from asyncrl.model.loading import load_model
+
+    return load_model(str(tiny_dir))
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded():
+    """``tiny`` loaded by name, with its tokenizer (a ``LoadedModel``)."""
+    from asyncrl.model.loading import load_model
+
+    return load_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_split():
+    """``tiny`` without a tokenizer, as ``(loaded_model, graphdef, params)``."""
+    from asyncrl.model.loading import load_model
+
+    lm = load_model("tiny", with_tokenizer=False)
+    graphdef, params = lm.split()
+    return lm, graphdef, params
+
+
+@pytest.fixture(scope="module")
+def tiny_one_layer():
+    """A one-layer tiny model as ``(graphdef, params)``: half the compile time of two layers,
+    the same code paths (tests/trainer_fixtures.py)."""
+    from tests.trainer_fixtures import tiny_model
+
+    return tiny_model(layers=1)

@@ -96,7 +96,7 @@ def read_wandb_records(path: str | Path) -> list:
             continue
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # generated protobuf, no stubs
             record.ParseFromString(pending)
             records.append(record)
             pending = b""

@@ -1,4 +1,4 @@
-"""A slow reward for tests/test_multiprocess.py: each call takes a second, so process 0 of a
+"""A slow reward for tests/cluster/test_multiprocess.py: each call takes a second, so process 0 of a
 run is still waiting for its next batch when a test signals another process."""
 
 from __future__ import annotations

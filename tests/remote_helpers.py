@@ -134,7 +134,8 @@ class InProcessServer:
         from asyncrl.run.build import build_local_engine
         from asyncrl.engine.serve import ServeState, build_app
 
-        engine = build_local_engine(cfg, *loaded.split(), loaded.stop_token_ids)
+        graphdef, params = loaded.split()
+        engine = build_local_engine(cfg, graphdef, params, loaded.stop_token_ids)
         self.state = ServeState(engine, loaded.model.cfg, str(loaded.path), weights_root=weights_root, api_key=api_key)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

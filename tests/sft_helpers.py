@@ -35,7 +35,7 @@ def greedy_completions(
     outputs: list[list[int]] = [[] for _ in prompts]
     for _ in range(max_new_tokens):
         next_ids = np.asarray(jnp.argmax(logits[:, -1], axis=-1)).astype(np.int32)
-        for row in np.flatnonzero(~done):
+        for row in np.flatnonzero(~done).tolist():
             if next_ids[row] in stops:
                 done[row] = True
             else:

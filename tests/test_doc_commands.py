@@ -194,7 +194,7 @@ SLOW_CHAINS = {
     ),
 }
 
-STATIC_CHECKS = (Step("ruff check asyncrl workflows scripts"),)  # mypy: .ci/run (a minute cold; too slow here)
+STATIC_CHECKS = (Step("ruff check asyncrl workflows scripts tests"),)  # mypy: .ci/run (a minute cold; too slow here)
 
 CHAINS = {"static": STATIC_CHECKS, "readme": README_CHAIN, "lora": LORA_CHAIN, "bench": BENCH_CHAIN, **SLOW_CHAINS}
 
@@ -208,15 +208,15 @@ ELSEWHERE = {
 NOT_RUNNABLE_HERE = {
     "python -m sglang.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct --host 0.0.0.0 --port 30000 "
     "--skip-tokenizer-init --weight-version 0 --api-key $ASYNCRL_API_KEY":
-        "SGLang needs a GPU and is not a dependency; tests/test_remote.py runs the same protocol against asyncrl serve",
+        "SGLang needs a GPU and is not a dependency; tests/engine/test_remote.py runs the same protocol against asyncrl serve",
     "python -u -m sgl_jax.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct --device=tpu --tp-size=4 "
     "--skip-tokenizer-init --host 0.0.0.0 --port 30000":
-        "SGLang-Jax needs a TPU; tests/test_remote.py runs the same protocol against asyncrl serve",
+        "SGLang-Jax needs a TPU; tests/engine/test_remote.py runs the same protocol against asyncrl serve",
     "srun --nodes=4 --ntasks-per-node=1 asyncrl train configs/my_run.yaml --set mesh.distributed.enabled=true":
-        "needs a SLURM cluster of 4 hosts; tests/test_launch.py runs processes with the same environment on loopback",
+        "needs a SLURM cluster of 4 hosts; tests/cluster/test_launch.py runs processes with the same environment on loopback",
     "gcloud compute tpus tpu-vm ssh my-tpu-pod --zone=us-central2-b --worker=all --command=\"cd asyncrl && asyncrl "
     "train configs/my_run.yaml --set mesh.distributed.enabled=true\"":
-        "needs a Cloud TPU pod slice; tests/test_launch.py runs processes with the same environment on loopback",
+        "needs a Cloud TPU pod slice; tests/cluster/test_launch.py runs processes with the same environment on loopback",
 }
 """Commands the docs show that cannot run on this machine (third-party servers, clusters) or not yet."""
 
@@ -374,7 +374,7 @@ def _process_of_a_run(argv: list[str], env: dict[str, str], ws: Path, background
                 p.kill()
                 p.wait(10)
     for p, output in zip(procs, outputs):
-        assert p.returncode == 0, f"{argv} (process {p.args}) exited {p.returncode}:\n{output[-3000:]}"
+        assert p.returncode == 0, f"{argv} (process {p.args!r}) exited {p.returncode}:\n{output[-3000:]}"
     return outputs[0]
 
 

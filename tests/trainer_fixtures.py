@@ -1,6 +1,6 @@
 """TrainBatches and configs for the trainer tests, built directly in numpy (no executor).
 
-Imported by ``tests/test_trainer*.py`` and by the subprocesses they spawn.
+Imported by ``tests/trainer/`` and by the subprocesses they spawn.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Small pure ``jnp`` functions, each named by the config value that selects it
 (``algo.estimator``, ``algo.ratio``, ``algo.kl_estimator``, ``algo.aggregation``), every
-one checked against an independent numpy reference in ``tests/test_algo*.py``. PPO with a
+one checked against an independent numpy reference in ``tests/algo/``. PPO with a
 critic (``algo.estimator: gae``): token rewards, GAE and the clipped value loss of
 :mod:`asyncrl.algo.gae`. Formulas,
 defaults and sources: ``docs/algorithms.md``. Static configuration is an

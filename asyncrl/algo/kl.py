@@ -9,7 +9,7 @@ With delta = log pi(y) - log pi_ref(y) for a token y sampled from pi (shapes ``[
   [-20, 20] first so exp cannot overflow): unbiased for KL(pi || ref) as a value, but its
   expected gradient on-policy is grad KL(ref || pi).
 
-"Expected gradient on-policy" is sum_y sg(pi(y)) grad k(y); ``tests/test_algo_kl.py``
+"Expected gradient on-policy" is sum_y sg(pi(y)) grad k(y); ``tests/algo/test_algo_kl.py``
 checks all three by exact enumeration over a categorical policy.
 """
 

@@ -111,7 +111,7 @@ class DecoderConfig:
 # --------------------------------------------------------------------------- config.json without transformers
 
 # What transformers 5's LlamaConfig / Qwen2Config / Qwen3Config give a field config.json leaves
-# out, for every field from_hf_config and the loader read (tests/test_model_config_reader.py
+# out, for every field from_hf_config and the loader read (tests/model/test_model_config_reader.py
 # compares this reader with AutoConfig on each family).
 _LLAMA_DEFAULTS: dict[str, Any] = dict(
     vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,

@@ -234,7 +234,7 @@ def load_tokenizer(model_dir: Path, *, builtin: bool = False) -> Any:
 
     ``builtin=True`` (a directory asyncrl built, :mod:`asyncrl.model.tiny` / ``tiny_qwen3``):
     the ``TokenizersBackend`` it was saved as is loaded directly, which is what AutoTokenizer
-    picks for these directories too (tests/test_model_config_reader.py checks both give the
+    picks for these directories too (tests/model/test_model_config_reader.py checks both give the
     same tokenizer) but without AutoTokenizer's import of transformers' config classes, which
     import torch whenever it is installed. Any other directory keeps AutoTokenizer's choice of
     class by model type."""

@@ -79,14 +79,11 @@ def partition_spec(cfg: DecoderConfig, name: str, shape: tuple[int, ...], mesh: 
     if name.endswith(".dropout_key"):  # a LoRA adapter's raw dropout PRNG key: tiny, replicated
         return PartitionSpec(*([None] * len(shape)))
     lora = _lora_rule(name)
-    if lora is not None:
-        pattern, axes, units = lora
-    else:
-        for pattern, axes, units in PARTITION_RULES:
-            if re.search(pattern, name):
-                break
-        else:
+    if lora is None:
+        lora = next((rule for rule in PARTITION_RULES if re.search(rule[0], name)), None)
+        if lora is None:
             raise ValueError(f"no partition rule matches parameter {name!r}; add one to PARTITION_RULES")
+    pattern, axes, units = lora
     if len(axes) != len(shape):
         raise ValueError(f"partition rule {pattern!r} has {len(axes)} dims, parameter {name!r} has shape {shape}")
     spec = []

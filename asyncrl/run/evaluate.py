@@ -1,6 +1,6 @@
 """Evaluation on a task's held-out split: greedy reward and accuracy, and pass@k.
 
-The loop calls :func:`evaluate` between publishes, so every eval request sees exactly one
+The loop calls :func:`evaluate_workflow` between publishes, so every eval request sees exactly one
 weights version (checked: the result records it, and a version change mid-eval is an
 error). ``asyncrl eval`` runs the same function alone.
 
@@ -270,7 +270,7 @@ def _texts(workflow: Any, sample: Mapping[str, Any], group: Any) -> tuple[str, s
     return prompt, completion
 
 
-def evaluate(engine: InferenceEngine, workflow: Any, samples: Sequence[Mapping[str, Any]], cfg: Config,
+def evaluate_workflow(engine: InferenceEngine, workflow: Any, samples: Sequence[Mapping[str, Any]], cfg: Config,
              eval_metrics: Optional[Mapping[str, Callable[..., float]]] = None) -> EvalResult:
     """Run the workflow's episodes on the eval samples: greedily (reward, accuracy, components,
     ``eval_metrics``) and, with ``eval.n_samples``, sampled (pass@k)."""
@@ -389,7 +389,7 @@ def evaluate_model(cfg: Config, stream: Any = None) -> EvalResult:
     graphdef, params = loaded.split()
     engine = build_local_engine(cfg, graphdef, params, loaded.stop_token_ids)
     try:
-        result = evaluate(engine, workflow, task.eval, cfg, eval_metrics=getattr(task, "eval_metrics", None))
+        result = evaluate_workflow(engine, workflow, task.eval, cfg, eval_metrics=getattr(task, "eval_metrics", None))
     finally:
         engine.shutdown()
     width = max(len(name) for name in result.metrics)

@@ -36,19 +36,52 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, TextIO, Union
 
 import numpy as np
 
 from asyncrl.run.build import build_engine, episode_metric_means, preflight
 from asyncrl.checkpoint.schema import RUN_STATE_FORMAT
 from asyncrl.config import Config, dump_config
+from asyncrl.engine.protocol import InferenceEngine
 from asyncrl.errors import AsyncRLError, CheckpointError
 from asyncrl.rollout.batch import BatchAbandoned, BatchSource, PreparedBatch
 from asyncrl.pytree import tree_to_host
 from asyncrl.run.rundir import check_output_dir_path, prepare_output_dir
 
+if TYPE_CHECKING:
+    import jax
+
+    from asyncrl.checkpoint import Checkpoint
+    from asyncrl.data import TaskData
+    from asyncrl.rollout.trajectory import TrajectoryGroup
+    from asyncrl.rollout.workflow import RolloutWorkflow
+    from asyncrl.run.metrics import ConsoleSink, JsonlSink, LogAppender, StatsTracker, TensorBoardSink
+    from asyncrl.run.multihost import Hosts, NoSink
+    from asyncrl.run.shutdown import ShutdownGuard
+    from asyncrl.run.trackers import TrackerSinks
+    from asyncrl.trainer import Trainer
+
 log = logging.getLogger(__name__)
+
+Params = Any
+"""A pytree of arrays: the model's parameters (or a LoRA run's adapters), on devices or as host numpy."""
+
+class RunEngine(InferenceEngine, Protocol):
+    """What the loop needs of the run's engine beyond what workflows use (in-process or remote)."""
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's ``engine/*`` metrics (counters since it started, gauges now)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop serving: pending and later calls raise; returns once its threads ended."""
+        ...
+
+
+EvalHook = Callable[["StatsTracker"], None]
+"""A stage's eval as the loop calls it: runs it and records its metrics on the stage's tracker
+(called between publishes, so every eval request sees one version)."""
 
 ENGINE_COUNTERS = ("engine/requests", "engine/samples_aborted", "engine/prefill_tokens", "engine/decode_tokens",
                    "engine/decode_steps", "engine/swaps")
@@ -72,7 +105,7 @@ class TrainResult:
     wall_time_s: float
     output_dir: Path
     history: list[dict[str, float]]
-    final_params: Any = None
+    final_params: Params = None
     """The trained weights as host numpy arrays (the same as the ``hf/`` export)."""
 
 
@@ -86,9 +119,9 @@ class Stage:
     """``rl`` or ``sft``."""
     cfg: Config
     """The stage's config, rewards defaulted to the task's (:func:`~asyncrl.run.build.preflight`)."""
-    task: Any
-    workflow: Any
-    start_params: Any
+    task: TaskData
+    workflow: RolloutWorkflow
+    start_params: Params
     """The weights the stage started from: its KL reference, saved by checkpoints of stages > 0."""
     done: Optional[int]
     """Steps of this stage the resumed checkpoint holds (None: not resumed inside this stage)."""
@@ -97,7 +130,7 @@ class Stage:
 # ---------------------------------------------------------------------------- the whole run
 
 
-def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) -> TrainResult:
+def train(cfg: Config, argv: Optional[list[str]] = None, console: Optional[TextIO] = None) -> TrainResult:
     """Run the whole training job of ``cfg`` (all its stages); returns a summary (also printed).
 
     With ``checkpoint.resume: auto`` it continues from the newest complete checkpoint in
@@ -152,14 +185,14 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Any = None) ->
     return _finish(run, params, final_params, time.monotonic() - started, console)
 
 
-def run_stages(run: "Run") -> tuple[Any, Any]:
+def run_stages(run: "Run") -> tuple[Params, Params]:
     """Every stage not finished yet, in order; returns the trainable params of the last one
     and the final weights (merged with LoRA) as host arrays."""
     cfg = run.cfg
     parts = preflight(cfg, run.loaded.tokenizer)
     start_stage = run.resumed.state["stage_index"] if run.resumed is not None else 0
     params = run.params  # a resumed stage starts from its saved weights (run.stage_start)
-    trainer = None
+    trainer: Optional[Trainer] = None
     for index, ((spec, _), (scfg, task, workflow)) in enumerate(zip(cfg.stage_configs(), parts)):
         if index < start_stage:
             continue
@@ -174,9 +207,9 @@ def run_stages(run: "Run") -> tuple[Any, Any]:
             build = rl_source if stage.type == "rl" else sft_source
             # Process 0 makes the batches (executor, workflows, engine) and evaluates; every
             # process trains on its block of each batch (asyncrl.run.multihost).
-            source, evaluate = build(run, stage, trainer)
+            source, record_eval = build(run, stage, trainer)
             source = run.hosts.batch_source(source, trainer.row_multiple)
-            run_stage(run, stage, trainer, source, evaluate)
+            run_stage(run, stage, trainer, source, record_eval)
         params = trainer.trainable_params()
     assert trainer is not None, "a config has at least one stage"
     if trainer.critic_spec is not None:
@@ -184,7 +217,7 @@ def run_stages(run: "Run") -> tuple[Any, Any]:
     return params, tree_to_host(trainer.params_for_publish())
 
 
-def _finish(run: "Run", params: Any, final_params: Any, wall: float, console: Any) -> TrainResult:
+def _finish(run: "Run", params: Params, final_params: Params, wall: float, console: Optional[TextIO]) -> TrainResult:
     """Export ``hf/`` (and a LoRA run's ``adapter/``), print the summary line."""
     from asyncrl.model import export_hf
 
@@ -218,11 +251,10 @@ def _finish(run: "Run", params: Any, final_params: Any, wall: float, console: An
 # ---------------------------------------------------------------------------- one stage
 
 
-def run_stage(run: "Run", stage: Stage, trainer: Any, source: BatchSource,
-              evaluate: Callable[[Any], None]) -> None:
+def run_stage(run: "Run", stage: Stage, trainer: Trainer, source: BatchSource, record_eval: EvalHook) -> None:
     """Train ``stage`` from its first step not done to its last, on batches from ``source``.
 
-    ``evaluate(tracker)`` records the stage's eval metrics (between publishes: one version).
+    ``record_eval(tracker)`` records the stage's eval metrics (between publishes: one version).
     Closes ``source`` and the stage's TensorBoard writer however it ends.
     """
     scfg = stage.cfg
@@ -232,7 +264,7 @@ def run_stage(run: "Run", stage: Stage, trainer: Any, source: BatchSource,
         tracker, tensorboard = run.tracker_for(stage.name)
         cleanup.callback(tensorboard.close)
         if stage.index == 0 and stage.done is None and scfg.eval.every_steps:
-            _timed_eval(evaluate, tracker)  # step 0: the model before any training
+            _timed_eval(record_eval, tracker)  # step 0: the model before any training
             run.history.append(tracker.commit(run.version))
         for stage_step in range((stage.done or 0) + 1, scfg.run.total_steps + 1):
             step_start = time.perf_counter()
@@ -253,7 +285,7 @@ def run_stage(run: "Run", stage: Stage, trainer: Any, source: BatchSource,
                 if run.trackers is not None:
                     run.trackers.log_trajectories(run.version, records)
             if eval_due(scfg, stage_step):
-                _timed_eval(evaluate, tracker)
+                _timed_eval(record_eval, tracker)
             run.history.append(tracker.commit(run.version))
             stop = run.hosts.agree_stop()  # the same answer on every process
             if run.checkpoint_due(stage_step, scfg.run.total_steps, stopping=stop is not None):
@@ -266,14 +298,14 @@ def run_stage(run: "Run", stage: Stage, trainer: Any, source: BatchSource,
                 raise TrainingInterrupted(stop, run.last_checkpoint)
 
 
-def _timed_eval(evaluate: Callable[[Any], None], tracker: Any) -> None:
-    """``evaluate(tracker)`` and its wall time as ``perf/eval_time`` (outside ``perf/step_time``)."""
+def _timed_eval(record_eval: EvalHook, tracker: StatsTracker) -> None:
+    """``record_eval(tracker)`` and its wall time as ``perf/eval_time`` (outside ``perf/step_time``)."""
     start = time.perf_counter()
-    evaluate(tracker)
+    record_eval(tracker)
     tracker.scalar("perf/eval_time", time.perf_counter() - start, reduce="last")
 
 
-def _next_batch(run: "Run", stage: Stage, stage_step: int, trainer: Any, source: BatchSource) -> PreparedBatch:
+def _next_batch(run: "Run", stage: Stage, stage_step: int, trainer: Trainer, source: BatchSource) -> PreparedBatch:
     """The step's batch; a signal while waiting for it checkpoints the last step and stops."""
     try:
         return source.next_batch(run.version, timeout=stage.cfg.rollout.batch_timeout_s,
@@ -287,7 +319,7 @@ def _next_batch(run: "Run", stage: Stage, stage_step: int, trainer: Any, source:
         raise TrainingInterrupted(run.hosts.abandon_code(), run.last_checkpoint) from None
 
 
-def _no_eval(tracker: Any) -> None:
+def _no_eval(tracker: StatsTracker) -> None:
     """The evaluation of a process other than 0: the engine and the logs are process 0's."""
 
 
@@ -296,7 +328,7 @@ def eval_due(scfg: Config, stage_step: int) -> bool:
     return bool(every) and (stage_step % every == 0 or stage_step == scfg.run.total_steps)
 
 
-def rl_source(run: "Run", stage: Stage, trainer: Any) -> tuple[Optional[BatchSource], Callable[[Any], None]]:
+def rl_source(run: "Run", stage: Stage, trainer: Trainer) -> tuple[Optional[BatchSource], EvalHook]:
     """The RL stage's executor (its rollout state restored on a resume, started) and its eval
     (process 0's; None and no eval on the other processes)."""
     from asyncrl.data import SampleOrder
@@ -305,15 +337,18 @@ def rl_source(run: "Run", stage: Stage, trainer: Any) -> tuple[Optional[BatchSou
     if not run.hosts.is_main:
         return None, _no_eval
     scfg = stage.cfg
+    assert run.engine is not None, "process 0 holds the engine (Run.ensure_engine)"
     executor = WorkflowExecutor(stage.workflow, run.engine, SampleOrder(stage.task.train, scfg.run.seed), scfg,
                                 version=run.version, row_multiple=trainer.row_multiple)
     if stage.done is not None:
-        executor.load_state_dict(run.resumed.rollout_state)
+        rollout_state = run.resumed_inside(stage).rollout_state
+        assert rollout_state is not None, "check_run_checkpoint requires an RL stage's rollout state"
+        executor.load_state_dict(rollout_state)
     executor.start()
-    return executor, lambda tracker: run.evaluate(stage, tracker)
+    return executor, lambda tracker: run.eval_on_engine(stage, tracker)
 
 
-def sft_source(run: "Run", stage: Stage, trainer: Any) -> tuple[Optional[BatchSource], Callable[[Any], None]]:
+def sft_source(run: "Run", stage: Stage, trainer: Trainer) -> tuple[Optional[BatchSource], EvalHook]:
     """The SFT stage's data (its position restored on a resume) and its eval: the task's
     greedy eval through the engine, as in RL, and the held-out loss. With several processes
     the data and the greedy eval are process 0's; every process computes the held-out loss on
@@ -328,16 +363,16 @@ def sft_source(run: "Run", stage: Stage, trainer: Any) -> tuple[Optional[BatchSo
         return None, lambda tracker: tracker.scalars(eval_loss(trainer, held_out), reduce="last")
     data = SFTData.for_task(stage.task, stage.workflow, scfg, eos_token_id=eos, row_multiple=trainer.row_multiple)
     if stage.done is not None:
-        data.load_state_dict(run.resumed.state["sft"])
+        data.load_state_dict(run.resumed_inside(stage).state["sft"])
 
-    def evaluate(tracker: Any) -> None:
-        run.evaluate(stage, tracker)
+    def record_eval(tracker: StatsTracker) -> None:
+        run.eval_on_engine(stage, tracker)
         tracker.scalars(eval_loss(trainer, held_out), reduce="last")
 
-    return data, evaluate
+    return data, record_eval
 
 
-def reward_metrics(groups: Any) -> dict[str, float]:
+def reward_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
     """``reward/mean``, ``reward/std``, ``reward/<component>`` and ``episode/<name>`` of a batch's groups."""
     if not groups:
         return {}
@@ -353,7 +388,8 @@ def reward_metrics(groups: Any) -> dict[str, float]:
     return out
 
 
-def _dump_trajectories(log_file: Any, step: int, groups: Any, tokenizer: Any, limit: int) -> list[dict]:
+def _dump_trajectories(log_file: Union[LogAppender, NoSink], step: int, groups: Sequence[TrajectoryGroup], tokenizer: Any,
+                       limit: int) -> list[dict]:
     """Append the first ``limit`` groups of a step to ``trajectories.jsonl`` (a
     :class:`~asyncrl.run.metrics.LogAppender`: a failed write warns and the run goes on);
     returns the records (the trackers' trajectory table)."""
@@ -385,7 +421,8 @@ class Run:
     """The state one run shares across its stages: the loaded model (and LoRA adapters), the
     mesh, the engine, the metric sinks, the served version, and the checkpoint it resumed from."""
 
-    def __init__(self, cfg: Config, out: Path, console: Any, resumed: Any, guard: Any, hosts: Any):
+    def __init__(self, cfg: Config, out: Path, console: Optional[TextIO], resumed: Optional[Checkpoint],
+                 guard: ShutdownGuard, hosts: Hosts):
         from asyncrl.run.metrics import ConsoleSink, JsonlSink, LogAppender
         from asyncrl.model import load_model
         from asyncrl.cluster.placement import check_tensor_parallel, resolve_placement
@@ -406,8 +443,8 @@ class Run:
         self.graphdef, self.params = self.loaded.split()
         # With model.lora the trainer trains adapters on the frozen base; self.graphdef stays
         # the base model's (the engine serves merged weights, hf/ is the merged model).
-        self.train_graphdef: Any = self.graphdef
-        self.frozen: Any = None
+        self.train_graphdef: Any = self.graphdef  # an nnx.GraphDef (flax ships no precise type for it)
+        self.frozen: Optional[Params] = None
         self.lora_state: Optional[dict[str, str]] = None
         """With ``model.lora``: the base model's identity (adapters are of this base only)."""
         if cfg.model.lora is not None:
@@ -422,15 +459,17 @@ class Run:
         self.mesh = build_mesh(cfg.mesh, devices=self.placement.trainer_devices)
         self.device = _first_local_device(self.mesh)
         """The device whose memory ``perf/device_mem_gb`` reports (this process's first in the mesh)."""
-        self.engine: Any = None
+        self.engine: Optional[RunEngine] = None
         self.publish_time = 0.0
         """Seconds of the last ``engine.update_weights`` (``perf/publish_time``)."""
         self.version = resumed.step if resumed is not None else 0
         """Completed trainer steps over all stages: the version the engine serves."""
         main = self.hosts.is_main
-        self.console: Any = ConsoleSink(cfg.total_steps, start_step=self.version, stream=console) if main else NoSink()
-        self.jsonl: Any = JsonlSink(out / "metrics.jsonl") if main else NoSink()
-        self.trajectory_log: Any = LogAppender(out / "trajectories.jsonl", create=False) if main else NoSink()
+        self.console: Union[ConsoleSink, NoSink] = (
+            ConsoleSink(cfg.total_steps, start_step=self.version, stream=console) if main else NoSink())
+        self.jsonl: Union[JsonlSink, NoSink] = JsonlSink(out / "metrics.jsonl") if main else NoSink()
+        self.trajectory_log: Union[LogAppender, NoSink] = (
+            LogAppender(out / "trajectories.jsonl", create=False) if main else NoSink())
         self.trackers = _open_trackers(cfg, out, resumed) if main else None
         """W&B/MLflow (:class:`~asyncrl.run.trackers.TrackerSinks`; process 0's), or None."""
         self.history: list[dict[str, float]] = []
@@ -444,7 +483,7 @@ class Run:
         self.reward_failures = {"reward_errors": 0.0, "reward_timeouts": 0.0}
         """Reward function calls of this process that failed or timed out (all stages, eval included)."""
 
-    def _attach_lora(self, cfg: Config, resumed: Any) -> None:
+    def _attach_lora(self, cfg: Config, resumed: Optional[Checkpoint]) -> None:
         """Fresh adapters on the loaded base (``self.params`` become the adapters); a resumed
         run first checks that the base is the one its checkpoint's adapters were trained on."""
         from asyncrl.model.lora import LoraSpec, attach_lora, base_identity, check_same_base
@@ -466,24 +505,30 @@ class Run:
         self.trajectory_log.close()
         self.console.close()
 
+    def resumed_inside(self, stage: Stage) -> Checkpoint:
+        """The checkpoint ``stage`` resumes inside of (only when ``stage.done`` is not None)."""
+        assert self.resumed is not None and stage.done is not None, f"stage {stage.name} was not resumed"
+        return self.resumed
+
     def resume_position(self, index: int) -> Optional[int]:
         """Steps of stage ``index`` already done according to the checkpoint (None: not resumed there)."""
         if self.resumed is None or self.resumed.state["stage_index"] != index:
             return None
         return int(self.resumed.state["stage_step"])
 
-    def stage_start(self, index: int, previous: Any) -> Any:
+    def stage_start(self, index: int, previous: Params) -> Params:
         """The weights stage ``index`` started from: ``previous`` (the last stage's result), or
         on a resume inside this stage the saved ones (stage 0: the loaded model)."""
-        if self.resume_position(index) is None:
+        resumed = self.resumed
+        if resumed is None or self.resume_position(index) is None:
             return previous
-        if "stage_start_params" in self.resumed.arrays:
-            return self.resumed.tree("stage_start_params", self.params)
+        if "stage_start_params" in resumed.arrays:
+            return resumed.tree("stage_start_params", self.params)
         if index == 0:
             return self.params
-        return self.resumed.tree("params", self.params)
+        return resumed.tree("params", self.params)
 
-    def tracker_for(self, stage_name: str) -> Any:
+    def tracker_for(self, stage_name: str) -> tuple[StatsTracker, Union[TensorBoardSink, NoSink]]:
         """Sinks of one stage. With several stages, rows of metrics.jsonl carry ``stage`` and
         each stage writes its own TensorBoard run (``tensorboard/<stage>/``), so curves of
         different stages never collide under one name."""
@@ -494,16 +539,16 @@ class Run:
         self.jsonl.tags = {"stage": stage_name} if multi else {}
         self.console.prefix = f"[{stage_name}] " if multi else ""
         if not self.hosts.is_main or "tensorboard" not in self.cfg.logging.trackers:
-            tensorboard: Any = NoSink()
+            tensorboard: Union[TensorBoardSink, NoSink] = NoSink()
         else:
             tensorboard = TensorBoardSink(self.out / "tensorboard" / stage_name if multi else self.out / "tensorboard")
-        trackers: list[Any] = []
+        trackers: list[TrackerSinks] = []
         if self.trackers is not None:
             self.trackers.set_stage(stage_name)
             trackers.append(self.trackers)
         return StatsTracker([self.jsonl, tensorboard, *trackers, self.console]), tensorboard
 
-    def ensure_engine(self, trainer: Any, scfg: Config) -> Any:
+    def ensure_engine(self, trainer: Trainer, scfg: Config) -> Optional[RunEngine]:
         """The run's engine (process 0's; None on the others), built once from the trainer's weights."""
         if self.engine is None:
             params = self.hosts.engine_copy(trainer.params_for_publish())  # every process joins the gather
@@ -512,7 +557,7 @@ class Run:
                                            placement=self.placement)
         return self.engine
 
-    def publish(self, trainer: Any) -> None:
+    def publish(self, trainer: Trainer) -> None:
         """Version ``v + 1`` to the engine (process 0's, from the global params; every process calls this)."""
         started = time.perf_counter()
         params = self.hosts.engine_copy(trainer.params_for_publish())
@@ -555,15 +600,18 @@ class Run:
         return merge_producers(trainer=train_metrics, source=got.metrics, engine=engine_metrics,
                                rewards=reward_metrics(got.groups), process=process_metrics(self.device), loop=loop)
 
-    def evaluate(self, stage: Stage, tracker: Any) -> None:
-        from asyncrl.run.evaluate import evaluate
+    def eval_on_engine(self, stage: Stage, tracker: StatsTracker) -> None:
+        """The stage's task eval through the engine (process 0's), recorded on ``tracker``; the
+        last one's metrics are the run's ``final_eval``."""
+        from asyncrl.run.evaluate import evaluate_workflow
 
         task = stage.task
-        result = evaluate(self.engine, stage.workflow, task.eval, stage.cfg, eval_metrics=task.eval_metrics)
+        assert self.engine is not None, "eval runs on process 0, which holds the engine"
+        result = evaluate_workflow(self.engine, stage.workflow, task.eval, stage.cfg, eval_metrics=task.eval_metrics)
         self.final_eval = result.metrics
         tracker.scalars(result.metrics, reduce="last")
 
-    def count_reward_failures(self, workflow: Any) -> None:
+    def count_reward_failures(self, workflow: Optional[RolloutWorkflow]) -> None:
         """Add a finished stage's reward error and timeout counts (for the summary line)."""
         counts = workflow.metrics() if workflow is not None else {}
         for name in self.reward_failures:
@@ -575,7 +623,7 @@ class Run:
         every = self.cfg.checkpoint.every_steps
         return stage_step == stage_total or (every > 0 and self.version % every == 0) or stopping
 
-    def save(self, stage: Stage, stage_step: int, trainer: Any, source: BatchSource) -> None:
+    def save(self, stage: Stage, stage_step: int, trainer: Trainer, source: BatchSource) -> None:
         """A checkpoint of the run after ``stage_step`` steps of ``stage``: weights, optimizer,
         counters and the source's position (RL: the rollout state; SFT: the data position)."""
         from asyncrl.checkpoint import checkpoints_root, save_checkpoint, step_dir_name
@@ -616,7 +664,7 @@ class Run:
 # ---------------------------------------------------------------------------- resume and export
 
 
-def _open_trackers(cfg: Config, out: Path, resumed: Any) -> Any:
+def _open_trackers(cfg: Config, out: Path, resumed: Optional[Checkpoint]) -> Optional[TrackerSinks]:
     """The run's W&B/MLflow trackers (None without any), given the resolved config and
     ``provenance.json`` as the run's config; a resumed run continues its trackers' runs."""
     import yaml
@@ -633,7 +681,7 @@ def _open_trackers(cfg: Config, out: Path, resumed: Any) -> Any:
                          resumed_step=resumed.step if resumed is not None else None)
 
 
-def _stage_trainer(run: Run, stage: Stage) -> Any:
+def _stage_trainer(run: Run, stage: Stage) -> Trainer:
     """A fresh trainer (and optimizer) for ``stage`` starting from its start weights, or, on a
     resume inside the stage, the saved one (its start weights are then the KL reference)."""
     from asyncrl.trainer import Trainer
@@ -641,11 +689,11 @@ def _stage_trainer(run: Run, stage: Stage) -> Any:
     trainer = Trainer(stage.cfg, run.train_graphdef, stage.start_params, mesh=run.mesh, version=run.version,
                       objective=stage.type, frozen=run.frozen, critic=run.critic_model)
     if stage.done is not None:
-        _load_trainer_state(trainer, run.resumed)
+        _load_trainer_state(trainer, run.resumed_inside(stage))
     return trainer
 
 
-def _check_resumed_state(resumed: Any, cfg: Config) -> None:
+def _check_resumed_state(resumed: Optional[Checkpoint], cfg: Config) -> None:
     """A resumed checkpoint's JSON files parse and agree with each other and with the config's
     stages, before anything of it is used (or any log is cut back to its step)."""
     if resumed is not None:
@@ -662,7 +710,7 @@ def _check_resumed_params(run: Run) -> None:
         check_checkpoint_params(run.resumed, run.params)
 
 
-def _load_trainer_state(trainer: Any, resumed: Any) -> None:
+def _load_trainer_state(trainer: Trainer, resumed: Checkpoint) -> None:
     """The saved optimizer state and counters into ``trainer``; a mismatch names the checkpoint."""
     from asyncrl.errors import TrainerError
 
@@ -679,7 +727,7 @@ def _load_trainer_state(trainer: Any, resumed: Any) -> None:
         raise CheckpointError(f"{err} (model or optimizer config changed?)") from None
 
 
-def _check_all_steps_ran(run: Any, cfg: Config) -> None:
+def _check_all_steps_ran(run: Run, cfg: Config) -> None:
     """A run that ends without error has trained every configured step (never exit 0 short)."""
     if run.version < cfg.total_steps:
         raise AsyncRLError(
@@ -688,13 +736,13 @@ def _check_all_steps_ran(run: Any, cfg: Config) -> None:
         )
 
 
-def _first_local_device(mesh: Any) -> Any:
+def _first_local_device(mesh: jax.sharding.Mesh) -> Optional[jax.Device]:
     import jax
 
     return next((d for d in mesh.devices.flat if d.process_index == jax.process_index()), None)
 
 
-def _export_adapter(cfg: Config, base_model: str, adapters: Any, overwrite: bool) -> None:
+def _export_adapter(cfg: Config, base_model: str, adapters: Params, overwrite: bool) -> None:
     """A LoRA run's final adapters as a PEFT adapter directory ``adapter/`` beside ``hf/``."""
     from asyncrl.model.lora import LoraSpec, export_peft_adapter
 

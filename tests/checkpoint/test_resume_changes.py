@@ -1,0 +1,53 @@
+"""What may change when a run is resumed (issue 33, first-run rough edges): a staged run is
+extended by raising the current or a later stage's ``total_steps`` (never below the steps a
+stage has done, never a finished stage's), and a run directory moved or copied elsewhere resumes."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from asyncrl.errors import ConfigError
+from tests.checkpoint.test_resume import read_rows, run_in_process, write_config
+
+STAGES = {
+    "stages": [
+        {"name": "sft", "type": "sft", "total_steps": 2},
+        {"name": "rl", "type": "rl", "total_steps": 2},
+    ],
+    "sft": {"batch_size": 8},
+    "checkpoint": {"every_steps": 1, "keep": 2},
+}
+
+
+def test_a_finished_staged_run_is_extended_by_raising_its_last_stage(tmp_path):
+    out = tmp_path / "staged"
+    config = write_config(tmp_path, out, **STAGES)
+    run_in_process(config)
+    assert [(r["step"], r["stage"]) for r in read_rows(out)] == [(1, "sft"), (2, "sft"), (3, "rl"), (4, "rl")]
+
+    run_in_process(config, "checkpoint.resume=auto", "stages.1.total_steps=4")
+    assert [(r["step"], r["stage"]) for r in read_rows(out)] == [
+        (1, "sft"), (2, "sft"), (3, "rl"), (4, "rl"), (5, "rl"), (6, "rl")]
+
+    # A finished stage's length is history: changing it is refused, naming the field.
+    with pytest.raises(ConfigError, match=r"stages\.0\.total_steps: stage 0 \(sft\) is finished"):
+        run_in_process(config, "checkpoint.resume=auto", "stages.0.total_steps=3", "stages.1.total_steps=4")
+    # The current stage cannot end before the step it is at.
+    with pytest.raises(ConfigError, match=r"stages\.1\.total_steps: 3 is below the 4 steps stage 1 \(rl\) has done"):
+        run_in_process(config, "checkpoint.resume=auto", "stages.1.total_steps=3")
+
+
+def test_a_run_directory_moved_elsewhere_resumes_there(tmp_path):
+    first = tmp_path / "first"
+    config = write_config(tmp_path, first, **STAGES)
+    run_in_process(config)
+    moved = tmp_path / "elsewhere" / "moved"
+    moved.parent.mkdir()
+    shutil.move(str(first), str(moved))
+    config_moved = write_config(tmp_path, moved, **{**STAGES, "stages": [
+        STAGES["stages"][0], {**STAGES["stages"][1], "total_steps": 3}]})
+    run_in_process(config_moved, "checkpoint.resume=auto")
+    assert [r["step"] for r in read_rows(moved)] == [1, 2, 3, 4, 5]
+    assert not first.exists()
