@@ -1,8 +1,10 @@
-"""The algorithm library: advantages, the clipped policy loss, KL estimators, aggregation.
+"""The algorithm library: advantages, the clipped policy loss, KL estimators, aggregation, GAE.
 
 Small pure ``jnp`` functions, each named by the config value that selects it
 (``algo.estimator``, ``algo.ratio``, ``algo.kl_estimator``, ``algo.aggregation``), every
-one checked against an independent numpy reference in ``tests/algo/``. Formulas,
+one checked against an independent numpy reference in ``tests/algo/``. PPO with a
+critic (``algo.estimator: gae``): token rewards, GAE and the clipped value loss of
+:mod:`asyncrl.algo.gae`. Formulas,
 defaults and sources: ``docs/algorithms.md``. Static configuration is an
 :class:`AlgoParams` (frozen, hashable: a ``static_argnames`` argument), built once with
 ``AlgoParams.from_config(cfg)``.
@@ -55,6 +57,7 @@ from asyncrl.algo.aggregation import (
     aggregation_denominators,
     token_mean,
 )
+from asyncrl.algo.gae import gae, last_token_mask, masked_whiten, token_rewards, value_loss, value_statistics
 from asyncrl.algo.kl import KL_ESTIMATORS, k1, k2, k3, kl_penalty
 from asyncrl.algo.losses import (
     LOG_RATIOS,
@@ -83,11 +86,14 @@ __all__ = [
     "clipped_surrogate",
     "compute_advantages",
     "dr_grpo",
+    "gae",
     "grpo",
     "k1",
     "k2",
     "k3",
     "kl_penalty",
+    "last_token_mask",
+    "masked_whiten",
     "overlong_penalty",
     "policy_loss",
     "rloo",
@@ -95,5 +101,8 @@ __all__ = [
     "shaped_rewards",
     "token_log_ratio",
     "token_mean",
+    "token_rewards",
     "trained_mask",
+    "value_loss",
+    "value_statistics",
 ]

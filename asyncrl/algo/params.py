@@ -56,8 +56,13 @@ class AlgoParams(AlgoConfig):
 
     @property
     def needs_reference(self) -> bool:
-        """True when the trainer must evaluate the frozen reference model (KL penalty on)."""
-        return self.kl_coef > 0
+        """True when the trainer must evaluate the frozen reference model (KL penalty in the loss or, with gae, in the reward)."""
+        return self.kl_coef > 0 or self.reward_kl_coef > 0
+
+    @property
+    def uses_critic(self) -> bool:
+        """True for ``algo.estimator: gae``: per-token advantages from the critic's values (:mod:`asyncrl.algo.gae`)."""
+        return self.estimator == "gae"
 
     @classmethod
     def from_config(cls, cfg: Config) -> "AlgoParams":

@@ -12,6 +12,7 @@ from asyncrl.config.tree import (
     AlgoConfig,
     ComponentRef,
     Config,
+    CriticConfig,
     EngineConfig,
     LoraConfig,
     LoraTarget,
@@ -26,7 +27,7 @@ from asyncrl.config.tree import (
 )
 
 __all__ = [
-    "LORA_TARGET_MODULES", "AlgoConfig", "ComponentRef", "Config", "EngineConfig", "LoraConfig", "LoraTarget",
+    "LORA_TARGET_MODULES", "AlgoConfig", "ComponentRef", "Config", "CriticConfig", "EngineConfig", "LoraConfig", "LoraTarget",
     "ModelConfig", "OptimConfig", "RemoteEngineConfig", "RewardSpec", "Section", "dump_config", "load_config",
     "read_utf8",
 ]

@@ -234,7 +234,13 @@ class AlgoConfig(Section):
     """The RL objective: advantages, the clipped policy loss, KL, entropy and aggregation (``docs/algorithms.md``)."""
 
     estimator: ComponentSpec = "grpo"
-    """Advantage estimator: ``grpo``, ``dr_grpo``, ``rloo``, ``batch``, or an import path; kwargs such as ``{eps: 1e-4}``."""
+    """Advantage estimator: ``grpo``, ``dr_grpo``, ``rloo``, ``batch``, or an import path; kwargs such as ``{eps: 1e-4}``; ``gae``: per-token GAE from a learned value model (needs the ``critic`` section; Schulman et al. 2016)."""
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    """With ``estimator: gae``: the discount gamma between consecutive trained tokens (1: undiscounted, the usual choice for LMs)."""
+    lam: float = Field(default=0.95, ge=0, le=1)
+    """With ``estimator: gae``: GAE's lambda (1: Monte-Carlo returns minus V, high variance; 0: one-step TD, biased by V). 0.95 as InstructGPT/OpenRLHF."""
+    reward_kl_coef: float = Field(default=0.0, ge=0)
+    """With ``estimator: gae``: beta of the per-token KL penalty in the reward, r_t -= beta (log pi_old - log pi_ref) on every trained token (Ouyang et al. 2022); 0 is off. Loads the reference model like ``kl_coef``."""
     reward_scale: float = 1.0
     """Rewards are multiplied by this before the estimator sees them."""
     reward_bias: float = 0.0
@@ -407,6 +413,24 @@ class OptimConfig(Section):
     """Gradient-accumulation chunks per optimizer update: each mini-batch is split into this many micro-batches (memory, not math: the update is the same)."""
     max_consecutive_nonfinite: int = Field(default=5, ge=1)
     """This many optimizer updates in a row with a non-finite loss or gradient (each skipped) stop training with an error."""
+
+
+class CriticConfig(Section):
+    """The value model of ``algo.estimator: gae``: the policy's architecture with a scalar value head (``docs/algorithms.md``).
+
+    It lives on the trainer's mesh, is trained once per optimizer update of the policy (same
+    mini- and micro-batches) with its own optimizer, and is checkpointed with the trainer."""
+
+    path: Optional[str] = None
+    """Local Hugging Face directory of the critic's decoder: a causal LM of the policy's vocabulary (value head zero-initialised) or an exported ``hf_critic/`` (its head kept); null: a copy of the policy's initial weights."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """The critic's optimizer and schedule (same fields as ``optim``; ``micro_batches`` is the policy's, this one is not read). Critics usually take a larger ``lr`` than the policy."""
+    lora: Optional[LoraConfig] = None
+    """Train low-rank adapters on the frozen critic decoder (the value head is trained whole); null: every weight."""
+    value_clip: Optional[float] = Field(default=0.2, gt=0)
+    """c of the clipped value loss: V is kept within V_old +- c (PPO2 / OpenAI baselines); null: unclipped squared error."""
+    loss_coef: float = Field(default=1.0, gt=0)
+    """Multiplies the value loss before its gradient (the critic has its own optimizer, so with Adam this mostly matters for gradient clipping)."""
 
 
 class SFTConfig(Section):

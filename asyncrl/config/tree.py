@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, model_validator
 
 from asyncrl.config.errors import format_validation_error
 from asyncrl.config.overrides import apply_override
@@ -30,6 +30,7 @@ from asyncrl.config.sections import (
     CheckpointConfig,
     ComponentRef,
     ComponentSpec,
+    CriticConfig,
     DataConfig,
     DistributedConfig,
     EngineConfig,
@@ -51,12 +52,18 @@ from asyncrl.config.sections import (
 from asyncrl.errors import ConfigError
 
 __all__ = [
-    "LORA_TARGET_MODULES", "AlgoConfig", "CheckpointConfig", "ComponentRef", "ComponentSpec", "Config", "DataConfig",
+    "LORA_TARGET_MODULES", "AlgoConfig", "CheckpointConfig", "ComponentRef", "ComponentSpec", "Config", "CriticConfig",
+    "DataConfig",
     "DistributedConfig", "EngineConfig", "EvalConfig", "LoggingConfig", "LoraConfig", "LoraTarget", "MeshConfig",
     "ModelConfig", "OptimConfig", "PlacementConfig", "RemoteEngineConfig", "RewardSpec", "RolloutConfig", "RunConfig",
     "SFTConfig", "Section", "StageConfig", "STAGE_SECTIONS", "GROUP_NORMALISED_ESTIMATORS", "dump_config", "load_config",
     "read_utf8", "read_yaml", "validate_config",
 ]
+
+
+def _estimator_target(spec: Any) -> Any:
+    """The alias or import path of an ``algo.estimator`` value (a string or ``{target, kwargs}``)."""
+    return spec.get("target") if isinstance(spec, dict) else spec
 
 
 class StageConfig(Section):
@@ -99,6 +106,8 @@ class Config(Section):
     """Rollout generation and staleness control."""
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     """The RL objective."""
+    critic: Optional[CriticConfig] = None
+    """The value model of ``algo.estimator: gae`` (``{path, optim, lora, value_clip, loss_coef}``); null: no critic (group-relative estimators need none)."""
     data: DataConfig = Field(default_factory=DataConfig)
     """Prompt limits."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -125,7 +134,7 @@ class Config(Section):
     """Logging."""
 
     @model_validator(mode="after")
-    def _check_algo(self) -> "Config":
+    def _check_algo(self, info: ValidationInfo) -> "Config":
         problems = []
         algo = self.algo
         if algo.decoupled and algo.mismatch_correction:
@@ -139,6 +148,19 @@ class Config(Section):
                 f"rollout.group_size: {self.rollout.group_size} is too small for algo.estimator '{target}', which "
                 "compares each sequence with the rest of its group; use group_size >= 2 or algo.estimator: batch"
             )
+        if target == "gae" and self.critic is None:
+            problems.append("algo.estimator: gae needs a value model; add a critic section (e.g. critic: {}) or use grpo")
+        # Unused critic settings: judged on the whole run (a stage may switch to gae), not on a
+        # stage's resolved config (an SFT stage before a gae stage inherits them unused).
+        if not (info.context or {}).get("stage"):
+            run_targets = {target} | {_estimator_target(stage.algo["estimator"]) for stage in self.stages
+                                      if "estimator" in stage.algo}
+            if self.critic is not None and "gae" not in run_targets:
+                problems.append(f"critic: only algo.estimator: gae uses a critic (the estimator is '{target}'); "
+                                "remove the critic section or set algo.estimator: gae")
+            if algo.reward_kl_coef > 0 and "gae" not in run_targets:
+                problems.append(f"algo.reward_kl_coef: the KL penalty in the reward is part of gae (the estimator is "
+                                f"'{target}'); use algo.kl_coef")
         if algo.truncated == "penalty" and algo.overlong_buffer > self.rollout.max_new_tokens:
             problems.append(
                 f"algo.overlong_buffer: {algo.overlong_buffer} exceeds rollout.max_new_tokens "
@@ -246,7 +268,7 @@ class Config(Section):
                     [r.model_dump(mode="json") for r in override] if isinstance(override, list) else override
                 )
         raw["run"]["total_steps"] = stage.total_steps
-        return Config.model_validate(raw)
+        return Config.model_validate(raw, context={"stage": True})
 
     @property
     def total_steps(self) -> int:

@@ -212,6 +212,8 @@ def run_stages(run: "Run") -> tuple[Params, Params]:
             run_stage(run, stage, trainer, source, record_eval)
         params = trainer.trainable_params()
     assert trainer is not None, "a config has at least one stage"
+    if trainer.critic_spec is not None:
+        run.final_critic = (trainer.critic_spec.model_cfg, tree_to_host(trainer.critic_params_for_export()))
     return params, tree_to_host(trainer.params_for_publish())
 
 
@@ -229,6 +231,10 @@ def _finish(run: "Run", params: Params, final_params: Params, wall: float, conso
     export_hf(run.graphdef, run.loaded.tokenizer, out / "hf", params=final_params, overwrite=overwrite)
     if run.lora_state is not None:
         _export_adapter(cfg, run.lora_state["base_model_path"], params, overwrite=overwrite)
+    if run.final_critic is not None:  # the value model beside the policy, as *ForTokenClassification
+        from asyncrl.model.critic import export_critic
+
+        export_critic(*run.final_critic, out / "hf_critic", tokenizer=run.loaded.tokenizer, overwrite=overwrite)
     evals = " ".join(f"{k}={v:.3f}" for k, v in run.final_eval.items() if k in ("eval/reward", "eval/accuracy"))
     failures = run.reward_failures
     stream = console or sys.stdout
@@ -443,6 +449,13 @@ class Run:
         """With ``model.lora``: the base model's identity (adapters are of this base only)."""
         if cfg.model.lora is not None:
             self._attach_lora(cfg, resumed)
+        from asyncrl.trainer.trainer import load_critic_of
+
+        self.critic_model = load_critic_of(cfg, self.loaded.config)
+        """``critic.path``'s critic (read before step 1; a bad directory fails here), or None: each RL
+        stage's trainer then copies its start weights (``algo.estimator: gae``)."""
+        self.final_critic: Optional[tuple[Any, Any]] = None
+        """``(critic DecoderConfig, host params)`` of the last stage's critic, exported as ``hf_critic/``."""
         self.mesh = build_mesh(cfg.mesh, devices=self.placement.trainer_devices)
         self.device = _first_local_device(self.mesh)
         """The device whose memory ``perf/device_mem_gb`` reports (this process's first in the mesh)."""
@@ -622,6 +635,9 @@ class Run:
             self.last_checkpoint_version = self.version
             return
         arrays = {"params": trainer_state.pop("params"), "opt_state": trainer_state.pop("opt_state")}
+        for name in trainer.CRITIC_TREES:  # the critic of algo.estimator gae, when there is one
+            if name in trainer_state:
+                arrays[name] = trainer_state.pop(name)
         if stage.index > 0 and trainer.ref_params is not None:
             arrays["stage_start_params"] = stage.start_params
         state = {
@@ -671,7 +687,7 @@ def _stage_trainer(run: Run, stage: Stage) -> Trainer:
     from asyncrl.trainer import Trainer
 
     trainer = Trainer(stage.cfg, run.train_graphdef, stage.start_params, mesh=run.mesh, version=run.version,
-                      objective=stage.type, frozen=run.frozen)
+                      objective=stage.type, frozen=run.frozen, critic=run.critic_model)
     if stage.done is not None:
         _load_trainer_state(trainer, run.resumed_inside(stage))
     return trainer
@@ -699,9 +715,11 @@ def _load_trainer_state(trainer: Trainer, resumed: Checkpoint) -> None:
     from asyncrl.errors import TrainerError
 
     try:
+        critic = {name: resumed.tree(name, getattr(trainer, name)) for name in trainer.CRITIC_TREES
+                  if getattr(trainer, name) is not None}
         trainer.load_state_dict(
             {"params": resumed.tree("params", trainer.params), "opt_state": resumed.tree("opt_state", trainer.opt_state),
-             **resumed.state["trainer"]}
+             **critic, **resumed.state["trainer"]}
         )
     except TrainerError as err:
         raise CheckpointError(f"checkpoint {resumed.path}: opt_state.safetensors: {err}") from None

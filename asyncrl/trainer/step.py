@@ -13,7 +13,10 @@ configs share one compilation (:func:`compile_count`). It reads top to bottom:
    gradient, when ``algo`` needs them recomputed (decoupled with ``prox_logp: recompute``,
    or mismatch correction); reference log-probs (frozen initial weights) only when
    ``algo.kl_coef > 0`` (:func:`batch_logprobs`);
-3. ``lax.scan`` over the updates (:func:`optimizer_update`); each accumulates float32
+2b. with a critic (``algo.estimator: gae``, a static :class:`CriticSpec`): the critic's values at the
+   step's start, and from them GAE advantages and returns (:func:`critic_targets`);
+3. ``lax.scan`` over the updates (:func:`optimizer_update`; with a critic, each policy update is
+   followed by one of the critic's, :func:`critic_micro_loss`); each accumulates float32
    gradients over ``optim.micro_batches`` (:func:`accumulate_gradients`, a ``lax.scan``) with
    the mini-batch's aggregation denominators, then clips the global norm once and applies the
    optax update. An update whose loss or gradient norm is not finite keeps the old parameters
@@ -59,11 +62,18 @@ from asyncrl.algo import (
     accumulate_diagnostics,
     aggregation_denominators,
     compute_advantages,
+    gae,
+    masked_whiten,
     policy_loss,
+    shaped_rewards,
     token_mean,
+    token_rewards,
     trained_mask,
+    value_loss,
+    value_statistics,
 )
 from asyncrl.engine.constraints import TrieTables, allowed_tokens
+from asyncrl.model.critic import critic_shardings, per_token_values
 from asyncrl.model.logprobs import per_token_logprobs, take_window, window_starts
 from asyncrl.model.sharding import param_shardings
 from asyncrl.cluster.mesh import ROW_AXES, row_shards
@@ -99,6 +109,22 @@ class StepSpec:
     @property
     def row_shards(self) -> int:
         return row_shards(self.mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticSpec:
+    """Static description of the critic of ``algo.estimator: gae`` (:mod:`asyncrl.model.critic`)."""
+
+    graphdef: Any
+    """The critic decoder's graphdef (a :class:`HashedGraphDef`)."""
+    model_cfg: Any
+    """Its ``DecoderConfig`` (partition rules)."""
+    optim: OptimParams
+    """``critic.optim``, resolved."""
+    value_clip: Optional[float] = 0.2
+    loss_coef: float = 1.0
+    lora_dropout: float = 0.0
+    """LoRA adapter dropout of the critic's gradient passes (``critic.lora.dropout``; 0: none)."""
 
 
 class HashedGraphDef:
@@ -137,6 +163,15 @@ def init_opt_state(params: Any, *, optim: OptimParams, spec: StepSpec) -> Any:
     optimizer = build_optimizer(optim)
     state = optimizer.init(params)
     shardings = opt_state_shardings(optimizer, state, param_shardings(spec.model_cfg, params, spec.mesh), spec.mesh)
+    return jax.lax.with_sharding_constraint(state, shardings)
+
+
+@functools.partial(jax.jit, static_argnames=("optim", "model_cfg", "mesh"))
+def init_critic_opt_state(params: Any, *, optim: OptimParams, model_cfg: Any, mesh: Any) -> Any:
+    """The critic's optimizer state (``critic.optim``), placed like its parameters."""
+    optimizer = build_optimizer(optim)
+    state = optimizer.init(params)
+    shardings = opt_state_shardings(optimizer, state, critic_shardings(model_cfg, params, mesh), mesh)
     return jax.lax.with_sharding_constraint(state, shardings)
 
 
@@ -186,7 +221,8 @@ def batch_targets(batch: dict[str, jax.Array], algo: Optional[AlgoParams], sft: 
     """``(mask, advantages)`` of the whole batch: bool ``[rows, L]`` the trained tokens, and float32
     ``[rows]`` (computed: group statistics are global, so never per micro-batch) or ``[rows, L]``
     (the workflow's own, when the batch carries them). SFT trains exactly ``loss_mask`` on real
-    rows and needs no advantages (zeros, unused)."""
+    rows and needs no advantages (zeros, unused); so does ``gae`` here (its per-token advantages
+    need the critic's values: :func:`critic_targets`)."""
     if sft:
         mask = batch["loss_mask"] & (batch["group_index"] >= 0)[:, None]
         return mask, jnp.zeros(batch["rewards"].shape, jnp.float32)
@@ -194,6 +230,8 @@ def batch_targets(batch: dict[str, jax.Array], algo: Optional[AlgoParams], sft: 
     mask = trained_mask(batch["loss_mask"], batch["group_index"], batch["truncated"], algo)
     if "advantages" in batch:
         return mask, batch["advantages"].astype(jnp.float32)
+    if algo.uses_critic:
+        return mask, jnp.zeros(batch["rewards"].shape, jnp.float32)
     return mask, compute_advantages(batch["rewards"], batch["group_index"], jnp.sum(batch["loss_mask"], axis=-1), algo)
 
 
@@ -207,6 +245,35 @@ def batch_logprobs(forward: Callable, weights: Any, chunks: dict[str, jax.Array]
     out = jax.lax.map(one, (flat(chunks["input_ids"]), flat(chunks["attention_mask"]), flat(chunks["window_start"]),
                             None if nodes is None else flat(nodes)))
     return jax.lax.stop_gradient(out.reshape(m_count, u_count, *out.shape[1:]))
+
+
+def critic_targets(chunks: dict[str, jax.Array], rewards: jax.Array, old_values: jax.Array,
+                   algo: AlgoParams) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """GAE on the chunked batch: ``{advantages, returns, old_values}`` ``[M, U, S * b, W]`` and the
+    whole-batch value statistics. ``rewards`` ``[M, U, S * b]`` shaped sequence rewards,
+    ``old_values`` the critic's values at the step's start. GAE runs per row, so the chunk layout
+    does not matter; the advantages are whitened over every trained token of the batch."""
+    shape = chunks["mask"].shape
+    flat = lambda x: x.reshape(-1, shape[-1])
+    mask = flat(chunks["mask"])
+    kl = None
+    if algo.reward_kl_coef > 0:  # log pi_old - log pi_ref (pi_old: pi_prox, or the behaviour policy)
+        kl = flat(chunks["prox_logprobs"]) - flat(chunks["ref_logprobs"])
+    reward = token_rewards(rewards.reshape(-1), mask, kl, algo.reward_kl_coef)
+    values = flat(old_values)
+    advantages, returns = gae(reward, values, mask, gamma=algo.gamma, lam=algo.lam)
+    stats = value_statistics(values, returns, mask)
+    out = {"advantages": masked_whiten(advantages, mask), "returns": returns, "old_values": jnp.where(mask, values, 0.0)}
+    return {k: v.reshape(shape) for k, v in out.items()}, stats
+
+
+def critic_micro_loss(theta: Any, x: dict[str, jax.Array], denominators: Any, key: Optional[jax.Array], *,
+                      forward: Callable, critic: CriticSpec) -> tuple[jax.Array, dict]:
+    """One micro-batch's share of its mini-batch's value loss (times ``critic.loss_coef``),
+    differentiated in the critic's ``theta``; chunks as in :func:`micro_loss`."""
+    values = forward(theta, x["input_ids"], x["attention_mask"], x["window_start"], key)
+    loss, diagnostics = value_loss(values, x["old_values"], x["returns"], x["mask"], denominators, critic.value_clip)
+    return critic.loss_coef * loss, diagnostics
 
 
 def micro_loss(theta: Any, x: dict[str, jax.Array], denominators: Any, key: Optional[jax.Array], *,
@@ -281,19 +348,40 @@ def apply_if_finite(theta: Any, state: Any, grads: Any, loss: jax.Array, *, opti
     return theta, state, stats
 
 
-def optimizer_update(carry: tuple[Any, Any], update_index: jax.Array, *, chunks: dict[str, jax.Array],
+@dataclasses.dataclass(frozen=True)
+class CriticUpdate:
+    """What the scan over updates needs to train the critic beside the policy (None: no critic)."""
+
+    grad_fn: Callable
+    dropout_key: Optional[jax.Array]
+    optim: OptimParams
+    p_shardings: Any
+    o_shardings: Any
+
+
+def optimizer_update(carry: tuple, update_index: jax.Array, *, chunks: dict[str, jax.Array],
                      grad_fn: Callable, dropout_key: Optional[jax.Array], optim: OptimParams, p_shardings: Any,
-                     o_shardings: Any) -> tuple[tuple[Any, Any], dict]:
+                     o_shardings: Any, critic: Optional[CriticUpdate] = None) -> tuple[tuple, dict]:
     """The body of the scan over updates: update ``update_index`` trains mini-batch
-    ``update_index % M`` (epochs cycle over the mini-batches in order)."""
-    theta, state = carry
+    ``update_index % M`` (epochs cycle over the mini-batches in order). ``carry`` is
+    ``(theta, state)``, or ``(theta, state, critic_theta, critic_state)`` with a critic, which then
+    takes one update of its own on the same mini-batch (kept only when finite, like the policy's)."""
+    theta, state = carry[:2]
     m_count = chunks["mask"].shape[0]
     mini = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, update_index % m_count, 0, False), chunks)
     update_key = None if dropout_key is None else jax.random.fold_in(dropout_key, update_index)
     grads, loss, diag = accumulate_gradients(grad_fn, theta, mini, update_key, p_shardings)
     theta, state, stats = apply_if_finite(theta, state, grads, loss, optim=optim, p_shardings=p_shardings,
                                           o_shardings=o_shardings)
-    return (theta, state), dict(diag, loss=loss, **stats)
+    if critic is None:
+        return (theta, state), dict(diag, loss=loss, **stats)
+    c_theta, c_state = carry[2:]
+    c_key = None if critic.dropout_key is None else jax.random.fold_in(critic.dropout_key, update_index)
+    c_grads, c_loss, c_diag = accumulate_gradients(critic.grad_fn, c_theta, mini, c_key, critic.p_shardings)
+    c_theta, c_state, c_stats = apply_if_finite(c_theta, c_state, c_grads, c_loss, optim=critic.optim,
+                                                p_shardings=critic.p_shardings, o_shardings=critic.o_shardings)
+    c_stats = {"critic_" + k: v for k, v in c_stats.items()}
+    return (theta, state, c_theta, c_state), dict(diag, loss=loss, **stats, **c_diag, **c_stats)
 
 
 def step_metrics(per_update: dict[str, jax.Array], mask: jax.Array) -> dict[str, jax.Array]:
@@ -301,9 +389,13 @@ def step_metrics(per_update: dict[str, jax.Array], mask: jax.Array) -> dict[str,
     updates (NaN when none was), maxima for ``_max`` keys, the last learning rate, the trained
     tokens of ``mask`` ``[rows, L]``, and ``finite [updates]``."""
     finite = per_update.pop("finite")
+    critic_finite = per_update.pop("critic_finite", None)
     applied = jnp.sum(finite)
     metrics = {}
     for key, values in per_update.items():
+        if critic_finite is not None and key.startswith(("critic_", "value_")):  # the critic's own guard
+            metrics[key] = jnp.sum(jnp.where(critic_finite, values, 0.0)) / jnp.sum(critic_finite)
+            continue
         if key.endswith("_max"):
             metrics[key] = jnp.max(jnp.where(finite, values, -jnp.inf))
         else:
@@ -311,6 +403,9 @@ def step_metrics(per_update: dict[str, jax.Array], mask: jax.Array) -> dict[str,
     metrics["lr"] = per_update["lr"][-1]
     metrics["trained_tokens"] = jnp.sum(mask)
     metrics["finite"] = finite
+    if critic_finite is not None:
+        metrics["critic_lr"] = per_update["critic_lr"][-1]
+        metrics["critic_finite"] = critic_finite
     return metrics
 
 
@@ -327,11 +422,16 @@ def _train_step_impl(
     frozen: Optional[Any] = None,
     dropout_key: Optional[jax.Array] = None,
     trie: Optional[TrieTables] = None,
+    critic_params: Optional[Any] = None,
+    critic_opt_state: Optional[Any] = None,
+    critic_frozen: Optional[Any] = None,
+    critic_dropout_key: Optional[jax.Array] = None,
     *,
     algo: Optional[AlgoParams],
     optim: OptimParams,
     spec: StepSpec,
     window: Optional[int] = None,
+    critic: Optional[CriticSpec] = None,
 ):
     """One trainer step. ``batch``: the TrainBatch fields, ``[rows, L]`` / ``[rows]``, rows in
     device order (see the module docstring). Returns ``(opt_state, params, metrics)``; metrics
@@ -350,7 +450,13 @@ def _train_step_impl(
     ``trie``: the run's decoding constraint (:class:`~asyncrl.engine.constraints.TrieTables`,
     ``spec.trie_branch`` wide) when the batch carries ``constraint_nodes`` ``[rows, L]``: tokens
     with a node >= 0 are scored under the distribution masked to that node's allowed tokens,
-    which is what the engine sampled from (docs/decoding.md), so the ratio is 1 on-policy."""
+    which is what the engine sampled from (docs/decoding.md), so the ratio is 1 on-policy.
+
+    ``critic`` (static; ``algo.estimator: gae``): the critic's ``critic_params`` / ``critic_opt_state``
+    (``critic_frozen``: its LoRA base, ``critic_dropout_key`` its adapter dropout). Its values at the
+    step's start give the GAE advantages and returns (:func:`critic_targets`); each optimizer update
+    of the policy is followed by one of the critic on the same mini-batch. The step then returns
+    ``(opt_state, params, metrics, critic_opt_state, critic_params)``."""
     _TRACE_COUNT[0] += 1
     if isinstance(graphdef, HashedGraphDef):
         graphdef = graphdef.graphdef
@@ -397,25 +503,55 @@ def _train_step_impl(
         if algo.needs_reference:
             chunks["ref_logprobs"] = batch_logprobs(forward, ref_params, chunks)
 
+    # 2b. The critic's values at the step's start, and from them GAE advantages and returns.
+    critic_update: Optional[CriticUpdate] = None
+    value_stats: dict[str, jax.Array] = {}
+    if critic is not None:
+        assert algo is not None and critic_params is not None
+        c_graphdef = critic.graphdef.graphdef if isinstance(critic.graphdef, HashedGraphDef) else critic.graphdef
+
+        def values_forward(c_theta, input_ids, attention_mask, starts, key=None, with_entropy=False):
+            decoder = lora_weights(critic_frozen, critic.lora_dropout, c_theta["decoder"], key)
+            return per_token_values(c_graphdef, decoder, c_theta["value_head"], input_ids, attention_mask,
+                                    window=None if window == length else window, window_start=starts)
+
+        old_values = batch_logprobs(lambda w, i, a, st, with_entropy: (values_forward(w, i, a, st),), critic_params, chunks)
+        rewards = shaped_rewards(batch["rewards"], jnp.sum(batch["loss_mask"], axis=-1), algo)
+        targets, value_stats = critic_targets(chunks, to_chunks(rewards, spec), old_values, algo)
+        chunks.update(targets)
+        c_p_shardings = critic_shardings(critic.model_cfg, critic_params, spec.mesh)
+        c_loss_fn = functools.partial(critic_micro_loss, forward=values_forward, critic=critic)
+        critic_update = CriticUpdate(
+            grad_fn=jax.value_and_grad(c_loss_fn, has_aux=True), dropout_key=critic_dropout_key, optim=critic.optim,
+            p_shardings=c_p_shardings,
+            o_shardings=opt_state_shardings(build_optimizer(critic.optim), critic_opt_state, c_p_shardings, spec.mesh),
+        )
+
     # 3. The optimizer updates: epochs x mini-batches, each over its micro-batches.
     loss_fn = functools.partial(micro_loss, forward=forward, algo=None if sft else algo)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     update = functools.partial(optimizer_update, chunks=chunks, grad_fn=grad_fn, dropout_key=dropout_key,
-                               optim=optim, p_shardings=p_shardings, o_shardings=o_shardings)
+                               optim=optim, p_shardings=p_shardings, o_shardings=o_shardings, critic=critic_update)
     n_updates = spec.ppo_epochs * spec.mini_batches
-    (params, opt_state), per_update = jax.lax.scan(update, (params, opt_state), jnp.arange(n_updates))
+    carry: tuple = (params, opt_state) if critic is None else (params, opt_state, critic_params, critic_opt_state)
+    carry, per_update = jax.lax.scan(update, carry, jnp.arange(n_updates))
+    params, opt_state = carry[:2]
+    metrics = dict(step_metrics(per_update, mask), **value_stats)
     # The optimizer state comes first: jit aliases each donated input to the first output of
     # its shape, so with the parameters first every donated moment buffer went to a parameter
     # output and XLA copied the whole state in and out of the step (twice its bytes).
-    return opt_state, params, step_metrics(per_update, mask)
+    if critic is None:
+        return opt_state, params, metrics
+    return opt_state, params, metrics, carry[3], carry[2]
 
 
 train_step = jax.jit(
-    _train_step_impl, static_argnames=("graphdef", "algo", "optim", "spec", "window"), donate_argnames=("opt_state",)
+    _train_step_impl, static_argnames=("graphdef", "algo", "optim", "spec", "window", "critic"),
+    donate_argnames=("opt_state", "critic_opt_state"),
 )
-"""The jitted step: ``(opt_state, params, metrics)``. Donates the optimizer state (updated in
-place: it is the first output); never the parameters (they may have been
-published: the engine may hold the very same buffers)."""
+"""The jitted step: ``(opt_state, params, metrics)`` (with a critic ``+ (critic_opt_state,
+critic_params)``). Donates the optimizer states (updated in place); never the policy's
+parameters (they may have been published: the engine may hold the very same buffers)."""
 
 
 def compile_count() -> int:
@@ -498,3 +634,13 @@ def step_flops(n_matmul_params: int, model_cfg: Any, algo: Optional[AlgoParams],
     if algo is not None:
         passes += int(algo.needs_prox_recompute) + int(algo.needs_reference)
     return (float(per_token) * length + float(head) * window) * rows * passes
+
+
+def critic_step_flops(critic_matmul_params: int, model_cfg: Any, epochs: int, rows: int, length: int,
+                      train_passes: int = 3) -> float:
+    """Model FLOPs of the critic in one step (``algo.estimator: gae``): the forward of its values at
+    the step's start and ``train_passes`` forwards per epoch, every one without an lm head
+    (``critic_matmul_params``: :func:`matmul_params` of its decoder, which counts no head), the
+    value head's ``2 * hidden`` per position included."""
+    per_token = 2 * critic_matmul_params + 2 * model_cfg.hidden_size + 4 * model_cfg.num_layers * length * model_cfg.num_heads * model_cfg.head_dim
+    return float(per_token) * length * rows * (1 + train_passes * epochs)

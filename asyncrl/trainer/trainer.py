@@ -24,10 +24,13 @@ from asyncrl.model.sharding import param_shardings
 from asyncrl.cluster.mesh import build_mesh, initialize_distributed, local_row_shards, row_sharding
 from asyncrl.trainer.optim import OptimParams, update_count
 from asyncrl.trainer.step import (
+    CriticSpec,
     token_logprobs_jit,
     HashedGraphDef,
     StepSpec,
     compile_count,
+    critic_step_flops,
+    init_critic_opt_state,
     init_opt_state,
     loss_window,
     matmul_params,
@@ -78,6 +81,17 @@ def _lora_spec(cfg: Any, frozen: Any) -> Any:
     return LoraSpec.from_config(cfg.model.lora)
 
 
+def load_critic_of(cfg: Any, policy_cfg: Any) -> Any:
+    """The :class:`~asyncrl.model.critic.CriticModel` of ``critic.path`` (None: no critic, or a copy of
+    the policy to be made by the trainer), in the policy's runtime dtypes."""
+    if cfg.critic is None or cfg.critic.path is None:
+        return None
+    from asyncrl.model.critic import load_critic
+    from asyncrl.model.loading import runtime_options
+
+    return load_critic(cfg.critic.path, vocab_size=policy_cfg.vocab_size, runtime=runtime_options(cfg.model))
+
+
 class Trainer:
     """Holds the policy's parameters and optimizer state on the mesh and runs trainer steps.
 
@@ -109,7 +123,7 @@ class Trainer:
 
     def __init__(
         self, cfg: Any, graphdef: Any, params: Any, *, mesh: Any = None, version: int = 0, objective: str = "rl",
-        frozen: Any = None, constraint: Any = None,
+        frozen: Any = None, constraint: Any = None, critic: Any = None,
     ):
         from flax import nnx
 
@@ -166,10 +180,61 @@ class Trainer:
         stage of a multi-stage run starts at the steps its predecessors completed."""
         self.skipped_updates_total = 0
         self.consecutive_nonfinite = 0
+        self._init_critic(critic if self.algo.uses_critic and not sft else None, params)
         self._matmul_params = matmul_params(self.base_params if self.lora is not None else params, self.model_cfg)
         self.memory_metrics = self._memory_metrics()
         """Bytes of the trainable and frozen parameters, the optimizer state and the float32
         gradient accumulator (``memory/*``, reported with every step)."""
+
+    def _init_critic(self, critic: Any, params: Any) -> None:
+        """The critic of ``algo.estimator: gae`` (else nothing): ``critic`` an
+        :class:`~asyncrl.model.critic.CriticModel`, or None for a copy of the policy's weights
+        (``params``, or the LoRA base) with a zero value head; ``critic.lora`` attaches adapters."""
+        self.critic_spec: Optional[CriticSpec] = None
+        self.critic_params: Any = None
+        self.critic_opt_state: Any = None
+        self.critic_frozen: Any = None
+        self.critic_graphdef: Any = None
+        if not (self.algo.uses_critic and self.objective == "rl"):
+            return
+        from asyncrl.model.critic import critic_from_policy, critic_shardings
+
+        section = self.cfg.critic
+        if section is None:
+            raise TrainerError("Trainer: algo.estimator gae needs a critic section (critic: {})")
+        if critic is None:
+            critic = critic_from_policy(self.model_cfg, self.base_params if self.lora is not None else params)
+        graphdef, trainable, lora_dropout = critic.graphdef, critic.params, 0.0
+        if section.lora is not None:
+            from asyncrl.model.lora import LoraSpec, attach_lora
+
+            spec = LoraSpec.from_config(section.lora)
+            lora = attach_lora(critic.config, critic.params["decoder"], spec, seed=self.cfg.run.seed + 1)
+            graphdef, lora_dropout = lora.graphdef, spec.dropout
+            trainable = {"decoder": lora.adapters, "value_head": critic.params["value_head"]}
+            self.critic_frozen = _place(lora.frozen, param_shardings(critic.config, lora.frozen, self.mesh))
+        optim = OptimParams.from_config(self.cfg.model_copy(update={"optim": section.optim}))
+        self.critic_graphdef = graphdef
+        self.critic_spec = CriticSpec(graphdef=HashedGraphDef(graphdef), model_cfg=critic.config, optim=optim,
+                                      value_clip=section.value_clip, loss_coef=section.loss_coef,
+                                      lora_dropout=lora_dropout)
+        self.critic_params = _place(trainable, critic_shardings(critic.config, trainable, self.mesh))
+        self.critic_opt_state = init_critic_opt_state(self.critic_params, optim=optim, model_cfg=critic.config,
+                                                      mesh=self.mesh)
+        # The critic's decoder is tied and never runs its head: no vocab x hidden matmul to count.
+        self._critic_matmul_params = matmul_params(critic.params["decoder"], critic.config) - critic.config.vocab_size * critic.config.hidden_size
+
+    def critic_params_for_export(self) -> Optional[dict]:
+        """The critic's ``{decoder, value_head}`` with LoRA adapters merged into the decoder (None without a critic)."""
+        if self.critic_spec is None:
+            return None
+        if self.critic_frozen is None:
+            return jax.tree.map(lambda x: x, self.critic_params)
+        from asyncrl.model.lora import merge_lora, partition_params
+
+        spec = self.cfg.critic.lora
+        decoder = merge_lora(partition_params(self.critic_frozen)[0], self.critic_params["decoder"], spec.alpha / spec.rank)
+        return {"decoder": decoder, "value_head": self.critic_params["value_head"]}
 
     @property
     def base_params(self) -> Any:
@@ -189,6 +254,10 @@ class Trainer:
             "memory/frozen_param_bytes": float(tree_bytes(self.frozen) if self.frozen is not None else 0),
             "memory/opt_state_bytes": float(tree_bytes(self.opt_state)),
             "memory/grad_bytes": float(sum(4 * x.size for x in jax.tree.leaves(self.params))),  # float32 accumulator
+            **({} if self.critic_spec is None else {
+                "memory/critic_param_bytes": float(tree_bytes(self.critic_params) + tree_bytes(self.critic_frozen)),
+                "memory/critic_opt_state_bytes": float(tree_bytes(self.critic_opt_state)),
+            }),
         }
 
     @classmethod
@@ -200,12 +269,13 @@ class Trainer:
 
         loaded = load_model(cfg.model, with_tokenizer=False)
         graphdef, params = loaded.split()
+        critic = load_critic_of(cfg, loaded.config) if objective == "rl" else None
         if cfg.model.lora is not None:
             from asyncrl.model.lora import LoraSpec, attach_lora
 
             lora = attach_lora(loaded.config, params, LoraSpec.from_config(cfg.model.lora), seed=cfg.run.seed)
-            return cls(cfg, lora.graphdef, lora.adapters, mesh=mesh, objective=objective, frozen=lora.frozen)
-        return cls(cfg, graphdef, params, mesh=mesh, objective=objective)
+            return cls(cfg, lora.graphdef, lora.adapters, mesh=mesh, objective=objective, frozen=lora.frozen, critic=critic)
+        return cls(cfg, graphdef, params, mesh=mesh, objective=objective, critic=critic)
 
     @property
     def _step_algo(self) -> Optional[AlgoParams]:
@@ -224,6 +294,9 @@ class Trainer:
         Returns ``(arrays, temperature, window)``: ``window`` the step's static lm-head window
         (:func:`~asyncrl.trainer.step.loss_window`)."""
         fields = {name: np.asarray(getattr(batch, name)) for name in BATCH_FIELDS}
+        if batch.advantages is not None and self.critic_spec is not None:
+            raise TrainerError("Trainer.step: the batch carries its own advantages, but algo.estimator gae computes "
+                               "them from the critic; drop TrainBatch.advantages or use another estimator")
         if batch.advantages is not None:
             fields["advantages"] = np.asarray(batch.advantages)
         rows, length = fields["input_ids"].shape
@@ -307,7 +380,10 @@ class Trainer:
         ``train/trained_tokens``, ``train/version``; ``perf/train_time`` (this call's compute: the
         loop's ``perf/step_time`` is the whole step), ``perf/train_tokens_per_train_s`` (trained
         tokens over ``perf/train_time``), ``perf/compile_count``, ``perf/flops_per_s`` (model FLOPs,
-        :func:`step_flops`), ``memory/*``.
+        :func:`step_flops`, plus :func:`critic_step_flops` with a critic), ``memory/*``.
+        With a critic (``algo.estimator: gae``) also ``loss/value``, ``train/value_mean``, ``train/return_mean``,
+        ``train/explained_variance``, ``train/value_clip_frac``, ``train/critic_grad_norm``,
+        ``train/critic_update_norm``, ``train/critic_lr`` and ``train/critic_skipped_updates``.
         Raises :class:`TrainerError` after ``optim.max_consecutive_nonfinite`` skipped updates in a row.
 
         With ``objective="sft"`` the loss is ``loss/sft`` (token-mean negative log-likelihood
@@ -316,15 +392,22 @@ class Trainer:
         """
         start = time.perf_counter()
         args, kwargs = self._step_arguments(batch)
-        self.opt_state, self.params, out = train_step(*args, **kwargs)
+        if self.critic_spec is None:
+            self.opt_state, self.params, out = train_step(*args, **kwargs)
+        else:
+            self.opt_state, self.params, out, self.critic_opt_state, self.critic_params = train_step(*args, **kwargs)
         if self.objective == "sft":
             out.pop("loss")  # the same number as sft_loss
         out = tree_to_host(out)  # one transfer for every metric
         elapsed = time.perf_counter() - start
 
         finite = out.pop("finite")
+        critic_finite = out.pop("critic_finite", None)
         skipped = int(np.sum(~finite))
+        critic_skipped = 0 if critic_finite is None else int(np.sum(~critic_finite))
         self.skipped_updates_total += skipped
+        if critic_finite is not None:  # an update counts as failed when the policy's or the critic's was skipped
+            finite = finite & critic_finite
         for ok in finite:
             self.consecutive_nonfinite = 0 if ok else self.consecutive_nonfinite + 1
             if self.consecutive_nonfinite >= self.cfg.optim.max_consecutive_nonfinite:
@@ -341,7 +424,13 @@ class Trainer:
         flops = step_flops(self._matmul_params, self.model_cfg, self._step_algo, self.spec.ppo_epochs,
                            rows * jax.process_count(), length, train_passes=2 if self.lora is not None else 3,
                            window=kwargs["window"])
+        if self.critic_spec is not None:
+            flops += critic_step_flops(self._critic_matmul_params, self.critic_spec.model_cfg, self.spec.ppo_epochs,
+                                       rows * jax.process_count(), length,
+                                       train_passes=2 if self.critic_frozen is not None else 3)
         metrics = {step_metric_name(k): float(v) for k, v in out.items()}
+        if critic_finite is not None:
+            metrics["train/critic_skipped_updates"] = float(critic_skipped)
         metrics.update({
             "train/skipped_updates": float(skipped),
             "train/skipped_updates_total": float(self.skipped_updates_total),
@@ -361,9 +450,19 @@ class Trainer:
         if self.objective == "sft":
             temperature = 1.0  # cross-entropy of the model's own distribution
         # A numpy scalar travels with the arguments; jnp.float32(...) would dispatch a program of its own.
-        args = (self._step_graphdef, self.params, self.opt_state, self.ref_params, arrays, np.float32(temperature),
-                self.frozen, self._dropout_key(), self._trie)
-        return args, dict(algo=self._step_algo, optim=self.optim, spec=self.spec, window=window)
+        args: tuple = (self._step_graphdef, self.params, self.opt_state, self.ref_params, arrays,
+                       np.float32(temperature), self.frozen, self._dropout_key(), self._trie)
+        kwargs: dict[str, Any] = dict(algo=self._step_algo, optim=self.optim, spec=self.spec, window=window)
+        if self.critic_spec is not None:
+            args += (self.critic_params, self.critic_opt_state, self.critic_frozen, self._critic_dropout_key())
+            kwargs["critic"] = self.critic_spec
+        return args, kwargs
+
+    def _critic_dropout_key(self) -> Optional[jax.Array]:
+        """The critic's LoRA dropout key of this step (a function of ``run.seed`` and the version, like the policy's)."""
+        if self.critic_spec is None or self.critic_spec.lora_dropout == 0:
+            return None
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.run.seed), self.version), 1)
 
     def _dropout_key(self) -> Optional[jax.Array]:
         """The LoRA dropout key of this step: a function of ``run.seed`` and the version only,
@@ -418,12 +517,19 @@ class Trainer:
         """Optimizer updates applied so far (the schedule's count)."""
         return int(to_host(update_count(self.opt_state)))
 
+    CRITIC_TREES = ("critic_params", "critic_opt_state")
+    """The array trees :meth:`state_dict` adds with a critic (its trainable weights and optimizer state)."""
+
     def state_dict(self) -> dict:
-        """``{params, opt_state, step, skipped_updates_total, consecutive_nonfinite, update_count}``:
-        ``params`` and ``opt_state`` are the live trees (the optax state's namedtuples included)
+        """``{params, opt_state, step, skipped_updates_total, consecutive_nonfinite, update_count}``
+        (with a critic also :data:`CRITIC_TREES`): ``params`` and ``opt_state`` are the live trees (the optax state's namedtuples included)
         with numpy leaves, gathered to this host; :func:`asyncrl.pytree.flatten` keys them for a
         checkpoint. The reference model is not included: it is the initial weights, rebuilt from the model."""
+        critic = {}
+        if self.critic_spec is not None:
+            critic = {"critic_params": tree_to_host(self.critic_params), "critic_opt_state": tree_to_host(self.critic_opt_state)}
         return {
+            **critic,
             "params": tree_to_host(self.params),
             "opt_state": tree_to_host(self.opt_state),
             "step": self.version,
@@ -439,8 +545,18 @@ class Trainer:
         try:
             params = fill(self.params, keyed_leaves(state["params"], "params"), where="params")
             opt_state = fill(self.opt_state, keyed_leaves(state["opt_state"], "opt_state"), where="opt_state")
+            critic = {}
+            if self.critic_spec is not None:
+                missing = [name for name in self.CRITIC_TREES if name not in state]
+                if missing:
+                    raise TrainerError(f"Trainer.load_state_dict: no {', '.join(missing)} in the state, but algo.estimator "
+                                       "is gae (was the run saved without a critic?)")
+                critic = {name: fill(getattr(self, name), keyed_leaves(state[name], name), where=name)
+                          for name in self.CRITIC_TREES}
         except TreeError as err:
             raise TrainerError(f"Trainer.load_state_dict: {err} (model or optimizer config changed?)") from None
+        for name, tree in critic.items():
+            setattr(self, name, tree)
         self.opt_state = opt_state
         self.params = params
         self.version = int(state["step"])
