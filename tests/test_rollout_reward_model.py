@@ -18,7 +18,8 @@ from asyncrl.errors import ConfigError, RolloutError
 from asyncrl.model.reward_model import load_reward_model, pad_id_array, reward_scores_jit
 from asyncrl.rollout.reward_model import close_reward_models, prepare_reward_functions
 from asyncrl.rollout.reward_scoring import RewardModelClosed, RewardModelScorer
-from asyncrl.rollout.workflow import SingleTurnWorkflow, build_reward_functions
+from asyncrl.rollout.rewards import build_reward_functions
+from asyncrl.rollout.workflow import SingleTurnWorkflow
 from tests.rollout_fakes import char_tokenizer, make_cfg
 
 torch = pytest.importorskip("torch")

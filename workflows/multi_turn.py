@@ -41,7 +41,8 @@ from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, Infer
 from asyncrl.errors import ConfigError
 from asyncrl.registry import register
 from asyncrl.rollout.trajectory import TrajectoryBuilder, TrajectoryGroup
-from asyncrl.rollout.workflow import RewardFunction, SingleTurnWorkflow, SkipSample
+from asyncrl.rollout.rewards import RewardFunction
+from asyncrl.rollout.workflow import SingleTurnWorkflow, SkipSample
 
 from .calculator import CalcError, calculate
 

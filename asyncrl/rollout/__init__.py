@@ -6,7 +6,8 @@ from asyncrl.rollout.executor import WorkflowExecutor
 from asyncrl.rollout.ledger import StalenessLedger
 from asyncrl.rollout.queue import QueueClosed, SimpleDataQueue
 from asyncrl.rollout.trajectory import TrainBatch, Trajectory, TrajectoryBuilder, TrajectoryGroup
-from asyncrl.rollout.workflow import RewardFunction, RolloutWorkflow, SingleTurnWorkflow, SkipSample, build_workflow
+from asyncrl.rollout.rewards import RewardFunction
+from asyncrl.rollout.workflow import RolloutWorkflow, SingleTurnWorkflow, SkipSample, build_workflow
 
 __all__ = [
     "Trajectory", "TrajectoryGroup", "TrainBatch", "TrajectoryBuilder", "SimpleDataQueue", "QueueClosed",

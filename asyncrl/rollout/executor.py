@@ -55,7 +55,8 @@ from asyncrl.rollout.batch import BatchAbandoned, PreparedBatch, prepare_batch, 
 from asyncrl.rollout.ledger import QUEUED, StalenessLedger
 from asyncrl.rollout.queue import QueueClosed, SimpleDataQueue
 from asyncrl.rollout.trajectory import TrainBatch, TrajectoryGroup, check_group
-from asyncrl.rollout.workflow import RewardFailuresExceeded, RolloutWorkflow, SkipSample
+from asyncrl.rollout.rewards import RewardFailuresExceeded
+from asyncrl.rollout.workflow import RolloutWorkflow, SkipSample
 
 log = logging.getLogger(__name__)
 

@@ -199,7 +199,7 @@ def _devices(cfg: Any, devices: Optional[str], where: str) -> list[Any]:
 
 def prepare_reward_functions(functions: Sequence[Any], cfg: Any, tokenizer: Any, sample: Optional[Mapping[str, Any]] = None) -> None:
     """Start-up hook of reward functions (``functions[i]`` is ``rewards.i``, a
-    :class:`~asyncrl.rollout.workflow.RewardFunction`): each whose function has a ``prepare``
+    :class:`~asyncrl.rollout.rewards.RewardFunction`): each whose function has a ``prepare``
     attribute (like ``reward_model``) gets ``prepare(cfg=, tokenizer=, where=, sample=, **its kwargs)``
     before step 1, to load and check what it needs; errors name ``rewards.N``."""
     for index, rf in enumerate(functions):

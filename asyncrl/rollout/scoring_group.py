@@ -4,7 +4,7 @@ Reward functions are called as ``fn(prompt, completion, **fields)`` with text. A
 that knows the token ids its policy saw scores completion ``i`` of a group inside
 ``with group.scoring(i):``; a reward that wants them reads :func:`current_scoring` (the
 reward call runs on a helper thread with the caller's context, see
-:class:`~asyncrl.rollout.workflow.RewardScorer`).
+:class:`~asyncrl.rollout.rewards.RewardScorer`).
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ def build_task_and_workflow(cfg: Config, tokenizer: Any) -> tuple[Config, Any, A
     """Resolve the dataset, default the rewards to the task's own, build the workflow."""
     from asyncrl.registry import resolve
     from asyncrl.rollout.reward_model import prepare_reward_functions
-    from asyncrl.rollout.workflow import build_reward_functions, build_workflow, check_reward_signatures
+    from asyncrl.rollout.rewards import build_reward_functions, check_reward_signatures
+    from asyncrl.rollout.workflow import build_workflow
 
     factory = resolve("dataset", cfg.data.dataset, where="data.dataset")
     try:

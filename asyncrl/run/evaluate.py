@@ -365,7 +365,7 @@ def _greedy_metrics(rows: list[dict], trajs: list, threshold: float) -> dict[str
 
 def _task_metrics(eval_metrics: Mapping[str, Callable[..., float]], rows: list[dict], samples: list) -> dict[str, float]:
     """``eval/<name>``: the mean of the task's ``fn(prompt, completion, **sample_fields)`` over the greedy completions."""
-    from asyncrl.rollout.workflow import reward_fields
+    from asyncrl.rollout.rewards import reward_fields
 
     out = {}
     for name, fn in eval_metrics.items():

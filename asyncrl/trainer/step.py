@@ -515,7 +515,7 @@ def _train_step_impl(
             return per_token_values(c_graphdef, decoder, c_theta["value_head"], input_ids, attention_mask,
                                     window=None if window == length else window, window_start=starts)
 
-        old_values = batch_logprobs(lambda w, i, a, st, with_entropy: (values_forward(w, i, a, st),), critic_params, chunks)
+        old_values = batch_logprobs(lambda w, i, a, st, with_entropy, nodes=None: (values_forward(w, i, a, st),), critic_params, chunks)
         rewards = shaped_rewards(batch["rewards"], jnp.sum(batch["loss_mask"], axis=-1), algo)
         targets, value_stats = critic_targets(chunks, to_chunks(rewards, spec), old_values, algo)
         chunks.update(targets)

@@ -10,7 +10,7 @@ import pytest
 
 from asyncrl.engine import FakeEngine
 from asyncrl.rollout import WorkflowExecutor
-from asyncrl.rollout.workflow import RewardFunction, RewardScorer
+from asyncrl.rollout.rewards import RewardFunction, RewardScorer
 from tests.rollout_fakes import EOS, TokenWorkflow, make_cfg
 
 pytestmark = pytest.mark.timeout(30)
