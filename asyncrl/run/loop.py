@@ -139,6 +139,7 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Optional[TextI
     """
     from asyncrl.checkpoint import resume_checkpoint
     from asyncrl.run.compile_cache import enable_compile_cache
+    from asyncrl.run.host_memory import keep_freed_host_memory
     from asyncrl.cluster.distributed import initialize_distributed
     from asyncrl.imports import import_without
     from asyncrl.run.multihost import Hosts, check_resumed_processes
@@ -147,6 +148,8 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Optional[TextI
     from asyncrl.run.trackers import check_trackers_installed
 
     started = time.monotonic()
+    if cfg.run.keep_host_memory:  # before JAX starts its thread pools (asyncrl.run.host_memory)
+        keep_freed_host_memory()
     # tensorboardX without its torch import, before any thread (watchdog, engine, rollouts) starts.
     import_without("tensorboardX", "torch")
     enable_compile_cache(cfg.run.compile_cache)  # before the first compilation of the run
