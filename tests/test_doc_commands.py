@@ -161,6 +161,9 @@ SLOW_CHAINS = {
     # Three layouts, each its own 8-device subprocess (a minute here).
     "bench_placement": (Step("python scripts/bench_placement.py", ("--steps", "4"), check=_json_line),),
     "bench_remote": (Step("python scripts/bench_remote.py", ("--requests", "8", "--repeats", "1"), check=_json_line),),
+    # docs/scaling.md: memory per process, a 4M-parameter model as 1 and 2 processes (about a minute)
+    "bench_scale": (Step("python scripts/bench_scale.py --processes 1,2 --layers 1 --hidden 128 --rows 4 --length 16 "
+                         "--steps 2", check=_json_line),),
     # Two quickstart start-ups in an empty compilation cache, beside the quick loop run.
     "bench_rl_quickstart": (Step("python scripts/bench_rl.py --quickstart", ("--quick",), check=_json_line),),
     "serve": (
