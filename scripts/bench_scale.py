@@ -6,9 +6,11 @@ model of ``--layers`` x ``--hidden`` (about 151M parameters by default) with fsd
 devices (a global batch of ``--rows`` x ``--length`` tokens, each process its block), and measures
 in every process:
 
-* peak host RSS above the process's baseline (its RSS after setup and two warm-up steps) during a
-  train step, a checkpoint save, a restore and a publish (Linux's ``VmHWM``, reset before each
-  phase through ``/proc/self/clear_refs``);
+* peak host RSS during a train step, a checkpoint save, a restore and a publish, each above the
+  process's RSS just before it (after garbage collection and ``malloc_trim``, so what one phase
+  leaves in the allocator is not the next one's; Linux's ``VmHWM``, reset before each phase
+  through ``/proc/self/clear_refs``); ``baseline_rss_mb`` is the RSS after setup, two warm-up
+  steps and a warm-up publish;
 * step time: the median of ``--steps`` steps, then of ``--steps`` steps with a save in flight (a
   save begun before them and waited for after);
 * publish time: :class:`asyncrl.engine.publish.WeightsWriter` writing the weights for servers
@@ -18,7 +20,7 @@ The checkpoint calls are :func:`begin_save` and :func:`restore` (one small funct
 whatever checkpoint API the checkout has). The two checks, per N (``ok`` is both for every N):
 
 * ``save_restore_memory_ok``: every process's peak during save and restore is at most
-  1.25 x (state / N) above its baseline, state = params + optimizer state in bytes;
+  1.25 x (state / N) above its RSS before the phase, state = params + optimizer state in bytes;
 * ``save_in_flight_ok``: the median step time with a save in flight is at most 1.15 x without.
 
 Usage: PYTHONPATH=. python scripts/bench_scale.py [--processes 1,2,4] [--devices 2] [--layers 10]
@@ -72,14 +74,27 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def measured(fn: Callable[[], Any], baseline: int) -> tuple[Any, float, int]:
-    """``(fn's result, seconds, peak RSS above baseline)`` of one call."""
+def settle() -> int:
+    """RSS after freeing what can be freed: Python garbage, and glibc's free heap pages returned to
+    the system (so what an earlier phase left in the allocator is not counted as the next one's)."""
     gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return rss_bytes()
+
+
+def measured(fn: Callable[[], Any]) -> tuple[Any, float, int]:
+    """``(fn's result, seconds, peak RSS above the RSS just before)`` of one call."""
+    before = settle()
     reset_peak()
     started = time.perf_counter()
     result = fn()
     seconds = time.perf_counter() - started
-    return result, seconds, max(0, peak_bytes() - baseline)
+    return result, seconds, max(0, peak_bytes() - before)
 
 
 # ---------------------------------------------------------------------------- checkpoint calls
@@ -172,16 +187,15 @@ def worker(args: argparse.Namespace) -> None:
     state_bytes = sum(x.nbytes for x in jax.tree.leaves((trainer.params, trainer.opt_state)))
     for _ in range(2):  # compiles, then settles the allocator
         trainer.step(mine)
-    gc.collect()
-    baseline = rss_bytes()
     out = Path(args.out)
-    _, train_s, train_peak = measured(lambda: trainer.step(mine), baseline)
-    step = trainer.version
-    _, save_s, save_peak = measured(lambda: begin_save(trainer, out / "ckpt", step)(), baseline)
-    _, restore_s, restore_peak = measured(lambda: restore(trainer, out / "ckpt", step), baseline)
     writer = WeightsWriter(model_cfg, out / "weights", dtype="bfloat16", keep=1)
-    writer.write(trainer.params_for_publish(), step - 1)  # compiles the gather programs
-    _, publish_s, publish_peak = measured(lambda: writer.write(trainer.params_for_publish(), step), baseline)
+    writer.write(trainer.params_for_publish(), 0)  # compiles the gather programs
+    baseline = settle()
+    _, train_s, train_peak = measured(lambda: trainer.step(mine))
+    step = trainer.version
+    _, save_s, save_peak = measured(lambda: begin_save(trainer, out / "ckpt", step)())
+    _, restore_s, restore_peak = measured(lambda: restore(trainer, out / "ckpt", step))
+    _, publish_s, publish_peak = measured(lambda: writer.write(trainer.params_for_publish(), step))
     plain = []
     for _ in range(args.steps):
         started = time.perf_counter()
