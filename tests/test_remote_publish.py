@@ -141,3 +141,57 @@ def read_safetensors_file(path) -> dict:
     from safetensors.numpy import load_file
 
     return load_file(str(path))
+
+
+@pytest.mark.slow  # a 2-process run of 2 steps beside an in-process server: about a minute on a busy 2-core machine
+@pytest.mark.timeout(600)
+def test_a_two_process_run_publishes_to_a_server_each_process_writing_its_share(tmp_path):
+    """``asyncrl train`` as 2 processes with ``engine.remote``: every version the server loads is a
+    directory with one shard file per process, and the run ends with the server at version 2."""
+    import yaml
+
+    from asyncrl.config import load_config
+    from asyncrl.model import load_model
+
+    model = "tiny:layers=1"
+    loaded = load_model(model, with_tokenizer=False)
+    serve_cfg = load_config(QUICKSTART, [f"model.path={model}", "engine.prefill_buckets=[32]"])
+    with inprocess_servers(tmp_path, 1, loaded, serve_cfg) as (server,):
+        out = tmp_path / "run"
+        remote = {"urls": [server.url], "weights_dir": str(tmp_path / "weights" / "run"), "keep_weights": 10,
+                  "health_check_every_s": 0, "api_key_env": "ASYNCRL_TEST_API_KEY"}
+        config = {"run": {"name": "mp-remote", "seed": 3, "total_steps": 2, "output_dir": str(out)},
+                  "model": {"path": model}, "data": {"dataset": "copy"}, "workflow": "single_turn",
+                  "rollout": {"batch_size": 4, "group_size": 4, "max_staleness": 0, "max_new_tokens": 8},
+                  "engine": {"remote": remote}, "eval": {"every_steps": 0},
+                  "checkpoint": {"every_steps": 0, "keep": None}}
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump(config))
+        port = free_port()
+        procs = []
+        for pid in range(2):
+            env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+                                 JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                                 JAX_PROCESS_ID=str(pid), ASYNCRL_TEST_API_KEY=API_KEY)
+            log = open(tmp_path / f"p{pid}.log", "w")
+            procs.append(subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", str(path)], env=env,
+                                          cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            log.close()
+        try:
+            codes = [p.wait(timeout=480) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+                    p.wait(10)
+        logs = "\n".join((tmp_path / f"p{pid}.log").read_text() for pid in range(2))
+        assert codes == [0, 0], logs
+        info = httpx.get(f"{server.url}/get_model_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert info["weight_version"] == "2"
+    versions = sorted(p.name for p in (tmp_path / "weights" / "run").iterdir())
+    assert versions == ["v0", "v1", "v2"], versions  # v0: written once at start by both processes
+    for version in versions:
+        files = sorted(f.name for f in (tmp_path / "weights" / "run" / version).glob("*.safetensors"))
+        assert files == [shard_file_name(0, 2), shard_file_name(1, 2)], (version, files)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2] and all(row["perf/publish_time"] > 0 for row in rows)
