@@ -19,9 +19,10 @@ every file holds whole tensors: a standard HF sharded checkpoint, which no serve
 in groups of at most ``group_bytes`` through one jitted program that casts them to the published
 dtype, transposes the kernels to HF's layout, and lays each out on a ``(process, local)`` view of
 the same devices: whole within every process, split over that process's own devices. XLA moves
-the bytes device to device; the owner copies its local pieces of its own tensors to host memory,
-the others drop theirs. So no device ever holds the whole model, a host holds only what it
-writes (about 1/N of the model in the published dtype), and the write is parallel.
+the bytes device to device; the owner copies its local pieces of its own tensors to host memory
+and streams each into its file at once, the others drop theirs. So no device ever holds the
+whole model, a host holds one group at a time, it writes about 1/N of the model in the published
+dtype, and the writes are parallel.
 
 **Atomic.** Each process writes its file into ``weights_dir/.v{N}.partial`` (under a temporary
 name, then renamed); the processes then agree that every write succeeded (a failed write on any
@@ -136,12 +137,7 @@ class WeightsWriter:
             entries.append((hf_name, leaf, transposed))
         owners = assign_owners([(name, int(np.prod(leaf.shape)) * itemsize) for name, leaf, _ in entries], count)
         partial = self.weights_dir / f".v{version}.partial"
-        failure: Optional[BaseException] = None
-        try:
-            tensors = self._owned_tensors(entries, owners, me)
-            self.last_bytes = self._write_part(partial, tensors, shard_file_name(me, count))
-        except Exception as err:  # agreed on below, so no process waits for a write that failed
-            failure = err
+        failure = self._write_part(entries, owners, me, partial / shard_file_name(me, count))
         failed = _all_flags(failure is not None, count)
         if failure is not None:
             raise PublishError(f"publish v{version}: process {me} could not write {partial / shard_file_name(me, count)}: "
@@ -157,26 +153,51 @@ class WeightsWriter:
 
     # ------------------------------------------------------------------ this process's part
 
-    def _owned_tensors(self, entries: list, owners: dict[str, int], me: int) -> dict[str, np.ndarray]:
-        """The tensors ``me`` owns as host arrays in the published dtype (HF layout)."""
+    def _write_part(self, entries: list, owners: dict[str, int], me: int, file: Path) -> Optional[BaseException]:
+        """Write the tensors ``me`` owns (published dtype, HF layout) to ``file``, each streamed as
+        soon as it reaches this host, so a host holds one tensor (or one gather group) at a time.
+        Every process runs every gather program (they are collectives) even after its own write
+        failed; the failure is returned, to be agreed on by all processes."""
         import jax
 
-        out: dict[str, np.ndarray] = {}
-        spanning = []
-        for name, leaf, transposed in entries:
-            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-                spanning.append((name, leaf, transposed))
-            elif owners[name] == me:
-                value = np.asarray(jax.device_get(leaf)).astype(_numpy_dtype(self.dtype))
-                out[name] = np.ascontiguousarray(value.T) if transposed else value
-        for group in self._groups(spanning):
-            names = [name for name, _, _ in group]
+        local = [e for e in entries if not (isinstance(e[1], jax.Array) and not e[1].is_fully_addressable)]
+        groups = self._groups([e for e in entries if e not in local])
+        order = [e for e in local if owners[e[0]] == me] + [e for g in groups for e in g if owners[e[0]] == me]
+        dtype = _numpy_dtype(self.dtype)
+        failure: Optional[BaseException] = None
+        sink: Optional[_ShardFile] = None
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            sink = _ShardFile(file, [(name, tuple(leaf.shape)[::-1] if t else tuple(leaf.shape)) for name, leaf, t in order],
+                              self.dtype)
+        except Exception as err:  # noqa: BLE001 - agreed on by the caller
+            failure = err
+
+        def put(name: str, value: np.ndarray) -> None:
+            nonlocal failure
+            if failure is None and sink is not None:
+                try:
+                    sink.write(name, value)
+                except Exception as err:  # noqa: BLE001 - agreed on by the caller
+                    failure = err
+
+        for name, leaf, transposed in local:
+            if owners[name] == me:
+                value = np.asarray(jax.device_get(leaf)).astype(dtype)
+                put(name, value.T if transposed else value)
+        for group in groups:
             gathered = self._program(group)([leaf for _, leaf, _ in group])
-            for name, array in zip(names, gathered):
+            for (name, _, _), array in zip(group, gathered):
                 if owners[name] == me:
-                    out[name] = _assemble(array)
+                    put(name, _assemble(array))
             del gathered
-        return out
+        if sink is not None:
+            try:
+                if failure is None:
+                    self.last_bytes = sink.close()
+            finally:
+                sink.discard()
+        return failure
 
     def _groups(self, spanning: list) -> list[list]:
         """Tensors spanning processes in groups of at most ``group_bytes`` published bytes, by mesh."""
@@ -233,19 +254,6 @@ class WeightsWriter:
             self._programs[key] = jax.jit(cast, out_shardings=shardings)
         return self._programs[key]
 
-    def _write_part(self, partial: Path, tensors: dict[str, np.ndarray], file_name: str) -> int:
-        from safetensors.numpy import save_file
-
-        partial.mkdir(parents=True, exist_ok=True)
-        tmp = partial / f".{file_name}.tmp-{os.getpid()}"
-        try:
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
-            os.replace(tmp, partial / file_name)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-        return sum(t.nbytes for t in tensors.values())
-
     # ------------------------------------------------------------------ process 0: index, metadata, rename
 
     def _finish(self, partial: Path, path: Path, owners: dict[str, int], count: int, itemsize: int,
@@ -266,6 +274,55 @@ class WeightsWriter:
         for old in kept[: -self.keep]:
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+_SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+class _ShardFile:
+    """A safetensors file written tensor by tensor, in the order its header names them: the header
+    (every name, dtype, shape and offset; padded to 8 bytes) first, then each tensor's bytes as it
+    comes, under a temporary name renamed onto ``path`` by :meth:`close`. What ``safetensors.numpy.save_file``
+    writes, without holding every tensor (and two serialised copies of them) in memory at once."""
+
+    def __init__(self, path: Path, specs: list[tuple[str, tuple[int, ...]]], dtype: str):
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        itemsize = np.dtype(_numpy_dtype(dtype)).itemsize
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        self.expected: list[tuple[str, tuple[int, ...]]] = list(specs)
+        offset = 0
+        for name, shape in specs:
+            size = int(np.prod(shape)) * itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        self.size = offset
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.file = open(self.tmp, "wb")
+        self.file.write(len(raw).to_bytes(8, "little") + raw)
+        self.written = 0
+
+    def write(self, name: str, value: np.ndarray) -> None:
+        expected_name, shape = self.expected[self.written]
+        if name != expected_name or tuple(value.shape) != shape:
+            raise PublishError(f"{self.path}: got {name} {list(value.shape)} where the header has {expected_name} {list(shape)}")
+        self.file.write(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
+        self.written += 1
+
+    def close(self) -> int:
+        """Finish the file (every tensor written) and rename it into place; returns its data bytes."""
+        if self.written != len(self.expected):
+            raise PublishError(f"{self.path}: {self.written} of {len(self.expected)} tensors written")
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        return self.size
+
+    def discard(self) -> None:
+        """Close and remove the temporary file, if it is still there."""
+        self.file.close()
+        if self.tmp.exists():
+            self.tmp.unlink()
 
 
 def _assemble(array: Any) -> np.ndarray:
