@@ -185,6 +185,9 @@ SLOW_CHAINS = {
     "bench_remote": (Step("python scripts/bench_remote.py", ("--requests", "8", "--repeats", "1"), check=_json_line),),
     # docs/performance.md: reward-model scoring throughput, on the 2-layer twin
     "bench_reward_model": (Step("python scripts/bench_reward_model.py", ("--quick",), check=_bench_reward_model),),
+    # docs/scaling.md: memory per process, a 4M-parameter model as 1 and 2 processes (about a minute)
+    "bench_scale": (Step("python scripts/bench_scale.py --processes 1,2 --layers 1 --hidden 128 --rows 4 --length 16 "
+                         "--steps 2", check=_json_line),),
     # Two quickstart start-ups in an empty compilation cache, beside the quick loop run.
     "bench_rl_quickstart": (Step("python scripts/bench_rl.py --quickstart", ("--quick",), check=_json_line),),
     "serve": (

@@ -318,9 +318,11 @@ class RemoteEngineConfig(Section):
     api_key_env: Optional[str] = "ASYNCRL_API_KEY"
     """Environment variable holding the servers' API key (sent as ``Authorization: Bearer``); unset or empty: no key."""
     weights_dir: Optional[str] = None
-    """Where published weights are written (``v{N}`` HF directories); null: ``<run.output_dir>/weights``. Must be readable by the servers at the same path."""
+    """Where published weights are written (``v{N}`` sharded HF safetensors directories, every process writing its share); null: ``<run.output_dir>/weights``. Must be readable by the servers at the same path, and with several processes one directory for all of them (a shared file system; on one host ``/dev/shm/...`` skips the disk)."""
     keep_weights: int = Field(default=2, ge=1)
     """Weight versions kept on disk (older ones are removed after each publish)."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of the published weights (``config.json``'s ``dtype`` says it): the servers' serving dtype. bfloat16 halves a float32 trainer's publish; the servers then generate with the trainer's weights rounded to bfloat16 (the rollouts' log-probs are the servers', so the loss sees that rounding as off-policy drift)."""
     connect_timeout_s: float = Field(default=5.0, gt=0)
     """HTTP connect timeout; an unreachable URL at start fails within it."""
     read_timeout_s: float = Field(default=600.0, gt=0)

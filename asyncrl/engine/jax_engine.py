@@ -858,20 +858,41 @@ def move_params(params: Any, shardings: Any) -> Any:
     return jax.tree.unflatten(treedef, moved)
 
 
-def local_copy(arrays: list) -> list:
+COPY_GROUP_BYTES = 128 << 20
+"""Bytes :func:`local_copy` replicates per program: what a device holds beyond its own shards while
+it runs (the model never is whole on every device at once)."""
+
+
+def local_copy(arrays: list, group_bytes: int = COPY_GROUP_BYTES) -> list:
     """Each array (on a ``NamedSharding``) as one single-device array holding all of it, on one of
     this process's devices: replicated over its own mesh by a jitted identity (an all-gather on
-    device), then one replica taken. With several processes every process must call it (a
-    collective over the params' mesh); process 0 then hands the copies to its engine."""
+    device), a group of at most ``group_bytes`` at a time, then one replica of each kept (the other
+    replicas are freed before the next group). With several processes every process must call it
+    (collectives over the params' mesh); process 0 then hands the copies to its engine."""
     by_mesh: dict[Any, list[int]] = {}
     for i, x in enumerate(arrays):
         by_mesh.setdefault(x.sharding.mesh, []).append(i)
     out = list(arrays)
     for mesh, indices in by_mesh.items():
-        replicated = _replicate_jit(mesh)([arrays[i] for i in indices])
-        for i, full in zip(indices, replicated):
-            out[i] = full.addressable_shards[0].data
+        for group in _byte_groups(indices, [arrays[i].nbytes for i in indices], group_bytes):
+            replicated = _replicate_jit(mesh)([arrays[i] for i in group])
+            for i, full in zip(group, replicated):
+                out[i] = full.addressable_shards[0].data
+            del replicated
     return out
+
+
+def _byte_groups(items: list, sizes: list[int], budget: int) -> list[list]:
+    """``items`` in order, cut into runs of at most ``budget`` bytes (an item larger than it alone)."""
+    groups: list[list] = []
+    size = 0
+    for item, nbytes in zip(items, sizes):
+        if not groups or (size + nbytes > budget and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += nbytes
+    return groups
 
 
 def _copies_directly(x: Any, target: Any) -> bool:

@@ -16,9 +16,10 @@ unhealthy and the request's unfinished samples are resubmitted elsewhere from th
 segment (``engine/retries``); when no server is healthy, every call raises
 :class:`RemoteEngineError` naming the URLs, which stops training.
 
-Weights. ``update_weights(params, N)`` writes ``weights/vN`` (an HF safetensors directory, via a
-temporary name and a rename; older versions removed, the last ``keep_weights`` kept), then on every
-healthy server: ``/pause_generation`` -> ``/update_weights_from_disk(model_path, weight_version=N)``
+Weights. ``update_weights(params, N)`` writes ``weights/vN`` (a sharded HF safetensors directory
+in ``engine.remote.dtype``, each process of the run writing its share, complete or absent:
+:class:`~asyncrl.engine.publish.WeightsWriter`; older versions removed, the last ``keep_weights``
+kept), then (:meth:`RemoteEngine.load_version`) on every healthy server: ``/pause_generation`` -> ``/update_weights_from_disk(model_path, weight_version=N)``
 -> ``/continue_generation``, and checks ``/get_model_info`` reports ``N``. A server that fails is
 retried ``update_retries`` times, then marked unhealthy. A health thread re-admits a server that
 answers again once it has loaded the current version.
@@ -35,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -87,9 +87,11 @@ class RemoteEngine:
         settings: the ``engine.remote`` section (:class:`~asyncrl.config.RemoteEngineConfig`):
             server URLs, HTTP timeouts, retries and backoff, pause mode, update retries, health
             check period, concurrency, weights kept and segments per sample, each documented there.
-        graphdef: the policy's graphdef (to export published params); ``tokenizer`` and
+        graphdef: the policy's graphdef (its config names the published tensors); ``tokenizer`` and
             ``stop_token_ids`` are written beside the weights.
         weights_dir: where ``v{N}`` weight directories go (every server must read this path).
+        writer: the :class:`~asyncrl.engine.publish.WeightsWriter` to publish with (a multi-process
+            run shares it with the processes that have no engine); default: one for ``weights_dir``.
         version: the version the servers must serve at start (``k`` on resume).
         api_key: sent as ``Authorization: Bearer``.
         check: query every server at start (an unreachable URL fails within ``connect_timeout_s``).
@@ -103,6 +105,7 @@ class RemoteEngine:
         tokenizer: Any = None,
         stop_token_ids: Optional[Sequence[int]] = None,
         weights_dir: Optional[str | os.PathLike] = None,
+        writer: Any = None,
         version: int = 0,
         api_key: Optional[str] = None,
         check: bool = True,
@@ -114,6 +117,9 @@ class RemoteEngine:
         self.tokenizer = tokenizer
         self.stop_token_ids = tuple(stop_token_ids) if stop_token_ids is not None else None
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self.writer = writer
+        if writer is not None and self.weights_dir is None:
+            self.weights_dir = writer.weights_dir
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         concurrent = settings.max_concurrent_requests
         limits = httpx.Limits(max_connections=concurrent + 8, max_keepalive_connections=concurrent + 8)
@@ -173,20 +179,27 @@ class RemoteEngine:
     def update_weights(self, params: Any, version: int) -> None:
         if version != self._version + 1:
             raise ValueError(f"update_weights: version must be {self._version + 1} (engine serves {self._version}), given {version}")
-        path = self.write_weights(params, version)
+        self.load_version(self.write_weights(params, version), version)
+
+    def load_version(self, path: Path, version: int) -> None:
+        """Have every healthy server load ``path`` (written by :meth:`write_weights`, by every
+        process of the run) as ``version``: the server half of :meth:`update_weights`."""
+        if version != self._version + 1:
+            raise ValueError(f"load_version: version must be {self._version + 1} (engine serves {self._version}), given {version}")
         with self._update_lock:
             self._version = version  # new segments are checked against it from now on
             self._update_all(path, version)
 
     # ------------------------------------------------------------------ lifecycle, metrics
 
-    def ensure_version(self, params: Any) -> None:
+    def ensure_version(self, params: Any, written: Optional[Path] = None) -> None:
         """Bring servers that serve another version than ``self.version`` (fresh servers on a
-        resumed run) to it, writing its weights first."""
+        resumed run) to it, writing its weights first (or loading ``written``, already written by
+        every process of a multi-process run)."""
         stale = [s for s in self.servers if s.healthy and s.version != self._version]
         if not stale:
             return
-        path = self.write_weights(params, self._version)
+        path = written if written is not None else self.write_weights(params, self._version)
         with self._update_lock:
             for server in stale:
                 self._update_one(server, path, self._version)
@@ -306,21 +319,19 @@ class RemoteEngine:
     # ------------------------------------------------------------------ weights
 
     def write_weights(self, params: Any, version: int) -> Path:
-        """``weights_dir/v{version}`` (written under a temporary name, then renamed); prunes old ones."""
-        from asyncrl.model import export_hf
+        """``weights_dir/v{version}`` (:class:`~asyncrl.engine.publish.WeightsWriter`: sharded, in
+        ``engine.remote.dtype``, complete or absent); prunes old ones. In a multi-process run every
+        process calls it (each writes its share)."""
+        if self.writer is None:
+            if self.weights_dir is None or self.graphdef is None:
+                raise RemoteEngineError("remote engine: publishing weights needs weights_dir and graphdef (train sets them)")
+            from asyncrl.engine.jax_programs import graphdef_config
+            from asyncrl.engine.publish import WeightsWriter
 
-        if self.weights_dir is None or self.graphdef is None:
-            raise RemoteEngineError("remote engine: publishing weights needs weights_dir and graphdef (train sets them)")
-        from asyncrl.pytree import tree_to_host
-
-        path = self.weights_dir / f"v{version}"
-        export_hf(self.graphdef, self.tokenizer, path, params=tree_to_host(params),
-                  stop_token_ids=self.stop_token_ids, overwrite=True)
-        kept = sorted((p for p in self.weights_dir.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
-        for old in kept[: -self.settings.keep_weights]:
-            if old != path:
-                shutil.rmtree(old, ignore_errors=True)
-        return path
+            self.writer = WeightsWriter(graphdef_config(self.graphdef, params), self.weights_dir,
+                                        dtype=self.settings.dtype, keep=self.settings.keep_weights,
+                                        tokenizer=self.tokenizer, stop_token_ids=self.stop_token_ids)
+        return self.writer.write(params, version)
 
     def _update_all(self, path: Path, version: int) -> None:
         started = time.monotonic()

@@ -180,7 +180,7 @@ def export_critic(cfg: DecoderConfig, params: dict, out_dir: str | os.PathLike, 
     from safetensors.numpy import save_file
 
     from asyncrl.model.config import to_hf_config
-    from asyncrl.model.hf import _default_permissions, _install_dir
+    from asyncrl.model.hf import _default_permissions, install_dir
 
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
@@ -196,7 +196,7 @@ def export_critic(cfg: DecoderConfig, params: dict, out_dir: str | os.PathLike, 
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         _default_permissions(tmp)
-        _install_dir(tmp, out_dir, overwrite=overwrite, exist_ok=False)
+        install_dir(tmp, out_dir, overwrite=overwrite, exist_ok=False)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

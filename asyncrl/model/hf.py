@@ -120,7 +120,7 @@ def read_safetensors(model_dir: Path) -> dict[str, Any]:
     return tensors
 
 
-def _param_layout(cfg: DecoderConfig, abstract: Any = None) -> dict[tuple, tuple[str, bool, tuple[int, ...]]]:
+def param_layout(cfg: DecoderConfig, abstract: Any = None) -> dict[tuple, tuple[str, bool, tuple[int, ...]]]:
     """Our param path -> (HF tensor name, transposed?, our shape). ``abstract``: the
     ``nnx.eval_shape`` Decoder of ``cfg`` when the caller has one (tracing it again costs time)."""
     import jax
@@ -155,7 +155,7 @@ def params_from_hf(cfg: DecoderConfig, tensors: dict[str, Any], source: str, abs
 
     from asyncrl.model.transformer import dtype_of
 
-    layout = _param_layout(cfg, abstract)
+    layout = param_layout(cfg, abstract)
     expected = {hf_name for hf_name, _, _ in layout.values()}
     missing, mis_shaped = [], []
     params: dict = {}
@@ -192,7 +192,7 @@ def params_from_hf(cfg: DecoderConfig, tensors: dict[str, Any], source: str, abs
 def hf_tensors_from_params(cfg: DecoderConfig, params: dict) -> dict[str, Any]:
     """HF-named jax arrays from our pure params dict (inverse of :func:`params_from_hf`)."""
     out = {}
-    for keys, (hf_name, transposed, _) in _param_layout(cfg).items():
+    for keys, (hf_name, transposed, _) in param_layout(cfg).items():
         value: Any = params
         for k in keys:
             value = value[k]
@@ -310,7 +310,6 @@ def export_hf(
     """
     from flax import nnx
     from safetensors.flax import save_file
-    from transformers import GenerationConfig
 
     from asyncrl.model.transformer import Decoder
 
@@ -328,27 +327,15 @@ def export_hf(
         if exist_ok:
             return out_dir
         raise ModelError(f"export_hf: {out_dir} already exists (pass overwrite=True to replace it)")
-    if stop_token_ids is None:
-        stop_token_ids = cfg.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ())
-    pad = cfg.pad_token_id
-    if pad is None and tokenizer is not None:
-        pad = tokenizer.pad_token_id
-
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        eos: Any = list(stop_token_ids) if len(stop_token_ids) != 1 else stop_token_ids[0]
-        hf_cfg = to_hf_config(cfg.replace(eos_token_id=eos if isinstance(eos, int) or not eos else tuple(eos), pad_token_id=pad))
-        hf_cfg.architectures = [_ARCHITECTURES[cfg.model_type]]
-        hf_cfg.save_pretrained(str(tmp))
-        GenerationConfig(eos_token_id=eos or None, pad_token_id=pad, bos_token_id=cfg.bos_token_id).save_pretrained(str(tmp))
+        write_hf_metadata(cfg, tokenizer, tmp, stop_token_ids)
         params_now = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         tensors = {k: _contiguous(v) for k, v in hf_tensors_from_params(cfg, params_now).items()}
         save_file(tensors, str(tmp / SAFETENSORS_FILE), metadata={"format": "pt"})
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
         _default_permissions(tmp)
-        _install_dir(tmp, out_dir, overwrite=overwrite, exist_ok=exist_ok)
+        install_dir(tmp, out_dir, overwrite=overwrite, exist_ok=exist_ok)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -356,6 +343,27 @@ def export_hf(
 
 
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def write_hf_metadata(cfg: DecoderConfig, tokenizer: Any, directory: Path,
+                      stop_token_ids: Optional[tuple[int, ...]] = None) -> None:
+    """Everything of an HF directory but its tensors, into the existing ``directory``:
+    ``config.json`` (its ``dtype`` is ``cfg.param_dtype``), ``generation_config.json`` (stop ids:
+    ``stop_token_ids``, else the config's, else the tokenizer's EOS) and the tokenizer, if any."""
+    from transformers import GenerationConfig
+
+    if stop_token_ids is None:
+        stop_token_ids = cfg.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ())
+    pad = cfg.pad_token_id
+    if pad is None and tokenizer is not None:
+        pad = tokenizer.pad_token_id
+    eos: Any = list(stop_token_ids) if len(stop_token_ids) != 1 else stop_token_ids[0]
+    hf_cfg = to_hf_config(cfg.replace(eos_token_id=eos if isinstance(eos, int) or not eos else tuple(eos), pad_token_id=pad))
+    hf_cfg.architectures = [_ARCHITECTURES[cfg.model_type]]
+    hf_cfg.save_pretrained(str(directory))
+    GenerationConfig(eos_token_id=eos or None, pad_token_id=pad, bos_token_id=cfg.bos_token_id).save_pretrained(str(directory))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
 
 
 def _contiguous(x: Any) -> Any:
@@ -375,7 +383,7 @@ def _default_permissions(directory: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def _install_dir(tmp: Path, out_dir: Path, *, overwrite: bool, exist_ok: bool) -> None:
+def install_dir(tmp: Path, out_dir: Path, *, overwrite: bool, exist_ok: bool) -> None:
     """Rename the finished ``tmp`` onto ``out_dir`` (atomic on one filesystem)."""
     if out_dir.exists() and overwrite:
         old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")

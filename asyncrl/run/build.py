@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -138,10 +138,11 @@ def build_local_engine(cfg: Config, graphdef: Any, params: Any, stop_token_ids: 
 
 
 def build_engine(cfg: Config, loaded: Any, graphdef: Any, params: Any, *, version: int, out: Path,
-                 placement: Any = None) -> Any:
+                 placement: Any = None, writer: Any = None, written: Optional[Path] = None) -> Any:
     """The run's inference engine: in-process on its ``placement`` (:func:`build_local_engine`), or
-    on servers when ``engine.remote`` is set (their weights written under ``engine.remote.weights_dir``,
-    default ``<out>/weights``). ``loaded`` is the :class:`~asyncrl.model.LoadedModel` (tokenizer, stop ids)."""
+    on servers when ``engine.remote`` is set (their weights written by ``writer``, default
+    :func:`weights_writer`; ``written``: version ``version`` already written by every process).
+    ``loaded`` is the :class:`~asyncrl.model.LoadedModel` (tokenizer, stop ids)."""
     remote = cfg.engine.remote
     if remote is None:
         # With the default placement the engine serves the trainer's own (never donated) arrays:
@@ -149,12 +150,25 @@ def build_engine(cfg: Config, loaded: Any, graphdef: Any, params: Any, *, versio
         return build_local_engine(cfg, graphdef, params, loaded.stop_token_ids, version=version, placement=placement)
     from asyncrl.engine.remote import RemoteEngine
 
+    writer = writer if writer is not None else weights_writer(cfg, loaded, out)
     engine = RemoteEngine.from_config(
         remote, version=version, graphdef=graphdef, tokenizer=loaded.tokenizer, stop_token_ids=loaded.stop_token_ids,
-        weights_dir=Path(remote.weights_dir) if remote.weights_dir else out / "weights",
+        writer=writer,
     )
-    engine.ensure_version(params)  # fresh servers of a resumed run
+    engine.ensure_version(params, written)  # fresh servers of a resumed run
     return engine
+
+
+def weights_writer(cfg: Config, loaded: Any, out: Path) -> Any:
+    """The :class:`~asyncrl.engine.publish.WeightsWriter` of an ``engine.remote`` run: into
+    ``engine.remote.weights_dir`` (default ``<out>/weights``), in ``engine.remote.dtype``."""
+    from asyncrl.engine.publish import WeightsWriter
+
+    remote = cfg.engine.remote
+    assert remote is not None
+    return WeightsWriter(loaded.config, Path(remote.weights_dir) if remote.weights_dir else out / "weights",
+                         dtype=remote.dtype, keep=remote.keep_weights, tokenizer=loaded.tokenizer,
+                         stop_token_ids=loaded.stop_token_ids)
 
 
 def episode_metric_means(trajectories: list) -> dict[str, float]:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, T
 
 import numpy as np
 
-from asyncrl.run.build import build_engine, episode_metric_means, preflight
+from asyncrl.run.build import build_engine, episode_metric_means, preflight, weights_writer
 from asyncrl.checkpoint.schema import RUN_STATE_FORMAT
 from asyncrl.config import Config, dump_config
 from asyncrl.engine.protocol import InferenceEngine
@@ -463,6 +463,8 @@ class Run:
         self.device = _first_local_device(self.mesh)
         """The device whose memory ``perf/device_mem_gb`` reports (this process's first in the mesh)."""
         self.engine: Optional[RunEngine] = None
+        self.writer = weights_writer(cfg, self.loaded, out) if cfg.engine.remote is not None else None
+        """With ``engine.remote``: every process's :class:`~asyncrl.engine.publish.WeightsWriter`."""
         self.publish_time = 0.0
         """Seconds of the last ``engine.update_weights`` (``perf/publish_time``)."""
         self.version = resumed.step if resumed is not None else 0
@@ -552,8 +554,17 @@ class Run:
         return StatsTracker([self.jsonl, tensorboard, *trackers, self.console]), tensorboard
 
     def ensure_engine(self, trainer: Trainer, scfg: Config) -> Optional[RunEngine]:
-        """The run's engine (process 0's; None on the others), built once from the trainer's weights."""
+        """The run's engine (process 0's; None on the others), built once from the trainer's weights.
+        With ``engine.remote`` and several processes every process first writes the current version
+        (its share of it), which process 0's engine loads on servers that serve another one."""
         if self.engine is None:
+            if self.writer is not None:
+                params = trainer.params_for_publish()
+                written = self.writer.write(params, self.version) if self.hosts.multi else None
+                if self.hosts.is_main:
+                    self.engine = build_engine(scfg, self.loaded, self.graphdef, params, version=self.version,
+                                               out=self.out, writer=self.writer, written=written)
+                return self.engine
             params = self.hosts.engine_copy(trainer.params_for_publish())  # every process joins the gather
             if self.hosts.is_main:
                 self.engine = build_engine(scfg, self.loaded, self.graphdef, params, version=self.version, out=self.out,
@@ -561,12 +572,22 @@ class Run:
         return self.engine
 
     def publish(self, trainer: Trainer) -> None:
-        """Version ``v + 1`` to the engine (process 0's, from the global params; every process calls this)."""
+        """Version ``v + 1`` to the engine (process 0's, from the global params; every process calls this).
+        With ``engine.remote`` every process writes its share of the version's files, then process 0
+        has the servers load them; else process 0's in-process engine receives the weights."""
         started = time.perf_counter()
-        params = self.hosts.engine_copy(trainer.params_for_publish())
-        if self.engine is not None:
-            self.engine.update_weights(params, self.version + 1)
-        self.publish_time = time.perf_counter() - started  # gathering, moving to the engine's devices, the swap
+        if self.writer is not None:
+            path = self.writer.write(trainer.params_for_publish(), self.version + 1)
+            if self.engine is not None:
+                from asyncrl.engine.remote import RemoteEngine
+
+                assert isinstance(self.engine, RemoteEngine), "a weights writer is built for engine.remote only"
+                self.engine.load_version(path, self.version + 1)
+        else:
+            params = self.hosts.engine_copy(trainer.params_for_publish())
+            if self.engine is not None:
+                self.engine.update_weights(params, self.version + 1)
+        self.publish_time = time.perf_counter() - started  # gathering, writing or moving to the engine, the swap
         self.version += 1
 
     def read_engine_counters(self) -> dict[str, float]:

@@ -14,15 +14,19 @@ loop (:mod:`asyncrl.run.loop`) reads the same with one process or many:
 * **Batches** (:class:`HostBatchSource`): process 0's source makes the step's batch; its
   groups are split into one contiguous block of whole groups per process (:func:`split_rows`,
   every block padded to the same rows); a small JSON header goes through the coordinator's
-  key-value store (the others wait for it in bounded polls), then the packed arrays through
-  one ``broadcast_one_to_all`` collective, and each process keeps its own block.
+  key-value store (the others wait for it in bounded polls), then each block goes to its
+  process alone (:func:`send_blocks`: a point-to-point ``ppermute`` per process), so a process
+  receives and holds its own block, never the whole batch.
 * **Stop agreement**: a signal on any process makes all of them stop at the same step
   boundary. Process 0 learns of another process's signal from the key-value store while it
   waits for a batch (the header then says "abandoned", with the exit code); after each step
   every process's flag is combined by a tiny all-gather (:meth:`Hosts.agree_stop`).
 * **Publishing** (:meth:`Hosts.engine_copy`): the trainer's global params are all-gathered
-  to a replicated sharding on the trainer mesh by a jitted identity (device to device), and
-  process 0 hands one local copy to its engine, which moves it onto its own shardings.
+  in groups of at most :data:`~asyncrl.engine.jax_engine.COPY_GROUP_BYTES` (a jitted identity
+  with replicated outputs per group: device to device), and process 0 keeps one single-device
+  copy of each group for its engine, which moves it onto its own shardings; so a device holds at
+  most one group beyond its shards, never a whole copy of the model. With ``engine.remote`` every
+  process instead writes its share of the published files (:mod:`asyncrl.engine.publish`).
 * **Checkpoints**: every process joins the host gather of the trainer state, process 0 alone
   writes the checkpoint, then all meet at a barrier with a timeout
   (``checkpoint.barrier_timeout_s``). A checkpoint records its process count; a resume with
@@ -271,22 +275,19 @@ def split_rows(batch: TrainBatch, parts: int, row_multiple: int) -> list[TrainBa
     return blocks
 
 
-def pack_blocks(blocks: list[TrainBatch]) -> np.ndarray:
-    """The blocks' arrays as one int32 buffer (field by field, block-major within a field),
-    padded to a power of two of words so that its broadcast compiles for few sizes."""
-    parts = []
-    names = [f[0] for f in _FIELDS] + (["advantages"] if blocks[0].advantages is not None else [])
-    for name in names:
-        parts.append(np.concatenate([np.ascontiguousarray(getattr(b, name)) for b in blocks]).tobytes())
-    raw = b"".join(parts)
+def pack_block(block: TrainBatch) -> np.ndarray:
+    """One block's arrays as one int32 buffer (field by field), padded to a power of two of words
+    so that its transfer compiles for few sizes."""
+    names = [f[0] for f in _FIELDS] + (["advantages"] if block.advantages is not None else [])
+    raw = b"".join(np.ascontiguousarray(getattr(block, name)).tobytes() for name in names)
     words = max(1024, 1 << (max(1, -(-len(raw) // 4)) - 1).bit_length())
     buffer = np.zeros(words * 4, np.uint8)
     buffer[: len(raw)] = np.frombuffer(raw, np.uint8)
     return buffer.view(np.int32)
 
 
-def unpack_block(buffer: np.ndarray, header: Mapping[str, Any], parts: int, index: int) -> TrainBatch:
-    """Block ``index`` of what :func:`pack_blocks` packed (shapes from the header)."""
+def unpack_block(buffer: np.ndarray, header: Mapping[str, Any]) -> TrainBatch:
+    """The block :func:`pack_block` packed (shapes from the header)."""
     raw = np.ascontiguousarray(buffer).view(np.uint8)
     rows, length = int(header["rows"]), int(header["length"])
     specs = _FIELDS + ((("advantages", np.float32, 2),) if header["advantages"] else ())
@@ -295,10 +296,56 @@ def unpack_block(buffer: np.ndarray, header: Mapping[str, Any], parts: int, inde
     for name, dtype, ndim in specs:
         shape = (rows, length) if ndim == 2 else (rows,)
         size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        start = offset + index * size
-        fields[name] = np.frombuffer(raw[start: start + size].tobytes(), dtype).reshape(shape)
-        offset += parts * size
+        fields[name] = np.frombuffer(raw[offset: offset + size].tobytes(), dtype).reshape(shape)
+        offset += size
     return TrainBatch(temperature=float(header["temperature"]), **fields)
+
+
+def send_blocks(buffers: Optional[list[np.ndarray]], index: int, count: int, words: int) -> Optional[np.ndarray]:
+    """Process 0's ``buffers[p]`` (``words`` int32 each) to process ``p``, for every ``p`` >= 1: one
+    point-to-point transfer per process (a jitted ``ppermute`` from process 0's first device to
+    ``p``'s), so each process receives its own block only. Every process calls it (``buffers`` on
+    process 0, None elsewhere); returns this process's block (None on process 0)."""
+    import jax
+
+    devices = _first_devices(count)
+    sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("process",)),
+                                          jax.sharding.PartitionSpec("process"))
+    mine = None
+    for dest in range(1, count):
+        local = buffers[dest] if buffers is not None else np.zeros(words, np.int32)
+        array = jax.make_array_from_single_device_arrays(
+            (count, words), sharding, [jax.device_put(local.reshape(1, words), devices[index])])
+        received = _send_program(dest, count)(array)
+        if index == dest:
+            mine = np.asarray(received.addressable_shards[0].data).reshape(words)
+        del received
+    return mine
+
+
+def _first_devices(count: int) -> list:
+    """Each process's first device (by id), in process order."""
+    import jax
+
+    firsts: dict[int, Any] = {}
+    for device in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+        firsts.setdefault(device.process_index, device)
+    return [firsts[p] for p in range(count)]
+
+
+_SEND_PROGRAMS: dict[tuple[int, int], Any] = {}
+
+
+def _send_program(dest: int, count: int) -> Any:
+    """A jitted ``ppermute`` of process 0's row to process ``dest`` (the other rows get zeros)."""
+    if (dest, count) not in _SEND_PROGRAMS:
+        import jax
+
+        mesh = jax.sharding.Mesh(np.array(_first_devices(count)), ("process",))
+        spec = jax.sharding.PartitionSpec("process")
+        _SEND_PROGRAMS[dest, count] = jax.jit(jax.shard_map(
+            lambda a: jax.lax.ppermute(a, "process", [(0, dest)]), mesh=mesh, in_specs=spec, out_specs=spec))
+    return _SEND_PROGRAMS[dest, count]
 
 
 class HostBatchSource:
@@ -307,8 +354,8 @@ class HostBatchSource:
 
     Each call of :meth:`next_batch` is one exchange (the same number on every process): a
     header through the key-value store (``status``: ``batch``, ``abandoned`` with the exit
-    code, or ``failed`` with process 0's error), then for a batch the packed arrays through
-    ``broadcast_one_to_all``. Process 0's :class:`PreparedBatch` keeps the step's groups and
+    code, or ``failed`` with process 0's error), then for a batch each process's block through
+    :func:`send_blocks`. Process 0's :class:`PreparedBatch` keeps the step's groups and
     metrics (it alone logs them); its ``batch``, like every process's, is its own block.
     """
 
@@ -339,11 +386,11 @@ class HostBatchSource:
         rows, length = blocks[0].input_ids.shape
         header = {"status": "batch", "rows": rows, "length": length, "advantages": blocks[0].advantages is not None,
                   "temperature": float(got.batch.temperature)}
-        buffer = pack_blocks(blocks)
-        header["words"] = int(buffer.size)
+        buffers = [pack_block(block) for block in blocks]  # every block has the same shape: the same words
+        header["words"] = int(buffers[0].size)
         client.key_value_set(key, json.dumps(header))
-        _broadcast(buffer)
-        client.key_value_delete(key)  # every process has read it: each joined the broadcast
+        send_blocks(buffers, 0, self.hosts.count, header["words"])
+        client.key_value_delete(key)  # every process has read it: each joined the transfers
         return PreparedBatch(batch=blocks[0], groups=got.groups, sample_ids=got.sample_ids, metrics=got.metrics)
 
     def _receive(self, key: str, version: int, timeout: Optional[float]) -> PreparedBatch:
@@ -353,8 +400,9 @@ class HostBatchSource:
             raise BatchAbandoned(f"process 0 abandoned the batch of step {version + 1} (a stop was requested)")
         if header["status"] == "failed":
             raise RolloutError(f"process 0 could not make the batch of step {version + 1}: {header['error']}")
-        buffer = _broadcast(np.zeros(int(header["words"]), np.int32))
-        return PreparedBatch(batch=unpack_block(buffer, header, self.hosts.count, self.hosts.index))
+        buffer = send_blocks(None, self.hosts.index, self.hosts.count, int(header["words"]))
+        assert buffer is not None
+        return PreparedBatch(batch=unpack_block(buffer, header))
 
     def set_version(self, version: int) -> None:
         if self.source is not None:
@@ -367,12 +415,6 @@ class HostBatchSource:
     def close(self) -> None:
         if self.source is not None:
             self.source.close()
-
-
-def _broadcast(buffer: np.ndarray) -> np.ndarray:
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.broadcast_one_to_all(buffer))
 
 
 def _wait_header(key: str, index: int, version: int) -> dict:

@@ -5,7 +5,7 @@ one checkpoint across processes, a resume after SIGKILL, stop agreement on SIGTE
 Processes are started here with the standard environment variables (``JAX_COORDINATOR_ADDRESS``,
 ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``), each in its own session with a hard timeout, and
 killed in a ``finally``. The pure parts (the auto-enable rule, the split of a batch into whole
-groups, the packing of the broadcast) are tested in-process.
+groups, the packing of each block) are tested in-process.
 
 Budget (2-core CPU shared with other work, warm compilation cache): the default selection of
 this file is one 2-process run of 2 steps beside its 1-process reference (the pure tests take
@@ -33,7 +33,7 @@ from asyncrl.checkpoint import checkpoint_problems, checkpoints_root, latest_che
 from asyncrl.config.sections import DistributedConfig
 from asyncrl.errors import CheckpointError, ConfigError
 from asyncrl.cluster.distributed import resolved_distributed
-from asyncrl.run.multihost import check_resumed_processes, pack_blocks, split_rows, unpack_block
+from asyncrl.run.multihost import check_resumed_processes, pack_block, split_rows, unpack_block
 from tests.helpers import REPO_ROOT, subprocess_env
 from tests.trainer_fixtures import make_batch
 
@@ -92,11 +92,11 @@ def test_split_keeps_groups_whole_pads_every_block_alike_and_the_packing_round_t
         np.testing.assert_array_equal(block.group_index[:real], gi[rows] - groups[0])  # local group indices
         assert (block.group_index[real:] == -1).all() and not block.attention_mask[real:].any()
         assert (block.versions[real:] == -1).all()
-    buffer = pack_blocks(blocks)
-    assert buffer.dtype == np.int32 and buffer.size & (buffer.size - 1) == 0  # a power of two of words
     header = {"rows": 12, "length": batch.input_ids.shape[1], "advantages": False, "temperature": batch.temperature}
-    for index, block in enumerate(blocks):
-        got = unpack_block(buffer, header, 2, index)
+    for block in blocks:
+        buffer = pack_block(block)
+        assert buffer.dtype == np.int32 and buffer.size & (buffer.size - 1) == 0  # a power of two of words
+        got = unpack_block(buffer, header)
         for name in ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs", "versions", "rewards",
                      "group_index", "truncated"):
             np.testing.assert_array_equal(getattr(got, name), getattr(block, name))

@@ -184,9 +184,11 @@ def test_updates_during_generation_tag_every_token_with_its_weights(two, model):
         thread = threading.Thread(target=load, daemon=True)
         thread.start()
         for k in (1, 2):
-            weights[start + k] = jax.tree.map(lambda x, k=k: x * (1 + 0.05 * k), params)
+            published = jax.tree.map(lambda x, k=k: x * (1 + 0.05 * k), params)
+            # The servers hold what was published: the weights rounded to engine.remote.dtype (bfloat16).
+            weights[start + k] = jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16).astype(x.dtype), published)
             time.sleep(0.2)
-            remote.update_weights(weights[start + k], start + k)
+            remote.update_weights(published, start + k)
         stop.set()
         thread.join(30)
         samples = [(p, r) for p, f in results for r in f.result(timeout=60)]

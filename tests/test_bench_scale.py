@@ -1,0 +1,36 @@
+"""scripts/bench_scale.py end to end on a tiny model: one JSON line with every figure, 1 and 2 processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO_ROOT, subprocess_env
+
+
+@pytest.mark.slow  # two multi-process runs of a 4M-parameter model: about a minute on a busy 2-core machine
+@pytest.mark.timeout(900)
+def test_bench_scale_prints_one_line_with_every_figure(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_scale.py", "--processes", "1,2", "--layers", "1", "--hidden", "128",
+         "--rows", "4", "--length", "16", "--steps", "2", "--out", str(tmp_path)],
+        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    result = json.loads(lines[0])
+    assert [run["processes"] for run in result["runs"]] == [1, 2]
+    assert result["model"]["params"] > 4_000_000
+    for run in result["runs"]:
+        n = run["processes"]
+        assert run["bound_mb"] == pytest.approx(1.25 * run["state_mb"] / n, abs=0.1)
+        for phase in ("train_step", "save", "restore", "publish"):
+            assert len(run["peak_above_baseline_mb"][phase]) == n
+        assert run["step_time_s"] > 0 and run["step_time_save_in_flight_s"] > 0 and run["publish_s"] > 0
+        assert sum(run["publish_mb_written"]) > 0 and len(run["publish_mb_written"]) == n
+        assert isinstance(run["save_restore_memory_ok"], bool) and isinstance(run["save_in_flight_ok"], bool)
+    assert result["ok"] == all(r["save_restore_memory_ok"] and r["save_in_flight_ok"] for r in result["runs"])
+    assert list(tmp_path.iterdir()) == []  # its working directory is removed
