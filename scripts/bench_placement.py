@@ -35,6 +35,7 @@ LAYOUTS = {
 
 METRICS = ("perf/step_time", "perf/train_time", "perf/gen_tokens_per_s", "perf/publish_time")
 
+
 def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict[str, float]:
     overrides = [o.format(half=args.devices // 2, all=args.devices) for o in LAYOUTS[name]]
     overrides += ["stages=[]", f"run.total_steps={args.steps}", f"rollout.max_staleness={args.max_staleness}",
