@@ -124,7 +124,6 @@ class ChildRun:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.signal(signal.SIGKILL)
-            self.proc.kill()
             code = self.proc.wait(timeout=60)
         self._reader.join(timeout=60)
         if self._log is not None:
