@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import load_avg, load_avg_since  # noqa: E402
+from runlib import REPO_ROOT, child_env, read_metrics, run_train, train_argv  # noqa: E402
 
 LAYOUTS = {
     "colocated": [],  # the default: trainer mesh on all devices, the engine on the trainer's arrays
@@ -35,27 +35,17 @@ LAYOUTS = {
 
 METRICS = ("perf/step_time", "perf/train_time", "perf/gen_tokens_per_s", "perf/publish_time")
 
-CHILD = """
-import io, sys
-from asyncrl.config import load_config
-from asyncrl.run.loop import train
-train(load_config(sys.argv[1], sys.argv[2:]), console=io.StringIO())
-"""
-
 
 def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict[str, float]:
     overrides = [o.format(half=args.devices // 2, all=args.devices) for o in LAYOUTS[name]]
     overrides += ["stages=[]", f"run.total_steps={args.steps}", f"rollout.max_staleness={args.max_staleness}",
                   "eval.every_steps=0", "checkpoint.every_steps=0", "logging.dump_every_steps=0",
                   f"run.output_dir={out / name}"]
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env = child_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices}", JAX_PLATFORMS="cpu")
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", CHILD, str(REPO / "configs" / "quickstart.yaml"), *overrides],
-                   env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    run_train(train_argv(REPO_ROOT / "configs" / "quickstart.yaml", overrides), env, timeout=3600)
     wall = time.perf_counter() - started
-    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
-    rows = [row for row in rows if row.get("step", 0) > 2]
+    rows = [row for row in read_metrics(out / name) if row.get("step", 0) > 2]
     result = {m.split("/")[1]: round(statistics.median(row[m] for row in rows), 4) for m in METRICS}
     return {**result, "wall_s": round(wall, 1)}
 
@@ -67,11 +57,11 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = parser.parse_args()
+    load_start = load_avg()
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: run_layout(name, args, Path(tmp)) for name in args.layouts}
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    print(json.dumps({"devices": args.devices, "steps": args.steps, "max_staleness": args.max_staleness,
-                      "load_avg_1m": load, **results}))
+    print(json.dumps({"bench": "placement", "devices": args.devices, "steps": args.steps,
+                      "max_staleness": args.max_staleness, **results, **load_avg_since(load_start)}))
 
 
 if __name__ == "__main__":

@@ -33,67 +33,23 @@ Usage: PYTHONPATH=. python scripts/bench_rl.py [--models tiny,bench-40m] [--stal
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import load_avg  # noqa: E402
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-STEP_LINE = re.compile(r"(?:\[\w+\] )?step (\d+)/(\d+)")
+from bench_common import bench_40m_dir, load_avg, load_avg_since  # noqa: E402
+from runlib import child_env, read_metrics, run_train, train_argv  # noqa: E402
 
 # The work of a step per model: (groups, group size, new tokens, engine slots, KV capacity).
 SHAPES = {
     "tiny": {"batch_size": 8, "group_size": 8, "max_new_tokens": 8, "kv_capacity": 32},
     "bench-40m": {"batch_size": 8, "group_size": 4, "max_new_tokens": 64, "kv_capacity": 96},
 }
-
-
-# --------------------------------------------------------------------------- the model directories
-
-
-def bench_40m_dir(out: Path) -> Path:
-    """A random-init ``bench-40m``-shaped model (hidden 512, 8 layers, 8/4 heads, intermediate 1536,
-    vocab 32000, tied) as a llama-layout Hugging Face directory, with a character tokenizer padded
-    to 32000 entries (``tiny``'s characters and chat template, then filler tokens ``<w{i}>``), so
-    that ``transformers`` (TRL) and asyncrl load the same weights and tokenize alike."""
-    from asyncrl.model import bench_40m_config, export_hf, init_decoder
-
-    if (out / "config.json").is_file():
-        return out
-    cfg = bench_40m_config()
-    tokenizer = _padded_char_tokenizer(cfg.vocab_size)
-    cfg = dataclasses.replace(cfg, model_type="llama", qkv_bias=False, eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id)
-    export_hf(init_decoder(cfg, seed=0), tokenizer, out, exist_ok=True)
-    return out
-
-
-def _padded_char_tokenizer(vocab_size: int) -> Any:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from asyncrl.model.tiny import ASSISTANT, END, PAD, SYSTEM, TINY_CHAT_TEMPLATE, UNK, USER, tiny_vocab
-
-    vocab = dict(tiny_vocab())
-    for i in range(vocab_size - len(vocab)):
-        vocab[f"<w{i}>"] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=UNK, pad_token=PAD, eos_token=END,
-                                   additional_special_tokens=[SYSTEM, USER, ASSISTANT], chat_template=TINY_CHAT_TEMPLATE,
-                                   clean_up_tokenization_spaces=False, model_max_length=1 << 30)
 
 
 # --------------------------------------------------------------------------- one run
@@ -118,47 +74,6 @@ def run_config(model_path: str, shape: dict, staleness: int, steps: int, out: Pa
     }
 
 
-def timed_train(argv: list[str], env: dict[str, str], timeout: float) -> tuple[dict[int, float], str]:
-    """Run ``python -m asyncrl.cli`` + ``argv``; returns {step: seconds since start at its console
-    line} and the output. A failed run, or one still running after ``timeout`` s (killed), raises
-    with its output's tail."""
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO_ROOT)
-    seen: dict[int, float] = {}
-    lines: list[str] = []
-
-    def read() -> None:  # timestamps each line as it comes; ends when the child closes its output
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            match = STEP_LINE.match(line)
-            if match:
-                seen.setdefault(int(match.group(1)), time.perf_counter() - start)
-
-    reader = threading.Thread(target=read, name="bench-rl-reader", daemon=True)
-    reader.start()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=60)
-        raise TimeoutError(f"asyncrl {' '.join(argv)} ran over {timeout} s:\n{''.join(lines)[-3000:]}") from None
-    reader.join(timeout=60)
-    output = "".join(lines)
-    if proc.returncode != 0:
-        raise RuntimeError(f"asyncrl {' '.join(argv)} exited {proc.returncode}:\n{output[-3000:]}")
-    return seen, output
-
-
-def child_env(cache_dir: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-    env.pop("ASYNCRL_COMPILE_CACHE", None)
-    return env
-
-
 def bench_run(model: str, model_path: str, staleness: int, steps: int, work: Path, env: dict[str, str],
               every: int) -> dict:
     """One run's entry (see the module docstring)."""
@@ -167,10 +82,9 @@ def bench_run(model: str, model_path: str, staleness: int, steps: int, work: Pat
     out = work / f"{model}-s{staleness}-n{steps}"
     config = work / f"{out.name}.yaml"
     config.write_text(yaml.safe_dump(run_config(model_path, SHAPES[model], staleness, steps, out, every)))
-    times, _ = timed_train(["train", str(config), "--set", "run.overwrite=true"], env, timeout=3600)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    times = run_train(train_argv(config, ["run.overwrite=true"]), env, timeout=3600).step_times
     return {"model": model, "max_staleness": staleness, "steps": steps, "ttfs_s": round(times[1], 2),
-            **summarise(rows, times, steps)}
+            **summarise(read_metrics(out), times, steps)}
 
 
 def summarise(rows: list[dict], times: dict[int, float], steps: int) -> dict:
@@ -209,13 +123,12 @@ def summarise(rows: list[dict], times: dict[int, float], steps: int) -> dict:
 
 def quickstart_ttfs(work: Path) -> list[float]:
     """Seconds to the quickstart's first step, twice in one empty compilation cache."""
-    env = child_env(work / "quickstart-jax-cache")
+    env = child_env(compile_cache=work / "quickstart-jax-cache")
     out = []
     for attempt in range(2):
-        argv = ["train", "configs/quickstart.yaml", "--set", f"run.output_dir={work / f'quickstart-{attempt}'}",
-                "--set", "stages.0.total_steps=1", "--set", "stages.1.total_steps=1"]
-        times, _ = timed_train(argv, env, timeout=600)
-        out.append(round(times[1], 2))
+        argv = train_argv("configs/quickstart.yaml", [f"run.output_dir={work / f'quickstart-{attempt}'}",
+                                                      "stages.0.total_steps=1", "stages.1.total_steps=1"])
+        out.append(round(run_train(argv, env, timeout=600).step_times[1], 2))
     return out
 
 
@@ -246,15 +159,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
         work = Path(args.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
         inherited = os.environ.get("JAX_COMPILATION_CACHE_DIR") if args.quick else None
-        env = child_env(Path(inherited) if inherited else work / "jax-cache")
-        result: dict[str, Any] = {"bench": "rl", "load_avg_start": load_avg()}
+        env = child_env(compile_cache=Path(inherited) if inherited else work / "jax-cache")
+        load_start = load_avg()
+        result: dict[str, Any] = {"bench": "rl"}
         entries, cold = [], {}
         for model in models:
             path = str(bench_40m_dir(work / "bench-40m-hf")) if model == "bench-40m" else model
             if not args.no_prime:
-                times, _ = timed_train(["train", str(_prime_config(work, model, path)), "--set", "run.overwrite=true"],
-                                       env, timeout=1800)
-                cold[model] = round(times[1], 2)
+                prime = run_train(train_argv(_prime_config(work, model, path), ["run.overwrite=true"]), env, timeout=1800)
+                cold[model] = round(prime.step_times[1], 2)
             for staleness in args.staleness:
                 entries.append(bench_run(model, path, staleness, args.steps, work, env, args.every))
         result["ttfs_cold_s"] = cold or None
@@ -263,7 +176,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             result["quickstart_ttfs_s"] = quickstart_ttfs(work)
     import jax
 
-    result.update({"load_avg_end": load_avg(), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
+    result.update({**load_avg_since(load_start), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
                    "cpu_count": os.cpu_count()})
     print(json.dumps(result), flush=True)
     return result

@@ -1,7 +1,7 @@
 """asyncrl's synchronous GRPO step against TRL's ``GRPOTrainer`` on the same work; prints one JSON line.
 
 One random-init model directory (the ``bench-40m`` shape as a llama-layout Hugging Face
-directory, :func:`bench_rl.bench_40m_dir`) and one prompt set (3-digit copy prompts, one user
+directory, :func:`bench_common.bench_40m_dir`) and one prompt set (3-digit copy prompts, one user
 message each, the same chat template) are trained on by both, with identical settings:
 ``--prompts`` prompts x ``--group`` completions per step, ``--new`` new tokens, temperature 1
 (no top-k/top-p), AdamW at a constant ``--lr``, no KL term (TRL ``beta=0``, no reference
@@ -15,8 +15,8 @@ Fields: ``asyncrl_step_s`` / ``trl_step_s`` (median step wall time over steps 2.
 round: asyncrl's ``perf/step_time``, i.e. batch wait + train + publish; TRL's time between
 ``on_step_end`` callbacks, i.e. generate + score + train), ``speedup`` (TRL's over asyncrl's:
 above 1 means asyncrl is faster), ``asyncrl_train_s`` (median ``perf/train_time``),
-``*_first_step_s`` (subprocess start to the first step done, per round), the versions, and the
-load average before and after.
+``*_first_step_s`` (subprocess start to the first step done, per round), the versions, and
+``load_avg`` (before and after).
 
 TRL is an optional extra (``pip install -e '.[compare]'``); ``--dry-run`` writes the prompts
 and prints the two configurations (the asyncrl one validated) without building the model,
@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import load_avg  # noqa: E402
-from bench_rl import REPO_ROOT, bench_40m_dir, child_env  # noqa: E402
+from bench_common import bench_40m_dir, load_avg, load_avg_since  # noqa: E402
+from runlib import REPO_ROOT, child_env, read_metrics, run_train, train_argv  # noqa: E402
 
 
 def write_prompts(path: Path, count: int = 512, seed: int = 0) -> Path:
@@ -96,11 +96,8 @@ def trl_config(args: argparse.Namespace, out: Path) -> dict:
 
 
 def run_asyncrl(config_path: Path, out: Path, env: dict[str, str], steps: int) -> dict:
-    from bench_rl import timed_train
-
-    times, _ = timed_train(["train", str(config_path)], env, timeout=3600)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    window = [row for row in rows if 2 <= row["step"] <= steps]
+    times = run_train(train_argv(config_path), env, timeout=3600).step_times
+    window = [row for row in read_metrics(out) if 2 <= row["step"] <= steps]
     return {"first_step_s": times[1], "step_s": [row["perf/step_time"] for row in window],
             "train_s": [row["perf/train_time"] for row in window]}
 
@@ -142,7 +139,7 @@ def trl_child(plan: dict) -> None:
 
     ends: list[float] = []
 
-    class StepTimes(TrainerCallback):  # type: ignore[misc]
+    class StepTimes(TrainerCallback):
         def on_step_end(self, *a: Any, **k: Any) -> None:
             ends.append(time.perf_counter())
 
@@ -207,7 +204,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 def compare(args: argparse.Namespace, config_path: Path, out: Path, plan: dict, work: Path) -> dict:
     start_load = load_avg()
-    env = child_env(work / "jax-cache")
+    env = child_env(compile_cache=work / "jax-cache")
     ours: list[dict] = []
     theirs: list[dict] = []
     for _ in range(args.rounds):
@@ -225,7 +222,7 @@ def compare(args: argparse.Namespace, config_path: Path, out: Path, plan: dict, 
         "asyncrl_first_step_s": [round(run["first_step_s"], 2) for run in ours],
         "trl_first_step_s": [round(run["first_step_s"], 2) for run in theirs],
         "trl": theirs[0]["trl"], "torch": theirs[0]["torch"], "torch_threads": theirs[0]["torch_threads"],
-        "jax": jax.__version__, "cpu_count": os.cpu_count(), "load_avg_start": start_load, "load_avg_end": load_avg(),
+        "jax": jax.__version__, "cpu_count": os.cpu_count(), **load_avg_since(start_load),
     }
 
 

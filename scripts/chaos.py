@@ -35,9 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import random
-import re
 import shlex
 import signal
 import subprocess
@@ -49,57 +47,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-STEP_LINE = re.compile(r"step (\d+)/(\d+)")
-
-
-class Attempt:
-    """One launched run: its process group, its console lines (read on a daemon thread), its log."""
-
-    def __init__(self, command: list[str], log_path: Path, env: dict[str, str]):
-        self.log = log_path.open("w")
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     start_new_session=True, cwd=os.getcwd())
-        self.lines: "queue.Queue[str]" = queue.Queue()
-        self.tail: list[str] = []
-        threading.Thread(target=self._read, daemon=True, name="chaos-reader").start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.log.write(line)
-            self.tail = (self.tail + [line])[-30:]
-            self.lines.put(line)
-        self.lines.put("")  # end of output
-
-    def wait_for_steps(self, count: int, timeout: float) -> bool:
-        """Until the run printed ``count`` step lines (False: it ended or timed out first)."""
-        seen, deadline = 0, time.monotonic() + timeout
-        while seen < count and time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            if line == "":
-                return False
-            seen += bool(STEP_LINE.search(line))
-        return seen >= count
-
-    def signal(self, signum: int) -> None:
-        try:
-            os.killpg(self.proc.pid, signum)
-        except ProcessLookupError:
-            pass
-
-    def finish(self, timeout: float) -> int:
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            code = self.proc.wait()
-        time.sleep(0.2)  # let the reader drain
-        self.log.close()
-        return code
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runlib import ChildRun, child_env, read_jsonl, read_metrics, train_argv  # noqa: E402
 
 
 def wait_for_checkpoint_write(root: Path, before: set[str], proc: subprocess.Popen, timeout: float) -> bool:
@@ -123,44 +72,33 @@ def tmp_dirs(root: Path) -> set[str]:
         return set()
 
 
-def child_env(args: argparse.Namespace) -> dict[str, str]:
-    """The runs' environment: this checkout importable, and JAX's persistent compilation cache
-    on (``--compile-cache``; a variable already set wins), so a restart does not recompile."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    if args.compile_cache:
-        env.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(args.compile_cache).resolve()))
-        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-        env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    return env
-
-
 def run_until_done(args: argparse.Namespace, config: Path, out: Path, overrides: list[str], kills: int,
                    rng: random.Random) -> dict[str, Any]:
     """Launch, kill ``kills`` times, resume to the end; returns the counts."""
     launch = shlex.split(args.launch)
-    env = child_env(args)
+    # JAX's persistent compilation cache (a variable already set wins), so a restart does not recompile.
+    env = child_env(compile_cache=Path(args.compile_cache), keep_cache=True) if args.compile_cache else child_env()
     counts = {"kills": 0, "sigkill": 0, "sigterm": 0, "kills_in_checkpoint_write": 0, "resumes": 0}
     errors: list[str] = []
     attempt_index = 0
     while True:
-        sets = [arg for item in overrides + [f"run.output_dir={out}"] for arg in ("--set", item)]
-        command = [*launch, "train", str(config), *sets, *(["--resume"] if attempt_index else [])]
+        argv = train_argv(config, [*overrides, f"run.output_dir={out}"], *(["--resume"] if attempt_index else []))
         counts["resumes"] += bool(attempt_index)
         root = out / "checkpoints"
         before = tmp_dirs(root)
-        attempt = Attempt(command, out.parent / f"{out.name}-attempt{attempt_index:03d}.log", env)
+        attempt = ChildRun(argv, env, launch=launch, cwd=Path.cwd(), new_session=True, keep_lines=30,
+                           log=out.parent / f"{out.name}-attempt{attempt_index:03d}.log")
         attempt_index += 1
         if counts["kills"] >= kills:
             code = attempt.finish(args.timeout)
             if code != 0:
-                errors.append(f"final resume exited {code}: {''.join(attempt.tail)[-600:]}")
+                errors.append(f"final resume exited {code}: {attempt.output[-600:]}")
             break
         if not attempt.wait_for_steps(rng.randint(1, 3), args.timeout):
             code = attempt.finish(args.timeout)
             if code == 0:
                 break  # finished before it could be killed: fewer kills than asked
-            errors.append(f"attempt {attempt_index} exited {code} before training a step: {''.join(attempt.tail)[-600:]}")
+            errors.append(f"attempt {attempt_index} exited {code} before training a step: {attempt.output[-600:]}")
             break
         in_write = rng.random() < 0.5 and wait_for_checkpoint_write(root, before, attempt.proc, args.timeout)
         if not in_write:
@@ -175,7 +113,7 @@ def run_until_done(args: argparse.Namespace, config: Path, out: Path, overrides:
             128 + signal.SIGTERM, -signal.SIGTERM, -signal.SIGKILL, 0}
         if code not in expected:
             errors.append(f"attempt {attempt_index} ({signal.Signals(signum).name}) exited {code}: "
-                          f"{''.join(attempt.tail)[-600:]}")
+                          f"{attempt.output[-600:]}")
             break
         counts["kills"] += 1
         counts["sigkill" if signum == signal.SIGKILL else "sigterm"] += 1
@@ -186,20 +124,23 @@ def run_until_done(args: argparse.Namespace, config: Path, out: Path, overrides:
 def trained_steps(out: Path) -> list[int]:
     """Steps of the trained rows of metrics.jsonl (rows with a loss: ``loss/total`` of an RL
     step, ``loss/sft`` of an SFT step; eval-only rows excluded)."""
-    steps = []
-    for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-        row = json.loads(line)
-        if any(name.startswith("loss/") for name in row):
-            steps.append(int(row["step"]))
-    return steps
+    return [int(row["step"]) for row in read_metrics(out) if any(name.startswith("loss/") for name in row)]
+
+
+def final_checkpoint(out: Path) -> Any:
+    """The newest complete checkpoint of the run in ``out`` (a run that wrote none is an error)."""
+    from asyncrl.checkpoint import latest_checkpoint, load_checkpoint
+
+    path = latest_checkpoint(out)
+    if path is None:
+        raise SystemExit(f"chaos: {out}: the run finished without a checkpoint (set checkpoint.every_steps)")
+    return load_checkpoint(path)
 
 
 def sample_accounting(out: Path, cfg: Any) -> dict[str, int]:
     """Lost and twice-trained samples, from the final checkpoint's ledger and the trajectory dumps."""
-    from asyncrl.checkpoint import latest_checkpoint, load_checkpoint
-
     rl_steps = sum(stage.total_steps for stage, _ in cfg.stage_configs() if stage.type == "rl")
-    final = load_checkpoint(latest_checkpoint(out))
+    final = final_checkpoint(out)
     if final.rollout_state is None:
         return {"samples_lost": 0, "samples_trained_twice": 0}
     ledger = final.rollout_state["meta"]["ledger"]
@@ -211,8 +152,7 @@ def sample_accounting(out: Path, cfg: Any) -> dict[str, int]:
     expected = rl_steps * cfg.rollout.batch_size
     trained = counts.get("trained", 0)
     ids: dict[int, set[int]] = {}
-    for line in (out / "trajectories.jsonl").read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
+    for record in read_jsonl(out / "trajectories.jsonl"):
         ids.setdefault(int(record["metadata"]["sample_id"]), set()).add(int(record["step"]))
     twice_in_dumps = sum(1 for steps in ids.values() if len(steps) > 1)
     return {
@@ -223,9 +163,7 @@ def sample_accounting(out: Path, cfg: Any) -> dict[str, int]:
 
 
 def final_params(out: Path) -> dict[str, np.ndarray]:
-    from asyncrl.checkpoint import latest_checkpoint, load_checkpoint
-
-    return load_checkpoint(latest_checkpoint(out)).arrays["params"]
+    return final_checkpoint(out).arrays["params"]
 
 
 def weights_equal(a: Path, b: Path) -> bool:

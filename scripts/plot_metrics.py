@@ -10,6 +10,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runlib import read_metrics  # noqa: E402
+
 PANELS = (
     ("reward", ("reward/mean",)),
     ("eval", ("eval/reward", "eval/accuracy")),
@@ -19,17 +22,10 @@ PANELS = (
 
 
 def load(path: Path) -> list[dict]:
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-    if not path.is_file():
-        raise SystemExit(f"plot_metrics: {path}: no such file")
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise SystemExit(f"plot_metrics: {path}:{number}: not valid JSON ({err.msg})") from None
+    try:
+        rows = read_metrics(path)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"plot_metrics: {err}") from None
     if not rows:
         raise SystemExit(f"plot_metrics: {path}: no metrics")
     return rows

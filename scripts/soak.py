@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -35,6 +34,9 @@ from pathlib import Path
 from typing import Optional
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runlib import ChildRun, child_env, read_metrics, train_argv  # noqa: E402
 
 
 def soak_config(out: Path, steps: int) -> dict:
@@ -67,23 +69,14 @@ def proc_status(pid: int) -> Optional[dict[str, int]]:
 def last_step(metrics: Path) -> int:
     """The newest step in a metrics.jsonl that is being appended to (a torn last line is ignored)."""
     try:
-        lines = metrics.read_bytes().splitlines()
+        rows = read_metrics(metrics, torn_tail_ok=True)
     except OSError:
         return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return 0
+    return int(rows[-1]["step"]) if rows else 0
 
 
 def row_at(metrics: Path, step: int) -> dict:
-    for line in metrics.read_text().splitlines():
-        row = json.loads(line)
-        if row.get("step") == step:
-            return row
-    return {}
+    return next((row for row in read_metrics(metrics) if row.get("step") == step), {})
 
 
 def watch(proc: subprocess.Popen, metrics: Path, from_step: int, to_step: int, poll_s: float) -> dict:
@@ -91,7 +84,7 @@ def watch(proc: subprocess.Popen, metrics: Path, from_step: int, to_step: int, p
     (the first sample at or after each), and the thread-count range in between."""
     at_from: Optional[dict] = None
     last: Optional[dict] = None
-    threads: list[int] = []
+    threads: list[tuple[int, int]] = []  # (step, thread count) of each sample
     while proc.poll() is None:
         status = proc_status(proc.pid)
         step = last_step(metrics)
@@ -123,20 +116,15 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     config = out.parent / f"{out.name}-soak.yaml"
     config.write_text(yaml.safe_dump(soak_config(out, args.steps)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     started = time.monotonic()
-    console = out.parent / f"{out.name}-console.log"  # a file, not a pipe nobody reads while it runs
-    with console.open("w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", str(config), "--set",
-                                 "run.overwrite=true"], stdout=sink, stderr=subprocess.STDOUT, env=env)
-        try:
-            seen = watch(proc, out / "metrics.jsonl", args.from_step, args.steps, args.poll)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    stderr = console.read_text(errors="replace")
+    # The whole console goes to a file, the last lines are kept for the report.
+    run = ChildRun(train_argv(config, ["run.overwrite=true"]), child_env(), log=out.parent / f"{out.name}-console.log",
+                   keep_lines=50, cwd=Path.cwd())
+    try:
+        seen = watch(run.proc, out / "metrics.jsonl", args.from_step, args.steps, args.poll)
+    finally:
+        run.finish(timeout=0 if run.proc.poll() is None else 60)
+    proc, stderr = run.proc, run.output
     wall = time.monotonic() - started
     at_from, last = seen["at_from"] or {}, seen["last"] or {}
     first_row, last_row = row_at(out / "metrics.jsonl", args.from_step), row_at(out / "metrics.jsonl", args.steps)

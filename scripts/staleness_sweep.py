@@ -13,7 +13,7 @@ otherwise) into ``OUT/eta<k>/`` and is summarised from its ``metrics.jsonl``:
   dropped_stale         groups dropped by the staleness filter (0 with batch_order: admission)
   wait_s_mean           mean time ``executor.next_batch`` waited for rollouts per step
   engine_busy           share of the RL steps' time the engine spent decoding (eval excluded)
-  loadavg_1m_start/end  ``os.getloadavg()`` around the run: other work on the machine skews timings
+  load_avg              the load averages at the run's start and end: other work on the machine skews timings
 
 Timings depend on the machine and on what else runs on it; compare settings from one sweep.
 """
@@ -23,17 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import load_avg, load_avg_since  # noqa: E402
+from runlib import ChildRun, child_env, read_metrics, train_argv  # noqa: E402
 
 
 def summarise(metrics_path: Path) -> dict:
     """The sweep's numbers from one run's ``metrics.jsonl`` (RL rows only)."""
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = read_metrics(metrics_path)
     rl = [r for r in rows if r.get("stage", "rl") == "rl" and r.get("perf/step_time") is not None]
     if not rl:
         raise SystemExit(f"{metrics_path}: no RL steps recorded (is there a stage named 'rl'?)")
@@ -69,26 +70,20 @@ def engine_busy(rl: list[dict]) -> float | None:
 def run_one(config: str, eta: int, out: Path, extra: list[str]) -> dict:
     # The child runs in the repository root: paths the caller gave are resolved against the caller's cwd.
     run_dir = (out / f"eta{eta}").resolve()
-    command = [
-        sys.executable, "-m", "asyncrl.cli", "train", str(Path(config).resolve()),
-        "--set", f"rollout.max_staleness={eta}", "--set", f"run.output_dir={run_dir}", "--set", "run.overwrite=true",
-    ]
-    for item in extra:
-        command += ["--set", item]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
-    load_start = os.getloadavg()[0]
+    argv = train_argv(Path(config).resolve(), [f"rollout.max_staleness={eta}", f"run.output_dir={run_dir}",
+                                               "run.overwrite=true", *extra])
+    load_start = load_avg()
     start = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    run = ChildRun(argv, child_env())
+    code = run.finish(timeout=None)
     wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"max_staleness={eta}: training failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    if code != 0:
+        raise SystemExit(f"max_staleness={eta}: training failed (exit {code}):\n{run.output[-4000:]}")
     return {
         "max_staleness": eta,
         **summarise(run_dir / "metrics.jsonl"),
         "wall_s": round(wall, 1),
-        "loadavg_1m_start": round(load_start, 2),
-        "loadavg_1m_end": round(os.getloadavg()[0], 2),
+        **load_avg_since(load_start),
         "cpus": os.cpu_count(),
     }
 

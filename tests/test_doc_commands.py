@@ -46,6 +46,14 @@ def _json_line(_: Path, output: str) -> None:
     json.loads(output.strip().splitlines()[-1])
 
 
+def _bench_line(name: str) -> Callable[[Path, str], None]:
+    """A ``scripts/bench.py NAME`` line: named, with the load average at its start and end."""
+    def check(_: Path, output: str) -> None:
+        result = json.loads(output.strip().splitlines()[-1])
+        assert result["bench"] == name and set(result["load_avg"]) == {"start", "end"}, result
+    return check
+
+
 def _exists(*paths: str) -> Callable[[Path, str], None]:
     def check(ws: Path, _: str) -> None:
         missing = [p for p in paths if not (ws / p).exists()]
@@ -142,10 +150,10 @@ def _bench_reward_model(_: Path, output: str) -> None:
 
 
 BENCH_CHAIN = (
-    Step("python scripts/bench_train.py", ("--models", "tiny", "--steps", "2"), check=_json_line),
-    Step("python scripts/bench_engine.py", ("--skip-40m", "--repeats", "1"), check=_json_line),
-    Step("python scripts/bench_model.py", ("--models", "tiny", "--steps", "1"), check=_json_line),
-    Step("python scripts/bench_prepare_batch.py", ("--reps", "20"), check=_json_line),
+    Step("python scripts/bench.py train", ("--models", "tiny", "--steps", "2"), check=_bench_line("train")),
+    Step("python scripts/bench.py engine", ("--skip-40m", "--repeats", "1"), check=_bench_line("engine")),
+    Step("python scripts/bench.py model", ("--models", "tiny", "--steps", "1"), check=_bench_line("model")),
+    Step("python scripts/bench.py batch", ("--reps", "20"), check=_bench_line("batch")),
 )
 
 def _item_trie(ws: Path, output: str) -> None:
@@ -169,20 +177,21 @@ SLOW_CHAINS = {
     # small twin: about a minute here).
     "bench_loop": (
         Step("python scripts/bench_rl.py", ("--quick",), check=_bench_rl),
-        Step("python scripts/bench_accel.py", ("--quick",), check=_bench_accel),
+        Step("python scripts/bench.py accel", ("--quick",), check=_bench_accel),
         # Needs TRL (the optional [compare] extra) and minutes per step: the dry form checks the two configs.
         Step("python scripts/bench_vs_trl.py", ("--dry-run",), check=_bench_vs_trl_dry),
     ),
     # bench-40m swapped for tiny: the documented LoRA memory comparison, quick
     "lora_bench": (
-        Step("python scripts/bench_train.py --models bench-40m --steps 3", ("--models", "tiny", "--steps", "1"),
+        Step("python scripts/bench.py train --models bench-40m --steps 3", ("--models", "tiny", "--steps", "1"),
              check=_json_line),
-        Step("python scripts/bench_train.py --models bench-40m --steps 3 --lora-rank 8", ("--models", "tiny", "--steps", "1"),
+        Step("python scripts/bench.py train --models bench-40m --steps 3 --lora-rank 8", ("--models", "tiny", "--steps", "1"),
              check=_json_line),
     ),
     # Three layouts, each its own 8-device subprocess (a minute here).
     "bench_placement": (Step("python scripts/bench_placement.py", ("--steps", "4"), check=_json_line),),
-    "bench_remote": (Step("python scripts/bench_remote.py", ("--requests", "8", "--repeats", "1"), check=_json_line),),
+    "bench_remote": (Step("python scripts/bench.py remote", ("--requests", "8", "--repeats", "1"),
+                          check=_bench_line("remote")),),
     # docs/performance.md: reward-model scoring throughput, on the 2-layer twin
     "bench_reward_model": (Step("python scripts/bench_reward_model.py", ("--quick",), check=_bench_reward_model),),
     # docs/scaling.md: memory per process, a 4M-parameter model as 1 and 2 processes (about a minute)

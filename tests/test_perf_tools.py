@@ -1,5 +1,5 @@
 """Issue 19's measuring tools: the compilation cache of runs (where it goes, its switch, that it
-really caches small CPU programs) and the arithmetic of scripts/bench_rl.py and bench_accel.py.
+really caches small CPU programs) and the arithmetic of scripts/bench_rl.py and bench.py's engine and accel.
 The scripts themselves run in tests/test_doc_commands.py (their quick forms)."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from tests.helpers import REPO_ROOT, run_python, subprocess_env
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-import bench_accel  # noqa: E402
-import bench_engine  # noqa: E402
 import bench_rl  # noqa: E402
+from bench_components import accel as bench_accel  # noqa: E402
+from bench_components import engine as bench_engine  # noqa: E402
 
 
 # --------------------------------------------------------------------------- benchmark arithmetic

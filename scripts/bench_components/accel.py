@@ -1,5 +1,6 @@
-"""Benchmark the train step's FLOP utilisation and decode against the memory floor on a
-real-shaped model (Qwen2.5-0.5B's shape, random init, no download); prints one JSON line.
+"""The train step's FLOP utilisation and decode against the memory floor, Qwen2.5-0.5B shape.
+
+On a real-shaped model (Qwen2.5-0.5B's shape, random init, no download):
 
 * ``train``: the jitted GRPO trainer step (:class:`asyncrl.trainer.Trainer`, one update)
   on a fixed ``--rows`` x ``--length`` batch, median of ``--steps`` after a compiling step.
@@ -7,34 +8,31 @@ real-shaped model (Qwen2.5-0.5B's shape, random init, no download); prints one J
   ``perf/train_time``: matmul FLOPs of forward + backward over every position, the
   proximal/reference forwards when the algorithm runs them). ``mfu`` is achieved FLOP/s over
   the device's peak from the table below (null where the device is not in it);
-  ``fraction_of_measured_peak`` is over a large ``jnp.dot`` measured here in the same dtype.
+  ``fraction_of_measured_peak`` is over the matmul peak measured here in the same dtype
+  (:func:`bench_common.matmul_peak`).
 * ``decode``: :class:`asyncrl.engine.jax_engine.JaxEngine` at ``--batch`` slots, every slot
   decoding ``--new`` tokens after a ``--prompt``-token prompt; ``ms_per_step`` is the
   engine's own ``engine/decode_ms_per_step``. Its floor is
   ``max(bytes read per step / HBM bandwidth, 2 * params * batch / peak FLOP/s)``, where a
   step reads every weight once plus the KV cache up to the mean context; ``vs_floor`` is
   the ratio (1.0 is the floor). Bandwidth and peak come from the table, else from a copy and
-  a ``jnp.dot`` measured here (``peak.source`` says which).
+  the matmul peak measured here (``peak.source`` says which).
 
 Dtypes: ``--dtype`` sets the parameters' and the compute dtype (default bfloat16 on GPUs and
 TPUs, float32 on the CPU, where it is as fast and more accurate). ``--quick``: a 2-layer,
 hidden-64 shape of the same layout, for tests on a CPU (seconds).
 
-Usage: PYTHONPATH=. python scripts/bench_accel.py [--dtype bfloat16] [--rows 8] [--length 512] [--steps 5]
+Usage: python scripts/bench.py accel [--dtype bfloat16] [--rows 8] [--length 512] [--steps 5]
        [--batch 16] [--prompt 128] [--new 128] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
-from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import copy_bandwidth, dot_flops, load_avg  # noqa: E402
+from bench_common import busy_decode, copy_bandwidth, load_avg, load_avg_since, matmul_peak, random_train_batch
 
 # Dense peaks (no sparsity) from the vendors' data sheets: FLOP/s in bfloat16 and in float32
 # as XLA runs it by default (TF32 tensor cores on NVIDIA Ampere and later; TPUs: null,
@@ -58,11 +56,11 @@ PEAKS: list[tuple[str, dict[str, Optional[float]]]] = [
     ("TPU v6e", {"bfloat16": 918e12, "float32": None, "hbm": 1.64e12}),
 ]
 
-QWEN25_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+QWEN25_05B: dict[str, Any] = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
                   num_heads=14, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1000000.0,
                   max_position_embeddings=32768, tie_word_embeddings=True, qkv_bias=True)
 """Qwen2.5-0.5B(-Instruct)'s config.json, as a :class:`~asyncrl.model.DecoderConfig` (494M parameters)."""
-QUICK_SHAPE = dict(QWEN25_05B, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+QUICK_SHAPE: dict[str, Any] = dict(QWEN25_05B, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16)
 
 
@@ -82,24 +80,13 @@ def model_config(quick: bool, dtype: str) -> Any:
 
 def bench_train(graphdef: Any, params: Any, rows: int, length: int, steps: int) -> dict:
     """Median step time and the trainer's model FLOPs of one GRPO step on a random batch."""
-    import numpy as np
-
     from asyncrl.config import load_config
-    from asyncrl.rollout.trajectory import TrainBatch
     from asyncrl.trainer import Trainer
 
     group = 4 if rows % 4 == 0 else 1
     trainer = Trainer(load_config(data={"rollout": {"group_size": group, "batch_size": rows // group}}), graphdef, params)
-    vocab = trainer.model_cfg.vocab_size
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, vocab, size=(rows, length)).astype(np.int32)
-    attention = np.ones((rows, length), bool)
-    loss = attention.copy()
-    loss[:, : length // 4] = False  # the first quarter is the prompt
-    behavior = np.where(loss, -rng.uniform(0.5, 4.0, size=(rows, length)), 0.0).astype(np.float32)
-    versions = np.where(loss, 0, -1).astype(np.int32)
-    batch = TrainBatch(ids, attention, loss, behavior, versions, rng.normal(size=rows).astype(np.float32),
-                       (np.arange(rows) // group).astype(np.int32), np.zeros(rows, bool), 1.0)
+    # the first quarter of every row is the prompt
+    batch = random_train_batch(rows, length, trainer.model_cfg.vocab_size, prompt=length // 4, group_size=group)
     first = trainer.step(batch)
     runs = [trainer.step(batch) for _ in range(steps)]
     step_time = statistics.median(m["perf/train_time"] for m in runs)
@@ -111,34 +98,18 @@ def bench_train(graphdef: Any, params: Any, rows: int, length: int, steps: int) 
 
 def bench_decode(graphdef: Any, params: Any, batch: int, prompt: int, new: int, repeats: int) -> dict:
     """The engine's ms per decode step with every slot busy (EOS ignored)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import numpy as np
 
     from asyncrl.config import EngineConfig
     from asyncrl.engine.jax_engine import JaxEngine
-    from asyncrl.engine.protocol import GenerationRequest
 
     cfg = EngineConfig(slots=batch, kv_capacity=prompt + new, prefill_buckets=[prompt], decode_chunk=8)
     rng = np.random.default_rng(0)
     vocab = int(params["embed_tokens"]["embedding"].shape[0])
-    counter = iter(range(10**9))
+    prompts = [[int(t) for t in rng.integers(0, vocab, prompt)] for _ in range(batch)]
     with JaxEngine(graphdef, params, stop_token_ids=(), config=cfg, warmup=True) as engine:
-        def run() -> None:
-            base = next(counter) * batch
-            requests = [GenerationRequest(prompt_ids=[int(t) for t in rng.integers(0, vocab, prompt)], max_new_tokens=new,
-                                          stop_token_ids=[], sample_id=base + i) for i in range(batch)]
-            with ThreadPoolExecutor(batch) as pool:
-                assert all(len(r[0].output_ids) == new for r in pool.map(engine.generate, requests))
-
-        run()  # warm-up
-        before = engine.metrics()
-        for _ in range(repeats):
-            run()
-        after = engine.metrics()
-    steps = after["engine/decode_steps"] - before["engine/decode_steps"]
-    return {"batch": batch, "prompt": prompt, "new": new,
-            "ms_per_step": round(1e3 * (after["engine/decode_s"] - before["engine/decode_s"]) / steps, 3)}
+        _, ms_per_step = busy_decode(engine, prompts, new, repeats)
+    return {"batch": batch, "prompt": prompt, "new": new, "ms_per_step": round(ms_per_step, 3)}
 
 
 def decode_floor(cfg: Any, n_params: int, param_bytes: int, decode: dict, flops: float, bandwidth: float) -> dict:
@@ -156,8 +127,7 @@ def decode_floor(cfg: Any, n_params: int, param_bytes: int, decode: dict, flops:
             "vs_floor": round(decode["ms_per_step"] / floor_ms, 3)}
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="parameter and compute dtype (default: bfloat16 on GPU/TPU, float32 on CPU)")
     parser.add_argument("--rows", type=int, default=8)
@@ -168,7 +138,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2, help="timed decode rounds")
     parser.add_argument("--quick", action="store_true", help="a tiny shape of the same layout, small sizes (CPU tests)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
     if args.quick:
         args.rows, args.length, args.steps, args.batch, args.prompt, args.new, args.repeats = 4, 32, 2, 4, 8, 16, 1
 
@@ -187,7 +159,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     # Sizes that saturate the device: 8192 / 2 GiB on an accelerator, 1024 / 64 MiB on a CPU;
     # the quick form only checks the script.
     matmul_n, copy_mib = (256, 8) if args.quick else (1024, 64) if device.platform == "cpu" else (8192, 2048)
-    measured = {"matmul_flops_per_s": round(dot_flops(matmul_n, dtype)),
+    measured = {"matmul_flops_per_s": round(matmul_peak(matmul_n, dtype)),
                 "copy_bytes_per_s": round(copy_bandwidth(copy_mib))}
     peak_flops, hbm = table_peak(device.device_kind, dtype)
     source = "table" if peak_flops and hbm else "measured"
@@ -201,16 +173,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     decode = bench_decode(graphdef, params, args.batch, args.prompt, args.new, args.repeats)
     decode.update(decode_floor(cfg, n_params, param_bytes, decode, flops, bandwidth))
 
-    result = {
-        "bench": "accel", "jax": jax.__version__, "backend": device.platform, "device_kind": device.device_kind,
+    return {
+        "jax": jax.__version__, "backend": device.platform, "device_kind": device.device_kind,
         "device_count": jax.device_count(), "shape": "quick" if args.quick else "qwen2.5-0.5b", "params": int(n_params),
         "dtype": dtype, "peak": {"flops_per_s": flops, "hbm_bytes_per_s": bandwidth, "source": source},
-        "measured": measured, "train": train, "decode": decode,
-        "load_avg_start": load_start, "load_avg_end": load_avg(),
+        "measured": measured, "train": train, "decode": decode, **load_avg_since(load_start),
     }
-    print(json.dumps(result), flush=True)
-    return result
-
-
-if __name__ == "__main__":
-    main()

@@ -1,21 +1,21 @@
-"""Forward+backward time and peak memory of the policy model's log-prob loss.
+"""Forward+backward time and peak memory of the policy model's log-prob loss, with and without chunking.
 
 For ``tiny`` and ``bench-40m`` (docs/design.md "Reference models", random-init in memory) at
 batch 16 x 96 tokens, with and without ``logprob_chunk_size``. Each case runs in its
 own interpreter so its peak RSS is its own. Prints one JSON line:
 
-    {"batch": 16, "seq": 96, "device": ..., "results": [{"model", "chunk", "params",
+    {"bench": "model", "batch": 16, "seq": 96, "device": ..., "results": [{"model", "chunk", "params",
      "compile_s", "step_s" (median wall), "step_cpu_s" (median CPU time of all threads),
-     "xla_temp_mb", "peak_rss_mb"}, ...], "load_avg_1m": ...}
+     "xla_temp_mb", "peak_rss_mb"}, ...], "load_avg": ...}
 
 ``step_cpu_s`` is the robust number on a shared machine: wall time grows with the
-other processes' load (reported as ``load_avg_1m`` at the end), CPU time much less.
+other processes' load (reported as ``load_avg``), CPU time much less.
 
 ``xla_temp_mb`` is XLA's own count of the compiled step's temporary buffers (the
 activation memory, deterministic); ``peak_rss_mb`` is the process's peak resident
 memory (includes the interpreter, jax and the parameters).
 
-Usage: ``PYTHONPATH=. python scripts/bench_model.py [--steps N] [--chunk C]``
+Usage: ``python scripts/bench.py model [--steps N] [--chunk C] [--models tiny,bench-40m]``
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+from bench_common import load_avg, load_avg_since
+
+BENCH = Path(__file__).resolve().parents[1] / "bench.py"
 
 BATCH, SEQ = 16, 96
 
@@ -78,35 +83,33 @@ def run_case(model: str, chunk: int | None, steps: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per case (median reported)")
     parser.add_argument("--chunk", type=int, default=16, help="logprob_chunk_size of the chunked cases")
     parser.add_argument("--models", default="tiny,bench-40m", help="comma-separated model specs (tiny only: a quick check)")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: model,chunk
-    args = parser.parse_args()
 
-    if args.case:
+
+def run(args: argparse.Namespace) -> dict:
+    if args.case:  # one case, in the interpreter the parent started for it
         model, chunk = args.case.split(",")
-        print(json.dumps(run_case(model, int(chunk) or None, args.steps)))
-        return
+        return run_case(model, int(chunk) or None, args.steps)
 
+    load_start = load_avg()
     results = []
     for model in args.models.split(","):
         for chunk in (0, args.chunk):
             proc = subprocess.run(
-                [sys.executable, __file__, "--case", f"{model},{chunk}", "--steps", str(args.steps)],
+                [sys.executable, str(BENCH), "model", "--case", f"{model},{chunk}", "--steps", str(args.steps)],
                 capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")},
             )
             if proc.returncode != 0:
                 sys.exit(f"case {model} chunk={chunk} failed:\n{proc.stderr}")
-            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            case = json.loads(proc.stdout.strip().splitlines()[-1])
+            case.pop("bench")
+            results.append(case)
     device = results[0].pop("device")
     for r in results[1:]:
         r.pop("device")
-    print(json.dumps({"batch": BATCH, "seq": SEQ, "device": device, "results": results,
-                      "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()}))
-
-
-if __name__ == "__main__":
-    main()
+    return {"batch": BATCH, "seq": SEQ, "device": device, "results": results, "cpus": os.cpu_count(),
+            **load_avg_since(load_start)}

@@ -1,25 +1,23 @@
-"""Time prepare_batch on a tiny-model-sized batch; prints one JSON line.
+"""prepare_batch's validate-and-pack time of one tiny-model-sized batch.
 
 Batch: 8 groups x 4 trajectories x ~96 tokens (32 prompt + up to 64 generated), the shape
 of the ``tiny`` reference runs. The per-trajectory schema check (run in rollout threads, not
 on the trainer's path) is timed too. The share is against the ~0.1 s tiny training step
 measured on this machine (../shared/README.md); the target is < 1 %.
 
-    PYTHONPATH=. python scripts/bench_prepare_batch.py [--groups 8 --group-size 4 --reps 200]
+    python scripts/bench.py batch [--groups 8 --group-size 4 --reps 200]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 
 import numpy as np
 
-from asyncrl.config import load_config
-from asyncrl.rollout.batch import prepare_batch
-from asyncrl.rollout.trajectory import Trajectory, TrajectoryGroup, check_group
+from asyncrl.rollout.trajectory import Trajectory, TrajectoryGroup
+from bench_common import load_avg, load_avg_since
 
 TINY_STEP_S = 0.1
 
@@ -44,14 +42,20 @@ def make_groups(n_groups: int, group_size: int, prompt: int, max_new: int, seed:
     return groups
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=200)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
+    from asyncrl.config import load_config
+    from asyncrl.rollout.batch import prepare_batch
+    from asyncrl.rollout.trajectory import check_group
+
+    load_start = load_avg()
     cfg = load_config(data={
         "rollout": {"batch_size": args.groups, "group_size": args.group_size, "max_new_tokens": args.max_new_tokens,
                     "max_staleness": 1, "length_bucket": 32},
@@ -71,8 +75,7 @@ def main() -> None:
             check_group(g, group_size=args.group_size, workflow="bench", sample_id=0, expected_temperature=1.0)
         checks.append((time.perf_counter() - t0) / len(groups))
     median = float(np.median(times))
-    print(json.dumps({
-        "bench": "prepare_batch",
+    return {
         "batch_shape": list(batch.input_ids.shape),
         "groups": args.groups, "group_size": args.group_size,
         "prepare_batch_median_s": round(median, 6),
@@ -82,8 +85,5 @@ def main() -> None:
         "per_group_schema_check_s": round(float(np.median(checks)), 6),
         "reps": args.reps,
         "cpu": platform.processor() or platform.machine(),
-    }))
-
-
-if __name__ == "__main__":
-    main()
+        **load_avg_since(load_start),
+    }

@@ -1,4 +1,4 @@
-"""Benchmark the jitted trainer step; prints one JSON line.
+"""The jitted trainer step: step time and FLOP/s against the measured matmul peak.
 
 For each model (``tiny`` and ``bench-40m`` by default) one trainer step on a batch of
 ``--rows`` x ``--length`` tokens (every token after a ``--prompt``-token prompt trained, 8 by
@@ -21,53 +21,19 @@ layer of the decoder) on the frozen model instead of every weight; each model's 
 also holds the trainable-parameter, optimizer-state and gradient bytes (``memory/*`` of the
 trainer, the same keys as for full training) so the two runs compare directly.
 
-Usage: PYTHONPATH=. python scripts/bench_train.py [--models tiny,bench-40m] [--rows 16] [--length 96] [--steps 5]
+Usage: python scripts/bench.py train [--models tiny,bench-40m] [--rows 16] [--length 96] [--steps 5]
        [--prompt 8] [--lora-rank 8]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from typing import Any
 
-
-def matmul_peak(n: int = 2048, repeats: int = 10) -> float:
-    """FLOP/s of an ``n x n`` float32 ``jnp.dot`` (best of ``repeats``)."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    dot(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dot(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * n**3 / best
-
-
-def batch(rows: int, length: int, vocab: int, prompt: int = 8):
-    """A full-length batch: ``prompt`` untrained tokens, then trained ones to the end."""
-    import numpy as np
-
-    from asyncrl.rollout.trajectory import TrainBatch
-
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, vocab, size=(rows, length)).astype(np.int32)
-    attention = np.ones((rows, length), bool)
-    loss = attention.copy()
-    loss[:, :prompt] = False
-    behavior = np.where(loss, -rng.uniform(0.5, 4.0, size=(rows, length)), 0.0).astype(np.float32)
-    versions = np.where(loss, 0, -1).astype(np.int32)
-    group_index = (np.arange(rows) // 4).astype(np.int32)
-    rewards = rng.normal(size=rows).astype(np.float32)
-    return TrainBatch(ids, attention, loss, behavior, versions, rewards, group_index, np.zeros(rows, bool), 1.0)
+from bench_common import load_avg, load_avg_since, matmul_peak, random_train_batch
 
 
 def compiled_step_times(trainer, data, steps: int) -> tuple[float, float]:
@@ -114,7 +80,7 @@ def bench_model(name: str, rows: int, length: int, steps: int, peak: float, lora
         trainer = Trainer(cfg, lora.graphdef, lora.adapters, frozen=lora.frozen)
     else:
         trainer = Trainer(cfg, graphdef, params)
-    data = batch(rows, length, trainer.model_cfg.vocab_size, prompt)
+    data = random_train_batch(rows, length, trainer.model_cfg.vocab_size, prompt)
     first = trainer.step(data)  # compiles
     runs = [trainer.step(data) for _ in range(steps)]
     step_time = statistics.median(m["perf/train_time"] for m in runs)
@@ -138,21 +104,22 @@ def bench_model(name: str, rows: int, length: int, steps: int, peak: float, lora
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default="tiny,bench-40m")
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--length", type=int, default=96)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--prompt", type=int, default=8, help="untrained prompt tokens at the start of every row")
     parser.add_argument("--lora-rank", type=int, default=0, help="train rank-R LoRA adapters instead of every weight")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    load_before = os.getloadavg()
+    load_start = load_avg()
     peak = matmul_peak()
-    result = {
+    result: dict[str, Any] = {
         "rows": args.rows,
         "length": args.length,
         "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
@@ -162,9 +129,4 @@ def main() -> None:
     }
     for name in args.models.split(","):
         result[name] = bench_model(name, args.rows, args.length, args.steps, peak, args.lora_rank, args.prompt)
-    result["loadavg_1m_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
-    print(json.dumps(result))
-
-
-if __name__ == "__main__":
-    main()
+    return {**result, **load_avg_since(load_start)}

@@ -1,6 +1,6 @@
-"""Benchmark JaxEngine against transformers' generate; prints one JSON line.
+"""JaxEngine's tokens/s against transformers' generate; continuous vs static batching.
 
-    PYTHONPATH=. python scripts/bench_engine.py [--repeats 3] [--skip-40m]
+    python scripts/bench.py engine [--repeats 3] [--skip-40m]
 
 * ``tiny_vs_hf`` / ``bench40m_vs_hf``: new tokens/s of JaxEngine called from 16 threads
   (one request each: 32-token prompt, 64 new tokens, EOS ignored, temperature 1) over
@@ -11,8 +11,8 @@
   the repeats (the engine's median over each of transformers' runs): read the ratio with it.
 * ``decode_ms_per_step`` of bench-40m at batch 16 (engine metric: wall time of decode
   chunks / steps, host work included) against its floor
-  ``max(parameter bytes / copy bandwidth, 2 * params * batch / jnp.dot FLOP/s)``, both
-  measured here.
+  ``max(parameter bytes / copy bandwidth, 2 * params * batch / matmul peak)``, both
+  measured here (:func:`bench_common.copy_bandwidth`, :func:`bench_common.matmul_peak`).
 * ``continuous_vs_static``: 128 requests, 16 slots, ``max_new_tokens`` uniform in [8, 64],
   EOS ignored, on bench-40m: 16 client threads keeping the slots full (continuous
   batching) vs batches of 16 submitted together, each waiting for its longest member.
@@ -37,20 +37,15 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
-import os
 import statistics
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
-
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import copy_bandwidth, dot_flops, median_time, run_times  # noqa: E402
+from bench_common import bench_40m_dir, busy_decode, copy_bandwidth, load_avg, load_avg_since, matmul_peak, median_time, run_times
 
 BATCH, PROMPT, NEW = 16, 32, 64
 VAR_REQUESTS, VAR_MIN, VAR_MAX = 128, 8, 64
@@ -71,25 +66,8 @@ def prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
 
 def engine_fixed(engine, vocab: int, repeats: int) -> tuple[float, float]:
     """(new tokens/s, decode ms/step) for 16 threads x one 64-token request."""
-    from asyncrl.engine.protocol import GenerationRequest
-
-    batch = prompts(vocab, BATCH)
-    counter = iter(range(10**9))
-
-    def run():
-        base = next(counter) * BATCH
-        reqs = [GenerationRequest(prompt_ids=p, max_new_tokens=NEW, stop_token_ids=[], sample_id=base + i) for i, p in enumerate(batch)]
-        with ThreadPoolExecutor(BATCH) as pool:
-            out = list(pool.map(engine.generate, reqs))
-        assert all(len(r[0].output_ids) == NEW for r in out)
-
-    run()
-    before = engine.metrics()
-    seconds = median_time(run, repeats)
-    after = engine.metrics()
-    d_steps = after["engine/decode_steps"] - before["engine/decode_steps"]
-    d_time = after["engine/decode_s"] - before["engine/decode_s"]
-    return BATCH * NEW / seconds, 1e3 * d_time / d_steps
+    seconds, ms_per_step = busy_decode(engine, prompts(vocab, BATCH), NEW, repeats)
+    return BATCH * NEW / seconds, ms_per_step
 
 
 def constrained_vs_free(engine, vocab: int, repeats: int) -> dict:
@@ -221,18 +199,19 @@ def bench_model(graphdef, params, model_dir: str, vocab: int, repeats: int, deco
             "decode_ms_per_step": ms_step, "vs_hf_spread": [tok_s / max(hf_runs), tok_s / min(hf_runs)], **constrained}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-chunk", type=int, default=8, help="engine.decode_chunk (the config default)")
     parser.add_argument("--skip-40m", action="store_true", help="tiny only (quick check)")
-    args = parser.parse_args()
 
+
+def run(args: argparse.Namespace) -> dict:
     import jax
 
-    from asyncrl.model import bench_40m_config, export_hf, init_decoder, load_model, split_params
+    from asyncrl.model import load_model
 
-    out: dict = {"load_avg_start": os.getloadavg()[0], "repeats": args.repeats, "decode_chunk": args.decode_chunk}
+    load_start = load_avg()
+    out: dict = {"repeats": args.repeats, "decode_chunk": args.decode_chunk}
     tiny = load_model("tiny", with_tokenizer=False)
     g, p = tiny.split()
     res = bench_model(g, p, str(tiny.path), tiny.config.vocab_size, args.repeats, args.decode_chunk)
@@ -242,19 +221,18 @@ def main() -> None:
     out["constrained_vs_free_step"] = res["constrained_vs_free_step"]
 
     if not args.skip_40m:
-        cfg = bench_40m_config()
-        model = init_decoder(cfg, seed=0)
-        g, p = split_params(model)
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = bench_40m_dir(Path(tmp) / "bench-40m-hf")
+            bench40m = load_model(str(model_dir), with_tokenizer=False)
+            g, p = bench40m.split()
+            res = bench_model(g, p, str(model_dir), bench40m.config.vocab_size, args.repeats, args.decode_chunk)
         n_params = sum(x.size for x in jax.tree.leaves(p))
         param_bytes = sum(x.nbytes for x in jax.tree.leaves(p))
-        with tempfile.TemporaryDirectory() as tmp:
-            model_dir = export_hf(model, None, os.path.join(tmp, "bench-40m"))
-            res = bench_model(g, p, str(model_dir), cfg.vocab_size, args.repeats, args.decode_chunk)
         out["bench40m"] = res
         out["bench40m_vs_hf"] = res["engine_tokens_per_s"] / res["hf_tokens_per_s"]
         out["bench40m_vs_hf_spread"] = res["vs_hf_spread"]
         out["constrained_vs_free_step"] = res["constrained_vs_free_step"]
-        bandwidth, flops = copy_bandwidth(), dot_flops()
+        bandwidth, flops = copy_bandwidth(), matmul_peak()
         floor_s = max(param_bytes / bandwidth, 2 * n_params * BATCH / flops)
         out.update(
             params=int(n_params), copy_GB_per_s=bandwidth / 1e9, dot_GFLOP_per_s=flops / 1e9,
@@ -263,12 +241,7 @@ def main() -> None:
         )
         engine = make_engine(g, p, args.decode_chunk)
         try:
-            out.update(variable_workload(engine, cfg.vocab_size, args.repeats))
+            out.update(variable_workload(engine, bench40m.config.vocab_size, args.repeats))
         finally:
             engine.shutdown()
-    out["load_avg_end"] = os.getloadavg()[0]
-    print(json.dumps(out))
-
-
-if __name__ == "__main__":
-    main()
+    return {**out, **load_avg_since(load_start)}

@@ -1,6 +1,6 @@
-"""Benchmark RemoteEngine through ``asyncrl serve`` against the in-process JaxEngine; prints one JSON line.
+"""RemoteEngine's rollouts through ``asyncrl serve`` over HTTP against the in-process JaxEngine.
 
-    PYTHONPATH=. python scripts/bench_remote.py [--model tiny|bench-40m] [--requests 64] [--repeats 3]
+    python scripts/bench.py remote [--model tiny|bench-40m] [--requests 64] [--repeats 3]
 
 * ``tokens_per_s``: new tokens/s for ``--requests`` requests (n = 4 samples, 16-token prompt,
   32 new tokens, EOS ignored, temperature 1) submitted at once, through the in-process engine,
@@ -19,8 +19,6 @@ the in-process engine compete for the same cores: read the load average printed 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
@@ -29,10 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_common import bench_40m_dir, load_avg, load_avg_since, median_time
 
-from bench_common import median_time  # noqa: E402  (scripts/ is on the path when run as a script)
-from tests.remote_helpers import API_KEY, Server  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 ENGINE = ["--set", "engine.slots=64", "--set", "engine.kv_capacity=64", "--set", "engine.prefill_buckets=[16,64]"]
 PROMPT, NEW, N = 16, 32, 4
@@ -41,9 +38,7 @@ PROMPT, NEW, N = 16, 32, 4
 def model_dir(name: str, tmp: Path) -> str:
     if name == "tiny":
         return "tiny"
-    from asyncrl.model import bench_40m_config, export_hf, init_decoder
-
-    return str(export_hf(init_decoder(bench_40m_config(), seed=0), None, tmp / "bench40m"))
+    return str(bench_40m_dir(tmp / "bench-40m-hf"))
 
 
 def write_config(tmp: Path, model: str) -> Path:
@@ -70,14 +65,17 @@ def throughput(engine, requests, repeats) -> float:
     return len(requests) * N * NEW / median_time(run, repeats)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", choices=["tiny", "bench-40m"])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
 
+
+def run(args: argparse.Namespace) -> dict:
     import jax
+
+    sys.path.insert(0, str(REPO_ROOT))  # the test suite's server wrapper
+    from tests.remote_helpers import API_KEY, Server
 
     from asyncrl.config import load_config
     from asyncrl.engine.jax_engine import JaxEngine
@@ -96,6 +94,7 @@ def main() -> None:
     one_token = GenerationRequest(prompt_ids=[5, 6, 7], greedy=True, max_new_tokens=1, stop_token_ids=[])
     (tmp / "weights").mkdir()
     servers = [Server(tmp / "weights", tmp / f"serve{i}.log", model=str(config), extra=()) for i in range(2)]
+    load_start = load_avg()
     out: dict = {"model": args.model, "requests": args.requests, "samples_per_request": N, "new_tokens": NEW}
     try:
         local = JaxEngine(graphdef, params, stop_token_ids=loaded.stop_token_ids, config=cfg.engine, warmup=True)
@@ -139,9 +138,4 @@ def main() -> None:
         for s in servers:
             s.terminate(10)
     out["speedup_2_servers_vs_in_process"] = out["tokens_per_s"]["servers_2"] / out["tokens_per_s"]["in_process"]
-    out["load_average"] = os.getloadavg()
-    print(json.dumps(out))
-
-
-if __name__ == "__main__":
-    main()
+    return {**out, **load_avg_since(load_start)}

@@ -1,0 +1,53 @@
+"""asyncrl's component benchmarks, one subcommand each; every run prints one JSON line.
+
+    python scripts/bench.py train     # trainer step time and FLOP/s against the measured matmul peak
+    python scripts/bench.py engine    # engine tokens/s against transformers' generate; continuous vs static batching
+    python scripts/bench.py model     # forward+backward time and memory, with and without log-prob chunking
+    python scripts/bench.py batch     # validate-and-pack time of one batch (prepare_batch)
+    python scripts/bench.py remote    # rollouts through asyncrl serve over HTTP against in-process
+    python scripts/bench.py accel     # train-step FLOP utilisation, decode vs the memory floor (Qwen2.5-0.5B shape)
+
+``python scripts/bench.py SUBCOMMAND --help`` says what each measures and its fields. Each
+lives in ``scripts/bench_components/<name>.py`` (``add_arguments(parser)`` and
+``run(args) -> dict``) on the helpers of ``scripts/bench_common.py``; every line carries
+``load_avg`` (the 1, 5 and 15 minute load averages at the start and the end: other work on a
+shared machine moves every figure). The whole-loop benchmarks (``bench_rl.py``,
+``bench_vs_trl.py``, ``bench_placement.py``) run training processes and stay scripts of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SUBCOMMANDS = ("train", "engine", "model", "batch", "remote", "accel")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0])
+    sub = top.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f"bench_components.{name}")
+        doc = module.__doc__ or name
+        command = sub.add_parser(name, help=doc.split("\n")[0], description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(command)
+        command.set_defaults(run=module.run)
+    return top
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    args = parser().parse_args(argv)
+    result = {"bench": args.bench, **args.run(args)}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
