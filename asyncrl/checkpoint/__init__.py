@@ -15,10 +15,11 @@ from asyncrl.checkpoint.store import (
     load_checkpoint,
     resume_checkpoint,
     save_checkpoint,
+    start_checkpoint,
     step_dir_name,
 )
 
 __all__ = [
     "CHECKPOINT_FORMAT", "Checkpoint", "checkpoint_problems", "checkpoints_root", "latest_checkpoint",
-    "load_checkpoint", "resume_checkpoint", "save_checkpoint", "step_dir_name",
+    "load_checkpoint", "resume_checkpoint", "save_checkpoint", "start_checkpoint", "step_dir_name",
 ]

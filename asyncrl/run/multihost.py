@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import numpy as np
 
 from asyncrl.cluster.distributed import DistributedError, coordination_client, wait_at_barrier
-from asyncrl.errors import AsyncRLError, CheckpointError, RolloutError
+from asyncrl.errors import AsyncRLError, RolloutError
 from asyncrl.rollout.batch import BatchAbandoned, PreparedBatch
 from asyncrl.rollout.trajectory import TrainBatch
 
@@ -408,19 +408,3 @@ class EvalBlocks:
     def batches_once(self, limit: Optional[int] = None) -> Iterator[TrainBatch]:
         for batch in self.data.batches_once(limit):
             yield split_rows(batch, self.hosts.count, self.row_multiple)[self.hosts.index]
-
-
-# ---------------------------------------------------------------------------- checkpoints
-
-
-def check_resumed_processes(resumed: Any, count: int) -> None:
-    """A checkpoint is resumed by as many processes as wrote it (one line otherwise)."""
-    if resumed is None:
-        return
-    saved = int(resumed.state.get("process_count", 1))
-    if saved != count:
-        raise CheckpointError(
-            f"checkpoint {resumed.path}: state.json: field process_count: written by a run of {saved} process(es), "
-            f"this run has {count}; resume it with {saved} process(es) (each process trains its own block of every "
-            "batch, so another count would not continue the same run)"
-        )

@@ -384,9 +384,12 @@ class Trainer:
         ``params`` and ``opt_state`` are the live trees (the optax state's namedtuples included)
         with numpy leaves, gathered to this host; :func:`asyncrl.pytree.flatten` keys them for a
         checkpoint. The reference model is not included: it is the initial weights, rebuilt from the model."""
+        return {"params": tree_to_host(self.params), "opt_state": tree_to_host(self.opt_state), **self.counters()}
+
+    def counters(self) -> dict:
+        """``{step, skipped_updates_total, consecutive_nonfinite, update_count}``: the state
+        beside the arrays (a checkpoint stores the arrays themselves, shard by shard)."""
         return {
-            "params": tree_to_host(self.params),
-            "opt_state": tree_to_host(self.opt_state),
             "step": self.version,
             "skipped_updates_total": self.skipped_updates_total,
             "consecutive_nonfinite": self.consecutive_nonfinite,
