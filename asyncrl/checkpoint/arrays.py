@@ -108,7 +108,7 @@ def _owned_copy(leaf: Any) -> Any:
     state) while the write is still in flight. On GPU/TPU Orbax copies to host memory itself."""
     import jax
 
-    if isinstance(leaf, jax.Array) and all(d.platform == "cpu" for d in leaf.sharding.device_set):
+    if isinstance(leaf, jax.Array) and all(getattr(d, "platform", None) == "cpu" for d in leaf.sharding.device_set):
         return jax.device_put(leaf, leaf.sharding, may_alias=False)
     return leaf
 

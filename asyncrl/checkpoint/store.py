@@ -39,6 +39,7 @@ Importing this module imports no jax; saving and reading arrays import jax and O
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -328,7 +329,7 @@ class PendingSave:
         return self.final
 
     def reporting_io_errors(self) -> Any:
-        return _IOErrorReport(self)
+        return _reporting_io_errors(self)
 
     def _finish(self, checkpointer: Any) -> None:
         try:
@@ -407,28 +408,18 @@ class PendingSave:
             _stage("pruned")
 
 
-class _IOErrorReport:
+@contextlib.contextmanager
+def _reporting_io_errors(pending: "PendingSave") -> Iterator[None]:
     """Disk full, an I/O error, a read-only file system: the write is abandoned (process 0 removes
     its temporary directory) and every complete checkpoint stays as it was; one line says so."""
-
-    def __init__(self, pending: PendingSave) -> None:
-        self.pending = pending
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, err: Any, trace: Any) -> bool:
-        if err is None:
-            return False
-        pending = self.pending
-        if pending.process == 0 and pending.tmp != pending.root and not pending.final.exists() or (
-                pending.process == 0 and pending.tmp.exists() and pending.tmp != pending.root):
+    try:
+        yield
+    except BaseException as err:
+        if pending.process == 0 and pending.tmp != pending.root and pending.tmp.exists():
             shutil.rmtree(pending.tmp, ignore_errors=True)
-        if isinstance(err, CheckpointError):
-            return False
-        oserror = err if isinstance(err, OSError) else _as_oserror(err)
+        oserror = err if isinstance(err, OSError) else None if isinstance(err, CheckpointError) else _as_oserror(err)
         if oserror is None:
-            return False
+            raise
         raise CheckpointError(
             f"cannot write the checkpoint of step {pending.step} in {pending.root}: [Errno {oserror.errno}] "
             f"{oserror.strerror}{f': {oserror.filename}' if oserror.filename else ''} (the previous complete "
