@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from asyncrl.checkpoint import files as checkpoint_files
-from asyncrl.checkpoint import store
+import asyncrl.checkpoint.files as checkpoint_files
+import asyncrl.checkpoint.store as store
 from asyncrl.errors import CheckpointError
 
 OLD_FORMAT = 2

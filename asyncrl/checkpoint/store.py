@@ -258,7 +258,7 @@ def start_checkpoint(
     pending = PendingSave(root, step, process, processes, keep, timeout_s)
     tmp = root / f"{_TMP_PREFIX}{step_dir_name(step)}"
     pending.tmp = tmp
-    from asyncrl.checkpoint import arrays as checkpoint_arrays
+    import asyncrl.checkpoint.arrays as checkpoint_arrays
 
     with pending.reporting_io_errors():
         if process == 0:
@@ -348,7 +348,7 @@ class PendingSave:
 
     def _write_own_hashes(self) -> None:
         """This process's files of ``arrays/`` with their sizes and sha256, as ``hashes/process_<i>.json``."""
-        from asyncrl.checkpoint import arrays as checkpoint_arrays
+        import asyncrl.checkpoint.arrays as checkpoint_arrays
 
         arrays_dir = self.tmp / checkpoint_arrays.ARRAYS_DIR
         files = {}
@@ -442,7 +442,7 @@ def _checked_inputs(step: Any, arrays: Mapping[str, Any], state: Mapping[str, An
                     rollout_state: Optional[Mapping[str, Any]], keep: Optional[int]) -> tuple[int, dict, str]:
     """``(step, {tree name: {key: leaf}}, state JSON text)``, or the :class:`CheckpointError`
     that refuses the save."""
-    from asyncrl.checkpoint import arrays as checkpoint_arrays
+    import asyncrl.checkpoint.arrays as checkpoint_arrays
 
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise CheckpointError(f"save_checkpoint: step must be a non-negative int (given {step!r})")
@@ -630,7 +630,7 @@ class SavedTrees(Mapping[str, dict[str, np.ndarray]]):
         if name not in self.names:
             raise KeyError(name)
         if name not in self._read:
-            from asyncrl.checkpoint import arrays as checkpoint_arrays
+            import asyncrl.checkpoint.arrays as checkpoint_arrays
 
             directory = self.path / ARRAYS_DIR
             saved = checkpoint_arrays.saved_arrays(directory, name)
@@ -669,7 +669,7 @@ class Checkpoint:
 
     def saved(self, name: str) -> dict[str, Any]:
         """``{key: SavedArray}`` (shape, dtype) of tree ``name``, from Orbax's metadata alone."""
-        from asyncrl.checkpoint import arrays as checkpoint_arrays
+        import asyncrl.checkpoint.arrays as checkpoint_arrays
 
         self._check_name(name)
         if not isinstance(self.arrays, SavedTrees):  # built by hand from arrays in memory
@@ -686,7 +686,7 @@ class Checkpoint:
         whatever mesh and process count the run has now) or as the template's numpy/Python
         type. Every missing, extra or mis-shaped key is a :class:`CheckpointError` naming this
         directory, the tree and the key, before any array is read."""
-        from asyncrl.checkpoint import arrays as checkpoint_arrays
+        import asyncrl.checkpoint.arrays as checkpoint_arrays
 
         where = f"checkpoint {self.path}: {ARRAYS_DIR}/{name}"
         problems = pytree.mismatches(template, self.saved(name), where=where)
