@@ -315,10 +315,12 @@ class PendingSave:
         """Block until the checkpoint is complete and return its directory; raises the write's
         :class:`CheckpointError` (disk full, ...) here, in the caller's thread."""
         if self._thread is not None:
-            self._thread.join(self.timeout_s * 2 if timeout_s is None else timeout_s)
+            limit = self.timeout_s * 2 if timeout_s is None else timeout_s
+            self._thread.join(limit)
             if self._thread.is_alive():
                 raise CheckpointError(f"the checkpoint of step {self.step} in {self.root} did not finish within "
-                                      f"{self.timeout_s * 2:.0f} s (a stuck file system or process?)")
+                                      f"{limit:.0f} s (a stuck file system or process?); the previous complete "
+                                      "checkpoint is intact")
         if self._error is not None:
             error, self._error = self._error, None
             raise error

@@ -451,10 +451,11 @@ class Run:
         if failure is None:
             self.finish_checkpoint()
         elif self.pending_checkpoint is not None:
-            # Complete it if it can be (its own error is logged: the run's failure is what is raised).
+            # Complete it if it can be, briefly (another process may be gone); its own error is
+            # logged: the run's failure is what is raised.
             pending, self.pending_checkpoint = self.pending_checkpoint, None
             try:
-                pending.wait()
+                pending.wait(timeout_s=min(60.0, self.cfg.checkpoint.barrier_timeout_s))
             except Exception as err:
                 log.warning("the checkpoint in flight when the run failed was not completed: %s", err)
         if self.engine is not None:
