@@ -201,6 +201,8 @@ def place_like(template_leaf: Any, value: Any) -> Any:
     sharding = getattr(template_leaf, "sharding", None)
     if sharding is None:
         return jax.numpy.asarray(value)
+    if isinstance(value, jax.Array) and value.sharding == sharding:
+        return value  # already placed (a checkpoint restored shard by shard onto this sharding)
     if jax.process_count() == 1 or sharding.is_fully_addressable:
         return jax.device_put(value, sharding)
     host = to_host(value)

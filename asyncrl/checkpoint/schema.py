@@ -55,11 +55,13 @@ class Manifest(_Strict):
     step: int = Field(ge=0)
     """Completed trainer steps; equals the directory's ``step_<k>``."""
     trees: list[str]
-    """Array trees, one ``<tree>.safetensors`` each."""
+    """Array trees, one Orbax item ``arrays/<tree>/`` each."""
     rollout: bool
     """Whether ``rollout.json`` / ``rollout.npz`` are part of it."""
+    processes: int = Field(ge=1)
+    """How many processes wrote the arrays (each hashed the files it wrote); any number may restore them."""
     files: dict[str, ManifestFile]
-    """Every file of the checkpoint with its size and hash."""
+    """Every file of the checkpoint (path relative to the step directory) with its size and hash."""
 
 
 # --------------------------------------------------------------------------- state.json
@@ -110,7 +112,7 @@ class RunState(_Strict):
     lora: Optional[LoraBase] = None
     """A ``model.lora`` run's base model (its params and optimizer state are adapters only)."""
     process_count: int = Field(default=1, ge=1)
-    """JAX processes of the run that wrote it (a resume needs as many; absent in older checkpoints: 1)."""
+    """JAX processes of the run that wrote it (a resume may have another count: the arrays are resharded; absent in older checkpoints: 1)."""
     trackers: Optional[dict[str, str]] = None
     """``{tracker: run id}`` of the run's W&B/MLflow runs, which ``--resume`` continues (absent without them)."""
 
@@ -252,7 +254,8 @@ def check_checkpoint_params(checkpoint: Any, params: Any) -> None:
     model's ``params`` (checked without copying either; :meth:`Checkpoint.tree` places them)."""
     for name in ("params", "stage_start_params"):
         if name == "params" or name in checkpoint.arrays:
-            _check_arrays(checkpoint.arrays.get(name), params, checkpoint.path, f"{name}.safetensors")
+            saved = checkpoint.saved(name) if name in checkpoint.arrays else None  # shapes and dtypes only
+            _check_arrays(saved, params, checkpoint.path, f"arrays/{name}")
 
 
 def _check_arrays(saved: Optional[Mapping[str, Any]], model_params: Any, where: Path, filename: str) -> None:

@@ -1,40 +1,45 @@
-"""Checkpoints that lose nothing: atomic writes, verified reads, no pickle, exact resume.
+"""Checkpoints that lose nothing: atomic, sharded, asynchronous writes, verified reads, no
+pickle, exact resume, resharding onto any mesh.
 
 A checkpoint of trainer step ``k`` is one directory ``<run.output_dir>/checkpoints/step_<k>``
 (``k`` zero-padded to 8 digits, so lexical order is step order)::
 
-    params.safetensors       one safetensors file per array tree (names chosen by the caller);
-    opt_state.safetensors    keys are the pytree paths joined by "/" (asyncrl.pytree: "layers/0/mlp/kernel",
-                             "1/0/mu/layers/0/mlp/kernel" for an optax chain's Adam moment)
+    arrays/<tree>/           one Orbax item per array tree (params, opt_state, ...), keyed by the
+                             asyncrl.pytree paths ("layers/0/mlp/kernel", "1/0/mu/layers/0/mlp/kernel");
+                             every process writes its own shards (asyncrl.checkpoint.arrays)
+    hashes/process_<i>.json  size and sha256 of the array files process i wrote, hashed by process i
     state.json               the caller's JSON state: version, trainer counters, stage index, ...
     rollout.json, .npz       the rollout executor's state: JSON plus named arrays (asyncrl.checkpoint.files)
     config.yaml              the resolved config of the run
-    MANIFEST.json            written last: step, trees, and every file's size and sha256
+    MANIFEST.json            written last, by process 0: step, trees, writers, every file's size and sha256
 
-How a write stays atomic: everything goes into a temporary sibling ``.tmp-step_<k>-...``;
-every file is fsynced, then ``MANIFEST.json`` is written and fsynced, then the directory, then
-it is renamed to ``step_<k>`` and the parent directory is fsynced. Only then are checkpoints
-beyond ``keep`` deleted. A directory is *complete* when its manifest parses, names its own
-step, and every file it lists exists with the recorded size (and, when checked, sha256).
-:func:`latest_checkpoint` returns the newest complete one and logs every one it skips, with
-the reason; temporary directories left by a crash are never candidates and are deleted by
-the next save.
+How a write stays atomic: everything goes into a temporary sibling ``.tmp-step_<k>``. Every
+process writes its shards there through Orbax (which returns once the arrays are off the
+devices; the rest of the write may finish in a background thread, :class:`PendingSave`), then
+fsyncs and hashes its own files; process 0 writes the small JSON files, waits for every
+process's hashes, writes ``MANIFEST.json``, fsyncs everything, renames the directory to
+``step_<k>`` and fsyncs the parent. Only then are checkpoints beyond ``keep`` deleted. A
+directory is *complete* when its manifest parses, names its own step, and every file it lists
+exists with the recorded size (and, when checked, sha256). :func:`latest_checkpoint` returns
+the newest complete one and logs every one it skips, with the reason; temporary directories
+left by a crash are never candidates and are deleted by the next save.
 
-Nothing on the load path unpickles: arrays come from ``safetensors.deserialize`` (bfloat16 and
-float8 through ``ml_dtypes``), the executor's arrays from ``np.load(allow_pickle=False)``,
-everything else from JSON and YAML (``yaml.safe_load``).
+Nothing on the load path unpickles: arrays come from Orbax (tensorstore chunks, JSON
+metadata), the executor's arrays from ``np.load(allow_pickle=False)``, everything else from
+JSON and YAML (``yaml.safe_load``).
 
-Loading returns plain arrays and JSON: each tree as its flat ``{key: numpy array}``, which
-:meth:`Checkpoint.tree` puts into a template (the live params, the optimizer state) key by
-key, naming the file and the key of every mismatch. Restoring the rollout executor from
-``rollout_state`` is the caller's job (``WorkflowExecutor.load_state_dict``).
+Loading reads the JSON; arrays are read on demand: :meth:`Checkpoint.tree` straight onto a
+template's shardings (the live params, the optimizer state: any mesh, any process count),
+naming the tree and the key of every mismatch, or :attr:`Checkpoint.arrays` as flat numpy
+trees. Restoring the rollout executor from ``rollout_state`` is the caller's job
+(``WorkflowExecutor.load_state_dict``).
 
-This module imports no jax; a tree that holds jax arrays or non-builtin pytree nodes (optax
-states, ``nnx.State``) makes :mod:`asyncrl.pytree` import it on demand.
+Importing this module imports no jax; saving and reading arrays import jax and Orbax.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -42,9 +47,11 @@ import logging
 import os
 import re
 import shutil
+import threading
+import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
 
@@ -63,22 +70,28 @@ from asyncrl.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 2
-"""Version of the directory layout. 2: every tree keyed by :mod:`asyncrl.pytree` paths (format 1
-keyed the optimizer state by dotted jax paths, ``1.0..mu.layers.0...``). A checkpoint of another
-format is refused on resume with the reason, never silently skipped."""
+CHECKPOINT_FORMAT = 3
+"""Version of the directory layout. 3: array trees on Orbax, written shard by shard by every
+process. A checkpoint of another format is refused on resume with the reason and what to do,
+never silently skipped (format 2 can be converted: :mod:`asyncrl.checkpoint.convert`)."""
+_FORMATS = {
+    1: "format 1 keyed the optimizer state by dotted paths",
+    2: "format 2 held each tree as one safetensors file written by process 0",
+}
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST_FILE = "MANIFEST.json"
 STATE_FILE = "state.json"
 CONFIG_FILE = "config.yaml"
 ROLLOUT_PREFIX = checkpoint_files.ROLLOUT_PREFIX
-ARRAYS_SUFFIX = ".safetensors"
+ARRAYS_DIR = "arrays"
+_HASHES_DIR = "hashes"
 
 _STEP_DIGITS = 8
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
 _TREE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_ORBAX_NAME = re.compile(r"^_[A-Za-z0-9][A-Za-z0-9_.-]*$")  # Orbax's _METADATA, _sharding, ...
 _HASH_CHUNK = 1 << 22
 
 # Called with a stage name after each durable stage of a save ("params.safetensors", ...,
@@ -187,7 +200,20 @@ def remove_stale_writes(out_dir: str | Path) -> list[Path]:
 # --------------------------------------------------------------------------- saving
 
 
-def save_checkpoint(
+def _process() -> tuple[int, int]:
+    """``(process index, process count)`` of this JAX run (jax is imported by Orbax anyway)."""
+    import jax
+
+    return jax.process_index(), jax.process_count()
+
+
+def save_checkpoint(out_dir: str | Path, step: int, **kwargs: Any) -> Path:
+    """Write the checkpoint of trainer ``step`` and wait until it is complete; returns
+    ``<out_dir>/checkpoints/step_<k>``. Arguments as :func:`start_checkpoint`."""
+    return start_checkpoint(out_dir, step, asynchronous=False, **kwargs).wait()
+
+
+def start_checkpoint(
     out_dir: str | Path,
     step: int,
     *,
@@ -196,60 +222,239 @@ def save_checkpoint(
     config_yaml: str,
     rollout_state: Optional[Mapping[str, Any]] = None,
     keep: Optional[int] = None,
-) -> Path:
-    """Write the checkpoint of trainer ``step`` atomically; returns ``<out_dir>/checkpoints/step_<k>``.
+    asynchronous: bool = True,
+    timeout_s: float = 600.0,
+) -> "PendingSave":
+    """Start writing the checkpoint of trainer ``step``; its :meth:`PendingSave.wait` returns
+    ``<out_dir>/checkpoints/step_<k>`` once it is complete (the module docstring says how).
+
+    Every process of a multi-process run calls this with the same global ``arrays``; each
+    writes its own shards. ``state``, ``config_yaml`` and ``rollout_state`` are written by
+    process 0 alone (the other processes' are ignored).
 
     Args:
         out_dir: the run's output directory (``cfg.run.resolved_output_dir``).
         step: completed trainer steps (= the version of the saved weights).
         arrays: ``{tree name: pytree of arrays}``, e.g. ``{"params": ..., "opt_state": ...}``;
-            each becomes ``<name>.safetensors``. Names are ``[A-Za-z0-9][A-Za-z0-9_.-]*``.
+            each becomes ``arrays/<name>/``. Names are ``[A-Za-z0-9][A-Za-z0-9_.-]*``.
+            ``jax.Array`` leaves are written shard by shard, never gathered.
         state: JSON-serialisable (no NaN): version, trainer counters, stage index, ...
         config_yaml: the resolved config (``dump_config(cfg)``).
         rollout_state: ``{"meta": JSON, "arrays": {name: 1-d numpy array}}``, the executor's
             ``state_dict()`` (written by :func:`save_rollout_state`).
         keep: keep the newest this many complete checkpoints (None: all); older ones are
             deleted only after the new one is in place.
+        asynchronous: return once the arrays are copied off the devices and finish the write
+            in a background thread (``False``: finish it before returning).
+        timeout_s: how long process 0 waits for the other processes' part of the write.
 
     An existing ``step_<k>`` (from an earlier attempt at the same step) is replaced.
     Raises :class:`CheckpointError` before anything is written if a value cannot be stored.
     """
     # Everything that can be refused is checked before the first byte is written.
-    step, flats, state_text = _checked_inputs(step, arrays, state, config_yaml, rollout_state, keep)
+    step, trees, state_text = _checked_inputs(step, arrays, state, config_yaml, rollout_state, keep)
+    process, processes = _process()
     root = checkpoints_root(out_dir)
-    try:
-        final = _write_checkpoint(root, step, flats, state_text, config_yaml, rollout_state)
-        if keep is not None:
-            _prune(root, keep)
+    pending = PendingSave(root, step, process, processes, keep, timeout_s)
+    tmp = root / f"{_TMP_PREFIX}{step_dir_name(step)}"
+    pending.tmp = tmp
+    import asyncrl.checkpoint.arrays as checkpoint_arrays
+
+    with pending.reporting_io_errors():
+        if process == 0:
+            if not root.is_dir():
+                root.mkdir(parents=True, exist_ok=True)
+                _fsync_dir(root.parent)
+            remove_stale_writes(root.parent)
+            tmp.mkdir()
+            # The small files first: a failure here leaves no array write running into tmp.
+            for filename, text in ((STATE_FILE, state_text + "\n"), (CONFIG_FILE, config_yaml)):
+                _write_bytes(tmp / filename, text.encode("utf-8"))
+                _stage(filename)
+            if rollout_state is not None:
+                checkpoint_files.save_rollout_state(rollout_state, tmp)
+                _stage(ROLLOUT_PREFIX)
+        # Orbax's own barrier keeps the other processes from writing before process 0 made tmp.
+        checkpointer = checkpoint_arrays.start_save(tmp / checkpoint_arrays.ARRAYS_DIR, trees) if trees else None
+    pending.manifest_head = {"format": CHECKPOINT_FORMAT, "step": step, "trees": sorted(trees),
+                             "rollout": rollout_state is not None, "processes": processes}
+    pending.start(checkpointer, asynchronous)
+    return pending
+
+
+class PendingSave:
+    """A checkpoint being written: the Orbax write of the arrays, then (in a daemon thread when
+    asynchronous) each process hashing its own files, and process 0 writing the manifest,
+    renaming the directory into place and pruning. :meth:`wait` ends it and re-raises a
+    failure in the caller's thread."""
+
+    def __init__(self, root: Path, step: int, process: int, processes: int, keep: Optional[int],
+                 timeout_s: float) -> None:
+        self.root, self.step, self.process, self.processes = root, step, process, processes
+        self.keep, self.timeout_s = keep, timeout_s
+        self.final = root / step_dir_name(step)
+        self.tmp = root
+        self.manifest_head: dict[str, Any] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._waited = False
+
+    def start(self, checkpointer: Any, asynchronous: bool) -> None:
+        if not asynchronous:
+            self._finish(checkpointer)
+            return
+        self._thread = threading.Thread(target=self._finish, args=(checkpointer,), daemon=True,
+                                        name=f"asyncrl-checkpoint-{self.step}")
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether the write has ended (completed or failed)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self, timeout_s: Optional[float] = None) -> Path:
+        """Block until the checkpoint is complete and return its directory; raises the write's
+        :class:`CheckpointError` (disk full, ...) here, in the caller's thread."""
+        if self._thread is not None:
+            limit = self.timeout_s * 2 if timeout_s is None else timeout_s
+            self._thread.join(limit)
+            if self._thread.is_alive():
+                raise CheckpointError(f"the checkpoint of step {self.step} in {self.root} did not finish within "
+                                      f"{limit:.0f} s (a stuck file system or process?); the previous complete "
+                                      "checkpoint is intact")
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        if not self._waited:
+            self._waited = True
+            if self.process == 0:
+                log.info("checkpoint of step %d written to %s", self.step, self.final)
+        return self.final
+
+    def reporting_io_errors(self) -> Any:
+        return _reporting_io_errors(self)
+
+    def _finish(self, checkpointer: Any) -> None:
+        try:
+            with self.reporting_io_errors():
+                if checkpointer is not None:
+                    try:
+                        checkpointer.wait_until_finished()
+                    finally:
+                        checkpointer.close()
+                    _stage("arrays")
+                self._write_own_hashes()
+                if self.process == 0:
+                    self._commit()
+        except BaseException as err:  # reaches the caller through wait()
+            self._error = err
+
+    def _write_own_hashes(self) -> None:
+        """This process's files of ``arrays/`` with their sizes and sha256, as ``hashes/process_<i>.json``."""
+        import asyncrl.checkpoint.arrays as checkpoint_arrays
+
+        arrays_dir = self.tmp / checkpoint_arrays.ARRAYS_DIR
+        files = {}
+        if self.manifest_head["trees"]:
+            self._wait_for(lambda: (arrays_dir / "_CHECKPOINT_METADATA").is_file(), "Orbax's commit of the arrays")
+            prefix = checkpoint_arrays.ARRAYS_DIR + "/"
+            files = {prefix + rel: _fsync_and_describe(arrays_dir / rel)
+                     for rel in checkpoint_arrays.files_written_by(arrays_dir, self.process)}
+        hashes = self.tmp / _HASHES_DIR
+        hashes.mkdir(exist_ok=True)
+        scratch = hashes / f".process_{self.process}.json.tmp"
+        _write_bytes(scratch, json.dumps(files, indent=1).encode("utf-8"))
+        os.replace(scratch, hashes / f"process_{self.process}.json")
+        _stage("hashes")
+
+    def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not ready():
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"the checkpoint of step {self.step} in {self.root}: {what} did not happen "
+                                      f"within checkpoint.barrier_timeout_s={self.timeout_s:.0f} s")
+            time.sleep(0.02)
+
+    def _commit(self) -> None:
+        """Process 0: the manifest (every process's hashes, then its own small files), the rename, pruning."""
+        tmp, hashes = self.tmp, self.tmp / _HASHES_DIR
+        self._wait_for(lambda: all((hashes / f"process_{i}.json").is_file() for i in range(self.processes)),
+                       "every process's hashes/process_<i>.json")
+        files: dict[str, dict[str, Any]] = {}
+        for i in range(self.processes):
+            files.update(json.loads((hashes / f"process_{i}.json").read_text(encoding="utf-8")))
+        for filename in (STATE_FILE, CONFIG_FILE, f"{ROLLOUT_PREFIX}.json", f"{ROLLOUT_PREFIX}.npz"):
+            if (tmp / filename).is_file():
+                files[filename] = _fsync_and_describe(tmp / filename)
+        manifest = {**self.manifest_head, "files": dict(sorted(files.items()))}
+        _write_bytes(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=1) + "\n").encode("utf-8"))
+        _stage(MANIFEST_FILE)
+        for directory in sorted({(tmp / rel).parent for rel in files}, key=lambda p: -len(p.parts)):
+            _fsync_dir(directory)
+        _fsync_dir(hashes)
+        _fsync_dir(tmp)
+        _stage("fsync-dir")
+        replaced = None
+        if self.final.exists():
+            # The old directory steps aside only for the instant between two renames; it is
+            # deleted once the new one is in place.
+            log.warning("replacing the existing checkpoint %s", self.final)
+            replaced = self.root / f"{_TRASH_PREFIX}{self.final.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(self.final, replaced)
+        os.rename(tmp, self.final)
+        _fsync_dir(self.root)
+        _stage("renamed")
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        if self.keep is not None:
+            _prune(self.root, self.keep)
             _stage("pruned")
-    except OSError as err:
-        # Disk full, an I/O error, a read-only file system: the write is abandoned (its temporary
-        # directory removed) and every complete checkpoint stays as it was.
+
+
+@contextlib.contextmanager
+def _reporting_io_errors(pending: "PendingSave") -> Iterator[None]:
+    """Disk full, an I/O error, a read-only file system: the write is abandoned (process 0 removes
+    its temporary directory) and every complete checkpoint stays as it was; one line says so."""
+    try:
+        yield
+    except BaseException as err:
+        if pending.process == 0 and pending.tmp != pending.root and pending.tmp.exists():
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+        oserror = err if isinstance(err, OSError) else None if isinstance(err, CheckpointError) else _as_oserror(err)
+        if oserror is None:
+            raise
         raise CheckpointError(
-            f"cannot write the checkpoint of step {step} in {root}: [Errno {err.errno}] {err.strerror}"
-            f"{f': {err.filename}' if err.filename else ''} (the previous complete checkpoint is intact; free the "
-            "space or fix the device, then resume)"
+            f"cannot write the checkpoint of step {pending.step} in {pending.root}: [Errno {oserror.errno}] "
+            f"{oserror.strerror}{f': {oserror.filename}' if oserror.filename else ''} (the previous complete "
+            "checkpoint is intact; free the space or fix the device, then resume)"
         ) from err
-    log.info("checkpoint of step %d written to %s", step, final)
-    return final
+
+
+def _as_oserror(err: BaseException) -> Optional[OSError]:
+    """The ``OSError`` a tensorstore/Orbax error reports in its message (``No space left on device``)."""
+    import errno as errno_codes
+
+    text = str(err)
+    for code in (errno_codes.ENOSPC, errno_codes.EIO, errno_codes.EROFS, errno_codes.EDQUOT):
+        if os.strerror(code) in text:
+            return OSError(code, os.strerror(code))
+    return None
 
 
 def _checked_inputs(step: Any, arrays: Mapping[str, Any], state: Mapping[str, Any], config_yaml: Any,
                     rollout_state: Optional[Mapping[str, Any]], keep: Optional[int]) -> tuple[int, dict, str]:
-    """``(step, {tree name: flat arrays}, state JSON text)``, or the :class:`CheckpointError`
+    """``(step, {tree name: {key: leaf}}, state JSON text)``, or the :class:`CheckpointError`
     that refuses the save."""
+    import asyncrl.checkpoint.arrays as checkpoint_arrays
+
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise CheckpointError(f"save_checkpoint: step must be a non-negative int (given {step!r})")
     if keep is not None and keep < 1:
         raise CheckpointError(f"save_checkpoint: keep must be >= 1 or None (given {keep})")
-    flats: dict[str, dict[str, np.ndarray]] = {}
+    trees = {}
     for name, tree in arrays.items():
         if not isinstance(name, str) or not _TREE_NAME.match(name):
             raise CheckpointError(f"save_checkpoint: array tree name {name!r} is not a plain file name")
-        try:
-            flats[name] = pytree.flatten(tree, where=f"save_checkpoint: arrays[{name!r}]")
-        except pytree.TreeError as err:
-            raise CheckpointError(str(err)) from None
+        trees[name] = checkpoint_arrays.storable_leaves(tree, f"save_checkpoint: arrays[{name!r}]")
     try:
         state_text = json.dumps(dict(state), allow_nan=False, indent=1, sort_keys=True)
     except (TypeError, ValueError) as err:
@@ -266,62 +471,7 @@ def _checked_inputs(step: Any, arrays: Mapping[str, Any], state: Mapping[str, An
                 raise CheckpointError(f"save_checkpoint: rollout_state['arrays'][{key!r}] is an object array")
     if not isinstance(config_yaml, str):
         raise CheckpointError("save_checkpoint: config_yaml must be the YAML text of the resolved config")
-    return int(step), flats, state_text
-
-
-def _write_checkpoint(root: Path, step: int, flats: dict, state_text: str, config_yaml: str,
-                      rollout_state: Optional[Mapping[str, Any]]) -> Path:
-    """Write ``step_<k>`` through a temporary directory (see the module docstring); returns it."""
-    if not root.is_dir():
-        root.mkdir(parents=True, exist_ok=True)
-        _fsync_dir(root.parent)
-    remove_stale_writes(root.parent)
-    final = root / step_dir_name(step)
-    tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        files: dict[str, dict[str, Any]] = {}
-        for name, flat in flats.items():
-            path = tmp / f"{name}{ARRAYS_SUFFIX}"
-            checkpoint_files.save_safetensors(flat, path, {"asyncrl_tree": name, "asyncrl_step": str(step)})
-            files[path.name] = _fsync_and_describe(path)
-            _stage(path.name)
-        for filename, text in ((STATE_FILE, state_text + "\n"), (CONFIG_FILE, config_yaml)):
-            _write_bytes(tmp / filename, text.encode("utf-8"))
-            files[filename] = _fsync_and_describe(tmp / filename)
-            _stage(filename)
-        if rollout_state is not None:
-            checkpoint_files.save_rollout_state(rollout_state, tmp)
-            for filename in (f"{ROLLOUT_PREFIX}.json", f"{ROLLOUT_PREFIX}.npz"):
-                files[filename] = _fsync_and_describe(tmp / filename)
-            _stage(ROLLOUT_PREFIX)
-        manifest = {
-            "format": CHECKPOINT_FORMAT,
-            "step": step,
-            "trees": sorted(flats),
-            "rollout": rollout_state is not None,
-            "files": dict(sorted(files.items())),
-        }
-        _write_bytes(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=1) + "\n").encode("utf-8"))
-        _stage(MANIFEST_FILE)
-        _fsync_dir(tmp)
-        _stage("fsync-dir")
-        replaced = None
-        if final.exists():
-            # The old directory steps aside only for the instant between two renames; it is
-            # deleted once the new one is in place.
-            log.warning("replacing the existing checkpoint %s", final)
-            replaced = root / f"{_TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, replaced)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        _stage("renamed")
-        if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    return int(step), trees, state_text
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -350,14 +500,15 @@ def _read_manifest(path: Path) -> tuple[Optional[dict], Optional[str]]:
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         return None, f"{MANIFEST_FILE} is not a manifest"
     for filename, entry in manifest["files"].items():
-        if not _TREE_NAME.match(filename) or not isinstance(entry, dict):
+        if not all(_TREE_NAME.match(part) or _ORBAX_NAME.match(part) for part in filename.split("/")) \
+                or not isinstance(entry, dict):
             return None, f"{MANIFEST_FILE} has a malformed entry {filename!r}"
     if manifest.get("format") != CHECKPOINT_FORMAT:
         return None, f"format {manifest.get('format')!r}, this asyncrl reads {CHECKPOINT_FORMAT}"
     step = _step_of(path)
     if step is not None and manifest.get("step") != step:
         return None, f"{MANIFEST_FILE} is of step {manifest.get('step')!r}, the directory of step {step}"
-    required = {STATE_FILE, CONFIG_FILE, *(f"{t}{ARRAYS_SUFFIX}" for t in manifest.get("trees", []))}
+    required = {STATE_FILE, CONFIG_FILE, *(f"{ARRAYS_DIR}/{t}/_METADATA" for t in manifest.get("trees", []))}
     if manifest.get("rollout"):
         required |= {f"{ROLLOUT_PREFIX}.json", f"{ROLLOUT_PREFIX}.npz"}
     missing = sorted(required - set(manifest["files"]))
@@ -371,19 +522,20 @@ def _read_manifest(path: Path) -> tuple[Optional[dict], Optional[str]]:
     return manifest, None
 
 
-def _file_problem(path: Path, entry: Mapping[str, Any], data: Optional[bytes] = None, checksums: bool = True) -> Optional[str]:
+def _file_problem(path: Path, name: str, entry: Mapping[str, Any], data: Optional[bytes] = None,
+                  checksums: bool = True) -> Optional[str]:
     if data is None:
         if not path.is_file():
-            return f"{path.name} is missing"
+            return f"{name} is missing"
         size = path.stat().st_size
     else:
         size = len(data)
     if size != entry.get("bytes"):
-        return f"{path.name} has {size} bytes, the manifest says {entry.get('bytes')} (truncated or overwritten)"
+        return f"{name} has {size} bytes, the manifest says {entry.get('bytes')} (truncated or overwritten)"
     if checksums:
         digest = hashlib.sha256(data).hexdigest() if data is not None else _sha256_file(path)
         if digest != entry.get("sha256"):
-            return f"{path.name} does not match its sha256 in the manifest (corrupt)"
+            return f"{name} does not match its sha256 in the manifest (corrupt)"
     return None
 
 
@@ -395,11 +547,22 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def checkpoint_problems(path: str | Path, *, checksums: bool = True) -> list[str]:
+def _my_share(files: list[str], share: Optional[tuple[int, int]]) -> set[str]:
+    """The files whose sha256 this process checks: all of them, or with ``share=(i, n)`` every
+    n-th by size (so the n processes of a run each read about 1/n of the checkpoint)."""
+    if share is None or share[1] <= 1:
+        return set(files)
+    index, count = share
+    return {name for position, name in enumerate(sorted(files)) if position % count == index}
+
+
+def checkpoint_problems(path: str | Path, *, checksums: bool = True,
+                        share: Optional[tuple[int, int]] = None) -> list[str]:
     """Why ``path`` is not a complete checkpoint (empty list: it is complete).
 
     Checks the manifest, that every listed file exists with its recorded size, and, with
-    ``checksums``, its sha256 (reads every byte).
+    ``checksums``, its sha256 (reads every byte; with ``share=(i, n)``, process ``i`` of ``n``
+    reads only its share of the files).
     """
     path = Path(path)
     if not path.is_dir():
@@ -408,9 +571,10 @@ def checkpoint_problems(path: str | Path, *, checksums: bool = True) -> list[str
     if problem:
         return [problem]
     assert manifest is not None
+    mine = _my_share(list(manifest["files"]), share) if checksums else set()
     problems = []
     for filename, entry in manifest["files"].items():
-        found = _file_problem(path / filename, entry, checksums=checksums)
+        found = _file_problem(path / filename, filename, entry, checksums=filename in mine)
         if found:
             problems.append(found)
     return problems
@@ -425,19 +589,21 @@ def _refuse_other_format(path: Path) -> None:
         return  # unfinished or damaged: skipped with its reason like any incomplete checkpoint
     found = manifest.get("format") if isinstance(manifest, dict) else None
     if isinstance(found, int) and found != CHECKPOINT_FORMAT:
+        how = (f"convert it with `python -m asyncrl.checkpoint.convert {path.parent.parent}`, or finish that run with "
+               "the asyncrl that wrote it") if found == 2 else "finish that run with the asyncrl that wrote it"
         raise CheckpointError(
             f"checkpoint {path}: MANIFEST.json: field format: {found}, this asyncrl reads format {CHECKPOINT_FORMAT} "
-            f"(format 1 keyed the optimizer state by dotted paths); finish that run with the asyncrl that wrote it, "
-            f"or start a new run in another run.output_dir"
+            f"({_FORMATS.get(found, 'an unknown layout')}); {how}, or start a new run in another run.output_dir"
         )
 
 
-def latest_checkpoint(out_dir: str | Path, *, checksums: bool = True) -> Optional[Path]:
+def latest_checkpoint(out_dir: str | Path, *, checksums: bool = True,
+                      share: Optional[tuple[int, int]] = None) -> Optional[Path]:
     """The newest complete checkpoint under ``<out_dir>/checkpoints``, or None.
 
     Every newer directory that is skipped is logged (warning) with the reason; unfinished
     temporary writes are never candidates. A finished checkpoint of another
-    :data:`CHECKPOINT_FORMAT` is a :class:`CheckpointError`.
+    :data:`CHECKPOINT_FORMAT` is a :class:`CheckpointError`. ``share``: as :func:`checkpoint_problems`.
     """
     root = checkpoints_root(out_dir)
     if root.is_dir():
@@ -446,50 +612,101 @@ def latest_checkpoint(out_dir: str | Path, *, checksums: bool = True) -> Optiona
                 log.info("ignoring %s: an unfinished checkpoint write", child)
     for step, path in reversed(_step_dirs(root)):
         _refuse_other_format(path)
-        problems = checkpoint_problems(path, checksums=checksums)
+        problems = checkpoint_problems(path, checksums=checksums, share=share)
         if not problems:
             return path
         log.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
     return None
 
 
+class SavedTrees(Mapping[str, dict[str, np.ndarray]]):
+    """``{tree name: {key: numpy array}}`` of a checkpoint, each tree read (whole, to this host)
+    on first access; ``in`` and iteration read nothing. A run restores onto its devices with
+    :meth:`Checkpoint.tree` instead, which reads only this process's shards."""
+
+    def __init__(self, path: Path, names: list[str]) -> None:
+        self.path, self.names = path, list(names)
+        self._read: dict[str, dict[str, np.ndarray]] = {}
+
+    def __getitem__(self, name: str) -> dict[str, np.ndarray]:
+        if name not in self.names:
+            raise KeyError(name)
+        if name not in self._read:
+            import asyncrl.checkpoint.arrays as checkpoint_arrays
+
+            directory = self.path / ARRAYS_DIR
+            saved = checkpoint_arrays.saved_arrays(directory, name)
+            self._read[name] = {key: np.asarray(value) for key, value in
+                                checkpoint_arrays.restore(directory, name, saved).items()}
+        return self._read[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """A loaded checkpoint: everything :func:`save_checkpoint` was given, as plain arrays and JSON."""
+    """A loaded checkpoint: its JSON as saved, its arrays read on demand."""
 
     path: Path
     step: int
-    arrays: dict[str, dict[str, np.ndarray]]
-    """``{tree name: {key: numpy array}}``, the keys as :func:`asyncrl.pytree.flatten` spells them."""
+    arrays: Mapping[str, dict[str, np.ndarray]]
+    """``{tree name: {key: numpy array}}``, the keys as :func:`asyncrl.pytree.flatten` spells them
+    (a tree is read to this host when first indexed; :meth:`tree` reads onto devices instead)."""
     state: dict[str, Any]
     """The JSON state as saved."""
     config_yaml: str
     """The resolved config of the run that wrote it."""
     rollout_state: Optional[dict[str, Any]]
     """The executor's ``{"meta", "arrays"}`` for ``WorkflowExecutor.load_state_dict`` (None if not saved)."""
+    processes: int = 1
+    """How many processes wrote it (any number may restore it)."""
 
     def config(self) -> Config:
         """The saved config, validated by this asyncrl's schema."""
         return saved_config(self.config_yaml, where=str(self.path / CONFIG_FILE))
 
-    def tree(self, name: str, template: Any) -> Any:
-        """Tree ``name`` in ``template``'s structure, each leaf placed like the template's
-        (:func:`asyncrl.pytree.fill`: a ``jax.Array`` on its sharding). Every missing, extra
-        or mis-shaped key is a :class:`CheckpointError` naming this directory, the file and the key."""
+    def saved(self, name: str) -> dict[str, Any]:
+        """``{key: SavedArray}`` (shape, dtype) of tree ``name``, from Orbax's metadata alone."""
+        import asyncrl.checkpoint.arrays as checkpoint_arrays
+
+        self._check_name(name)
+        if not isinstance(self.arrays, SavedTrees):  # built by hand from arrays in memory
+            return dict(self.arrays[name])
+        return checkpoint_arrays.saved_arrays(self.path / ARRAYS_DIR, name)
+
+    def _check_name(self, name: str) -> None:
         if name not in self.arrays:
             raise CheckpointError(f"checkpoint {self.path}: holds no tree {name!r} (it holds {sorted(self.arrays)})")
+
+    def tree(self, name: str, template: Any) -> Any:
+        """Tree ``name`` in ``template``'s structure, each leaf read straight onto the
+        template's sharding (a ``jax.Array``: this process reads only the shards it holds, on
+        whatever mesh and process count the run has now) or as the template's numpy/Python
+        type. Every missing, extra or mis-shaped key is a :class:`CheckpointError` naming this
+        directory, the tree and the key, before any array is read."""
+        import asyncrl.checkpoint.arrays as checkpoint_arrays
+
+        where = f"checkpoint {self.path}: {ARRAYS_DIR}/{name}"
+        problems = pytree.mismatches(template, self.saved(name), where=where)
+        if problems:
+            raise CheckpointError(str(pytree.TreeError(where, problems)))
+        values = checkpoint_arrays.restore(self.path / ARRAYS_DIR, name, pytree.keyed_leaves(template, where))
         try:
-            return pytree.fill(template, self.arrays[name], where=f"checkpoint {self.path}: {name}{ARRAYS_SUFFIX}")
+            return pytree.fill(template, values, where=where)
         except pytree.TreeError as err:
             raise CheckpointError(str(err)) from None
 
 
-def load_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
-    """Read a checkpoint directory, checking every file against the manifest (size and, with
-    ``verify``, sha256) as it is read; never unpickles anything.
+def load_checkpoint(path: str | Path, *, verify: bool = True, share: Optional[tuple[int, int]] = None) -> Checkpoint:
+    """Read a checkpoint directory's JSON, checking every file against the manifest (size and,
+    with ``verify``, sha256; ``share``: as :func:`checkpoint_problems`); never unpickles anything.
 
-    Arrays come back flat (``{key: array}`` per tree); :meth:`Checkpoint.tree` puts one into
-    its template. Raises :class:`CheckpointError` naming the file at fault.
+    Arrays are read later, on demand (:attr:`Checkpoint.arrays` to the host,
+    :meth:`Checkpoint.tree` onto devices). Raises :class:`CheckpointError` naming the file at fault.
     """
     path = Path(path)
     if not path.is_dir():
@@ -499,6 +716,7 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
         raise CheckpointError(f"{path}: not a complete checkpoint: {problem}")
     assert manifest is not None
     files = manifest["files"]
+    mine = _my_share(list(files), share) if verify else set()
 
     def read(filename: str) -> bytes:
         file = path / filename
@@ -506,13 +724,17 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
             data = file.read_bytes()
         except OSError as err:
             raise CheckpointError(f"{path}: cannot read {filename} ({err})") from err
-        found = _file_problem(file, files[filename], data=data, checksums=verify)
+        found = _file_problem(file, filename, files[filename], data=data, checksums=filename in mine)
         if found:
             raise CheckpointError(f"{path}: {found}")
         return data
 
-    arrays = {name: checkpoint_files.decode_safetensors(read(f"{name}{ARRAYS_SUFFIX}"), f"{path / name}{ARRAYS_SUFFIX}")
-              for name in manifest["trees"]}
+    small = {STATE_FILE, CONFIG_FILE, f"{ROLLOUT_PREFIX}.json", f"{ROLLOUT_PREFIX}.npz"}
+    for filename, entry in files.items():
+        if filename not in small:  # the arrays' files: checked here, read by Orbax later
+            found = _file_problem(path / filename, filename, entry, checksums=filename in mine)
+            if found:
+                raise CheckpointError(f"{path}: {found}")
     try:
         state = json.loads(read(STATE_FILE).decode("utf-8"))
         config_yaml = read(CONFIG_FILE).decode("utf-8")
@@ -526,8 +748,8 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
             rollout_state = checkpoint_files.load_rollout_state(path)
         except (ValueError, OSError, json.JSONDecodeError) as err:
             raise CheckpointError(f"{path}: the rollout state is unreadable ({err})") from err
-    return Checkpoint(path=path, step=int(manifest["step"]), arrays=arrays, state=state,
-                      config_yaml=config_yaml, rollout_state=rollout_state)
+    return Checkpoint(path=path, step=int(manifest["step"]), arrays=SavedTrees(path, manifest["trees"]), state=state,
+                      config_yaml=config_yaml, rollout_state=rollout_state, processes=int(manifest["processes"]))
 
 
 # --------------------------------------------------------------------------- resuming
@@ -543,7 +765,7 @@ def resume_checkpoint(cfg: Config) -> Optional[Checkpoint]:
     if cfg.checkpoint.resume == "never":
         return None
     out = cfg.run.resolved_output_dir
-    path = latest_checkpoint(out)
+    path = latest_checkpoint(out, share=_process())  # each process hashes its share of the files
     if path is None:
         if (Path(out) / "metrics.jsonl").exists():
             # An earlier run that never finished a checkpoint: say so loudly, its logs are replaced.
@@ -554,6 +776,6 @@ def resume_checkpoint(cfg: Config) -> Optional[Checkpoint]:
         return None
     config_text = (path / CONFIG_FILE).read_text(encoding="utf-8")
     check_resume_compatible(saved_config(config_text, where=str(path / CONFIG_FILE)), cfg, where=str(path))
-    checkpoint = load_checkpoint(path)
+    checkpoint = load_checkpoint(path, verify=False)  # verified just now
     log.info("resuming from %s (step %d)", path, checkpoint.step)
     return checkpoint

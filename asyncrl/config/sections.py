@@ -538,8 +538,10 @@ class CheckpointConfig(Section):
     """Keep the newest this many complete checkpoints (older ones are deleted once the new one is in place); null keeps all."""
     resume: Literal["never", "auto"] = "never"
     """``auto`` (or ``asyncrl train --resume``): continue from the newest complete checkpoint in ``run.output_dir``, or start fresh if there is none; ``never``: always start fresh."""
+    asynchronous: bool = True
+    """Finish each checkpoint write in the background while the next steps train (at most one in flight; the run's end, SIGINT/SIGTERM and a stage's end wait for it); false: the step waits for the whole write."""
     barrier_timeout_s: float = Field(default=600.0, gt=0)
-    """Multi-process runs: how long every process waits at the barrier after a checkpoint for process 0 to finish writing it before the run fails."""
+    """Multi-process runs: how long a process waits for the other processes' part of a checkpoint (their shards written and hashed, the directory renamed into place) before the run fails."""
 
 
 class WandbConfig(Section):

@@ -142,7 +142,7 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Optional[TextI
     from asyncrl.run.host_memory import keep_freed_host_memory
     from asyncrl.cluster.distributed import initialize_distributed
     from asyncrl.imports import import_without
-    from asyncrl.run.multihost import Hosts, check_resumed_processes
+    from asyncrl.run.multihost import Hosts
     from asyncrl.run.provenance import write_provenance
     from asyncrl.run.shutdown import ShutdownGuard
     from asyncrl.run.trackers import check_trackers_installed
@@ -162,7 +162,6 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Optional[TextI
     hosts.same_everywhere(resumed.step if resumed is not None else -1, "the checkpoint to resume from (-1: none)",
                           "every process must see the same run.output_dir (a shared file system)")
     _check_resumed_state(resumed, cfg)
-    check_resumed_processes(resumed, hosts.count)
 
     def prepare() -> Path:
         out = prepare_output_dir(cfg, resumed.step if resumed is not None else None)
@@ -298,7 +297,9 @@ def run_stage(run: "Run", stage: Stage, trainer: Trainer, source: BatchSource, r
                 # so this lands in the next step's row; the stage's last checkpoint is not logged.
                 tracker.scalar("perf/checkpoint_time", time.perf_counter() - saving, reduce="last")
             if stop is not None:
+                run.finish_checkpoint()  # the checkpoint is complete before the run exits
                 raise TrainingInterrupted(stop, run.last_checkpoint)
+        run.finish_checkpoint()  # a stage boundary: its last checkpoint is complete
 
 
 def _timed_eval(record_eval: EvalHook, tracker: StatsTracker) -> None:
@@ -319,6 +320,7 @@ def _next_batch(run: "Run", stage: Stage, stage_step: int, trainer: Trainer, sou
         # the last one. Every process takes this path for the same batch.
         if run.last_checkpoint_version != run.version:
             run.save(stage, stage_step - 1, trainer, source)
+        run.finish_checkpoint()
         raise TrainingInterrupted(run.hosts.abandon_code(), run.last_checkpoint) from None
 
 
@@ -485,6 +487,7 @@ class Run:
         self.generated_before = self.engine_counter_base.get("engine/decode_tokens", 0.0)
         self.last_checkpoint: Optional[Path] = None
         self.last_checkpoint_version = -1
+        self.pending_checkpoint: Any = None  # the asynchronous checkpoint write in flight (PendingSave)
         self.reward_failures = {"reward_errors": 0.0, "reward_timeouts": 0.0}
         """Reward function calls of this process that failed or timed out (all stages, eval included)."""
 
@@ -500,7 +503,18 @@ class Run:
         self.train_graphdef, self.params, self.frozen = lora.graphdef, lora.adapters, lora.frozen
 
     def close(self, failure: Optional[BaseException] = None) -> None:
-        """Shut the engine down and close the run's logs; ``failure``: what ended the run early."""
+        """Finish the checkpoint in flight, shut the engine down and close the run's logs;
+        ``failure``: what ended the run early."""
+        if failure is None:
+            self.finish_checkpoint()
+        elif self.pending_checkpoint is not None:
+            # Complete it if it can be, briefly (another process may be gone); its own error is
+            # logged: the run's failure is what is raised.
+            pending, self.pending_checkpoint = self.pending_checkpoint, None
+            try:
+                pending.wait(timeout_s=min(60.0, self.cfg.checkpoint.barrier_timeout_s))
+            except Exception as err:
+                log.warning("the checkpoint in flight when the run failed was not completed: %s", err)
         if self.engine is not None:
             self.engine.shutdown()
         if self.trackers is not None:  # sends what is queued (bounded wait), also after a signal
@@ -648,41 +662,55 @@ class Run:
         return stage_step == stage_total or (every > 0 and self.version % every == 0) or stopping
 
     def save(self, stage: Stage, stage_step: int, trainer: Trainer, source: BatchSource) -> None:
-        """A checkpoint of the run after ``stage_step`` steps of ``stage``: weights, optimizer,
-        counters and the source's position (RL: the rollout state; SFT: the data position)."""
-        from asyncrl.checkpoint import checkpoints_root, save_checkpoint, step_dir_name
+        """Start a checkpoint of the run after ``stage_step`` steps of ``stage``: weights,
+        optimizer, counters and the source's position (RL: the rollout state; SFT: the data
+        position). Every process writes its own shards of the arrays (never gathered); process
+        0 the JSON. With ``checkpoint.asynchronous`` the write finishes while the next steps
+        train (:meth:`finish_checkpoint` waits for it); at most one is in flight."""
+        from asyncrl.checkpoint import start_checkpoint
 
-        trainer_state = trainer.state_dict()  # gathered to every host: all processes call this
-        if not self.hosts.is_main:  # process 0 alone writes the checkpoint; wait until it is complete
-            self.hosts.barrier(f"checkpoint-{self.version}")
-            self.last_checkpoint = checkpoints_root(self.out) / step_dir_name(self.version)
-            self.last_checkpoint_version = self.version
-            return
-        arrays = {"params": trainer_state.pop("params"), "opt_state": trainer_state.pop("opt_state")}
-        for name in trainer.CRITIC_TREES:  # the critic of algo.estimator gae, when there is one
-            if name in trainer_state:
-                arrays[name] = trainer_state.pop(name)
+        self.finish_checkpoint()
+        arrays = {"params": trainer.params, "opt_state": trainer.opt_state}  # the live (sharded) trees
+        if trainer.critic_spec is not None:  # the critic of algo.estimator gae: its live trees too
+            arrays.update({name: getattr(trainer, name) for name in trainer.CRITIC_TREES})
         if stage.index > 0 and trainer.ref_params is not None:
             arrays["stage_start_params"] = stage.start_params
-        state = {
-            "format": RUN_STATE_FORMAT, "version": self.version, "stage_index": stage.index, "stage_step": stage_step,
-            "trainer": trainer_state, "final_eval": self.final_eval, "engine_counters": self.engine_counters,
-        }
-        if self.hosts.multi:
-            state["process_count"] = self.hosts.count  # a resume needs as many processes
-        rollout_state = source.state_dict() if stage.type == "rl" else None
-        if stage.type == "sft":
-            state["sft"] = source.state_dict()
-        if self.lora_state is not None:
-            state["lora"] = self.lora_state  # params are adapters: of this base only
-        if self.trackers is not None and self.trackers.run_ids():
-            state["trackers"] = self.trackers.run_ids()  # --resume continues these W&B/MLflow runs
-        self.last_checkpoint = save_checkpoint(
+        state: dict[str, Any] = {}
+        rollout_state = None
+        if self.hosts.is_main:
+            state = {
+                "format": RUN_STATE_FORMAT, "version": self.version, "stage_index": stage.index,
+                "stage_step": stage_step, "trainer": trainer.counters(), "final_eval": self.final_eval,
+                "engine_counters": self.engine_counters,
+            }
+            if self.hosts.multi:
+                state["process_count"] = self.hosts.count  # recorded; a resume may have another count
+            rollout_state = source.state_dict() if stage.type == "rl" else None
+            if stage.type == "sft":
+                state["sft"] = source.state_dict()
+            if self.lora_state is not None:
+                state["lora"] = self.lora_state  # params are adapters: of this base only
+            if self.trackers is not None and self.trackers.run_ids():
+                state["trackers"] = self.trackers.run_ids()  # --resume continues these W&B/MLflow runs
+        self.pending_checkpoint = start_checkpoint(
             self.out, self.version, arrays=arrays, state=state, config_yaml=dump_config(self.cfg),
-            rollout_state=rollout_state, keep=self.cfg.checkpoint.keep,
+            rollout_state=rollout_state, keep=self.cfg.checkpoint.keep, asynchronous=self.cfg.checkpoint.asynchronous,
+            timeout_s=self.cfg.checkpoint.barrier_timeout_s,
         )
+        # Counted as written from here: a stop waits for it (finish_checkpoint) before it exits.
+        self.last_checkpoint = self.pending_checkpoint.final
         self.last_checkpoint_version = self.version
-        self.hosts.barrier(f"checkpoint-{self.version}")  # the others go on once it is complete
+        if not self.cfg.checkpoint.asynchronous:
+            self.finish_checkpoint()
+
+    def finish_checkpoint(self) -> None:
+        """Wait until the checkpoint in flight (if any) is complete on every process; raises its
+        write error (disk full, ...) here. Called before the next save, at a stage's end, before
+        a signal stops the run, and when the run closes."""
+        pending, self.pending_checkpoint = self.pending_checkpoint, None
+        if pending is not None:
+            pending.wait()
+            self.hosts.barrier(f"checkpoint-{pending.step}")  # complete (renamed into place) for everyone
 
 
 # ---------------------------------------------------------------------------- resume and export
@@ -746,7 +774,7 @@ def _load_trainer_state(trainer: Trainer, resumed: Checkpoint) -> None:
              **critic, **resumed.state["trainer"]}
         )
     except TrainerError as err:
-        raise CheckpointError(f"checkpoint {resumed.path}: opt_state.safetensors: {err}") from None
+        raise CheckpointError(f"checkpoint {resumed.path}: arrays/opt_state: {err}") from None
     except CheckpointError as err:  # the saved trees do not fit this trainer's
         raise CheckpointError(f"{err} (model or optimizer config changed?)") from None
 

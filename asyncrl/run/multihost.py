@@ -27,10 +27,10 @@ loop (:mod:`asyncrl.run.loop`) reads the same with one process or many:
   copy of each group for its engine, which moves it onto its own shardings; so a device holds at
   most one group beyond its shards, never a whole copy of the model. With ``engine.remote`` every
   process instead writes its share of the published files (:mod:`asyncrl.engine.publish`).
-* **Checkpoints**: every process joins the host gather of the trainer state, process 0 alone
-  writes the checkpoint, then all meet at a barrier with a timeout
-  (``checkpoint.barrier_timeout_s``). A checkpoint records its process count; a resume with
-  another count is refused (:func:`check_resumed_processes`).
+* **Checkpoints**: every process writes its own shards of the trainer state (Orbax, never
+  gathered), process 0 the JSON files, then all meet at a barrier with a timeout
+  (``checkpoint.barrier_timeout_s``). A checkpoint records its process count; a resume may use
+  another count or mesh (:mod:`asyncrl.checkpoint.arrays` reads onto the current shardings).
 
 Every cross-process wait is bounded (key-value waits in polls that end when the coordinator
 is lost, barriers with timeouts) or is a collective that JAX's failure detection ends.
@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import numpy as np
 
 from asyncrl.cluster.distributed import DistributedError, coordination_client, wait_at_barrier
-from asyncrl.errors import AsyncRLError, CheckpointError, RolloutError
+from asyncrl.errors import AsyncRLError, RolloutError
 from asyncrl.rollout.batch import BatchAbandoned, PreparedBatch
 from asyncrl.rollout.trajectory import TrainBatch
 
@@ -454,19 +454,3 @@ class EvalBlocks:
     def batches_once(self, limit: Optional[int] = None) -> Iterator[TrainBatch]:
         for batch in self.data.batches_once(limit):
             yield split_rows(batch, self.hosts.count, self.row_multiple)[self.hosts.index]
-
-
-# ---------------------------------------------------------------------------- checkpoints
-
-
-def check_resumed_processes(resumed: Any, count: int) -> None:
-    """A checkpoint is resumed by as many processes as wrote it (one line otherwise)."""
-    if resumed is None:
-        return
-    saved = int(resumed.state.get("process_count", 1))
-    if saved != count:
-        raise CheckpointError(
-            f"checkpoint {resumed.path}: state.json: field process_count: written by a run of {saved} process(es), "
-            f"this run has {count}; resume it with {saved} process(es) (each process trains its own block of every "
-            "batch, so another count would not continue the same run)"
-        )

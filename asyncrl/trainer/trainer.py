@@ -532,6 +532,13 @@ class Trainer:
             **critic,
             "params": tree_to_host(self.params),
             "opt_state": tree_to_host(self.opt_state),
+            **self.counters(),
+        }
+
+    def counters(self) -> dict:
+        """``{step, skipped_updates_total, consecutive_nonfinite, update_count}``: the state
+        beside the arrays (a checkpoint stores the arrays themselves, shard by shard)."""
+        return {
             "step": self.version,
             "skipped_updates_total": self.skipped_updates_total,
             "consecutive_nonfinite": self.consecutive_nonfinite,

@@ -65,7 +65,7 @@ def test_numpy_tree_round_trips_bitwise_as_flat_arrays_and_into_a_template(tmp_p
     tree = numpy_tree()
     path = save(tmp_path, 12, tree, state={"version": 12, "trainer": {"skipped": 0}, "stage": 0, "data": [1, 2]})
     assert path == tmp_path / "checkpoints" / "step_00000012"
-    assert sorted(p.name for p in path.iterdir()) == ["MANIFEST.json", "config.yaml", "params.safetensors", "state.json"]
+    assert sorted(p.name for p in path.iterdir()) == ["MANIFEST.json", "arrays", "config.yaml", "hashes", "state.json"]
 
     loaded = ck.load_checkpoint(path)
     assert loaded.step == 12 and loaded.state == {"version": 12, "trainer": {"skipped": 0}, "stage": 0, "data": [1, 2]}
@@ -129,7 +129,7 @@ def test_template_mismatches_are_all_reported(tmp_path):
     with pytest.raises(CheckpointError) as err:
         ck.load_checkpoint(path).tree("params", template)
     message = str(err.value)
-    for fragment in (f"checkpoint {path}: params.safetensors: ", "field 'a': shape (3,), the template has (4,)",
+    for fragment in (f"checkpoint {path}: arrays/params: ", "field 'a': shape (3,), the template has (4,)",
                      "field 'b': dtype int32", "field 'c': missing", "field 'extra': not in the template"):
         assert fragment in message
     with pytest.raises(CheckpointError, match="holds no tree 'opt' \\(it holds \\['params'\\]\\)"):
@@ -171,7 +171,7 @@ def test_a_checkpoint_of_another_format_is_refused_not_skipped(tmp_path):
     manifest = json.loads((newest / "MANIFEST.json").read_text())
     manifest["format"] = 1
     (newest / "MANIFEST.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match="step_00000002: MANIFEST.json: field format: 1, this asyncrl reads format 2"):
+    with pytest.raises(CheckpointError, match="step_00000002: MANIFEST.json: field format: 1, this asyncrl reads format 3"):
         ck.latest_checkpoint(tmp_path)
     cfg = load_config(data={"run": {"output_dir": str(tmp_path)}, "checkpoint": {"resume": "auto"}})
     with pytest.raises(CheckpointError, match="another run.output_dir"):
@@ -276,7 +276,7 @@ def test_keep_last_n_deletes_older_checkpoints_only_after_the_new_one_is_in_plac
 def test_saving_a_step_again_replaces_a_broken_directory_and_stale_temp_dirs_are_removed(tmp_path):
     save(tmp_path, 1)
     broken = save(tmp_path, 2)
-    (broken / "params.safetensors").write_bytes(b"garbage")
+    array_file(broken).write_bytes(b"garbage")
     stale = tmp_path / "checkpoints" / ".tmp-step_00000003-999-deadbeef"
     stale.mkdir()
     (stale / "params.safetensors").write_bytes(b"half")
@@ -293,13 +293,19 @@ def test_saving_a_step_again_replaces_a_broken_directory_and_stale_temp_dirs_are
 # --------------------------------------------------------------------------- incomplete and corrupt directories
 
 
+def array_file(path: Path) -> Path:
+    """The largest chunk file Orbax wrote for the ``params`` tree of checkpoint ``path``."""
+    return max((f for f in (path / "arrays" / "params").rglob("*") if f.is_file() and "/d/" in str(f)),
+               key=lambda f: f.stat().st_size)
+
+
 def _truncate(path: Path) -> None:
-    f = path / "params.safetensors"
+    f = array_file(path)
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
 
 def _flip_byte(path: Path) -> None:
-    f = path / "params.safetensors"
+    f = array_file(path)
     data = bytearray(f.read_bytes())
     data[-3] ^= 0xFF
     f.write_bytes(bytes(data))
@@ -325,7 +331,7 @@ def _wrong_step(path: Path) -> None:
 
 def _unlisted_tree(path: Path) -> None:
     manifest = json.loads((path / "MANIFEST.json").read_text())
-    del manifest["files"]["params.safetensors"]
+    del manifest["files"]["arrays/params/_METADATA"]
     (path / "MANIFEST.json").write_text(json.dumps(manifest))
 
 
@@ -336,13 +342,13 @@ def _foreign_entry(path: Path) -> None:
 
 
 @pytest.mark.parametrize("corrupt, reason", [
-    (_truncate, "params.safetensors has .* bytes, the manifest says"),
-    (_flip_byte, "params.safetensors does not match its sha256"),
+    (_truncate, "arrays/params/.*/d/[0-9a-f]+ has .* bytes, the manifest says"),
+    (_flip_byte, "arrays/params/.*/d/[0-9a-f]+ does not match its sha256"),
     (_drop_manifest, "no MANIFEST.json"),
     (_garble_manifest, "MANIFEST.json is unreadable"),
     (_drop_state, "state.json is missing"),
     (_wrong_step, "MANIFEST.json is of step 2, the directory of step 3"),
-    (_unlisted_tree, "does not list params.safetensors"),
+    (_unlisted_tree, "does not list arrays/params/_METADATA"),
     (_foreign_entry, "malformed entry '../../outside'"),
 ])
 def test_an_incomplete_or_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path, caplog, corrupt, reason):

@@ -50,7 +50,7 @@ WRITER = textwrap.dedent(
     """
 )
 
-STAGES = ["params.safetensors", "opt_state.safetensors", "state.json", "config.yaml", "rollout", "MANIFEST.json",
+STAGES = ["state.json", "config.yaml", "rollout", "arrays", "hashes", "MANIFEST.json",
           "fsync-dir", "renamed", "trashed step_00000001", "pruned"]
 
 

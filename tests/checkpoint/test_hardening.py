@@ -138,7 +138,7 @@ def test_a_write_failure_in_a_checkpoint_stops_the_run_and_a_log_failure_does_no
 # --------------------------------------------------------------------------- checkpoint write stages
 
 
-STAGES = ["params.safetensors", "opt_state.safetensors", "state.json", "config.yaml", "rollout", "MANIFEST.json",
+STAGES = ["state.json", "config.yaml", "rollout", "arrays", "hashes", "MANIFEST.json",
           "fsync-dir", "renamed", "pruned"]
 
 
@@ -300,7 +300,7 @@ def _param_shape(c):
     (_misnamed_rollout_array, "rollout.npz", "field x2_t0_input_ids: not part of any group"),
     (_queued_group_breaks_a_rule, "rollout.npz", "field groups.2: group 2, trajectory 1: field 'loss_mask' breaks "
                                                  "schema rule 'first_token_trained'"),
-    (_param_shape, "params.safetensors", "field "),
+    (_param_shape, "arrays/params", "field "),
 ])
 def test_a_checkpoint_whose_files_disagree_is_refused_in_one_line(tmp_path, monkeypatch, capsys, edit, file, field):
     """Item 2: files that pass the manifest's hashes but disagree with each other, the config's
@@ -331,7 +331,7 @@ def test_an_optimizer_state_that_does_not_fit_names_the_key_and_the_likely_cause
     path = ck.save_checkpoint(tmp_path / "run", 3, config_yaml=dump_config(cfg), **contents)
     assert cli.main(["train", "config.yaml", "--resume"]) == 1
     line = one_line_error(capsys)
-    assert f"checkpoint {path.relative_to(tmp_path)}: opt_state.safetensors: field " in line, line
+    assert f"checkpoint {path.relative_to(tmp_path)}: arrays/opt_state: field " in line, line
     assert line.endswith("(model or optimizer config changed?)"), line
 
 

@@ -1,0 +1,171 @@
+"""The array trees of a checkpoint on Orbax: every process writes its own shards, a restore
+reads straight onto the shardings the run has now.
+
+A checkpoint's trees (``params``, ``opt_state``, ``stage_start_params``) are one Orbax
+``CompositeCheckpointHandler`` item per tree under ``<step dir>/arrays/<tree>/`` (OCDBT +
+tensorstore zarr chunks, metadata in JSON; see docs/checkpoints.md for what Orbax writes).
+Trees are keyed as :mod:`asyncrl.pytree` keys them (``layers/0/mlp/kernel``), stored as nested
+dicts of those key parts, so a checkpoint is independent of the Python classes that made it
+(optax namedtuples, ``nnx.State``): a restore fills a template of the live trees.
+
+Which files a process wrote: Orbax puts process ``i``'s chunks under ``ocdbt.process_<i>/``
+and its array metadata in ``array_metadatas/process_<i>``; everything else (``_METADATA``,
+``_sharding``, the merged OCDBT manifest, commit markers) is written by process 0.
+:func:`files_written_by` lists them so that each process hashes only its own files.
+
+Imports jax and orbax when called, never at import time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from asyncrl import pytree
+from asyncrl.errors import CheckpointError
+
+ARRAYS_DIR = "arrays"
+_OWNED = re.compile(r"(^|/)(ocdbt\.process_(\d+)|array_metadatas/process_(\d+))(/|$)")
+
+
+class SavedArray:
+    """Shape and dtype of one saved array, read from Orbax's metadata (no array data read)."""
+
+    def __init__(self, shape: tuple, dtype: Any) -> None:
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+
+    def __repr__(self) -> str:
+        return f"SavedArray(shape={self.shape}, dtype={self.dtype})"
+
+
+def _nest(flat: Mapping[str, Any]) -> dict:
+    """``{"a/0/b": x}`` -> ``{"a": {"0": {"b": x}}}``: Orbax names arrays by their dict path."""
+    nested: dict = {}
+    for key, value in flat.items():
+        node = nested
+        parts = key.split("/")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return nested
+
+
+def _unnest(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for part, value in nested.items():
+        key = f"{prefix}/{part}" if prefix else str(part)
+        if isinstance(value, Mapping):
+            flat.update(_unnest(value, key))
+        else:
+            flat[key] = value
+    return flat
+
+
+def storable_leaves(tree: Any, where: str) -> dict[str, Any]:
+    """``{key: leaf}`` of a tree as Orbax stores it: ``jax.Array`` leaves as they are (sharded,
+    never gathered), everything else as a numpy array; a key part Orbax cannot name is refused."""
+    try:
+        leaves = pytree.keyed_leaves(tree, where)
+        out = {}
+        for key, leaf in leaves.items():
+            if any("." in part for part in key.split("/")):
+                raise pytree.TreeError(where, [f"key {key!r}: Orbax names arrays by their path joined with '.', so "
+                                               "a key part may not contain a '.'"])
+            if not pytree.is_array_leaf(leaf):  # a jax.ShapeDtypeStruct: a template, not data
+                raise pytree.TreeError(where, [f"{key!r} is a {type(leaf).__name__}, not an array"])
+            if not hasattr(leaf, "sharding"):
+                leaf = np.asarray(leaf)
+                if leaf.dtype == object:
+                    raise pytree.TreeError(where, [f"{key!r}: object arrays cannot be stored without pickle"])
+            out[key] = leaf
+    except pytree.TreeError as err:
+        raise CheckpointError(str(err)) from None
+    return out
+
+
+def start_save(directory: Path, trees: Mapping[str, Mapping[str, Any]]) -> Any:
+    """Start writing ``{tree name: {key: leaf}}`` to ``directory`` (``<tmp step dir>/arrays``);
+    returns the Orbax checkpointer, whose ``wait_until_finished()`` ends the write. Every
+    process calls this with the same trees (their global arrays); each writes its own shards.
+    It returns once the arrays are copied off the devices, so the caller may change them."""
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
+    items = {name: ocp.args.PyTreeSave(_nest({key: _owned_copy(leaf) for key, leaf in flat.items()}))
+             for name, flat in trees.items()}
+    checkpointer.save(Path(directory).absolute(), args=ocp.args.Composite(**items))  # Orbax needs absolute paths
+    return checkpointer
+
+
+def _owned_copy(leaf: Any) -> Any:
+    """A CPU ``jax.Array`` copied to buffers of its own (same sharding): Orbax's host copy of a
+    CPU array is a view of its buffer, which the next train step may donate (the optimizer
+    state) while the write is still in flight. On GPU/TPU Orbax copies to host memory itself."""
+    import jax
+
+    if isinstance(leaf, jax.Array) and all(getattr(d, "platform", None) == "cpu" for d in leaf.sharding.device_set):
+        return jax.device_put(leaf, leaf.sharding, may_alias=False)
+    return leaf
+
+
+def saved_arrays(directory: Path, name: str) -> dict[str, SavedArray]:
+    """``{key: SavedArray}`` of tree ``name`` from Orbax's metadata (reads no array data)."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    try:
+        metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(Path(directory).absolute() / name))
+    except (OSError, ValueError, KeyError, FileNotFoundError) as err:
+        raise CheckpointError(f"{directory / name}: Orbax metadata unreadable ({err})") from err
+    tree = getattr(metadata, "tree", metadata)
+    return {key: SavedArray(entry.shape, entry.dtype) for key, entry in _unnest(tree).items()}
+
+
+def restore(directory: Path, name: str, template: Mapping[str, Any]) -> dict[str, Any]:
+    """Tree ``name`` as ``{key: array}``, each read onto the template leaf's sharding (a
+    ``jax.Array`` leaf: only the shards this process holds are read) or as a numpy array
+    (any other leaf). The caller checked keys, shapes and dtypes against :func:`saved_arrays`."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    items: dict[str, Any] = {}
+    restore_args: dict[str, Any] = {}
+    for key, leaf in template.items():
+        sharding = getattr(leaf, "sharding", None)
+        dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else None
+        if isinstance(sharding, jax.sharding.Sharding):
+            items[key] = jax.ShapeDtypeStruct(tuple(leaf.shape), dtype, sharding=sharding)
+            restore_args[key] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=tuple(leaf.shape), dtype=dtype)
+        else:
+            items[key] = np.zeros((), dtype or np.float32)
+            restore_args[key] = ocp.RestoreArgs(restore_type=np.ndarray)
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    try:
+        restored = checkpointer.restore(Path(directory).absolute(), args=ocp.args.Composite(**{
+            name: ocp.args.PyTreeRestore(item=_nest(items), restore_args=_nest(restore_args))}))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{directory / name}: Orbax cannot read the tree ({err})") from err
+    finally:
+        checkpointer.close()
+    return _unnest(restored[name])
+
+
+def files_written_by(directory: Path, process: int) -> list[str]:
+    """Paths (relative to ``directory``, ``/``-separated, sorted) of the files under
+    ``directory`` that process ``process`` wrote: its own chunk and metadata files, and for
+    process 0 every file no process owns by name."""
+    out = []
+    for root, _, names in os.walk(directory):
+        for filename in names:
+            rel = Path(root, filename).relative_to(directory).as_posix()
+            owned = _OWNED.search(rel)
+            owner = 0 if owned is None else int(owned.group(3) or owned.group(4))
+            if owner == process:
+                out.append(rel)
+    return sorted(out)
+
