@@ -135,6 +135,13 @@ def _bench_vs_trl_dry(_: Path, output: str) -> None:
     assert trl["per_device_train_batch_size"] == 32 and trl["num_generations"] == result["asyncrl"]["rollout"]["group_size"]
 
 
+PLAN_CHAIN = (
+    Step("asyncrl plan configs/gsm8k_grpo.yaml --set model.path=configs/models/qwen3-1.7b --device-memory 80",
+         check=lambda _, out: None if "fits" in out and "does NOT" not in out else pytest.fail(out)),
+    Step("python scripts/bench_plan.py --model bench-40m --set optim.micro_batches=4", ("--model", "tiny"),
+         check=_json_line),
+)
+
 BENCH_CHAIN = (
     Step("python scripts/bench_train.py", ("--models", "tiny", "--steps", "2"), check=_json_line),
     Step("python scripts/bench_engine.py", ("--skip-40m", "--repeats", "1"), check=_json_line),
@@ -196,7 +203,8 @@ SLOW_CHAINS = {
 
 STATIC_CHECKS = (Step("ruff check asyncrl workflows scripts"),)  # mypy: .ci/run (a minute cold; too slow here)
 
-CHAINS = {"static": STATIC_CHECKS, "readme": README_CHAIN, "lora": LORA_CHAIN, "bench": BENCH_CHAIN, **SLOW_CHAINS}
+CHAINS = {"static": STATIC_CHECKS, "readme": README_CHAIN, "lora": LORA_CHAIN, "bench": BENCH_CHAIN, "plan": PLAN_CHAIN,
+          **SLOW_CHAINS}
 
 ELSEWHERE = {
     "pip install -e '.[dev]'": ".ci/run",

@@ -56,7 +56,7 @@ def test_tiny_parameters_optimizer_and_kv_cache_by_hand():
 def test_activation_formula_by_hand():
     model = tiny_decoder_config(parse_tiny_spec("tiny")).replace(compute_dtype="bfloat16")
     rows, length, window = 3, 40, 16
-    per_token = (4 * H + 3 * HEADS * D + 4 * KV * D + 4 * I) * 2 + 2 * H * 4 + 2 * HEADS * length * 4
+    per_token = (4 * H + 3 * HEADS * D + 4 * KV * D + 4 * I) * 2 + 2 * H * 4 + 3 * HEADS * length * 4
     layers, head = activation_bytes(model, rows, length, window, tensor=1, chunk=None)
     assert layers == LAYERS * rows * length * per_token
     assert head == rows * window * H * 2 + 2 * rows * window * V * 4
@@ -197,3 +197,31 @@ def test_the_recipe_fits_one_80gb_gpu_with_qwen3_1_7b(capsys):
     assert main([*argv, "--device-memory", "80"]) == 0
     assert main([*argv, "--device-memory", "40"]) == 1
     assert "to fit" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- against measurement
+
+
+def _measured(*args: str) -> dict:
+    from tests.helpers import subprocess_env
+
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "scripts/bench_plan.py", *args], cwd=REPO_ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_plan_within_25_percent_of_measured_memory_tiny():
+    result = _measured("--model", "tiny")
+    assert 0.75 <= result["trainer_ratio"] <= 1.25, result
+    assert 0.75 <= result["engine_ratio"] <= 1.25, result
+
+
+@pytest.mark.slow
+def test_plan_within_25_percent_of_measured_memory_bench_40m():
+    result = _measured("--model", "bench-40m", "--set", "optim.micro_batches=4")
+    assert 0.75 <= result["trainer_ratio"] <= 1.25, result
+    assert 0.75 <= result["engine_ratio"] <= 1.25, result

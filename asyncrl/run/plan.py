@@ -35,6 +35,7 @@ figures are this backend's (XLA on CPU plans buffers differently from XLA on a G
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -49,6 +50,9 @@ GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 NORM_FLOAT32_COPIES = 2
 """Float32 copies of the hidden state each layer keeps for its two RMSNorms' backward."""
+ATTENTION_FLOAT32_COPIES = 3
+"""Float32 ``[heads, L]`` tensors per token each layer keeps for attention's backward (scores,
+probabilities, and the softmax's exponentials); measured: ``scripts/bench_plan.py``."""
 DECODE_LOGIT_COPIES = 3
 """Float32 ``[slots, vocab]`` tensors one decode step holds at once (logits, scaled, probabilities)."""
 
@@ -211,8 +215,10 @@ def plan_layout(cfg: Config, devices: int, processes: int = 1) -> Layout:
     )
 
 
+@functools.lru_cache(maxsize=16)
 def abstract_params(model_cfg: Any) -> dict:
-    """The model's parameter tree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
+    """The model's parameter tree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated); cached
+    per config (suggestions plan the same model many times). Treat it as read-only."""
     from flax import nnx
 
     from asyncrl.model.transformer import Decoder, split_params
@@ -276,7 +282,7 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     Layers: without remat, per layer and token what autodiff keeps of a pre-norm decoder layer in
     the compute dtype (the input, two normed copies and the residual, q/k/v before and after rope,
     the attention output, the MLP's gate, up, its activation and their product), two float32
-    copies for the RMSNorms, and the float32 attention scores and probabilities over ``length``;
+    copies for the RMSNorms, and float32 attention tensors over ``length`` (scores, probabilities, exponentials);
     heads and the MLP width split over ``tensor``. With ``model.remat`` each layer keeps only its
     input and one layer at a time is recomputed in full.
     Head: the hidden states of the window and float32 logits and their cotangent over
@@ -287,7 +293,7 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     kv_heads = max(model_cfg.num_kv_heads // tensor, 1)
     inter = model_cfg.intermediate_size // tensor
     per_token = (4 * h + 3 * heads * d + 4 * kv_heads * d + 4 * inter) * c + NORM_FLOAT32_COPIES * h * 4
-    per_token += 2 * heads * length * 4  # scores and probabilities, float32
+    per_token += ATTENTION_FLOAT32_COPIES * heads * length * 4
     one_layer = rows * length * per_token
     if model_cfg.remat:
         layers = model_cfg.num_layers * rows * length * h * c + one_layer
@@ -475,6 +481,13 @@ def suggest(cfg_path: Optional[str], overrides: Sequence[str], device_memory: in
         combined, best = trial, Suggestion(tuple(trial), new, new <= device_memory)
         if best.fits:
             break
+    if best is not None and best.fits:  # drop the changes the others made unnecessary, last tried first
+        for change in reversed(_candidates(base, layout)):
+            kept = [c for c in combined if c not in change]
+            if len(kept) < len(combined):
+                new = total(kept)
+                if new is not None and new <= device_memory:
+                    combined, best = kept, Suggestion(tuple(kept), new, True)
     return [best] if best is not None else []
 
 
