@@ -225,3 +225,11 @@ def test_plan_within_25_percent_of_measured_memory_bench_40m():
     result = _measured("--model", "bench-40m", "--set", "optim.micro_batches=4")
     assert 0.75 <= result["trainer_ratio"] <= 1.25, result
     assert 0.75 <= result["engine_ratio"] <= 1.25, result
+
+
+def test_xla_figures_of_the_real_programs_compiled_on_abstract_shapes(capsys):
+    assert main(["plan", str(CONFIGS / "quickstart.yaml"), "--xla"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("XLA, compiled here") == 2, out  # the train step and the decode step
+    assert main(["plan", str(CONFIGS / "quickstart.yaml"), "--xla", "--devices", "64"]) == 0
+    assert "not compiled here (64 devices planned" in capsys.readouterr().err
