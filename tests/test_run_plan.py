@@ -233,3 +233,20 @@ def test_xla_figures_of_the_real_programs_compiled_on_abstract_shapes(capsys):
     assert out.count("XLA, compiled here") == 2, out  # the train step and the decode step
     assert main(["plan", str(CONFIGS / "quickstart.yaml"), "--xla", "--devices", "64"]) == 0
     assert "not compiled here (64 devices planned" in capsys.readouterr().err
+
+
+QWEN_05B_SMALL_BATCH = ("--model", str(MODELS / "qwen2.5-0.5b"), "--set", "model.param_dtype=bfloat16",
+                        "--set", "rollout.batch_size=1", "--set", "rollout.group_size=2",
+                        "--set", "rollout.max_new_tokens=32", "--set", "data.max_prompt_tokens=32",
+                        "--set", "engine.kv_capacity=64", "--set", "engine.slots=2",
+                        "--set", "engine.prefill_buckets=[32]", "--set", "rollout.length_bucket=32")
+
+
+@pytest.mark.slow
+def test_plan_within_25_percent_of_measured_memory_qwen2_5_0_5b_shape():
+    """494M parameters at their real shapes (random init from the shipped config.json; about 13 GB of
+    resident memory at the peak): the weight cast of bfloat16 weights to float32 compute is most of
+    the engine's figure."""
+    result = _measured(*QWEN_05B_SMALL_BATCH)
+    assert 0.75 <= result["trainer_ratio"] <= 1.25, result
+    assert 0.75 <= result["engine_ratio"] <= 1.25, result

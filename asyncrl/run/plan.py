@@ -19,7 +19,9 @@ engine
     process; a copy on its own devices otherwise; LoRA's merged weights), the KV cache
     (``slots x kv_capacity x layers x 2 x kv_heads x head_dim x`` compute-dtype bytes, slots
     split over the engine's replicas, KV heads over ``engine.tensor_parallel``) and one decode
-    step's logits.
+    step's logits. Where ``model.compute_dtype`` differs from ``model.param_dtype`` both hold a
+    compute-dtype copy of the weights (the trainer's for the backward, the engine's per decode call;
+    measured on the Qwen2.5-0.5B shape).
 
 A device that hosts both (the colocated default) needs their sum. When a ``--device-memory``
 is given and the total does not fit, :func:`suggest` tries the changes a user would make
@@ -329,6 +331,8 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     add("trainer", "optimizer state", 2 * trained * p_bytes if adam else 0, "AdamW mu, nu" if adam else "sgd: none")
     if lora is not None:
         add("trainer", "frozen base", base * p_bytes, f"LoRA rank {lora.rank}")
+    if c_bytes != p_bytes:  # each forward casts the weights; the backward keeps the cast copies
+        add("trainer", "cast weights", base * c_bytes, f"{model_cfg.param_dtype} weights as {model_cfg.compute_dtype}")
     algo = None if sft else AlgoParams.from_config(cfg)
     if algo is not None and algo.needs_reference:
         add("trainer", "reference model", trained * p_bytes, "algo.kl_coef > 0")
@@ -371,12 +375,22 @@ def _engine_lines(cfg: Config, model_cfg: Any, layout: Layout, params: dict, bas
     kv = slots * engine.kv_capacity * model_cfg.num_layers * 2 * kv_heads * model_cfg.head_dim * c_bytes
     kv += slots * engine.kv_capacity  # the valid mask
     vocab = model_cfg.vocab_size // tp if model_cfg.vocab_size % tp == 0 else model_cfg.vocab_size
-    return [
+    cast = [Line("engine", "cast weights", engine_base_bytes(model_cfg, params, layout, base) * c_bytes // p_bytes,
+                 f"each decode call's {model_cfg.compute_dtype} copy")] if c_bytes != p_bytes else []
+    return cast + [
         Line("engine", "weights", weights, note),
         Line("engine", "KV cache", kv, f"{slots} slots x {engine.kv_capacity} tokens x {model_cfg.num_layers} layers x 2 x "
                                          f"{kv_heads} KV heads x {model_cfg.head_dim} x {c_bytes} B"),
         Line("engine", "decode step", DECODE_LOGIT_COPIES * slots * vocab * 4, "float32 logits of one step"),
     ]
+
+
+def engine_base_bytes(model_cfg: Any, params: dict, layout: Layout, trainer_base: int) -> int:
+    """Bytes of the weights one engine device reads, in ``model.param_dtype``."""
+    if layout.shares_trainer_arrays:
+        return trainer_base * DTYPE_BYTES[model_cfg.param_dtype]
+    engine_base, _ = params_per_device(model_cfg, params, _mesh_view(layout.engine_replicas, 1, layout.tensor_parallel))
+    return engine_base * DTYPE_BYTES[model_cfg.param_dtype]
 
 
 def _leaves(tree: Any) -> list:
