@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out_dir", metavar="OUT_DIR", help="where to write the Hugging Face directory")
     _add_serve_parser(commands)
     _add_launch_parser(commands)
+    _add_plan_parser(commands)
     _add_export_lora_args(export)
     train.add_argument(
         "--resume",
@@ -115,6 +116,30 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
                         "and again before SIGKILL (default 10)")
     launch.add_argument("child", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                         help="the asyncrl command each process runs, after --, e.g. -- train CONFIG --set ...")
+
+
+def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="what a config needs per device (parameters, optimizer, activations, KV cache), before running it",
+        description="Print, per device, the memory CONFIG needs: the trainer's parameters, gradients, optimizer "
+        "state, activations and reference model, the engine's weights and KV cache, for the config's placement and "
+        "mesh on --devices devices. Reads the model's config.json only (model.path: a directory, its config.json, "
+        "tiny, or a hub id in the local cache); nothing is allocated. With --device-memory: exits 1 when it does not "
+        "fit, with the changes that would make it fit and their totals.",
+        epilog="Example: asyncrl plan configs/gsm8k_grpo.yaml --set model.path=tests/fixtures/configs/qwen3-1.7b.json "
+        "--device-memory 80",
+    )
+    _add_config_args(plan)
+    plan.add_argument("--devices", type=int, default=1, metavar="N", help="devices of the run, all processes (default 1)")
+    plan.add_argument("--processes", type=int, default=1, metavar="P", help="processes (hosts) they are spread over (default 1)")
+    plan.add_argument("--device-memory", type=float, default=None, metavar="GB",
+                      help="memory of one device in GiB (e.g. 80); without it the table is printed with no verdict")
+    plan.add_argument("--backend", choices=("cpu", "gpu", "tpu"), default=None,
+                      help="what model.compute_dtype: auto resolves to (bfloat16 on gpu/tpu, float32 on cpu); default: this machine's")
+    plan.add_argument("--xla", action="store_true",
+                      help="also compile the real train step and decode step here on abstract shapes and show XLA's "
+                      "memory figures (this backend's; needs the planned devices here)")
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -292,6 +317,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.print_config:
         sys.stdout.write(dump_config(cfg))
         return 0
+    if args.command == "plan":
+        from asyncrl.run.plan import run_plan
+
+        return run_plan(args.config, overrides, devices=args.devices, processes=args.processes,
+                        device_memory_gb=args.device_memory, backend=args.backend, xla=args.xla)
     # Other libraries (jax, transformers) speak at WARNING and up; asyncrl at logging.level.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("asyncrl").setLevel(cfg.logging.level)

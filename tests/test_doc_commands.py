@@ -148,6 +148,12 @@ def _bench_reward_model(_: Path, output: str) -> None:
     assert result["batch"] == 64 and result["device_samples_per_s"] > 0 and result["queue_samples_per_s"] > 0, result
     assert 1 <= result["queue_mean_batch"] <= 64, result
 
+PLAN_CHAIN = (
+    Step("asyncrl plan configs/gsm8k_grpo.yaml --set model.path=configs/models/qwen3-1.7b --device-memory 80",
+         check=lambda _, out: None if "fits" in out and "does NOT" not in out else pytest.fail(out)),
+    Step("python scripts/bench_plan.py --model bench-40m --set optim.micro_batches=4", ("--model", "tiny"),
+         check=_json_line),
+)
 
 BENCH_CHAIN = (
     Step("python scripts/bench.py train", ("--models", "tiny", "--steps", "2"), check=_bench_line("train")),
@@ -248,7 +254,8 @@ AGENT_CHAIN = (
 
 STATIC_CHECKS = (Step("ruff check asyncrl workflows scripts tests"),)  # mypy: .ci/run (a minute cold; too slow here)
 
-CHAINS = {"static": STATIC_CHECKS, "readme": README_CHAIN, "agents": AGENT_CHAIN, "lora": LORA_CHAIN, "bench": BENCH_CHAIN, **SLOW_CHAINS}
+CHAINS = {"static": STATIC_CHECKS, "readme": README_CHAIN, "agents": AGENT_CHAIN, "lora": LORA_CHAIN, "bench": BENCH_CHAIN, "plan": PLAN_CHAIN,
+          **SLOW_CHAINS}
 
 ELSEWHERE = {
     "pip install -e '.[dev]'": ".ci/run",

@@ -1,0 +1,130 @@
+"""``asyncrl plan`` against measurement: the plan's trainer and engine figures next to the memory a
+real trainer step and a real engine take on this machine. Prints one JSON line.
+
+Measured on CPU from the process's resident memory (``/proc/self/status``): the trainer's figure
+is its state (the bytes of the parameters and optimizer state it holds) plus the step's own peak
+above the resident memory just before the step (the high-water mark is reset with
+``/proc/self/clear_refs`` after compiling, so the compiler's memory is not counted); the
+engine's is the bytes of its slot state as the engine creates it (the KV cache: zeros, which the OS
+maps lazily, so resident memory would count only the pages written) plus one decode chunk's
+resident growth above it. Where the backend reports device memory
+(``device.memory_stats()``: GPU, TPU) its peak is used instead.
+
+    PYTHONPATH=. python scripts/bench_plan.py --model bench-40m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Large buffers straight from (and back to) the OS, so a freed buffer leaves the resident figure.
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+
+
+def resident_bytes(field: str = "VmRSS") -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def device_peak() -> Optional[int]:
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+
+
+def measure_trainer(cfg: Any, graphdef: Any, params: Any) -> dict:
+    import jax
+
+    from asyncrl.trainer import Trainer
+    from asyncrl.trainer.step import train_step
+    from scripts.bench_train import batch
+
+    trainer = Trainer(cfg, graphdef, params)
+    rows = cfg.rollout.batch_size * cfg.rollout.group_size
+    from asyncrl.run.plan import batch_shape
+
+    _, length, window = batch_shape(cfg, sft=False)
+    data = batch(rows, length, trainer.model_cfg.vocab_size, length - window)
+    args, kwargs = trainer._step_arguments(data)
+    compiled = train_step.lower(*args, **kwargs).compile()
+    state = sum(trainer.memory_metrics[k] for k in ("memory/trainable_param_bytes", "memory/opt_state_bytes"))
+    jax.block_until_ready(args)
+    before = resident_bytes()
+    reset_peak()
+    out = compiled(*args[1:])  # the graphdef is static
+    jax.block_until_ready(out)
+    peak = resident_bytes("VmHWM")
+    on_device = device_peak()
+    return {"trainer_state": int(state), "trainer_step_peak_above_state": peak - before,
+            "trainer_measured": int(on_device if on_device is not None else state + peak - before)}
+
+
+def measure_engine(cfg: Any, graphdef: Any, params: Any) -> dict:
+    import jax
+
+    from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls, init_slot_state
+
+    from flax import nnx
+
+    model_cfg = nnx.merge(graphdef, params).cfg
+    engine = cfg.engine
+    controls = idle_controls(engine.slots, engine.max_stop_ids)
+    controls.active[:] = True
+    controls.max_new_tokens[:] = engine.decode_chunk
+    controls.refill_free[...] = engine.slots + 1
+    state = init_slot_state(model_cfg, engine.slots, engine.kv_capacity)  # compile the state's creation first
+    compiled = decode_chunk_jit.lower(graphdef, params, state, controls, engine.decode_chunk, False).compile()
+    del state
+    state = jax.block_until_ready(init_slot_state(model_cfg, engine.slots, engine.kv_capacity))
+    # The cache is zeros: pages the OS maps lazily, resident only once written. Count its
+    # allocated bytes (what a device allocates) and the decode step's resident growth above it.
+    allocated = sum(x.nbytes for x in jax.tree.leaves(state))
+    before = resident_bytes()
+    reset_peak()
+    out = jax.block_until_ready(compiled(params, state, controls))
+    peak = resident_bytes("VmHWM")
+    del out
+    return {"engine_state": allocated, "engine_measured": allocated + peak - before}
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="bench-40m", help="tiny, bench-40m, or a model directory (random init from its config.json)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                        help="config override (the default config otherwise)")
+    args = parser.parse_args(argv)
+
+    from asyncrl.config import load_config
+    from asyncrl.model import bench_40m_config, init_decoder, split_params
+    from asyncrl.run.plan import plan_config, read_decoder_config, stage_decoder_config
+
+    cfg = load_config(data={"model": {"path": "tiny" if args.model == "bench-40m" else args.model}}, overrides=args.overrides)
+    model_cfg = bench_40m_config() if args.model == "bench-40m" else read_decoder_config(args.model)
+    plan = plan_config(cfg, model_cfg=model_cfg)
+    graphdef, params = split_params(init_decoder(stage_decoder_config(cfg, model_cfg), seed=0))
+    result = {"model": args.model, "overrides": args.overrides, "params": plan.params,
+              "plan_trainer": plan.part_bytes("trainer"), "plan_engine": plan.part_bytes("engine")}
+    result.update(measure_trainer(cfg, graphdef, params))
+    result.update(measure_engine(cfg, graphdef, params))
+    result["trainer_ratio"] = round(result["trainer_measured"] / result["plan_trainer"], 3)
+    result["engine_ratio"] = round(result["engine_measured"] / result["plan_engine"], 3)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
