@@ -48,10 +48,10 @@ def device_peak() -> Optional[int]:
 
 def measure_trainer(cfg: Any, graphdef: Any, params: Any) -> dict:
     import jax
+    from scripts.bench_train import batch
 
     from asyncrl.trainer import Trainer
     from asyncrl.trainer.step import train_step
-    from scripts.bench_train import batch
 
     trainer = Trainer(cfg, graphdef, params)
     rows = cfg.rollout.batch_size * cfg.rollout.group_size
@@ -75,10 +75,9 @@ def measure_trainer(cfg: Any, graphdef: Any, params: Any) -> dict:
 
 def measure_engine(cfg: Any, graphdef: Any, params: Any) -> dict:
     import jax
+    from flax import nnx
 
     from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls, init_slot_state
-
-    from flax import nnx
 
     model_cfg = nnx.merge(graphdef, params).cfg
     engine = cfg.engine

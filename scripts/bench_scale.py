@@ -164,13 +164,13 @@ def worker(args: argparse.Namespace) -> None:
 
     initialize_distributed(SimpleNamespace(distributed=DistributedConfig()))
     import jax
+    from scripts.bench_train import batch
 
     from asyncrl.config import load_config
     from asyncrl.engine.publish import WeightsWriter
     from asyncrl.model import init_decoder, split_params
     from asyncrl.run.multihost import split_rows
     from asyncrl.trainer import Trainer
-    from scripts.bench_train import batch
 
     count, me = jax.process_count(), jax.process_index()
     devices = jax.device_count()

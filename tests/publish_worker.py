@@ -1,4 +1,4 @@
-"""One process of a multi-process publish for tests/test_remote_publish.py: ``python -m
+"""One process of a multi-process publish for tests/engine/test_remote_publish.py: ``python -m
 tests.publish_worker WEIGHTS_DIR REPORT`` with the ``JAX_*`` variables set. The built-in ``tiny``
 model's weights, sharded over an fsdp mesh of every process's devices, scaled by 1.5 (so they
 differ from the model a server starts with), published as version 1 by
@@ -19,7 +19,6 @@ from asyncrl.config.sections import DistributedConfig
 def main(weights_dir: str, report: str) -> None:
     initialize_distributed(SimpleNamespace(distributed=DistributedConfig()))
     import jax
-
     import numpy as np
 
     from asyncrl.cluster.mesh import build_mesh

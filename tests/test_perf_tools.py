@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from asyncrl.run.compile_cache import compile_cache_dir
 from asyncrl.engine.fake import FakeEngine
+from asyncrl.run.compile_cache import compile_cache_dir
 from tests.helpers import REPO_ROOT, run_python, subprocess_env
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
@@ -19,7 +19,6 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import bench_rl  # noqa: E402
 from bench_components import accel as bench_accel  # noqa: E402
 from bench_components import engine as bench_engine  # noqa: E402
-
 
 # --------------------------------------------------------------------------- benchmark arithmetic
 

@@ -40,8 +40,8 @@ import numpy as np
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, InferenceEngine
 from asyncrl.errors import ConfigError
 from asyncrl.registry import register
-from asyncrl.rollout.trajectory import TrajectoryBuilder, TrajectoryGroup
 from asyncrl.rollout.rewards import RewardFunction
+from asyncrl.rollout.trajectory import TrajectoryBuilder, TrajectoryGroup
 from asyncrl.rollout.workflow import SingleTurnWorkflow, SkipSample
 
 from .calculator import CalcError, calculate

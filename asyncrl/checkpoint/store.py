@@ -54,11 +54,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
-
 from pydantic import ValidationError
 
-from asyncrl import pytree
 import asyncrl.checkpoint.files as checkpoint_files
+from asyncrl import pytree
 from asyncrl.checkpoint.schema import (  # noqa: F401 - the config checks a resume runs, importable from here
     RESUME_MUTABLE_FIELDS,
     Manifest,
@@ -610,7 +609,7 @@ def latest_checkpoint(out_dir: str | Path, *, checksums: bool = True,
         for child in sorted(root.iterdir()):
             if child.name.startswith(_TMP_PREFIX):
                 log.info("ignoring %s: an unfinished checkpoint write", child)
-    for step, path in reversed(_step_dirs(root)):
+    for _, path in reversed(_step_dirs(root)):
         _refuse_other_format(path)
         problems = checkpoint_problems(path, checksums=checksums, share=share)
         if not problems:

@@ -68,7 +68,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.config import EngineConfig
+from asyncrl.engine.constraints import TokenTrie, TriePool
 from asyncrl.engine.jax_programs import (
+    PREFILL_ROWS,
+    PrefillPlan,
     SlotControls,
     SlotState,
     beam_search_jit,
@@ -77,13 +80,10 @@ from asyncrl.engine.jax_programs import (
     graphdef_config,
     idle_controls,
     init_slot_state,
-    PREFILL_ROWS,
-    PrefillPlan,
     prefill_insert_jit,
     slot_state_shardings,
     snapshot,
 )
-from asyncrl.engine.constraints import TokenTrie, TriePool
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
 from asyncrl.model.sharding import check_tensor_parallel, param_shardings

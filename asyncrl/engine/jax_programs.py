@@ -87,7 +87,8 @@ def slot_state_shardings(cfg: Any, slots: int, mesh: Any) -> SlotState:
     replicas decode different slots) when the slot count divides; the per-slot vectors
     (``valid``, ``write_pos``, keys) follow the slots. A pytree of ``NamedSharding`` shaped
     like :class:`SlotState` (hashable: it is a static argument of the programs)."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     replicas = mesh.shape["data"] * mesh.shape["fsdp"]
     rows = ("data", "fsdp") if replicas > 1 and slots % replicas == 0 else None

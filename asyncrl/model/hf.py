@@ -30,7 +30,6 @@ import uuid
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
-
 from asyncrl.errors import ModelError
 from asyncrl.model.config import DecoderConfig, from_hf_config, hf_config_from_dict, to_hf_config
 

@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from pydantic import ConfigDict, Field
 
 from asyncrl import pytree

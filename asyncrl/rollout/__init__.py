@@ -5,8 +5,8 @@ from asyncrl.rollout.batch import BatchSource, PreparedBatch, prepare_batch
 from asyncrl.rollout.executor import WorkflowExecutor
 from asyncrl.rollout.ledger import StalenessLedger
 from asyncrl.rollout.queue import QueueClosed, SimpleDataQueue
-from asyncrl.rollout.trajectory import TrainBatch, Trajectory, TrajectoryBuilder, TrajectoryGroup
 from asyncrl.rollout.rewards import RewardFunction
+from asyncrl.rollout.trajectory import TrainBatch, Trajectory, TrajectoryBuilder, TrajectoryGroup
 from asyncrl.rollout.workflow import RolloutWorkflow, SingleTurnWorkflow, SkipSample, build_workflow
 
 __all__ = [

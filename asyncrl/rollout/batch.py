@@ -20,8 +20,8 @@ The walk stops at the B-th kept group, so the groups it examined are exactly the
 
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import numpy as np

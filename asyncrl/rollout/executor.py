@@ -54,8 +54,8 @@ from asyncrl.errors import EngineCrashed, RolloutError, TrajectorySchemaError
 from asyncrl.rollout.batch import BatchAbandoned, PreparedBatch, prepare_batch, select_groups
 from asyncrl.rollout.ledger import QUEUED, StalenessLedger
 from asyncrl.rollout.queue import QueueClosed, SimpleDataQueue
-from asyncrl.rollout.trajectory import TrainBatch, TrajectoryGroup, check_group
 from asyncrl.rollout.rewards import RewardFailuresExceeded
+from asyncrl.rollout.trajectory import TrainBatch, TrajectoryGroup, check_group
 from asyncrl.rollout.workflow import RolloutWorkflow, SkipSample
 
 log = logging.getLogger(__name__)

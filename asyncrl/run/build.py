@@ -128,8 +128,8 @@ def build_local_engine(cfg: Config, graphdef: Any, params: Any, stop_token_ids: 
     process) serves the given arrays as they are (not copied); any other gets the engine's
     own mesh on its devices (:func:`~asyncrl.cluster.placement.engine_mesh`) and a copy of
     ``params`` placed there by the model's partition rules."""
-    from asyncrl.engine.jax_engine import JaxEngine
     from asyncrl.cluster.placement import engine_mesh, resolve_placement
+    from asyncrl.engine.jax_engine import JaxEngine
 
     placement = placement if placement is not None else resolve_placement(cfg)
     mesh = None if placement.shares_trainer_arrays else engine_mesh(placement)

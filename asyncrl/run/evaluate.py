@@ -402,8 +402,8 @@ def evaluate_model(cfg: Config, stream: Any = None) -> EvalResult:
     import json
     import sys
 
-    from asyncrl.run.build import build_local_engine, build_task_and_workflow
     from asyncrl.model import load_model
+    from asyncrl.run.build import build_local_engine, build_task_and_workflow
 
     stream = stream or sys.stdout
     loaded = load_model(cfg.model)

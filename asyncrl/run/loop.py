@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, T
 
 import numpy as np
 
-from asyncrl.run.build import build_engine, episode_metric_means, preflight, weights_writer
 from asyncrl.checkpoint.schema import RUN_STATE_FORMAT
 from asyncrl.config import Config, dump_config
 from asyncrl.engine.protocol import InferenceEngine
 from asyncrl.errors import AsyncRLError, CheckpointError
-from asyncrl.rollout.batch import BatchAbandoned, BatchSource, PreparedBatch
 from asyncrl.pytree import tree_to_host
+from asyncrl.rollout.batch import BatchAbandoned, BatchSource, PreparedBatch
+from asyncrl.run.build import build_engine, episode_metric_means, preflight, weights_writer
 from asyncrl.run.rundir import check_output_dir_path, prepare_output_dir
 
 if TYPE_CHECKING:
@@ -138,10 +138,10 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Optional[TextI
     :class:`TrainingInterrupted` (the CLI exits 130/143); a second signal exits at once.
     """
     from asyncrl.checkpoint import resume_checkpoint
-    from asyncrl.run.compile_cache import enable_compile_cache
-    from asyncrl.run.host_memory import keep_freed_host_memory
     from asyncrl.cluster.distributed import initialize_distributed
     from asyncrl.imports import import_without
+    from asyncrl.run.compile_cache import enable_compile_cache
+    from asyncrl.run.host_memory import keep_freed_host_memory
     from asyncrl.run.multihost import Hosts
     from asyncrl.run.provenance import write_provenance
     from asyncrl.run.shutdown import ShutdownGuard
@@ -428,9 +428,9 @@ class Run:
 
     def __init__(self, cfg: Config, out: Path, console: Optional[TextIO], resumed: Optional[Checkpoint],
                  guard: ShutdownGuard, hosts: Hosts):
-        from asyncrl.run.metrics import ConsoleSink, JsonlSink, LogAppender
-        from asyncrl.model import load_model
         from asyncrl.cluster.placement import check_tensor_parallel, resolve_placement
+        from asyncrl.model import load_model
+        from asyncrl.run.metrics import ConsoleSink, JsonlSink, LogAppender
         from asyncrl.run.multihost import NoSink
         from asyncrl.trainer import build_mesh
 

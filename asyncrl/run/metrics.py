@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Iterable, Mapping, Protocol
 
-
 _log = logging.getLogger(__name__)
 
 

@@ -598,6 +598,7 @@ def compiled_train_step(cfg: Config, model_cfg: Any, layout: Layout, sft: bool =
     allocated) for one step of ``cfg`` on the local devices arranged as ``layout``."""
     import jax
     import numpy as np
+    from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
     from asyncrl.algo import AlgoParams
@@ -606,7 +607,6 @@ def compiled_train_step(cfg: Config, model_cfg: Any, layout: Layout, sft: bool =
     from asyncrl.model.transformer import Decoder, split_params
     from asyncrl.trainer.optim import OptimParams
     from asyncrl.trainer.step import HashedGraphDef, StepSpec, init_opt_state, train_step
-    from flax import nnx
 
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[: layout.devices])
     graphdef, shapes = split_params(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))
@@ -637,10 +637,10 @@ def compiled_decode_chunk(cfg: Config, model_cfg: Any) -> CompiledMemory:
     ``engine.kv_capacity`` on one local device, on abstract arguments."""
     import jax
     import numpy as np
+    from flax import nnx
 
     from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls, init_slot_state
     from asyncrl.model.transformer import Decoder, split_params
-    from flax import nnx
 
     graphdef, params = split_params(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))
     engine = cfg.engine

@@ -28,7 +28,6 @@ import optax
 from pydantic import ConfigDict, Field
 
 from asyncrl.config import Config, OptimConfig
-
 from asyncrl.pytree import dotted_name as dotted_path  # the rules' name of a parameter path
 
 

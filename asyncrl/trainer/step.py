@@ -72,11 +72,11 @@ from asyncrl.algo import (
     value_loss,
     value_statistics,
 )
+from asyncrl.cluster.mesh import ROW_AXES, row_shards
 from asyncrl.engine.constraints import TrieTables, allowed_tokens
 from asyncrl.model.critic import critic_shardings, per_token_values
 from asyncrl.model.logprobs import per_token_logprobs, take_window, window_starts
 from asyncrl.model.sharding import param_shardings
-from asyncrl.cluster.mesh import ROW_AXES, row_shards
 from asyncrl.trainer.optim import OptimParams, build_optimizer, dotted_path, learning_rate_schedule, update_count
 
 _TRACE_COUNT = [0]

@@ -18,14 +18,13 @@ import jax
 import numpy as np
 
 from asyncrl.algo import AlgoParams
-from asyncrl.errors import TrainerError
-from asyncrl.pytree import TreeError, fill, keyed_leaves, to_host, tree_to_host
-from asyncrl.model.sharding import param_shardings
 from asyncrl.cluster.mesh import build_mesh, initialize_distributed, local_row_shards, row_sharding
+from asyncrl.errors import TrainerError
+from asyncrl.model.sharding import param_shardings
+from asyncrl.pytree import TreeError, fill, keyed_leaves, to_host, tree_to_host
 from asyncrl.trainer.optim import OptimParams, update_count
 from asyncrl.trainer.step import (
     CriticSpec,
-    token_logprobs_jit,
     HashedGraphDef,
     StepSpec,
     compile_count,
@@ -36,6 +35,7 @@ from asyncrl.trainer.step import (
     matmul_params,
     nll_sums,
     step_flops,
+    token_logprobs_jit,
     train_step,
 )
 

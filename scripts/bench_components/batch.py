@@ -15,9 +15,9 @@ import platform
 import time
 
 import numpy as np
+from bench_common import load_avg, load_avg_since
 
 from asyncrl.rollout.trajectory import Trajectory, TrajectoryGroup
-from bench_common import load_avg, load_avg_since
 
 TINY_STEP_S = 0.1
 

@@ -44,7 +44,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-
 from bench_common import bench_40m_dir, busy_decode, copy_bandwidth, load_avg, load_avg_since, matmul_peak, median_time, run_times
 
 BATCH, PROMPT, NEW = 16, 32, 64

@@ -19,6 +19,7 @@ the in-process engine compete for the same cores: read the load average printed 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -26,7 +27,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from bench_common import bench_40m_dir, load_avg, load_avg_since, median_time
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -75,14 +75,12 @@ def run(args: argparse.Namespace) -> dict:
     import jax
 
     sys.path.insert(0, str(REPO_ROOT))  # the test suite's server wrapper
-    from tests.remote_helpers import API_KEY, Server
-
-    from asyncrl.config import load_config
+    from asyncrl.config import RemoteEngineConfig, load_config
     from asyncrl.engine.jax_engine import JaxEngine
     from asyncrl.engine.protocol import GenerationRequest
-    from asyncrl.config import RemoteEngineConfig
     from asyncrl.engine.remote import RemoteEngine
     from asyncrl.model import load_model
+    from tests.remote_helpers import API_KEY, Server
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-remote-"))
     config = write_config(tmp, model_dir(args.model, tmp))
@@ -111,7 +109,7 @@ def run(args: argparse.Namespace) -> dict:
                                   weights_dir=tmp / "weights" / f"run{count}", api_key=API_KEY, version=version)
             out["tokens_per_s"][f"servers_{count}"] = throughput(remote, requests, args.repeats)
             if count == 1:
-                remote_latency = median_time(lambda: remote.generate(one_token), 20)
+                remote_latency = median_time(functools.partial(remote.generate, one_token), 20)
                 out["http_overhead_ms"] = 1e3 * (remote_latency - local_latency)
                 out["one_token_latency_ms"] = {"in_process": 1e3 * local_latency, "remote": 1e3 * remote_latency}
             times, writes = [], []

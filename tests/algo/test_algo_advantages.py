@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jax.numpy as jnp
 
 from asyncrl.algo import AlgoParams, compute_advantages, overlong_penalty, trained_mask
 from asyncrl.errors import ConfigError

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jax.numpy as jnp
 
 from asyncrl.algo import aggregation_denominators
 from asyncrl.algo.gae import gae, masked_whiten, token_rewards, value_loss, value_statistics

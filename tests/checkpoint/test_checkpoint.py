@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import yaml
 
-from asyncrl.checkpoint import store as ck
 from asyncrl import pytree
+from asyncrl.checkpoint import store as ck
 from asyncrl.config import Config, dump_config, load_config
 from asyncrl.errors import CheckpointError, ConfigError
 

@@ -22,9 +22,8 @@ import numpy as np
 import pytest
 import yaml
 
+from asyncrl import cli, pytree
 from asyncrl.checkpoint import store as ck
-from asyncrl import pytree
-from asyncrl import cli
 from asyncrl.config import dump_config, load_config
 
 TINY: dict[str, Any] = {

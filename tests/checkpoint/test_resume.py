@@ -32,8 +32,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import logging
 import json
+import logging
 import os
 import random
 import shutil

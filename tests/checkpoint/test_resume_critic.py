@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from asyncrl.checkpoint import checkpoint_problems, checkpoints_root, load_checkpoint, step_dir_name
-from tests.checkpoint.test_resume import PROCESS_WIDE, assert_rows_equal, engine_work_if_restored_queued, read_rows, run_in_process, write_config
+from tests.checkpoint.test_resume import (
+    PROCESS_WIDE,
+    assert_rows_equal,
+    engine_work_if_restored_queued,
+    read_rows,
+    run_in_process,
+    write_config,
+)
 
 GAE = {"algo": {"estimator": "gae", "kl_coef": 0.0, "reward_kl_coef": 0.05, "lam": 0.9},
        "critic": {"optim": {"lr": 0.003}}}

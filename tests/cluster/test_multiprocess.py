@@ -30,9 +30,9 @@ import pytest
 import yaml
 
 from asyncrl.checkpoint import checkpoint_problems, checkpoints_root, latest_checkpoint, load_checkpoint, step_dir_name
+from asyncrl.cluster.distributed import resolved_distributed
 from asyncrl.config.sections import DistributedConfig
 from asyncrl.errors import ConfigError
-from asyncrl.cluster.distributed import resolved_distributed
 from asyncrl.run.multihost import pack_block, split_rows, unpack_block
 from tests.helpers import REPO_ROOT, subprocess_env
 from tests.trainer_fixtures import make_batch

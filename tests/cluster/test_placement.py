@@ -12,9 +12,9 @@ from typing import NamedTuple
 
 import pytest
 
+from asyncrl.cluster.placement import check_tensor_parallel, resolve_placement
 from asyncrl.config import load_config
 from asyncrl.errors import ConfigError
-from asyncrl.cluster.placement import check_tensor_parallel, resolve_placement
 from tests.helpers import run_python, subprocess_env
 
 EIGHT = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")

@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
+from asyncrl.config import RemoteEngineConfig
 from asyncrl.engine import sglang_protocol as sp
 from asyncrl.engine.protocol import GenerationRequest
-from asyncrl.config import RemoteEngineConfig
 from asyncrl.engine.remote import RemoteEngine, RemoteEngineError
 from asyncrl.errors import EngineRequestError
 from tests.remote_helpers import API_KEY, QUICKSTART, inprocess_servers, scripted_server, servers

@@ -79,8 +79,9 @@ def test_logprobs_match_transformers_peft_on_the_exported_adapter(family, tmp_pa
 
 
 def test_training_step_changes_only_adapters_and_optimizer_state_is_adapters_only():
-    from asyncrl.trainer import Trainer
     from flax import nnx
+
+    from asyncrl.trainer import Trainer
 
     graphdef, params = tiny_model(layers=1)
     cfg = trainer_config(model={"lora": {"rank": 4, "dropout": 0.1}}, algo={"kl_coef": 0.1})

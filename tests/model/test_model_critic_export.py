@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jax.numpy as jnp
 
 from asyncrl.model.critic import TOKEN_CLASSIFICATION, export_critic, load_critic, per_token_values
 from tests.model_helpers import FAMILIES, hf_logits, save_hf_model

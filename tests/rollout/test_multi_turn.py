@@ -15,9 +15,9 @@ from asyncrl.config import load_config
 from asyncrl.engine import FakeEngine
 from asyncrl.rollout import WorkflowExecutor
 from asyncrl.rollout.workflow import build_workflow
+from tests.rollout_fakes import char_tokenizer
 from workflows.calculator import MAX_LENGTH, CalcError, calculate
 from workflows.multi_turn import CalculatorWorkflow
-from tests.rollout_fakes import char_tokenizer
 
 # --------------------------------------------------------------------------- the parser
 

@@ -13,8 +13,8 @@ import pytest
 from asyncrl.engine import FakeEngine
 from asyncrl.errors import ConfigError
 from asyncrl.rollout import SingleTurnWorkflow, SkipSample, WorkflowExecutor, build_workflow
-from asyncrl.rollout.trajectory import check_group
 from asyncrl.rollout.rewards import RewardFunction
+from asyncrl.rollout.trajectory import check_group
 from tests.rollout_fakes import char_tokenizer, make_cfg
 
 pytestmark = pytest.mark.timeout(30)

@@ -15,7 +15,6 @@ import pytest
 
 from asyncrl.engine.fake import FakeEngine
 from asyncrl.errors import ConfigError, RolloutError
-from asyncrl.run.evaluate import EVAL_SAMPLE_ID_BASE, evaluate_workflow
 from asyncrl.rollout.executor import WorkflowExecutor
 from asyncrl.rollout.workflow import (
     RewardFailuresExceeded,
@@ -28,6 +27,7 @@ from asyncrl.rollout.workflow import (
     build_workflow,
     check_reward_signatures,
 )
+from asyncrl.run.evaluate import EVAL_SAMPLE_ID_BASE, evaluate_workflow
 from tests.helpers import REPO_ROOT
 from tests.rollout_fakes import TokenWorkflow, char_tokenizer, make_cfg
 

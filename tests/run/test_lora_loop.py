@@ -18,11 +18,16 @@ import pytest
 from asyncrl.checkpoint import checkpoints_root, load_checkpoint, step_dir_name
 from asyncrl.config import load_config
 from asyncrl.errors import CheckpointError
-from tests.model.test_lora import hf_logprobs
 from tests.checkpoint.test_resume import (
-    PROCESS_WIDE, assert_rows_equal, engine_work_if_restored_queued, read_rows, run_in_process, write_config,
+    PROCESS_WIDE,
+    assert_rows_equal,
+    engine_work_if_restored_queued,
+    read_rows,
+    run_in_process,
+    write_config,
 )
 from tests.helpers import REPO_ROOT
+from tests.model.test_lora import hf_logprobs
 from tests.run.test_train_loop import FAST, QUICKSTART
 
 LORA = ["model.lora={rank: 8, alpha: 16}", "optim.lr=0.01", "stages.0.optim.lr=0.01"]

@@ -4,19 +4,18 @@ synthetic task with the tiny model."""
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from asyncrl.algo import aggregation_denominators
 from asyncrl.config import load_config
 from asyncrl.data import DataError
 from asyncrl.model import forward_jit, token_logprobs_from_logits
 from asyncrl.rollout.trajectory import TrainBatch
 from asyncrl.rollout.workflow import RewardFunction, SingleTurnWorkflow, token_ids
 from asyncrl.run.sft import SFTData, eval_loss
-from asyncrl.algo import aggregation_denominators
 from asyncrl.trainer import Trainer, sft_loss
 from tests.helpers import SHARED_DATA
 from tests.sft_helpers import greedy_exact_match

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 
-
 from tests.helpers import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))

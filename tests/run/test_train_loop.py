@@ -149,8 +149,8 @@ def test_synchronous_run_trains_only_current_tokens(tmp_path):
 
 
 def test_output_dir_of_an_earlier_run_is_refused(quick_run):
-    from asyncrl.run.rundir import RunDirError
     from asyncrl.run.loop import train
+    from asyncrl.run.rundir import RunDirError
 
     cfg, _, out, _ = quick_run
     with pytest.raises(RunDirError, match="already holds a run"):
@@ -176,8 +176,8 @@ def test_engine_crash_ends_the_run_with_the_engine_traceback(tmp_path, monkeypat
 
 
 def test_trainer_crash_ends_the_run(tmp_path, monkeypatch):
-    from asyncrl.trainer import trainer
     from asyncrl.run.loop import train
+    from asyncrl.trainer import trainer
 
     calls = []
 

@@ -3,9 +3,9 @@ log-probs, batch checks, the optimizer's schedule and weight-decay mask."""
 
 from __future__ import annotations
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from asyncrl.errors import TrainerError

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import jax
+import numpy as np
 import pytest
 
 from asyncrl.errors import ConfigError, ModelError, TrainerError

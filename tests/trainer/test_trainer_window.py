@@ -12,7 +12,7 @@ import pytest
 from asyncrl.model.logprobs import window_starts
 from asyncrl.trainer import Trainer
 from asyncrl.trainer.step import loss_window, train_step
-from tests.trainer_fixtures import VOCAB_LOW, VOCAB_HIGH, make_batch, trainer_config
+from tests.trainer_fixtures import VOCAB_HIGH, VOCAB_LOW, make_batch, trainer_config
 
 LENGTH = 32
 

@@ -29,7 +29,8 @@ def chat_ids(messages, **kwargs) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def client_for(engine, recorder=None, limits=Limits(max_new_tokens=64), sync=False):
+def client_for(engine, recorder=None, limits=None, sync=False):
+    limits = limits or Limits(max_new_tokens=64)
     recorder = recorder or EpisodeRecorder(run_index=1, sample_id=7)
     cls = AgentOpenAI if sync else AgentAsyncOpenAI
     return cls(engine, OpenAIEndpoint(TOK, limits=limits), recorder), recorder

@@ -168,7 +168,7 @@ def length_bonus(prompt, completion, **fields):
 def rm_config(path, **kwargs):
     return make_cfg(rollout={"group_size": 4, "max_new_tokens": 6}, rewards=[
         {"fn": "reward_model", "kwargs": {"path": str(path), "batch_size": 8, **kwargs}, "weight": 0.5},
-        {"fn": "tests.test_rollout_reward_model:length_bonus", "weight": 2.0},
+        {"fn": "tests.rollout.test_rollout_reward_model:length_bonus", "weight": 2.0},
     ])
 
 

@@ -192,7 +192,7 @@ def test_greedy_under_a_trie_is_the_best_valid_path(engine, tiny):
         logits = step_logits(graphdef, params, prompt, sequences)
         lp = [masked_logprobs(trie, lg, s) for lg, s in zip(logits, sequences)]
         # the best valid path: the one sequence whose every token is the argmax over its node's allowed tokens
-        def best_at_every_step(i: int) -> bool:
+        def best_at_every_step(i: int, trie=trie, sequences=sequences, logits=logits) -> bool:
             nodes = trie.walk(sequences[i])
             return all(token == trie.allowed(nodes[t])[np.argmax(logits[i][t][trie.allowed(nodes[t])])]
                        for t, token in enumerate(sequences[i]))

@@ -203,10 +203,10 @@ def test_the_recipe_fits_one_80gb_gpu_with_qwen3_1_7b(capsys):
 
 
 def _measured(*args: str) -> dict:
-    from tests.helpers import subprocess_env
-
     import subprocess
     import sys
+
+    from tests.helpers import subprocess_env
 
     done = subprocess.run([sys.executable, "scripts/bench_plan.py", *args], cwd=REPO_ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=800)
