@@ -78,6 +78,20 @@ def copy_bandwidth(mib: int = 256) -> float:
     return 2 * x.nbytes / median_time(lambda: f(x).block_until_ready(), 5)
 
 
+def rss_bytes(field: str = "VmRSS") -> int:
+    """This process's resident memory (``VmRSS``) or its peak since the last
+    :func:`reset_peak_rss` (``VmHWM``), from ``/proc/self/status`` (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> None:
+    """Reset the peak resident memory (``VmHWM``) to the current one (``/proc/self/clear_refs``)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 def load_avg() -> Optional[list[float]]:
     """The 1, 5 and 15 minute load averages (None where the platform has none)."""
     try:

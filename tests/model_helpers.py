@@ -57,7 +57,14 @@ def make_hf_model(family: str, seed: int = 0, *, weight_std: float = 0.08, **con
     torch.manual_seed(seed)
     cfg = hf_config(family, **config_overrides)
     cfg._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    return randomize_weights(AutoModelForCausalLM.from_config(cfg).eval(), weight_std)
+
+
+def randomize_weights(model, weight_std: float = 0.08):
+    """Non-trivial random weights in place (norms near 1, small biases): a random init leaves norms
+    at exactly 1 and biases at 0, which would hide a norm or bias bug. Returns ``model``."""
+    import torch
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -143,7 +143,8 @@ def _bench_vs_trl_dry(_: Path, output: str) -> None:
     assert trl["per_device_train_batch_size"] == 32 and trl["num_generations"] == result["asyncrl"]["rollout"]["group_size"]
 
 
-def _bench_reward_model(_: Path, output: str) -> None:
+def _bench_reward_model(cwd: Path, output: str) -> None:
+    _bench_line("reward_model")(cwd, output)
     result = json.loads(output.strip().splitlines()[-1])
     assert result["batch"] == 64 and result["device_samples_per_s"] > 0 and result["queue_samples_per_s"] > 0, result
     assert 1 <= result["queue_mean_batch"] <= 64, result
@@ -151,8 +152,8 @@ def _bench_reward_model(_: Path, output: str) -> None:
 PLAN_CHAIN = (
     Step("asyncrl plan configs/gsm8k_grpo.yaml --set model.path=configs/models/qwen3-1.7b --device-memory 80",
          check=lambda _, out: None if "fits" in out and "does NOT" not in out else pytest.fail(out)),
-    Step("python scripts/bench_plan.py --model bench-40m --set optim.micro_batches=4", ("--model", "tiny"),
-         check=_json_line),
+    Step("python scripts/bench.py plan --model bench-40m --set optim.micro_batches=4", ("--model", "tiny"),
+         check=_bench_line("plan")),
 )
 
 BENCH_CHAIN = (
@@ -160,6 +161,7 @@ BENCH_CHAIN = (
     Step("python scripts/bench.py engine", ("--skip-40m", "--repeats", "1"), check=_bench_line("engine")),
     Step("python scripts/bench.py model", ("--models", "tiny", "--steps", "1"), check=_bench_line("model")),
     Step("python scripts/bench.py batch", ("--reps", "20"), check=_bench_line("batch")),
+    Step("python scripts/bench.py agent", ("--episodes", "8"), check=_bench_line("agent")),
 )
 
 def _item_trie(ws: Path, output: str) -> None:
@@ -199,7 +201,7 @@ SLOW_CHAINS = {
     "bench_remote": (Step("python scripts/bench.py remote", ("--requests", "8", "--repeats", "1"),
                           check=_bench_line("remote")),),
     # docs/performance.md: reward-model scoring throughput, on the 2-layer twin
-    "bench_reward_model": (Step("python scripts/bench_reward_model.py", ("--quick",), check=_bench_reward_model),),
+    "bench_reward_model": (Step("python scripts/bench.py reward_model", ("--quick",), check=_bench_reward_model),),
     # docs/scaling.md: memory per process, a 4M-parameter model as 1 and 2 processes (about a minute)
     "bench_scale": (Step("python scripts/bench_scale.py --processes 1,2 --layers 1 --hidden 128 --rows 4 --length 16 "
                          "--steps 2", check=_json_line),),

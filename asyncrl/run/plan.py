@@ -54,7 +54,7 @@ NORM_FLOAT32_COPIES = 2
 """Float32 copies of the hidden state each layer keeps for its two RMSNorms' backward."""
 ATTENTION_FLOAT32_COPIES = 3
 """Float32 ``[heads, L]`` tensors per token each layer keeps for attention's backward (scores,
-probabilities, and the softmax's exponentials); measured: ``scripts/bench_plan.py``."""
+probabilities, and the softmax's exponentials); measured: ``scripts/bench.py plan``."""
 DECODE_LOGIT_COPIES = 3
 """Float32 ``[slots, vocab]`` tensors one decode step holds at once (logits, scaled, probabilities)."""
 

@@ -18,7 +18,7 @@ from asyncrl.engine.constraints import TokenTrie
 from asyncrl.engine.jax_engine import JaxEngine
 from asyncrl.engine.protocol import GenerationRequest
 from asyncrl.errors import EngineRequestError
-from asyncrl.model import forward_jit, load_model
+from asyncrl.model import forward_jit
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,15 +29,8 @@ REF_LEN = 16
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    lm = load_model("tiny", with_tokenizer=False)
-    graphdef, params = lm.split()
-    return lm, graphdef, params
-
-
-@pytest.fixture(scope="module")
-def engine(tiny):
-    lm, graphdef, params = tiny
+def engine(tiny_split):
+    lm, graphdef, params = tiny_split
     eng = JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=CFG, seed=0)
     yield eng
     eng.shutdown()
@@ -72,10 +65,10 @@ def ranked(completions, logprobs, k, length_penalty):
 
 
 @pytest.mark.parametrize("length_penalty", [0.0, 1.0])
-def test_free_beam_search_equals_exhaustive_search(engine, tiny, length_penalty):
+def test_free_beam_search_equals_exhaustive_search(engine, tiny_split, length_penalty):
     """k = 28 = the vocabulary, 2 new tokens: the beams hold every one-token prefix, so beam search
     ranks every possible completion (a stop token ends one after one token)."""
-    lm, graphdef, params = tiny
+    lm, graphdef, params = tiny_split
     stops = set(lm.stop_token_ids)
     completions = [(a,) for a in stops] + [(a, b) for a, b in itertools.product(range(VOCAB), repeat=2) if a not in stops]
     lps = sequence_logprobs(graphdef, params, PROMPT, completions)
@@ -90,9 +83,9 @@ def test_free_beam_search_equals_exhaustive_search(engine, tiny, length_penalty)
         assert r.stop_reason == ("eos" if r.output_ids[-1] in stops else "length")
 
 
-def test_constrained_beam_search_equals_exhaustive_search(engine, tiny):
+def test_constrained_beam_search_equals_exhaustive_search(engine, tiny_split):
     """A 10-sequence trie and k = 10: every sequence comes back, ranked by its masked score."""
-    _, graphdef, params = tiny
+    _, graphdef, params = tiny_split
     rng = np.random.default_rng(7)
     sequences: list[tuple[int, ...]] = []
     while len(sequences) < 10:

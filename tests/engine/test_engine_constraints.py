@@ -40,15 +40,8 @@ def random_trie(count: int, seed: int, low: int = 3, high: int = 28) -> TokenTri
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    lm = load_model("tiny", with_tokenizer=False)
-    graphdef, params = lm.split()
-    return lm, graphdef, params
-
-
-@pytest.fixture(scope="module")
-def engine(tiny):
-    lm, graphdef, params = tiny
+def engine(tiny_split):
+    lm, graphdef, params = tiny_split
     eng = JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=CFG, seed=3)
     yield eng
     eng.shutdown()
@@ -138,11 +131,11 @@ def test_device_helpers_match_the_host_trie():
 # --------------------------------------------------------------------------- the engine
 
 
-def test_constrained_sampling_never_leaves_the_trie_and_matches_the_masked_distribution(engine, tiny):
+def test_constrained_sampling_never_leaves_the_trie_and_matches_the_masked_distribution(engine, tiny_split):
     """1,000 samples of one prompt under a 50-sequence trie, mixed with free requests in the same
     batches: every constrained sample is a trie sequence whose log-probs are the masked ones, the
     sequence frequencies match the masked distribution, and the free samples are untouched."""
-    _, graphdef, params = tiny
+    _, graphdef, params = tiny_split
     trie = random_trie(50, seed=0)
     sequences = trie.sequences()
     logits = step_logits(graphdef, params, PROMPT, sequences)
@@ -181,10 +174,10 @@ def test_constrained_sampling_never_leaves_the_trie_and_matches_the_masked_distr
         np.testing.assert_allclose(r.logprobs, lg[np.arange(len(r.output_ids)), r.output_ids] - logz, atol=1e-4)
 
 
-def test_greedy_under_a_trie_is_the_best_valid_path(engine, tiny):
+def test_greedy_under_a_trie_is_the_best_valid_path(engine, tiny_split):
     """Greedy under a trie takes, at every step, the most likely token the trie allows: the path
     found by enumerating the trie's sequences (each step's argmax over the allowed tokens)."""
-    _, graphdef, params = tiny
+    _, graphdef, params = tiny_split
     for seed in range(3):
         trie = random_trie(12, seed=10 + seed)
         prompt = PROMPT[: 2 + seed]
@@ -245,7 +238,7 @@ def constrained_groups(engine, trie: TokenTrie, temperature: float, groups: int 
     return out
 
 
-def test_trainer_scores_constrained_tokens_under_the_same_mask(engine, tiny):
+def test_trainer_scores_constrained_tokens_under_the_same_mask(engine, tiny_split):
     """RL under a constraint is exact: the trainer's log-probs of sampled completions (a 50-sequence
     trie, temperature 0.8) equal the engine's within 1e-5, the step's behaviour/proximal gap is ~0,
     the constraint survives packing, and a trainer without the trie refuses the batch."""
@@ -255,7 +248,7 @@ def test_trainer_scores_constrained_tokens_under_the_same_mask(engine, tiny):
     from asyncrl.trainer import Trainer
     from tests.trainer_fixtures import trainer_config
 
-    _, graphdef, params = tiny
+    _, graphdef, params = tiny_split
     trie = random_trie(50, seed=0)
     temperature = 0.8
     groups = constrained_groups(engine, trie, temperature)
@@ -287,13 +280,13 @@ def test_trainer_scores_constrained_tokens_under_the_same_mask(engine, tiny):
     assert abs(metrics["train/behave_weight_mean"] - 1.0) < 1e-5
 
 
-def test_masked_logprobs_chunked_and_windowed_equal_the_whole(tiny):
+def test_masked_logprobs_chunked_and_windowed_equal_the_whole(tiny_split):
     """per_token_logprobs(allowed=...) gives the same masked log-probs and entropies whether the
     lm head runs at once, in chunks, or over a window (the trainer's three paths)."""
     from asyncrl.engine.constraints import allowed_tokens
     from asyncrl.model import per_token_logprobs
 
-    _, graphdef, params = tiny
+    _, graphdef, params = tiny_split
     trie = random_trie(20, seed=5)
     rng = np.random.default_rng(0)
     ids = np.zeros((4, 12), np.int32)

@@ -10,7 +10,7 @@ import pytest
 
 from asyncrl.errors import ModelError
 from asyncrl.model.reward_model import load_reward_model, pad_id_array, reward_scores_jit
-from tests.model_helpers import hf_config
+from tests.model_helpers import hf_config, randomize_weights
 
 torch = pytest.importorskip("torch")
 
@@ -26,15 +26,7 @@ def save_reward_model(family: str, out_dir, seed: int = 0, *, num_labels: int = 
     torch.manual_seed(seed)
     cfg = hf_config(family, num_labels=num_labels, **overrides)
     cfg._attn_implementation = "eager"
-    model = getattr(transformers, CLASSES[family])(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.08 * torch.randn_like(p))
+    model = randomize_weights(getattr(transformers, CLASSES[family])(cfg).eval())
     model.save_pretrained(out_dir)
     return model
 

@@ -208,7 +208,7 @@ def _measured(*args: str) -> dict:
 
     from tests.helpers import subprocess_env
 
-    done = subprocess.run([sys.executable, "scripts/bench_plan.py", *args], cwd=REPO_ROOT, env=subprocess_env(),
+    done = subprocess.run([sys.executable, "scripts/bench.py", "plan", *args], cwd=REPO_ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=800)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -10,33 +10,15 @@ maps lazily, so resident memory would count only the pages written) plus one dec
 resident growth above it. Where the backend reports device memory
 (``device.memory_stats()``: GPU, TPU) its peak is used instead.
 
-    PYTHONPATH=. python scripts/bench_plan.py --model bench-40m
+    python scripts/bench.py plan --model bench-40m
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-# Large buffers straight from (and back to) the OS, so a freed buffer leaves the resident figure.
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-
-
-def resident_bytes(field: str = "VmRSS") -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
+from bench_common import load_avg, load_avg_since, random_train_batch, reset_peak_rss, rss_bytes
 
 
 def device_peak() -> Optional[int]:
@@ -48,7 +30,6 @@ def device_peak() -> Optional[int]:
 
 def measure_trainer(cfg: Any, graphdef: Any, params: Any) -> dict:
     import jax
-    from scripts.bench_train import batch
 
     from asyncrl.trainer import Trainer
     from asyncrl.trainer.step import train_step
@@ -58,16 +39,16 @@ def measure_trainer(cfg: Any, graphdef: Any, params: Any) -> dict:
     from asyncrl.run.plan import batch_shape
 
     _, length, window = batch_shape(cfg, sft=False)
-    data = batch(rows, length, trainer.model_cfg.vocab_size, length - window)
+    data = random_train_batch(rows, length, trainer.model_cfg.vocab_size, length - window, cfg.rollout.group_size)
     args, kwargs = trainer._step_arguments(data)
     compiled = train_step.lower(*args, **kwargs).compile()
     state = sum(trainer.memory_metrics[k] for k in ("memory/trainable_param_bytes", "memory/opt_state_bytes"))
     jax.block_until_ready(args)
-    before = resident_bytes()
-    reset_peak()
+    before = rss_bytes()
+    reset_peak_rss()
     out = compiled(*args[1:])  # the graphdef is static
     jax.block_until_ready(out)
-    peak = resident_bytes("VmHWM")
+    peak = rss_bytes("VmHWM")
     on_device = device_peak()
     return {"trainer_state": int(state), "trainer_step_peak_above_state": peak - before,
             "trainer_measured": int(on_device if on_device is not None else state + peak - before)}
@@ -92,20 +73,22 @@ def measure_engine(cfg: Any, graphdef: Any, params: Any) -> dict:
     # The cache is zeros: pages the OS maps lazily, resident only once written. Count its
     # allocated bytes (what a device allocates) and the decode step's resident growth above it.
     allocated = sum(x.nbytes for x in jax.tree.leaves(state))
-    before = resident_bytes()
-    reset_peak()
+    before = rss_bytes()
+    reset_peak_rss()
     out = jax.block_until_ready(compiled(params, state, controls))
-    peak = resident_bytes("VmHWM")
+    peak = rss_bytes("VmHWM")
     del out
     return {"engine_state": allocated, "engine_measured": allocated + peak - before}
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="bench-40m", help="tiny, bench-40m, or a model directory (random init from its config.json)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                         help="config override (the default config otherwise)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    start = load_avg()
 
     from asyncrl.config import load_config
     from asyncrl.model import bench_40m_config, init_decoder, split_params
@@ -121,9 +104,4 @@ def main(argv: Optional[list[str]] = None) -> dict:
     result.update(measure_engine(cfg, graphdef, params))
     result["trainer_ratio"] = round(result["trainer_measured"] / result["plan_trainer"], 3)
     result["engine_ratio"] = round(result["engine_measured"] / result["plan_engine"], 3)
-    print(json.dumps(result))
-    return result
-
-
-if __name__ == "__main__":
-    main()
+    return {**result, **load_avg_since(start)}

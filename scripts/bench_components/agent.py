@@ -2,7 +2,7 @@
 RolloutWorkflow making the same engine calls, on an instant scripted engine (so the number is
 the client, transport, templating and assembly cost alone; on a real engine generation dominates).
 
-    python scripts/bench_agent.py [--episodes 64] [--turns 2] [--group-size 4]
+    python scripts/bench.py agent [--episodes 64] [--turns 2] [--group-size 4]
 
 Prints one JSON line: episodes/s and ms per completion of each path, and the ratio.
 """
@@ -10,20 +10,17 @@ Prints one JSON line: episodes/s and ms per completion of each path, and the rat
 from __future__ import annotations
 
 import argparse
-import json
 import string
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_common import load_avg, load_avg_since
 
-from asyncrl.agent import AgentWorkflow  # noqa: E402
-from asyncrl.config import load_config  # noqa: E402
-from asyncrl.engine import FakeEngine, GenerationRequest  # noqa: E402
-from asyncrl.model.tiny_qwen3 import CHATML_TEMPLATE  # noqa: E402
-from asyncrl.rollout.trajectory import TrajectoryBuilder, TrajectoryGroup  # noqa: E402
-from asyncrl.rollout.workflow import RolloutWorkflow  # noqa: E402
+from asyncrl.agent import AgentWorkflow
+from asyncrl.config import load_config
+from asyncrl.engine import FakeEngine, GenerationRequest
+from asyncrl.model.tiny_qwen3 import CHATML_TEMPLATE
+from asyncrl.rollout.trajectory import TrajectoryBuilder, TrajectoryGroup
+from asyncrl.rollout.workflow import RolloutWorkflow
 
 
 def tokenizer():
@@ -43,12 +40,14 @@ def tokenizer():
     return hf
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--episodes", type=int, default=64)
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=4)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
+    load_start = load_avg()
     tok = tokenizer()
     cfg = load_config(data={"rollout": {"group_size": args.group_size, "max_new_tokens": 16, "max_seq_len": 512},
                             "data": {"max_prompt_tokens": 256}, "engine": {"kv_capacity": 512, "prefill_buckets": [256, 512]}})
@@ -93,8 +92,4 @@ def main() -> None:
         result[f"{name}_episodes_per_s"] = round(args.episodes / seconds, 2)
         result[f"{name}_ms_per_completion"] = round(1000 * seconds / completions, 3)
     result["agent_overhead_ms_per_completion"] = round(result["agent_ms_per_completion"] - result["plain_ms_per_completion"], 3)
-    print(json.dumps(result))
-
-
-if __name__ == "__main__":
-    main()
+    return {**result, **load_avg_since(load_start)}

@@ -1,7 +1,7 @@
 """Reward-model scoring throughput: samples scored per second by a ``bench-40m``-sized reward model.
 
-    python scripts/bench_reward_model.py                  # batch 64, sequences of 128-256 tokens
-    python scripts/bench_reward_model.py --quick          # a 2-layer hidden-64 model: checks the script
+    python scripts/bench.py reward_model                  # batch 64, sequences of 128-256 tokens
+    python scripts/bench.py reward_model --quick          # a 2-layer hidden-64 model: checks the script
 
 The reward model is ``bench-40m``'s decoder (hidden 512, 8 layers, vocabulary 32000, random
 init, in memory) with a one-label ``score`` head. Prints one JSON line:
@@ -19,19 +19,13 @@ init, in memory) with a one-label ``score`` head. Prints one JSON line:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
-
-from bench_common import load_avg, run_times  # noqa: E402
+from bench_common import load_avg, load_avg_since, run_times
 
 
 def reward_model(quick: bool, seed: int = 0):
@@ -49,8 +43,7 @@ def reward_model(quick: bool, seed: int = 0):
     return LoadedRewardModel(graphdef, params, jax.device_put(head), NO_PAD_ID, None, Path("."), cfg)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=64, help="sequences per device call")
     parser.add_argument("--length", type=int, default=256, help="the length bucket; sequences are length/2..length tokens")
     parser.add_argument("--samples", type=int, default=1024, help="sequences through the queue")
@@ -58,7 +51,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--group", type=int, default=8, help="sequences a caller submits at once (a GRPO group)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="a 2-layer hidden-64 model, few samples")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
     if args.quick:
         args.samples, args.repeats, args.length = min(args.samples, 128), min(args.repeats, 2), min(args.length, 64)
 
@@ -126,14 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
         "queue_mean_batch": round(len(seqs) / batches, 1) if batches else None,
         "threads": args.threads,
         "group": args.group,
-        "load_avg_start": load_start,
-        "load_avg_end": load_avg(),
+        **load_avg_since(load_start),
         "jax": jax.__version__,
         "device": str(jax.devices()[0].device_kind),
     }
-    print(json.dumps(result))
     return result
-
-
-if __name__ == "__main__":
-    main()
