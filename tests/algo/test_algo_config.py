@@ -82,6 +82,6 @@ def test_recipes_in_the_docs_are_valid_configs():
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "algorithms.md").read_text()
     blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
-    assert len(blocks) == 6
+    assert len(blocks) == 7
     for block in blocks:
         AlgoParams.from_config(load_config(data=yaml.safe_load(block)))
