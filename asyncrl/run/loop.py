@@ -517,6 +517,9 @@ class Run:
                 log.warning("the checkpoint in flight when the run failed was not completed: %s", err)
         if self.engine is not None:
             self.engine.shutdown()
+        from asyncrl.rollout.reward_model import close_reward_models
+
+        close_reward_models()  # learned reward models' scoring threads end with the run that prepared them
         if self.trackers is not None:  # sends what is queued (bounded wait), also after a signal
             status = "finished" if failure is None else "killed" if isinstance(failure, TrainingInterrupted) else "failed"
             self.trackers.close(status)

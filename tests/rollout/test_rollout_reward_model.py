@@ -296,6 +296,11 @@ def test_a_run_with_a_reward_model_reward_trains(tmp_path):
     for record in records:
         parts = record["reward_components"]
         assert record["reward"] == pytest.approx(0.5 * parts["reward_model"] + parts["positional_match"], abs=1e-5)
+    # The run closed the scorer it prepared: its thread ended with the run.
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("reward-scorer-") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("reward-scorer-")]
 
 
 def test_placement_on_the_engines_devices_or_its_own_range(same_tokenizer_rm):
