@@ -48,8 +48,8 @@ class RunConfig(Section):
     """Number of trainer steps (each consumes ``rollout.batch_size`` groups and publishes once)."""
     overwrite: bool = False
     """Replace the metrics of an earlier run in ``output_dir`` (otherwise starting where a run completed a step is an error)."""
-    keep_host_memory: bool = True
-    """Keep freed host memory mapped for reuse (glibc ``mallopt``, set when the run starts): on the CPU backend each train step's scratch buffer otherwise comes back as fresh zero-filled pages, about 450,000 page faults per ``bench-40m`` step. Resident memory then stays at its peak between steps; ``false`` gives freed memory back to the OS (``asyncrl.run.host_memory``)."""
+    keep_host_memory: bool = False
+    """Keep freed host memory mapped for reuse (glibc ``mallopt``, set when the run starts). On the CPU backend each train step's scratch buffer otherwise comes back as fresh zero-filled pages (about 450,000 page faults per ``bench-40m`` step at 32 x 80 tokens); with this on, that step's system time fell by a third and its wall time by 17%, but the process's peak resident memory rose by half (2.96 to 4.42 GB), as freed blocks stay in the heap. Off by default; worth it when host memory is plentiful (``asyncrl.run.host_memory``, docs/performance.md)."""
     compile_cache: bool = True
     """Keep XLA's compiled programs in JAX's persistent cache so a later run starts in seconds: ``$JAX_COMPILATION_CACHE_DIR``, else ``<asyncrl cache>/jax`` (``$ASYNCRL_CACHE_DIR``, ``$XDG_CACHE_HOME/asyncrl`` or ``~/.cache/asyncrl``). ``ASYNCRL_COMPILE_CACHE=0`` in the environment turns it off too (docs/performance.md)."""
 

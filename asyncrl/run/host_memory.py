@@ -11,9 +11,10 @@ alike: about 450,000 minor page faults per step, 1.7 GB of zeroing (docs/perform
 (``M_ARENA_MAX`` 1: a thread arena is at most 64 MB, so a larger block would be mapped
 anyway), never to map blocks of their own (``M_MMAP_MAX`` 0) and never to give the top of the
 heap back (``M_TRIM_THRESHOLD``): a freed scratch buffer stays mapped and the next step reuses
-its pages: the same step then takes 7,000 to 20,000 page faults. The process's
-resident memory then stays at its peak between steps instead of dropping after each one;
-``run.keep_host_memory: false`` turns this off.
+its pages: the same step then takes 7,000 to 20,000 page faults. The price is memory: freed
+blocks stay in the heap, where fragmentation grows the peak (bench-40m's trainer process: 2.96
+GB without, 4.42 GB with; ``scripts/bench.py train`` shapes, farm-bench A/B in docs/performance.md).
+So it is opt-in: ``run.keep_host_memory: true``.
 
 It must run before JAX starts its thread pools (a thread keeps the arena it first allocated
 from), so :func:`asyncrl.run.loop.train` calls it first; elsewhere (non-glibc platforms, such as

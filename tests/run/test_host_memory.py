@@ -50,8 +50,8 @@ def test_a_freed_block_is_reused_without_page_faults():
     assert kept["applied"] is True and kept["faults"] < 1_000
 
 
-def test_the_setting_is_documented_and_on_by_default():
+def test_the_setting_is_off_by_default_and_set_from_config():
     from asyncrl.config import load_config
 
-    assert load_config(None).run.keep_host_memory is True
-    assert load_config(None, ["run.keep_host_memory=false"]).run.keep_host_memory is False
+    assert load_config(None).run.keep_host_memory is False
+    assert load_config(None, ["run.keep_host_memory=true"]).run.keep_host_memory is True
