@@ -456,6 +456,7 @@ def kill_and_resume_async(tmp_path: Path, kills: int, total_steps: int, seed: in
     assert len(all_ids) == len(set(all_ids))
 
 
+@pytest.mark.slow  # 27 s; kills and resumes of asynchronous runs also run in test_checkpoint_async.py and the chaos drill
 @pytest.mark.timeout(300)
 def test_async_run_killed_twice_resumes_exactly(tmp_path):
     kill_and_resume_async(tmp_path, kills=2, total_steps=5, seed=0)

@@ -280,6 +280,7 @@ def test_trainer_scores_constrained_tokens_under_the_same_mask(engine, tiny_spli
     assert abs(metrics["train/behave_weight_mean"] - 1.0) < 1e-5
 
 
+@pytest.mark.slow  # 10 s; the trainer-equals-engine test checks the masked log-probs of the default path
 def test_masked_logprobs_chunked_and_windowed_equal_the_whole(tiny_split):
     """per_token_logprobs(allowed=...) gives the same masked log-probs and entropies whether the
     lm head runs at once, in chunks, or over a window (the trainer's three paths)."""

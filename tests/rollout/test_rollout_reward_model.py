@@ -303,6 +303,7 @@ def test_a_run_with_a_reward_model_reward_trains(tmp_path):
     assert not [t.name for t in threading.enumerate() if t.name.startswith("reward-scorer-")]
 
 
+@pytest.mark.slow  # an 8-device subprocess; the default placement is exercised by the run test
 def test_placement_on_the_engines_devices_or_its_own_range(same_tokenizer_rm):
     """On 4 devices: by default the reward model sits on the engine's devices (placement.engine),
     or on kwargs.devices; a batch is split over them and scores the same as on one device."""

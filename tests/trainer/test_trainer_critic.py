@@ -190,6 +190,7 @@ def test_mesh_steps_with_critic_equal_single_device_step():
     assert proc.stdout.count("max diff") == 2
 
 
+@pytest.mark.slow  # a LoRA critic's compile; the critic's own step is tested above
 def test_critic_lora_trains_adapters_and_the_head_only(tiny):
     graphdef, params = tiny
     cfg = trainer_config(algo={"estimator": "gae"}, optim=SGD,
