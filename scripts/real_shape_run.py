@@ -47,7 +47,10 @@ OVERRIDES = (
     "model.param_dtype=bfloat16",       # weights and AdamW state in bf16: 494M x 2 bytes x 4 (plan: fits 23 GB shared)
     "model.compute_dtype=float32",      # XLA's CPU matmuls are fastest (and exact enough) in float32
     "rollout.batch_size=1", "rollout.group_size=2", "rollout.max_concurrent=2",
-    "rollout.max_new_tokens=32", "rollout.length_bucket=32",
+    "rollout.max_new_tokens=32",
+    "rollout.length_bucket=256",        # every batch padded to the KV capacity: one train-step compile, not one per length
+    "algo.entropy_coef=0.001",          # a random model's completions all score 0 (zero advantages): the entropy
+                                        # bonus makes the gradients, AdamW state and saved weights move
     "data.max_prompt_tokens=224", "engine.prefill_buckets=[224]", "engine.kv_capacity=256", "engine.slots=2",
     "algo.mini_batches=1", "optim.micro_batches=1", "optim.warmup_steps=0",
     "eval.every_steps=0", "eval.max_prompts=2",

@@ -3,8 +3,8 @@ writes a random-init model of Qwen2.5-0.5B's exact configuration (494M parameter
 151,936, tied embeddings, rope theta 1e6) with the project's offline tokenizer, trains 3 GRPO steps
 with the in-process engine, is SIGKILLed after step 2's checkpoint and resumed, evaluates and
 exports. Here the run's records are read back with the resume tests' helpers, and the export is
-compared with transformers' logits by the model tests' helper. About 11 GB resident at the peak and
-several minutes: slow."""
+compared with transformers' logits by the model tests' helper. About 18 GB resident at the peak and
+ten minutes: slow."""
 
 from __future__ import annotations
 
