@@ -9,7 +9,8 @@ import textwrap
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+SHARED_DATA = Path(os.environ.get("ASYNCRL_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
+"""The shared data (GSM8K) beside the checkout; ``$ASYNCRL_SHARED_DATA`` for a checkout elsewhere (a worktree)."""
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
