@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -102,47 +101,32 @@ def measured(fn: Callable[[], Any]) -> tuple[Any, float, int]:
 
 def begin_save(trainer: Any, directory: Path, step: int) -> Callable[[], None]:
     """Begin a checkpoint of ``trainer``'s params and optimizer state; returns the wait for its end.
-    Every process calls it. This checkout's API (asyncrl.checkpoint.save_checkpoint): the state is
-    gathered to every host, then process 0 writes it on a thread (the wait joins it, then a barrier)."""
-    import jax
-
-    from asyncrl.checkpoint import save_checkpoint
+    Every process calls it. The loop's path (``Run.save`` / ``Run.finish_checkpoint``):
+    :func:`asyncrl.checkpoint.start_checkpoint` of the live sharded trees, asynchronous (each
+    process writes its own shards; it returns once they are off the devices), the wait ends the
+    write, then a barrier (complete for everyone)."""
+    from asyncrl.checkpoint import start_checkpoint
     from asyncrl.cluster.distributed import wait_at_barrier
 
-    state = trainer.state_dict()
-    arrays = {"params": state.pop("params"), "opt_state": state.pop("opt_state")}
-    errors: list[BaseException] = []
-
-    def write() -> None:
-        try:
-            save_checkpoint(directory, step, arrays=arrays, state={"trainer": state}, config_yaml="{}\n", keep=1)
-        except BaseException as err:  # noqa: BLE001 - raised by the wait on the main thread
-            errors.append(err)
-
-    thread = threading.Thread(target=write, name="bench-save", daemon=True) if jax.process_index() == 0 else None
-    if thread is not None:
-        thread.start()
+    pending = start_checkpoint(directory, step, arrays={"params": trainer.params, "opt_state": trainer.opt_state},
+                               state={"trainer": trainer.counters()}, config_yaml="{}\n", keep=1, asynchronous=True,
+                               timeout_s=1800.0)
 
     def wait() -> None:
-        if thread is not None:
-            thread.join(timeout=1800)
-            if thread.is_alive():
-                raise RuntimeError("the checkpoint write did not finish within 1800 s")
-        if errors:
-            raise errors[0]
+        pending.wait()
         wait_at_barrier(f"bench/save-{step}", 1800)
 
     return wait
 
 
 def restore(trainer: Any, directory: Path, step: int) -> None:
-    """Read the checkpoint of ``step`` back into ``trainer`` (every process), with this
-    checkout's API (asyncrl.checkpoint.load_checkpoint + Trainer.load_state_dict)."""
+    """Read the checkpoint of ``step`` back into ``trainer`` (every process) as a resume does
+    (``asyncrl.run.loop._load_trainer_state``): each tree read straight onto the trainer's live
+    shardings (each process reads only its shards), then ``Trainer.load_state_dict``."""
     from asyncrl.checkpoint import checkpoints_root, load_checkpoint, step_dir_name
+    from asyncrl.run.loop import _load_trainer_state
 
-    checkpoint = load_checkpoint(checkpoints_root(directory) / step_dir_name(step), verify=False)
-    trainer.load_state_dict({"params": checkpoint.tree("params", trainer.params),
-                             "opt_state": checkpoint.tree("opt_state", trainer.opt_state), **checkpoint.state["trainer"]})
+    _load_trainer_state(trainer, load_checkpoint(checkpoints_root(directory) / step_dir_name(step), verify=False))
 
 
 # ---------------------------------------------------------------------------- one process
@@ -164,7 +148,7 @@ def worker(args: argparse.Namespace) -> None:
 
     initialize_distributed(SimpleNamespace(distributed=DistributedConfig()))
     import jax
-    from scripts.bench_train import batch
+    from bench_common import random_train_batch
 
     from asyncrl.config import load_config
     from asyncrl.engine.publish import WeightsWriter
@@ -182,7 +166,7 @@ def worker(args: argparse.Namespace) -> None:
     trainer = Trainer(cfg, graphdef, params)
     del params
     gc.collect()
-    data = batch(args.rows, args.length, model_cfg.vocab_size)
+    data = random_train_batch(args.rows, args.length, model_cfg.vocab_size, prompt=8)
     mine = split_rows(data, count, jax.local_device_count())[me]  # this process's block, as the loop gives it
     state_bytes = sum(x.nbytes for x in jax.tree.leaves((trainer.params, trainer.opt_state)))
     for _ in range(2):  # compiles, then settles the allocator

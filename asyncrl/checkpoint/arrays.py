@@ -95,11 +95,26 @@ def start_save(directory: Path, trees: Mapping[str, Mapping[str, Any]]) -> Any:
     It returns once the arrays are copied off the devices, so the caller may change them."""
     import orbax.checkpoint as ocp
 
-    checkpointer = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
+    checkpointer = ocp.AsyncCheckpointer(_handler(trees))
     items = {name: ocp.args.PyTreeSave(_nest({key: _owned_copy(leaf) for key, leaf in flat.items()}))
              for name, flat in trees.items()}
     checkpointer.save(Path(directory).absolute(), args=ocp.args.Composite(**items))  # Orbax needs absolute paths
     return checkpointer
+
+
+HANDLER_OPTIONS: dict[str, Any] = {"use_compression": False}
+"""Keyword arguments of every tree's ``orbax.checkpoint.PyTreeCheckpointHandler``. No zstd
+compression: float weights and moments hardly compress, and the compressed chunks are a second
+copy of the state in host memory until written (measured by scripts/bench_scale.py: a save's
+peak fell from 2.0x to 1.0x the state) and CPU time taken from the steps that train meanwhile.
+Reading does not depend on it (each array's zarr metadata names its compressor)."""
+
+
+def _handler(names: Any) -> Any:
+    """A composite handler with one PyTree handler per tree, each made with :data:`HANDLER_OPTIONS`."""
+    import orbax.checkpoint as ocp
+
+    return ocp.CompositeCheckpointHandler(**{name: ocp.PyTreeCheckpointHandler(**HANDLER_OPTIONS) for name in names})
 
 
 def _owned_copy(leaf: Any) -> Any:
@@ -144,7 +159,7 @@ def restore(directory: Path, name: str, template: Mapping[str, Any]) -> dict[str
         else:
             items[key] = np.zeros((), dtype or np.float32)
             restore_args[key] = ocp.RestoreArgs(restore_type=np.ndarray)
-    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    checkpointer = ocp.Checkpointer(_handler([name]))
     try:
         restored = checkpointer.restore(Path(directory).absolute(), args=ocp.args.Composite(**{
             name: ocp.args.PyTreeRestore(item=_nest(items), restore_args=_nest(restore_args))}))

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -597,25 +598,75 @@ def _refuse_other_format(path: Path) -> None:
 
 
 def latest_checkpoint(out_dir: str | Path, *, checksums: bool = True,
-                      share: Optional[tuple[int, int]] = None) -> Optional[Path]:
+                      share: Optional[tuple[int, int]] = None, timeout_s: float = 600.0) -> Optional[Path]:
     """The newest complete checkpoint under ``<out_dir>/checkpoints``, or None.
 
     Every newer directory that is skipped is logged (warning) with the reason; unfinished
     temporary writes are never candidates. A finished checkpoint of another
-    :data:`CHECKPOINT_FORMAT` is a :class:`CheckpointError`. ``share``: as :func:`checkpoint_problems`.
+    :data:`CHECKPOINT_FORMAT` is a :class:`CheckpointError`. ``share=(i, n)``: process ``i`` of
+    a run of ``n`` hashes only its share of the files (:func:`checkpoint_problems`), and the
+    ``n`` processes exchange what they found through the coordination service (waiting at most
+    ``timeout_s`` for each other), so that all of them skip the same checkpoints, each naming
+    every damaged file, and return the same one; every process of the run must call it.
     """
     root = checkpoints_root(out_dir)
     if root.is_dir():
         for child in sorted(root.iterdir()):
             if child.name.startswith(_TMP_PREFIX):
                 log.info("ignoring %s: an unfinished checkpoint write", child)
-    for _, path in reversed(_step_dirs(root)):
-        _refuse_other_format(path)
-        problems = checkpoint_problems(path, checksums=checksums, share=share)
+    exchange = share is not None and share[1] > 1
+    for path in [*(path for _, path in reversed(_step_dirs(root))), None]:
+        problems = []
+        if path is not None:
+            _refuse_other_format(path)
+            problems = checkpoint_problems(path, checksums=checksums, share=share)
+        if exchange:
+            assert share is not None
+            problems = _problems_everywhere(root, path, problems, share, timeout_s)
+        if path is None:
+            return None
         if not problems:
             return path
         log.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
     return None
+
+
+_exchange_rounds = itertools.count()
+
+
+def _problems_everywhere(root: Path, path: Optional[Path], problems: list[str], share: tuple[int, int],
+                         timeout_s: float) -> list[str]:
+    """Every process's problems with candidate ``path`` (None: this process has no candidate
+    left), each once, in process order: what each found in its share of the files, exchanged
+    through the coordinator's key-value store. Processes that see different candidates (no
+    shared ``run.output_dir``) get a :class:`CheckpointError` saying so."""
+    from asyncrl.cluster.distributed import coordination_client
+
+    index, count = share
+    client = coordination_client()
+    prefix = f"asyncrl/checkpoint-check/{next(_exchange_rounds)}/"
+    mine: dict[str, Any] = {"checkpoint": None if path is None else path.name, "problems": problems}
+    client.key_value_set(prefix + str(index), json.dumps(mine))
+    found: list[str] = []
+    for other in range(count):
+        theirs = mine
+        if other != index:
+            try:
+                theirs = json.loads(client.blocking_key_value_get(prefix + str(other), int(timeout_s * 1000)))
+            except Exception as err:  # jaxlib raises its own error type
+                raise CheckpointError(
+                    f"{root}: process {other} did not report its check of {mine['checkpoint'] or 'the checkpoints'} "
+                    f"within {timeout_s:g} s ({str(err).strip().splitlines()[0] if str(err).strip() else err!r}); "
+                    "every process of a run checks the checkpoints together (checkpoint.barrier_timeout_s)"
+                ) from None
+        if theirs["checkpoint"] != mine["checkpoint"]:
+            raise CheckpointError(
+                f"{root}: process {index} sees {mine['checkpoint'] or 'no further checkpoint'} where process {other} "
+                f"sees {theirs['checkpoint'] or 'none'}; every process must see the same run.output_dir (a shared "
+                "file system)"
+            )
+        found += [problem for problem in theirs["problems"] if problem not in found]
+    return found
 
 
 class SavedTrees(Mapping[str, dict[str, np.ndarray]]):
@@ -764,7 +815,8 @@ def resume_checkpoint(cfg: Config) -> Optional[Checkpoint]:
     if cfg.checkpoint.resume == "never":
         return None
     out = cfg.run.resolved_output_dir
-    path = latest_checkpoint(out, share=_process())  # each process hashes its share of the files
+    # Each process hashes its share of the files; they agree on what they found.
+    path = latest_checkpoint(out, share=_process(), timeout_s=cfg.checkpoint.barrier_timeout_s)
     if path is None:
         if (Path(out) / "metrics.jsonl").exists():
             # An earlier run that never finished a checkpoint: say so loudly, its logs are replaced.

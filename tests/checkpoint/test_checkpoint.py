@@ -84,6 +84,27 @@ def test_numpy_tree_round_trips_bitwise_as_flat_arrays_and_into_a_template(tmp_p
         assert_same_bits(a, b, key)
 
 
+def test_arrays_are_written_uncompressed_so_a_save_holds_no_second_copy(tmp_path):
+    """asyncrl.checkpoint.arrays.HANDLER_OPTIONS: no zstd (compressed chunks are a second copy
+    of the state in host memory until written): 4 MiB of zeros take at least 4 MiB on disk, and
+    a checkpoint written with compression (as before) still reads back."""
+    import asyncrl.checkpoint.arrays as checkpoint_arrays
+
+    zeros = {"w": np.zeros((1024, 1024), np.float32)}
+    path = save(tmp_path / "plain", 1, zeros)
+    written = sum(f.stat().st_size for f in (path / "arrays").rglob("*") if f.is_file())
+    assert written >= zeros["w"].nbytes, written
+    original = dict(checkpoint_arrays.HANDLER_OPTIONS)
+    try:
+        checkpoint_arrays.HANDLER_OPTIONS["use_compression"] = True
+        compressed = save(tmp_path / "zstd", 1, zeros)
+    finally:
+        checkpoint_arrays.HANDLER_OPTIONS.clear()
+        checkpoint_arrays.HANDLER_OPTIONS.update(original)
+    assert sum(f.stat().st_size for f in (compressed / "arrays").rglob("*") if f.is_file()) < written // 4
+    assert_same_bits(ck.load_checkpoint(compressed).tree("params", zeros)["w"], zeros["w"], "w")
+
+
 def test_jax_optax_and_nnx_trees_round_trip_into_their_templates(tmp_path):
     import jax
     import jax.numpy as jnp
