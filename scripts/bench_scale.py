@@ -43,34 +43,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
 
+from bench_common import reset_peak_rss, rss_bytes  # noqa: E402  (scripts/ on the path first)
 
 # ---------------------------------------------------------------------------- memory
-
-
-def rss_bytes() -> int:
-    return _status_kb("VmRSS") * 1024
-
-
-def reset_peak() -> None:
-    """Reset this process's peak RSS (``VmHWM``) to its current RSS (Linux; a no-op elsewhere)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_bytes() -> int:
-    return _status_kb("VmHWM") * 1024
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def settle() -> int:
@@ -89,11 +66,11 @@ def settle() -> int:
 def measured(fn: Callable[[], Any]) -> tuple[Any, float, int]:
     """``(fn's result, seconds, peak RSS above the RSS just before)`` of one call."""
     before = settle()
-    reset_peak()
+    reset_peak_rss()
     started = time.perf_counter()
     result = fn()
     seconds = time.perf_counter() - started
-    return result, seconds, max(0, peak_bytes() - before)
+    return result, seconds, max(0, rss_bytes("VmHWM") - before)
 
 
 # ---------------------------------------------------------------------------- checkpoint calls
