@@ -508,6 +508,7 @@ def test_signal_checkpoints_and_exits(signum, stall, tmp_path):
 # --------------------------------------------------------------------------- stages
 
 
+@pytest.mark.slow  # 15 s; staged resumes also run in test_resume_changes.py (extending a finished staged run)
 def test_resume_in_the_middle_of_sft_then_rl(tmp_path):
     """Resumes land in the right stage and position; the RL stage's KL reference (its start
     weights) survives a resume that is itself resumed."""

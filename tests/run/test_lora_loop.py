@@ -38,6 +38,7 @@ def is_adapter(key: str) -> bool:
     return re.search(r"lora[./]lora_[ab]$", key) is not None
 
 
+@pytest.mark.slow  # 14 s; the documented LoRA commands (test_doc_commands.py, lora chain) train and export adapters
 def test_quickstart_with_lora_keeps_one_adapter_and_exports_it(tmp_path):
     from asyncrl.cli import main
     from asyncrl.run.loop import train

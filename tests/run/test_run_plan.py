@@ -214,6 +214,7 @@ def _measured(*args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # the documented `bench.py plan --model tiny` step checks the same ratios (test_doc_commands.py, plan chain)
 def test_plan_within_25_percent_of_measured_memory_tiny():
     result = _measured("--model", "tiny")
     assert 0.75 <= result["trainer_ratio"] <= 1.25, result
