@@ -94,6 +94,28 @@ class TinyQwen3Spec:
     """Tokenizer training text; empty: ``$ASYNCRL_TINY_QWEN3_CORPUS`` or :data:`DEFAULT_CORPUS`."""
 
 
+def chatml_char_tokenizer() -> Any:
+    """A character-level tokenizer (printable ASCII plus ``<|endoftext|>``, ``<|im_start|>``,
+    ``<|im_end|>`` = 0, 1, 2) with Qwen's chat template, built in a second: for agents on a
+    scripted engine (docs/examples/calculator_agent.py, ``scripts/bench.py agent``)."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for ch in string.printable:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf.chat_template = CHATML_TEMPLATE
+    return hf
+
+
 def is_tiny_qwen3(text: str) -> bool:
     return text == PREFIX or text.startswith(PREFIX + ":")
 

@@ -10,7 +10,6 @@ became, with the completions trained (their engine versions) and everything else
 
 from __future__ import annotations
 
-import string
 import sys
 from pathlib import Path
 
@@ -18,30 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.engine import FakeEngine  # noqa: E402
-from asyncrl.model.tiny_qwen3 import CHATML_TEMPLATE  # noqa: E402
+from asyncrl.model.tiny_qwen3 import chatml_char_tokenizer  # noqa: E402
 from workflows.calculator_agent import CalculatorAgent  # noqa: E402
 
 
-def char_tokenizer():
-    """A character-level tokenizer with tiny-qwen3's (Qwen's) chat template, built in a second."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    for ch in string.printable:
-        vocab.setdefault(ch, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(specials)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    hf.chat_template = CHATML_TEMPLATE
-    return hf
-
-
 def main(http: bool) -> None:
-    tokenizer = char_tokenizer()
+    tokenizer = chatml_char_tokenizer()
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     turns = ['<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>', "84"]
     engine = FakeEngine(vocab_size=len(tokenizer), eos_token_id=eos, version=3,

@@ -10,7 +10,6 @@ Prints one JSON line: episodes/s and ms per completion of each path, and the rat
 from __future__ import annotations
 
 import argparse
-import string
 import time
 
 from bench_common import load_avg, load_avg_since
@@ -18,26 +17,9 @@ from bench_common import load_avg, load_avg_since
 from asyncrl.agent import AgentWorkflow
 from asyncrl.config import load_config
 from asyncrl.engine import FakeEngine, GenerationRequest
-from asyncrl.model.tiny_qwen3 import CHATML_TEMPLATE
+from asyncrl.model.tiny_qwen3 import chatml_char_tokenizer
 from asyncrl.rollout.trajectory import TrajectoryBuilder, TrajectoryGroup
 from asyncrl.rollout.workflow import RolloutWorkflow
-
-
-def tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    for ch in string.printable:
-        vocab.setdefault(ch, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(specials)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    hf.chat_template = CHATML_TEMPLATE
-    return hf
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     load_start = load_avg()
-    tok = tokenizer()
+    tok = chatml_char_tokenizer()
     cfg = load_config(data={"rollout": {"group_size": args.group_size, "max_new_tokens": 16, "max_seq_len": 512},
                             "data": {"max_prompt_tokens": 256}, "engine": {"kv_capacity": 512, "prefill_buckets": [256, 512]}})
     engine = FakeEngine(vocab_size=len(tok), eos_token_id=2, first_token_id=3, eos_prob=0.2)
