@@ -50,7 +50,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from asyncrl.errors import AsyncRLError, ConfigError
 from asyncrl.registry import register
-from asyncrl.rollout.reward_scoring import DEFAULT_LENGTH_BUCKETS, RewardModelScorer
+from asyncrl.rollout.reward_scoring import DEFAULT_LENGTH_BUCKETS, RewardModelClosed, RewardModelScorer
 from asyncrl.rollout.scoring_group import ScoringGroup, current_scoring
 from asyncrl.rollout.workflow import token_ids
 
@@ -89,6 +89,10 @@ class PreparedRewardModel:
 
 
 _prepared: dict[tuple, PreparedRewardModel] = {}
+_closed: set[tuple] = set()
+"""Keys whose scorer :func:`close_reward_models` closed: the reward refuses them rather than
+loading the model again from a rollout thread still finishing after its run closed (a scorer
+thread would then outlive the run). An explicit :func:`prepare_reward_model` reopens the key."""
 _prepared_lock = threading.Lock()
 
 
@@ -127,6 +131,7 @@ def prepare_reward_model(*, cfg: Any = None, tokenizer: Any = None, where: str =
         else:
             prepared = _load(cfg, tokenizer, where, path, devices, batch_size, max_tokens, chat_template)
         _prepared[key] = prepared
+        _closed.discard(key)
         return prepared
 
 
@@ -212,9 +217,11 @@ def prepare_reward_functions(functions: Sequence[Any], cfg: Any, tokenizer: Any,
 
 
 def close_reward_models() -> None:
-    """Close every prepared reward model's scorer (their threads end; later calls prepare anew)."""
+    """Close every prepared reward model's scorer (their threads end). The reward then refuses
+    those models until :func:`prepare_reward_model` (the next run's start-up) prepares them again."""
     with _prepared_lock:
         prepared = list(_prepared.values())
+        _closed.update(_prepared)
         _prepared.clear()
     for p in prepared:
         p.scorer.close()
@@ -231,6 +238,10 @@ def reward_model(prompt: str, completion: str, *, path: Optional[str] = None, de
     key = _key(str(path), devices, batch_size, max_tokens, chat_template)
     with _prepared_lock:
         prepared = _prepared.get(key)
+        closed_with_its_run = prepared is None and key in _closed
+    if closed_with_its_run:
+        raise RewardModelClosed(f"reward_model {path}: closed when its run ended; call reward_model.prepare(path=...) "
+                                "to use it again outside a run")
     if prepared is None or prepared.scorer.closed:  # used outside asyncrl train/eval: no policy tokenizer known
         prepared = prepare_reward_model(path=path, devices=devices, batch_size=batch_size, max_tokens=max_tokens,
                                         chat_template=chat_template, timeout_s=timeout_s)

@@ -328,3 +328,25 @@ def test_placement_on_the_engines_devices_or_its_own_range(same_tokenizer_rm):
     """
     proc = run_python(code, timeout=300, env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"))
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_after_the_run_closes_a_late_episode_cannot_load_the_reward_model_again(same_tokenizer_rm):
+    """A rollout thread still finishing after Run.close gets RewardModelClosed, not a fresh
+    scorer thread that would outlive the run; the next explicit prepare reopens it."""
+    from asyncrl.rollout.reward_model import prepare_reward_model, reward_model
+
+    prepare_reward_model(path=str(same_tokenizer_rm))
+    before = {t.ident for t in threading.enumerate()}
+    close_reward_models()
+    with pytest.raises(RewardModelClosed, match="closed when its run ended"):
+        reward_model("abc", "d", path=str(same_tokenizer_rm))
+    assert not [t for t in threading.enumerate() if t.ident not in before]
+    prepare_reward_model(path=str(same_tokenizer_rm))
+    assert reward_model("abc", "d", path=str(same_tokenizer_rm)) == pytest.approx(
+        direct_scores(same_tokenizer_rm, [_rendered(same_tokenizer_rm, "abc", "d")])[0], abs=1e-5)
+
+
+def _rendered(path, prompt, completion):
+    from asyncrl.rollout.reward_model import prepare_reward_model
+
+    return prepare_reward_model(path=str(path)).render([{"role": "user", "content": prompt}], completion)
