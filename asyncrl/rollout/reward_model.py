@@ -227,6 +227,20 @@ def close_reward_models() -> None:
         p.scorer.close()
 
 
+def reward_model_metrics() -> dict[str, float]:
+    """``reward_model/*`` of every prepared scorer, summed (batches run, sequences scored, mean
+    rows per batch); empty when the run has no learned reward model. The run logs them per step."""
+    with _prepared_lock:
+        scorers = {id(p.scorer): p.scorer for p in _prepared.values()}
+    if not scorers:
+        return {}
+    counts = [s.metrics() for s in scorers.values()]
+    batches = sum(c["reward_model/batches"] for c in counts)
+    scored = sum(c["reward_model/scored"] for c in counts)
+    return {"reward_model/batches": batches, "reward_model/scored": scored,
+            "reward_model/mean_batch": scored / batches if batches else 0.0}
+
+
 # --------------------------------------------------------------------------- the reward
 
 

@@ -626,6 +626,7 @@ class Run:
         producers is an error): the trainer's, the source's, the engine's, the batch's rewards,
         the process's (RSS, threads, device memory: a leak shows as a rising curve) and the
         loop's own whole-step figures."""
+        from asyncrl.rollout.reward_model import reward_model_metrics
         from asyncrl.run.metrics import merge_producers, process_metrics
 
         generated = engine_metrics.get("engine/decode_tokens", 0.0)
@@ -639,7 +640,8 @@ class Run:
         }
         self.generated_before = generated
         return merge_producers(trainer=train_metrics, source=got.metrics, engine=engine_metrics,
-                               rewards=reward_metrics(got.groups), process=process_metrics(self.device), loop=loop)
+                               rewards=reward_metrics(got.groups), reward_model=reward_model_metrics(),
+                               process=process_metrics(self.device), loop=loop)
 
     def eval_on_engine(self, stage: Stage, tracker: StatsTracker) -> None:
         """The stage's task eval through the engine (process 0's), recorded on ``tracker``; the

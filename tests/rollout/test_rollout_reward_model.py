@@ -291,6 +291,9 @@ def test_a_run_with_a_reward_model_reward_trains(tmp_path):
     assert result.steps == 2
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all("reward/reward_model" in row and np.isfinite(row["reward/reward_model"]) for row in rows if "reward/positional_match" in row)
+    scored = [row["reward_model/scored"] for row in rows if "reward_model/scored" in row]
+    # Counted since the start, rollouts that ran ahead included: at least the 4 x 4 trained per step.
+    assert len(scored) == 2 and 16 <= scored[0] <= scored[1] and scored[1] >= 32
     records = [json.loads(line) for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
     assert records
     for record in records:
