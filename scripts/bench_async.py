@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import statistics
 import sys
@@ -175,6 +176,8 @@ def run_one(layout: str, staleness: int, args: argparse.Namespace, model: str, p
         finally:
             server.signal(signal.SIGTERM)
             server.finish(timeout=30)
+            if args.weights_root:  # outside the work directory (RAM, with /dev/shm): not left behind
+                shutil.rmtree(weights, ignore_errors=True)
         placement = {"engine_cpus": engine_cpus, "trainer_cpus": trainer_cpus}
     figures = summarise(read_metrics(out), run.step_times, args.warmup)
     end_load = load_avg()

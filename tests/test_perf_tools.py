@@ -223,7 +223,7 @@ def assert_bench_async_line(result: dict, layouts: list[str], etas: list[int]) -
 def test_bench_async_split_layout_smallest_run(tmp_path):
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "bench_async.py"), "--model", "tiny", "--layouts", "split",
            "--staleness", "0", "2", "--steps", "3", "--warmup", "1", "--prompts", "2", "--group", "2", "--new", "8",
-           "--work-dir", str(tmp_path)]
+           "--work-dir", str(tmp_path / "work"), "--weights-root", str(tmp_path / "published")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), cwd=REPO_ROOT, timeout=540)
     assert proc.returncode == 0, proc.stderr[-3000:]  # a missed target is reported, not an exit status
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -231,6 +231,7 @@ def test_bench_async_split_layout_smallest_run(tmp_path):
     run = result["runs"]["split"]["eta2"]
     assert sorted(run["engine_cpus"] + run["trainer_cpus"]) == sorted(os.sched_getaffinity(0))
     assert not set(run["engine_cpus"]) & set(run["trainer_cpus"])
+    assert list((tmp_path / "published").iterdir()) == []  # each run's published versions removed after it
 
 
 # --------------------------------------------------------------------------- bench_vs_trl with eta 0 and 2
