@@ -106,6 +106,19 @@ def load_avg_since(start: Optional[list[float]]) -> dict[str, Any]:
     return {"load_avg": {"start": start, "end": load_avg()}}
 
 
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: the CPU model (``/proc/cpuinfo``; None elsewhere), the
+    cores of the machine and those this process may run on (its affinity: a pinned or
+    containerised run sees fewer)."""
+    model = None
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                      if line.startswith("model name")), None)
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": model, "cpu_count": os.cpu_count(), "cpus_usable": usable}
+
+
 def random_train_batch(rows: int, length: int, vocab: int, prompt: int, group_size: int = 4) -> Any:
     """A full-length random :class:`~asyncrl.rollout.trajectory.TrainBatch` of ``rows`` x ``length``
     tokens: ``prompt`` untrained tokens, then trained ones to the end (behaviour log-probs in

@@ -33,7 +33,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_common import reset_peak_rss, rss_bytes  # noqa: E402  (scripts/ on the path first)
+from runlib import free_port  # noqa: E402
 
 # ---------------------------------------------------------------------------- memory
 
@@ -183,16 +183,10 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------- the parent
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_processes(n: int, args: argparse.Namespace, root: Path) -> dict:
     out = root / f"n{n}"
     out.mkdir(parents=True)
-    port = _free_port()
+    port = free_port()
     procs = []
     for pid in range(n):
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices}",

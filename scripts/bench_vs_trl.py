@@ -6,24 +6,28 @@ message each, the same chat template) are trained on by both, with identical set
 ``--prompts`` prompts x ``--group`` completions per step, ``--new`` new tokens, temperature 1
 (no top-k/top-p), AdamW at a constant ``--lr``, no KL term (TRL ``beta=0``, no reference
 model), one update per step, the ``positional_match`` reward, float32 on the CPU; TRL's
-gradient checkpointing off. asyncrl runs ``asyncrl train`` with ``max_staleness: 0`` (its
-synchronous step). Each side runs in its own subprocess (torch and jax never share one),
-interleaved ``--rounds`` times (asyncrl, TRL, asyncrl, TRL, ...) so that drifting load hits
-both alike.
+gradient checkpointing off. asyncrl runs ``asyncrl train`` twice per round: with
+``max_staleness: 0`` (its synchronous step, the same on-policy work as TRL's) and with
+``max_staleness: --async-staleness`` (default 2: generation overlaps training, batches up to 2
+versions old). Each run is its own subprocess (torch and jax never share one), interleaved
+``--rounds`` times (asyncrl, asyncrl async, TRL, asyncrl, ...) so that drifting load hits all
+alike.
 
 Fields: ``asyncrl_step_s`` / ``trl_step_s`` (median step wall time over steps 2..N of every
 round: asyncrl's ``perf/step_time``, i.e. batch wait + train + publish; TRL's time between
 ``on_step_end`` callbacks, i.e. generate + score + train), ``speedup`` (TRL's over asyncrl's:
 above 1 means asyncrl is faster), ``asyncrl_train_s`` (median ``perf/train_time``),
-``*_first_step_s`` (subprocess start to the first step done, per round), the versions, and
-``load_avg`` (before and after).
+``*_first_step_s`` (subprocess start to the first step done, per round): all at
+``max_staleness: 0``; ``asyncrl_async``: the same four for ``max_staleness: --async-staleness``
+(its ``speedup`` also TRL's step over it), with ``max_staleness``; the versions, and
+``load_avg`` (before and after). ``--async-staleness 0`` leaves the asynchronous runs out.
 
 TRL is an optional extra (``pip install -e '.[compare]'``); ``--dry-run`` writes the prompts
 and prints the two configurations (the asyncrl one validated) without building the model,
 importing TRL or running anything (what the tests run).
 
 Usage: PYTHONPATH=. python scripts/bench_vs_trl.py [--steps 6] [--rounds 2] [--prompts 8] [--group 4] [--new 64]
-       [--lr 1e-5] [--dry-run]
+       [--lr 1e-5] [--async-staleness 2] [--dry-run]
 """
 
 from __future__ import annotations
@@ -95,8 +99,9 @@ def trl_config(args: argparse.Namespace, out: Path) -> dict:
 # --------------------------------------------------------------------------- the two runs
 
 
-def run_asyncrl(config_path: Path, out: Path, env: dict[str, str], steps: int) -> dict:
-    times = run_train(train_argv(config_path), env, timeout=3600).step_times
+def run_asyncrl(config_path: Path, out: Path, env: dict[str, str], steps: int, staleness: int = 0) -> dict:
+    """One ``asyncrl train`` of the config at ``rollout.max_staleness: staleness``; its step figures."""
+    times = run_train(train_argv(config_path, [f"rollout.max_staleness={staleness}"]), env, timeout=3600).step_times
     window = [row for row in read_metrics(out) if 2 <= row["step"] <= steps]
     return {"first_step_s": times[1], "step_s": [row["perf/step_time"] for row in window],
             "train_s": [row["perf/train_time"] for row in window]}
@@ -166,12 +171,16 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--group", type=int, default=4, help="completions per prompt")
     parser.add_argument("--new", type=int, default=64, help="new tokens per completion")
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--async-staleness", type=int, default=2,
+                        help="max_staleness of the asynchronous asyncrl runs (0: none, only the synchronous one)")
     parser.add_argument("--work-dir", default=None, help="default: a temporary directory")
     parser.add_argument("--dry-run", action="store_true", help="build the inputs, print both configs, run nothing")
     parser.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 3:
         parser.error("--steps must be at least 3 (the medians are over steps 2..N)")
+    if args.async_staleness < 0:
+        parser.error("--async-staleness must be >= 0")
     return args
 
 
@@ -197,7 +206,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
             load_config(str(config_path))  # the asyncrl side's config is valid
             print(json.dumps({"bench": "vs_trl", "dry_run": True, "asyncrl": yaml.safe_load(config_path.read_text()),
-                              "trl": plan["trl"]}))
+                              "async_staleness": args.async_staleness, "trl": plan["trl"]}))
             return
         print(json.dumps(compare(args, config_path, out, plan, work)))
 
@@ -206,24 +215,35 @@ def compare(args: argparse.Namespace, config_path: Path, out: Path, plan: dict, 
     start_load = load_avg()
     env = child_env(compile_cache=work / "jax-cache")
     ours: list[dict] = []
+    ours_async: list[dict] = []
     theirs: list[dict] = []
     for _ in range(args.rounds):
         ours.append(run_asyncrl(config_path, out, env, args.steps))
+        if args.async_staleness:
+            ours_async.append(run_asyncrl(config_path, out, env, args.steps, staleness=args.async_staleness))
         theirs.append(run_trl(plan, env))
-    ours_step = statistics.median(s for run in ours for s in run["step_s"])
     trl_step = statistics.median(s for run in theirs for s in run["step_s"])
+    sync = asyncrl_figures(ours, trl_step)
     import jax
 
     return {
         "bench": "vs_trl", "prompts": args.prompts, "group": args.group, "new_tokens": args.new, "steps": args.steps,
-        "rounds": args.rounds, "asyncrl_step_s": round(ours_step, 3), "trl_step_s": round(trl_step, 3),
-        "speedup": round(trl_step / ours_step, 3),
-        "asyncrl_train_s": round(statistics.median(s for run in ours for s in run["train_s"]), 3),
-        "asyncrl_first_step_s": [round(run["first_step_s"], 2) for run in ours],
+        "rounds": args.rounds, "asyncrl_step_s": sync["step_s"], "trl_step_s": round(trl_step, 3),
+        "speedup": sync["speedup"], "asyncrl_train_s": sync["train_s"], "asyncrl_first_step_s": sync["first_step_s"],
+        "asyncrl_async": ({"max_staleness": args.async_staleness, **asyncrl_figures(ours_async, trl_step)}
+                          if ours_async else None),
         "trl_first_step_s": [round(run["first_step_s"], 2) for run in theirs],
         "trl": theirs[0]["trl"], "torch": theirs[0]["torch"], "torch_threads": theirs[0]["torch_threads"],
         "jax": jax.__version__, "cpu_count": os.cpu_count(), **load_avg_since(start_load),
     }
+
+
+def asyncrl_figures(runs: list[dict], trl_step: float) -> dict:
+    """Medians over every round's steps 2..N of one asyncrl setting, and TRL's step over its step."""
+    step = statistics.median(s for run in runs for s in run["step_s"])
+    return {"step_s": round(step, 3), "speedup": round(trl_step / step, 3),
+            "train_s": round(statistics.median(s for run in runs for s in run["train_s"]), 3),
+            "first_step_s": [round(run["first_step_s"], 2) for run in runs]}
 
 
 if __name__ == "__main__":

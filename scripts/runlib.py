@@ -1,6 +1,7 @@
-"""What the run drivers share (bench_rl, bench_vs_trl, bench_placement, staleness_sweep, soak,
-chaos, plot_metrics): a child ``asyncrl train`` started with this checkout on the path, its
-console lines read (and each step line timestamped) as they come, and a run's
+"""What the run drivers share (bench_rl, bench_vs_trl, bench_placement, bench_async,
+staleness_sweep, soak, chaos, plot_metrics): a child ``asyncrl train`` (or ``asyncrl serve``)
+started with this checkout on the path, optionally pinned to some cores, its console lines read
+(and each step line timestamped) as they come, a server's ``/health`` awaited, and a run's
 ``metrics.jsonl`` read back.
 
     env = child_env(compile_cache=work / "jax-cache")
@@ -12,17 +13,19 @@ console lines read (and each step line timestamped) as they come, and a run's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Iterable, Mapping, Optional, Sequence, Union
+from typing import IO, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEP_LINE = re.compile(r"(?:\[\w+\] )?step (\d+)/(\d+)")
@@ -151,6 +154,58 @@ class ChildRun:
 def run_train(argv: Sequence[str], env: Mapping[str, str], timeout: float) -> ChildRun:
     """``asyncrl ARGV`` (in the repository root) to its successful end: see :meth:`ChildRun.expect_success`."""
     return ChildRun(argv, env).expect_success(timeout)
+
+
+@contextlib.contextmanager
+def pinned(cpus: Optional[Iterable[int]]) -> Iterator[None]:
+    """The calling thread runs on ``cpus`` until the block ends (None: unchanged), so a process
+    started inside the block inherits that CPU affinity from its first instruction on (XLA sizes
+    its thread pools from the affinity it finds at start-up). Linux only (``os.sched_setaffinity``)."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def split_cpus(cpus: Optional[Iterable[int]] = None) -> tuple[list[int], list[int]]:
+    """``cpus`` (default: those this process may run on) as two halves, the first half the
+    smaller when the count is odd; fewer than 2 raises (nothing to split)."""
+    available = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if len(available) < 2:
+        raise RuntimeError(f"splitting the cores needs at least 2, this process may run on {available}")
+    half = len(available) // 2
+    return available[:half], available[half:]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS's pick)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_health(url: str, proc: subprocess.Popen, timeout: float, output: Callable[[], str],
+                    headers: Optional[Mapping[str, str]] = None) -> None:
+    """Poll ``GET {url}/health`` until it answers 200. The server process ``proc`` exiting first, or
+    ``timeout`` s passing, raises with ``output()`` (its console so far)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server for {url} exited {proc.returncode} before answering /health:\n{output()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", headers=dict(headers or {}), timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer /health within {timeout} s:\n{output()[-3000:]}")
 
 
 # --------------------------------------------------------------------------- metrics.jsonl

@@ -15,6 +15,9 @@ from typing import Any, Callable, Optional
 
 from tests.helpers import REPO_ROOT, subprocess_env
 
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+from runlib import wait_for_health  # noqa: E402  (the benchmarks' server wait, shared)
+
 API_KEY = "test-key"
 QUICKSTART = REPO_ROOT / "configs" / "quickstart.yaml"
 # The quickstart's engine, with a prefill bucket that holds a resubmitted prompt (prompt + partial output).
@@ -44,19 +47,7 @@ class Server:
                                      cwd=REPO_ROOT)
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"asyncrl serve exited {self.proc.returncode}:\n{self.log.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/health", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"asyncrl serve did not answer /health within {timeout} s:\n{self.log.read_text()}")
+        wait_for_health(self.url, self.proc, timeout, self.log.read_text, headers={"Authorization": f"Bearer {API_KEY}"})
 
     def kill(self) -> None:
         if self.proc.poll() is None:

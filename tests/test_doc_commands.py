@@ -139,9 +139,16 @@ def _bench_accel(_: Path, output: str) -> None:
 def _bench_vs_trl_dry(_: Path, output: str) -> None:
     result = json.loads(output.strip().splitlines()[-1])
     assert result["dry_run"] and result["asyncrl"]["rollout"]["max_staleness"] == 0, result
+    assert result["async_staleness"] == 2, result  # the asynchronous runs beside the synchronous one
     trl = result["trl"]
     assert trl["beta"] == 0.0 and trl["gradient_checkpointing"] is False and trl["lr_scheduler_type"] == "constant"
     assert trl["per_device_train_batch_size"] == 32 and trl["num_generations"] == result["asyncrl"]["rollout"]["group_size"]
+
+
+def _bench_async(_: Path, output: str) -> None:
+    from tests.test_perf_tools import assert_bench_async_line
+
+    assert_bench_async_line(json.loads(output.strip().splitlines()[-1]), ["colocated"], [0, 2])
 
 
 def _bench_reward_model(cwd: Path, output: str) -> None:
@@ -207,6 +214,14 @@ SLOW_CHAINS = {
         Step("python scripts/bench.py accel", ("--quick",), check=_bench_accel),
         # Needs TRL (the optional [compare] extra) and minutes per step: the dry form checks the two configs.
         Step("python scripts/bench_vs_trl.py", ("--dry-run",), check=_bench_vs_trl_dry),
+    ),
+    # docs/performance.md: bench_async on tiny, colocated (its split layout runs in tests/test_perf_tools.py)
+    "bench_async": (
+        Step("python scripts/bench_async.py", ("--model", "tiny", "--layouts", "colocated", "--staleness", "0", "2",
+                                                "--steps", "3", "--warmup", "1", "--prompts", "2", "--group", "2",
+                                                "--new", "8"), check=_bench_async),
+        Step("python scripts/bench_async.py --model tiny --staleness 0 2 --steps 3 --warmup 1 --prompts 2 --group 2 --new 8",
+             ("--layouts", "colocated", "--staleness", "0"), check=_bench_line("async")),
     ),
     # bench-40m swapped for tiny: the documented LoRA memory comparison, quick
     "lora_bench": (

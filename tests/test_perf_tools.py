@@ -1,9 +1,13 @@
 """Issue 19's measuring tools: the compilation cache of runs (where it goes, its switch, that it
-really caches small CPU programs) and the arithmetic of scripts/bench_rl.py and bench.py's engine and accel.
-The scripts themselves run in tests/test_doc_commands.py (their quick forms)."""
+really caches small CPU programs) and the arithmetic of scripts/bench_rl.py, bench_async.py,
+bench_vs_trl.py and bench.py's engine and accel. The scripts themselves run in
+tests/test_doc_commands.py (their quick forms); bench_async's split layout also here (slow)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +20,9 @@ from tests.helpers import REPO_ROOT, run_python, subprocess_env
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
+import bench_async  # noqa: E402
 import bench_rl  # noqa: E402
+import bench_vs_trl  # noqa: E402
 from bench_components import accel as bench_accel  # noqa: E402
 from bench_components import engine as bench_engine  # noqa: E402
 
@@ -87,6 +93,8 @@ def test_cache_switches_off_by_config_or_environment():
 
 
 CACHE_PROBE = """
+import json
+import subprocess
 import sys
 from pathlib import Path
 import jax, jax.numpy as jnp
@@ -162,3 +170,90 @@ def test_bench_accel_decode_floor_counts_weights_and_kv_cache():
     assert got["floor_ms_per_step"] == round(1e3 * got["bytes_per_step"] / 3.35e12, 3)
     assert got["vs_floor"] == pytest.approx(2.0 / got["floor_ms_per_step"], rel=1e-2)
     assert 490e6 < cfg.num_params() < 500e6  # Qwen2.5-0.5B: 494M
+
+
+# --------------------------------------------------------------------------- bench_async
+
+
+def test_bench_async_keeps_the_steps_after_warmup_and_takes_speedups_against_eta_0():
+    def rows(step_time: float, wait: float) -> list[dict]:
+        first = _row(1, **{"perf/step_time": 30.0, "perf/train_time": 20.0, "perf/publish_time": 5.0})  # compiles
+        return [first] + [_row(s, **{"perf/step_time": step_time, "perf/train_time": 2.0, "rollout/wait_s": wait,
+                                     "perf/publish_time": 0.1}) for s in (2, 3, 4)]
+
+    eta0 = bench_async.summarise(rows(4.0, 1.5), {1: 40.0, 2: 44.0, 3: 48.5, 4: 52.0}, warmup=1)
+    assert eta0["steps_kept"] == 3 and eta0["step_s"] == 4.0 and eta0["train_s"] == 2.0
+    assert eta0["rollout_wait_s"] == 1.5 and eta0["publish_s"] == 0.1 and eta0["wall_step_s"] == 4.0
+    eta2 = bench_async.summarise(rows(2.5, 0.2), {1: 40.0, 2: 42.5, 3: 45.0, 4: 47.5}, warmup=1)
+    runs = {0: eta0, 2: eta2}
+    layout = bench_async.layout_figures(runs)
+    assert runs[0]["speedup"] == 1.0 and runs[2]["speedup"] == round(4.0 / 2.5, 3)
+    ceiling = (2.0 + 1.5) / 2.0  # train + generation over the larger of the two, at eta 0
+    assert layout == {"generation_s": 1.5, "ceiling": ceiling, "speedup_of_ceiling": round(1.6 / ceiling, 3)}
+    checks = bench_async.targets({"split": {"eta0": eta0, "eta2": eta2, **layout}})
+    assert checks["split_eta2_speedup"] == {"value": 1.6, "min": 1.6, "pass": True}
+    assert checks["split_eta2_of_ceiling"]["pass"] is True  # 1.6 / 1.75 = 0.914 >= 0.9
+    assert checks["colocated_eta2_speedup"]["pass"] is None  # not run: unknown, not failed
+    with pytest.raises(ValueError, match="raise --steps above --warmup"):
+        bench_async.summarise(rows(4.0, 1.5)[:1], {}, warmup=1)
+
+
+def assert_bench_async_line(result: dict, layouts: list[str], etas: list[int]) -> None:
+    """A bench_async JSON line: every figure of every (layout, eta) asked for is a number."""
+    def number(value: object) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    assert result["bench"] == "async" and set(result["load_avg"]) == {"start", "end"}, result
+    assert number(result["machine"]["cpu_count"]) and number(result["machine"]["cpus_usable"]), result["machine"]
+    for layout in layouts:
+        figures = result["runs"][layout]
+        assert all(number(figures[name]) for name in ("generation_s", "ceiling", "speedup_of_ceiling")), figures
+        for eta in etas:
+            run = figures[f"eta{eta}"]
+            for name in ("step_s", "wall_step_s", "train_s", "rollout_wait_s", "publish_s", "speedup", "lag_max"):
+                assert number(run[name]) and run[name] >= 0, (layout, eta, name, run)
+            assert run["steps_kept"] >= 1 and run["lag_max"] <= eta, run
+    for name, check in result["targets"].items():
+        assert number(check["value"]) == (check["pass"] is not None), (name, check)
+    assert isinstance(result["ok"], bool), result
+
+
+@pytest.mark.slow  # two tiny runs beside an asyncrl serve each (about a minute on 2 busy cores)
+@pytest.mark.timeout(600)
+def test_bench_async_split_layout_smallest_run(tmp_path):
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "bench_async.py"), "--model", "tiny", "--layouts", "split",
+           "--staleness", "0", "2", "--steps", "3", "--warmup", "1", "--prompts", "2", "--group", "2", "--new", "8",
+           "--work-dir", str(tmp_path / "work"), "--weights-root", str(tmp_path / "published")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), cwd=REPO_ROOT, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # a missed target is reported, not an exit status
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert_bench_async_line(result, ["split"], [0, 2])
+    run = result["runs"]["split"]["eta2"]
+    assert sorted(run["engine_cpus"] + run["trainer_cpus"]) == sorted(os.sched_getaffinity(0))
+    assert not set(run["engine_cpus"]) & set(run["trainer_cpus"])
+    assert list((tmp_path / "published").iterdir()) == []  # each run's published versions removed after it
+
+
+# --------------------------------------------------------------------------- bench_vs_trl with eta 0 and 2
+
+
+def test_bench_vs_trl_reports_asyncrl_at_eta_0_and_the_async_eta_against_trl(monkeypatch, tmp_path):
+    made: list[int] = []
+
+    def fake_asyncrl(config_path, out, env, steps, staleness=0):
+        made.append(staleness)
+        return {"first_step_s": 9.0, "step_s": [4.0, 4.0] if staleness == 0 else [2.5, 2.5], "train_s": [3.0, 3.0]}
+
+    monkeypatch.setattr(bench_vs_trl, "run_asyncrl", fake_asyncrl)
+    monkeypatch.setattr(bench_vs_trl, "run_trl", lambda plan, env: {
+        "first_step_s": 20.0, "step_s": [10.0, 10.0], "trl": "x", "torch": "y", "torch_threads": 2})
+    args = bench_vs_trl.parse(["--rounds", "2"])
+    result = bench_vs_trl.compare(args, tmp_path / "c.yaml", tmp_path / "out", {}, tmp_path)
+    assert made == [0, 2, 0, 2]  # interleaved with TRL, each round
+    assert result["asyncrl_step_s"] == 4.0 and result["speedup"] == 2.5 and result["asyncrl_train_s"] == 3.0
+    assert result["asyncrl_async"] == {"max_staleness": 2, "step_s": 2.5, "speedup": 4.0, "train_s": 3.0,
+                                       "first_step_s": [9.0, 9.0]}
+    made.clear()
+    only_sync = bench_vs_trl.compare(bench_vs_trl.parse(["--rounds", "1", "--async-staleness", "0"]),
+                                     tmp_path / "c.yaml", tmp_path / "out", {}, tmp_path)
+    assert made == [0] and only_sync["asyncrl_async"] is None

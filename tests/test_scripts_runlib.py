@@ -4,6 +4,7 @@ metrics.jsonl read back (a torn last line of a file still being written, a broke
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -52,3 +53,17 @@ def test_read_metrics_reads_a_run_directory_and_names_a_broken_line(tmp_path):
         runlib.read_metrics(tmp_path / "missing")
     assert runlib.train_argv("c.yaml", ["a=1", "b=2"], "--resume") == ["train", "c.yaml", "--set", "a=1", "--set", "b=2",
                                                                        "--resume"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux-only")
+def test_a_child_started_while_pinned_runs_on_those_cores_and_the_parent_gets_its_own_back():
+    before = os.sched_getaffinity(0)
+    first, second = runlib.split_cpus(sorted(before)) if len(before) > 1 else ([min(before)], [min(before)])
+    with runlib.pinned(second):
+        run = runlib.ChildRun(["import os; print(sorted(os.sched_getaffinity(0)))"], runlib.child_env(), launch=PYTHON)
+    assert run.finish(timeout=60) == 0 and json.loads(run.output) == second
+    assert os.sched_getaffinity(0) == before
+    if len(before) > 1:
+        assert first and not set(first) & set(second) and sorted(first + second) == sorted(before)
+    with pytest.raises(RuntimeError, match="at least 2"):
+        runlib.split_cpus([0])
