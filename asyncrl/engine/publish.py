@@ -63,6 +63,8 @@ PUBLISH_DTYPES = ("bfloat16", "float16", "float32")
 """Dtypes weights may be published in (``engine.remote.dtype``)."""
 TENSOR_HASHES = "tensor_sha256"
 """Key under the index's ``metadata``: ``{tensor: sha256 hex of its published bytes}``."""
+ADAPTERS_DIR = "adapters"
+"""Under ``weights_dir``: the PEFT adapters of an adapter-only publish (:meth:`WeightsWriter.write_adapter`)."""
 GROUP_BYTES = 256 << 20
 """Published bytes moved by one gather program (bounds the transient device memory of a publish)."""
 
@@ -159,6 +161,40 @@ class WeightsWriter:
         path = self.weights_dir / f"v{version}"
         if me == 0:
             self._finish(partial, path, owners, count, itemsize, entries)
+        self.last_write_s = time.perf_counter() - started
+        return path
+
+    def write_adapter(self, adapters: Any, spec: Any, version: int) -> Path:
+        """``weights_dir/adapters/v{version}``: a PEFT LoRA adapter (``adapter_config.json`` +
+        ``adapter_model.safetensors`` in the published dtype, PEFT's names and ``[r, in]`` /
+        ``[out, r]`` layout) that SGLang's ``/load_lora_adapter`` and ``asyncrl serve`` apply to the
+        base published before. Megabytes instead of the model; written by the calling process
+        alone (adapters are small), complete or absent; older ones pruned to the newest ``keep``."""
+        from asyncrl.model.lora import PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, peft_config, peft_tensors
+
+        started = time.perf_counter()
+        root = self.weights_dir / ADAPTERS_DIR
+        partial, path = root / f".v{version}.partial", root / f"v{version}"
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir(parents=True)
+        tensors = peft_tensors(adapters)
+        dtype = _numpy_dtype(self.dtype)
+        sink = _ShardFile(partial / PEFT_WEIGHTS_FILE, [(name, tuple(t.shape)) for name, t in tensors.items()], self.dtype)
+        try:
+            for name, tensor in tensors.items():
+                sink.write(name, tensor.astype(dtype))
+            self.last_bytes = sink.close()
+        finally:
+            sink.discard()
+        config = peft_config(spec, "the base published before it (update_weights_from_disk)")
+        (partial / PEFT_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        if path.exists():
+            shutil.rmtree(path)
+        os.rename(partial, path)
+        kept = sorted((p for p in root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+        for old in kept[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
         self.last_write_s = time.perf_counter() - started
         return path
 

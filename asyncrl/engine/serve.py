@@ -27,9 +27,10 @@ Semantics that matter for exact per-token versions:
   A @ B``; the engine then serves the merged weights. Unlike SGLang, asyncrl serve applies one
   adapter at a time: a request naming the active adapter runs; one naming an adapter loaded
   earlier and since replaced comes back at once with no tokens and finish type ``abort`` (the
-  remote engine resubmits it under the new adapter, as after a pause); one naming no adapter while
-  one is active, or an unknown one, is refused (400). ``/update_weights_from_disk`` replaces the
-  base and drops every adapter.
+  remote engine resubmits it under the new adapter, as after a pause), and so does one naming no
+  adapter while one is applied (asyncrl serve holds no separate base to run it on); one naming an
+  unknown adapter is refused (400). ``/update_weights_from_disk`` replaces the base and drops every
+  adapter.
 * ``--api-key``: every endpoint needs ``Authorization: Bearer KEY`` (401 otherwise).
 * ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``: the OpenAI-compatible API of
   :mod:`asyncrl.agent.api` over the same engine (the model directory's tokenizer and chat
@@ -212,11 +213,7 @@ class ServeState:
             await self.resumed.wait()
         # No await between the pause check and the submits: a pause cannot slip in between.
         adapter = self.adapter_of(body)
-        if adapter is None and self.active_adapter is not None:
-            raise HTTPError(400, f"/generate: adapter {self.active_adapter!r} is applied to this server's weights, so a request "
-                                 "without lora_path cannot run on the base model (asyncrl serve applies one adapter at a time; "
-                                 "name it, or /unload_lora_adapter it)")
-        if adapter is not None and adapter != self.active_adapter:  # replaced since: cut at once, resubmitted under the new one
+        if adapter != self.active_adapter:  # not what the engine serves: cut at once, resubmitted under the active one
             return self.replaced(body, requests, adapter)
         try:
             futures = [None if r is None else asyncio.wrap_future(self.engine.submit(r)) for r, _ in requests]
@@ -232,8 +229,9 @@ class ServeState:
 
     # ------------------------------------------------------------------ control
 
-    def replaced(self, body: sp.GenerateReqInput, requests: list, adapter: str) -> Any:
-        """Every item of a request naming a replaced adapter: no tokens, finish type ``abort``."""
+    def replaced(self, body: sp.GenerateReqInput, requests: list, adapter: Optional[str]) -> Any:
+        """Every item of a request naming a replaced adapter (or none while one is applied): no
+        tokens, finish type ``abort``."""
         out = []
         for req, count in requests:
             for _ in range(count):
@@ -358,7 +356,7 @@ class ServeState:
 
         with safe_open(str(weights_file), framework="np") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-        adapters, scale = adapters_from_peft(tensors, config, self.layout, str(path))
+        adapters, scale = adapters_from_peft(tensors, config, self.layout, weights_file.name)
         base = self.base_params()
         merged = merge_lora(base, adapters, scale)
         version = self.engine.version + 1
