@@ -198,3 +198,72 @@ def test_a_wrong_adapter_is_refused_naming_the_tensor(served, model, damage, nee
     assert needle in answer.json()["error_message"], answer.json()["error_message"]
     assert server.state.engine.version == before and f"bad-{damage}" not in server.state.adapters  # nothing installed
     assert root.is_dir()
+
+
+@pytest.mark.slow  # ~30 s: a 3-step LoRA run on a server
+def test_a_lora_run_publishes_adapters_and_tags_every_token_with_its_version(tmp_path, monkeypatch):
+    """The quickstart with rank-4 adapters and ``publish_adapters``: the base is written once, each
+    later publish only an adapter, and every sampled token's log-prob is that of base + the adapter
+    of the version it is tagged with (1e-5), so per-token versions stay exact."""
+    import io
+    import threading
+
+    from safetensors.numpy import load_file
+
+    from asyncrl.config import load_config
+    from asyncrl.model import load_model, per_token_logprobs_jit
+    from asyncrl.model.hf import param_layout
+    from asyncrl.model.lora import adapters_from_peft
+    from asyncrl.run.loop import train
+
+    seen, lock = [], threading.Lock()
+    original = RemoteEngine._run
+
+    def run(self, request):
+        responses = original(self, request)
+        with lock:
+            seen.append((request, responses))
+        return responses
+
+    monkeypatch.setattr(RemoteEngine, "_run", run)
+    monkeypatch.setenv("ASYNCRL_TEST_API_KEY", API_KEY)
+    cfg0 = load_config(QUICKSTART, ["engine.prefill_buckets=[32]"])
+    loaded = load_model(cfg0.model)
+    out = tmp_path / "run"
+    weights = tmp_path / "weights" / "run"
+    with inprocess_servers(tmp_path, 1, loaded, cfg0) as started:
+        remote = json.dumps({"urls": [started[0].url], "weights_dir": str(weights), "keep_weights": 1000,
+                             "health_check_every_s": 0, "api_key_env": "ASYNCRL_TEST_API_KEY", "publish_adapters": True})
+        cfg = load_config(QUICKSTART, [f"run.output_dir={out}", f"engine.remote={remote}", "model.lora={rank: 4, alpha: 8}",
+                                       "stages.0.total_steps=1", "stages.1.total_steps=2", "eval.every_steps=0",
+                                       "checkpoint.every_steps=0"])
+        result = train(cfg, console=io.StringIO())
+    assert result.steps == 3
+    assert sorted(p.name for p in weights.glob("v*")) == ["v1"]  # the base, once
+    assert sorted(p.name for p in (weights / ADAPTERS_DIR).iterdir()) == ["v1", "v2", "v3"]
+
+    base = load_model(str(weights / "v1"), with_tokenizer=False)
+    graphdef, base_params = base.split()
+    layout = param_layout(base.config)
+    samples = [(list(req.prompt_ids), r) for req, responses in seen if not req.greedy for r in responses]
+    versions = sorted({int(v) for _, r in samples for v in r.versions})
+    assert versions and max(versions) >= 1
+    for version in versions:
+        if version == 0:
+            params = loaded.split()[1]
+        else:
+            adapter_dir = weights / ADAPTERS_DIR / f"v{version}"
+            tensors = load_file(str(adapter_dir / PEFT_WEIGHTS_FILE))
+            adapters, scale = adapters_from_peft(tensors, json.loads((adapter_dir / PEFT_CONFIG_FILE).read_text()), layout, "t")
+            params = merge_lora(base_params, adapters, scale)
+        tagged = [s for s in samples if version in s[1].versions][:16]
+        length = max(len(p) + len(r.output_ids) for p, r in tagged)
+        ids = np.zeros((len(tagged), length), np.int32)
+        mask = np.zeros((len(tagged), length), bool)
+        for i, (p, r) in enumerate(tagged):
+            seq = p + r.output_ids.tolist()
+            ids[i, : len(seq)], mask[i, : len(seq)] = seq, True
+        logprobs = np.asarray(per_token_logprobs_jit(graphdef, params, ids, mask, cfg.rollout.temperature)[0])
+        for i, (p, r) in enumerate(tagged):
+            at = np.flatnonzero(r.versions == version)
+            np.testing.assert_allclose(r.logprobs[at], logprobs[i, len(p) + at], atol=1e-5, err_msg=f"version {version}")
