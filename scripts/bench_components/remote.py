@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import shutil
 import statistics
 import sys
 import tempfile
@@ -219,4 +220,6 @@ def publish(args: argparse.Namespace) -> dict:
         remote.shutdown()
     finally:
         server.terminate(10)
+        shutil.rmtree(root, ignore_errors=True)  # /dev/shm is RAM: leave nothing behind
+        shutil.rmtree(tmp, ignore_errors=True)
     return {**out, **load_avg_since(load_start)}
