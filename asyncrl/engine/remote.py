@@ -61,6 +61,7 @@ from pydantic import ValidationError
 from asyncrl.config import RemoteEngineConfig
 from asyncrl.engine import sglang_protocol as sp
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
+from asyncrl.engine.publish import ADAPTERS_DIR
 from asyncrl.engine.remote_server import RemoteEngineError, RemoteEngineStartupError, RemoteServer, ServerUnavailable
 from asyncrl.errors import EngineClosed, EngineRequestError
 from asyncrl.registry import register
@@ -365,7 +366,15 @@ class RemoteEngine:
             return
         with self._update_lock:  # rejoin: load the current version first
             served = server.served_version(timeout=self.settings.connect_timeout_s, retries=0)
-            if served != self._version:
+            if served != self._version and self._adapter is not None and self._base_published is not None:
+                name, version = self._adapter  # adapter publishes: the base, then the current adapter
+                base = self.weights_dir / f"v{self._base_published}"
+                adapter = self.weights_dir / ADAPTERS_DIR / f"v{version}"
+                if not (base.is_dir() and adapter.is_dir()):
+                    return
+                self._retry(server, version, lambda: server.load_adapter(base, adapter, name, version, [], self.settings.pause_mode,
+                                                                         replace=True), rejoin=True)
+            elif served != self._version:
                 path = self.weights_dir / f"v{self._version}"
                 if not path.is_dir():
                     return

@@ -176,12 +176,13 @@ class RemoteServer:
 
 
     def load_adapter(self, base: Optional[Path], adapter: Path, name: str, version: int, unload: Sequence[str],
-                     pause_mode: sp.PauseMode) -> None:
+                     pause_mode: sp.PauseMode, replace: bool = False) -> None:
         """One try of an adapter-only publish: ``/pause_generation`` -> (``/update_weights_from_disk``
         of ``base`` as ``version``, the first time) -> ``/load_lora_adapter(name, adapter)`` ->
         ``/unload_lora_adapter`` of each of ``unload`` -> ``/continue_generation`` (always sent once
         paused). Requests then name ``name`` (:meth:`RemoteEngine._body`); the version of their tokens
-        is the adapter's. Raises like :meth:`load_weights`."""
+        is the adapter's. ``replace``: first unload ``name`` if the server still has it (a server
+        rejoining). Raises like :meth:`load_weights`."""
         started = time.monotonic()
         self.call("POST", "/pause_generation", sp.PauseGenerationReqInput(mode=pause_mode).model_dump())
         try:
@@ -191,6 +192,11 @@ class RemoteServer:
                     self.call("POST", "/update_weights_from_disk", body.model_dump(exclude_none=True)))
                 if not result.success:
                     raise EngineRequestError(f"{self.url}/update_weights_from_disk: {result.message}")
+            for old in [name] if replace else []:
+                try:
+                    self.call("POST", "/unload_lora_adapter", sp.UnloadLoRAAdapterReqInput(lora_name=old).model_dump())
+                except EngineRequestError:
+                    pass  # it did not have it: the usual case for a restarted server
             load = sp.LoadLoRAAdapterReqInput(lora_name=name, lora_path=str(adapter.resolve()))
             loaded = sp.LoRAUpdateOutput.model_validate(self.call("POST", "/load_lora_adapter", load.model_dump()))
             if not loaded.success:

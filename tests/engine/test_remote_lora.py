@@ -267,3 +267,22 @@ def test_a_lora_run_publishes_adapters_and_tags_every_token_with_its_version(tmp
         for i, (p, r) in enumerate(tagged):
             at = np.flatnonzero(r.versions == version)
             np.testing.assert_allclose(r.logprobs[at], logprobs[i, len(p) + at], atol=1e-5, err_msg=f"version {version}")
+
+
+def test_a_server_rejoining_during_adapter_publishes_gets_the_base_and_the_current_adapter(served, model):
+    tmp, server = served
+    _, loaded = model
+    _, base = loaded.split()
+    engine = engine_for(tmp, server, loaded, "bfloat16", "rejoin", version=int(server.state.label))
+    try:
+        for k in range(2):
+            engine.update_lora(base, trained_adapters(loaded, seed=k), SPEC, engine.version + 1)
+        remote = engine.servers[0]
+        engine._mark_unhealthy(remote, "test: it went away")
+        engine._check_one(remote)  # the health thread's rejoin: base, then the current adapter (unloaded first)
+        assert remote.healthy
+        assert server.state.active_adapter == adapter_name(engine.version) and server.state.label == str(engine.version)
+        out = engine.generate(GenerationRequest(prompt_ids=[5, 6, 7], max_new_tokens=3, stop_token_ids=[]))
+        assert out[0].versions.tolist() == [engine.version] * 3
+    finally:
+        engine.shutdown()
