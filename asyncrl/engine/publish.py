@@ -30,7 +30,8 @@ the index records them under ``metadata.tensor_sha256`` (each process leaves its
 ``.hashes-{process}.json`` beside its file; process 0 merges them into the index). ``asyncrl serve``
 reads only the tensors whose hash differs from what it serves (frozen LoRA base, embeddings of a
 layer-frozen run, anything unchanged): :class:`~asyncrl.engine.serve.ServeState`. Hashing is part of
-the publish (about 0.05 s per 100 MB on one core) and needs no state carried between publishes.
+the publish (sha256 of bench-40m's 83 MB in bfloat16: 0.06 s on one core of a 2-core EPYC) and needs no state
+carried between publishes.
 
 **Atomic.** Each process writes its file into ``weights_dir/.v{N}.partial`` (under a temporary
 name, then renamed); the processes then agree that every write succeeded (a failed write on any
