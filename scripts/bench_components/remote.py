@@ -21,6 +21,8 @@
 * ``lora_publish_s``: median wall time of ``update_lora`` with rank ``--lora-rank`` adapters on every
   linear layer after the first (base) publish: only the PEFT adapter written and loaded;
   ``lora_bytes``; ``lora_first_publish_s``: the first one, which writes the base too.
+* ``*_write_s`` / ``*_server_load_s``: the two halves of each (the trainer's write; pause + the
+  server's read and install + continue).
 * ``lora_over_full``: the ratio (issue 32's target: at most 0.1).
 * ``server_bytes_read``: what the server read on the last full and LoRA loads (its
   ``/get_server_info``).
@@ -193,25 +195,31 @@ def publish(args: argparse.Namespace) -> dict:
         settings = RemoteEngineConfig(urls=[server.url], health_check_every_s=0, publish_adapters=True)
         remote = RemoteEngine(settings, graphdef=graphdef, stop_token_ids=loaded.stop_token_ids, weights_dir=root / "run",
                               api_key=API_KEY, version=0)
-        full = []
+        full, parts = [], []
         for k in range(args.repeats + 1):
             new = jax.tree.map(lambda x, k=k: x * (1 + 1e-3 * (k + 1)), params)
             jax.block_until_ready(new)
             t0 = time.perf_counter()
             remote.update_weights(new, remote.version + 1)
             full.append(time.perf_counter() - t0)
+            parts.append((remote.writer.last_write_s, remote.metrics()["engine/pause_update_s"]))
         out["full_publish_s"] = statistics.median(full[1:])
+        out["full_write_s"] = statistics.median(p[0] for p in parts[1:])  # the trainer's write (cast, hash, file)
+        out["full_server_load_s"] = statistics.median(p[1] for p in parts[1:])  # pause + the server's read + install + continue
         out["full_bytes"] = remote.writer.last_bytes
         out.setdefault("server_bytes_read", {})["full"] = read_bytes()
         spec = LoraSpec(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
         lora = attach_lora(loaded.config, params, spec)
-        times = []
+        times, parts = [], []
         for k in range(args.repeats + 1):
             adapters = jax.tree.map(lambda x, k=k: x + 1e-3 * (k + 1), lora.adapters)
             jax.block_until_ready(adapters)
             t0 = time.perf_counter()
             remote.update_lora(params, adapters, spec, remote.version + 1)
             times.append(time.perf_counter() - t0)
+            parts.append((remote.writer.last_write_s, remote.metrics()["engine/pause_update_s"]))
+        out["lora_write_s"] = statistics.median(p[0] for p in parts[1:])
+        out["lora_server_load_s"] = statistics.median(p[1] for p in parts[1:])
         out["lora_first_publish_s"] = times[0]
         out["lora_publish_s"] = statistics.median(times[1:])
         out["lora_bytes"] = remote.writer.last_bytes
