@@ -594,10 +594,6 @@ class Run:
         has the servers load them; else process 0's in-process engine receives the weights."""
         started = time.perf_counter()
         remote = self.cfg.engine.remote
-        if remote is not None and remote.publish_adapters and trainer.lora is not None and self.hosts.multi \
-                and self.version == 0:
-            log.warning("engine.remote.publish_adapters: a run of several processes publishes the merged model "
-                        "(adapter-only publishes are written by one process)")
         if self.writer is not None and remote is not None and remote.publish_adapters and trainer.lora is not None \
                 and not self.hosts.multi:
             from asyncrl.engine.remote import RemoteEngine
