@@ -55,6 +55,14 @@ def _bench_line(name: str) -> Callable[[Path, str], None]:
     return check
 
 
+def _bench_publish(ws: Path, output: str) -> None:
+    """The publish bench's line: the adapter publish wrote fewer bytes, and the server read only them."""
+    _bench_line("remote")(ws, output)
+    result = json.loads(output.strip().splitlines()[-1])
+    assert result["weights_dir"] == "dev-shm" and 0 < result["lora_bytes"] < result["full_bytes"], result
+    assert result["server_bytes_read"]["lora"] == result["lora_bytes"] and result["lora_over_full"] > 0, result
+
+
 def _exists(*paths: str) -> Callable[[Path, str], None]:
     def check(ws: Path, _: str) -> None:
         missing = [p for p in paths if not (ws / p).exists()]
@@ -245,7 +253,13 @@ SLOW_CHAINS = {
         Step("asyncrl serve configs/quickstart.yaml --port 30000 --weights-root /shared/run1/weights "
              "--set engine.prefill_buckets=[32]", swap=(("--port 30000", "--port {port}"),
                                                         ("/shared/run1/weights", "{tmp}/weights"))),
+        # docs/remote.md "Cheaper publishes": the same server rooted in RAM (it only reads there).
+        Step("asyncrl serve configs/quickstart.yaml --port 30000 --weights-root /dev/shm/run1/weights "
+             "--set engine.prefill_buckets=[32]", swap=(("--port 30000", "--port {port}"),)),
     ),
+    # docs/remote.md "Cheaper publishes": full publish vs LoRA adapter publish, on tiny, once.
+    "bench_publish": (Step("python scripts/bench.py remote --publish-only --model bench-40m --lora-rank 8 --weights-dir /dev/shm",
+                           ("--model", "tiny", "--repeats", "1"), check=_bench_publish),),
     # tiny-qwen3 with the OpenAI-SDK calculator agent: 2 SFT steps, then 2 RL steps.
     "agents_train": (
         Step("asyncrl train configs/calculator_agent.yaml", ("--set", "stages.0.total_steps=2", "--set", "stages.1.total_steps=2"),

@@ -321,6 +321,8 @@ class RemoteEngineConfig(Section):
     """Where published weights are written (``v{N}`` sharded HF safetensors directories, every process writing its share); null: ``<run.output_dir>/weights``. Must be readable by the servers at the same path, and with several processes one directory for all of them (a shared file system; on one host ``/dev/shm/...`` skips the disk)."""
     keep_weights: int = Field(default=2, ge=1)
     """Weight versions kept on disk (older ones are removed after each publish)."""
+    publish_adapters: bool = False
+    """With ``model.lora``: publish the frozen base once, then only the LoRA adapters (PEFT format, megabytes) through the servers' ``/load_lora_adapter``, each request naming its adapter (docs/remote.md). SGLang must run with ``--enable-lora --max-lora-rank R --lora-target-modules ...``; ``asyncrl serve`` needs nothing. Needs ``model.lora``; one-process runs only (refused with ``mesh.distributed.enabled``); off: every publish writes the merged model."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Dtype of the published weights (``config.json``'s ``dtype`` says it): the servers' serving dtype. bfloat16 halves a float32 trainer's publish; the servers then generate with the trainer's weights rounded to bfloat16 (the rollouts' log-probs are the servers', so the loss sees that rounding as off-policy drift)."""
     connect_timeout_s: float = Field(default=5.0, gt=0)

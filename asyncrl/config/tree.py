@@ -199,6 +199,12 @@ class Config(Section):
                 "placement.engine / engine.tensor_parallel: place the in-process engine; with engine.remote set "
                 "generation runs on the servers, so leave both at their defaults"
             )
+        if engine.remote is not None and engine.remote.publish_adapters and self.model.lora is None:
+            problems.append("engine.remote.publish_adapters: needs model.lora (without adapters there is nothing but the "
+                            "whole model to publish); set model.lora or drop publish_adapters")
+        if engine.remote is not None and engine.remote.publish_adapters and self.mesh.distributed.enabled:
+            problems.append("engine.remote.publish_adapters: one-process runs only (the adapters are written by one "
+                            "process); with mesh.distributed.enabled drop publish_adapters (the merged model is published)")
         rollout_decoding, eval_decoding = self.rollout.decoding, self.eval.decoding
         if rollout_decoding.strategy != "sample":
             problems.append(

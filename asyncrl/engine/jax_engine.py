@@ -287,6 +287,12 @@ class JaxEngine:
     def version(self) -> int:
         return self._version
 
+    @property
+    def served_params(self) -> Any:
+        """The params of :attr:`version` as placed on the engine's devices (read-only: ``asyncrl serve``
+        reuses the leaves a new version leaves unchanged instead of reading them again)."""
+        return self._params
+
     def generate(self, request: GenerationRequest) -> list[GenerationResponse]:
         return self.submit(request).result()
 

@@ -24,6 +24,19 @@ kept), then (:meth:`RemoteEngine.load_version`) on every healthy server: ``/paus
 retried ``update_retries`` times, then marked unhealthy. A health thread re-admits a server that
 answers again once it has loaded the current version.
 
+Adapters (``engine.remote.publish_adapters`` with ``model.lora``; :meth:`RemoteEngine.update_lora`).
+The first publish writes the frozen base once (the same sharded directory, unmerged) and each
+publish writes only the adapters, ``weights/adapters/vN`` in PEFT's format (megabytes); every
+healthy server gets ``/pause_generation`` -> (``/update_weights_from_disk`` of the base, the first
+time) -> ``/load_lora_adapter(lora_name="asyncrl-vN")`` -> ``/unload_lora_adapter`` of all but the
+previous adapter -> ``/continue_generation``. Each ``/generate`` names the newest adapter in
+``lora_path``, and its tokens carry that adapter's version, so per-token versions stay exact
+(a request held across the swap still names the previous adapter, which is still loaded; one sent
+without an adapter that the server ran on the bare base, labelled with the base's version, is
+discarded and resubmitted under the adapter). A full
+publish (:meth:`update_weights`, a resumed run's first version) goes back to serving merged weights
+and the next adapter publish writes the base again.
+
 Log-probs are the server's (``log softmax(logits / T)`` of the sampled token, before top-k/top-p;
 temperature 0 is greedy). SGLang must run without ``SGLANG_RETURN_ORIGINAL_LOGPROB``.
 
@@ -48,6 +61,7 @@ from pydantic import ValidationError
 from asyncrl.config import RemoteEngineConfig
 from asyncrl.engine import sglang_protocol as sp
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
+from asyncrl.engine.publish import ADAPTERS_DIR
 from asyncrl.engine.remote_server import RemoteEngineError, RemoteEngineStartupError, RemoteServer, ServerUnavailable
 from asyncrl.errors import EngineClosed, EngineRequestError
 from asyncrl.registry import register
@@ -130,6 +144,11 @@ class RemoteEngine:
             for i, url in enumerate(settings.urls)
         ]
         self._version = int(version)
+        self._adapter: Optional[tuple[str, int]] = None
+        """``(lora_name, version)`` that new requests name; None: plain weights."""
+        self._loaded_adapters: list[str] = []
+        self._base_published: Optional[int] = None
+        """The version label of the unmerged base the servers hold (the first adapter publish wrote it)."""
         self._lock = threading.Condition()
         self._update_lock = threading.Lock()
         self._closed = False
@@ -189,6 +208,48 @@ class RemoteEngine:
         with self._update_lock:
             self._version = version  # new segments are checked against it from now on
             self._update_all(path, version)
+            self._adapter, self._base_published = None, None
+
+    def update_lora(self, base_params: Any, adapters: Any, spec: Any, version: int) -> None:
+        """Publish version ``version`` as LoRA adapters on the base (module docstring): the base
+        once (the first time, or after a full publish), then the adapters alone. ``base_params``:
+        the frozen base (the trainer's ``base_params``); ``adapters``: ``{...: {"lora": {"lora_a",
+        "lora_b"}}}``; ``spec``: the :class:`~asyncrl.model.lora.LoraSpec`. One process writes
+        (multi-process runs publish merged weights)."""
+        if version != self._version + 1:
+            raise ValueError(f"update_lora: version must be {self._version + 1} (engine serves {self._version}), given {version}")
+        with self._update_lock:
+            base = None if self._base_published is not None else self.write_weights(base_params, version)
+            assert self.writer is not None  # write_weights made it
+            adapter = self.writer.write_adapter(adapters, spec, version)
+            name = adapter_name(version)
+            unload = self._loaded_adapters[:-1]
+            self._version = version
+            started = time.monotonic()
+            healthy = self._require_healthy(f"publishing adapter version {version}")
+            errors: list[BaseException] = []
+
+            def load(server: RemoteServer) -> None:
+                try:
+                    self._retry(server, version, lambda: server.load_adapter(base, adapter, name, version, unload,
+                                                                             self.settings.pause_mode))
+                except BaseException as err:  # noqa: BLE001 - re-raised on the trainer's thread below
+                    errors.append(err)
+
+            threads = [threading.Thread(target=load, args=(s,), name="asyncrl-remote-update", daemon=True) for s in healthy]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+            if base is not None:
+                self._base_published = version
+            self._loaded_adapters = [n for n in self._loaded_adapters if n not in unload] + [name]
+            self._adapter = (name, version)
+            self._count("swaps", 1)
+            self._stats.last_update_s = time.monotonic() - started
+            self._require_healthy(f"publishing adapter version {version}")
 
     # ------------------------------------------------------------------ lifecycle, metrics
 
@@ -305,7 +366,15 @@ class RemoteEngine:
             return
         with self._update_lock:  # rejoin: load the current version first
             served = server.served_version(timeout=self.settings.connect_timeout_s, retries=0)
-            if served != self._version:
+            if served != self._version and self._adapter is not None and self._base_published is not None:
+                name, version = self._adapter  # adapter publishes: the base, then the current adapter
+                base = self.weights_dir / f"v{self._base_published}"
+                adapter = self.weights_dir / ADAPTERS_DIR / f"v{version}"
+                if not (base.is_dir() and adapter.is_dir()):
+                    return
+                self._retry(server, version, lambda: server.load_adapter(base, adapter, name, version, [], self.settings.pause_mode,
+                                                                         replace=True), rejoin=True)
+            elif served != self._version:
                 path = self.weights_dir / f"v{self._version}"
                 if not path.is_dir():
                     return
@@ -358,10 +427,14 @@ class RemoteEngine:
     def _update_one(self, server: RemoteServer, path: Path, version: int, rejoin: bool = False) -> None:
         """pause -> update_weights_from_disk -> continue -> check (:meth:`RemoteServer.load_weights`),
         retried; else out of rotation."""
+        self._retry(server, version, lambda: server.load_weights(path, version, self.settings.pause_mode), rejoin)
+
+    def _retry(self, server: RemoteServer, version: int, load: Any, rejoin: bool = False) -> None:
+        """``load()`` (one try of a server's update), retried ``update_retries`` times; else out of rotation."""
         error = ""
         for attempt in range(self.settings.update_retries + 1):
             try:
-                server.load_weights(path, version, self.settings.pause_mode)
+                load()
                 if rejoin:
                     with self._lock:
                         server.healthy, server.cause = True, ""
@@ -412,7 +485,8 @@ class RemoteEngine:
     def _segment(self, server: RemoteServer, request: GenerationRequest, samples: list[_Sample], todo: list[int],
                  deadline: Optional[float]) -> None:
         """One ``/generate`` call for the unfinished samples ``todo``; appends what came back."""
-        body = self._body(request, samples, todo)
+        adapter = self._adapter
+        body = self._body(request, samples, todo, adapter)
         submitted_version = server.version
         timeout = self.settings.read_timeout_s if deadline is None else max(0.1, min(self.settings.read_timeout_s, deadline - time.monotonic()))
         started = time.monotonic()
@@ -426,10 +500,13 @@ class RemoteEngine:
         if len(items) != len(todo):
             raise RemoteEngineError(f"{server.url}/generate: {len(items)} answers for {len(todo)} prompts")
         for i, item in zip(todo, items):
-            version = self._segment_version(server, item, submitted_version)
+            if adapter is None and self._ran_on_bare_base(item):
+                item = _discarded(item)  # no tokens, finish abort: resubmitted under the adapter
+            version = self._segment_version(server, item, submitted_version) if adapter is None else adapter[1]
             self._append(request, samples[i], item, version, server)
 
-    def _body(self, request: GenerationRequest, samples: list[_Sample], todo: list[int]) -> sp.GenerateReqInput:
+    def _body(self, request: GenerationRequest, samples: list[_Sample], todo: list[int],
+              adapter: Optional[tuple[str, int]] = None) -> sp.GenerateReqInput:
         prompts, params = [], []
         for i in todo:
             s = samples[i]
@@ -446,7 +523,19 @@ class RemoteEngine:
                                                request.turn + s.segments * SEGMENT_TURN_STRIDE]},
             ))
             s.segments += 1
-        return sp.GenerateReqInput(input_ids=prompts, sampling_params=params, return_logprob=True)
+        return sp.GenerateReqInput(input_ids=prompts, sampling_params=params, return_logprob=True,
+                                   lora_path=adapter[0] if adapter is not None else None)
+
+    def _ran_on_bare_base(self, item: sp.GenerateItem) -> bool:
+        """A request sent without an adapter that a server ran on the base of an adapter publish
+        (its label is the base's version or later): its tokens are of no trainer version."""
+        base = self._base_published
+        if base is None:
+            return False
+        try:
+            return sp.parse_version_label(item.meta_info.weight_version, "") >= base
+        except ValueError:
+            return False
 
     def _segment_version(self, server: RemoteServer, item: sp.GenerateItem, submitted: int) -> int:
         where = f"{server.url}/generate"
@@ -487,6 +576,18 @@ class RemoteEngine:
             self._count("aborted", 1)
         else:
             self._count("resubmits", 1)  # cut by a pause: resubmitted with its tokens so far
+
+
+def _discarded(item: sp.GenerateItem) -> sp.GenerateItem:
+    """``item`` with its tokens dropped and finish type ``abort`` (so it is resubmitted)."""
+    meta = item.meta_info.model_copy(update={"output_token_logprobs": [], "completion_tokens": 0,
+                                             "finish_reason": sp.FinishReason(type="abort", message="ran on the bare LoRA base")})
+    return item.model_copy(update={"output_ids": [], "meta_info": meta})
+
+
+def adapter_name(version: int) -> str:
+    """The ``lora_name`` of the adapter of trainer version ``version`` (what requests give as ``lora_path``)."""
+    return f"asyncrl-v{int(version)}"
 
 
 def _cut_at_stop_sequence(sample: _Sample, request: GenerationRequest, start: int) -> bool:

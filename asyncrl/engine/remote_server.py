@@ -11,16 +11,19 @@ rotation and the order of a weight publish are the engine's (:mod:`asyncrl.engin
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 from pydantic import ValidationError
 
 from asyncrl.engine import sglang_protocol as sp
 from asyncrl.errors import AsyncRLError, EngineCrashed, EngineRequestError
+
+logger = logging.getLogger("asyncrl.engine.remote")
 
 
 class RemoteEngineError(EngineCrashed):
@@ -172,6 +175,43 @@ class RemoteServer:
         self.version = version
 
 
+    def load_adapter(self, base: Optional[Path], adapter: Path, name: str, version: int, unload: Sequence[str],
+                     pause_mode: sp.PauseMode, replace: bool = False) -> None:
+        """One try of an adapter-only publish: ``/pause_generation`` -> (``/update_weights_from_disk``
+        of ``base`` as ``version``, the first time) -> ``/load_lora_adapter(name, adapter)`` ->
+        ``/unload_lora_adapter`` of each of ``unload`` -> ``/continue_generation`` (always sent once
+        paused). Requests then name ``name`` (:meth:`RemoteEngine._body`); the version of their tokens
+        is the adapter's. ``replace``: first unload ``name`` if the server still has it (a server
+        rejoining). Raises like :meth:`load_weights`."""
+        started = time.monotonic()
+        self.call("POST", "/pause_generation", sp.PauseGenerationReqInput(mode=pause_mode).model_dump())
+        try:
+            if base is not None:
+                body = sp.UpdateWeightFromDiskReqInput(model_path=str(base.resolve()), weight_version=sp.version_label(version))
+                result = sp.UpdateWeightFromDiskReqOutput.model_validate(
+                    self.call("POST", "/update_weights_from_disk", body.model_dump(exclude_none=True)))
+                if not result.success:
+                    raise EngineRequestError(f"{self.url}/update_weights_from_disk: {result.message}")
+            for old in [name] if replace else []:
+                try:
+                    self.call("POST", "/unload_lora_adapter", sp.UnloadLoRAAdapterReqInput(lora_name=old).model_dump())
+                except EngineRequestError:
+                    pass  # it did not have it: the usual case for a restarted server
+            load = sp.LoadLoRAAdapterReqInput(lora_name=name, lora_path=str(adapter.resolve()))
+            loaded = sp.LoRAUpdateOutput.model_validate(self.call("POST", "/load_lora_adapter", load.model_dump()))
+            if not loaded.success:
+                raise EngineRequestError(f"{self.url}/load_lora_adapter: {loaded.error_message}")
+            for old in unload:  # an adapter the server no longer holds (a restart) is not an error
+                try:
+                    self.call("POST", "/unload_lora_adapter", sp.UnloadLoRAAdapterReqInput(lora_name=old).model_dump())
+                except EngineRequestError as err:
+                    logger.warning("%s: unloading adapter %s: %s", self.url, old, err)
+        finally:
+            self.call("POST", "/continue_generation", {})
+        self.update_s.append(time.monotonic() - started)
+        self.version = version
+
+
 def _message(answer: Any) -> str:
     """The error text of a non-200 answer (SGLang/asyncrl serve JSON, or the raw body)."""
     try:
@@ -184,4 +224,6 @@ def _message(answer: Any) -> str:
             return str(err["message"])
         if "message" in data:
             return str(data["message"])
+        if data.get("error_message"):
+            return str(data["error_message"])
     return str(data)[:300]

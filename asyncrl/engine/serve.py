@@ -13,6 +13,24 @@ Semantics that matter for exact per-token versions:
   when the caller did not), so every answer's tokens come from one set of weights, named by its
   ``meta_info.weight_version``. It loads only directories under ``--weights-root`` (403 otherwise;
   no root: updates are refused).
+* ``/update_weights_from_disk`` re-reads only what changed: a publish's index carries each
+  tensor's sha256 (``metadata.tensor_sha256``, :mod:`asyncrl.engine.publish`); a tensor whose hash
+  equals that of the tensor this server loaded last is kept as it is on the device (a LoRA run's
+  frozen base, embeddings, norms that did not move), the others are read. An index without hashes
+  (a plain HF checkpoint) is read whole. ``/get_server_info`` reports ``serve/tensors_read``,
+  ``serve/bytes_read`` and ``serve/tensors_kept`` of the last load. (A tied ``lm_head`` is not a
+  tensor of its own: it is read once, as the embedding.)
+* LoRA (SGLang's ``/load_lora_adapter``, ``/unload_lora_adapter`` and ``/generate``'s ``lora_path``;
+  see :mod:`asyncrl.engine.sglang_protocol`): a PEFT adapter directory under ``--weights-root`` is
+  checked against the model (every tensor names a linear layer, has its A/B partner and the
+  shape of ``r``; else 400 naming the tensor) and applied to the base weights, ``W + (alpha / r) *
+  A @ B``; the engine then serves the merged weights. Unlike SGLang, asyncrl serve applies one
+  adapter at a time: a request naming the active adapter runs; one naming an adapter loaded
+  earlier and since replaced comes back at once with no tokens and finish type ``abort`` (the
+  remote engine resubmits it under the new adapter, as after a pause), and so does one naming no
+  adapter while one is applied (asyncrl serve holds no separate base to run it on); one naming an
+  unknown adapter is refused (400). ``/update_weights_from_disk`` replaces the base and drops every
+  adapter.
 * ``--api-key``: every endpoint needs ``Authorization: Bearer KEY`` (401 otherwise).
 * ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``: the OpenAI-compatible API of
   :mod:`asyncrl.agent.api` over the same engine (the model directory's tokenizer and chat
@@ -85,6 +103,17 @@ class ServeState:
         self.weights_root = weights_root.resolve() if weights_root is not None else None
         self.api_key = api_key
         self.labels: dict[int, str] = {engine.version: weight_version}
+        self.held_digests: dict[str, str] = {}
+        """sha256 of each HF tensor of the base weights, from the index of the publish they came from
+        (empty at start: the model directory's tensors carry none)."""
+        self.base: Optional[dict] = None
+        """The base params adapters apply to (None: the engine's served params, no adapter active)."""
+        self.adapters: dict[str, int] = {}
+        """lora_name -> the engine version that serves it merged into the base."""
+        self.active_adapter: Optional[str] = None
+        self.load_figures = {"serve/tensors_read": 0.0, "serve/bytes_read": 0.0, "serve/tensors_kept": 0.0}
+        """Of the last ``/update_weights_from_disk`` (``/get_server_info``)."""
+        self._layout: Optional[dict] = None
         self.paused = False
         # Replaced on the server's loop by loop_objects() (asyncio primitives bind to one loop).
         self.resumed = asyncio.Event()
@@ -183,6 +212,9 @@ class ServeState:
         while self.paused:  # held while paused, like SGLang; then run on the new weights
             await self.resumed.wait()
         # No await between the pause check and the submits: a pause cannot slip in between.
+        adapter = self.adapter_of(body)
+        if adapter != self.active_adapter:  # not what the engine serves: cut at once, resubmitted under the active one
+            return self.replaced(body, requests, adapter)
         try:
             futures = [None if r is None else asyncio.wrap_future(self.engine.submit(r)) for r, _ in requests]
         except EngineRequestError as err:
@@ -197,6 +229,19 @@ class ServeState:
 
     # ------------------------------------------------------------------ control
 
+    def replaced(self, body: sp.GenerateReqInput, requests: list, adapter: Optional[str]) -> Any:
+        """Every item of a request naming a replaced adapter (or none while one is applied): no
+        tokens, finish type ``abort``."""
+        out = []
+        for req, count in requests:
+            for _ in range(count):
+                meta = sp.MetaInfo(id=f"asyncrl-{next(self.rids)}", prompt_tokens=len(req.prompt_ids) if req is not None else 0,
+                                   completion_tokens=0, weight_version=self.label, output_token_logprobs=[],
+                                   finish_reason=sp.FinishReason(type="abort", message=f"adapter {adapter!r} was replaced by "
+                                                                 f"{self.active_adapter!r}: resubmit under it"))
+                out.append(sp.GenerateItem(text="", output_ids=[], meta_info=meta).model_dump(exclude_none=True))
+        return out if body.is_batch or len(out) != 1 else out[0]
+
     async def pause(self) -> None:
         self.paused = True
         self.resumed.clear()
@@ -206,12 +251,12 @@ class ServeState:
         self.paused = False
         self.resumed.set()
 
-    def check_path(self, model_path: str) -> Path:
+    def check_path(self, model_path: str, what: str = "/update_weights_from_disk") -> Path:
         if self.weights_root is None:
-            raise HTTPError(403, "/update_weights_from_disk: this server was started without --weights-root, so it loads no weights")
+            raise HTTPError(403, f"{what}: this server was started without --weights-root, so it loads no weights")
         path = Path(model_path).resolve()
         if path != self.weights_root and self.weights_root not in path.parents:
-            raise HTTPError(403, f"/update_weights_from_disk: {model_path} is outside the weights root {self.weights_root} (--weights-root)")
+            raise HTTPError(403, f"{what}: {model_path} is outside the weights root {self.weights_root} (--weights-root)")
         return path
 
     async def update(self, body: sp.UpdateWeightFromDiskReqInput) -> dict:
@@ -229,13 +274,131 @@ class ServeState:
                     self.resume()
         return sp.UpdateWeightFromDiskReqOutput(success=True, message=f"loaded {path} as weight_version {self.label}").model_dump()
 
-    def load_and_install(self, path: Path, label: Optional[str]) -> None:
-        from asyncrl.model.hf import params_from_hf, read_safetensors
+    @property
+    def layout(self) -> dict:
+        """:func:`~asyncrl.model.hf.param_layout` of the served model (traced once, on first use)."""
+        if self._layout is None:
+            from asyncrl.model.hf import param_layout
 
-        params = params_from_hf(self.model_cfg, read_safetensors(path), str(path))
+            self._layout = param_layout(self.model_cfg)
+        return self._layout
+
+    def base_params(self) -> dict:
+        return self.base if self.base is not None else self.engine.served_params
+
+    def load_and_install(self, path: Path, label: Optional[str]) -> None:
+        """Install the weights of ``path`` as the next engine version, reading only the tensors
+        whose published hash differs from the one this server holds (module docstring)."""
+        from asyncrl.engine.publish import TENSOR_HASHES
+        from asyncrl.model.hf import SAFETENSORS_INDEX, params_from_hf, read_safetensors
+
+        digests: dict[str, str] = {}
+        names: list[str] = []
+        index = path / SAFETENSORS_INDEX
+        if index.is_file():
+            try:
+                raw = json.loads(index.read_text())
+                names = list(raw["weight_map"])
+                digests = dict(raw.get("metadata", {}).get(TENSOR_HASHES) or {})
+            except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"{index}: not a valid safetensors index ({err})") from None
+        held = self.base_params()
+        keep: dict[str, Any] = {}
+        for keys, (hf_name, _, _) in self.layout.items():
+            if hf_name in digests and self.held_digests.get(hf_name) == digests[hf_name]:
+                leaf: Any = held
+                for k in keys:
+                    leaf = leaf[k]
+                keep[hf_name] = leaf
+        tensors = read_safetensors(path, only=None if not keep else [n for n in names if n not in keep])
+        params = params_from_hf(self.model_cfg, tensors, str(path), keep=keep)
         version = self.engine.version + 1
         self.labels[version] = label if label is not None else self.label
         self.engine.update_weights(params, version)
+        self.held_digests = digests
+        self.base, self.adapters, self.active_adapter = None, {}, None
+        self.load_figures = {"serve/tensors_read": float(len(tensors)), "serve/tensors_kept": float(len(keep)),
+                             "serve/bytes_read": float(sum(int(t.nbytes) for t in tensors.values()))}
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    async def load_adapter(self, body: sp.LoadLoRAAdapterReqInput) -> dict:
+        path = self.check_path(body.lora_path, "/load_lora_adapter")
+        async with self.update_lock:
+            was_paused = self.paused
+            if not was_paused:
+                await self.pause()
+            try:
+                await asyncio.to_thread(self.apply_adapter, body.lora_name, path)
+            except (OSError, ValueError, AsyncRLError) as err:
+                return sp.LoRAUpdateOutput(success=False, error_message=f"failed to load adapter {body.lora_name!r} from "
+                                           f"{path}: {err}").model_dump(exclude_none=True)
+            finally:
+                if not was_paused:
+                    self.resume()
+        return sp.LoRAUpdateOutput(success=True, loaded_adapters=dict.fromkeys(self.adapters, "")).model_dump(exclude_none=True)
+
+    def apply_adapter(self, name: str, path: Path) -> None:
+        """Check the PEFT adapter at ``path`` against the model and serve ``base + adapter``."""
+        from asyncrl.model.lora import PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, adapters_from_peft, merge_lora
+
+        if name in self.adapters:
+            raise ValueError(f"lora_name {name!r} is already loaded (unload it first, or load under a new name)")
+        config_file, weights_file = path / PEFT_CONFIG_FILE, path / PEFT_WEIGHTS_FILE
+        for file in (config_file, weights_file):
+            if not file.is_file():
+                raise ValueError(f"{file} does not exist (a PEFT adapter directory holds {PEFT_CONFIG_FILE} and {PEFT_WEIGHTS_FILE})")
+        try:
+            config = json.loads(config_file.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{config_file}: not JSON ({err})") from None
+        from safetensors import safe_open
+
+        with safe_open(str(weights_file), framework="np") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        adapters, scale = adapters_from_peft(tensors, config, self.layout, weights_file.name)
+        base = self.base_params()
+        merged = merge_lora(base, adapters, scale)
+        version = self.engine.version + 1
+        self.labels[version] = self.label  # an adapter does not change the base's weight_version (as in SGLang)
+        self.engine.update_weights(merged, version)
+        self.base = base
+        self.adapters[name] = version
+        self.active_adapter = name
+        self.load_figures = {"serve/tensors_read": float(len(tensors)), "serve/tensors_kept": 0.0,
+                             "serve/bytes_read": float(sum(int(t.nbytes) for t in tensors.values()))}
+
+    async def unload_adapter(self, body: sp.UnloadLoRAAdapterReqInput) -> dict:
+        if body.lora_name not in self.adapters:
+            raise HTTPError(400, f"/unload_lora_adapter: lora_name {body.lora_name!r} is not loaded "
+                                 f"(loaded: {', '.join(self.adapters) or 'none'})")
+        async with self.update_lock:
+            if body.lora_name == self.active_adapter:  # back to the base weights, as SGLang serves requests without one
+                was_paused = self.paused
+                if not was_paused:
+                    await self.pause()
+                try:
+                    version = self.engine.version + 1
+                    self.labels[version] = self.label
+                    await asyncio.to_thread(self.engine.update_weights, self.base_params(), version)
+                    self.base, self.active_adapter = None, None
+                finally:
+                    if not was_paused:
+                        self.resume()
+            del self.adapters[body.lora_name]
+        return sp.LoRAUpdateOutput(success=True, loaded_adapters=dict.fromkeys(self.adapters, "")).model_dump(exclude_none=True)
+
+    def adapter_of(self, body: sp.GenerateReqInput) -> Optional[str]:
+        """The one adapter a ``/generate`` body names (None: none); 400 for several or an unknown one."""
+        names = body.lora_path if isinstance(body.lora_path, list) else [body.lora_path]
+        if len(set(names)) > 1:
+            raise HTTPError(400, f"/generate: lora_path names {sorted(set(map(str, names)))}: asyncrl serve applies one adapter "
+                                 "at a time, so one request names one")
+        name = names[0] if names else None
+        if name is not None and name not in self.adapters:
+            raise HTTPError(400, f"/generate: lora_path {name!r} is not a loaded adapter (loaded: "
+                                 f"{', '.join(self.adapters) or 'none'}; POST /load_lora_adapter first)")
+        return name
 
 
 # --------------------------------------------------------------------------- the app
@@ -317,6 +480,12 @@ def _handlers(state: ServeState, parse: Any) -> dict[str, tuple[Any, list[str]]]
     async def update(request: Request) -> Any:
         return await state.update(await parse(request, sp.UpdateWeightFromDiskReqInput, "/update_weights_from_disk"))
 
+    async def load_lora(request: Request) -> Any:
+        return await state.load_adapter(await parse(request, sp.LoadLoRAAdapterReqInput, "/load_lora_adapter"))
+
+    async def unload_lora(request: Request) -> Any:
+        return await state.unload_adapter(await parse(request, sp.UnloadLoRAAdapterReqInput, "/unload_lora_adapter"))
+
     async def abort(request: Request) -> Any:
         body = await parse(request, sp.AbortReq, "/abort_request")
         if not body.abort_all:
@@ -337,7 +506,8 @@ def _handlers(state: ServeState, parse: Any) -> dict[str, tuple[Any, list[str]]]
                             weight_version=state.label).model_dump()
 
     async def server_info(request: Request) -> Any:
-        return {"weight_version": state.label, "paused": state.paused, **state.engine.metrics()}
+        return {"weight_version": state.label, "paused": state.paused, "lora_adapters": sorted(state.adapters),
+                "active_lora_adapter": state.active_adapter, **state.load_figures, **state.engine.metrics()}
 
     async def openai_route(request: Request) -> Any:
         from starlette.responses import JSONResponse
@@ -372,6 +542,8 @@ def _handlers(state: ServeState, parse: Any) -> dict[str, tuple[Any, list[str]]]
         "/pause_generation": (pause, ["POST"]),
         "/continue_generation": (resume, ["POST"]),
         "/update_weights_from_disk": (update, ["POST"]),
+        "/load_lora_adapter": (load_lora, ["POST"]),
+        "/unload_lora_adapter": (unload_lora, ["POST"]),
         "/abort_request": (abort, ["POST"]),
         "/flush_cache": (flush_cache, ["GET", "POST"]),
         "/health": (health, ["GET"]),

@@ -20,6 +20,8 @@ endpoint                              request                                  r
 ``POST /pause_generation``            :class:`PauseGenerationReqInput`         anything (SGLang: empty)
 ``POST /continue_generation``         :class:`ContinueGenerationReqInput`      anything
 ``POST /update_weights_from_disk``    :class:`UpdateWeightFromDiskReqInput`    :class:`UpdateWeightFromDiskReqOutput`
+``POST /load_lora_adapter``           :class:`LoadLoRAAdapterReqInput`         :class:`LoRAUpdateOutput`
+``POST /unload_lora_adapter``         :class:`UnloadLoRAAdapterReqInput`       :class:`LoRAUpdateOutput`
 ``POST /abort_request``               :class:`AbortReq`                        anything
 ``POST /flush_cache``                 (none)                                   anything
 ``GET /health``                       (none)                                   200 when serving
@@ -38,6 +40,15 @@ Conventions that matter for RL (from the same documents):
 * ``meta_info.finish_reason`` is ``{"type": "stop", "matched": id_or_str}``,
   ``{"type": "length", "length": n}`` or ``{"type": "abort", "message": ...}`` (a request cut by
   ``/pause_generation`` in mode ``abort`` comes back with the tokens it had and type ``abort``).
+* LoRA (SGLang's ``docs/advanced_features/lora.md``, "Dynamic LoRA loading", and ``io_struct.py``'s
+  ``LoadLoRAAdapterReqInput {lora_name, lora_path, pinned, lora_id}``,
+  ``UnloadLoRAAdapterReqInput {lora_name, lora_id}``, answered by ``LoRAUpdateResult {success,
+  error_message, loaded_adapters}``): the server must run with ``--enable-lora`` (and
+  ``--max-lora-rank``, ``--lora-target-modules`` when no adapter is given at start); ``lora_path``
+  is a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``, tensors named
+  ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``); a ``/generate`` request runs
+  under the adapter its ``lora_path`` field names (one name, or one per prompt; the *name* given at
+  load). Loading an adapter does not change ``weight_version``.
 * ``weight_version`` is a string label the server reports in ``meta_info`` and ``/get_model_info``;
   asyncrl uses ``str(N)`` for trainer version ``N``.
 """
@@ -102,6 +113,8 @@ class GenerateReqInput(_Request):
     """Detokenise the tokens in the log-prob triples (asyncrl never asks)."""
     rid: Optional[Union[str, list[str]]] = None
     """Request id(s), for ``/abort_request``."""
+    lora_path: Optional[Union[str, list[Optional[str]]]] = None
+    """The LoRA adapter to run under (the ``lora_name`` it was loaded as), one for all prompts or one per prompt."""
     stream: Literal[False] = False
     """asyncrl never streams."""
 
@@ -185,6 +198,32 @@ class UpdateWeightFromDiskReqOutput(_Response):
     success: bool
     message: str = ""
     num_paused_requests: int = 0
+
+
+class LoadLoRAAdapterReqInput(_Request):
+    """Body of ``POST /load_lora_adapter``."""
+
+    lora_name: str = Field(min_length=1)
+    """The name ``/generate`` requests give as ``lora_path``."""
+    lora_path: str = Field(min_length=1)
+    """The PEFT adapter directory."""
+    pinned: bool = False
+    """SGLang: keep it in GPU memory (asyncrl serve holds one applied adapter anyway)."""
+
+
+class UnloadLoRAAdapterReqInput(_Request):
+    """Body of ``POST /unload_lora_adapter``."""
+
+    lora_name: str = Field(min_length=1)
+
+
+class LoRAUpdateOutput(_Response):
+    """Answer of ``/load_lora_adapter`` and ``/unload_lora_adapter`` (SGLang ``LoRAUpdateResult``)."""
+
+    success: bool
+    error_message: Optional[str] = None
+    loaded_adapters: Optional[dict[str, Any]] = None
+    """``{lora_name: lora_path}`` of the adapters loaded after the call (SGLang)."""
 
 
 class AbortReq(_Request):

@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, Collection, NamedTuple, Optional
 
 from asyncrl.errors import ModelError
 from asyncrl.model.config import DecoderConfig, from_hf_config, hf_config_from_dict, to_hf_config
@@ -82,10 +82,11 @@ def read_hf_config(model_dir: Path) -> Any:
 # --------------------------------------------------------------------------- tensors
 
 
-def read_safetensors(model_dir: Path) -> dict[str, Any]:
-    """All tensors of a directory as host numpy arrays (bf16 stays bf16, as ml_dtypes'
-    bfloat16): sharded or single file. Read as numpy, not as jax arrays: safetensors' flax
-    reader runs a jax program per tensor shape (a compile or cache load each at start-up)."""
+def read_safetensors(model_dir: Path, only: Optional[Collection[str]] = None) -> dict[str, Any]:
+    """All tensors of a directory (or the names in ``only``; a shard holding none of them is not
+    opened) as host numpy arrays (bf16 stays bf16, as ml_dtypes' bfloat16): sharded or single
+    file. Read as numpy, not as jax arrays: safetensors' flax reader runs a jax program per tensor
+    shape (a compile or cache load each at start-up)."""
     from safetensors import safe_open
 
     index = model_dir / SAFETENSORS_INDEX
@@ -94,7 +95,7 @@ def read_safetensors(model_dir: Path) -> dict[str, Any]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ModelError(f"{index}: not a valid safetensors index ({err})") from err
-        files = sorted(set(weight_map.values()))
+        files = sorted({f for n, f in weight_map.items() if only is None or n in only})
     elif (model_dir / SAFETENSORS_FILE).is_file():
         files = [SAFETENSORS_FILE]
     else:
@@ -111,7 +112,8 @@ def read_safetensors(model_dir: Path) -> dict[str, Any]:
         try:
             with safe_open(str(file), framework="np") as f:
                 for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
+                    if only is None or key in only:
+                        tensors[key] = f.get_tensor(key)
         except ModelError:
             raise
         except Exception as err:
@@ -142,8 +144,12 @@ def param_layout(cfg: DecoderConfig, abstract: Any = None) -> dict[tuple, tuple[
     return layout
 
 
-def params_from_hf(cfg: DecoderConfig, tensors: dict[str, Any], source: str, abstract: Any = None) -> dict:
+def params_from_hf(cfg: DecoderConfig, tensors: dict[str, Any], source: str, abstract: Any = None,
+                   keep: Optional[dict[str, Any]] = None) -> dict:
     """Our pure params dict from HF tensors; one ModelError lists every problem.
+
+    ``keep``: ``{HF name: our leaf}`` already on the device in our layout and dtype (what a server
+    serves), used as is for a name not in ``tensors`` (``asyncrl serve`` re-reads only changed tensors).
 
     Casts and transposes run in numpy on the host (bfloat16 through ml_dtypes), then each array
     is put on the device once: as jax operations each tensor shape was a program of its own to
@@ -159,6 +165,12 @@ def params_from_hf(cfg: DecoderConfig, tensors: dict[str, Any], source: str, abs
     missing, mis_shaped = [], []
     params: dict = {}
     for keys, (hf_name, transposed, shape) in layout.items():
+        if hf_name not in tensors and keep is not None and hf_name in keep:
+            node = params
+            for k in keys[:-1]:
+                node = node.setdefault(k, {})
+            node[keys[-1]] = keep[hf_name]
+            continue
         if hf_name not in tensors:
             missing.append(hf_name)
             continue

@@ -367,3 +367,60 @@ def check_same_base(saved: Optional[dict], current: dict[str, str], where: str) 
             f"{saved['base_hash']}, but model.path {current['base_model_path']} now has content hash "
             f"{current['base_hash']}; point model.path at the original base weights"
         )
+
+
+# --------------------------------------------------------------------------- PEFT import (a server's adapter load)
+
+PEFT_PREFIX = "base_model.model."
+
+
+def adapters_from_peft(tensors: dict[str, Any], config: dict[str, Any], layout: dict, source: str) -> tuple[dict, float]:
+    """``(adapters, scale)`` from a PEFT LoRA adapter (``adapter_model.safetensors`` tensors and
+    ``adapter_config.json``) for the model whose :func:`~asyncrl.model.hf.param_layout` is
+    ``layout``: the inverse of :func:`peft_tensors`, for a server applying an adapter to its base
+    (``W + scale * A @ B``). One :class:`~asyncrl.errors.ModelError` names every tensor that names no
+    linear layer of the model, lacks its A or B partner, or has the wrong shape."""
+    from asyncrl.errors import ModelError
+
+    for flag in ("use_rslora", "use_dora"):
+        if config.get(flag):
+            raise ModelError(f"{source}: adapter_config.json sets {flag}, which asyncrl does not apply (plain LoRA only)")
+    try:
+        rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ModelError(f"{source}: adapter_config.json needs integer 'r' and number 'lora_alpha' ({err})") from None
+    # "model.layers.0.self_attn.q_proj.weight" -> (our path of the linear layer, our kernel shape [in, out])
+    linears = {hf_name[: -len(".weight")]: (keys[:-1], shape) for keys, (hf_name, transposed, shape) in layout.items()
+               if transposed and keys[-1] == "kernel"}
+    pairs: dict[str, dict[str, Any]] = {}
+    problems = []
+    for name, tensor in tensors.items():
+        module, _, part = name.rpartition(".lora_")
+        if not name.startswith(PEFT_PREFIX) or part not in ("A.weight", "B.weight"):
+            problems.append(f"{name}: not a PEFT LoRA tensor name ({PEFT_PREFIX}<module>.lora_A.weight / .lora_B.weight)")
+            continue
+        module = module[len(PEFT_PREFIX):]
+        if module not in linears:
+            problems.append(f"{name}: {module} is no linear layer of this model")
+            continue
+        pairs.setdefault(module, {})[part[0]] = tensor
+    for module, pair in sorted(pairs.items()):
+        in_features, out_features = linears[module][1]  # our kernel [in, out]
+        wanted = {"A": (rank, in_features), "B": (out_features, rank)}
+        for part, shape in wanted.items():
+            name = f"{PEFT_PREFIX}{module}.lora_{part}.weight"
+            if part not in pair:
+                problems.append(f"{name}: missing (its lora_{'B' if part == 'A' else 'A'} partner is there)")
+            elif tuple(pair[part].shape) != shape:
+                problems.append(f"{name}: shape {list(pair[part].shape)}, the model with r={rank} needs {list(shape)}")
+    if not pairs and not problems:
+        problems.append("no LoRA tensors")
+    if problems:
+        raise ModelError(f"{source}: the adapter does not fit the served model:\n  " + "\n  ".join(problems))
+    adapters: dict = {}
+    for module, pair in pairs.items():
+        node = adapters
+        for key in linears[module][0]:
+            node = node.setdefault(key, {})
+        node[ADAPTER_KEY] = {"lora_a": np.asarray(pair["A"], np.float32).T, "lora_b": np.asarray(pair["B"], np.float32).T}
+    return adapters, alpha / rank

@@ -593,7 +593,14 @@ class Run:
         With ``engine.remote`` every process writes its share of the version's files, then process 0
         has the servers load them; else process 0's in-process engine receives the weights."""
         started = time.perf_counter()
-        if self.writer is not None:
+        remote = self.cfg.engine.remote
+        if self.writer is not None and remote is not None and remote.publish_adapters and trainer.lora is not None \
+                and not self.hosts.multi:
+            from asyncrl.engine.remote import RemoteEngine
+
+            assert isinstance(self.engine, RemoteEngine), "a weights writer is built for engine.remote only"
+            self.engine.update_lora(trainer.base_params, trainer.params, trainer.lora, self.version + 1)  # adapters only
+        elif self.writer is not None:
             path = self.writer.write(trainer.params_for_publish(), self.version + 1)
             if self.engine is not None:
                 from asyncrl.engine.remote import RemoteEngine

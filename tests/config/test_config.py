@@ -173,3 +173,19 @@ def test_dump_round_trip_with_stages(tmp_path):
     path = tmp_path / "resolved.yaml"
     path.write_text(dump_config(cfg))
     assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ((), "engine.remote.publish_adapters: needs model.lora"),
+    (("model.lora={rank: 4, alpha: 8}", "mesh.distributed.enabled=true"), "engine.remote.publish_adapters: one-process runs only"),
+])
+def test_adapter_publishes_need_lora_and_one_process(extra, needle):
+    import json
+
+    from tests.helpers import REPO_ROOT
+
+    quickstart = REPO_ROOT / "configs" / "quickstart.yaml"
+    remote = json.dumps({"urls": ["http://127.0.0.1:30000"], "publish_adapters": True})
+    with pytest.raises(ConfigError, match=needle):
+        load_config(quickstart, [f"engine.remote={remote}", *extra])
+    load_config(quickstart, [f"engine.remote={remote}", "model.lora={rank: 4, alpha: 8}"])

@@ -3,6 +3,7 @@ directory in the servers' dtype, each process writing the tensors it owns, compl
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from asyncrl.engine import sglang_protocol as sp
-from asyncrl.engine.publish import PublishError, WeightsWriter, assign_owners, shard_file_name
+from asyncrl.engine.publish import TENSOR_HASHES, PublishError, WeightsWriter, assign_owners, shard_file_name
 from asyncrl.model.hf import SAFETENSORS_INDEX, hf_tensors_from_params, read_safetensors
 from tests.helpers import REPO_ROOT, subprocess_env
 from tests.remote_helpers import API_KEY, QUICKSTART, free_port, inprocess_servers
@@ -119,6 +120,9 @@ def test_two_processes_each_write_their_own_tensors_and_a_server_loads_them(tmp_
         assert reports[pid]["bytes"] == sum(v.nbytes for v in owned.values()) > 0
         for name, value in owned.items():
             assert np.array_equal(value, reference[name]), name
+            # each owner hashed what it wrote; process 0 merged both processes' hashes into the index
+            assert index["metadata"][TENSOR_HASHES][name] == hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+    assert not list(path.glob(".hashes-*"))  # the sidecars are gone
     total = sum(r["bytes"] for r in reports)
     assert max(r["bytes"] for r in reports) < 0.75 * total  # each process wrote its share, not everything
 
