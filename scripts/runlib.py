@@ -19,13 +19,14 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import IO, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+
+from asyncrl.cluster.launch import free_port  # noqa: F401  (the bench scripts take it from here)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEP_LINE = re.compile(r"(?:\[\w+\] )?step (\d+)/(\d+)")
@@ -180,13 +181,6 @@ def split_cpus(cpus: Optional[Iterable[int]] = None) -> tuple[list[int], list[in
         raise RuntimeError(f"splitting the cores needs at least 2, this process may run on {available}")
     half = len(available) // 2
     return available[:half], available[half:]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the OS's pick)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for_health(url: str, proc: subprocess.Popen, timeout: float, output: Callable[[], str],

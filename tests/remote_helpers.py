@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from asyncrl.cluster.launch import free_port
 from tests.helpers import REPO_ROOT, subprocess_env
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
@@ -22,12 +22,6 @@ API_KEY = "test-key"
 QUICKSTART = REPO_ROOT / "configs" / "quickstart.yaml"
 # The quickstart's engine, with a prefill bucket that holds a resubmitted prompt (prompt + partial output).
 SERVE_SETTINGS = ["--set", "engine.prefill_buckets=[32]"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Server:

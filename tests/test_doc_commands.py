@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import pytest
 
+from asyncrl.cluster.launch import free_port
 from tests.helpers import REPO_ROOT, subprocess_env
 
 SHELL_FENCES = ("bash", "sh", "shell", "console")
@@ -420,7 +421,7 @@ def test_documented_commands_run(name, chain, workspace, monkeypatch, capsys):
 def _run(step: Step, ws: Path, capsys) -> str:
     command = step.command
     for documented, local in step.swap:
-        command = command.replace(documented, local.format(port=_free_port(), tmp=ws, mp_port=_mp_port()))
+        command = command.replace(documented, local.format(port=free_port(), tmp=ws, mp_port=_mp_port()))
     argv = shlex.split(command)
     background = argv[-1] == "&"
     argv = argv[:-1] + list(step.quick) if background else argv + list(step.quick)
@@ -448,12 +449,6 @@ def _run(step: Step, ws: Path, capsys) -> str:
     return proc.stdout
 
 
-def _free_port() -> int:
-    from tests.remote_helpers import free_port
-
-    return free_port()
-
-
 _MP_PORT: list[int] = []
 _BACKGROUND: list[subprocess.Popen] = []
 
@@ -461,7 +456,7 @@ _BACKGROUND: list[subprocess.Popen] = []
 def _mp_port() -> int:
     """The coordinator port of the documented multi-process run (one for all its commands)."""
     if not _MP_PORT:
-        _MP_PORT.append(_free_port())
+        _MP_PORT.append(free_port())
     return _MP_PORT[0]
 
 

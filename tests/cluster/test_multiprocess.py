@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import yaml
 
 from asyncrl.checkpoint import checkpoint_problems, checkpoints_root, latest_checkpoint, load_checkpoint, step_dir_name
 from asyncrl.cluster.distributed import resolved_distributed
+from asyncrl.cluster.launch import free_port
 from asyncrl.config.sections import DistributedConfig
 from asyncrl.errors import ConfigError
 from asyncrl.run.multihost import pack_block, split_rows, unpack_block
@@ -106,11 +106,6 @@ def test_split_keeps_groups_whole_pads_every_block_alike_and_the_packing_round_t
 # ---------------------------------------------------------------------------- runs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _config(tmp_path: Path, name: str, **sections: Any) -> Path:
     cfg = {key: dict(value) for key, value in BASE.items() if isinstance(value, dict)}
@@ -128,7 +123,7 @@ def _config(tmp_path: Path, name: str, **sections: Any) -> Path:
 
 def _start(config: Path, processes: int, devices: int, *args: str) -> list[subprocess.Popen]:
     """``asyncrl train CONFIG`` as ``processes`` JAX processes of ``devices`` CPU devices each."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for pid in range(processes):
         env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_FLAGS}",

@@ -6,7 +6,6 @@ or two JAX processes on loopback with gloo collectives.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from asyncrl.cluster.launch import free_port
 from tests.helpers import REPO_ROOT, run_python, subprocess_env
 
 MESH_CODE = """
@@ -78,17 +78,12 @@ print("done", pid)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow  # 15 s cold: two JAX processes with gloo; the 8-device mesh test stays in the default selection
 @pytest.mark.timeout(150)
 def test_two_processes_compute_the_single_process_step(tmp_path):
     out = tmp_path / "two.npz"
-    port = str(_free_port())
+    port = str(free_port())
     env = subprocess_env()
     env.pop("XLA_FLAGS", None)
     procs = [
