@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -233,10 +233,11 @@ def _read_tree(tree_dir: Path, layout: Any, template: Mapping[str, Any]) -> dict
         if store.dtype.numpy_dtype != dtype:
             store = ts.cast(store, dtype)
         sharding = getattr(leaf, "sharding", None)
+        reads: list[tuple[tuple, Optional[list]]]  # (the block's slices, the devices holding it; None: host)
         if isinstance(sharding, jax.sharding.Sharding):
-            by_index: dict[tuple, list] = collections.defaultdict(list)
+            by_index: dict[tuple, list] = collections.defaultdict(list)  # a replicated block is read once
             for device, index in sharding.addressable_devices_indices_map(shape).items():
-                by_index[tuple((s.start, s.stop) for s in _slices(index, shape))].append(device)
+                by_index[tuple((s.start, s.stop) for s in _slices(tuple(index or ()), shape))].append(device)
             reads = [(tuple(slice(a, b) for a, b in bounds), devices) for bounds, devices in by_index.items()]
         else:
             reads = [(tuple(slice(0, n) for n in shape), None)]
