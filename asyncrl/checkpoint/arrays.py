@@ -141,11 +141,14 @@ def saved_arrays(directory: Path, name: str) -> dict[str, SavedArray]:
     return {key: SavedArray(entry.shape, entry.dtype) for key, entry in _unnest(tree).items()}
 
 
-READ_WINDOW_BYTES = 16 << 20
-"""Bytes of shards a restore reads ahead of placing them on their devices. Each shard is read into
-a host buffer of its own and copied into the device buffer the restored array keeps, so a
-restore's host memory above the restored arrays is about this window (measured by
-scripts/bench_scale.py; docs/checkpoints.md, "Memory per host"), not a second copy of the tree."""
+READ_WINDOW_BYTES = 4 << 20
+"""Bytes of shards a restore reads ahead of placing them on their devices (a larger shard is read
+alone). Each shard is read into a host buffer of its own and copied into the device buffer the
+restored array keeps, so a restore's host memory above the restored arrays is this window plus
+the shard being placed (its host buffer, tensorstore's copy of the chunk it decodes), not a
+second copy of the tree (measured by scripts/bench_scale.py: docs/scaling.md). 4 MiB: reading
+one shard at a time peaked 10-30 MB lower per process than a 16 MiB window (4 processes, 54 MB
+of params each); small arrays (norms, biases) are still read together."""
 
 
 def restore(directory: Path, name: str, template: Mapping[str, Any]) -> dict[str, Any]:
