@@ -201,8 +201,10 @@ def place_like(template_leaf: Any, value: Any) -> Any:
     sharding = getattr(template_leaf, "sharding", None)
     if sharding is None:
         return jax.numpy.asarray(value)
-    if isinstance(value, jax.Array) and value.sharding == sharding:
-        return value  # already placed (a checkpoint restored shard by shard onto this sharding)
+    if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim):
+        # already placed (a checkpoint restored shard by shard onto this sharding, or one spelled
+        # differently: P() and P(None, None) are one layout); never gathered to the host again
+        return value
     if jax.process_count() == 1 or sharding.is_fully_addressable:
         return jax.device_put(value, sharding)
     host = to_host(value)

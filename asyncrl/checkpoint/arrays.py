@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -141,10 +141,138 @@ def saved_arrays(directory: Path, name: str) -> dict[str, SavedArray]:
     return {key: SavedArray(entry.shape, entry.dtype) for key, entry in _unnest(tree).items()}
 
 
+READ_WINDOW_BYTES = 4 << 20
+"""Bytes of shards a restore reads ahead of placing them on their devices (a larger shard is read
+alone). Each shard is read into a host buffer of its own and copied into the device buffer the
+restored array keeps, so a restore's host memory above the restored arrays is this window plus
+the shard being placed (its host buffer, tensorstore's copy of the chunk it decodes), not a
+second copy of the tree (measured by scripts/bench_scale.py: docs/scaling.md). 4 MiB: reading
+one shard at a time peaked 10-30 MB lower per process than a 16 MiB window (4 processes, 54 MB
+of params each); small arrays (norms, biases) are still read together."""
+
+
 def restore(directory: Path, name: str, template: Mapping[str, Any]) -> dict[str, Any]:
     """Tree ``name`` as ``{key: array}``, each read onto the template leaf's sharding (a
-    ``jax.Array`` leaf: only the shards this process holds are read) or as a numpy array
-    (any other leaf). The caller checked keys, shapes and dtypes against :func:`saved_arrays`."""
+    ``jax.Array`` or ``jax.ShapeDtypeStruct`` with a sharding: only the shards this process holds
+    are read) or as a numpy array (any other leaf). The caller checked keys, shapes and dtypes
+    against :func:`saved_arrays`.
+
+    The arrays are read with tensorstore from the OCDBT/zarr files Orbax wrote (the layout its
+    ``_METADATA`` names), one shard into one host buffer, at most :data:`READ_WINDOW_BYTES` ahead
+    of their copy onto the device. Orbax's own reader (kept for a layout this one does not read)
+    holds every shard of the tree twice on a CPU host (its read buffer and the device copy) and
+    left the restore's peak at 2.4 x the restored tree (docs/scaling.md)."""
+    tree_dir = Path(directory).absolute() / name
+    layout = _layout(tree_dir)
+    if layout is None:
+        return _restore_with_orbax(directory, name, template)
+    return _read_tree(tree_dir, layout, template)
+
+
+def _layout(tree_dir: Path) -> Any:
+    """``(zarr driver, {array name: value type})`` of a tree Orbax wrote on OCDBT, from its
+    ``_METADATA`` JSON; None for any other layout (read by Orbax itself)."""
+    import json
+
+    try:
+        meta = json.loads((tree_dir / "_METADATA").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("use_ocdbt") is not True or not isinstance(meta.get("tree_metadata"), dict):
+        return None
+    types = {}
+    for entry in meta["tree_metadata"].values():
+        try:
+            parts = [str(k["key"]) for k in entry["key_metadata"]]
+            types[".".join(parts)] = entry["value_metadata"]["value_type"]
+        except (KeyError, TypeError):
+            return None
+    if any(kind not in ("jax.Array", "np.ndarray") for kind in types.values()):
+        return None
+    return ("zarr3" if meta.get("use_zarr3") else "zarr"), types
+
+
+def _read_tree(tree_dir: Path, layout: Any, template: Mapping[str, Any]) -> dict[str, Any]:
+    import collections
+
+    import jax
+    import tensorstore as ts
+
+    driver, types = layout
+    context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+    base = tree_dir.as_uri() + "/"
+    shards: dict[str, list] = collections.defaultdict(list)
+    pending: collections.deque = collections.deque()
+    in_flight = 0
+
+    def place_oldest() -> None:
+        nonlocal in_flight
+        future, nbytes, key, devices, buffer, where = pending.popleft()
+        try:
+            future.result()
+        except ValueError as err:
+            raise CheckpointError(f"{where}: cannot read {key!r} ({err})") from err
+        if devices is None:
+            shards[key].append(buffer)
+        for device in devices or ():  # a copy the device owns (a train step may donate it)
+            shards[key].append(jax.device_put(buffer, jax.sharding.SingleDeviceSharding(device), may_alias=False))
+        in_flight -= nbytes
+
+    for key, leaf in template.items():
+        stored = key.replace("/", ".")
+        where = f"{tree_dir}"
+        if stored not in types:
+            raise CheckpointError(f"{where}: no array {key!r} in the checkpoint's Orbax metadata")
+        dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else None
+        shape = tuple(leaf.shape) if hasattr(leaf, "shape") else ()
+        try:
+            store = ts.open({"driver": driver, "kvstore": {"driver": "ocdbt", "base": base, "path": stored},
+                             "recheck_cached_data": False, "recheck_cached_metadata": False,
+                             "fill_missing_data_reads": False}, open=True, context=context).result()
+        except ValueError as err:
+            raise CheckpointError(f"{where}: cannot open {key!r} ({err})") from err
+        if dtype is None:
+            dtype = store.dtype.numpy_dtype
+        if store.dtype.numpy_dtype != dtype:
+            store = ts.cast(store, dtype)
+        sharding = getattr(leaf, "sharding", None)
+        reads: list[tuple[tuple, Optional[list]]]  # (the block's slices, the devices holding it; None: host)
+        if isinstance(sharding, jax.sharding.Sharding):
+            by_index: dict[tuple, list] = collections.defaultdict(list)  # a replicated block is read once
+            for device, index in sharding.addressable_devices_indices_map(shape).items():
+                by_index[tuple((s.start, s.stop) for s in _slices(tuple(index or ()), shape))].append(device)
+            reads = [(tuple(slice(a, b) for a, b in bounds), devices) for bounds, devices in by_index.items()]
+        else:
+            reads = [(tuple(slice(0, n) for n in shape), None)]
+        for index, devices in reads:
+            domain = ts.IndexDomain(shape=shape)[ts.d[:][index]] if shape else ts.IndexDomain(shape=())
+            buffer = np.empty(domain.shape, dtype)
+            future = ts.array(buffer)[ts.d[:].translate_to[domain.origin]].write(store[domain]) if shape else \
+                ts.array(buffer).write(store)
+            pending.append((future, buffer.nbytes, key, devices, buffer, where))
+            in_flight += buffer.nbytes
+            del buffer
+            while in_flight > READ_WINDOW_BYTES and pending:
+                place_oldest()
+    while pending:
+        place_oldest()
+    out: dict[str, Any] = {}
+    for key, leaf in template.items():
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.Sharding):
+            out[key] = jax.make_array_from_single_device_arrays(tuple(leaf.shape), sharding, shards.pop(key))
+        else:
+            out[key] = shards.pop(key)[0]
+    return out
+
+
+def _slices(index: tuple, shape: tuple) -> list[slice]:
+    """``index`` (a shard's slices, possibly open-ended) as closed slices over ``shape``."""
+    return [slice(*s.indices(n)[:2]) for s, n in zip(tuple(index) + (slice(None),) * (len(shape) - len(index)), shape)]
+
+
+def _restore_with_orbax(directory: Path, name: str, template: Mapping[str, Any]) -> dict[str, Any]:
+    """Orbax's own reader (:func:`restore` for a layout other than Orbax's OCDBT trees)."""
     import jax
     import orbax.checkpoint as ocp
 

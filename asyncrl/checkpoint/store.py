@@ -690,6 +690,11 @@ class SavedTrees(Mapping[str, dict[str, np.ndarray]]):
                                 checkpoint_arrays.restore(directory, name, saved).items()}
         return self._read[name]
 
+    def __contains__(self, name: object) -> bool:
+        # Mapping's own ``in`` indexes the tree, which read it whole to this host and kept it:
+        # every restore (Checkpoint.tree checks the name first) held the whole tree beside its shards.
+        return name in self.names
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 

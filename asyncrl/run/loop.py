@@ -750,8 +750,11 @@ def _stage_trainer(run: Run, stage: Stage) -> Trainer:
     resume inside the stage, the saved one (its start weights are then the KL reference)."""
     from asyncrl.trainer import Trainer
 
+    # On a resume the optimizer state is only described (shapes and shardings) and read straight
+    # from the checkpoint: a freshly initialised one would sit beside the restored one.
     trainer = Trainer(stage.cfg, run.train_graphdef, stage.start_params, mesh=run.mesh, version=run.version,
-                      objective=stage.type, frozen=run.frozen, critic=run.critic_model)
+                      objective=stage.type, frozen=run.frozen, critic=run.critic_model,
+                      state_from_checkpoint=stage.done is not None)
     if stage.done is not None:
         _load_trainer_state(trainer, run.resumed_inside(stage))
     return trainer

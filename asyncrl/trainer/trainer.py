@@ -27,6 +27,8 @@ from asyncrl.trainer.step import (
     CriticSpec,
     HashedGraphDef,
     StepSpec,
+    abstract_critic_opt_state,
+    abstract_opt_state,
     compile_count,
     critic_step_flops,
     init_critic_opt_state,
@@ -117,13 +119,18 @@ class Trainer:
     adapters on the same base (for a first stage: the base model, adapters off);
     :meth:`params_for_publish` merges ``W + (alpha / r) * A @ B`` for the engine, and
     :meth:`trainable_params` hands the adapters to the next stage.
+
+    ``state_from_checkpoint=True`` (a resume): the optimizer states are only described
+    (``jax.ShapeDtypeStruct`` leaves with their shardings, :func:`~asyncrl.trainer.step.abstract_opt_state`),
+    never initialised, so the restored state is the only one the process holds;
+    :meth:`load_state_dict` must fill them before :meth:`step` or :meth:`state_dict`.
     """
 
     OBJECTIVES = ("rl", "sft")
 
     def __init__(
         self, cfg: Any, graphdef: Any, params: Any, *, mesh: Any = None, version: int = 0, objective: str = "rl",
-        frozen: Any = None, constraint: Any = None, critic: Any = None,
+        frozen: Any = None, constraint: Any = None, critic: Any = None, state_from_checkpoint: bool = False,
     ):
         from flax import nnx
 
@@ -174,7 +181,10 @@ class Trainer:
         self.params = _place(params, self.param_shardings)
         # The reference is the initial weights (never donated, like every parameter).
         self.ref_params = self.params if (self.algo.needs_reference and not sft) else None
-        self.opt_state = init_opt_state(self.params, optim=self.optim, spec=self.spec)
+        self.state_from_checkpoint = state_from_checkpoint
+        """True until :meth:`load_state_dict` fills the optimizer states this trainer only described."""
+        init = abstract_opt_state if state_from_checkpoint else init_opt_state
+        self.opt_state = init(self.params, optim=self.optim, spec=self.spec)
         self.version = int(version)
         """Completed trainer steps: the version of :attr:`params` (docs/design.md "Versions and the publish order"). A later
         stage of a multi-stage run starts at the steps its predecessors completed."""
@@ -219,8 +229,8 @@ class Trainer:
                                       value_clip=section.value_clip, loss_coef=section.loss_coef,
                                       lora_dropout=lora_dropout)
         self.critic_params = _place(trainable, critic_shardings(critic.config, trainable, self.mesh))
-        self.critic_opt_state = init_critic_opt_state(self.critic_params, optim=optim, model_cfg=critic.config,
-                                                      mesh=self.mesh)
+        init = abstract_critic_opt_state if self.state_from_checkpoint else init_critic_opt_state
+        self.critic_opt_state = init(self.critic_params, optim=optim, model_cfg=critic.config, mesh=self.mesh)
         # The critic's decoder is tied and never runs its head: no vocab x hidden matmul to count.
         self._critic_matmul_params = matmul_params(critic.params["decoder"], critic.config) - critic.config.vocab_size * critic.config.hidden_size
 
@@ -390,6 +400,7 @@ class Trainer:
         of the trained tokens, at temperature 1 whatever ``batch.temperature``; no ``loss/total``)
         (and ``train/entropy`` with ``algo.log_entropy``), with the same optimizer, norm, count and perf metrics.
         """
+        self._check_state_loaded("step")
         start = time.perf_counter()
         args, kwargs = self._step_arguments(batch)
         if self.critic_spec is None:
@@ -442,6 +453,11 @@ class Trainer:
             **self.memory_metrics,
         })
         return metrics
+
+    def _check_state_loaded(self, what: str) -> None:
+        if self.state_from_checkpoint:
+            raise TrainerError(f"Trainer.{what}: the trainer was made with state_from_checkpoint=True and its optimizer "
+                               "state is still only described; call load_state_dict with the checkpoint's trees first")
 
     def _step_arguments(self, batch: Any) -> tuple[tuple, dict]:
         """``(args, kwargs)`` of :func:`~asyncrl.trainer.step.train_step` for ``batch`` (also what
@@ -515,6 +531,7 @@ class Trainer:
     @property
     def update_count(self) -> int:
         """Optimizer updates applied so far (the schedule's count)."""
+        self._check_state_loaded("update_count")
         return int(to_host(update_count(self.opt_state)))
 
     CRITIC_TREES = ("critic_params", "critic_opt_state")
@@ -525,6 +542,7 @@ class Trainer:
         (with a critic also :data:`CRITIC_TREES`): ``params`` and ``opt_state`` are the live trees (the optax state's namedtuples included)
         with numpy leaves, gathered to this host; :func:`asyncrl.pytree.flatten` keys them for a
         checkpoint. The reference model is not included: it is the initial weights, rebuilt from the model."""
+        self._check_state_loaded("state_dict")
         critic = {}
         if self.critic_spec is not None:
             critic = {"critic_params": tree_to_host(self.critic_params), "critic_opt_state": tree_to_host(self.critic_opt_state)}
@@ -566,6 +584,7 @@ class Trainer:
             setattr(self, name, tree)
         self.opt_state = opt_state
         self.params = params
+        self.state_from_checkpoint = False
         self.version = int(state["step"])
         self.skipped_updates_total = int(state["skipped_updates_total"])
         self.consecutive_nonfinite = int(state["consecutive_nonfinite"])
