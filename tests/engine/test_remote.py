@@ -188,6 +188,11 @@ def test_updates_during_generation_tag_every_token_with_its_weights(two, model):
             # The servers hold what was published: the weights rounded to engine.remote.dtype (bfloat16).
             weights[start + k] = jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16).astype(x.dtype), published)
             time.sleep(0.2)
+            # Publish while requests run (on a fast moment every request may be done already, and
+            # nothing would be cut): wait until one sent before the newest is still running.
+            deadline = time.monotonic() + 20
+            while not any(not f.done() for _, f in list(results)[:-1]) and time.monotonic() < deadline:
+                time.sleep(0.005)
             remote.update_weights(published, start + k)
         stop.set()
         thread.join(30)
