@@ -1,6 +1,7 @@
 """asyncrl's component benchmarks, one subcommand each; every run prints one JSON line.
 
     python scripts/bench.py train     # trainer step time and FLOP/s against the measured matmul peak
+    python scripts/bench.py loop      # the train step inside the loop against the same step alone
     python scripts/bench.py engine    # engine tokens/s against transformers' generate; continuous vs static batching
     python scripts/bench.py model     # forward+backward time and memory, with and without log-prob chunking
     python scripts/bench.py batch     # validate-and-pack time of one batch (prepare_batch)
@@ -29,7 +30,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SUBCOMMANDS = ("train", "engine", "model", "batch", "remote", "accel", "reward_model", "plan", "agent")
+SUBCOMMANDS = ("train", "loop", "engine", "model", "batch", "remote", "accel", "reward_model", "plan", "agent")
 
 
 def parser() -> argparse.ArgumentParser:

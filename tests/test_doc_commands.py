@@ -56,6 +56,16 @@ def _bench_line(name: str) -> Callable[[Path, str], None]:
     return check
 
 
+def _bench_loop(ws: Path, output: str) -> None:
+    """The loop-vs-alone line: every mode's figures, the other threads' CPU, the ratios and the target."""
+    _bench_line("loop")(ws, output)
+    result = json.loads(output.strip().splitlines()[-1])
+    for mode in ("loop", "alone", "bench_train"):
+        assert result[mode]["train_s"] > 0 and result[mode]["minflt"] >= 0, result
+    assert result["loop"]["other_threads_cpu_s"] >= 0 and result["loop_over_bench_train"] > 0, result
+    assert isinstance(result["target"]["pass"], bool) and result["steps"] == 2, result
+
+
 def _bench_publish(ws: Path, output: str) -> None:
     """The publish bench's line: the adapter publish wrote fewer bytes, and the server read only them."""
     _bench_line("remote")(ws, output)
@@ -232,6 +242,10 @@ SLOW_CHAINS = {
         Step("python scripts/bench_async.py --model tiny --staleness 0 2 --steps 3 --warmup 1 --prompts 2 --group 2 --new 8",
              ("--layouts", "colocated", "--staleness", "0"), check=_bench_line("async")),
     ),
+    # docs/performance.md: the train step inside the loop against the same step alone, on tiny
+    "bench_loop_gap": (Step("python scripts/bench.py loop", ("--model", "tiny", "--steps", "3", "--warmup", "1",
+                                                             "--prompts", "2", "--group", "2", "--new", "8"),
+                            check=_bench_loop),),
     # bench-40m swapped for tiny: the documented LoRA memory comparison, quick
     "lora_bench": (
         Step("python scripts/bench.py train --models bench-40m --steps 3", ("--models", "tiny", "--steps", "1"),

@@ -13,7 +13,7 @@ anyway), never to map blocks of their own (``M_MMAP_MAX`` 0) and never to give t
 heap back (``M_TRIM_THRESHOLD``): a freed scratch buffer stays mapped and the next step reuses
 its pages: the same step then takes 7,000 to 20,000 page faults. The price is memory: freed
 blocks stay in the heap, where fragmentation grows the peak (bench-40m's trainer process: 2.96
-GB without, 4.42 GB with; ``scripts/bench.py train`` shapes, farm-bench A/B in docs/performance.md).
+GB without, 4.42 GB with; ``scripts/bench.py train`` shapes, whole-process A/B in docs/performance.md).
 So it is opt-in: ``run.keep_host_memory: true``.
 
 It must run before JAX starts its thread pools (a thread keeps the arena it first allocated
