@@ -139,7 +139,7 @@ def trl_child(plan: dict) -> None:
     table = pa.Table.from_pylist([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows])
     dataset = Dataset(table, fingerprint="bench-vs-trl-prompts")
 
-    def reward(prompts: Any, completions: Any, answer: list[str], **_: Any) -> list[float]:
+    def reward(prompts: Any, completions: Any, answer: list[str], **_: Any) -> list[Optional[float]]:  # TRL: None = no score
         return [positional_match("", c[0]["content"], a) for c, a in zip(completions, answer)]
 
     ends: list[float] = []

@@ -157,3 +157,24 @@ def inprocess_servers(tmp: Path, count: int, loaded: Any, cfg: Any):
     finally:
         for s in started:
             s.terminate()
+
+
+def record_remote_generations(monkeypatch) -> list:
+    """Every (request, responses) a RemoteEngine returns from now on (the test's API key set)."""
+    import threading
+
+    from asyncrl.engine.remote import RemoteEngine
+
+    seen: list = []
+    lock = threading.Lock()
+    original = RemoteEngine._run
+
+    def run(self, request):
+        responses = original(self, request)
+        with lock:
+            seen.append((request, responses))
+        return responses
+
+    monkeypatch.setattr(RemoteEngine, "_run", run)
+    monkeypatch.setenv("ASYNCRL_TEST_API_KEY", API_KEY)
+    return seen

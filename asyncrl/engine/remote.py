@@ -53,7 +53,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from pydantic import ValidationError
@@ -227,22 +227,8 @@ class RemoteEngine:
             self._version = version
             started = time.monotonic()
             healthy = self._require_healthy(f"publishing adapter version {version}")
-            errors: list[BaseException] = []
-
-            def load(server: RemoteServer) -> None:
-                try:
-                    self._retry(server, version, lambda: server.load_adapter(base, adapter, name, version, unload,
-                                                                             self.settings.pause_mode))
-                except BaseException as err:  # noqa: BLE001 - re-raised on the trainer's thread below
-                    errors.append(err)
-
-            threads = [threading.Thread(target=load, args=(s,), name="asyncrl-remote-update", daemon=True) for s in healthy]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            if errors:
-                raise errors[0]
+            _on_every_server(healthy, lambda server: self._retry(
+                server, version, lambda: server.load_adapter(base, adapter, name, version, unload, self.settings.pause_mode)))
             if base is not None:
                 self._base_published = version
             self._loaded_adapters = [n for n in self._loaded_adapters if n not in unload] + [name]
@@ -405,21 +391,7 @@ class RemoteEngine:
     def _update_all(self, path: Path, version: int) -> None:
         started = time.monotonic()
         healthy = self._require_healthy(f"publishing version {version}")
-        errors: list[BaseException] = []
-
-        def update(server: RemoteServer) -> None:
-            try:
-                self._update_one(server, path, version)
-            except BaseException as err:  # noqa: BLE001 - re-raised on the trainer's thread below
-                errors.append(err)
-
-        threads = [threading.Thread(target=update, args=(s,), name="asyncrl-remote-update", daemon=True) for s in healthy]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        _on_every_server(healthy, lambda server: self._update_one(server, path, version))
         self._count("swaps", 1)
         self._stats.last_update_s = time.monotonic() - started
         self._require_healthy(f"publishing version {version}")
@@ -603,3 +575,24 @@ def _cut_at_stop_sequence(sample: _Sample, request: GenerationRequest, start: in
                 sample.stop_reason = "stop"
                 return True
     return False
+
+
+def _on_every_server(servers: list[RemoteServer], update: Callable[[RemoteServer], Any]) -> None:
+    """``update(server)`` on every server at once, one daemon thread each (each call's HTTP
+    requests are bounded by their timeouts and retries); the first failure is raised here, on
+    the trainer's thread, after all have ended."""
+    errors: list[BaseException] = []
+
+    def run(server: RemoteServer) -> None:
+        try:
+            update(server)
+        except BaseException as err:  # noqa: BLE001 - re-raised on the trainer's thread below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(s,), name="asyncrl-remote-update", daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

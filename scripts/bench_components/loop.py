@@ -22,6 +22,7 @@ shape). Compare the page faults with ``run.keep_host_memory`` (``--keep-host-mem
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import resource
 import statistics
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
     if not kept:
         raise SystemExit(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")
     trainer = trainers[0]
-    alone = [_timed(lambda b=b: trainer.step(b)) for b in kept]
+    alone = [_timed(functools.partial(trainer.step, b)) for b in kept]
 
     # bench.py train's trainer (default config, init_decoder weights) on its random batch, the loop's shape.
     rows, length = kept[-1].input_ids.shape

@@ -19,7 +19,7 @@ from asyncrl.engine.publish import ADAPTERS_DIR, TENSOR_HASHES
 from asyncrl.engine.remote import RemoteEngine, adapter_name
 from asyncrl.model.hf import SAFETENSORS_INDEX
 from asyncrl.model.lora import PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, LoraSpec, attach_lora, merge_lora
-from tests.remote_helpers import API_KEY, QUICKSTART, inprocess_servers
+from tests.remote_helpers import API_KEY, QUICKSTART, inprocess_servers, record_remote_generations
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SPEC = LoraSpec(rank=4, alpha=8.0)
@@ -206,7 +206,6 @@ def test_a_lora_run_publishes_adapters_and_tags_every_token_with_its_version(tmp
     later publish only an adapter, and every sampled token's log-prob is that of base + the adapter
     of the version it is tagged with (1e-5), so per-token versions stay exact."""
     import io
-    import threading
 
     from safetensors.numpy import load_file
 
@@ -216,17 +215,7 @@ def test_a_lora_run_publishes_adapters_and_tags_every_token_with_its_version(tmp
     from asyncrl.model.lora import adapters_from_peft
     from asyncrl.run.loop import train
 
-    seen, lock = [], threading.Lock()
-    original = RemoteEngine._run
-
-    def run(self, request):
-        responses = original(self, request)
-        with lock:
-            seen.append((request, responses))
-        return responses
-
-    monkeypatch.setattr(RemoteEngine, "_run", run)
-    monkeypatch.setenv("ASYNCRL_TEST_API_KEY", API_KEY)
+    seen = record_remote_generations(monkeypatch)
     cfg0 = load_config(QUICKSTART, ["engine.prefill_buckets=[32]"])
     loaded = load_model(cfg0.model)
     out = tmp_path / "run"

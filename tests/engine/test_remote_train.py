@@ -12,7 +12,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.engine.remote import RemoteEngine
-from tests.remote_helpers import API_KEY, QUICKSTART, Server, inprocess_servers, servers
+from tests.remote_helpers import API_KEY, QUICKSTART, Server, inprocess_servers, record_remote_generations, servers
 
 
 def remote_config(out, urls, *extra):
@@ -25,19 +25,7 @@ def remote_config(out, urls, *extra):
 @pytest.fixture
 def record_generations(monkeypatch):
     """Every (request, responses) the remote engine returned during the run."""
-    seen = []
-    lock = threading.Lock()
-    original = RemoteEngine._run
-
-    def run(self, request):
-        responses = original(self, request)
-        with lock:
-            seen.append((request, responses))
-        return responses
-
-    monkeypatch.setattr(RemoteEngine, "_run", run)
-    monkeypatch.setenv("ASYNCRL_TEST_API_KEY", API_KEY)
-    return seen
+    return record_remote_generations(monkeypatch)
 
 
 def check_versions_against_published_weights(out, generations, temperature, rows=16, length=32):
