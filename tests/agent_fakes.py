@@ -4,33 +4,21 @@ FakeEngine responder that writes scripted text."""
 
 from __future__ import annotations
 
-import string
 from typing import Callable, Optional, Sequence
 
 from asyncrl.engine.fake import FakeEngine
 from asyncrl.engine.protocol import GenerationRequest
-from asyncrl.model.tiny_qwen3 import CHATML_TEMPLATE
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_ID = 2
 
 
 def qwen_char_tokenizer():
-    """Character-level PreTrainedTokenizerFast over printable ASCII: <|endoftext|>=0 (pad),
-    <|im_start|>=1, <|im_end|>=2 (EOS), with tiny-qwen3's chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """tiny-qwen3's ChatML character tokenizer (<|endoftext|>=0 pad, <|im_start|>=1, <|im_end|>=2
+    EOS) with <|im_start|> also listed as an additional special token."""
+    from asyncrl.model.tiny_qwen3 import chatml_char_tokenizer
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for ch in string.printable:
-        vocab.setdefault(ch, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIALS)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                 additional_special_tokens=["<|im_start|>"])
-    hf.chat_template = CHATML_TEMPLATE
+    hf = chatml_char_tokenizer()
+    hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     return hf
 
 

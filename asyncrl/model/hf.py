@@ -70,6 +70,11 @@ def read_hf_config(model_dir: Path) -> Any:
     cfg_file = model_dir / "config.json"
     if not cfg_file.is_file():
         raise ModelError(f"{model_dir}: no config.json")
+    return read_hf_config_file(cfg_file)
+
+
+def read_hf_config_file(cfg_file: Path) -> Any:
+    """:func:`read_hf_config` of an existing ``config.json`` file; errors name it."""
     try:
         raw = json.loads(cfg_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:

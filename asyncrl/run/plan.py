@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 from pathlib import Path
@@ -139,7 +138,8 @@ def read_decoder_config(model_path: str) -> Any:
     a model directory, a ``config.json`` file, ``tiny[:...]`` (computed), ``tiny-qwen3[:...]``
     (its built directory), or a hub id whose config is in the local Hugging Face cache.
     Runtime options are the defaults (:func:`stage_decoder_config` sets the config's)."""
-    from asyncrl.model.config import from_hf_config, hf_config_from_dict
+    from asyncrl.model.config import from_hf_config
+    from asyncrl.model.hf import read_hf_config_file
     from asyncrl.model.tiny import is_tiny, parse_tiny_spec, tiny_decoder_config
     from asyncrl.model.tiny_qwen3 import is_tiny_qwen3
 
@@ -159,14 +159,9 @@ def read_decoder_config(model_path: str) -> Any:
         file = _cached_hub_config(text)
     if not file.is_file():
         raise ModelError(f"model.path {text!r}: no config.json in {file.parent}; give a model directory or its config.json")
+    hf_config = read_hf_config_file(file)
     try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ModelError(f"{file}: cannot read it as JSON ({err})") from None
-    if not isinstance(raw, dict):
-        raise ModelError(f"{file}: not a JSON object (found {type(raw).__name__})")
-    try:
-        return from_hf_config(hf_config_from_dict(raw, source=str(file)), source=str(file))
+        return from_hf_config(hf_config, source=str(file))
     except AttributeError as err:  # a required field (hidden_size, ...) missing where no default exists
         raise ModelError(f"{file}: missing a field the model needs ({err})") from None
 

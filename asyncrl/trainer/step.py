@@ -166,8 +166,12 @@ def init_opt_state(params: Any, *, optim: OptimParams, spec: StepSpec) -> Any:
     return jax.lax.with_sharding_constraint(state, shardings)
 
 
-def _described(state: Any, shardings: Any) -> Any:
-    """``state``'s shapes and dtypes as ``jax.ShapeDtypeStruct`` leaves carrying ``shardings``."""
+def _abstract_state(params: Any, optim: OptimParams, placed: Any, mesh: Any) -> Any:
+    """``optim``'s state for ``params`` as ``jax.ShapeDtypeStruct`` leaves, each with the sharding
+    it would have beside parameters placed by ``placed`` (their shardings), allocating nothing."""
+    optimizer = build_optimizer(optim)
+    state = jax.eval_shape(optimizer.init, params)
+    shardings = opt_state_shardings(optimizer, state, placed, mesh)
     return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
                         state, shardings)
 
@@ -176,18 +180,12 @@ def abstract_opt_state(params: Any, *, optim: OptimParams, spec: StepSpec) -> An
     """What :func:`init_opt_state` would return, as ``jax.ShapeDtypeStruct`` leaves carrying their
     shardings, without allocating it: the template a resume reads the saved optimizer state onto
     (a materialised fresh state would sit beside the restored one until replaced)."""
-    optimizer = build_optimizer(optim)
-    state = jax.eval_shape(optimizer.init, params)
-    shardings = opt_state_shardings(optimizer, state, param_shardings(spec.model_cfg, params, spec.mesh), spec.mesh)
-    return _described(state, shardings)
+    return _abstract_state(params, optim, param_shardings(spec.model_cfg, params, spec.mesh), spec.mesh)
 
 
 def abstract_critic_opt_state(params: Any, *, optim: OptimParams, model_cfg: Any, mesh: Any) -> Any:
     """:func:`init_critic_opt_state` as shapes, dtypes and shardings only (:func:`abstract_opt_state`)."""
-    optimizer = build_optimizer(optim)
-    state = jax.eval_shape(optimizer.init, params)
-    shardings = opt_state_shardings(optimizer, state, critic_shardings(model_cfg, params, mesh), mesh)
-    return _described(state, shardings)
+    return _abstract_state(params, optim, critic_shardings(model_cfg, params, mesh), mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("optim", "model_cfg", "mesh"))
