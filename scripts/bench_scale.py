@@ -23,8 +23,14 @@ whatever checkpoint API the checkout has). The two checks, per N (``ok`` is both
   1.25 x (state / N) above its RSS before the phase, state = params + optimizer state in bytes;
 * ``save_in_flight_ok``: the median step time with a save in flight is at most 1.15 x without.
 
+``--model-config`` takes a Hugging Face ``config.json`` instead of the default shape, e.g.
+``configs/models/qwen2.5-0.5b/config.json`` for Qwen2.5-0.5B's (random init; nothing downloaded).
+``--platform gpu`` runs each process on one GPU of its own (``CUDA_VISIBLE_DEVICES`` = its index)
+instead of forced CPU devices; ``--devices`` is then 1.
+
 Usage: PYTHONPATH=. python scripts/bench_scale.py [--processes 1,2,4] [--devices 2] [--layers 10]
-       [--hidden 1024] [--rows 8] [--length 64] [--steps 3] [--out DIR]
+       [--hidden 1024] [--model-config FILE] [--platform cpu|gpu] [--rows 8] [--length 64]
+       [--steps 3] [--out DIR]
 """
 
 from __future__ import annotations
@@ -109,9 +115,13 @@ def restore(trainer: Any, directory: Path, step: int) -> None:
 # ---------------------------------------------------------------------------- one process
 
 
-def model_config(layers: int, hidden: int) -> Any:
-    from asyncrl.model.config import DecoderConfig
+def model_config(args: argparse.Namespace) -> Any:
+    from asyncrl.model.config import DecoderConfig, from_hf_config
+    from asyncrl.model.hf import read_hf_config_file
 
+    if args.model_config:
+        return from_hf_config(read_hf_config_file(Path(args.model_config)), source=args.model_config)
+    layers, hidden = args.layers, args.hidden
     return DecoderConfig(model_type="qwen2", vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
                          num_layers=layers, num_heads=max(1, hidden // 64), num_kv_heads=max(1, hidden // 128),
                          head_dim=64, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True)
@@ -135,7 +145,7 @@ def worker(args: argparse.Namespace) -> None:
 
     count, me = jax.process_count(), jax.process_index()
     devices = jax.device_count()
-    model_cfg = model_config(args.layers, args.hidden)
+    model_cfg = model_config(args)
     graphdef, params = split_params(init_decoder(model_cfg, seed=0))
     n_params = sum(x.size for x in jax.tree.leaves(params))
     cfg = load_config(data={"mesh": {"data": 1, "fsdp": devices, "tensor": 1},
@@ -170,7 +180,7 @@ def worker(args: argparse.Namespace) -> None:
         in_flight.append(time.perf_counter() - started)
     wait()
     report = {
-        "process": me, "params": n_params, "state_bytes": state_bytes, "baseline_rss": baseline,
+        "process": me, "device_kind": jax.devices()[0].device_kind, "params": n_params, "state_bytes": state_bytes, "baseline_rss": baseline,
         "peak_above_baseline": {"train_step": train_peak, "save": save_peak, "restore": restore_peak,
                                 "publish": publish_peak},
         "seconds": {"train_step": train_s, "save": save_s, "restore": restore_s, "publish": publish_s},
@@ -183,20 +193,31 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------- the parent
 
 
+def process_env(args: argparse.Namespace, n: int, pid: int, port: int) -> dict[str, str]:
+    """The environment of process ``pid`` of ``n``: its devices (``--devices`` forced CPU devices,
+    or the GPU of its own index) and, for ``n > 1``, the loopback coordinator at ``port``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    if args.platform == "gpu":
+        env.update(JAX_PLATFORMS="cuda", CUDA_VISIBLE_DEVICES=str(pid))
+        env.pop("XLA_FLAGS", None)
+    else:
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices}")
+    if n > 1:
+        env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(pid))
+    return env
+
+
 def run_processes(n: int, args: argparse.Namespace, root: Path) -> dict:
     out = root / f"n{n}"
     out.mkdir(parents=True)
     port = free_port()
     procs = []
     for pid in range(n):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices}",
-                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-        if n > 1:
-            env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(pid))
+        env = process_env(args, n, pid, port)
         log = open(out / f"p{pid}.log", "w")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out), "--layers", str(args.layers),
-               "--hidden", str(args.hidden), "--rows", str(args.rows), "--length", str(args.length),
-               "--steps", str(args.steps)]
+               "--hidden", str(args.hidden), "--model-config", args.model_config, "--rows", str(args.rows),
+               "--length", str(args.length), "--steps", str(args.steps)]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
         log.close()
@@ -214,7 +235,10 @@ def run_processes(n: int, args: argparse.Namespace, root: Path) -> dict:
     failed = [(pid, p.returncode) for pid, p in enumerate(procs) if p.returncode != 0]
     if failed:  # recorded in the line (e.g. -9: killed, typically by the kernel's out-of-memory killer)
         pid, code = failed[0]
-        tail = [line for line in (out / f"p{pid}.log").read_text().strip().splitlines() if "[Gloo]" not in line][-3:]
+        lines = [line for line in (out / f"p{pid}.log").read_text().strip().splitlines() if "[Gloo]" not in line]
+        print(f"bench_scale: {n} processes, process {pid} exited {code}; its log ends:", *lines[-40:], sep="\n",
+              file=sys.stderr)
+        tail = lines[-3:]
         return {"processes": n, "error": f"process {pid} exited {code}" + (": " + " | ".join(tail) if tail else ""),
                 "save_restore_memory_ok": False, "save_in_flight_ok": False}
     reports = [json.loads((out / f"report-{pid}.json").read_text()) for pid in range(n)]
@@ -232,6 +256,7 @@ def summarize(n: int, reports: list[dict]) -> dict:
     memory_ok = all(max(r["peak_above_baseline"]["save"], r["peak_above_baseline"]["restore"]) <= bound for r in reports)
     return {
         "processes": n,
+        "device_kind": reports[0]["device_kind"],
         "params": reports[0]["params"],
         "state_mb": round(state / mb, 1),
         "bound_mb": round(bound / mb, 1),
@@ -248,30 +273,42 @@ def summarize(n: int, reports: list[dict]) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--processes", default="1,2,4")
     parser.add_argument("--devices", type=int, default=2, help="forced CPU devices per process")
     parser.add_argument("--layers", type=int, default=10)
     parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--model-config", default="", help="a Hugging Face config.json (instead of --layers/--hidden)")
+    parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
+                        help="cpu: --devices forced CPU devices per process; gpu: one GPU per process")
     parser.add_argument("--rows", type=int, default=8, help="global batch rows (each process trains rows / N)")
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per process count")
     parser.add_argument("--out", default=None, help="working directory (default: a temporary one, removed)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    cli = parser()
+    args = cli.parse_args()
     if args.worker:
         worker(args)
         return
     counts = [int(c) for c in args.processes.split(",")]
+    if args.platform == "gpu":
+        args.devices = 1
     if any(args.rows % (n * args.devices) for n in counts):
-        parser.error(f"--rows {args.rows} must be a multiple of every process count x --devices")
+        cli.error(f"--rows {args.rows} must be a multiple of every process count x --devices")
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=args.out) as tmp:
         runs = [run_processes(n, args, Path(tmp)) for n in counts]
     result = {
-        "model": {"layers": args.layers, "hidden": args.hidden, "params": next((r["params"] for r in runs if "params" in r), None)},
+        "platform": args.platform, "device_kind": next((r["device_kind"] for r in runs if "device_kind" in r), None),
+        "model": {**({"config": args.model_config} if args.model_config else {"layers": args.layers, "hidden": args.hidden}),
+                  "params": next((r["params"] for r in runs if "params" in r), None)},
         "devices_per_process": args.devices, "rows": args.rows, "length": args.length,
         "runs": runs,
         "ok": all(r["save_restore_memory_ok"] and r["save_in_flight_ok"] for r in runs),

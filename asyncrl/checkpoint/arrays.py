@@ -102,12 +102,14 @@ def start_save(directory: Path, trees: Mapping[str, Mapping[str, Any]]) -> Any:
     return checkpointer
 
 
-HANDLER_OPTIONS: dict[str, Any] = {"use_compression": False}
+HANDLER_OPTIONS: dict[str, Any] = {"use_compression": False, "enable_pinned_host_transfer": False}
 """Keyword arguments of every tree's ``orbax.checkpoint.PyTreeCheckpointHandler``. No zstd
 compression: float weights and moments hardly compress, and the compressed chunks are a second
 copy of the state in host memory until written (measured by scripts/bench_scale.py: a save's
 peak fell from 2.0x to 1.0x the state) and CPU time taken from the steps that train meanwhile.
-Reading does not depend on it (each array's zarr metadata names its compressor)."""
+Reading does not depend on it (each array's zarr metadata names its compressor). No pinned-host
+transfer (Orbax's default on GPUs): it copies every shard into pinned host memory and then again
+into a numpy array, both alive at once."""
 
 
 def _handler(names: Any) -> Any:

@@ -1,4 +1,5 @@
-"""scripts/bench_scale.py end to end on a tiny model: one JSON line with every figure, 1 and 2 processes."""
+"""scripts/bench_scale.py: its shapes and process environments, and end to end on a tiny model (one
+JSON line with every figure, 1 and 2 processes)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,31 @@ import sys
 import pytest
 
 from tests.helpers import REPO_ROOT, subprocess_env
+
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+import bench_scale  # noqa: E402
+
+
+def _args(*argv: str):
+    return bench_scale.parser().parse_args(list(argv))
+
+
+def test_model_config_reads_a_hugging_face_config_json():
+    shape = bench_scale.model_config(_args("--model-config", "configs/models/qwen2.5-0.5b/config.json"))
+    assert shape.num_params() == 494_032_768  # Qwen2.5-0.5B's own count
+    assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads) == (24, 896, 14, 2)
+    default = bench_scale.model_config(_args())
+    assert (default.num_layers, default.hidden_size) == (10, 1024) and default.num_params() > 150_000_000
+
+
+def test_process_env_gives_each_process_its_devices_and_the_coordinator():
+    cpu = bench_scale.process_env(_args("--devices", "3"), 2, 1, 4321)
+    assert cpu["JAX_PLATFORMS"] == "cpu" and cpu["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3"
+    assert (cpu["JAX_COORDINATOR_ADDRESS"], cpu["JAX_NUM_PROCESSES"], cpu["JAX_PROCESS_ID"]) == ("127.0.0.1:4321", "2", "1")
+    gpu = bench_scale.process_env(_args("--platform", "gpu"), 1, 0, 4321)
+    assert gpu["JAX_PLATFORMS"] == "cuda" and gpu["CUDA_VISIBLE_DEVICES"] == "0"
+    assert "XLA_FLAGS" not in gpu and "JAX_COORDINATOR_ADDRESS" not in gpu  # one process: no coordinator
 
 
 @pytest.mark.slow  # two multi-process runs of a 4M-parameter model: about a minute on a busy 2-core machine
