@@ -171,14 +171,18 @@ def test_updates_during_generation_tag_every_token_with_its_weights(two, model):
     results: list = []
     stop = threading.Event()
 
-    def load() -> None:  # keeps the servers busy until both updates are done
-        i = 0
+    def load() -> None:  # keeps 8 requests running until both updates are done (more would only queue)
+        i, running = 0, []
         while not stop.is_set() or i < 8:
+            running = [f for f in running if not f.done()]
+            if len(running) >= 8:
+                time.sleep(0.002)
+                continue
             prompt = [3 + i % 7, 4, 5]
             request = GenerationRequest(prompt_ids=prompt, n=4, max_new_tokens=24, stop_token_ids=[], sample_id=i)
             results.append((prompt, remote.submit(request)))
+            running.append(results[-1][1])
             i += 1
-            time.sleep(0.03)
 
     try:
         thread = threading.Thread(target=load, daemon=True)
