@@ -117,6 +117,7 @@ def test_multi_process_engine_lives_on_process_0():
 # ----------------------------------------------------------------------------- 8 devices (subprocesses)
 
 ENGINE_CODE = """
+import os
 import numpy as np, jax
 import jax._src.array as jax_array
 from asyncrl.config import EngineConfig, load_config
@@ -142,7 +143,7 @@ reference = tokens(single)
 single.shutdown()
 host_reads = []
 real_value = jax_array.ArrayImpl._value
-for tp in (2, 4):
+for tp in [int(t) for t in os.environ["ENGINE_TENSOR_PARALLEL"].split(",")]:
     cfg = load_config(data={"placement": {"trainer": "0:4", "engine": "4:8"}, "mesh": {"fsdp": 2},
                             "engine": {**ENGINE, "tensor_parallel": tp}, "data": {"max_prompt_tokens": 16},
                             "rollout": {"max_new_tokens": 16, "group_size": 2}})
@@ -218,10 +219,12 @@ except ConfigError as err:
 """
 
 
-def _loop(out, steps: int, *layouts: str, engine_checks: bool = False) -> str:
-    code = (ENGINE_CODE if engine_checks else "") + LOOP_CODE
+def _loop(out, steps: int, *layouts: str, engine_tensor_parallel: str = "") -> str:
+    """The 8-device loop check of ``steps`` steps (and ``layouts`` beyond tp2x2), after the engine
+    checks at each tensor-parallel degree in ``engine_tensor_parallel`` ("2,4"; "" skips them)."""
+    code = (ENGINE_CODE if engine_tensor_parallel else "") + LOOP_CODE
     args = (str(steps), str(out), *layouts)
-    proc = run_python(code, env=EIGHT, timeout=280, args=args)
+    proc = run_python(code, env={**EIGHT, "ENGINE_TENSOR_PARALLEL": engine_tensor_parallel}, timeout=280, args=args)
     assert "refused: engine.tensor_parallel = 4 does not divide the model's 2 KV heads" in proc.stdout
     return proc.stdout
 
@@ -229,13 +232,14 @@ def _loop(out, steps: int, *layouts: str, engine_checks: bool = False) -> str:
 @pytest.fixture(scope="module")
 def eight_devices(tmp_path_factory):
     """One 8-device subprocess for the default selection (an interpreter and its JAX start-up
-    are a large part of these tests' time): the engine checks, then the 3-step loop."""
-    return _loop(tmp_path_factory.mktemp("placement"), 3, engine_checks=True)
+    are a large part of these tests' time): the engine checks at tensor-parallel 2 (4 is in the
+    slow ten-step test), then the 3-step loop."""
+    return _loop(tmp_path_factory.mktemp("placement"), 3, engine_tensor_parallel="2")
 
 
 @pytest.mark.timeout(300)
 def test_tensor_parallel_engine_equals_single_device(eight_devices):
-    """Greedy tokens of a tensor-parallel engine (2 x 2 replicas, and 4) on devices 4-7 equal the
+    """Greedy tokens of a tensor-parallel engine (2 x 2 replicas; 4 in the slow test) on devices 4-7 equal the
     single-device engine's; the KV cache is split by KV heads and slots in the compiled program;
     a publish from the trainer's devices reads nothing back to the host; ``asyncrl serve`` with a
     run config uses its engine placement."""
@@ -253,6 +257,6 @@ def test_split_placement_trains_like_one_device(eight_devices):
 @pytest.mark.slow  # ~35 s at load 8 (warm compile cache): three 10-step runs
 @pytest.mark.timeout(300)
 def test_split_placement_ten_steps(tmp_path):
-    """The issue's acceptance: 10 steps, tensor-parallel 2 x 2 and 4."""
-    out = _loop(tmp_path, 10, "tp4")
-    assert "tp2x2 matches" in out and "tp4 matches" in out
+    """The issue's acceptance: 10 steps, tensor-parallel 2 x 2 and 4; the engine checks at 4."""
+    out = _loop(tmp_path, 10, "tp4", engine_tensor_parallel="4")
+    assert "tensor-parallel engines match" in out and "tp2x2 matches" in out and "tp4 matches" in out
