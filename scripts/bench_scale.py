@@ -180,7 +180,8 @@ def worker(args: argparse.Namespace) -> None:
         in_flight.append(time.perf_counter() - started)
     wait()
     report = {
-        "process": me, "device_kind": jax.devices()[0].device_kind, "params": n_params, "state_bytes": state_bytes, "baseline_rss": baseline,
+        "process": me, "device_kind": jax.devices()[0].device_kind, "params": n_params, "state_bytes": state_bytes,
+        "baseline_rss": baseline,
         "peak_above_baseline": {"train_step": train_peak, "save": save_peak, "restore": restore_peak,
                                 "publish": publish_peak},
         "seconds": {"train_step": train_s, "save": save_s, "restore": restore_s, "publish": publish_s},
@@ -300,6 +301,13 @@ def main() -> None:
     counts = [int(c) for c in args.processes.split(",")]
     if args.platform == "gpu":
         args.devices = 1
+    if args.model_config:  # a bad file is named here, before any process starts
+        from asyncrl.errors import ModelError
+
+        try:
+            model_config(args)
+        except ModelError as err:
+            cli.error(f"--model-config: {err}")
     if any(args.rows % (n * args.devices) for n in counts):
         cli.error(f"--rows {args.rows} must be a multiple of every process count x --devices")
     load_before = os.getloadavg()[0]

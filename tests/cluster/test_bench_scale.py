@@ -28,6 +28,16 @@ def test_model_config_reads_a_hugging_face_config_json():
     assert (default.num_layers, default.hidden_size) == (10, 1024) and default.num_params() > 150_000_000
 
 
+def test_a_model_config_that_is_not_json_is_named_before_any_process_starts(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "config.json"
+    bad.write_text("not json")
+    monkeypatch.setattr(sys, "argv", ["bench_scale.py", "--model-config", str(bad)])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_scale.main()
+    assert exit_info.value.code == 2
+    assert f"--model-config: {bad}: cannot read it as JSON" in capsys.readouterr().err
+
+
 def test_process_env_gives_each_process_its_devices_and_the_coordinator():
     cpu = bench_scale.process_env(_args("--devices", "3"), 2, 1, 4321)
     assert cpu["JAX_PLATFORMS"] == "cpu" and cpu["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3"
