@@ -172,7 +172,8 @@ def test_updates_during_generation_tag_every_token_with_its_weights(two, model):
     stop = threading.Event()
 
     def load() -> None:  # keeps 8 requests running until both updates are done (more would only queue)
-        i, running = 0, []
+        i = 0
+        running: list = []
         while not stop.is_set() or i < 8:
             running = [f for f in running if not f.done()]
             if len(running) >= 8:
