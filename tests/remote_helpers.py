@@ -178,3 +178,35 @@ def record_remote_generations(monkeypatch) -> list:
     monkeypatch.setattr(RemoteEngine, "_run", run)
     monkeypatch.setenv("ASYNCRL_TEST_API_KEY", API_KEY)
     return seen
+
+
+def check_tagged_logprobs(samples: list, model_of: Callable[[int], tuple[Any, Any]], temperature: float, *,
+                          rows: int = 16, length: Optional[int] = None) -> list[int]:
+    """Every sampled token's log-prob equals ``per_token_logprobs`` (1e-5) under the model of the
+    version it is tagged with: the tags name the weights that produced the tokens.
+
+    ``samples`` are ``(prompt ids, GenerationResult)``; ``model_of(version)`` gives that version's
+    ``(graphdef, params)``. Per version, at most ``rows`` samples are checked, those spanning
+    versions first, in one ``[rows, length]`` batch (``length``: the longest sample when None).
+    Returns the versions seen."""
+    import numpy as np
+
+    from asyncrl.model import per_token_logprobs_jit
+
+    versions = sorted({int(v) for _, r in samples for v in r.versions})
+    for version in versions:
+        tagged = [(p, r) for p, r in samples if version in r.versions]
+        tagged.sort(key=lambda pr: len(set(pr[1].versions.tolist())) == 1)  # mixed versions first
+        tagged = tagged[:rows]
+        width = length or max(len(p) + len(r.output_ids) for p, r in tagged)
+        ids = np.zeros((rows, width), np.int32)
+        mask = np.zeros((rows, width), bool)
+        for i, (p, r) in enumerate(tagged):
+            seq = list(p) + r.output_ids.tolist()
+            ids[i, : len(seq)], mask[i, : len(seq)] = seq, True
+        graphdef, params = model_of(version)
+        logprobs = np.asarray(per_token_logprobs_jit(graphdef, params, ids, mask, temperature)[0])
+        for i, (p, r) in enumerate(tagged):
+            at = np.flatnonzero(r.versions == version)
+            np.testing.assert_allclose(r.logprobs[at], logprobs[i, len(p) + at], atol=1e-5, err_msg=f"version {version}")
+    return versions

@@ -17,7 +17,7 @@ from asyncrl.engine import sglang_protocol as sp
 from asyncrl.engine.protocol import GenerationRequest
 from asyncrl.engine.remote import RemoteEngine, RemoteEngineError
 from asyncrl.errors import EngineRequestError
-from tests.remote_helpers import API_KEY, QUICKSTART, inprocess_servers, scripted_server, servers
+from tests.remote_helpers import API_KEY, QUICKSTART, check_tagged_logprobs, inprocess_servers, scripted_server, servers
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -137,28 +137,6 @@ def test_greedy_and_sampled_equal_the_in_process_engine(two, model):
         local.shutdown()
 
 
-def _check_logprobs_of_tagged_versions(samples, graphdef, weights, temperature, rows=16, length=32):
-    """Every token's log-prob equals ``per_token_logprobs`` under the weights of the version it is
-    tagged with (1e-5): the tags name the weights that produced the tokens. Checks the samples that
-    span versions first, then others, ``rows`` per version (one compiled shape)."""
-    from asyncrl.model import per_token_logprobs_jit
-
-    for version in sorted({int(v) for _, r in samples for v in r.versions}):
-        tagged = [(p, r) for p, r in samples if version in r.versions]
-        tagged.sort(key=lambda pr: len(set(pr[1].versions.tolist())) == 1)  # mixed versions first
-        chosen = tagged[:rows]
-        ids = np.zeros((rows, length), np.int32)
-        mask = np.zeros((rows, length), bool)
-        for i, (p, r) in enumerate(chosen):
-            seq = list(p) + r.output_ids.tolist()
-            ids[i, : len(seq)], mask[i, : len(seq)] = seq, True
-        logprobs, _ = per_token_logprobs_jit(graphdef, weights[version], ids, mask, temperature)
-        logprobs = np.asarray(logprobs)
-        for i, (p, r) in enumerate(chosen):
-            at = np.flatnonzero(r.versions == version)
-            np.testing.assert_allclose(r.logprobs[at], logprobs[i, len(p) + at], atol=1e-5)
-
-
 def test_updates_during_generation_tag_every_token_with_its_weights(two, model):
     """Weights published while requests run: cut requests are resubmitted, each segment carries
     the version that made it, and every sampled log-prob is that version's ``per_token_logprobs``."""
@@ -211,7 +189,7 @@ def test_updates_during_generation_tag_every_token_with_its_weights(two, model):
     assert all(np.all(np.diff(r.versions) >= 0) for _, r in samples)
     assert {int(v) for _, r in samples for v in r.versions} >= {start, start + 2}
     assert all(served_version(s.url) == start + 2 for s in started)
-    _check_logprobs_of_tagged_versions(samples, graphdef, weights, temperature=1.0)
+    check_tagged_logprobs(samples, lambda version: (graphdef, weights[version]), 1.0, length=32)
 
 
 # --------------------------------------------------------------------------- bad answers

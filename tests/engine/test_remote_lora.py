@@ -19,7 +19,7 @@ from asyncrl.engine.publish import ADAPTERS_DIR, TENSOR_HASHES
 from asyncrl.engine.remote import RemoteEngine, adapter_name
 from asyncrl.model.hf import SAFETENSORS_INDEX
 from asyncrl.model.lora import PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, LoraSpec, attach_lora, merge_lora
-from tests.remote_helpers import API_KEY, QUICKSTART, inprocess_servers, record_remote_generations
+from tests.remote_helpers import API_KEY, QUICKSTART, check_tagged_logprobs, inprocess_servers, record_remote_generations
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SPEC = LoraSpec(rank=4, alpha=8.0)
@@ -148,14 +148,25 @@ def test_a_lora_publish_moves_only_adapter_bytes_and_serves_the_merged_model(ser
         engine.shutdown()
 
 
-def test_a_request_naming_a_replaced_adapter_comes_back_empty_and_aborted(served, model):
+def engine_after_two_adapter_publishes(served, model, name: str):
+    """``(server, engine)``: a bfloat16 remote engine on the served base that has published two
+    trained adapters (the caller shuts the engine down)."""
     tmp, server = served
     _, loaded = model
     _, base = loaded.split()
-    engine = engine_for(tmp, server, loaded, "bfloat16", "replaced", version=int(server.state.label))
+    engine = engine_for(tmp, server, loaded, "bfloat16", name, version=int(server.state.label))
     try:
         for k in range(2):
             engine.update_lora(base, trained_adapters(loaded, seed=k), SPEC, engine.version + 1)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return server, engine
+
+
+def test_a_request_naming_a_replaced_adapter_comes_back_empty_and_aborted(served, model):
+    server, engine = engine_after_two_adapter_publishes(served, model, "replaced")
+    try:
         old = adapter_name(engine.version - 1)
         body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}, "lora_path": old, "return_logprob": True}
         answer = httpx.post(f"{server.url}/generate", json=body, headers=AUTH).json()
@@ -210,7 +221,7 @@ def test_a_lora_run_publishes_adapters_and_tags_every_token_with_its_version(tmp
     from safetensors.numpy import load_file
 
     from asyncrl.config import load_config
-    from asyncrl.model import load_model, per_token_logprobs_jit
+    from asyncrl.model import load_model
     from asyncrl.model.hf import param_layout
     from asyncrl.model.lora import adapters_from_peft
     from asyncrl.run.loop import train
@@ -235,37 +246,22 @@ def test_a_lora_run_publishes_adapters_and_tags_every_token_with_its_version(tmp
     graphdef, base_params = base.split()
     layout = param_layout(base.config)
     samples = [(list(req.prompt_ids), r) for req, responses in seen if not req.greedy for r in responses]
-    versions = sorted({int(v) for _, r in samples for v in r.versions})
-    assert versions and max(versions) >= 1
-    for version in versions:
+
+    def model_of(version: int):
         if version == 0:
-            params = loaded.split()[1]
-        else:
-            adapter_dir = weights / ADAPTERS_DIR / f"v{version}"
-            tensors = load_file(str(adapter_dir / PEFT_WEIGHTS_FILE))
-            adapters, scale = adapters_from_peft(tensors, json.loads((adapter_dir / PEFT_CONFIG_FILE).read_text()), layout, "t")
-            params = merge_lora(base_params, adapters, scale)
-        tagged = [s for s in samples if version in s[1].versions][:16]
-        length = max(len(p) + len(r.output_ids) for p, r in tagged)
-        ids = np.zeros((len(tagged), length), np.int32)
-        mask = np.zeros((len(tagged), length), bool)
-        for i, (p, r) in enumerate(tagged):
-            seq = p + r.output_ids.tolist()
-            ids[i, : len(seq)], mask[i, : len(seq)] = seq, True
-        logprobs = np.asarray(per_token_logprobs_jit(graphdef, params, ids, mask, cfg.rollout.temperature)[0])
-        for i, (p, r) in enumerate(tagged):
-            at = np.flatnonzero(r.versions == version)
-            np.testing.assert_allclose(r.logprobs[at], logprobs[i, len(p) + at], atol=1e-5, err_msg=f"version {version}")
+            return loaded.split()
+        adapter_dir = weights / ADAPTERS_DIR / f"v{version}"
+        tensors = load_file(str(adapter_dir / PEFT_WEIGHTS_FILE))
+        adapters, scale = adapters_from_peft(tensors, json.loads((adapter_dir / PEFT_CONFIG_FILE).read_text()), layout, "t")
+        return graphdef, merge_lora(base_params, adapters, scale)
+
+    versions = check_tagged_logprobs(samples, model_of, cfg.rollout.temperature)
+    assert versions and max(versions) >= 1
 
 
 def test_a_server_rejoining_during_adapter_publishes_gets_the_base_and_the_current_adapter(served, model):
-    tmp, server = served
-    _, loaded = model
-    _, base = loaded.split()
-    engine = engine_for(tmp, server, loaded, "bfloat16", "rejoin", version=int(server.state.label))
+    server, engine = engine_after_two_adapter_publishes(served, model, "rejoin")
     try:
-        for k in range(2):
-            engine.update_lora(base, trained_adapters(loaded, seed=k), SPEC, engine.version + 1)
         remote = engine.servers[0]
         engine._mark_unhealthy(remote, "test: it went away")
         engine._check_one(remote)  # the health thread's rejoin: base, then the current adapter (unloaded first)

@@ -7,12 +7,19 @@ import json
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from asyncrl.config import load_config
 from asyncrl.engine.remote import RemoteEngine
-from tests.remote_helpers import API_KEY, QUICKSTART, Server, inprocess_servers, record_remote_generations, servers
+from tests.remote_helpers import (
+    API_KEY,
+    QUICKSTART,
+    Server,
+    check_tagged_logprobs,
+    inprocess_servers,
+    record_remote_generations,
+    servers,
+)
 
 
 def remote_config(out, urls, *extra):
@@ -28,27 +35,17 @@ def record_generations(monkeypatch):
     return record_remote_generations(monkeypatch)
 
 
-def check_versions_against_published_weights(out, generations, temperature, rows=16, length=32):
+def check_versions_against_published_weights(out, generations, temperature):
     """Each token's version names weights ``weights/v{N}`` whose ``per_token_logprobs`` give the
     token's log-prob (1e-5): versions match what the servers held when they produced the tokens."""
-    from asyncrl.model import load_model, per_token_logprobs_jit
+    from asyncrl.model import load_model
+
+    def model_of(version: int):
+        path = str(out.parent / "weights" / "run" / f"v{version}") if version else "tiny"
+        return load_model(path, with_tokenizer=False).split()
 
     samples = [(list(req.prompt_ids), r) for req, responses in generations if not req.greedy for r in responses]
-    versions = sorted({int(v) for _, r in samples for v in r.versions})
-    for version in versions:
-        loaded = load_model(str(out.parent / "weights" / "run" / f"v{version}"), with_tokenizer=False) if version else load_model("tiny", with_tokenizer=False)
-        graphdef, params = loaded.split()
-        tagged = sorted((s for s in samples if version in s[1].versions), key=lambda s: len(set(s[1].versions.tolist())) == 1)[:rows]
-        ids = np.zeros((rows, length), np.int32)
-        mask = np.zeros((rows, length), bool)
-        for i, (p, r) in enumerate(tagged):
-            seq = p + r.output_ids.tolist()
-            ids[i, : len(seq)], mask[i, : len(seq)] = seq, True
-        logprobs = np.asarray(per_token_logprobs_jit(graphdef, params, ids, mask, temperature)[0])
-        for i, (p, r) in enumerate(tagged):
-            at = np.flatnonzero(r.versions == version)
-            np.testing.assert_allclose(r.logprobs[at], logprobs[i, len(p) + at], atol=1e-5, err_msg=f"version {version}")
-    return versions
+    return check_tagged_logprobs(samples, model_of, temperature, length=32)
 
 
 def read_rows(out):
