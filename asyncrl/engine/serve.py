@@ -50,7 +50,7 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, AsyncIterator, Optional, Sequence
 
 from pydantic import ValidationError
 
@@ -259,19 +259,26 @@ class ServeState:
             raise HTTPError(403, f"{what}: {model_path} is outside the weights root {self.weights_root} (--weights-root)")
         return path
 
+    @contextlib.asynccontextmanager
+    async def paused_generation(self, keep_pause: bool = False) -> AsyncIterator[None]:
+        """Generation paused while a weight change runs (under ``update_lock``), resumed after
+        unless it was paused already or ``keep_pause``."""
+        was_paused = self.paused
+        if not was_paused:
+            await self.pause()
+        try:
+            yield
+        finally:
+            if not was_paused and not keep_pause:
+                self.resume()
+
     async def update(self, body: sp.UpdateWeightFromDiskReqInput) -> dict:
         path = self.check_path(body.model_path)
-        async with self.update_lock:
-            was_paused = self.paused
-            if not was_paused:
-                await self.pause()
+        async with self.update_lock, self.paused_generation(keep_pause=body.keep_pause):
             try:
                 await asyncio.to_thread(self.load_and_install, path, body.weight_version)
             except (OSError, ValueError, AsyncRLError) as err:
                 return {"success": False, "message": f"failed to load {path}: {err}", "num_paused_requests": 0}
-            finally:
-                if not was_paused and not body.keep_pause:
-                    self.resume()
         return sp.UpdateWeightFromDiskReqOutput(success=True, message=f"loaded {path} as weight_version {self.label}").model_dump()
 
     @property
@@ -290,17 +297,17 @@ class ServeState:
         """Install the weights of ``path`` as the next engine version, reading only the tensors
         whose published hash differs from the one this server holds (module docstring)."""
         from asyncrl.engine.publish import TENSOR_HASHES
-        from asyncrl.model.hf import SAFETENSORS_INDEX, params_from_hf, read_safetensors
+        from asyncrl.model.hf import SAFETENSORS_INDEX, params_from_hf, read_safetensors, read_safetensors_index
 
         digests: dict[str, str] = {}
         names: list[str] = []
         index = path / SAFETENSORS_INDEX
         if index.is_file():
+            raw = read_safetensors_index(index)
+            names = list(raw["weight_map"])
             try:
-                raw = json.loads(index.read_text())
-                names = list(raw["weight_map"])
                 digests = dict(raw.get("metadata", {}).get(TENSOR_HASHES) or {})
-            except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as err:
+            except (AttributeError, TypeError, ValueError) as err:
                 raise ValueError(f"{index}: not a valid safetensors index ({err})") from None
         held = self.base_params()
         keep: dict[str, Any] = {}
@@ -324,18 +331,12 @@ class ServeState:
 
     async def load_adapter(self, body: sp.LoadLoRAAdapterReqInput) -> dict:
         path = self.check_path(body.lora_path, "/load_lora_adapter")
-        async with self.update_lock:
-            was_paused = self.paused
-            if not was_paused:
-                await self.pause()
+        async with self.update_lock, self.paused_generation():
             try:
                 await asyncio.to_thread(self.apply_adapter, body.lora_name, path)
             except (OSError, ValueError, AsyncRLError) as err:
                 return sp.LoRAUpdateOutput(success=False, error_message=f"failed to load adapter {body.lora_name!r} from "
                                            f"{path}: {err}").model_dump(exclude_none=True)
-            finally:
-                if not was_paused:
-                    self.resume()
         return sp.LoRAUpdateOutput(success=True, loaded_adapters=dict.fromkeys(self.adapters, "")).model_dump(exclude_none=True)
 
     def apply_adapter(self, name: str, path: Path) -> None:
@@ -374,17 +375,11 @@ class ServeState:
                                  f"(loaded: {', '.join(self.adapters) or 'none'})")
         async with self.update_lock:
             if body.lora_name == self.active_adapter:  # back to the base weights, as SGLang serves requests without one
-                was_paused = self.paused
-                if not was_paused:
-                    await self.pause()
-                try:
+                async with self.paused_generation():
                     version = self.engine.version + 1
                     self.labels[version] = self.label
                     await asyncio.to_thread(self.engine.update_weights, self.base_params(), version)
                     self.base, self.active_adapter = None, None
-                finally:
-                    if not was_paused:
-                        self.resume()
             del self.adapters[body.lora_name]
         return sp.LoRAUpdateOutput(success=True, loaded_adapters=dict.fromkeys(self.adapters, "")).model_dump(exclude_none=True)
 

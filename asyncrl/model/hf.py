@@ -87,6 +87,18 @@ def read_hf_config_file(cfg_file: Path) -> Any:
 # --------------------------------------------------------------------------- tensors
 
 
+def read_safetensors_index(index: Path) -> dict[str, Any]:
+    """A sharded checkpoint's ``model.safetensors.index.json`` as JSON (its ``weight_map`` a
+    mapping); errors name the file."""
+    try:
+        raw = json.loads(index.read_text())
+        if not isinstance(raw["weight_map"], dict):
+            raise TypeError(f"weight_map is a {type(raw['weight_map']).__name__}")
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ModelError(f"{index}: not a valid safetensors index ({err})") from err
+    return raw
+
+
 def read_safetensors(model_dir: Path, only: Optional[Collection[str]] = None) -> dict[str, Any]:
     """All tensors of a directory (or the names in ``only``; a shard holding none of them is not
     opened) as host numpy arrays (bf16 stays bf16, as ml_dtypes' bfloat16): sharded or single
@@ -96,10 +108,7 @@ def read_safetensors(model_dir: Path, only: Optional[Collection[str]] = None) ->
 
     index = model_dir / SAFETENSORS_INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ModelError(f"{index}: not a valid safetensors index ({err})") from err
+        weight_map = read_safetensors_index(index)["weight_map"]
         files = sorted({f for n, f in weight_map.items() if only is None or n in only})
     elif (model_dir / SAFETENSORS_FILE).is_file():
         files = [SAFETENSORS_FILE]
