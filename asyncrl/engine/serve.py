@@ -341,6 +341,7 @@ class ServeState:
 
     def apply_adapter(self, name: str, path: Path) -> None:
         """Check the PEFT adapter at ``path`` against the model and serve ``base + adapter``."""
+        from asyncrl.model.hf import read_safetensors_file
         from asyncrl.model.lora import PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, adapters_from_peft, merge_lora
 
         if name in self.adapters:
@@ -353,10 +354,7 @@ class ServeState:
             config = json.loads(config_file.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{config_file}: not JSON ({err})") from None
-        from safetensors import safe_open
-
-        with safe_open(str(weights_file), framework="np") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = read_safetensors_file(weights_file)
         adapters, scale = adapters_from_peft(tensors, config, self.layout, weights_file.name)
         base = self.base_params()
         merged = merge_lora(base, adapters, scale)

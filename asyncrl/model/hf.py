@@ -104,8 +104,6 @@ def read_safetensors(model_dir: Path, only: Optional[Collection[str]] = None) ->
     opened) as host numpy arrays (bf16 stays bf16, as ml_dtypes' bfloat16): sharded or single
     file. Read as numpy, not as jax arrays: safetensors' flax reader runs a jax program per tensor
     shape (a compile or cache load each at start-up)."""
-    from safetensors import safe_open
-
     index = model_dir / SAFETENSORS_INDEX
     if index.is_file():
         weight_map = read_safetensors_index(index)["weight_map"]
@@ -123,16 +121,20 @@ def read_safetensors(model_dir: Path, only: Optional[Collection[str]] = None) ->
         file = model_dir / name
         if not file.is_file():
             raise ModelError(f"{index}: names shard {name}, which does not exist")
-        try:
-            with safe_open(str(file), framework="np") as f:
-                for key in f.keys():
-                    if only is None or key in only:
-                        tensors[key] = f.get_tensor(key)
-        except ModelError:
-            raise
-        except Exception as err:
-            raise ModelError(f"{file}: cannot read safetensors: {err}") from err
+        tensors.update(read_safetensors_file(file, only))
     return tensors
+
+
+def read_safetensors_file(file: Path, only: Optional[Collection[str]] = None) -> dict[str, Any]:
+    """The tensors of one safetensors file (or those named in ``only``) as host numpy arrays;
+    a file safetensors cannot read (truncated, not safetensors) raises ModelError naming it."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="np") as f:
+            return {key: f.get_tensor(key) for key in f.keys() if only is None or key in only}
+    except Exception as err:
+        raise ModelError(f"{file}: cannot read safetensors: {err}") from err
 
 
 def param_layout(cfg: DecoderConfig, abstract: Any = None) -> dict[tuple, tuple[str, bool, tuple[int, ...]]]:

@@ -182,6 +182,7 @@ def test_a_request_naming_a_replaced_adapter_comes_back_empty_and_aborted(served
     ("shape", r"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight: shape [4, 7]"),
     ("missing", r"base_model.model.model.layers.1.mlp.down_proj.lora_B.weight: missing"),
     ("module", r"base_model.model.model.layers.0.self_attn.qq_proj.lora_A.weight: model.layers.0.self_attn.qq_proj is no linear layer"),
+    ("truncated", f"{PEFT_WEIGHTS_FILE}: cannot read safetensors"),
 ])
 def test_a_wrong_adapter_is_refused_naming_the_tensor(served, model, damage, needle):
     from safetensors.numpy import load_file, save_file
@@ -199,9 +200,12 @@ def test_a_wrong_adapter_is_refused_naming_the_tensor(served, model, damage, nee
         tensors[prefix + "0.self_attn.q_proj.lora_A.weight"] = np.zeros((4, 7), np.float32)
     elif damage == "missing":
         del tensors[prefix + "1.mlp.down_proj.lora_B.weight"]
-    else:
+    elif damage == "module":
         tensors[prefix + "0.self_attn.qq_proj.lora_A.weight"] = tensors.pop(prefix + "0.self_attn.q_proj.lora_A.weight")
     save_file(tensors, str(path / PEFT_WEIGHTS_FILE))
+    if damage == "truncated":  # a copy cut short: the file's header names more bytes than it has
+        data = (path / PEFT_WEIGHTS_FILE).read_bytes()
+        (path / PEFT_WEIGHTS_FILE).write_bytes(data[: len(data) // 2])
     before = server.state.engine.version
     answer = httpx.post(f"{server.url}/load_lora_adapter", json={"lora_name": f"bad-{damage}", "lora_path": str(path)},
                         headers=AUTH)
