@@ -206,10 +206,11 @@ def _read_tree(tree_dir: Path, layout: Any, template: Mapping[str, Any]) -> dict
     shards: dict[str, list] = collections.defaultdict(list)
     pending: collections.deque = collections.deque()
     in_flight = 0
+    where = str(tree_dir)
 
     def place_oldest() -> None:
         nonlocal in_flight
-        future, nbytes, key, devices, buffer, where = pending.popleft()
+        future, nbytes, key, devices, buffer = pending.popleft()
         try:
             future.result()
         except ValueError as err:
@@ -222,7 +223,6 @@ def _read_tree(tree_dir: Path, layout: Any, template: Mapping[str, Any]) -> dict
 
     for key, leaf in template.items():
         stored = key.replace("/", ".")
-        where = f"{tree_dir}"
         if stored not in types:
             raise CheckpointError(f"{where}: no array {key!r} in the checkpoint's Orbax metadata")
         dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else None
@@ -251,7 +251,7 @@ def _read_tree(tree_dir: Path, layout: Any, template: Mapping[str, Any]) -> dict
             buffer = np.empty(domain.shape, dtype)
             future = ts.array(buffer)[ts.d[:].translate_to[domain.origin]].write(store[domain]) if shape else \
                 ts.array(buffer).write(store)
-            pending.append((future, buffer.nbytes, key, devices, buffer, where))
+            pending.append((future, buffer.nbytes, key, devices, buffer))
             in_flight += buffer.nbytes
             del buffer
             while in_flight > READ_WINDOW_BYTES and pending:

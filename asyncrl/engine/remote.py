@@ -401,7 +401,7 @@ class RemoteEngine:
         retried; else out of rotation."""
         self._retry(server, version, lambda: server.load_weights(path, version, self.settings.pause_mode), rejoin)
 
-    def _retry(self, server: RemoteServer, version: int, load: Any, rejoin: bool = False) -> None:
+    def _retry(self, server: RemoteServer, version: int, load: Callable[[], Any], rejoin: bool = False) -> None:
         """``load()`` (one try of a server's update), retried ``update_retries`` times; else out of rotation."""
         error = ""
         for attempt in range(self.settings.update_retries + 1):
