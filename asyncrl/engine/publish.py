@@ -171,6 +171,7 @@ class WeightsWriter:
         ``[out, r]`` layout) that SGLang's ``/load_lora_adapter`` and ``asyncrl serve`` apply to the
         base published before. Megabytes instead of the model; written by the calling process
         alone (adapters are small), complete or absent; older ones pruned to the newest ``keep``."""
+        from asyncrl.model.hf import install_dir
         from asyncrl.model.lora import PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, peft_config, peft_tensors
 
         started = time.perf_counter()
@@ -190,12 +191,8 @@ class WeightsWriter:
             sink.discard()
         config = peft_config(spec, "the base published before it (update_weights_from_disk)")
         (partial / PEFT_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        if path.exists():
-            shutil.rmtree(path)
-        os.rename(partial, path)
-        kept = sorted((p for p in root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
-        for old in kept[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        install_dir(partial, path, overwrite=True, exist_ok=False)
+        _prune_versions(root, self.keep, path)
         self.last_write_s = time.perf_counter() - started
         return path
 
@@ -329,10 +326,15 @@ class WeightsWriter:
         (partial / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         write_hf_metadata(self.model_cfg.replace(param_dtype=self.dtype), self.tokenizer, partial, self.stop_token_ids)
         install_dir(partial, path, overwrite=True, exist_ok=False)
-        kept = sorted((p for p in self.weights_dir.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
-        for old in kept[: -self.keep]:
-            if old != path:
-                shutil.rmtree(old, ignore_errors=True)
+        _prune_versions(self.weights_dir, self.keep, path)
+
+
+def _prune_versions(root: Path, keep: int, newest: Path) -> None:
+    """Remove the ``v{N}`` directories under ``root`` but the ``keep`` highest (never ``newest``)."""
+    kept = sorted((p for p in root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+    for old in kept[:-keep]:
+        if old != newest:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
