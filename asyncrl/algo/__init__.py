@@ -4,7 +4,7 @@ Small pure ``jnp`` functions, each named by the config value that selects it
 (``algo.estimator``, ``algo.ratio``, ``algo.kl_estimator``, ``algo.aggregation``), every
 one checked against an independent numpy reference in ``tests/algo/``. PPO with a
 critic (``algo.estimator: gae``): token rewards, GAE and the clipped value loss of
-:mod:`asyncrl.algo.gae`. Formulas,
+:mod:`asyncrl.algo.value`. Formulas,
 defaults and sources: ``docs/algorithms.md``. Static configuration is an
 :class:`AlgoParams` (frozen, hashable: a ``static_argnames`` argument), built once with
 ``AlgoParams.from_config(cfg)``.
@@ -57,7 +57,6 @@ from asyncrl.algo.aggregation import (
     aggregation_denominators,
     token_mean,
 )
-from asyncrl.algo.gae import gae, last_token_mask, masked_whiten, token_rewards, value_loss, value_statistics
 from asyncrl.algo.kl import KL_ESTIMATORS, k1, k2, k3, kl_penalty
 from asyncrl.algo.losses import (
     LOG_RATIOS,
@@ -68,6 +67,7 @@ from asyncrl.algo.losses import (
     token_log_ratio,
 )
 from asyncrl.algo.params import AlgoParams
+from asyncrl.algo.value import gae, last_token_mask, masked_whiten, token_rewards, value_loss, value_statistics
 
 ESTIMATORS = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "batch": batch}
 """The built-in advantage estimators by ``algo.estimator`` name (also in the registry)."""

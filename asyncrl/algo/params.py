@@ -61,7 +61,7 @@ class AlgoParams(AlgoConfig):
 
     @property
     def uses_critic(self) -> bool:
-        """True for ``algo.estimator: gae``: per-token advantages from the critic's values (:mod:`asyncrl.algo.gae`)."""
+        """True for ``algo.estimator: gae``: per-token advantages from the critic's values (:mod:`asyncrl.algo.value`)."""
         return self.estimator == "gae"
 
     @classmethod

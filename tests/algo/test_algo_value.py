@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from asyncrl.algo import aggregation_denominators
-from asyncrl.algo.gae import gae, masked_whiten, token_rewards, value_loss, value_statistics
+from asyncrl.algo.value import gae, masked_whiten, token_rewards, value_loss, value_statistics
 
 RTOL, ATOL = 1e-5, 1e-5
 
@@ -137,3 +137,17 @@ def test_value_statistics():
     np.testing.assert_allclose(float(got["explained_variance"]), 1 - np.var(r - o) / np.var(r), rtol=1e-4)
     constant = value_statistics(jnp.asarray(old), jnp.ones_like(jnp.asarray(ret)), jnp.asarray(mask))
     assert float(constant["explained_variance"]) == 0.0
+
+
+def test_the_module_and_the_estimator_have_distinct_names():
+    """``asyncrl.algo.gae`` is the estimator function (its config name); its module is
+    ``asyncrl.algo.value``, so importing the module by path never yields the function."""
+    import importlib
+
+    import asyncrl.algo
+    import asyncrl.algo.value as module
+
+    assert callable(asyncrl.algo.gae) and asyncrl.algo.gae is module.gae
+    assert importlib.import_module("asyncrl.algo.value") is module
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("asyncrl.algo.gae")
