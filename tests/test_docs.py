@@ -54,3 +54,19 @@ def test_design_sections_cited_in_the_code_exist():
     assert cited, "no citation found: the pattern is stale"
     missing = {section: sorted(files) for section, files in cited.items() if section not in headings}
     assert not missing, f"sections cited but not in docs/design.md: {missing}"
+
+
+def test_the_accelerator_extras_the_readme_names_install_jax_plugins():
+    """README's set-up names ``.[cuda]`` and ``.[tpu]``: they exist in setup.cfg and bring JAX's
+    own plugin (pinned to the installed jax by jax's extra), nothing of ours."""
+    import configparser
+    import re
+
+    parser = configparser.ConfigParser()
+    parser.read(REPO_ROOT / "setup.cfg")
+    extras = parser["options.extras_require"]
+    requirements = {name: [line.strip() for line in extras[name].splitlines() if line.strip()] for name in ("cuda", "tpu")}
+    assert requirements == {"cuda": ["jax[cuda13]"], "tpu": ["jax[tpu]"]}
+    readme = (REPO_ROOT / "README.md").read_text()
+    setup = readme[readme.index("## Set-up"):readme.index("## Quickstart")]
+    assert re.search(r"pip install -e '\.\[dev,cuda\]'", setup) and "pip install -e '.[tpu]'" in setup
