@@ -48,6 +48,7 @@ from asyncrl.pytree import tree_to_host
 from asyncrl.rollout.batch import BatchAbandoned, BatchSource, PreparedBatch
 from asyncrl.run.build import build_engine, episode_metric_means, preflight, weights_writer
 from asyncrl.run.rundir import check_output_dir_path, prepare_output_dir
+from asyncrl.run.startup import StartupClock
 
 if TYPE_CHECKING:
     import jax
@@ -173,7 +174,8 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Optional[TextI
     with ShutdownGuard() as guard:
         hosts.watch(guard)
         try:
-            run = Run(cfg, out, console, resumed, guard, hosts)
+            run = Run(cfg, out, console, resumed, guard, hosts, StartupClock(started))
+            run.startup.record("load", time.monotonic() - started)
             try:
                 _check_resumed_params(run)
                 params, final_params = run_stages(run)
@@ -205,7 +207,11 @@ def run_stages(run: "Run") -> tuple[Params, Params]:
                       start_params=run.stage_start(index, params), done=done)
         trainer = _stage_trainer(run, stage)
         if done != scfg.run.total_steps:
+            if not run.startup.done:
+                _start_precompile(run, stage, trainer)
+            building = time.monotonic()
             run.ensure_engine(trainer, scfg)
+            run.startup.record("engine", time.monotonic() - building)
             build = rl_source if stage.type == "rl" else sft_source
             # Process 0 makes the batches (executor, workflows, engine) and evaluates; every
             # process trains on its block of each batch (asyncrl.run.multihost).
@@ -240,9 +246,10 @@ def _finish(run: "Run", params: Params, final_params: Params, wall: float, conso
     evals = " ".join(f"{k}={v:.3f}" for k, v in run.final_eval.items() if k in ("eval/reward", "eval/accuracy"))
     failures = run.reward_failures
     stream = console or sys.stdout
+    startup = run.startup.summary()
     print(
         f"asyncrl: {run.version} steps, {evals or 'no eval'}, reward errors {failures['reward_errors']:.0f} "
-        f"timeouts {failures['reward_timeouts']:.0f}, {wall:.0f} s, outputs in {out}",
+        f"timeouts {failures['reward_timeouts']:.0f}, {wall:.0f} s, {startup + ', ' if startup else ''}outputs in {out}",
         file=stream,
     )
     print("training completed", file=stream)
@@ -271,6 +278,7 @@ def run_stage(run: "Run", stage: Stage, trainer: Trainer, source: BatchSource, r
         for stage_step in range((stage.done or 0) + 1, scfg.run.total_steps + 1):
             step_start = time.perf_counter()
             got = _next_batch(run, stage, stage_step, trainer, source)
+            run.startup.record("first_batch_wait", time.perf_counter() - step_start)
             train_metrics = trainer.step(got.batch)
             run.publish(trainer)  # the engine serves v+1 when this returns
             # Engine counters (and the checkpoint's copy of them) are read before admission moves
@@ -281,6 +289,7 @@ def run_stage(run: "Run", stage: Stage, trainer: Trainer, source: BatchSource, r
             step_time = time.perf_counter() - step_start
 
             tracker.scalars(run.step_metrics(got, train_metrics, engine_metrics, step_time), reduce="last")
+            tracker.scalars(run.startup.first_step(trainer.precompile_hit), reduce="last")  # the run's first step only
             if scfg.logging.dump_every_steps and stage_step % scfg.logging.dump_every_steps == 0 and got.groups:
                 records = _dump_trajectories(run.trajectory_log, run.version, got.groups, run.loaded.tokenizer,
                                              scfg.logging.dump_groups)
@@ -427,7 +436,7 @@ class Run:
     mesh, the engine, the metric sinks, the served version, and the checkpoint it resumed from."""
 
     def __init__(self, cfg: Config, out: Path, console: Optional[TextIO], resumed: Optional[Checkpoint],
-                 guard: ShutdownGuard, hosts: Hosts):
+                 guard: ShutdownGuard, hosts: Hosts, startup: StartupClock):
         from asyncrl.cluster.placement import check_tensor_parallel, resolve_placement
         from asyncrl.model import load_model
         from asyncrl.run.metrics import ConsoleSink, JsonlSink, LogAppender
@@ -490,6 +499,8 @@ class Run:
         self.pending_checkpoint: Any = None  # the asynchronous checkpoint write in flight (PendingSave)
         self.reward_failures = {"reward_errors": 0.0, "reward_timeouts": 0.0}
         """Reward function calls of this process that failed or timed out (all stages, eval included)."""
+        self.startup = startup
+        """The split of the time to first step (:mod:`asyncrl.run.startup`), started by ``train``."""
 
     def _attach_lora(self, cfg: Config, resumed: Optional[Checkpoint]) -> None:
         """Fresh adapters on the loaded base (``self.params`` become the adapters); a resumed
@@ -743,6 +754,21 @@ def _open_trackers(cfg: Config, out: Path, resumed: Optional[Checkpoint]) -> Opt
     return open_trackers(cfg.logging, cfg.run.name, out, config,
                          saved_ids=resumed.state.get("trackers") if resumed is not None else None,
                          resumed_step=resumed.step if resumed is not None else None)
+
+
+def _start_precompile(run: Run, stage: Stage, trainer: Trainer) -> None:
+    """Compile the run's first train step while the engine starts and generates the first batch
+    (:mod:`asyncrl.trainer.precompile`): for RL stages of a one-process run with the persistent
+    compilation cache on (the way the compiled program reaches the step)."""
+    import jax
+
+    from asyncrl.trainer.precompile import expected_first_shape
+
+    if stage.type != "rl" or run.hosts.multi or not jax.config.values.get("jax_enable_compilation_cache"):
+        return
+    scfg = stage.cfg
+    rows = scfg.rollout.batch_size * scfg.rollout.group_size
+    trainer.start_precompile(expected_first_shape(scfg, rows, trainer.row_multiple))
 
 
 def _stage_trainer(run: Run, stage: Stage) -> Trainer:

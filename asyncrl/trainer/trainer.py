@@ -23,6 +23,7 @@ from asyncrl.errors import TrainerError
 from asyncrl.model.sharding import param_shardings
 from asyncrl.pytree import TreeError, fill, keyed_leaves, to_host, tree_to_host
 from asyncrl.trainer.optim import OptimParams, update_count
+from asyncrl.trainer.precompile import Precompile, abstract_batch
 from asyncrl.trainer.step import (
     CriticSpec,
     HashedGraphDef,
@@ -190,6 +191,10 @@ class Trainer:
         stage of a multi-stage run starts at the steps its predecessors completed."""
         self.skipped_updates_total = 0
         self.consecutive_nonfinite = 0
+        self.precompile: Optional[Precompile] = None
+        """The first step's background compile (:meth:`start_precompile`), until that step settles it."""
+        self.precompile_hit: Optional[bool] = None
+        """Whether that compile had the first batch's shape (None: none ran)."""
         self._init_critic(critic if self.algo.uses_critic and not sft else None, params)
         self._matmul_params = matmul_params(self.base_params if self.lora is not None else params, self.model_cfg)
         self.memory_metrics = self._memory_metrics()
@@ -403,6 +408,10 @@ class Trainer:
         self._check_state_loaded("step")
         start = time.perf_counter()
         args, kwargs = self._step_arguments(batch)
+        if self.precompile is not None:  # the first step: use the background compile when it fits
+            shape = (int(batch.input_ids.shape[0]), int(batch.input_ids.shape[1]), int(kwargs["window"]))
+            self.precompile_hit = self.precompile.settle(shape, timeout_s=self.cfg.rollout.batch_timeout_s)
+            self.precompile = None
         if self.critic_spec is None:
             self.opt_state, self.params, out = train_step(*args, **kwargs)
         else:
@@ -454,6 +463,22 @@ class Trainer:
         })
         return metrics
 
+    def start_precompile(self, shape: tuple[int, int, int]) -> Precompile:
+        """Compile the step for batches of ``shape`` = ``(rows, length, window)`` (this process's rows)
+        in a background thread (:mod:`asyncrl.trainer.precompile`); :meth:`step` waits for it
+        before its first call when the batch has that shape."""
+        self._check_state_loaded("start_precompile")
+        rows, length, window = shape
+        extra = ("constraint_nodes",) if self._trie is not None else ()
+        arrays = abstract_batch(self.mesh, rows, length, extra)
+        args, kwargs = self._arguments_for(arrays, self.cfg.rollout.temperature, window)
+        # Lowering reads only shapes, dtypes and shardings: described, the first step may donate
+        # the optimizer state while the thread still runs.
+        args = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x, args)
+        self.precompile = Precompile(shape, lambda: train_step.lower(*args, **kwargs))
+        return self.precompile
+
     def _check_state_loaded(self, what: str) -> None:
         if self.state_from_checkpoint:
             raise TrainerError(f"Trainer.{what}: the trainer was made with state_from_checkpoint=True and its optimizer "
@@ -463,6 +488,10 @@ class Trainer:
         """``(args, kwargs)`` of :func:`~asyncrl.trainer.step.train_step` for ``batch`` (also what
         ``train_step.lower(*args, **kwargs)`` takes, e.g. for the compiled step's cost analysis)."""
         arrays, temperature, window = self._device_batch(batch)
+        return self._arguments_for(arrays, temperature, window)
+
+    def _arguments_for(self, arrays: dict[str, Any], temperature: float, window: int) -> tuple[tuple, dict]:
+        """:meth:`_step_arguments` from placed (or abstract) batch arrays."""
         if self.objective == "sft":
             temperature = 1.0  # cross-entropy of the model's own distribution
         # A numpy scalar travels with the arguments; jnp.float32(...) would dispatch a program of its own.

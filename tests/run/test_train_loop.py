@@ -51,6 +51,7 @@ def test_summary_line_and_completion(quick_run):
     lines = console.strip().splitlines()
     assert lines[-1] == "training completed"
     assert lines[-2].startswith("asyncrl: 5 steps, eval/reward=") and str(out) in lines[-2]
+    assert ", first step after " in lines[-2] and "train compile " in lines[-2]
     assert any(line.startswith("[sft] step 2/5") for line in lines)
     assert any(line.startswith("[rl] step 5/5") for line in lines)
 
@@ -60,6 +61,11 @@ def test_metrics_jsonl_and_tensorboard_names(quick_run):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # step 0: eval before training; every row tagged with its stage
     assert [(row["step"], row["stage"]) for row in rows] == [(0, "sft"), (1, "sft"), (2, "sft"), (3, "rl"), (4, "rl"), (5, "rl")]
+    # the start-up split, once, in the first step's row (asyncrl/run/startup.py)
+    startup = {"perf/startup_load_s", "perf/startup_engine_s", "perf/startup_first_batch_wait_s",
+               "perf/startup_engine_compile_s", "perf/startup_train_compile_s", "perf/time_to_first_step_s"}
+    assert startup <= set(rows[1]) and not any(startup & set(row) for row in rows[2:]), sorted(startup - set(rows[1]))
+    assert 0 < rows[1]["perf/startup_load_s"] < rows[1]["perf/time_to_first_step_s"]
     sft_names = {"loss/sft", "sft/samples_drawn", "perf/step_time", "perf/trained_tokens_per_s", "eval/reward", "eval/loss",
                  "perf/train_tokens_per_train_s", "perf/train_time", "perf/eval_time"}
     assert sft_names <= set(rows[2]), sorted(sft_names - set(rows[2]))
@@ -286,3 +292,16 @@ def test_export_command_writes_the_newest_checkpoint_or_the_hf_export(quick_run,
     assert "holds no saved policy" in capsys.readouterr().err
     assert main(["export", str(bare), str(tmp_path / "from_hf")]) == 1
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_an_rl_run_compiles_its_first_step_while_the_first_rollouts_run(tmp_path):
+    """RL from the start: the train step's compile starts before the engine's first rollouts
+    (asyncrl/trainer/precompile.py); the quickstart's one length bucket makes the first batch's
+    shape certain, so the prediction is a hit and the step loads the program from the cache."""
+    from asyncrl.run.loop import train
+
+    cfg = quick_config(tmp_path, "stages=[]", "run.total_steps=2", "eval.every_steps=0", "logging.dump_every_steps=0")
+    train(cfg, console=io.StringIO())
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert rows[0]["perf/startup_precompile_hit"] == 1.0 and "perf/startup_precompile_hit" not in rows[1]
