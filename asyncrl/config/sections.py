@@ -98,6 +98,8 @@ class ModelConfig(Section):
     """Dtype of activations and matmuls; norms, softmax and log-probs always run in float32. ``auto``: bfloat16 on GPU/TPU (with float32 ``param_dtype``: float32 master weights and optimizer state), float32 on CPU (as fast there, and more accurate)."""
     remat: bool = False
     """Rematerialise each decoder layer in the backward pass (less memory, ~1/3 more compute)."""
+    remat_policy: Literal["full", "save_dots"] = "full"
+    """With ``remat``: what a layer keeps for the backward pass. ``full``: only its input (the whole layer is recomputed); ``save_dots``: also its weight matmuls' outputs (q/k/v/o, gate/up/down projections: JAX's ``dots_with_no_batch_dims_saveable``), so the backward recomputes only norms, rope, attention and activations, for more memory than ``full`` (``asyncrl plan`` counts it)."""
     logprob_chunk_size: Optional[int] = Field(default=None, ge=1)
     """Sequence positions per lm-head chunk in ``per_token_logprobs`` (bounds [B, chunk, vocab] memory); null: chosen automatically under ``logprob_chunk_budget_mb``."""
     logprob_chunk_budget_mb: float = Field(default=1024.0, ge=0)

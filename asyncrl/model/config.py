@@ -24,6 +24,7 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "reference")
 DTYPES = ("float32", "bfloat16")
+REMAT_POLICIES = ("full", "save_dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,7 @@ class DecoderConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: bool = False  # rematerialise each layer in the backward pass
+    remat_policy: str = "full"  # full | save_dots: what a rematerialised layer keeps (transformer.REMAT_POLICIES)
     logprob_chunk_size: Optional[int] = None  # per_token_logprobs: positions per lm-head chunk
     logprob_chunk_budget_mb: Optional[float] = 1024.0  # auto chunk when [B, positions, V] float32 logits exceed it
     attention: str = "auto"  # auto | xla | cudnn | reference: see transformer.attention_implementation
@@ -78,6 +80,8 @@ class DecoderConfig:
                 problems.append(f"{name}={getattr(self, name)!r} must be one of {', '.join(DTYPES)}")
         if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
             problems.append(f"logprob_chunk_size={self.logprob_chunk_size} must be >= 1")
+        if self.remat_policy not in REMAT_POLICIES:
+            problems.append(f"remat_policy={self.remat_policy!r} must be one of {', '.join(REMAT_POLICIES)}")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             problems.append(f"attention={self.attention!r} must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
         if self.logprob_chunk_budget_mb is not None and self.logprob_chunk_budget_mb < 0:
@@ -223,7 +227,7 @@ def from_hf_config(hf: Any, *, source: str = "config.json", **runtime: Any) -> D
     """Translate a ``transformers`` config object (from ``AutoConfig``), or the equivalent view
     :func:`hf_config_from_dict` makes of a ``config.json``, into a DecoderConfig.
 
-    ``runtime`` sets the runtime fields (param_dtype, compute_dtype, remat,
+    ``runtime`` sets the runtime fields (param_dtype, compute_dtype, remat, remat_policy,
     logprob_chunk_size, logprob_chunk_budget_mb, attention). Unsupported model types or options raise ModelError naming
     ``source`` and every offending option.
     """

@@ -79,6 +79,7 @@ def load_model(
     param_dtype: Optional[str] = None,
     compute_dtype: Optional[str] = None,
     remat: Optional[bool] = None,
+    remat_policy: Optional[str] = None,
     logprob_chunk_size: Optional[int] = None,
     with_tokenizer: bool = True,
 ) -> LoadedModel:
@@ -94,7 +95,7 @@ def load_model(
     if isinstance(path, ModelConfig):
         runtime = runtime_options(path)
         path = path.path
-    given = {"param_dtype": param_dtype, "compute_dtype": compute_dtype, "remat": remat,
+    given = {"param_dtype": param_dtype, "compute_dtype": compute_dtype, "remat": remat, "remat_policy": remat_policy,
              "logprob_chunk_size": logprob_chunk_size}
     runtime.update({name: value for name, value in given.items() if value is not None})
     if runtime.get("compute_dtype") == "auto":

@@ -359,7 +359,13 @@ def _call_layer(layer, x, cos, sin, mask, cache, write_idx):
     return layer(x, cos, sin, mask, cache, write_idx)
 
 
-_call_layer_remat = nnx.remat(_call_layer)
+_REMAT_CALLS = {
+    "full": nnx.remat(_call_layer),
+    # The 2-D weight matmuls of _dense have no batch dimensions; attention's einsums have them,
+    # so this keeps the projections' outputs and recomputes norms, rope, attention, activations.
+    "save_dots": nnx.remat(_call_layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+}
+"""A rematerialised layer by ``DecoderConfig.remat_policy``."""
 
 
 class Decoder(nnx.Module):
@@ -411,7 +417,7 @@ class Decoder(nnx.Module):
             mask = valid[:, None, :] & (slots[None, None, :] <= write_idx[:, :, None])
         cos, sin = rope_cos_sin(cfg, positions)
         x = self.embed_tokens(input_ids)
-        call = _call_layer_remat if cfg.remat else _call_layer
+        call = _REMAT_CALLS[cfg.remat_policy] if cfg.remat else _call_layer
         new_layers = []
         for i, layer in enumerate(self.layers):
             x, layer_cache = call(layer, x, cos, sin, mask, None if kv_cache is None else kv_cache.layers[i], write_idx)

@@ -281,7 +281,8 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     the attention output, the MLP's gate, up, its activation and their product), two float32
     copies for the RMSNorms, and float32 attention tensors over ``length`` (scores, probabilities, exponentials);
     heads and the MLP width split over ``tensor``. With ``model.remat`` each layer keeps only its
-    input and one layer at a time is recomputed in full.
+    input (``remat_policy: save_dots``: also its seven projections' outputs, q/k/v/o and
+    gate/up/down) and one layer at a time is recomputed in full.
     Head: the hidden states of the window and float32 logits and their cotangent over
     ``chunk`` positions at a time (``window`` when unchunked), vocabulary split over ``tensor``."""
     c = DTYPE_BYTES[model_cfg.compute_dtype]
@@ -293,7 +294,10 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     per_token += ATTENTION_FLOAT32_COPIES * heads * length * 4
     one_layer = rows * length * per_token
     if model_cfg.remat:
-        layers = model_cfg.num_layers * rows * length * h * c + one_layer
+        kept = h
+        if model_cfg.remat_policy == "save_dots":
+            kept += heads * d + 2 * kv_heads * d + h + 2 * inter + h
+        layers = model_cfg.num_layers * rows * length * kept * c + one_layer
     else:
         layers = model_cfg.num_layers * one_layer
     positions = window if chunk is None else min(chunk, window)
@@ -343,7 +347,8 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     chunk = model_cfg.logprob_chunk_size or auto_chunk_size(global_micro_rows, window, model_cfg.vocab_size,
                                                             model_cfg.logprob_chunk_budget_mb)
     layers, head = activation_bytes(model_cfg, local_rows, length, window, layout.mesh[2], chunk)
-    remat = "remat" if model_cfg.remat else "no remat"
+    remat = ("remat" if model_cfg.remat_policy == "full" else f"remat ({model_cfg.remat_policy})") if model_cfg.remat \
+        else "no remat"
     add("trainer", "activations", layers,
         f"{local_rows} rows x {length} tokens per micro-batch ({micro} micro-batches), {remat}, {model_cfg.compute_dtype}")
     add("trainer", "lm head", head, f"window {window}, " + (f"chunks of {chunk}" if chunk else "unchunked"))
@@ -433,6 +438,8 @@ def _candidates(cfg: Config, layout: Layout) -> list[list[str]]:
             out.append([f"optim.micro_batches={micro * factor}"])
     if not cfg.model.remat:
         out.append(["model.remat=true"])
+    elif cfg.model.remat_policy != "full":
+        out.append(["model.remat_policy=full"])
     trainer_devices = layout.mesh[0] * layout.mesh[1] * layout.mesh[2]
     fsdp = layout.mesh[1] * 2
     while fsdp * layout.mesh[2] <= trainer_devices:

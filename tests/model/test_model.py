@@ -265,6 +265,30 @@ def test_chunked_and_rematerialised_gradients_match_plain(checkpoints):
     plain, both = grads(*lm.split()), grads(*remat.split())
     assert remat.config.remat and remat.config.logprob_chunk_size == 4
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(plain, both)) < 1e-5
+    save_dots = load_model(str(path), with_tokenizer=False, remat=True, remat_policy="save_dots")
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(plain, grads(*save_dots.split()))) < 1e-5
+
+
+def test_the_save_dots_policy_recomputes_only_attention_matmuls():
+    """What each remat policy recomputes shows in the compiled backward's matmuls: with
+    ``save_dots`` only attention's two einsums per layer run again (their operands have batch
+    dimensions); with ``full`` every projection too."""
+    from asyncrl.model import per_token_logprobs
+
+    ids, mask = jnp.asarray(np.arange(32).reshape(2, 16) % 20 + 6, jnp.int32), jnp.ones((2, 16), bool)
+
+    def matmuls(**options) -> tuple[int, int]:
+        lm = load_model("tiny", with_tokenizer=False, **options)
+        graphdef, params = lm.split()
+
+        def loss(p):
+            return per_token_logprobs(graphdef, p, ids, mask, TEMPERATURE)[0].sum()
+
+        return str(jax.jit(jax.grad(loss)).lower(params).compile().as_text()).count(" dot("), lm.config.num_layers
+
+    (none, layers), (dots, _), (full, _) = matmuls(remat=False), matmuls(remat=True, remat_policy="save_dots"), \
+        matmuls(remat=True, remat_policy="full")
+    assert dots == none + 2 * layers and full > dots, (none, dots, full)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])

@@ -63,6 +63,11 @@ def test_activation_formula_by_hand():
     remat_layers, chunked = activation_bytes(model.replace(remat=True), rows, length, window, tensor=1, chunk=4)
     assert remat_layers == LAYERS * rows * length * H * 2 + rows * length * per_token
     assert chunked == rows * window * H * 2 + 2 * rows * 4 * V * 4
+    # save_dots keeps the seven projections' outputs too: q (heads x D), k and v (KV x D), o and down (H), gate and up (I)
+    dots_layers, _ = activation_bytes(model.replace(remat=True, remat_policy="save_dots"), rows, length, window,
+                                      tensor=1, chunk=4)
+    kept = H + HEADS * D + 2 * KV * D + 2 * H + 2 * I
+    assert dots_layers == LAYERS * rows * length * kept * 2 + rows * length * per_token
 
 
 def test_micro_batches_and_rows_per_device():
