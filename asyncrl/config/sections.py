@@ -100,6 +100,8 @@ class ModelConfig(Section):
     """Rematerialise each decoder layer in the backward pass (less memory, ~1/3 more compute)."""
     remat_policy: Literal["full", "save_dots"] = "full"
     """With ``remat``: what a layer keeps for the backward pass. ``full``: only its input (the whole layer is recomputed); ``save_dots``: also its weight matmuls' outputs (q/k/v/o, gate/up/down projections: JAX's ``dots_with_no_batch_dims_saveable``), so the backward recomputes only norms, rope, attention and activations, for more memory than ``full`` (``asyncrl plan`` counts it)."""
+    scan_layers: Union[bool, Literal["auto"]] = "auto"
+    """Run the decoder's identical layers as one ``lax.scan`` over their stacked weights in training and scoring (no KV cache), so XLA compiles one layer instead of every layer; weights, checkpoints and exports stay per layer, and each forward holds a stacked copy of the layer weights (``asyncrl plan`` counts it). ``auto``: on GPUs and TPUs; not on CPUs, where XLA compiled the scanned train step more slowly (docs/performance.md). The engine's prefill and decode keep every layer unrolled."""
     logprob_chunk_size: Optional[int] = Field(default=None, ge=1)
     """Sequence positions per lm-head chunk in ``per_token_logprobs`` (bounds [B, chunk, vocab] memory); null: chosen automatically under ``logprob_chunk_budget_mb``."""
     logprob_chunk_budget_mb: float = Field(default=1024.0, ge=0)

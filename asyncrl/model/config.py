@@ -61,6 +61,7 @@ class DecoderConfig:
     compute_dtype: str = "float32"
     remat: bool = False  # rematerialise each layer in the backward pass
     remat_policy: str = "full"  # full | save_dots: what a rematerialised layer keeps (transformer.REMAT_POLICIES)
+    scan_layers: bool = False  # without a KV cache, runs of identical layers as one lax.scan (transformer.scanned_layers)
     logprob_chunk_size: Optional[int] = None  # per_token_logprobs: positions per lm-head chunk
     logprob_chunk_budget_mb: Optional[float] = 1024.0  # auto chunk when [B, positions, V] float32 logits exceed it
     attention: str = "auto"  # auto | xla | cudnn | reference: see transformer.attention_implementation

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from asyncrl.config import ModelConfig
 from asyncrl.errors import ModelError
@@ -33,12 +33,26 @@ def runtime_fields() -> tuple[str, ...]:
     return tuple(name for name in ModelConfig.model_fields if name in decoder)
 
 
-def runtime_options(section: ModelConfig) -> dict[str, Any]:
-    """The :class:`DecoderConfig` runtime options of a ``model`` section, ``compute_dtype: auto`` resolved."""
+def runtime_options(section: ModelConfig, backend: Optional[str] = None) -> dict[str, Any]:
+    """The :class:`DecoderConfig` runtime options of a ``model`` section, its ``auto`` values
+    (``compute_dtype``, ``scan_layers``) resolved for ``backend`` (default: this machine's)."""
     runtime = {name: getattr(section, name) for name in runtime_fields()}
     if runtime.get("compute_dtype") == "auto":
-        runtime["compute_dtype"] = auto_compute_dtype()
+        runtime["compute_dtype"] = auto_compute_dtype(backend)
+    if runtime.get("scan_layers") == "auto":
+        runtime["scan_layers"] = auto_scan_layers(backend)
     return runtime
+
+
+def auto_scan_layers(backend: Optional[str] = None) -> bool:
+    """``model.scan_layers: auto``: scanned layers on accelerators (GPU, TPU), where each layer
+    unrolled is kernels to compile and tune; unrolled on CPU, where XLA compiled the scanned
+    train step more slowly (docs/performance.md "Scanned layers")."""
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    return backend != "cpu"
 
 
 def auto_compute_dtype(backend: Optional[str] = None) -> str:
@@ -80,6 +94,7 @@ def load_model(
     compute_dtype: Optional[str] = None,
     remat: Optional[bool] = None,
     remat_policy: Optional[str] = None,
+    scan_layers: Optional[Union[bool, str]] = None,
     logprob_chunk_size: Optional[int] = None,
     with_tokenizer: bool = True,
 ) -> LoadedModel:
@@ -96,10 +111,12 @@ def load_model(
         runtime = runtime_options(path)
         path = path.path
     given = {"param_dtype": param_dtype, "compute_dtype": compute_dtype, "remat": remat, "remat_policy": remat_policy,
-             "logprob_chunk_size": logprob_chunk_size}
+             "scan_layers": scan_layers, "logprob_chunk_size": logprob_chunk_size}
     runtime.update({name: value for name, value in given.items() if value is not None})
     if runtime.get("compute_dtype") == "auto":
         runtime["compute_dtype"] = auto_compute_dtype()
+    if runtime.get("scan_layers") == "auto":
+        runtime["scan_layers"] = auto_scan_layers()
     model_dir = resolve_model_dir(path)
     return load_hf_directory(model_dir, with_tokenizer=with_tokenizer, builtin=is_builtin(path), **runtime)
 

@@ -53,9 +53,10 @@ clearing: the next prefill into it overwrites ``valid`` and ``write_pos`` whole
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -359,13 +360,53 @@ def _call_layer(layer, x, cos, sin, mask, cache, write_idx):
     return layer(x, cos, sin, mask, cache, write_idx)
 
 
-_REMAT_CALLS = {
-    "full": nnx.remat(_call_layer),
+_REMAT_POLICIES = {
+    "full": None,
     # The 2-D weight matmuls of _dense have no batch dimensions; attention's einsums have them,
     # so this keeps the projections' outputs and recomputes norms, rope, attention, activations.
-    "save_dots": nnx.remat(_call_layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-"""A rematerialised layer by ``DecoderConfig.remat_policy``."""
+"""What a rematerialised layer keeps, by ``DecoderConfig.remat_policy`` (None: only its input)."""
+_REMAT_CALLS = {name: nnx.remat(_call_layer, policy=policy) for name, policy in _REMAT_POLICIES.items()}
+
+
+def _identical_runs(layers: Any) -> list[tuple[nnx.GraphDef, list[nnx.State]]]:
+    """Consecutive layers with the same graphdef (structure and static settings), as
+    ``(graphdef, [state, ...])`` runs: the layers one ``lax.scan`` can run."""
+    runs: list[tuple[nnx.GraphDef, list[nnx.State]]] = []
+    for layer in layers:
+        graphdef, state = nnx.split(layer)
+        if runs and runs[-1][0] == graphdef:
+            runs[-1][1].append(state)
+        else:
+            runs.append((graphdef, [state]))
+    return runs
+
+
+def scanned_layers(layers: Any, x: jax.Array, args: tuple, cfg: DecoderConfig) -> jax.Array:
+    """``layers`` applied in order to ``x [B, T, H]`` without a KV cache (training, scoring), each
+    run of identical layers as one ``lax.scan`` over its stacked weights: XLA compiles one layer
+    per run instead of every layer (the 0.5B shape's 24 layers are one run). ``args``: the layer
+    call's arguments after ``x`` (``cos, sin, mask``, shared by every layer).
+
+    The weights stay per layer (HF names, LoRA, partition rules and checkpoints unchanged); each
+    call stacks a run's ``[layers, ...]`` copy, whose cost is one pass over the weights, and the
+    backward slices the stacked gradient back. ``model.remat`` rematerialises the scan's body
+    with ``model.remat_policy``, as the unrolled layers are."""
+
+    def body(h: jax.Array, state: nnx.State, graphdef: nnx.GraphDef) -> tuple[jax.Array, None]:
+        return nnx.merge(graphdef, state)(h, *args, None, None)[0], None
+
+    for graphdef, states in _identical_runs(layers):
+        step: Callable[..., tuple[jax.Array, None]] = functools.partial(body, graphdef=graphdef)
+        if cfg.remat:  # inside a scan, CSE across iterations cannot undo it: prevent_cse is not needed
+            step = jax.checkpoint(step, policy=_REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
+        if len(states) == 1:
+            x = step(x, states[0])[0]
+            continue
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
+        x = jax.lax.scan(step, x, stacked)[0]
+    return x
 
 
 class Decoder(nnx.Module):
@@ -419,9 +460,12 @@ class Decoder(nnx.Module):
         x = self.embed_tokens(input_ids)
         call = _REMAT_CALLS[cfg.remat_policy] if cfg.remat else _call_layer
         new_layers = []
-        for i, layer in enumerate(self.layers):
-            x, layer_cache = call(layer, x, cos, sin, mask, None if kv_cache is None else kv_cache.layers[i], write_idx)
-            new_layers.append(layer_cache)
+        if kv_cache is None and cfg.scan_layers:
+            x = scanned_layers(self.layers, x, (cos, sin, mask), cfg)
+        else:
+            for i, layer in enumerate(self.layers):
+                x, layer_cache = call(layer, x, cos, sin, mask, None if kv_cache is None else kv_cache.layers[i], write_idx)
+                new_layers.append(layer_cache)
         x = self.norm(x)
         if kv_cache is None:
             return x, None

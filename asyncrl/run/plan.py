@@ -272,6 +272,13 @@ def batch_shape(cfg: Config, sft: bool) -> tuple[int, int, int]:
     return rows, length, min(length, round_up(cfg.rollout.max_new_tokens))
 
 
+def layer_share(model_cfg: Any) -> float:
+    """The decoder layers' share of the parameters (all but the embedding, the lm head and the final norm)."""
+    total = model_cfg.num_params()
+    outside = model_cfg.vocab_size * model_cfg.hidden_size * (1 if model_cfg.tie_word_embeddings else 2) + model_cfg.hidden_size
+    return (total - outside) / total
+
+
 def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor: int, chunk: Optional[int]) -> tuple[int, int]:
     """``(layers, head)``: bytes one device holds for the backward pass of one micro-batch of
     ``rows`` rows (its own share) and ``length`` positions, of which ``window`` go through the lm head.
@@ -353,6 +360,10 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
         f"{local_rows} rows x {length} tokens per micro-batch ({micro} micro-batches), {remat}, {model_cfg.compute_dtype}")
     add("trainer", "lm head", head, f"window {window}, " + (f"chunks of {chunk}" if chunk else "unchunked"))
     add("trainer", "batch", rows // shards * length * 14, "token arrays of the step")
+    if model_cfg.scan_layers:  # scanned_layers stacks the layers' variables, and the backward their gradients
+        share = layer_share(model_cfg)
+        add("trainer", "stacked layers", int(base * share) * p_bytes + int(trained * share) * 4,
+            "model.scan_layers: a [layers, ...] copy of the layer weights and of their gradients")
 
     if not sft and cfg.engine.remote is None:
         lines.extend(_engine_lines(cfg, model_cfg, layout, params, base, adapters, p_bytes, c_bytes))
@@ -403,11 +414,9 @@ def stage_decoder_config(flat: Config, model_cfg: Any = None, backend: Optional[
     """The DecoderConfig of a stage's flat config: ``model_cfg`` (else ``model.path``'s config.json)
     with the ``model`` section's runtime options; ``compute_dtype: auto`` as on ``backend``
     (``cpu``, ``gpu``, ``tpu``; default: this machine's)."""
-    from asyncrl.model.loading import auto_compute_dtype, runtime_options
+    from asyncrl.model.loading import runtime_options
 
-    runtime = runtime_options(flat.model.model_copy(update={"compute_dtype": "float32"}))
-    runtime["compute_dtype"] = (auto_compute_dtype(backend) if flat.model.compute_dtype == "auto"
-                                else flat.model.compute_dtype)
+    runtime = runtime_options(flat.model, backend)
     decoder = model_cfg if model_cfg is not None else read_decoder_config(flat.model.path)
     return decoder.replace(**runtime)
 
