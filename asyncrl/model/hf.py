@@ -378,6 +378,7 @@ def export_hf(
 
 
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+_ARCHITECTURES["qwen3_moe"] = "Qwen3MoeForCausalLM"
 
 
 def write_hf_metadata(cfg: DecoderConfig, tokenizer: Any, directory: Path,

@@ -17,9 +17,10 @@ A layer ``i`` with ``cfg.is_moe_layer(i)`` has :class:`SparseMoeBlock` as its ``
   :func:`experts_dense` is the all-experts einsum reference the tests compare it with.
 
 The router logits of every MoE layer are sown as ``nnx.Intermediate`` (``router_logits``,
-float32 ``[tokens, experts]``) so that a caller who wants them (the trainer's load-balancing
-loss and routing statistics, :func:`router_logits_of`) can pop them after the forward; callers
-that do not ask never see them, and the log-prob contract is unchanged.
+float32 ``[tokens, experts]``) when the forward runs under ``nnx.capture``
+(:func:`hidden_states_with_router`, what the trainer's load-balancing loss and routing
+statistics use); other callers (the engine, plain log-probs) sow nothing, and the log-prob
+contract is unchanged.
 
 Checkpoints: transformers writes each expert's projections as its own tensor
 (``model.layers.{l}.mlp.experts.{e}.gate_proj.weight [moe_intermediate, hidden]``);
@@ -159,23 +160,27 @@ class SparseMoeBlock(nnx.Module):
         flat = x.reshape(-1, x.shape[-1])  # [tokens, hidden]
         # float32 router: the routing decision must not depend on the compute dtype
         router_logits = jnp.dot(flat.astype(jnp.float32), self.gate.kernel[...].astype(jnp.float32))  # [tokens, E]
-        self.sow(nnx.Intermediate, "router_logits", router_logits)
+        if hasattr(self, "__captures__"):  # only under nnx.capture (hidden_states_with_router): no state otherwise
+            self.sow(nnx.Intermediate, "router_logits", router_logits)
         weights, experts = route(router_logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
         e = self.experts
         out = experts_grouped(flat, experts, weights, e.gate_proj[...], e.up_proj[...], e.down_proj[...])
         return out.reshape(*lead, -1)
 
 
-def router_logits_of(model: nnx.Module) -> list[jax.Array]:
-    """Pop the router logits the last forward of ``model`` sowed: float32 ``[tokens, E]`` per MoE
-    layer, in layer order (empty for a dense model)."""
-    state = nnx.pop(model, nnx.Intermediate)
+def hidden_states_with_router(model: nnx.Module, input_ids: jax.Array, positions: Any = None,
+                              attention_mask: Any = None) -> tuple[jax.Array, list[jax.Array]]:
+    """``model.hidden_states`` (no cache) under ``nnx.capture``: the final hidden states and the
+    router logits of every MoE layer, float32 ``[tokens, E]`` each, in layer order (empty for a
+    dense model)."""
+    capture = nnx.capture(lambda m: m.hidden_states(input_ids, positions, attention_mask)[0], nnx.Intermediate)
+    hidden, state = capture(model)
     found = []
     for path, value in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:
         keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-        if "router_logits" in keys:
-            found.append((int(keys[1]), value))  # layers/<i>/mlp/router_logits/...
-    return [value for _, value in sorted(found, key=lambda item: item[0])]
+        if "router_logits" in keys:  # layers/<i>/mlp/router_logits/<0>
+            found.append((int(keys[keys.index("layers") + 1]), value))
+    return hidden, [value for _, value in sorted(found, key=lambda item: item[0])]
 
 
 # --------------------------------------------------------------------------- checkpoints
