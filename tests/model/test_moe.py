@@ -15,32 +15,11 @@ import pytest
 
 from asyncrl.errors import ModelError
 from asyncrl.model import export_hf, forward_jit, load_model, moe, per_token_logprobs_jit, split_params
-from tests.model_helpers import hf_logits, randomize_weights, rewrite_config
+from tests.model_helpers import hf_logits, rewrite_config
+from tests.moe_helpers import TINY_MOE, save_tiny_moe
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(300)
-
-TINY_MOE = dict(
-    model_type="qwen3_moe", vocab_size=40, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-    num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
-    max_position_embeddings=128, tie_word_embeddings=False,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, eos_token_id=2, use_sliding_window=False,
-)
-
-
-def save_tiny_moe(out_dir, seed: int = 0, weight_std: float = 0.15, **overrides):
-    """A random Qwen3-MoE checkpoint written by transformers; returns its torch model (float32, eval)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.set_num_threads(2)
-    torch.manual_seed(seed)
-    kwargs = {**TINY_MOE, **overrides}
-    cfg = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-    cfg._attn_implementation = "eager"
-    model = randomize_weights(AutoModelForCausalLM.from_config(cfg).eval(), weight_std)
-    model.save_pretrained(out_dir)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -257,3 +236,31 @@ def test_dense_families_are_unchanged():
                         num_heads=2, num_kv_heads=1, head_dim=4, qk_norm=True)
     assert not any(cfg.is_moe_layer(i) for i in range(2))
     assert dataclasses.replace(cfg).num_experts == 0
+
+
+def test_lora_adapter_loads_in_peft_with_equal_logprobs(checkpoint, tmp_path):
+    """Adapters go on attention (asyncrl/model/lora.py check_moe_targets); PEFT loads the exported
+    adapter onto transformers' model and agrees. MLP targets are refused by name: PEFT would read
+    them as the experts' fused weights."""
+    from peft import PeftModel
+
+    from asyncrl.model.lora import LoraSpec, attach_lora, combine_params, export_peft_adapter
+    from tests.model.test_lora import hf_logprobs, random_adapters
+
+    path, hf, lm = checkpoint
+    with pytest.raises(ModelError, match="model.lora.target_modules: down_proj, gate_proj on a mixture-of-experts"):
+        attach_lora(lm.config, lm.split()[1], LoraSpec(rank=4, target_modules=("q_proj", "gate_proj", "down_proj")))
+    spec = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "o_proj"))
+    lora = attach_lora(lm.config, lm.split()[1], spec, seed=0)
+    adapters = random_adapters(lora.adapters, seed=2)
+    export_peft_adapter(adapters, spec, tmp_path / "adapter", base_model=str(path))
+    peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+    try:
+        ids, mask = padded_batch(seed=5)
+        want = hf_logprobs(peft_model, ids, mask)
+    finally:
+        peft_model.unload()  # the module-scoped torch model goes back to the base weights
+    got, _ = per_token_logprobs_jit(lora.graphdef, combine_params(lora.frozen, adapters), ids, mask, 1.0)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4)
+    plain, _ = per_token_logprobs_jit(*lm.split(), ids, mask, 1.0)
+    assert np.max(np.abs(np.asarray(plain) - want)) > 1e-2
