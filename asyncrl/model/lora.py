@@ -119,7 +119,7 @@ def check_moe_targets(cfg: DecoderConfig, target_modules: Any) -> None:
     from asyncrl.errors import ModelError
 
     mlp = sorted(set(target_modules) - set(ATTENTION_MODULES))
-    if cfg.num_experts and mlp:
+    if getattr(cfg, "num_experts", 0) and mlp:
         raise ModelError(f"model.lora.target_modules: {', '.join(mlp)} on a mixture-of-experts model "
                          f"({cfg.model_type}): PEFT would read them as the experts' weights, which get no adapters; "
                          f"use attention targets only, e.g. [{', '.join(ATTENTION_MODULES)}]")

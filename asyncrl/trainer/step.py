@@ -657,11 +657,14 @@ def loss_window(loss_mask: np.ndarray, multiple: int) -> int:
 
 
 def matmul_params(params: Any, model_cfg: Any) -> int:
-    """Parameters that take part in matmuls (every matrix but the embedding table, plus the lm head)."""
+    """Parameters that take part in matmuls (every matrix but the embedding table, plus the lm head);
+    of a mixture-of-experts layer's stacked experts ``[E, in, out]`` the ``k / E`` a token runs through."""
     total = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         if leaf.ndim == 2 and "embed_tokens" not in dotted_path(path):
             total += int(np.prod(leaf.shape))
+        elif leaf.ndim == 3 and ".experts." in dotted_path(path):
+            total += int(np.prod(leaf.shape)) * model_cfg.num_experts_per_tok // model_cfg.num_experts
     if model_cfg.tie_word_embeddings:
         total += model_cfg.vocab_size * model_cfg.hidden_size
     return total
