@@ -5,7 +5,7 @@ graphdef as static data, so two models with equal configs share jit compilations
 It holds the architecture (what ``config.json`` says) and the runtime options that
 change the computation but not the weights (dtypes, remat, log-prob chunking).
 
-Only what the three supported families need is representable; anything else in an
+Only what the supported families (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama) need is representable; anything else in an
 HF config that would change the model (sliding windows, other rope types, partial
 rotary, a different activation) is a :class:`~asyncrl.errors.ModelError` naming the
 option, never a silently different model.
