@@ -264,3 +264,66 @@ def test_lora_adapter_loads_in_peft_with_equal_logprobs(checkpoint, tmp_path):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4)
     plain, _ = per_token_logprobs_jit(*lm.split(), ids, mask, 1.0)
     assert np.max(np.abs(np.asarray(plain) - want)) > 1e-2
+
+
+def test_config_reader_without_transformers_agrees_with_autoconfig(checkpoint):
+    """The config.json reader (no transformers import) and AutoConfig give the same DecoderConfig,
+    for what transformers writes (``num_local_experts``) and for the published Qwen3-30B-A3B file
+    (``num_experts``)."""
+    from transformers import AutoConfig
+
+    from asyncrl.model.config import from_hf_config
+    from asyncrl.model.hf import read_hf_config_file
+    from tests.helpers import REPO_ROOT
+
+    path, _, lm = checkpoint
+    for directory in (path, REPO_ROOT / "configs" / "models" / "qwen3-30b-a3b"):
+        ours = from_hf_config(read_hf_config_file(directory / "config.json"))
+        assert ours == from_hf_config(AutoConfig.from_pretrained(str(directory))), directory
+    assert from_hf_config(read_hf_config_file(path / "config.json")) == lm.config
+
+
+SHARDED_CHILD = r"""
+import json, sys
+import numpy as np
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from asyncrl.model import forward, load_model
+from asyncrl.model.sharding import param_partition_specs, shard_params
+
+assert jax.device_count() == 8
+lm = load_model(sys.argv[1], with_tokenizer=False)
+graphdef, params = lm.split()
+rng = np.random.RandomState(0)
+ids = rng.randint(0, 40, (4, 9)).astype(np.int32)
+mask = np.ones((4, 9), bool); mask[1, :2] = False
+ref = np.asarray(jax.jit(forward, static_argnums=0)(graphdef, params, jnp.asarray(ids), None, jnp.asarray(mask))[0])
+report = {}
+for shape in ((1, 4, 2), (2, 2, 2)):
+    mesh = Mesh(np.array(jax.devices()).reshape(shape), ("data", "fsdp", "tensor"))
+    sharded = shard_params(lm.config, params, mesh)
+    batch = NamedSharding(mesh, P(("data", "fsdp"), None))
+    out = jax.jit(forward, static_argnums=0)(graphdef, sharded, jax.device_put(ids, batch), None, jax.device_put(mask, batch))[0]
+    specs = param_partition_specs(lm.config, params, mesh)["layers"][0]["mlp"]
+    report[str(shape)] = {"diff": float(np.abs(np.asarray(out) - ref)[mask].max()),
+                          "experts": [a for a in specs["experts"]["gate_proj"]],
+                          "down": [a for a in specs["experts"]["down_proj"]], "router": [a for a in specs["gate"]["kernel"]]}
+print("REPORT" + json.dumps(report))
+"""
+
+
+def test_experts_shard_over_fsdp_and_the_sharded_forward_matches(checkpoint):
+    import json
+
+    from tests.helpers import run_python, subprocess_env
+
+    path, _, _ = checkpoint
+    proc = run_python(SHARDED_CHILD, args=(str(path),), timeout=200,
+                      env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+    report = json.loads(proc.stdout.split("REPORT", 1)[1])
+    for shape, result in report.items():
+        assert result["diff"] < 1e-5, (shape, result)
+    # 4 experts over fsdp 4, the expert width 16 over tensor 2; the router's hidden dimension over fsdp
+    assert report["(1, 4, 2)"]["experts"] == ["fsdp", None, "tensor"]
+    assert report["(1, 4, 2)"]["down"] == ["fsdp", "tensor", None]
+    assert report["(1, 4, 2)"]["router"] == ["fsdp", None]
