@@ -14,7 +14,7 @@ import pytest
 from asyncrl.config import EngineConfig
 from asyncrl.engine.jax_engine import JaxEngine
 from asyncrl.engine.protocol import GenerationRequest
-from asyncrl.model import load_model
+from asyncrl.model import load_model, per_token_logprobs
 from tests.moe_helpers import TINY_MOE, save_tiny_moe
 from tests.trainer_fixtures import trainer_config
 
@@ -167,3 +167,38 @@ def test_near_tie_routes_alike_and_a_bfloat16_router_would_not(top1_dir, monkeyp
     monkeypatch.setattr(moe, "route", real_route)
     jax.clear_caches()  # the trainer must trace the float32 router, not a cached bfloat16 one
     assert max_gap(trainer, batch) > 1e-3
+
+
+def test_router_aux_loss_enters_the_loss_with_its_coefficient(moe_dir):
+    """One plain SGD step on the same batch with ``algo.router_aux_loss_coef`` 0 and 0.5: the
+    logged total loss differs by 0.5 x ``loss/router_aux`` (itself independent of the coefficient,
+    and over 2 micro-batches the row-weighted mean of theirs), and only the coefficient moves the router."""
+    from asyncrl.trainer import Trainer
+    from tests.trainer_fixtures import SGD, make_batch
+
+    lm = load_model(str(moe_dir), with_tokenizer=False)
+    graphdef, params = lm.split()
+    batch = make_batch(rows=8, length=16, padding_rows=2, seed=4)
+    out = {}
+    for coef in (0.0, 0.5):
+        cfg = trainer_config(algo={"router_aux_loss_coef": coef}, optim=dict(SGD, lr=0.1, micro_batches=2))
+        trainer = Trainer(cfg, graphdef, params)
+        metrics = trainer.step(batch)
+        out[coef] = (metrics, np.asarray(trainer.params["layers"][0]["mlp"]["gate"]["kernel"]))
+    (m0, router0), (m1, router1) = out[0.0], out[0.5]
+    assert m0["loss/router_aux"] == pytest.approx(m1["loss/router_aux"], rel=1e-6)
+    assert m1["loss/total"] - m0["loss/total"] == pytest.approx(0.5 * m1["loss/router_aux"], rel=1e-4)
+    assert np.max(np.abs(router1 - router0)) > 1e-6  # the balancing gradient reaches the router
+
+    # The logged value is the load-balancing loss of the real tokens (numpy formula, per micro-batch).
+    from tests.model.test_moe import numpy_load_balancing_loss
+
+    _, _, router = per_token_logprobs(graphdef, params, jnp.asarray(batch.input_ids), jnp.asarray(batch.attention_mask),
+                                      with_router=True)
+    logits = np.asarray(router[0]).reshape(8, 16, -1)
+    real = batch.group_index >= 0
+    want = 0.0
+    for rows in (slice(0, 4), slice(4, 8)):  # the two micro-batches (rows in order on one device)
+        mask = (batch.attention_mask[rows] & real[rows, None]).reshape(-1)
+        want += numpy_load_balancing_loss([logits[rows].reshape(-1, logits.shape[-1])], 2, mask) * real[rows].sum() / real.sum()
+    assert m0["loss/router_aux"] == pytest.approx(want, rel=1e-4)
