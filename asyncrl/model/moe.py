@@ -186,6 +186,7 @@ def hidden_states_with_router(model: nnx.Module, input_ids: jax.Array, positions
 # --------------------------------------------------------------------------- checkpoints
 
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
 
 
 def stacked_name(layer: int, projection: str) -> str:
@@ -218,7 +219,7 @@ def unstack_expert_tensors(cfg: DecoderConfig, tensors: dict[str, Any]) -> dict[
     names transformers writes and reads."""
     out = {}
     for name, value in tensors.items():
-        match = re.match(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$", name)
+        match = _STACKED_EXPERTS.match(name)
         if match is None:
             out[name] = value
             continue

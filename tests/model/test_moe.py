@@ -162,6 +162,22 @@ def test_unsupported_options_are_refused_by_name(checkpoint, tmp_path, change, n
         load_model(str(copy), with_tokenizer=False)
 
 
+def test_a_checkpoint_missing_an_expert_is_refused_naming_it(checkpoint, tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    path, _, _ = checkpoint
+    copy = tmp_path / "m"
+    shutil.copytree(path, copy)
+    tensors = load_file(str(copy / "model.safetensors"))
+    del tensors["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"missing tensors \(1\): model.layers.0.mlp.experts.up_proj(.|\n)*"
+                                         r"unexpected tensors \(3\): model.layers.0.mlp.experts.0.up_proj.weight"):
+        load_model(str(copy), with_tokenizer=False)
+
+
 def test_greedy_generation_matches_transformers(checkpoint):
     from asyncrl.config import EngineConfig
     from asyncrl.engine.jax_engine import JaxEngine
