@@ -215,7 +215,45 @@ def _real_shape(_: Path, output: str) -> None:
     assert result["logits_max_abs_diff"] <= 1e-3 * result["logits_max_abs"], result
 
 
+# docs/scaling.md "Mixture-of-experts models": GRPO on a tiny Qwen3-MoE, checkpoint, resume, export.
+MOE_TRAIN = ("asyncrl train configs/quickstart.yaml --set run.name=quickstart-moe --set model.path=tiny-qwen3:experts=4 "
+             "--set 'stages=[{name: rl, type: rl, total_steps: 300}]' --set algo.router_aux_loss_coef=0.01 "
+             "--set algo.decoupled=true --set rollout.max_staleness=0 --set data.max_prompt_tokens=32 --set 'engine.prefill_buckets=[32]' "
+             "--set engine.kv_capacity=48")
+MOE_QUICK = ("--set", "stages.0.total_steps=5", "--set", "eval.every_steps=5", "--set", "eval.max_prompts=8",
+             "--set", "checkpoint.every_steps=2")
+
+
+def _moe_trained(ws: Path, _: str) -> None:
+    """Five steps with the router terms logged and the engine's log-probs equal to the trainer's."""
+    rows = [json.loads(line) for line in (ws / "runs/quickstart-moe/metrics.jsonl").read_text().splitlines()]
+    trained = [row for row in rows if row["step"] > 0 and "loss/router_aux" in row]
+    assert [row["step"] for row in trained] == [1, 2, 3, 4, 5], rows
+    assert all(row["engine/logprob_gap"] <= 1e-5 and row["train/expert_load_max"] >= 1.0 for row in trained), trained
+    assert json.loads((ws / "runs/quickstart-moe/hf/config.json").read_text())["model_type"] == "qwen3_moe"
+
+
+def _moe_interrupt_after_step_4(ws: Path) -> None:
+    import shutil
+
+    shutil.rmtree(ws / "runs/quickstart-moe/checkpoints/step_00000005")
+
+
+def _moe_resumed(ws: Path, output: str) -> None:
+    rows = [json.loads(line) for line in (ws / "runs/quickstart-moe/metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if row["step"] > 0] == [1, 2, 3, 4, 5], "resume repeated or lost a step"
+    assert (ws / "runs/quickstart-moe/checkpoints/step_00000005").is_dir()
+
+
+MOE_CHAIN = (
+    Step(MOE_TRAIN, MOE_QUICK, check=_moe_trained),
+    Step(MOE_TRAIN + " --resume", MOE_QUICK, prepare=_moe_interrupt_after_step_4, check=_moe_resumed),
+    Step("asyncrl export runs/quickstart-moe my-moe/", check=_exists("my-moe/config.json", "my-moe/model.safetensors")),
+)
+
 SLOW_CHAINS = {
+    # docs/scaling.md: the tiny Qwen3-MoE run (about 2 minutes per training command here)
+    "moe": MOE_CHAIN,
     # README: the component benchmarks' quick forms, five interpreters that each compile (34 s)
     "bench": BENCH_CHAIN,
     # docs/performance.md: the Qwen2.5-0.5B-shaped run (write, 3 steps, SIGKILL, resume, eval, export;

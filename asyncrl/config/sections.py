@@ -283,6 +283,8 @@ class AlgoConfig(Section):
     """Entropy bonus: the loss is reduced by this times the token entropy."""
     log_entropy: bool = False
     """Log ``train/entropy`` (token-mean entropy of the policy on trained tokens) even when ``entropy_coef`` is 0: one more pass over every trained token's full-vocabulary distribution per training forward (with ``entropy_coef`` > 0 it is computed, and logged, anyway)."""
+    router_aux_loss_coef: float = Field(default=0.0, ge=0)
+    """Mixture-of-experts models: weight of the router's load-balancing loss (Switch Transformer's, as transformers' ``load_balancing_loss_func``) added to the policy loss and logged as ``loss/router_aux``; 0 leaves the loss unchanged (the routing statistics are logged either way)."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How token losses of a mini-batch become one scalar (real rows only)."""
     loss_norm_tokens: Optional[int] = Field(default=None, ge=1)

@@ -5,7 +5,7 @@ graphdef as static data, so two models with equal configs share jit compilations
 It holds the architecture (what ``config.json`` says) and the runtime options that
 change the computation but not the weights (dtypes, remat, log-prob chunking).
 
-Only what the three supported families need is representable; anything else in an
+Only what the supported families (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama) need is representable; anything else in an
 HF config that would change the model (sliding windows, other rope types, partial
 rotary, a different activation) is a :class:`~asyncrl.errors.ModelError` naming the
 option, never a silently different model.
@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from asyncrl.errors import ModelError
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "reference")
 DTYPES = ("float32", "bfloat16")
@@ -56,6 +56,13 @@ class DecoderConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int | tuple[int, ...]] = None
     pad_token_id: Optional[int] = None
+    # mixture of experts (qwen3_moe; num_experts 0: every layer dense). See asyncrl/model/moe.py.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse iff (i + 1) % step == 0 and i not in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()
     # runtime options (not part of the checkpoint)
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
@@ -87,8 +94,26 @@ class DecoderConfig:
             problems.append(f"attention={self.attention!r} must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
         if self.logprob_chunk_budget_mb is not None and self.logprob_chunk_budget_mb < 0:
             problems.append(f"logprob_chunk_budget_mb={self.logprob_chunk_budget_mb} must be >= 0")
+        problems += self._moe_problems()
         if problems:
             raise ModelError("invalid model config: " + "; ".join(problems))
+
+    def _moe_problems(self) -> list[str]:
+        if self.num_experts == 0:
+            return []
+        problems = []
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            problems.append(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]")
+        if self.moe_intermediate_size < 1:
+            problems.append(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
+        if self.decoder_sparse_step < 1:
+            problems.append(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+        return problems
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer ``index`` has a sparse MoE block (transformers' Qwen3-MoE rule)."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
 
     def replace(self, **changes: Any) -> "DecoderConfig":
         return dataclasses.replace(self, **changes)
@@ -108,9 +133,10 @@ class DecoderConfig:
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
         attn += 2 * d if self.qk_norm else 0
         mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
-        layer = attn + mlp + 2 * h
+        moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts + router
+        mlps = sum(moe if self.is_moe_layer(n) else mlp for n in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * layer + h + head
+        return self.vocab_size * h + self.num_layers * (attn + 2 * h) + mlps + h + head
 
 
 # --------------------------------------------------------------------------- config.json without transformers
@@ -136,8 +162,14 @@ _HF_DEFAULTS = {
     "qwen2": _QWEN2_DEFAULTS,
     "qwen3": {**_QWEN2_DEFAULTS, "head_dim": 128, "attention_bias": False},
 }
+_HF_DEFAULTS["qwen3_moe"] = {  # transformers 5's Qwen3MoeConfig (it writes num_experts as num_local_experts)
+    **_HF_DEFAULTS["qwen3"], "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
+    "num_key_value_heads": 4, "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8,
+    "num_experts": 128, "norm_topk_prob": False, "mlp_only_layers": [],
+}
 _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "max_position_embeddings", "max_window_layers")
+               "num_key_value_heads", "head_dim", "max_position_embeddings", "max_window_layers",
+               "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
 _FLOAT_FIELDS = ("rms_norm_eps", "initializer_range")
 _ROPE_REQUIRED = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 
@@ -155,6 +187,10 @@ def hf_config_from_dict(raw: dict[str, Any], *, source: str = "config.json") -> 
     if model_type not in _HF_DEFAULTS:
         return SimpleNamespace(**raw)
     values = {**_HF_DEFAULTS[model_type], **raw}
+    if "num_local_experts" in values:  # the name transformers 5 saves num_experts under
+        values["num_experts"] = values.pop("num_local_experts")
+    if values.get("mlp_only_layers") is None and model_type == "qwen3_moe":
+        values["mlp_only_layers"] = []
     for name in _INT_FIELDS:
         value = values.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -261,12 +297,13 @@ def from_hf_config(hf: Any, *, source: str = "config.json", **runtime: Any) -> D
 
     if model_type == "qwen2":
         qkv_bias, o_bias, mlp_bias, qk_norm = True, False, False, False
-    elif model_type == "qwen3":
+    elif model_type in ("qwen3", "qwen3_moe"):
         qkv_bias = o_bias = bool(getattr(hf, "attention_bias", False))
         mlp_bias, qk_norm = False, True
     else:  # llama
         qkv_bias = o_bias = bool(getattr(hf, "attention_bias", False))
         mlp_bias, qk_norm = bool(getattr(hf, "mlp_bias", False)), False
+    moe = _moe_fields(hf, problems) if model_type == "qwen3_moe" else {}
     if problems:
         raise ModelError(f"{source}: unsupported option(s) for model_type {model_type!r}: " + "; ".join(problems))
 
@@ -303,11 +340,37 @@ def from_hf_config(hf: Any, *, source: str = "config.json", **runtime: Any) -> D
         eos_token_id=eos,
         pad_token_id=getattr(hf, "pad_token_id", None),
     )
+    cfg.update(moe)
     cfg.update(runtime)
     try:
         return DecoderConfig(**cfg)
     except ModelError as err:  # e.g. heads not a multiple of kv heads: say which file
         raise ModelError(f"{source}: {err}") from None
+
+
+# Options of other MoE families that change the model and that the Qwen3-MoE block does not have:
+# refused by name if a qwen3_moe config.json carries them with an active value.
+_UNSUPPORTED_MOE_OPTIONS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
+                            "router_jitter_noise", "moe_layer_freq", "first_k_dense_replace")
+
+
+def _moe_fields(hf: Any, problems: list[str]) -> dict[str, Any]:
+    """The DecoderConfig MoE fields of a qwen3_moe config; options we do not implement go to ``problems``."""
+    for name in _UNSUPPORTED_MOE_OPTIONS:
+        if getattr(hf, name, None):
+            problems.append(f"{name}={getattr(hf, name)!r} (Qwen3-MoE has no such option; only qwen3_moe's "
+                            f"routed experts are supported)")
+    num_experts = int(getattr(hf, "num_experts", 0) or 0)
+    if num_experts < 1:
+        problems.append(f"num_experts={num_experts} (a qwen3_moe model needs >= 1 expert)")
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(hf.num_experts_per_tok),
+        moe_intermediate_size=int(hf.moe_intermediate_size),
+        norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+        decoder_sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),
+        mlp_only_layers=tuple(int(i) for i in (getattr(hf, "mlp_only_layers", None) or ())),
+    )
 
 
 def to_hf_config(cfg: DecoderConfig) -> Any:
@@ -342,12 +405,16 @@ def to_hf_config(cfg: DecoderConfig) -> Any:
         pad_token_id=cfg.pad_token_id,
         dtype=cfg.param_dtype,
     )
-    if cfg.model_type in ("llama", "qwen3"):
+    if cfg.model_type in ("llama", "qwen3", "qwen3_moe"):
         if cfg.qkv_bias != cfg.o_bias:
             raise ModelError(f"{cfg.model_type}: q/k/v and o biases must agree (attention_bias)")
         kwargs["attention_bias"] = cfg.qkv_bias
     if cfg.model_type == "llama":
         kwargs["mlp_bias"] = cfg.mlp_bias
-    if cfg.model_type in ("qwen2", "qwen3"):
+    if cfg.model_type in ("qwen2", "qwen3", "qwen3_moe"):
         kwargs["use_sliding_window"] = False
+    if cfg.model_type == "qwen3_moe":
+        kwargs.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                      moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                      decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers))
     return AutoConfig.for_model(cfg.model_type, **kwargs)

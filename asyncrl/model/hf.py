@@ -177,6 +177,10 @@ def params_from_hf(cfg: DecoderConfig, tensors: dict[str, Any], source: str, abs
     from asyncrl.model.transformer import dtype_of
 
     layout = param_layout(cfg, abstract)
+    if cfg.num_experts:  # per-expert HF tensors -> our stacked expert parameters
+        from asyncrl.model.moe import stack_expert_tensors
+
+        tensors = stack_expert_tensors(cfg, tensors)
     expected = {hf_name for hf_name, _, _ in layout.values()}
     missing, mis_shaped = [], []
     params: dict = {}
@@ -224,6 +228,10 @@ def hf_tensors_from_params(cfg: DecoderConfig, params: dict) -> dict[str, Any]:
         for k in keys:
             value = value[k]
         out[hf_name] = value.T if transposed else value
+    if cfg.num_experts:  # our stacked expert parameters -> the per-expert tensors transformers reads
+        from asyncrl.model.moe import unstack_expert_tensors
+
+        out = unstack_expert_tensors(cfg, out)
     return out
 
 
@@ -370,6 +378,7 @@ def export_hf(
 
 
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+_ARCHITECTURES["qwen3_moe"] = "Qwen3MoeForCausalLM"
 
 
 def write_hf_metadata(cfg: DecoderConfig, tokenizer: Any, directory: Path,

@@ -183,7 +183,8 @@ def per_token_logprobs(
     window_start: Optional[jax.Array] = None,
     with_entropy: bool = True,
     allowed: Optional[jax.Array] = None,
-) -> tuple[jax.Array, Optional[jax.Array]]:
+    with_router: bool = False,
+) -> Any:
     """``(logprobs, entropy)`` float32, ``[B, L]`` aligned with ``input_ids`` (or ``[B, W]`` with a window).
 
     ``graphdef, params`` come from ``nnx.split(model)`` (params: State or pure dict);
@@ -197,10 +198,18 @@ def per_token_logprobs(
     for each token, ``-1`` padding; constrained tokens are scored under the masked distribution
     (:func:`token_logprobs_from_logits`; built by :func:`asyncrl.engine.constraints.allowed_tokens`). Traceable and
     differentiable: call it inside your jitted loss, or use :data:`per_token_logprobs_jit`.
+    ``with_router=True`` (mixture-of-experts models): a third output, the router logits of every
+    MoE layer (float32 ``[B * L, experts]`` each, :func:`asyncrl.model.moe.hidden_states_with_router`).
     """
     model = nnx.merge(graphdef, params)
     attention_mask = attention_mask.astype(bool)
-    hidden, _ = model.hidden_states(input_ids, positions, attention_mask)  # [B, L, H]
+    router: list[jax.Array] = []
+    if with_router:
+        from asyncrl.model.moe import hidden_states_with_router
+
+        hidden, router = hidden_states_with_router(model, input_ids, positions, attention_mask)
+    else:
+        hidden, _ = model.hidden_states(input_ids, positions, attention_mask)  # [B, L, H]
     b, length, _ = hidden.shape
     # scored[b, t]: token t and its context t-1 are real (t >= 1); position t-1's logits score token t.
     scored = jnp.concatenate([jnp.zeros((b, 1), bool), attention_mask[:, 1:] & attention_mask[:, :-1]], axis=1)
@@ -221,6 +230,8 @@ def per_token_logprobs(
     lp, ent = _head_logprobs(model, context, targets, temperature, chunk_size, with_entropy, allowed)
     logprobs = jnp.where(scored, lp, 0.0)
     entropy = jnp.where(scored, ent, 0.0) if ent is not None else None
+    if with_router:
+        return logprobs, entropy, router
     return logprobs, entropy
 
 

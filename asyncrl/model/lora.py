@@ -102,12 +102,27 @@ def _lora_decoder(cfg: DecoderConfig, spec: LoraSpec) -> Any:
     """A Decoder whose targeted linear layers are :class:`LoRALinear` (call under ``nnx.eval_shape``)."""
     from asyncrl.model.transformer import Decoder
 
+    check_moe_targets(cfg, spec.target_modules)
     model = Decoder(cfg, nnx.Rngs(0))
     for layer in model.layers:
         for name in spec.target_modules:
             parent = layer.self_attn if name in ATTENTION_MODULES else layer.mlp
             setattr(parent, name, LoRALinear(getattr(parent, name), spec, nnx.Rngs(0)))
     return model
+
+
+def check_moe_targets(cfg: DecoderConfig, target_modules: Any) -> None:
+    """Mixture-of-experts models take adapters on attention only. PEFT (on transformers 5) reads
+    ``gate_proj``/``up_proj``/``down_proj`` of a qwen3_moe model as the experts' fused weights,
+    which asyncrl does not adapt, so an adapter on the dense layers' MLPs would not load as
+    trained: refused, naming the option."""
+    from asyncrl.errors import ModelError
+
+    mlp = sorted(set(target_modules) - set(ATTENTION_MODULES))
+    if getattr(cfg, "num_experts", 0) and mlp:
+        raise ModelError(f"model.lora.target_modules: {', '.join(mlp)} on a mixture-of-experts model "
+                         f"({cfg.model_type}): PEFT would read them as the experts' weights, which get no adapters; "
+                         f"use attention targets only, e.g. [{', '.join(ATTENTION_MODULES)}]")
 
 
 @dataclasses.dataclass

@@ -49,6 +49,12 @@ PARTITION_RULES: tuple[tuple[str, tuple[Optional[str], ...], tuple[Optional[str]
     (r"mlp\.down_proj\.kernel$", ("tensor", "fsdp"), (None, None)),
     (r"mlp\.down_proj\.bias$", (None,), (None,)),
     (r"(input_layernorm|post_attention_layernorm|norm)\.weight$", (None,), (None,)),
+    # Mixture of experts (asyncrl/model/moe.py): fsdp splits the expert dimension, so each device
+    # stores whole experts (E / fsdp of them) and gathers a layer's experts per use like any fsdp
+    # weight; tensor splits each expert's intermediate dimension like the dense MLP's.
+    (r"mlp\.gate\.kernel$", ("fsdp", None), (None, None)),  # router [hidden, experts]
+    (r"mlp\.experts\.(gate|up)_proj$", ("fsdp", None, "tensor"), (None, None, None)),  # [E, hidden, I]
+    (r"mlp\.experts\.down_proj$", ("fsdp", "tensor", None), (None, None, None)),  # [E, I, hidden]
 )
 
 

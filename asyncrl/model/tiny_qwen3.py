@@ -15,7 +15,8 @@ contributes every string field of every record; any other file, its lines.
 
 Like ``tiny`` it is built once into ``<cache>/tiny-qwen3-<hash>`` (the hash covers the
 spec, the corpus's bytes and the recipe), atomically. Options:
-``tiny-qwen3:vocab=2048,layers=4,corpus=/data/my.jsonl``.
+``tiny-qwen3:vocab=2048,layers=4,corpus=/data/my.jsonl``; ``tiny-qwen3:experts=4`` is the same
+model as a Qwen3-MoE (4 experts, top-2, of width ``moe_intermediate``).
 """
 
 from __future__ import annotations
@@ -92,6 +93,13 @@ class TinyQwen3Spec:
     max_positions: int = 2048
     corpus: str = ""
     """Tokenizer training text; empty: ``$ASYNCRL_TINY_QWEN3_CORPUS`` or :data:`DEFAULT_CORPUS`."""
+    experts: int = 0
+    """0: dense Qwen3; > 0: a Qwen3-MoE (``model_type: qwen3_moe``) with this many experts in every layer."""
+    experts_per_tok: int = 2
+    moe_intermediate: int = 64
+
+
+_MOE_FIELDS = ("experts", "experts_per_tok", "moe_intermediate")
 
 
 def chatml_char_tokenizer() -> Any:
@@ -184,6 +192,10 @@ def build_tokenizer(spec: TinyQwen3Spec, path: Path) -> Any:
 
 
 def decoder_config(spec: TinyQwen3Spec, tokenizer: Any) -> DecoderConfig:
+    moe: dict[str, Any] = {}
+    if spec.experts:  # the same layout with a sparse MoE block in every layer (asyncrl/model/moe.py)
+        moe = dict(model_type="qwen3_moe", num_experts=spec.experts, num_experts_per_tok=spec.experts_per_tok,
+                   moe_intermediate_size=spec.moe_intermediate, norm_topk_prob=True)
     return DecoderConfig(
         model_type="qwen3",
         vocab_size=len(tokenizer),
@@ -200,7 +212,7 @@ def decoder_config(spec: TinyQwen3Spec, tokenizer: Any) -> DecoderConfig:
         qk_norm=True,
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
         pad_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT),
-    )
+    ).replace(**moe)
 
 
 def dir_name(spec: TinyQwen3Spec, corpus: Path) -> str:
@@ -208,8 +220,9 @@ def dir_name(spec: TinyQwen3Spec, corpus: Path) -> str:
     import jax
 
     digest = hashlib.sha256(corpus.read_bytes()).hexdigest()
+    fields = {k: v for k, v in dataclasses.asdict(spec).items() if spec.experts or k not in _MOE_FIELDS}  # dense: keys as before
     key = json.dumps(
-        {"spec": dataclasses.asdict(spec) | {"corpus": digest}, "template": CHATML_TEMPLATE, "special": SPECIAL_TOKENS,
+        {"spec": fields | {"corpus": digest}, "template": CHATML_TEMPLATE, "special": SPECIAL_TOKENS,
          "format": _BUILD_FORMAT, "jax": jax.__version__, "flax": flax.__version__},
         sort_keys=True,
     )

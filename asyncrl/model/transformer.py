@@ -342,18 +342,26 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, index: int = 0):
         pd = dtype_of(cfg.param_dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
         self.self_attn = Attention(cfg, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = _sparse_moe_block(cfg, rngs) if cfg.is_moe_layer(index) else MLP(cfg, rngs)
 
     def __call__(self, x, cos, sin, mask, cache: Optional[LayerKV] = None, write_idx=None):
         attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, write_idx)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, new_cache
+
+
+def _sparse_moe_block(cfg: DecoderConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """A mixture-of-experts layer's feed-forward block (asyncrl/model/moe.py; imported here
+    because moe.py builds on this module's linear layers)."""
+    from asyncrl.model.moe import SparseMoeBlock
+
+    return SparseMoeBlock(cfg, rngs)
 
 
 def _call_layer(layer, x, cos, sin, mask, cache, write_idx):
@@ -423,7 +431,7 @@ class Decoder(nnx.Module):
             embedding_init=_normal(cfg.initializer_range),
             rngs=rngs,
         )
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype_of(cfg.param_dtype))
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)

@@ -243,6 +243,10 @@ def params_per_device(model_cfg: Any, params: dict, mesh: Any, lora: Any = None)
 
     base = adapters = 0
     targets = set(lora.target_modules) if lora is not None else set()
+    if lora is not None:
+        from asyncrl.model.lora import check_moe_targets
+
+        check_moe_targets(model_cfg, targets)  # refused as training would refuse it
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = dotted_name(path)
         shape = tuple(leaf.shape)
@@ -296,8 +300,8 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     h, d = model_cfg.hidden_size, model_cfg.head_dim
     heads = max(model_cfg.num_heads // tensor, 1)
     kv_heads = max(model_cfg.num_kv_heads // tensor, 1)
-    inter = model_cfg.intermediate_size // tensor
-    per_token = (4 * h + 3 * heads * d + 4 * kv_heads * d + 4 * inter) * c + NORM_FLOAT32_COPIES * h * 4
+    per_token = (4 * h + 3 * heads * d + 4 * kv_heads * d) * c + mlp_activation_bytes(model_cfg, tensor)
+    per_token += NORM_FLOAT32_COPIES * h * 4
     per_token += ATTENTION_FLOAT32_COPIES * heads * length * 4
     one_layer = rows * length * per_token
     if model_cfg.remat:
@@ -311,6 +315,24 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     vocab = model_cfg.vocab_size // tensor if model_cfg.vocab_size % tensor == 0 else model_cfg.vocab_size
     head = rows * window * h * c + 2 * rows * positions * vocab * 4
     return layers, head
+
+
+def mlp_activation_bytes(model_cfg: Any, tensor: int) -> int:
+    """Bytes per token the feed-forward blocks keep for the backward pass, averaged over the layers:
+    a dense MLP its gate, up, activation and product (``4 x intermediate``); a mixture-of-experts
+    block (asyncrl/model/moe.py) the same per routed expert at ``moe_intermediate_size``, plus the
+    token's ``k`` gathered input copies and weighted outputs and the float32 router logits and
+    probabilities. Widths split over ``tensor``."""
+    c = DTYPE_BYTES[model_cfg.compute_dtype]
+    dense = 4 * (model_cfg.intermediate_size // tensor) * c
+    experts = getattr(model_cfg, "num_experts", 0)
+    if not experts:
+        return dense
+    k, h = model_cfg.num_experts_per_tok, model_cfg.hidden_size
+    sparse = k * (4 * (model_cfg.moe_intermediate_size // tensor) + 2 * h) * c + 2 * experts * 4
+    layers = model_cfg.num_layers
+    n_sparse = sum(1 for i in range(layers) if model_cfg.is_moe_layer(i))
+    return (n_sparse * sparse + (layers - n_sparse) * dense) // layers
 
 
 # --------------------------------------------------------------------------- the plan
@@ -463,8 +485,18 @@ def _candidates(cfg: Config, layout: Layout) -> list[list[str]]:
     if cfg.engine.kv_capacity > needed:
         out.append([f"engine.kv_capacity={needed}", f"engine.prefill_buckets=[{max(min(cfg.engine.prefill_buckets), min(needed, cfg.data.max_prompt_tokens))}]"])
     if cfg.model.lora is None:
-        out.append(["model.lora={rank: 16, alpha: 32}"])
+        out.append([_lora_suggestion(cfg)])
     return out
+
+
+def _lora_suggestion(cfg: Config) -> str:
+    """LoRA rank 16; on a mixture-of-experts model on attention only (what
+    :func:`asyncrl.model.lora.check_moe_targets` accepts)."""
+    from asyncrl.model.lora import ATTENTION_MODULES
+
+    if not getattr(read_decoder_config(str(cfg.model.path)), "num_experts", 0):
+        return "model.lora={rank: 16, alpha: 32}"
+    return f"model.lora={{rank: 16, alpha: 32, target_modules: [{', '.join(ATTENTION_MODULES)}]}}"
 
 
 def suggest(cfg_path: Optional[str], overrides: Sequence[str], device_memory: int, devices: int, processes: int,

@@ -299,19 +299,46 @@ def critic_micro_loss(theta: Any, x: dict[str, jax.Array], denominators: Any, ke
 
 
 def micro_loss(theta: Any, x: dict[str, jax.Array], denominators: Any, key: Optional[jax.Array], *,
-               forward: Callable, algo: Optional[AlgoParams]) -> tuple[jax.Array, dict]:
+               forward: Callable, algo: Optional[AlgoParams], router_top_k: int = 0) -> tuple[jax.Array, dict]:
     """One micro-batch's share of its mini-batch's loss, and the diagnostics; differentiated
     in ``theta``. ``x``: the micro-batch's chunks, ``[S * b, L]`` / ``[S * b]``; ``algo`` None
     for SFT; ``key`` the micro-batch's LoRA dropout key (or None). Token arrays other than
-    ``input_ids`` / ``attention_mask`` are ``[S * b, W]`` windows (``window_start``)."""
-    logprobs, entropy = forward(theta, x["input_ids"], x["attention_mask"], x["window_start"], key,
-                                nodes=x.get("constraint_nodes"))
+    ``input_ids`` / ``attention_mask`` are ``[S * b, W]`` windows (``window_start``).
+    ``router_top_k`` (a mixture-of-experts policy's top-k, 0 otherwise): add the router terms
+    (:func:`router_terms`)."""
+    router = {"with_router": True} if router_top_k else {}
+    outputs = forward(theta, x["input_ids"], x["attention_mask"], x["window_start"], key,
+                      nodes=x.get("constraint_nodes"), **router)
+    logprobs, entropy = outputs[:2]
     if algo is None:
-        return sft_loss(logprobs, entropy, x["mask"], denominators)
-    return policy_loss(
-        logprobs, x["prox_logprobs"], x["behavior_logprobs"], x["advantages"], x["mask"], denominators, algo,
-        entropy=entropy, ref_logprobs=x.get("ref_logprobs"),
-    )
+        loss, diagnostics = sft_loss(logprobs, entropy, x["mask"], denominators)
+    else:
+        loss, diagnostics = policy_loss(
+            logprobs, x["prox_logprobs"], x["behavior_logprobs"], x["advantages"], x["mask"], denominators, algo,
+            entropy=entropy, ref_logprobs=x.get("ref_logprobs"),
+        )
+    if not router_top_k:
+        return loss, diagnostics
+    coef = 0.0 if algo is None else algo.router_aux_loss_coef
+    aux_share, stats = router_terms(outputs[2], x["attention_mask"], x["real"], denominators, router_top_k)
+    return loss + coef * aux_share, dict(diagnostics, **stats)
+
+
+def router_terms(router_logits: list[jax.Array], attention_mask: jax.Array, real: jax.Array, denominators: Any,
+                 top_k: int) -> tuple[jax.Array, dict]:
+    """A mixture-of-experts micro-batch's load-balancing loss, as its share of the mini-batch's
+    (weighted by its real rows, like a row mean), and its routing statistics: ``router_aux_loss``
+    (logged ``loss/router_aux``) and ``expert_load_max`` (``train/expert_load_max``, maximised over
+    micro-batches; :func:`asyncrl.model.moe.expert_load_max`). ``router_logits`` float32
+    ``[rows * L, E]`` per MoE layer; ``attention_mask`` ``[rows, L]`` and ``real`` ``[rows]`` pick
+    the real tokens. The experts drop no token (no capacity limit), so there is no drop count."""
+    from asyncrl.model.moe import expert_load_max, load_balancing_loss
+
+    tokens = (attention_mask & real[:, None]).reshape(-1)  # [rows * L]
+    aux = load_balancing_loss(router_logits, top_k, tokens)
+    share = aux * jnp.sum(real).astype(jnp.float32) / jnp.maximum(denominators.rows, 1.0)
+    stats = {"router_aux_loss": share, "expert_load_max": expert_load_max(router_logits, top_k, tokens)}
+    return share, jax.tree.map(jax.lax.stop_gradient, stats)
 
 
 def accumulate_gradients(grad_fn: Callable, theta: Any, mini: dict[str, jax.Array], update_key: Optional[jax.Array],
@@ -491,11 +518,13 @@ def _train_step_impl(
 
     # The policy's forward at this step's temperature, over the window:
     # (theta, ids, attention, starts, key) -> (logprobs, entropy) [b, W].
-    def forward(theta, input_ids, attention_mask, starts, key=None, with_entropy=spec.entropy, nodes=None):
+    def forward(theta, input_ids, attention_mask, starts, key=None, with_entropy=spec.entropy, nodes=None,
+                with_router=False):
         weights = lora_weights(frozen, spec.lora_dropout, theta, key)
         allowed = None if trie is None or nodes is None else allowed_tokens(jnp, trie, nodes, spec.trie_branch)
         return per_token_logprobs(graphdef, weights, input_ids, attention_mask, temperature, with_entropy=with_entropy,
-                                  window=None if window == length else window, window_start=starts, allowed=allowed)
+                                  window=None if window == length else window, window_start=starts, allowed=allowed,
+                                  with_router=with_router)
 
     # 1. Whole-batch quantities, token ones cut to the window, then the batch cut into
     # [M, U, S * b, ...] chunks.
@@ -550,7 +579,8 @@ def _train_step_impl(
         )
 
     # 3. The optimizer updates: epochs x mini-batches, each over its micro-batches.
-    loss_fn = functools.partial(micro_loss, forward=forward, algo=None if sft else algo)
+    router_top_k = spec.model_cfg.num_experts_per_tok if getattr(spec.model_cfg, "num_experts", 0) else 0
+    loss_fn = functools.partial(micro_loss, forward=forward, algo=None if sft else algo, router_top_k=router_top_k)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     update = functools.partial(optimizer_update, chunks=chunks, grad_fn=grad_fn, dropout_key=dropout_key,
                                optim=optim, p_shardings=p_shardings, o_shardings=o_shardings, critic=critic_update)
@@ -627,11 +657,14 @@ def loss_window(loss_mask: np.ndarray, multiple: int) -> int:
 
 
 def matmul_params(params: Any, model_cfg: Any) -> int:
-    """Parameters that take part in matmuls (every matrix but the embedding table, plus the lm head)."""
+    """Parameters that take part in matmuls (every matrix but the embedding table, plus the lm head);
+    of a mixture-of-experts layer's stacked experts ``[E, in, out]`` the ``k / E`` a token runs through."""
     total = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         if leaf.ndim == 2 and "embed_tokens" not in dotted_path(path):
             total += int(np.prod(leaf.shape))
+        elif leaf.ndim == 3 and ".experts." in dotted_path(path):
+            total += int(np.prod(leaf.shape)) * model_cfg.num_experts_per_tok // model_cfg.num_experts
     if model_cfg.tie_word_embeddings:
         total += model_cfg.vocab_size * model_cfg.hidden_size
     return total

@@ -256,3 +256,52 @@ def test_plan_within_25_percent_of_measured_memory_qwen2_5_0_5b_shape():
     result = _measured(*QWEN_05B_SMALL_BATCH)
     assert 0.75 <= result["trainer_ratio"] <= 1.25, result
     assert 0.75 <= result["engine_ratio"] <= 1.25, result
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+# Qwen3-30B-A3B (configs/models/qwen3-30b-a3b): 48 layers, every one sparse (128 experts of 768, top-8).
+MOE_H, MOE_LAYERS, MOE_E, MOE_I, MOE_V = 2048, 48, 128, 768, 151936
+MOE_ATTENTION = 2 * MOE_H * 32 * 128 + 2 * MOE_H * 4 * 128
+MOE_NORMS = MOE_LAYERS * (2 * MOE_H + 2 * 128) + MOE_H  # layer norms, q/k norms, final norm: replicated
+MOE_PARAMS = 2 * MOE_V * MOE_H + MOE_LAYERS * (MOE_ATTENTION + MOE_E * (3 * MOE_H * MOE_I + MOE_H)) + MOE_NORMS
+
+
+def test_qwen3_30b_a3b_has_its_published_size_and_shards_its_experts_over_fsdp():
+    model = read_decoder_config(str(MODELS / "qwen3-30b-a3b"))
+    assert model.num_params() == MOE_PARAMS == 30_532_122_624  # transformers' count on the meta device
+    assert (model.num_experts, model.num_experts_per_tok, model.norm_topk_prob) == (128, 8, True)
+    cfg = load_config(data={"model": {"path": str(MODELS / "qwen3-30b-a3b"), "compute_dtype": "bfloat16"},
+                            "mesh": {"fsdp": 8}})
+    plan = plan_config(cfg, devices=8)
+    # Every matrix splits 8 ways over fsdp (the experts along their expert dimension), the norms stay whole.
+    assert _lines(plan)["parameters"] == 4 * ((MOE_PARAMS - MOE_NORMS) // 8 + MOE_NORMS)
+    from asyncrl.model.sharding import partition_spec
+
+    params = abstract_params(model)
+    expert = params["layers"][0]["mlp"]["experts"]["gate_proj"]
+    assert expert.shape == (MOE_E, MOE_H, MOE_I)
+    assert tuple(partition_spec(model, "layers.0.mlp.experts.gate_proj", expert.shape, _mesh(1, 8, 2))) == ("fsdp", None, "tensor")
+    assert tuple(partition_spec(model, "layers.0.mlp.experts.down_proj", (MOE_E, MOE_I, MOE_H), _mesh(1, 8, 2))) == ("fsdp", "tensor", None)
+    base, _ = params_per_device(model, params, _mesh(1, 8, 1))
+    assert base == (MOE_PARAMS - MOE_NORMS) // 8 + MOE_NORMS
+    # FLOPs (MFU) count the experts a token runs: top-8 of 128; with the embedding, the "A3B" 3.35B.
+    from asyncrl.trainer.step import matmul_params
+
+    active = MOE_V * MOE_H + MOE_LAYERS * (MOE_ATTENTION + MOE_E * MOE_H + 8 * 3 * MOE_H * MOE_I)
+    assert matmul_params(params, model) == active and 3.3e9 < active + MOE_V * MOE_H < 3.4e9
+
+
+def test_moe_activations_count_routed_experts_and_lora_targets_attention(capsys):
+    model = read_decoder_config(str(MODELS / "qwen3-30b-a3b")).replace(compute_dtype="bfloat16")
+    rows, length = 2, 64
+    per_token = ((4 * MOE_H + 3 * 32 * 128 + 4 * 4 * 128) * 2 + 8 * (4 * MOE_I + 2 * MOE_H) * 2 + 2 * MOE_E * 4
+                 + 2 * MOE_H * 4 + 3 * 32 * length * 4)
+    layers, _ = activation_bytes(model, rows, length, length, tensor=1, chunk=None)
+    assert layers == MOE_LAYERS * rows * length * per_token
+    argv = ["plan", str(CONFIGS / "gsm8k_grpo.yaml"), "--set", f"model.path={MODELS / 'qwen3-30b-a3b'}",
+            "--devices", "8", "--set", "mesh.fsdp=8", "--backend", "gpu"]
+    assert main([*argv, "--device-memory", "80"]) == 1  # full fine-tuning: ~24 B per parameter / 8
+    assert "target_modules: [q_proj, k_proj, v_proj, o_proj]" in capsys.readouterr().out  # the LoRA that fits
+    assert main([*argv, "--set", "model.lora={rank: 16, target_modules: [q_proj, down_proj]}"]) == 1
+    assert "model.lora.target_modules: down_proj on a mixture-of-experts model" in capsys.readouterr().err
