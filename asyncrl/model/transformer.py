@@ -442,8 +442,12 @@ class Decoder(nnx.Module):
         positions: Optional[jax.Array] = None,
         attention_mask: Optional[jax.Array] = None,
         kv_cache: Optional[KVCache] = None,
+        *,
+        unrolled: bool = False,
     ) -> tuple[jax.Array, Optional[KVCache]]:
-        """Final-norm hidden states [B, T, hidden] (compute dtype) and the updated cache."""
+        """Final-norm hidden states [B, T, hidden] (compute dtype) and the updated cache.
+        ``unrolled``: never :func:`scanned_layers` (for callers that capture what layers sow:
+        a ``lax.scan`` body's intermediates do not reach the caller)."""
         cfg = self.cfg
         b, t = input_ids.shape
         if attention_mask is None:
@@ -468,7 +472,7 @@ class Decoder(nnx.Module):
         x = self.embed_tokens(input_ids)
         call = _REMAT_CALLS[cfg.remat_policy] if cfg.remat else _call_layer
         new_layers = []
-        if kv_cache is None and cfg.scan_layers:
+        if kv_cache is None and cfg.scan_layers and not unrolled:
             x = scanned_layers(self.layers, x, (cos, sin, mask), cfg)
         else:
             for i, layer in enumerate(self.layers):

@@ -222,6 +222,24 @@ def test_router_logits_are_sown_only_for_callers_who_pop_them(checkpoint):
     assert len(router) == 1 and router[0].shape == (ids.size, 4) and router[0].dtype == jnp.float32
 
 
+def test_router_logits_reach_the_trainer_with_scanned_layers(checkpoint):
+    """model.scan_layers (the default on accelerators) must not lose the sown router logits: the
+    captured forward runs unrolled, and the log-probs equal the scanned forward's."""
+    from asyncrl.model import per_token_logprobs
+
+    _, _, lm = checkpoint
+    ids, mask = (jnp.asarray(a) for a in padded_batch())
+    graphdef, params = lm.split()
+    scanned_graphdef, _ = split_params(nnx_rebuild(lm.config.replace(scan_layers=True)))
+    logprobs, _, router = per_token_logprobs(graphdef, params, ids, mask, with_router=True)
+    scanned_logprobs, _, scanned_router = per_token_logprobs(scanned_graphdef, params, ids, mask, with_router=True)
+    plain_scanned, _ = per_token_logprobs(scanned_graphdef, params, ids, mask)
+    assert len(scanned_router) == len(router) == 1
+    np.testing.assert_array_equal(scanned_router[0], router[0])
+    np.testing.assert_allclose(scanned_logprobs, logprobs, atol=1e-6)
+    np.testing.assert_allclose(plain_scanned, logprobs, atol=1e-5)
+
+
 def test_remat_gives_the_same_gradients(checkpoint):
     from asyncrl.model import per_token_logprobs
 
