@@ -305,16 +305,29 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     per_token += ATTENTION_FLOAT32_COPIES * heads * length * 4
     one_layer = rows * length * per_token
     if model_cfg.remat:
-        kept = h
+        kept = h * c
         if model_cfg.remat_policy == "save_dots":
-            kept += heads * d + 2 * kv_heads * d + h + 2 * inter + h
-        layers = model_cfg.num_layers * rows * length * kept * c + one_layer
+            kept += (heads * d + 2 * kv_heads * d + h) * c + saved_mlp_dots_bytes(model_cfg, tensor)
+        layers = model_cfg.num_layers * rows * length * kept + one_layer
     else:
         layers = model_cfg.num_layers * one_layer
     positions = window if chunk is None else min(chunk, window)
     vocab = model_cfg.vocab_size // tensor if model_cfg.vocab_size % tensor == 0 else model_cfg.vocab_size
     head = rows * window * h * c + 2 * rows * positions * vocab * 4
     return layers, head
+
+
+def saved_mlp_dots_bytes(model_cfg: Any, tensor: int) -> int:
+    """Bytes per token ``remat_policy: save_dots`` keeps of the feed-forward blocks, averaged over
+    the layers: a dense MLP's gate, up and down outputs; a mixture-of-experts block's float32
+    router logits (its experts' grouped matmuls are not dots the policy saves)."""
+    c = DTYPE_BYTES[model_cfg.compute_dtype]
+    dense = (2 * (model_cfg.intermediate_size // tensor) + model_cfg.hidden_size) * c
+    experts = getattr(model_cfg, "num_experts", 0)
+    if not experts:
+        return dense
+    moe_layers = sum(model_cfg.is_moe_layer(i) for i in range(model_cfg.num_layers))
+    return (moe_layers * experts * 4 + (model_cfg.num_layers - moe_layers) * dense) // model_cfg.num_layers
 
 
 def mlp_activation_bytes(model_cfg: Any, tensor: int) -> int:
