@@ -157,6 +157,8 @@ class RolloutConfig(Section):
     """Decoding of training rollouts: ``strategy`` must be ``sample`` (greedy and beam completions are not samples of the policy); ``constraint`` restricts completions to a trie (docs/decoding.md)."""
     length_bucket: int = Field(default=64, ge=1)
     """Batch length ``L`` is the longest sequence rounded up to a multiple of this (fewer recompilations)."""
+    pack: bool = False
+    """Sequence packing in the trainer: each step's rows are packed first-fit-decreasing into as few rows of length ``L`` as hold them, attention and positions kept within each original row (segment ids), so padding costs no FLOPs; losses, gradients and every aggregation equal the unpacked step's (float32 rounding), each mini-batch packed from exactly its own rows (docs/performance.md "Sequence packing"). RL and SFT, with micro- and mini-batches and LoRA; one-process runs only, and not with ``algo.estimator: gae`` (both refused). The number of packed rows varies with the lengths, so a run compiles one step per packed row count seen."""
     max_seq_len: Optional[int] = Field(default=None, ge=2)
     """Cap on ``L``; a longer trajectory drops its group (``dropped:too_long``). Default: ``data.max_prompt_tokens + rollout.max_new_tokens``, room for one turn: a multi-turn workflow sets it to its whole episode's length (every turn, tool output and prompt)."""
     filter_zero_variance: bool = False

@@ -183,6 +183,7 @@ def per_token_logprobs(
     window_start: Optional[jax.Array] = None,
     with_entropy: bool = True,
     allowed: Optional[jax.Array] = None,
+    segment_ids: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, Optional[jax.Array]]:
     """``(logprobs, entropy)`` float32, ``[B, L]`` aligned with ``input_ids`` (or ``[B, W]`` with a window).
 
@@ -195,15 +196,24 @@ def per_token_logprobs(
     docstring). ``with_entropy=False``: entropy is None and not computed. ``allowed`` int32
     ``[B, L, K]`` (optional, aligned with ``input_ids``): the tokens a trie constraint allowed
     for each token, ``-1`` padding; constrained tokens are scored under the masked distribution
-    (:func:`token_logprobs_from_logits`; built by :func:`asyncrl.engine.constraints.allowed_tokens`). Traceable and
-    differentiable: call it inside your jitted loss, or use :data:`per_token_logprobs_jit`.
+    (:func:`token_logprobs_from_logits`; built by :func:`asyncrl.engine.constraints.allowed_tokens`).
+    ``segment_ids`` int32 ``[B, L]`` (packed rows, 0 = padding; docs/performance.md "Sequence
+    packing"): each segment is scored as if it were a row of its own: attention and positions stay
+    within it and its first token gets 0, like ``t = 0``. Traceable and differentiable: call it
+    inside your jitted loss, or use :data:`per_token_logprobs_jit`.
     """
     model = nnx.merge(graphdef, params)
     attention_mask = attention_mask.astype(bool)
-    hidden, _ = model.hidden_states(input_ids, positions, attention_mask)  # [B, L, H]
+    if segment_ids is None:
+        hidden, _ = model.hidden_states(input_ids, positions, attention_mask)  # [B, L, H]
+    else:
+        hidden, _ = model.hidden_states(input_ids, positions, attention_mask, segment_ids=segment_ids)
     b, length, _ = hidden.shape
-    # scored[b, t]: token t and its context t-1 are real (t >= 1); position t-1's logits score token t.
+    # scored[b, t]: token t and its context t-1 are real (t >= 1) and, packed, of one segment;
+    # position t-1's logits score token t.
     scored = jnp.concatenate([jnp.zeros((b, 1), bool), attention_mask[:, 1:] & attention_mask[:, :-1]], axis=1)
+    if segment_ids is not None:
+        scored = scored & jnp.concatenate([jnp.zeros((b, 1), bool), segment_ids[:, 1:] == segment_ids[:, :-1]], axis=1)
     context = jnp.concatenate([hidden[:, :1], hidden[:, :-1]], axis=1)  # [B, L, H]: hidden of position t-1
     targets = input_ids
     if window is not None:

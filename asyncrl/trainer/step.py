@@ -64,6 +64,7 @@ from asyncrl.algo import (
     compute_advantages,
     gae,
     masked_whiten,
+    packed_denominators,
     policy_loss,
     shaped_rewards,
     token_mean,
@@ -78,6 +79,7 @@ from asyncrl.model.critic import critic_shardings, per_token_values
 from asyncrl.model.logprobs import per_token_logprobs, take_window, window_starts
 from asyncrl.model.sharding import param_shardings
 from asyncrl.trainer.optim import OptimParams, build_optimizer, dotted_path, learning_rate_schedule, update_count
+from asyncrl.trainer.packed import packed_targets
 
 _TRACE_COUNT = [0]
 """Traces of the train step in this process (:func:`compile_count`)."""
@@ -261,11 +263,10 @@ def batch_logprobs(forward: Callable, weights: Any, chunks: dict[str, jax.Array]
     """``[M, U, S * b, W]`` log-probs (``W`` the step's window) of every chunk under ``weights``, no gradient (pi_prox or
     pi_ref). One micro-batch at a time (``lax.map``): the memory of one forward, like training."""
     m_count, u_count = chunks["input_ids"].shape[:2]
-    flat = lambda x: x.reshape(m_count * u_count, *x.shape[2:])
-    one = lambda a: forward(weights, a[0], a[1], a[2], with_entropy=False, nodes=a[3])[0]
-    nodes = chunks.get("constraint_nodes")
+    flat = lambda x: None if x is None else x.reshape(m_count * u_count, *x.shape[2:])
+    one = lambda a: forward(weights, a[0], a[1], a[2], with_entropy=False, nodes=a[3], segments=a[4])[0]
     out = jax.lax.map(one, (flat(chunks["input_ids"]), flat(chunks["attention_mask"]), flat(chunks["window_start"]),
-                            None if nodes is None else flat(nodes)))
+                            flat(chunks.get("constraint_nodes")), flat(chunks.get("segment_ids"))))
     return jax.lax.stop_gradient(out.reshape(m_count, u_count, *out.shape[1:]))
 
 
@@ -304,13 +305,14 @@ def micro_loss(theta: Any, x: dict[str, jax.Array], denominators: Any, key: Opti
     in ``theta``. ``x``: the micro-batch's chunks, ``[S * b, L]`` / ``[S * b]``; ``algo`` None
     for SFT; ``key`` the micro-batch's LoRA dropout key (or None). Token arrays other than
     ``input_ids`` / ``attention_mask`` are ``[S * b, W]`` windows (``window_start``)."""
+    segments = x.get("segment_ids")  # packed rows: [S * b, L]
     logprobs, entropy = forward(theta, x["input_ids"], x["attention_mask"], x["window_start"], key,
-                                nodes=x.get("constraint_nodes"))
+                                nodes=x.get("constraint_nodes"), segments=segments)
     if algo is None:
         return sft_loss(logprobs, entropy, x["mask"], denominators)
     return policy_loss(
         logprobs, x["prox_logprobs"], x["behavior_logprobs"], x["advantages"], x["mask"], denominators, algo,
-        entropy=entropy, ref_logprobs=x.get("ref_logprobs"),
+        entropy=entropy, ref_logprobs=x.get("ref_logprobs"), segment_ids=segments,
     )
 
 
@@ -320,8 +322,11 @@ def accumulate_gradients(grad_fn: Callable, theta: Any, mini: dict[str, jax.Arra
     over its micro-batches in float32 (each micro-batch's loss is its share of the mini-batch
     loss, so the sum is the mini-batch's; ``_max`` diagnostics take the maximum)."""
     length = mini["mask"].shape[-1]
-    # Over the whole mini-batch, passed to every micro-batch.
-    denominators = aggregation_denominators(mini["mask"].reshape(-1, length), mini["real"].reshape(-1))
+    # Over the whole mini-batch, passed to every micro-batch (packed: counted over its segments).
+    if "segment_ids" in mini:
+        denominators = packed_denominators(mini["mask"].reshape(-1, length), mini["segment_ids"].reshape(-1, length))
+    else:
+        denominators = aggregation_denominators(mini["mask"].reshape(-1, length), mini["real"].reshape(-1))
     micro_key = lambda j: None if update_key is None else jax.random.fold_in(update_key, j)
     first = jax.tree.map(lambda x: x[0], mini)
     (_, diag_shape), _ = jax.eval_shape(grad_fn, theta, first, denominators, micro_key(0))
@@ -491,17 +496,21 @@ def _train_step_impl(
 
     # The policy's forward at this step's temperature, over the window:
     # (theta, ids, attention, starts, key) -> (logprobs, entropy) [b, W].
-    def forward(theta, input_ids, attention_mask, starts, key=None, with_entropy=spec.entropy, nodes=None):
+    def forward(theta, input_ids, attention_mask, starts, key=None, with_entropy=spec.entropy, nodes=None, segments=None):
         weights = lora_weights(frozen, spec.lora_dropout, theta, key)
         allowed = None if trie is None or nodes is None else allowed_tokens(jnp, trie, nodes, spec.trie_branch)
         return per_token_logprobs(graphdef, weights, input_ids, attention_mask, temperature, with_entropy=with_entropy,
-                                  window=None if window == length else window, window_start=starts, allowed=allowed)
+                                  window=None if window == length else window, window_start=starts, allowed=allowed,
+                                  segment_ids=segments)
 
     # 1. Whole-batch quantities, token ones cut to the window, then the batch cut into
     # [M, U, S * b, ...] chunks.
+    packed = "segment_ids" in batch  # rows packed (asyncrl.rollout.packing): whole rows, no window
+    if packed and window != length:
+        raise ValueError("train_step: a packed batch is scored over whole rows (window None)")
     starts = window_starts(batch["loss_mask"], window)
     cut = (lambda x: x) if window == length else (lambda x: take_window(x, starts, window))
-    mask, advantages = batch_targets(batch, algo, sft)
+    mask, advantages = packed_targets(batch, algo, sft) if packed else batch_targets(batch, algo, sft)
     if window < length:  # positions past L (only when window > the row's room) are never trained
         mask = take_window(mask, starts, window) & ((starts[:, None] + jnp.arange(window)[None, :]) < length)
         advantages = cut(advantages) if advantages.ndim == 2 else advantages
@@ -512,8 +521,11 @@ def _train_step_impl(
         "mask": to_chunks(mask, spec),
         "behavior_logprobs": to_chunks(cut(batch["behavior_logprobs"].astype(jnp.float32)), spec),
         "advantages": to_chunks(advantages, spec),
-        "real": to_chunks(batch["group_index"] >= 0, spec),
+        # Packed: the row-level arrays are the original rows' ([B], not chunked); a packed row is real if it holds a segment.
+        "real": to_chunks(jnp.any(batch["segment_ids"] > 0, axis=1) if packed else batch["group_index"] >= 0, spec),
     }
+    if packed:
+        chunks["segment_ids"] = to_chunks(batch["segment_ids"], spec)
     if trie is not None and "constraint_nodes" in batch:  # whole rows, like input_ids (forward cuts the window)
         chunks["constraint_nodes"] = to_chunks(batch["constraint_nodes"], spec)
 
@@ -537,7 +549,10 @@ def _train_step_impl(
             return per_token_values(c_graphdef, decoder, c_theta["value_head"], input_ids, attention_mask,
                                     window=None if window == length else window, window_start=starts)
 
-        old_values = batch_logprobs(lambda w, i, a, st, with_entropy, nodes=None: (values_forward(w, i, a, st),), critic_params, chunks)
+        if packed:
+            raise ValueError("train_step: rollout.pack with algo.estimator gae is not supported (refused by the config)")
+        old_values = batch_logprobs(lambda w, i, a, st, with_entropy, nodes=None, segments=None: (values_forward(w, i, a, st),),
+                                    critic_params, chunks)
         rewards = shaped_rewards(batch["rewards"], jnp.sum(batch["loss_mask"], axis=-1), algo)
         targets, value_stats = critic_targets(chunks, to_chunks(rewards, spec), old_values, algo)
         chunks.update(targets)

@@ -1,0 +1,263 @@
+"""Sequence packing (rollout.pack) changes the work, not the results: the packer's first-fit
+decreasing, segments that never see each other, and packed steps whose losses, metrics and
+gradients equal the unpacked step's (float32, 1e-5 relative) for GRPO's aggregations, GSPO, KL,
+truncation masking, multi-turn masks, padding rows, micro- and mini-batches, SFT and LoRA."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from asyncrl.algo import AlgoParams, aggregation_denominators, packed_denominators, policy_loss
+from asyncrl.config import load_config
+from asyncrl.errors import ConfigError
+from asyncrl.model.logprobs import per_token_logprobs
+from asyncrl.model.transformer import segment_positions
+from asyncrl.rollout.packing import first_fit_decreasing, pack_train_batch, packed_shape
+from asyncrl.trainer import Trainer
+from asyncrl.trainer.packed import packed_targets
+from asyncrl.trainer.step import batch_targets
+from tests.trainer_fixtures import SGD, VOCAB_HIGH, VOCAB_LOW, make_batch, trainer_config
+
+LENGTH = 32
+
+
+def mixed_batch(rows: int = 16, padding_rows: int = 2, seed: int = 0, multi_turn: bool = True):
+    """Rows of 3..LENGTH tokens (several fit one packed row), prompts of 2..6 tokens, multi-turn
+    loss masks (an untrained tool span inside some completions), ``padding_rows`` padding rows."""
+    batch = make_batch(rows=rows, length=LENGTH, seed=seed, padding_rows=padding_rows)
+    rng = np.random.default_rng(seed + 100)
+    ends = rng.integers(3, LENGTH + 1, size=rows)
+    ends[0] = LENGTH  # one full row
+    prompts = np.minimum(rng.integers(2, 7, size=rows), ends - 1)
+    pos = np.arange(LENGTH)[None]
+    batch.attention_mask[:] = pos < ends[:, None]
+    batch.attention_mask[rows - padding_rows:] = False
+    batch.input_ids[:] = np.where(batch.attention_mask, rng.integers(VOCAB_LOW, VOCAB_HIGH, (rows, LENGTH)), 0)
+    loss = batch.attention_mask & (pos >= prompts[:, None])
+    if multi_turn:  # a tool reply of 3 untrained tokens in the middle of every third completion
+        for r in range(0, rows, 3):
+            mid = (prompts[r] + ends[r]) // 2
+            if ends[r] - prompts[r] >= 6:
+                loss[r, mid:mid + 3] = False
+    batch.loss_mask[:] = loss
+    batch.behavior_logprobs[:] = np.where(loss, -rng.uniform(0.5, 4.0, (rows, LENGTH)), 0.0)
+    batch.versions[:] = np.where(loss, 0, -1)
+    return batch
+
+
+# --------------------------------------------------------------------------- the packer
+
+
+def reference_first_fit_decreasing(lengths, capacity):
+    """First-fit decreasing written the textbook way (a stable sort, a scan of open bins)."""
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    bins, loads = [], []
+    for i in order:
+        fits = [k for k in range(len(bins)) if loads[k] + lengths[i] <= capacity]
+        if fits:
+            bins[fits[0]].append(int(i))
+            loads[fits[0]] += lengths[i]
+        else:
+            bins.append([int(i)])
+            loads.append(lengths[i])
+    return bins
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_first_fit_decreasing_matches_the_reference(seed):
+    rng = np.random.default_rng(seed)
+    lengths = [int(n) for n in rng.integers(1, 65, size=40)]
+    bins = first_fit_decreasing(lengths, 64)
+    assert bins == reference_first_fit_decreasing(lengths, 64)
+    assert sorted(i for b in bins for i in b) == list(range(40))
+    assert all(sum(lengths[i] for i in b) <= 64 for b in bins)
+    with pytest.raises(ValueError, match="outside"):
+        first_fit_decreasing([65], 64)
+
+
+def test_pack_train_batch_keeps_each_mini_batch_s_rows_and_every_token():
+    batch = mixed_batch(rows=16, padding_rows=2)
+    fields = {name: getattr(batch, name) for name in ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs",
+                                                       "versions", "rewards", "group_index", "truncated")}
+    packed = pack_train_batch(fields, mini_batches=2, row_multiple=2)
+    per_mini = packed.rows // 2
+    assert packed.rows % 4 == 0 and packed.rows < 16
+    for p in range(packed.rows):
+        rows_here = set(packed.token_row[p][packed.token_row[p] >= 0].tolist())
+        assert all(r // 8 == p // per_mini for r in rows_here)  # mini-batch i holds rows [8i, 8i + 8)
+    for r in range(14):  # every real row's tokens, contiguous, once
+        where = np.argwhere(packed.token_row == r)
+        n = batch.attention_mask[r].sum()
+        assert len(where) == n and len(set(where[:, 0])) == 1
+        p, cols = where[0, 0], where[:, 1]
+        for name in ("input_ids", "loss_mask", "behavior_logprobs", "versions"):
+            np.testing.assert_array_equal(packed.tokens[name][p, cols], getattr(batch, name)[r, :n])
+        assert (packed.segment_ids[p, cols] == packed.segment_ids[p, cols[0]]).all()
+    assert not (packed.token_row >= 14).any()  # padding rows are not packed
+    assert (packed.tokens["versions"][packed.segment_ids == 0] == -1).all()
+    assert packed_shape(batch.attention_mask[:14].sum(1), LENGTH, 2, 2) == (packed.rows, LENGTH)
+
+
+def test_segment_positions_restart_in_each_segment():
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0]])
+    assert segment_positions(seg).tolist() == [[0, 1, 2, 0, 1, 0, 0, 0]]
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def test_a_segment_never_sees_another_and_scores_like_its_own_row(tiny_one_layer):
+    graphdef, params = tiny_one_layer
+    batch = mixed_batch(rows=8, padding_rows=0, seed=3)
+    fields = {name: getattr(batch, name) for name in ("input_ids", "attention_mask", "loss_mask", "rewards",
+                                                       "group_index", "truncated")}
+    packed = pack_train_batch(fields)
+    seg = jnp.asarray(packed.segment_ids)
+    ids = packed.tokens["input_ids"]
+    lp_packed, ent_packed = per_token_logprobs(graphdef, params, ids, packed.tokens["attention_mask"], 0.7,
+                                               segment_ids=seg)
+    lp_rows, ent_rows = per_token_logprobs(graphdef, params, batch.input_ids, batch.attention_mask, 0.7)
+    for r in range(8):
+        where = np.argwhere(packed.token_row == r)
+        p, cols = where[0, 0], where[:, 1]
+        n = len(cols)
+        np.testing.assert_allclose(np.asarray(lp_packed)[p, cols], np.asarray(lp_rows)[r, :n], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(ent_packed)[p, cols], np.asarray(ent_rows)[r, :n], rtol=1e-5, atol=1e-6)
+        assert np.asarray(lp_packed)[p, cols[0]] == 0.0  # a segment's first token has no context
+    # Perturb every token of one segment: the other segments' log-probs do not move at all.
+    row = next(p for p in range(packed.rows) if packed.segment_ids[p].max() >= 2)
+    changed = np.array(ids)
+    hit = packed.segment_ids[row] == 1
+    changed[row, hit] = VOCAB_LOW + (changed[row, hit] - VOCAB_LOW + 5) % (VOCAB_HIGH - VOCAB_LOW)
+    lp_changed, _ = per_token_logprobs(graphdef, params, changed, packed.tokens["attention_mask"], 0.7, segment_ids=seg)
+    others = packed.segment_ids[row] >= 2
+    np.testing.assert_array_equal(np.asarray(lp_changed)[row, others], np.asarray(lp_packed)[row, others])
+    assert not np.allclose(np.asarray(lp_changed)[row, hit], np.asarray(lp_packed)[row, hit])
+
+
+# --------------------------------------------------------------------------- losses and gradients
+
+
+def _loss_and_grads(graphdef, params, batch, algo, packed: bool):
+    """The loss of one mini-batch, as the step computes it, and its gradient in ``params``."""
+    arrays = {name: jnp.asarray(getattr(batch, name)) for name in ("input_ids", "attention_mask", "loss_mask",
+                                                                     "behavior_logprobs", "rewards", "group_index",
+                                                                     "truncated")}
+    seg = None
+    if packed:
+        p = pack_train_batch({k: np.asarray(v) for k, v in arrays.items()})
+        arrays = {**{k: jnp.asarray(v) for k, v in p.tokens.items()}, "token_row": jnp.asarray(p.token_row),
+                  "rewards": arrays["rewards"], "group_index": arrays["group_index"], "truncated": arrays["truncated"]}
+        seg = jnp.asarray(p.segment_ids)
+        mask, advantages = packed_targets(arrays, algo, False)
+        denominators = packed_denominators(mask, seg)
+    else:
+        mask, advantages = batch_targets(arrays, algo, False)
+        denominators = aggregation_denominators(mask, arrays["group_index"] >= 0)
+    behaviour = arrays["behavior_logprobs"]
+    ref_params = jax.tree.map(lambda x: x * 0.9, params)
+    ref, _ = per_token_logprobs(graphdef, ref_params, arrays["input_ids"], arrays["attention_mask"], 1.0,
+                                segment_ids=seg, with_entropy=False)
+
+    def loss(theta):
+        lp, ent = per_token_logprobs(graphdef, theta, arrays["input_ids"], arrays["attention_mask"], 1.0, segment_ids=seg)
+        value, diag = policy_loss(lp, behaviour, behaviour, advantages, mask, denominators, algo, entropy=ent,
+                                  ref_logprobs=ref, segment_ids=seg)
+        return value, diag
+
+    (value, diag), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return value, diag, grads
+
+
+@pytest.mark.parametrize("algo_section", [
+    {"aggregation": "token-mean", "kl_coef": 0.05, "entropy_coef": 0.01},
+    {"aggregation": "seq-mean-token-mean"},
+    {"aggregation": "seq-mean-token-sum-norm", "loss_norm_tokens": 24, "estimator": "dr_grpo"},
+    {"ratio": "sequence", "aggregation": "seq-mean-token-mean", "estimator": "rloo"},
+    {"truncated": "mask", "kl_coef": 0.1, "kl_estimator": "k2"},
+])
+def test_packed_loss_and_gradients_equal_unpacked(tiny_one_layer, algo_section):
+    graphdef, params = tiny_one_layer
+    batch = mixed_batch(seed=1)
+    batch.truncated[[1, 5]] = True
+    # Off-policy behaviour log-probs so the ratio (and GSPO's sequence ratio) is not 1.
+    batch.behavior_logprobs[:] = np.where(batch.loss_mask, batch.behavior_logprobs * 0.2, 0.0)
+    algo = AlgoParams.from_config(trainer_config(algo=algo_section))
+    unpacked = _loss_and_grads(graphdef, params, batch, algo, packed=False)
+    packed = _loss_and_grads(graphdef, params, batch, algo, packed=True)
+    np.testing.assert_allclose(packed[0], unpacked[0], rtol=1e-5)
+    for key in unpacked[1]:
+        np.testing.assert_allclose(packed[1][key], unpacked[1][key], rtol=1e-5, atol=1e-7, err_msg=key)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(unpacked[2]), jax.tree.leaves(packed[2])):
+        scale = float(jnp.max(jnp.abs(a)))
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+    assert float(unpacked[0]) != 0.0
+
+
+# --------------------------------------------------------------------------- the trainer's step
+
+
+def _step_both(graphdef, params, batch, frozen=None, objective="rl", **sections):
+    results = []
+    for pack in (False, True):
+        rollout = dict(sections.get("rollout", {}), pack=pack)
+        cfg = trainer_config(**dict(sections, rollout=rollout))
+        trainer = Trainer(cfg, graphdef, params, frozen=frozen, objective=objective)
+        metrics = trainer.step(batch)
+        results.append((metrics, jax.device_get(trainer.params)))
+    return results
+
+
+@pytest.mark.parametrize("sections", [
+    {"algo": {"mini_batches": 2, "aggregation": "seq-mean-token-mean", "kl_coef": 0.05}, "optim": dict(SGD, micro_batches=2)},
+    {"algo": {"ppo_epochs": 2, "mismatch_correction": True, "aggregation": "seq-mean-token-sum-norm"}, "optim": SGD},
+])
+def test_packed_trainer_step_equals_unpacked(tiny_one_layer, sections):
+    """Micro- and mini-batches, epochs, pi_prox recomputed, KL: the step's metrics and the SGD-updated
+    weights (the gradient, lr 0.5) match; packing used fewer rows."""
+    graphdef, params = tiny_one_layer
+    batch = mixed_batch(seed=4)
+    (m_plain, p_plain), (m_packed, p_packed) = _step_both(graphdef, params, batch, **sections)
+    for key, value in m_plain.items():
+        if key.startswith(("perf/", "memory/")):
+            continue
+        np.testing.assert_allclose(m_packed[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    for a, b in zip(jax.tree.leaves(p_plain), jax.tree.leaves(p_packed)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=2e-6)
+    assert m_packed["perf/flops_per_s"] * m_packed["perf/train_time"] < m_plain["perf/flops_per_s"] * m_plain["perf/train_time"]
+
+
+def test_packed_sft_and_lora_steps_equal_unpacked(tiny_one_layer):
+    from flax import nnx
+
+    from asyncrl.model.lora import LoraSpec, attach_lora
+
+    graphdef, params = tiny_one_layer
+    batch = mixed_batch(seed=5)
+    (m_plain, p_plain), (m_packed, p_packed) = _step_both(graphdef, params, batch, objective="sft", optim=SGD)
+    np.testing.assert_allclose(m_packed["loss/sft"], m_plain["loss/sft"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(p_plain), jax.tree.leaves(p_packed)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=2e-6)
+
+    cfg = trainer_config(model={"lora": {"rank": 4, "alpha": 8}})
+    lora = attach_lora(nnx.merge(graphdef, params).cfg, params, LoraSpec.from_config(cfg.model.lora))
+    (m_plain, p_plain), (m_packed, p_packed) = _step_both(lora.graphdef, lora.adapters, batch, frozen=lora.frozen,
+                                                          model={"lora": {"rank": 4, "alpha": 8}}, optim=SGD)
+    for key in ("loss/total", "train/grad_norm"):
+        np.testing.assert_allclose(m_packed[key], m_plain[key], rtol=1e-5, err_msg=key)
+    for a, b in zip(jax.tree.leaves(p_plain), jax.tree.leaves(p_packed)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=2e-6)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_config_refuses_pack_with_gae_and_with_several_processes():
+    with pytest.raises(ConfigError, match="rollout.pack with algo.estimator: gae"):
+        load_config(data={"rollout": {"pack": True}, "algo": {"estimator": "gae"}, "critic": {}})
+    with pytest.raises(ConfigError, match="rollout.pack with mesh.distributed.enabled"):
+        load_config(data={"rollout": {"pack": True}, "mesh": {"distributed": {"enabled": True}}})
+    assert load_config(data={"rollout": {"pack": True}}).rollout.pack
