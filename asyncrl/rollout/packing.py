@@ -72,11 +72,18 @@ class PackedBatch:
         return int(self.segment_ids.shape[0])
 
 
+SHAPES_PER_LENGTH = 8
+"""At most this many packed row counts per batch shape: the count is rounded up to a multiple of
+1/8 of the unpacked rows, so a run compiles a bounded number of packed steps (at most 1/8 of the
+rows padding on top of first-fit's)."""
+
+
 def packed_rows_needed(row_lengths: np.ndarray, real: np.ndarray, length: int, mini_batches: int,
                        row_multiple: int) -> tuple[list[list[list[int]]], int]:
     """``(bins of each mini-batch, packed rows per mini-batch)``: the first-fit-decreasing bins of
-    each mini-batch's real rows (original row indices), and their count rounded up to a multiple
-    of ``row_multiple`` (the same for every mini-batch: the step's chunks are equal)."""
+    each mini-batch's real rows (original row indices), and the most of any mini-batch rounded up
+    to a multiple of ``row_multiple`` and of 1/:data:`SHAPES_PER_LENGTH` of its unpacked rows
+    (the same for every mini-batch: the step's chunks are equal)."""
     rows = row_lengths.shape[0]
     if rows % mini_batches:
         raise ValueError(f"pack_train_batch: {rows} rows do not split into {mini_batches} mini-batches")
@@ -87,7 +94,9 @@ def packed_rows_needed(row_lengths: np.ndarray, real: np.ndarray, length: int, m
         bins = first_fit_decreasing([int(row_lengths[r]) for r in members], length)
         bins_of_mini.append([[members[j] for j in b] for b in bins])
     most = max([len(b) for b in bins_of_mini] + [1])
-    return bins_of_mini, -(-most // row_multiple) * row_multiple
+    step = -(-per_mini // SHAPES_PER_LENGTH)
+    step = -(-step // row_multiple) * row_multiple
+    return bins_of_mini, min(-(-most // step) * step, -(-per_mini // row_multiple) * row_multiple)
 
 
 def pack_train_batch(arrays: Mapping[str, np.ndarray], *, mini_batches: int = 1, row_multiple: int = 1) -> PackedBatch:
