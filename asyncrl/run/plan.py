@@ -262,14 +262,16 @@ def params_per_device(model_cfg: Any, params: dict, mesh: Any, lora: Any = None)
 def batch_shape(cfg: Config, sft: bool) -> tuple[int, int, int]:
     """``(rows, L, W)`` of a trainer step: rows (padded to the mesh later), the batch length (the
     longest allowed sequence rounded up to ``rollout.length_bucket``), and the trained window
-    (the completion, rounded the same way)."""
+    (the completion, rounded the same way). With ``rollout.pack`` the rows are the worst case's
+    (every sequence of length ``L`` fills a packed row of its own) and the window is ``L``: a
+    packed row is scored whole (:mod:`asyncrl.trainer.packed`)."""
     bucket = cfg.rollout.length_bucket
     round_up = lambda n: -(-n // bucket) * bucket  # noqa: E731
     length = round_up(cfg.max_seq_len)
     if sft:
         return cfg.sft.batch_size, length, length
     rows = cfg.rollout.batch_size * cfg.rollout.group_size
-    return rows, length, min(length, round_up(cfg.rollout.max_new_tokens))
+    return rows, length, length if cfg.rollout.pack else min(length, round_up(cfg.rollout.max_new_tokens))
 
 
 def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor: int, chunk: Optional[int]) -> tuple[int, int]:
@@ -347,7 +349,10 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     add("trainer", "activations", layers,
         f"{local_rows} rows x {length} tokens per micro-batch ({micro} micro-batches), {remat}, {model_cfg.compute_dtype}")
     add("trainer", "lm head", head, f"window {window}, " + (f"chunks of {chunk}" if chunk else "unchunked"))
-    add("trainer", "batch", rows // shards * length * 14, "token arrays of the step")
+    # ids, 2 masks, log-probs, (versions); packed also segment_ids and token_row (int32).
+    token_bytes = 14 + (8 if cfg.rollout.pack else 0)
+    add("trainer", "batch", rows // shards * length * token_bytes,
+        "token arrays of the step" + (", packed (rollout.pack: worst case, no row saved)" if cfg.rollout.pack else ""))
 
     if not sft and cfg.engine.remote is None:
         lines.extend(_engine_lines(cfg, model_cfg, layout, params, base, adapters, p_bytes, c_bytes))
@@ -621,6 +626,11 @@ def compiled_train_step(cfg: Config, model_cfg: Any, layout: Layout, sft: bool =
               "loss_mask": ((rows, length), np.bool_), "behavior_logprobs": ((rows, length), np.float32),
               "rewards": ((rows,), np.float32), "group_index": ((rows,), np.int32), "truncated": ((rows,), np.bool_)}
     batch = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=row_sharding(len(shape))) for name, (shape, dtype) in fields.items()}
+    if cfg.rollout.pack:  # asyncrl.trainer.packed: segments and each token's row; the row arrays replicated
+        for name in ("segment_ids", "token_row"):
+            batch[name] = jax.ShapeDtypeStruct((rows, length), np.int32, sharding=row_sharding(2))
+        for name in ("rewards", "group_index", "truncated"):
+            batch[name] = jax.ShapeDtypeStruct(fields[name][0], fields[name][1], sharding=NamedSharding(mesh, PartitionSpec()))
     ref = params if (algo is not None and algo.needs_reference) else None
     lowered = train_step.lower(HashedGraphDef(graphdef), params, opt_state, ref, batch, np.float32(1.0), None, None,
                                algo=algo, optim=optim, spec=spec, window=None if window == length else window)
