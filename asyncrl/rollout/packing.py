@@ -12,7 +12,7 @@ token's log-prob is the one its unpacked row gives (docs/performance.md "Sequenc
 Mini-batches. Each mini-batch is packed on its own: packed mini-batch ``i`` holds exactly the
 original rows of unpacked mini-batch ``i`` (logical rows ``[i * B / M, (i + 1) * B / M)``), so
 every optimizer update consumes the same rows as unpacked and the aggregation denominators
-(docs/design.md "Aggregation", computed over the mini-batch) are the same numbers. Micro-batches
+(docs/algorithms.md "Aggregation", computed over the mini-batch) are the same numbers. Micro-batches
 split a packed mini-batch by whole packed rows; a segment never spans two rows, so per-row
 quantities (seq-mean, GSPO's sequence ratio) stay within one micro-batch. Padding rows
 (``group_index == -1``) hold no token and are not packed.
