@@ -206,9 +206,6 @@ class Config(Section):
         if engine.remote is not None and engine.remote.publish_adapters and self.model.lora is None:
             problems.append("engine.remote.publish_adapters: needs model.lora (without adapters there is nothing but the "
                             "whole model to publish); set model.lora or drop publish_adapters")
-        if self.rollout.pack and self.mesh.distributed.enabled:
-            problems.append("rollout.pack with mesh.distributed.enabled: packing is for one-process runs; set "
-                            "rollout.pack: false")
         if engine.remote is not None and engine.remote.publish_adapters and self.mesh.distributed.enabled:
             problems.append("engine.remote.publish_adapters: one-process runs only (the adapters are written by one "
                             "process); with mesh.distributed.enabled drop publish_adapters (the merged model is published)")

@@ -15,7 +15,9 @@ every optimizer update consumes the same rows as unpacked and the aggregation de
 (docs/algorithms.md "Aggregation", computed over the mini-batch) are the same numbers. Micro-batches
 split a packed mini-batch by whole packed rows; a segment never spans two rows, so per-row
 quantities (seq-mean, GSPO's sequence ratio) stay within one micro-batch. Padding rows
-(``group_index == -1``) hold no token and are not packed.
+(``group_index == -1``) hold no token and are not packed. A row's own fields (reward, group,
+truncation) ride on its segment's first token (:data:`ROW_FACTS`), so a packed batch is token
+arrays only and splits over processes by whole packed rows like any batch.
 
 Pure and deterministic: ties in length keep row order, so a resumed run packs bitwise alike.
 """
@@ -23,7 +25,7 @@ Pure and deterministic: ties in length keep row order, so a resumed run packs bi
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -51,21 +53,24 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
     return bins
 
 
+ROW_FACTS = {"row_rewards": ("rewards", 0.0), "row_group_index": ("group_index", -1), "row_truncated": ("truncated", False)}
+"""Packed per-token arrays that carry a row's fields: ``row_<field>`` holds the original row's
+``<field>`` at its segment's first token and the fill value (a padding row's) everywhere else."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
     """A TrainBatch's real rows packed into ``P`` rows of its length ``L``.
 
-    ``tokens`` holds the packed per-token fields ``[P, L]``, padded as an unpacked batch is; ``segment_ids`` int32 ``[P, L]`` numbers the segments of each packed row from 1 (0:
-    padding); ``token_row`` int32 ``[P, L]`` is the original row of each token (-1: padding), through
-    which the row-level fields ``rewards`` / ``group_index`` / ``truncated`` ``[B]`` (the original
-    rows', unpacked) reach the tokens."""
+    ``tokens`` holds the packed per-token fields ``[P, L]``, padded as an unpacked batch is, and
+    the :data:`ROW_FACTS` (each row's reward, group and truncation at its first token, so a packed
+    batch is rows of tokens only and splits over processes like any batch); ``segment_ids`` int32
+    ``[P, L]`` numbers the segments of each packed row from 1 (0: padding); ``token_row`` int32
+    ``[P, L]`` is each token's original row (-1: padding; for checks, the step does not read it)."""
 
     tokens: dict[str, np.ndarray]
     segment_ids: np.ndarray
     token_row: np.ndarray
-    rewards: np.ndarray
-    group_index: np.ndarray
-    truncated: np.ndarray
 
     @property
     def rows(self) -> int:
@@ -99,24 +104,34 @@ def packed_rows_needed(row_lengths: np.ndarray, real: np.ndarray, length: int, m
     return bins_of_mini, min(-(-most // step) * step, -(-per_mini // row_multiple) * row_multiple)
 
 
-def pack_train_batch(arrays: Mapping[str, np.ndarray], *, mini_batches: int = 1, row_multiple: int = 1) -> PackedBatch:
+def pack_train_batch(arrays: Mapping[str, np.ndarray], *, mini_batches: int = 1, row_multiple: int = 1,
+                     rows_per_mini: Optional[int] = None) -> PackedBatch:
     """Pack a TrainBatch's arrays (``arrays``: field name -> array, rows in logical order; every
-    ``[B, L]`` entry is a per-token field and is packed, ``rewards`` / ``group_index`` /
-    ``truncated`` ``[B]`` are kept as they are) mini-batch by mini-batch.
+    ``[B, L]`` entry is a per-token field and is packed; ``rewards`` / ``group_index`` /
+    ``truncated`` ``[B]`` become the :data:`ROW_FACTS`) mini-batch by mini-batch.
 
     ``row_multiple``: each mini-batch's packed rows are a multiple of this (the trainer's row
-    shards x micro-batches), padded with empty rows. Real rows are those with
-    ``group_index >= 0``; their tokens are the first ``attention_mask.sum()`` positions (a
-    TrainBatch is right-padded)."""
+    shards x micro-batches), padded with empty rows; ``rows_per_mini`` (at least what
+    :func:`packed_rows_needed` gives) sets their count, so that every process packs to one shape.
+    Real rows are those with ``group_index >= 0``; their tokens are the first
+    ``attention_mask.sum()`` positions (a TrainBatch is right-padded)."""
     attention = np.asarray(arrays["attention_mask"], bool)
     rows, length = attention.shape
-    group_index = np.asarray(arrays["group_index"], np.int32)
     row_lengths = attention.sum(axis=1)
-    bins_of_mini, per_mini = packed_rows_needed(row_lengths, group_index >= 0, length, mini_batches, row_multiple)
+    real = np.asarray(arrays["group_index"]) >= 0
+    bins_of_mini, per_mini = packed_rows_needed(row_lengths, real, length, mini_batches, row_multiple)
+    if rows_per_mini is not None:
+        if rows_per_mini < per_mini or rows_per_mini % row_multiple:
+            raise ValueError(f"pack_train_batch: rows_per_mini {rows_per_mini} is below the {per_mini} needed or "
+                             f"not a multiple of {row_multiple}")
+        per_mini = rows_per_mini
 
     fields = {name: np.asarray(value) for name, value in arrays.items() if np.ndim(value) == 2}
     packed_rows = per_mini * mini_batches
     tokens = {name: np.full((packed_rows, length), _FILL.get(name, 0), value.dtype) for name, value in fields.items()}
+    facts = {name: (np.asarray(arrays[field]), fill) for name, (field, fill) in ROW_FACTS.items()}
+    for name, (value, fill) in facts.items():
+        tokens[name] = np.full((packed_rows, length), fill, value.dtype)
     segment_ids = np.zeros((packed_rows, length), np.int32)
     token_row = np.full((packed_rows, length), -1, np.int32)
     for i, bins in enumerate(bins_of_mini):
@@ -126,12 +141,12 @@ def pack_train_batch(arrays: Mapping[str, np.ndarray], *, mini_batches: int = 1,
                 n = int(row_lengths[r])
                 for name, value in fields.items():
                     tokens[name][p, at:at + n] = value[r, :n]
+                for name, (value, _) in facts.items():
+                    tokens[name][p, at] = value[r]
                 segment_ids[p, at:at + n] = segment
                 token_row[p, at:at + n] = r
                 at += n
-    return PackedBatch(tokens=tokens, segment_ids=segment_ids, token_row=token_row,
-                       rewards=np.asarray(arrays["rewards"], np.float32), group_index=group_index,
-                       truncated=np.asarray(arrays["truncated"], bool))
+    return PackedBatch(tokens=tokens, segment_ids=segment_ids, token_row=token_row)
 
 
 def packed_shape(row_lengths: Sequence[int], length: int, mini_batches: int = 1, row_multiple: int = 1) -> tuple[int, int]:

@@ -349,8 +349,8 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     add("trainer", "activations", layers,
         f"{local_rows} rows x {length} tokens per micro-batch ({micro} micro-batches), {remat}, {model_cfg.compute_dtype}")
     add("trainer", "lm head", head, f"window {window}, " + (f"chunks of {chunk}" if chunk else "unchunked"))
-    # ids, 2 masks, log-probs, (versions); packed also segment_ids and token_row (int32).
-    token_bytes = 14 + (8 if cfg.rollout.pack else 0)
+    # ids, 2 masks, log-probs, (versions); packed also segment_ids, row_rewards, row_group_index, row_truncated.
+    token_bytes = 14 + (13 if cfg.rollout.pack else 0)
     add("trainer", "batch", rows // shards * length * token_bytes,
         "token arrays of the step" + (", packed (rollout.pack: worst case, no row saved)" if cfg.rollout.pack else ""))
 
@@ -626,11 +626,12 @@ def compiled_train_step(cfg: Config, model_cfg: Any, layout: Layout, sft: bool =
               "loss_mask": ((rows, length), np.bool_), "behavior_logprobs": ((rows, length), np.float32),
               "rewards": ((rows,), np.float32), "group_index": ((rows,), np.int32), "truncated": ((rows,), np.bool_)}
     batch = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=row_sharding(len(shape))) for name, (shape, dtype) in fields.items()}
-    if cfg.rollout.pack:  # asyncrl.trainer.packed: segments and each token's row; the row arrays replicated
-        for name in ("segment_ids", "token_row"):
-            batch[name] = jax.ShapeDtypeStruct((rows, length), np.int32, sharding=row_sharding(2))
+    if cfg.rollout.pack:  # asyncrl.trainer.packed: token arrays only (segments, the row facts at first tokens)
+        for name, dtype in (("segment_ids", np.int32), ("row_rewards", np.float32), ("row_group_index", np.int32),
+                            ("row_truncated", np.bool_)):
+            batch[name] = jax.ShapeDtypeStruct((rows, length), dtype, sharding=row_sharding(2))
         for name in ("rewards", "group_index", "truncated"):
-            batch[name] = jax.ShapeDtypeStruct(fields[name][0], fields[name][1], sharding=NamedSharding(mesh, PartitionSpec()))
+            del batch[name]
     ref = params if (algo is not None and algo.needs_reference) else None
     lowered = train_step.lower(HashedGraphDef(graphdef), params, opt_state, ref, batch, np.float32(1.0), None, None,
                                algo=algo, optim=optim, spec=spec, window=None if window == length else window)

@@ -2,65 +2,63 @@
 targets of a packed batch (docs/performance.md "Sequence packing"; the packer is
 :mod:`asyncrl.rollout.packing`).
 
-A packed step gets per-token arrays ``[P, L]`` (the TrainBatch's, packed, plus ``segment_ids`` and
-``token_row``) in device order like any batch's rows, and the original rows' ``rewards`` /
-``group_index`` / ``truncated`` ``[B]`` replicated: advantages and the truncation rule are computed
-on those rows exactly as unpacked, then read per token through ``token_row``. One process only
-(``rollout.pack`` with ``mesh.distributed.enabled`` is refused by the config).
+A packed step gets token arrays only, ``[P, L]``: the TrainBatch's, packed, plus ``segment_ids``
+and the row facts (``row_rewards``, ``row_group_index``, ``row_truncated``: each original row's
+fields at its segment's first token). They are permuted into device order and placed like any
+batch's rows, so with several processes each process packs its own rows (whole packed rows
+each) and the packed row count is agreed between them. Advantages and the truncation rule are
+computed on the segments' first tokens, which are the original rows (group statistics are
+segment sums over ``group_index``, whatever the order of the rows), then spread over each
+segment's tokens.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
-from asyncrl.algo import AlgoParams, compute_advantages, trained_mask
-from asyncrl.cluster.mesh import row_sharding
-from asyncrl.rollout.packing import pack_train_batch
+from asyncrl.algo import AlgoParams, compute_advantages, segment_totals, trained_mask
+from asyncrl.rollout.packing import pack_train_batch, packed_rows_needed
 
-ROW_FIELDS = ("rewards", "group_index", "truncated")
-"""The original rows' fields ``[B]`` a packed step reads (replicated, not packed)."""
+
+def packed_fields(fields: dict[str, np.ndarray], *, mini_batches: int, row_multiple: int) -> dict[str, np.ndarray]:
+    """The token arrays ``[P, L]`` of ``fields`` (a checked TrainBatch's arrays, rows in logical
+    order, group indices already unique over processes) packed mini-batch by mini-batch, each
+    mini-batch's packed rows a multiple of ``row_multiple`` (row shards of this process x
+    micro-batches) and, with several processes, as many as the most any process needs."""
+    rows_per_mini = None
+    if jax.process_count() > 1:  # one shape for every process's program
+        from jax.experimental import multihost_utils
+
+        _, needed = packed_rows_needed(np.asarray(fields["attention_mask"]).sum(axis=1), fields["group_index"] >= 0,
+                                       fields["attention_mask"].shape[1], mini_batches, row_multiple)
+        rows_per_mini = int(np.max(multihost_utils.process_allgather(np.int32(needed))))
+    packed = pack_train_batch(fields, mini_batches=mini_batches, row_multiple=row_multiple, rows_per_mini=rows_per_mini)
+    return dict(packed.tokens, segment_ids=packed.segment_ids)
 
 
 def packed_targets(batch: dict[str, jax.Array], algo: Optional[AlgoParams], sft: bool) -> tuple[jax.Array, jax.Array]:
-    """:func:`batch_targets` of a packed batch (:mod:`asyncrl.rollout.packing`): ``(mask, advantages)``
-    bool / float32 ``[P, L]``. Row-level facts are the original rows' (``rewards``, ``group_index``,
-    ``truncated`` ``[B]``), computed exactly as unpacked and brought to each token through
-    ``token_row`` ``[P, L]`` (the token's original row, -1 on padding)."""
-    token_row = batch["token_row"]
-    on_row = token_row >= 0
-    row = jnp.maximum(token_row, 0)
+    """:func:`~asyncrl.trainer.step.batch_targets` of a packed batch: ``(mask, advantages)`` bool /
+    float32 ``[P, L]``. The estimator sees one entry per token, real only at segments' first tokens
+    (``row_group_index >= 0``; every other entry is a padding row to it), so its group statistics
+    are the original rows'; a segment's tokens then share its first token's advantage and keep."""
+    segment_ids = batch["segment_ids"]
+    in_segment = segment_ids > 0
     if sft:
-        return batch["loss_mask"] & on_row, jnp.zeros(token_row.shape, jnp.float32)
+        return batch["loss_mask"] & in_segment, jnp.zeros(segment_ids.shape, jnp.float32)
     assert algo is not None
-    rows = batch["rewards"].shape[0]
-    # The unpacked rule on the original rows (a [B, 1] all-true mask: which rows train), per token.
-    keep = trained_mask(jnp.ones((rows, 1), bool), batch["group_index"], batch["truncated"], algo)[:, 0]
-    mask = batch["loss_mask"] & on_row & keep[row]
+    flat = lambda x: x.reshape(-1)  # noqa: E731 - [P, L] -> [P * L] "rows" for the row-level functions
+    spread = lambda x: segment_totals(x.reshape(segment_ids.shape), segment_ids)  # noqa: E731 - first token's value to its segment
+    group_index = flat(batch["row_group_index"])
+    # The unpacked rule on the original rows (a [rows, 1] all-true mask: which rows train), per token.
+    keep = trained_mask(jnp.ones((group_index.shape[0], 1), bool), group_index, flat(batch["row_truncated"]), algo)[:, 0]
+    mask = batch["loss_mask"] & in_segment & (spread(keep.astype(jnp.float32)) > 0)
     if "advantages" in batch:
         return mask, batch["advantages"].astype(jnp.float32)
-    completion_lengths = jax.ops.segment_sum(batch["loss_mask"].reshape(-1).astype(jnp.int32),
-                                             jnp.where(on_row, token_row, rows).reshape(-1), rows + 1)[:rows]
-    advantages = compute_advantages(batch["rewards"], batch["group_index"], completion_lengths, algo)  # [B]
-    return mask, jnp.where(on_row, advantages[row], 0.0)
-
-
-
-def place_packed(fields: dict[str, np.ndarray], mesh: Any, *, mini_batches: int, local_shards: int, micro_batches: int,
-                 device_order: Callable[[np.ndarray], np.ndarray]) -> tuple[dict[str, jax.Array], int]:
-    """Pack ``fields`` (the checked TrainBatch arrays, rows in logical order) and place them:
-    ``(arrays, packed rows)``. Packed rows per mini-batch are a multiple of ``local_shards x
-    micro_batches``; ``device_order`` permutes packed rows as :meth:`Trainer._device_batch` does
-    any batch's rows."""
-    packed = pack_train_batch(fields, mini_batches=mini_batches, row_multiple=local_shards * micro_batches)
-    tokens = dict(packed.tokens, segment_ids=packed.segment_ids, token_row=packed.token_row)
-    ordered = {name: device_order(value) for name, value in tokens.items()}
-    shardings = {name: row_sharding(mesh, value.ndim) for name, value in ordered.items()}
-    replicated = NamedSharding(mesh, PartitionSpec())
-    rows = {"rewards": packed.rewards, "group_index": packed.group_index, "truncated": packed.truncated}
-    placed = jax.device_put({**ordered, **rows}, {**shardings, **{name: replicated for name in rows}})
-    return placed, packed.rows
+    first = group_index >= 0
+    completion_lengths = jnp.where(first, flat(segment_totals(batch["loss_mask"].astype(jnp.int32), segment_ids)), 0)
+    advantages = compute_advantages(flat(batch["row_rewards"]), group_index, completion_lengths, algo)  # 0 off first tokens
+    return mask, jnp.where(in_segment, spread(advantages), 0.0)

@@ -521,7 +521,7 @@ def _train_step_impl(
         "mask": to_chunks(mask, spec),
         "behavior_logprobs": to_chunks(cut(batch["behavior_logprobs"].astype(jnp.float32)), spec),
         "advantages": to_chunks(advantages, spec),
-        # Packed: the row-level arrays are the original rows' ([B], not chunked); a packed row is real if it holds a segment.
+        # Packed: a packed row is real if it holds a segment (its rows are counted by packed_denominators).
         "real": to_chunks(jnp.any(batch["segment_ids"] > 0, axis=1) if packed else batch["group_index"] >= 0, spec),
     }
     if packed:

@@ -23,7 +23,7 @@ from asyncrl.errors import TrainerError
 from asyncrl.model.sharding import param_shardings
 from asyncrl.pytree import TreeError, fill, keyed_leaves, to_host, tree_to_host
 from asyncrl.trainer.optim import OptimParams, update_count
-from asyncrl.trainer.packed import place_packed
+from asyncrl.trainer.packed import packed_fields
 from asyncrl.trainer.step import (
     CriticSpec,
     HashedGraphDef,
@@ -359,16 +359,13 @@ class Trainer:
                 np.moveaxis(x.reshape(m, u, s, rows // (s * m * u), *rest), 2, 0).reshape(rows, *rest)
             )
 
-        if pack:
-            if jax.process_count() > 1:
-                raise TrainerError("Trainer.step: rollout.pack is for one-process runs (mesh.distributed.enabled is refused)")
-            placed, _ = place_packed(fields, self.mesh, mini_batches=m, local_shards=s, micro_batches=u,
-                                     device_order=device_order)
-            return placed, temperature, None
         if jax.process_count() > 1:
             # Groups of different processes must not share an index: offset by this process's rows.
             gi = fields["group_index"]
             fields["group_index"] = np.where(gi >= 0, gi + jax.process_index() * rows, -1).astype(np.int32)
+        if pack:  # token arrays only from here on, [packed rows, L], split and placed like any rows
+            fields = packed_fields(fields, mini_batches=m, row_multiple=s * u)
+            rows = fields["input_ids"].shape[0]
         ordered = {name: device_order(value) for name, value in fields.items()}
         shardings = {name: row_sharding(self.mesh, value.ndim) for name, value in ordered.items()}
         if jax.process_count() == 1:  # one batched transfer (part of the tiny step's fixed cost)
@@ -378,6 +375,8 @@ class Trainer:
                 name: jax.make_array_from_process_local_data(shardings[name], value, (rows * jax.process_count(), *value.shape[1:]))
                 for name, value in ordered.items()
             }
+        if pack:  # a packed row is scored whole
+            return placed, temperature, None
         window = loss_window(fields["loss_mask"], self.cfg.rollout.length_bucket)
         if jax.process_count() > 1:  # one static window for every process's program
             from jax.experimental import multihost_utils

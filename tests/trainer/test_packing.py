@@ -97,6 +97,12 @@ def test_pack_train_batch_keeps_each_mini_batch_s_rows_and_every_token():
             np.testing.assert_array_equal(packed.tokens[name][p, cols], getattr(batch, name)[r, :n])
         assert (packed.segment_ids[p, cols] == packed.segment_ids[p, cols[0]]).all()
     assert not (packed.token_row >= 14).any()  # padding rows are not packed
+    # Each row's reward, group and truncation at its segment's first token only.
+    firsts = packed.tokens["row_group_index"] >= 0
+    assert firsts.sum() == 14 and (packed.token_row[firsts] >= 0).all()
+    np.testing.assert_array_equal(packed.tokens["row_group_index"][firsts], batch.group_index[packed.token_row[firsts]])
+    np.testing.assert_array_equal(packed.tokens["row_rewards"][firsts], batch.rewards[packed.token_row[firsts]])
+    assert (packed.tokens["row_rewards"][~firsts] == 0).all()
     assert (packed.tokens["versions"][packed.segment_ids == 0] == -1).all()
     assert packed_shape(batch.attention_mask[:14].sum(1), LENGTH, 2, 2) == (packed.rows, LENGTH)
 
@@ -149,9 +155,8 @@ def _loss_and_grads(graphdef, params, batch, algo, packed: bool):
     seg = None
     if packed:
         p = pack_train_batch({k: np.asarray(v) for k, v in arrays.items()})
-        arrays = {**{k: jnp.asarray(v) for k, v in p.tokens.items()}, "token_row": jnp.asarray(p.token_row),
-                  "rewards": arrays["rewards"], "group_index": arrays["group_index"], "truncated": arrays["truncated"]}
         seg = jnp.asarray(p.segment_ids)
+        arrays = {**{k: jnp.asarray(v) for k, v in p.tokens.items()}, "segment_ids": seg}
         mask, advantages = packed_targets(arrays, algo, False)
         denominators = packed_denominators(mask, seg)
     else:
@@ -252,12 +257,56 @@ def test_packed_sft_and_lora_steps_equal_unpacked(tiny_one_layer):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=2e-6)
 
 
+MESH_CODE = """
+import numpy as np, jax
+from asyncrl.trainer import Trainer
+from tests.trainer.test_packing import mixed_batch
+from tests.trainer_fixtures import SGD, tiny_model, trainer_config
+assert jax.device_count() == 8
+graphdef, params = tiny_model(layers=1)
+batch = mixed_batch(rows=32, padding_rows=4, seed=6)
+
+def run(mesh, micro, pack):
+    cfg = trainer_config(optim=dict(SGD, micro_batches=micro), algo={"mini_batches": 2, "aggregation": "seq-mean-token-mean"},
+                         mesh=dict(zip(("data", "fsdp", "tensor"), mesh)), rollout={"pack": pack})
+    trainer = Trainer(cfg, graphdef, params)
+    metrics = trainer.step(batch)
+    return jax.tree.map(np.asarray, trainer.params), metrics
+
+single, m1 = run((1, 1, 1), 1, False)
+for mesh, micro in [((4, 2, 1), 2), ((1, 4, 2), 1)]:
+    out, m = run(mesh, micro, True)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(out)))
+    assert diff < 2e-6, (mesh, diff)
+    assert abs(m["loss/total"] - m1["loss/total"]) < 1e-5 * abs(m1["loss/total"]), (mesh, m["loss/total"], m1["loss/total"])
+    print(mesh, "max param diff", diff)
+"""
+
+
+def test_packed_steps_on_a_mesh_equal_the_single_device_unpacked_step():
+    """data x fsdp with 2 micro-batches and fsdp x tensor, 2 mini-batches: each device's packed rows
+    (a mini-batch's rows from every shard, device order) give the single-device unpacked update."""
+    from tests.helpers import run_python, subprocess_env
+
+    proc = run_python(MESH_CODE, env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+    assert proc.stdout.count("max param diff") == 2
+
+
+@pytest.mark.slow  # two JAX processes with gloo (tests/trainer/test_trainer_mesh.py), each packing its own rows
+@pytest.mark.timeout(300)
+def test_two_processes_packed_compute_the_single_process_step(tmp_path):
+    from tests.trainer.test_trainer_mesh import test_two_processes_compute_the_single_process_step
+
+    test_two_processes_compute_the_single_process_step(tmp_path, extra_args=("pack",))
+
+
 # --------------------------------------------------------------------------- refusals
 
 
-def test_config_refuses_pack_with_gae_and_with_several_processes():
+def test_config_refuses_pack_with_gae():
     with pytest.raises(ConfigError, match="rollout.pack with algo.estimator: gae"):
         load_config(data={"rollout": {"pack": True}, "algo": {"estimator": "gae"}, "critic": {}})
-    with pytest.raises(ConfigError, match="rollout.pack with mesh.distributed.enabled"):
-        load_config(data={"rollout": {"pack": True}, "mesh": {"distributed": {"enabled": True}}})
+    with pytest.raises(ConfigError, match="rollout.pack with algo.estimator: gae"):  # a later stage's gae too
+        load_config(data={"rollout": {"pack": True}, "critic": {},
+                          "stages": [{"name": "a", "total_steps": 1}, {"name": "b", "total_steps": 1, "algo": {"estimator": "gae"}}]})
     assert load_config(data={"rollout": {"pack": True}}).rollout.pack
