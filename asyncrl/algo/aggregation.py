@@ -48,13 +48,14 @@ def aggregation_denominators(loss_mask: jax.Array, row_is_real: jax.Array) -> De
     )
 
 
-def segment_totals(values: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """``[B, L]``: at each token, the sum of ``values`` ``[B, L]`` over the tokens of its packed
-    segment (same row, same ``segment_ids`` ``[B, L]``; docs/performance.md "Sequence packing").
-    A segment is one original row, so this is that row's sum, broadcast to its tokens."""
+def segment_totals(values: jax.Array, segment_ids: jax.Array, reduce=jax.ops.segment_sum) -> jax.Array:
+    """``[B, L]``: at each token, the sum (or another ``jax.ops.segment_*`` reduction) of ``values``
+    ``[B, L]`` over the tokens of its packed segment (same row, same ``segment_ids`` ``[B, L]``;
+    docs/performance.md "Sequence packing"). A segment is one original row, so this is that
+    row's sum, broadcast to its tokens."""
     rows, length = segment_ids.shape
     flat = (jnp.arange(rows, dtype=jnp.int32)[:, None] * (length + 1) + segment_ids).reshape(-1)
-    sums = jax.ops.segment_sum(values.reshape(-1), flat, rows * (length + 1))
+    sums = reduce(values.reshape(-1), flat, rows * (length + 1))
     return sums[flat].reshape(rows, length)
 
 

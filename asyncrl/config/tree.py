@@ -148,10 +148,6 @@ class Config(Section):
                 f"rollout.group_size: {self.rollout.group_size} is too small for algo.estimator '{target}', which "
                 "compares each sequence with the rest of its group; use group_size >= 2 or algo.estimator: batch"
             )
-        if self.rollout.pack and "gae" in ({target} | {_estimator_target(stage.algo["estimator"]) for stage in self.stages
-                                                       if "estimator" in stage.algo}):
-            problems.append("rollout.pack with algo.estimator: gae is not supported (the critic's values and GAE run on "
-                            "unpacked rows); set rollout.pack: false or use grpo")
         if target == "gae" and self.critic is None:
             problems.append("algo.estimator: gae needs a value model; add a critic section (e.g. critic: {}) or use grpo")
         # Unused critic settings: judged on the whole run (a stage may switch to gae), not on a

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asyncrl.algo import AlgoParams, compute_advantages, segment_totals, trained_mask
+from asyncrl.algo import AlgoParams, compute_advantages, segment_totals, shaped_rewards, trained_mask
 from asyncrl.rollout.packing import pack_train_batch, packed_rows_needed
 
 
@@ -58,7 +58,22 @@ def packed_targets(batch: dict[str, jax.Array], algo: Optional[AlgoParams], sft:
     mask = batch["loss_mask"] & in_segment & (spread(keep.astype(jnp.float32)) > 0)
     if "advantages" in batch:
         return mask, batch["advantages"].astype(jnp.float32)
-    first = group_index >= 0
-    completion_lengths = jnp.where(first, flat(segment_totals(batch["loss_mask"].astype(jnp.int32), segment_ids)), 0)
-    advantages = compute_advantages(flat(batch["row_rewards"]), group_index, completion_lengths, algo)  # 0 off first tokens
+    if algo.uses_critic:  # GAE's per-token advantages need the critic's values (step.critic_targets)
+        return mask, jnp.zeros(segment_ids.shape, jnp.float32)
+    advantages = compute_advantages(flat(batch["row_rewards"]), group_index, _completion_lengths(batch), algo)  # 0 off first tokens
     return mask, jnp.where(in_segment, spread(advantages), 0.0)
+
+
+def _completion_lengths(batch: dict[str, jax.Array]) -> jax.Array:
+    """int32 ``[P * L]``: each segment's trained-token count at its first token, 0 elsewhere."""
+    first = batch["row_group_index"].reshape(-1) >= 0
+    return jnp.where(first, segment_totals(batch["loss_mask"].astype(jnp.int32), batch["segment_ids"]).reshape(-1), 0)
+
+
+def packed_shaped_rewards(batch: dict[str, jax.Array], algo: AlgoParams) -> jax.Array:
+    """float32 ``[P, L]``: each token's original row's shaped reward
+    (:func:`~asyncrl.algo.shaped_rewards`, as unpacked), 0 on padding (the critic's GAE reads it at
+    each segment's last trained token)."""
+    first = batch["row_group_index"].reshape(-1) >= 0
+    shaped = jnp.where(first, shaped_rewards(batch["row_rewards"].reshape(-1), _completion_lengths(batch), algo), 0.0)
+    return segment_totals(shaped.reshape(batch["segment_ids"].shape), batch["segment_ids"])

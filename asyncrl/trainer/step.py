@@ -79,7 +79,7 @@ from asyncrl.model.critic import critic_shardings, per_token_values
 from asyncrl.model.logprobs import per_token_logprobs, take_window, window_starts
 from asyncrl.model.sharding import param_shardings
 from asyncrl.trainer.optim import OptimParams, build_optimizer, dotted_path, learning_rate_schedule, update_count
-from asyncrl.trainer.packed import packed_targets
+from asyncrl.trainer.packed import packed_shaped_rewards, packed_targets
 
 _TRACE_COUNT = [0]
 """Traces of the train step in this process (:func:`compile_count`)."""
@@ -273,18 +273,21 @@ def batch_logprobs(forward: Callable, weights: Any, chunks: dict[str, jax.Array]
 def critic_targets(chunks: dict[str, jax.Array], rewards: jax.Array, old_values: jax.Array,
                    algo: AlgoParams) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
     """GAE on the chunked batch: ``{advantages, returns, old_values}`` ``[M, U, S * b, W]`` and the
-    whole-batch value statistics. ``rewards`` ``[M, U, S * b]`` shaped sequence rewards,
-    ``old_values`` the critic's values at the step's start. GAE runs per row, so the chunk layout
-    does not matter; the advantages are whitened over every trained token of the batch."""
+    whole-batch value statistics. ``rewards`` ``[M, U, S * b]`` shaped sequence rewards (packed:
+    ``[M, U, S * b, L]``, each token's row's), ``old_values`` the critic's values at the step's start.
+    GAE runs per row (packed: per segment), so the chunk layout does not matter; the advantages
+    are whitened over every trained token of the batch."""
     shape = chunks["mask"].shape
     flat = lambda x: x.reshape(-1, shape[-1])
     mask = flat(chunks["mask"])
+    segments = flat(chunks["segment_ids"]) if "segment_ids" in chunks else None
     kl = None
     if algo.reward_kl_coef > 0:  # log pi_old - log pi_ref (pi_old: pi_prox, or the behaviour policy)
         kl = flat(chunks["prox_logprobs"]) - flat(chunks["ref_logprobs"])
-    reward = token_rewards(rewards.reshape(-1), mask, kl, algo.reward_kl_coef)
+    reward = token_rewards(rewards.reshape(-1) if segments is None else flat(rewards), mask, kl, algo.reward_kl_coef,
+                           segment_ids=segments)
     values = flat(old_values)
-    advantages, returns = gae(reward, values, mask, gamma=algo.gamma, lam=algo.lam)
+    advantages, returns = gae(reward, values, mask, gamma=algo.gamma, lam=algo.lam, segment_ids=segments)
     stats = value_statistics(values, returns, mask)
     out = {"advantages": masked_whiten(advantages, mask), "returns": returns, "old_values": jnp.where(mask, values, 0.0)}
     return {k: v.reshape(shape) for k, v in out.items()}, stats
@@ -294,7 +297,7 @@ def critic_micro_loss(theta: Any, x: dict[str, jax.Array], denominators: Any, ke
                       forward: Callable, critic: CriticSpec) -> tuple[jax.Array, dict]:
     """One micro-batch's share of its mini-batch's value loss (times ``critic.loss_coef``),
     differentiated in the critic's ``theta``; chunks as in :func:`micro_loss`."""
-    values = forward(theta, x["input_ids"], x["attention_mask"], x["window_start"], key)
+    values = forward(theta, x["input_ids"], x["attention_mask"], x["window_start"], key, segments=x.get("segment_ids"))
     loss, diagnostics = value_loss(values, x["old_values"], x["returns"], x["mask"], denominators, critic.value_clip)
     return critic.loss_coef * loss, diagnostics
 
@@ -544,16 +547,18 @@ def _train_step_impl(
         assert algo is not None and critic_params is not None
         c_graphdef = critic.graphdef.graphdef if isinstance(critic.graphdef, HashedGraphDef) else critic.graphdef
 
-        def values_forward(c_theta, input_ids, attention_mask, starts, key=None, with_entropy=False):
+        def values_forward(c_theta, input_ids, attention_mask, starts, key=None, with_entropy=False, segments=None):
             decoder = lora_weights(critic_frozen, critic.lora_dropout, c_theta["decoder"], key)
             return per_token_values(c_graphdef, decoder, c_theta["value_head"], input_ids, attention_mask,
-                                    window=None if window == length else window, window_start=starts)
+                                    window=None if window == length else window, window_start=starts, segment_ids=segments)
 
+        old_values = batch_logprobs(
+            lambda w, i, a, st, with_entropy, nodes=None, segments=None: (values_forward(w, i, a, st, segments=segments),),
+            critic_params, chunks)
         if packed:
-            raise ValueError("train_step: rollout.pack with algo.estimator gae is not supported (refused by the config)")
-        old_values = batch_logprobs(lambda w, i, a, st, with_entropy, nodes=None, segments=None: (values_forward(w, i, a, st),),
-                                    critic_params, chunks)
-        rewards = shaped_rewards(batch["rewards"], jnp.sum(batch["loss_mask"], axis=-1), algo)
+            rewards = packed_shaped_rewards(batch, algo)  # [P, L]
+        else:
+            rewards = shaped_rewards(batch["rewards"], jnp.sum(batch["loss_mask"], axis=-1), algo)
         targets, value_stats = critic_targets(chunks, to_chunks(rewards, spec), old_values, algo)
         chunks.update(targets)
         c_p_shardings = critic_shardings(critic.model_cfg, critic_params, spec.mesh)

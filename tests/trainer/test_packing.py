@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 
 from asyncrl.algo import AlgoParams, aggregation_denominators, packed_denominators, policy_loss
-from asyncrl.config import load_config
-from asyncrl.errors import ConfigError
 from asyncrl.model.logprobs import per_token_logprobs
 from asyncrl.model.transformer import segment_positions
 from asyncrl.rollout.packing import first_fit_decreasing, pack_train_batch, packed_shape
@@ -300,13 +298,29 @@ def test_two_processes_packed_compute_the_single_process_step(tmp_path):
     test_two_processes_compute_the_single_process_step(tmp_path, extra_args=("pack",))
 
 
-# --------------------------------------------------------------------------- refusals
+# --------------------------------------------------------------------------- the critic
 
 
-def test_config_refuses_pack_with_gae():
-    with pytest.raises(ConfigError, match="rollout.pack with algo.estimator: gae"):
-        load_config(data={"rollout": {"pack": True}, "algo": {"estimator": "gae"}, "critic": {}})
-    with pytest.raises(ConfigError, match="rollout.pack with algo.estimator: gae"):  # a later stage's gae too
-        load_config(data={"rollout": {"pack": True}, "critic": {},
-                          "stages": [{"name": "a", "total_steps": 1}, {"name": "b", "total_steps": 1, "algo": {"estimator": "gae"}}]})
-    assert load_config(data={"rollout": {"pack": True}}).rollout.pack
+def test_packed_gae_step_equals_unpacked(tiny_one_layer):
+    """algo.estimator gae: the critic's values, per-segment GAE (each segment its own episode, the
+    reward on its last trained token, multi-turn gaps skipped), whitening, the value loss and both
+    updates over 2 mini-batches x 2 micro-batches x 2 epochs, with the reward's KL penalty."""
+    graphdef, params = tiny_one_layer
+    batch = mixed_batch(seed=7)
+    sections = {"algo": {"estimator": "gae", "gamma": 0.9, "lam": 0.8, "mini_batches": 2, "ppo_epochs": 2,
+                         "reward_kl_coef": 0.05, "truncated": "penalty", "overlong_buffer": 16},
+                "critic": {"optim": dict(SGD, lr=0.1), "value_clip": 0.5}, "optim": dict(SGD, micro_batches=2)}
+    batch.truncated[[2, 9]] = True
+    results = []
+    for pack in (False, True):
+        trainer = Trainer(trainer_config(**sections, rollout={"pack": pack}), graphdef, params)
+        trainer.step(batch)  # a second step: the critic's values are no longer the zero head's
+        metrics = trainer.step(batch)
+        results.append((metrics, jax.device_get(trainer.params), jax.device_get(trainer.critic_params)))
+    (m_plain, p_plain, c_plain), (m_packed, p_packed, c_packed) = results
+    for key, value in m_plain.items():
+        if not key.startswith(("perf/", "memory/")):
+            np.testing.assert_allclose(m_packed[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    assert m_plain["train/value_mean"] != 0.0
+    for a, b in zip(jax.tree.leaves((p_plain, c_plain)), jax.tree.leaves((p_packed, c_packed))):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=2e-6)
