@@ -1,7 +1,7 @@
-"""Sequence packing (rollout.pack) changes the work, not the results: the packer's first-fit
-decreasing, segments that never see each other, and packed steps whose losses, metrics and
-gradients equal the unpacked step's (float32, 1e-5 relative) for GRPO's aggregations, GSPO, KL,
-truncation masking, multi-turn masks, padding rows, micro- and mini-batches, SFT and LoRA."""
+"""Sequence packing (rollout.pack) changes the work, not the results: segments that never see
+each other, and packed steps whose losses, metrics and gradients equal the unpacked step's
+(float32, 1e-5 relative) for GRPO's aggregations, GSPO, KL, truncation masking, multi-turn masks, padding rows, micro- and mini-batches, meshes, processes,
+SFT, LoRA and the critic's GAE. The packer itself: tests/rollout/test_rollout_packing.py."""
 
 from __future__ import annotations
 
@@ -13,96 +13,13 @@ import pytest
 from asyncrl.algo import AlgoParams, aggregation_denominators, packed_denominators, policy_loss
 from asyncrl.model.logprobs import per_token_logprobs
 from asyncrl.model.transformer import segment_positions
-from asyncrl.rollout.packing import first_fit_decreasing, pack_train_batch, packed_shape
+from asyncrl.rollout.packing import pack_train_batch
 from asyncrl.trainer import Trainer
 from asyncrl.trainer.packed import packed_targets
 from asyncrl.trainer.step import batch_targets
-from tests.trainer_fixtures import SGD, VOCAB_HIGH, VOCAB_LOW, make_batch, trainer_config
+from tests.trainer_fixtures import SGD, VOCAB_HIGH, VOCAB_LOW, mixed_length_batch, trainer_config
 
-LENGTH = 32
-
-
-def mixed_batch(rows: int = 16, padding_rows: int = 2, seed: int = 0, multi_turn: bool = True):
-    """Rows of 3..LENGTH tokens (several fit one packed row), prompts of 2..6 tokens, multi-turn
-    loss masks (an untrained tool span inside some completions), ``padding_rows`` padding rows."""
-    batch = make_batch(rows=rows, length=LENGTH, seed=seed, padding_rows=padding_rows)
-    rng = np.random.default_rng(seed + 100)
-    ends = rng.integers(3, LENGTH + 1, size=rows)
-    ends[0] = LENGTH  # one full row
-    prompts = np.minimum(rng.integers(2, 7, size=rows), ends - 1)
-    pos = np.arange(LENGTH)[None]
-    batch.attention_mask[:] = pos < ends[:, None]
-    batch.attention_mask[rows - padding_rows:] = False
-    batch.input_ids[:] = np.where(batch.attention_mask, rng.integers(VOCAB_LOW, VOCAB_HIGH, (rows, LENGTH)), 0)
-    loss = batch.attention_mask & (pos >= prompts[:, None])
-    if multi_turn:  # a tool reply of 3 untrained tokens in the middle of every third completion
-        for r in range(0, rows, 3):
-            mid = (prompts[r] + ends[r]) // 2
-            if ends[r] - prompts[r] >= 6:
-                loss[r, mid:mid + 3] = False
-    batch.loss_mask[:] = loss
-    batch.behavior_logprobs[:] = np.where(loss, -rng.uniform(0.5, 4.0, (rows, LENGTH)), 0.0)
-    batch.versions[:] = np.where(loss, 0, -1)
-    return batch
-
-
-# --------------------------------------------------------------------------- the packer
-
-
-def reference_first_fit_decreasing(lengths, capacity):
-    """First-fit decreasing written the textbook way (a stable sort, a scan of open bins)."""
-    order = np.argsort(-np.asarray(lengths), kind="stable")
-    bins, loads = [], []
-    for i in order:
-        fits = [k for k in range(len(bins)) if loads[k] + lengths[i] <= capacity]
-        if fits:
-            bins[fits[0]].append(int(i))
-            loads[fits[0]] += lengths[i]
-        else:
-            bins.append([int(i)])
-            loads.append(lengths[i])
-    return bins
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_first_fit_decreasing_matches_the_reference(seed):
-    rng = np.random.default_rng(seed)
-    lengths = [int(n) for n in rng.integers(1, 65, size=40)]
-    bins = first_fit_decreasing(lengths, 64)
-    assert bins == reference_first_fit_decreasing(lengths, 64)
-    assert sorted(i for b in bins for i in b) == list(range(40))
-    assert all(sum(lengths[i] for i in b) <= 64 for b in bins)
-    with pytest.raises(ValueError, match="outside"):
-        first_fit_decreasing([65], 64)
-
-
-def test_pack_train_batch_keeps_each_mini_batch_s_rows_and_every_token():
-    batch = mixed_batch(rows=16, padding_rows=2)
-    fields = {name: getattr(batch, name) for name in ("input_ids", "attention_mask", "loss_mask", "behavior_logprobs",
-                                                       "versions", "rewards", "group_index", "truncated")}
-    packed = pack_train_batch(fields, mini_batches=2, row_multiple=2)
-    per_mini = packed.rows // 2
-    assert packed.rows % 4 == 0 and packed.rows < 16
-    for p in range(packed.rows):
-        rows_here = set(packed.token_row[p][packed.token_row[p] >= 0].tolist())
-        assert all(r // 8 == p // per_mini for r in rows_here)  # mini-batch i holds rows [8i, 8i + 8)
-    for r in range(14):  # every real row's tokens, contiguous, once
-        where = np.argwhere(packed.token_row == r)
-        n = batch.attention_mask[r].sum()
-        assert len(where) == n and len(set(where[:, 0])) == 1
-        p, cols = where[0, 0], where[:, 1]
-        for name in ("input_ids", "loss_mask", "behavior_logprobs", "versions"):
-            np.testing.assert_array_equal(packed.tokens[name][p, cols], getattr(batch, name)[r, :n])
-        assert (packed.segment_ids[p, cols] == packed.segment_ids[p, cols[0]]).all()
-    assert not (packed.token_row >= 14).any()  # padding rows are not packed
-    # Each row's reward, group and truncation at its segment's first token only.
-    firsts = packed.tokens["row_group_index"] >= 0
-    assert firsts.sum() == 14 and (packed.token_row[firsts] >= 0).all()
-    np.testing.assert_array_equal(packed.tokens["row_group_index"][firsts], batch.group_index[packed.token_row[firsts]])
-    np.testing.assert_array_equal(packed.tokens["row_rewards"][firsts], batch.rewards[packed.token_row[firsts]])
-    assert (packed.tokens["row_rewards"][~firsts] == 0).all()
-    assert (packed.tokens["versions"][packed.segment_ids == 0] == -1).all()
-    assert packed_shape(batch.attention_mask[:14].sum(1), LENGTH, 2, 2) == (packed.rows, LENGTH)
+# --------------------------------------------------------------------------- the model
 
 
 def test_segment_positions_restart_in_each_segment():
@@ -110,12 +27,9 @@ def test_segment_positions_restart_in_each_segment():
     assert segment_positions(seg).tolist() == [[0, 1, 2, 0, 1, 0, 0, 0]]
 
 
-# --------------------------------------------------------------------------- the model
-
-
 def test_a_segment_never_sees_another_and_scores_like_its_own_row(tiny_one_layer):
     graphdef, params = tiny_one_layer
-    batch = mixed_batch(rows=8, padding_rows=0, seed=3)
+    batch = mixed_length_batch(rows=8, padding_rows=0, seed=3)
     fields = {name: getattr(batch, name) for name in ("input_ids", "attention_mask", "loss_mask", "rewards",
                                                        "group_index", "truncated")}
     packed = pack_train_batch(fields)
@@ -184,7 +98,7 @@ def _loss_and_grads(graphdef, params, batch, algo, packed: bool):
 ])
 def test_packed_loss_and_gradients_equal_unpacked(tiny_one_layer, algo_section):
     graphdef, params = tiny_one_layer
-    batch = mixed_batch(seed=1)
+    batch = mixed_length_batch(seed=1)
     batch.truncated[[1, 5]] = True
     # Off-policy behaviour log-probs so the ratio (and GSPO's sequence ratio) is not 1.
     batch.behavior_logprobs[:] = np.where(batch.loss_mask, batch.behavior_logprobs * 0.2, 0.0)
@@ -222,7 +136,7 @@ def test_packed_trainer_step_equals_unpacked(tiny_one_layer, sections):
     """Micro- and mini-batches, epochs, pi_prox recomputed, KL: the step's metrics and the SGD-updated
     weights (the gradient, lr 0.5) match; packing used fewer rows."""
     graphdef, params = tiny_one_layer
-    batch = mixed_batch(seed=4)
+    batch = mixed_length_batch(seed=4)
     (m_plain, p_plain), (m_packed, p_packed) = _step_both(graphdef, params, batch, **sections)
     for key, value in m_plain.items():
         if key.startswith(("perf/", "memory/")):
@@ -239,7 +153,7 @@ def test_packed_sft_and_lora_steps_equal_unpacked(tiny_one_layer):
     from asyncrl.model.lora import LoraSpec, attach_lora
 
     graphdef, params = tiny_one_layer
-    batch = mixed_batch(seed=5)
+    batch = mixed_length_batch(seed=5)
     (m_plain, p_plain), (m_packed, p_packed) = _step_both(graphdef, params, batch, objective="sft", optim=SGD)
     np.testing.assert_allclose(m_packed["loss/sft"], m_plain["loss/sft"], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(p_plain), jax.tree.leaves(p_packed)):
@@ -258,11 +172,11 @@ def test_packed_sft_and_lora_steps_equal_unpacked(tiny_one_layer):
 MESH_CODE = """
 import numpy as np, jax
 from asyncrl.trainer import Trainer
-from tests.trainer.test_packing import mixed_batch
+from tests.trainer_fixtures import mixed_length_batch
 from tests.trainer_fixtures import SGD, tiny_model, trainer_config
 assert jax.device_count() == 8
 graphdef, params = tiny_model(layers=1)
-batch = mixed_batch(rows=32, padding_rows=4, seed=6)
+batch = mixed_length_batch(rows=32, padding_rows=4, seed=6)
 
 def run(mesh, micro, pack):
     cfg = trainer_config(optim=dict(SGD, micro_batches=micro), algo={"mini_batches": 2, "aggregation": "seq-mean-token-mean"},
@@ -306,7 +220,7 @@ def test_packed_gae_step_equals_unpacked(tiny_one_layer):
     reward on its last trained token, multi-turn gaps skipped), whitening, the value loss and both
     updates over 2 mini-batches x 2 micro-batches x 2 epochs, with the reward's KL penalty."""
     graphdef, params = tiny_one_layer
-    batch = mixed_batch(seed=7)
+    batch = mixed_length_batch(seed=7)
     sections = {"algo": {"estimator": "gae", "gamma": 0.9, "lam": 0.8, "mini_batches": 2, "ppo_epochs": 2,
                          "reward_kl_coef": 0.05, "truncated": "penalty", "overlong_buffer": 16},
                 "critic": {"optim": dict(SGD, lr=0.1), "value_clip": 0.5}, "optim": dict(SGD, micro_batches=2)}
