@@ -286,3 +286,20 @@ def test_export_command_writes_the_newest_checkpoint_or_the_hf_export(quick_run,
     assert "holds no saved policy" in capsys.readouterr().err
     assert main(["export", str(bare), str(tmp_path / "from_hf")]) == 1
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_a_packed_run_logs_the_unpacked_runs_losses(quick_run, tmp_path):
+    """rollout.pack through the whole loop (SFT stage, RL stage, eval): every step's loss, gradient
+    norm and trained tokens are the unpacked run's (rollouts are seeded, so the batches are too)."""
+    from asyncrl.run.loop import train
+
+    _, _, plain_out, _ = quick_run
+    train(quick_config(tmp_path, "rollout.pack=true"), argv=["test"], console=io.StringIO())
+    keys = ("loss/sft", "loss/total", "train/grad_norm", "train/trained_tokens")
+    runs = [[{k: row[k] for k in keys if k in row} for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+             if row["step"] > 0] for out in (plain_out, tmp_path)]
+    assert len(runs[1]) == 5 and all(len(row) == 3 for row in runs[1])
+    for plain, packed in zip(*runs):
+        assert plain.keys() == packed.keys() and plain["train/trained_tokens"] == packed["train/trained_tokens"]
+        for key in plain:
+            np.testing.assert_allclose(packed[key], plain[key], rtol=1e-5, err_msg=key)
