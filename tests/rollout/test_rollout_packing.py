@@ -65,3 +65,16 @@ def test_pack_train_batch_keeps_each_mini_batch_s_rows_and_every_token():
     assert (packed.tokens["row_rewards"][~firsts] == 0).all()
     assert (packed.tokens["versions"][packed.segment_ids == 0] == -1).all()
     assert packed_shape(batch.attention_mask[:14].sum(1), 32, 2, 2) == (packed.rows, 32)
+
+
+def test_packed_row_counts_come_in_eighths_of_the_rows():
+    """However the lengths fall, a mini-batch of 64 rows packs into a multiple of 8 rows (at most 8
+    shapes to compile per length), never more than 64, and at least what first-fit needs."""
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(30):
+        lengths = rng.integers(1, 129, size=64)
+        rows, _ = packed_shape(lengths, 128, mini_batches=1, row_multiple=2)
+        assert rows % 8 == 0 and len(first_fit_decreasing(list(lengths), 128)) <= rows <= 64
+        seen.add(rows)
+    assert len(seen) > 1
