@@ -10,6 +10,7 @@
     python scripts/bench.py reward_model  # reward-model scores per second, on the device and through the scoring queue
     python scripts/bench.py plan      # asyncrl plan's trainer and engine memory against a real step's
     python scripts/bench.py agent     # the OpenAI-SDK agent path's cost per completion against a plain workflow
+    python scripts/bench.py pack      # trained tokens/s of the trainer step, packed against unpacked, GSM8K-like lengths
 
 ``python scripts/bench.py SUBCOMMAND --help`` says what each measures and its fields. Each
 lives in ``scripts/bench_components/<name>.py`` (``add_arguments(parser)`` and
@@ -30,7 +31,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SUBCOMMANDS = ("train", "loop", "engine", "model", "batch", "remote", "accel", "reward_model", "plan", "agent")
+SUBCOMMANDS = ("train", "loop", "engine", "model", "batch", "remote", "accel", "reward_model", "plan", "agent", "pack")
 
 
 def parser() -> argparse.ArgumentParser:

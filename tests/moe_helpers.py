@@ -3,9 +3,11 @@ through ``mlp_only_layers``), for the MoE tests of the model, the engine and the
 
 from __future__ import annotations
 
+from typing import Any
+
 from tests.model_helpers import randomize_weights
 
-TINY_MOE = dict(
+TINY_MOE: dict[str, Any] = dict(
     model_type="qwen3_moe", vocab_size=40, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
     num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],

@@ -149,6 +149,14 @@ def _bench_rl(_: Path, output: str) -> None:
     assert share["training"] > 0 and share["eval"] > 0 and share["checkpoint"] > 0, share  # eval/checkpoint every 2
 
 
+def _bench_pack(_: Path, output: str) -> None:
+    """``bench.py pack``: both modes measured, the packed batch denser than the padded one."""
+    _bench_line("pack")(_, output)
+    result = json.loads(output.strip().splitlines()[-1])["tiny"]
+    assert result["packed"]["trained_tokens_per_s"] > 0 and result["unpacked"]["trained_tokens_per_s"] > 0, result
+    assert result["real_tokens_fraction_packed"] > result["real_tokens_fraction_unpacked"], result
+
+
 def _bench_accel(_: Path, output: str) -> None:
     result = json.loads(output.strip().splitlines()[-1])
     assert result["jax"] and result["device_kind"] and result["peak"]["source"] in ("table", "measured"), result
@@ -293,6 +301,9 @@ SLOW_CHAINS = {
     ),
     # Three layouts, each its own 8-device subprocess (a minute here).
     "bench_placement": (Step("python scripts/bench_placement.py", ("--steps", "4"), check=_json_line),),
+    # docs/performance.md "Sequence packing": packed against unpacked trained tokens/s, one small batch
+    "bench_pack": (Step("python scripts/bench.py pack", ("--rows", "8", "--batches", "1", "--rounds", "1"),
+                        check=_bench_pack),),
     "bench_remote": (Step("python scripts/bench.py remote", ("--requests", "8", "--repeats", "1"),
                           check=_bench_line("remote")),),
     # docs/performance.md: reward-model scoring throughput, on the 2-layer twin

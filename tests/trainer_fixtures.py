@@ -75,3 +75,28 @@ def trainer_config(**sections: Any):
 
 SGD = {"optimizer": "sgd", "lr": 0.5, "max_grad_norm": None}
 """One plain SGD update: what the equivalence tests compare (a large lr shows differences)."""
+
+
+def mixed_length_batch(rows: int = 16, padding_rows: int = 2, seed: int = 0, multi_turn: bool = True, length: int = 32):
+    """For the packing tests: rows of 3..``length`` tokens (several fit one packed row), prompts of
+    2..6 tokens, multi-turn loss masks (an untrained tool span inside some completions), and
+    ``padding_rows`` padding rows."""
+    batch = make_batch(rows=rows, length=length, seed=seed, padding_rows=padding_rows)
+    rng = np.random.default_rng(seed + 100)
+    ends = rng.integers(3, length + 1, size=rows)
+    ends[0] = length  # one full row
+    prompts = np.minimum(rng.integers(2, 7, size=rows), ends - 1)
+    pos = np.arange(length)[None]
+    batch.attention_mask[:] = pos < ends[:, None]
+    batch.attention_mask[rows - padding_rows:] = False
+    batch.input_ids[:] = np.where(batch.attention_mask, rng.integers(VOCAB_LOW, VOCAB_HIGH, (rows, length)), 0)
+    loss = batch.attention_mask & (pos >= prompts[:, None])
+    if multi_turn:  # a tool reply of 3 untrained tokens in the middle of every third completion
+        for r in range(0, rows, 3):
+            mid = (prompts[r] + ends[r]) // 2
+            if ends[r] - prompts[r] >= 6:
+                loss[r, mid:mid + 3] = False
+    batch.loss_mask[:] = loss
+    batch.behavior_logprobs[:] = np.where(loss, -rng.uniform(0.5, 4.0, (rows, length)), 0.0)
+    batch.versions[:] = np.where(loss, 0, -1)
+    return batch

@@ -55,6 +55,8 @@ from asyncrl.algo.aggregation import (
     accumulate_diagnostics,
     aggregate,
     aggregation_denominators,
+    packed_denominators,
+    segment_totals,
     token_mean,
 )
 from asyncrl.algo.kl import KL_ESTIMATORS, k1, k2, k3, kl_penalty
@@ -95,8 +97,10 @@ __all__ = [
     "last_token_mask",
     "masked_whiten",
     "overlong_penalty",
+    "packed_denominators",
     "policy_loss",
     "rloo",
+    "segment_totals",
     "sequence_log_ratio",
     "shaped_rewards",
     "token_log_ratio",

@@ -27,27 +27,34 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from asyncrl.algo.aggregation import Denominators, aggregate, token_mean
+from asyncrl.algo.aggregation import Denominators, aggregate, segment_totals, token_mean
 from asyncrl.algo.kl import k3, kl_penalty
 from asyncrl.algo.params import AlgoParams
 
 _LOG_RATIO_CLAMP = 20.0
 
 
-def token_log_ratio(logprobs: jax.Array, anchor_logprobs: jax.Array, loss_mask: jax.Array) -> jax.Array:
-    """``[B, L]`` log pi_theta - log pi_anchor on trained tokens, 0 elsewhere."""
+def token_log_ratio(logprobs: jax.Array, anchor_logprobs: jax.Array, loss_mask: jax.Array,
+                    segment_ids: Optional[jax.Array] = None) -> jax.Array:
+    """``[B, L]`` log pi_theta - log pi_anchor on trained tokens, 0 elsewhere (``segment_ids``:
+    unused, a token's ratio is its own)."""
     return jnp.where(loss_mask, logprobs - anchor_logprobs, 0.0)
 
 
-def sequence_log_ratio(logprobs: jax.Array, anchor_logprobs: jax.Array, loss_mask: jax.Array) -> jax.Array:
-    """GSPO: ``[B, L]`` each row's mean token log-ratio over its trained tokens, broadcast to them."""
+def sequence_log_ratio(logprobs: jax.Array, anchor_logprobs: jax.Array, loss_mask: jax.Array,
+                       segment_ids: Optional[jax.Array] = None) -> jax.Array:
+    """GSPO: ``[B, L]`` each row's mean token log-ratio over its trained tokens, broadcast to them
+    (packed rows, ``segment_ids`` ``[B, L]``: each segment's, an original row's)."""
     token = token_log_ratio(logprobs, anchor_logprobs, loss_mask)
+    if segment_ids is not None:
+        count = jnp.maximum(segment_totals(loss_mask.astype(token.dtype), segment_ids), 1.0)
+        return jnp.where(loss_mask, segment_totals(token, segment_ids) / count, 0.0)
     count = jnp.maximum(jnp.sum(loss_mask, axis=-1, keepdims=True), 1).astype(token.dtype)
     return jnp.where(loss_mask, jnp.sum(token, axis=-1, keepdims=True) / count, 0.0)
 
 
 LOG_RATIOS = {"token": token_log_ratio, "sequence": sequence_log_ratio}
-"""``algo.ratio`` value -> ``(logprobs, anchor_logprobs, loss_mask) -> log-ratio [B, L]``."""
+"""``algo.ratio`` value -> ``(logprobs, anchor_logprobs, loss_mask, segment_ids=None) -> log-ratio [B, L]``."""
 
 
 def clipped_surrogate(ratio: jax.Array, advantages: jax.Array, params: AlgoParams) -> jax.Array:
@@ -95,6 +102,7 @@ def policy_loss(
     params: AlgoParams,
     entropy: Optional[jax.Array] = None,
     ref_logprobs: Optional[jax.Array] = None,
+    segment_ids: Optional[jax.Array] = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """This micro-batch's share of the mini-batch loss, and its diagnostics.
 
@@ -110,6 +118,8 @@ def policy_loss(
       params: static config.
       entropy: ``[B, L]`` token entropies of pi_theta; required when ``entropy_coef > 0``.
       ref_logprobs: ``[B, L]`` log pi_ref; required when ``kl_coef > 0``.
+      segment_ids: int32 ``[B, L]`` when the rows are packed (:mod:`asyncrl.rollout.packing`):
+        per-row quantities (GSPO's sequence ratio, ``seq-mean-token-mean``) are per segment.
 
     Returns ``(loss, diagnostics)``: scalars. Summed over the micro-batches of a mini-batch
     (``_max`` keys: maximum, see :func:`accumulate_diagnostics`) they give the mini-batch's
@@ -123,7 +133,7 @@ def policy_loss(
         advantages = advantages[:, None]
     advantages = jnp.broadcast_to(advantages, logprobs.shape).astype(logprobs.dtype)
     anchor = prox_logprobs if params.weighted else behavior_logprobs
-    log_ratio = LOG_RATIOS[params.ratio](logprobs, anchor, loss_mask)
+    log_ratio = LOG_RATIOS[params.ratio](logprobs, anchor, loss_mask, segment_ids)
     ratio = jnp.exp(jnp.clip(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
     pg = clipped_surrogate(ratio, advantages, params)
 
@@ -144,11 +154,11 @@ def policy_loss(
     if entropy is not None:
         extra_stats["entropy"] = entropy
     # One aggregation of the summed token loss (it is linear): one reduction to compile.
-    loss = aggregate(token_loss, loss_mask, denominators, params)
+    loss = aggregate(token_loss, loss_mask, denominators, params, segment_ids=segment_ids)
     diagnostics = policy_diagnostics(
         jax.lax.stop_gradient(ratio), advantages, jax.lax.stop_gradient(logprobs), prox_logprobs, behavior_logprobs,
         raw_w, applied_w, loss_mask, denominators, params, extra_stats=extra_stats, weight=weight, pg=pg, kl=kl,
-        entropy=entropy,
+        entropy=entropy, segment_ids=segment_ids,
     )
     return loss, diagnostics
 
@@ -170,6 +180,7 @@ def policy_diagnostics(
     pg: jax.Array,
     kl: jax.Array,
     entropy: Optional[jax.Array],
+    segment_ids: Optional[jax.Array] = None,
 ) -> dict[str, jax.Array]:
     """The diagnostics of :func:`policy_loss` (see there), no gradient.
 
@@ -202,6 +213,7 @@ def policy_diagnostics(
     terms["kl_loss"] = params.kl_coef * weight * kl
     terms["entropy_loss"] = -params.entropy_coef * entropy if entropy is not None and params.entropy_coef > 0 else jnp.zeros_like(pg)
     stacked_terms = jax.lax.stop_gradient(jnp.stack(list(terms.values())))
-    diagnostics.update(zip(terms, aggregate(stacked_terms, loss_mask[None], denominators, params, axis=(1, 2))))
+    diagnostics.update(zip(terms, aggregate(stacked_terms, loss_mask[None], denominators, params, axis=(1, 2),
+                                                  segment_ids=segment_ids)))
     diagnostics["behave_weight_max"] = jnp.max(jnp.where(loss_mask, raw_w, 0.0))
     return diagnostics

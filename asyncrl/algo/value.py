@@ -24,30 +24,41 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from asyncrl.algo.aggregation import Denominators, token_mean
+from asyncrl.algo.aggregation import Denominators, segment_totals, token_mean
 
 
-def last_token_mask(mask: jax.Array) -> jax.Array:
-    """bool ``[B, L]``: true at each row's last trained token (nowhere on a row without one)."""
+def last_token_mask(mask: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
+    """bool ``[B, L]``: true at each row's last trained token (nowhere on a row without one);
+    with ``segment_ids`` ``[B, L]`` (packed rows), at each segment's."""
     length = mask.shape[1]
-    position = jnp.arange(length, dtype=jnp.int32)[None, :]
+    position = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None, :], mask.shape)
+    if segment_ids is not None:
+        return mask & (position == segment_totals(jnp.where(mask, position, -1), segment_ids, jax.ops.segment_max))
     last = jnp.max(jnp.where(mask, position, -1), axis=1, keepdims=True)
     return mask & (position == last)
 
 
-def token_rewards(rewards: jax.Array, mask: jax.Array, kl: Optional[jax.Array] = None, kl_coef: float = 0.0) -> jax.Array:
+def token_rewards(rewards: jax.Array, mask: jax.Array, kl: Optional[jax.Array] = None, kl_coef: float = 0.0,
+                  segment_ids: Optional[jax.Array] = None) -> jax.Array:
     """``[B, L]`` r_t: the sequence reward ``rewards [B]`` on each row's last trained token, minus
     ``kl_coef * kl`` on every trained token (``kl [B, L]``: log pi_old - log pi_ref, Ouyang et al.'s
-    per-token KL penalty; None or ``kl_coef`` 0: none); 0 on untrained tokens."""
-    out = jnp.where(last_token_mask(mask), rewards.astype(jnp.float32)[:, None], 0.0)
+    per-token KL penalty; None or ``kl_coef`` 0: none); 0 on untrained tokens. Packed rows
+    (``segment_ids`` ``[B, L]``): ``rewards`` is ``[B, L]``, each token's own row's, and lands on each
+    segment's last trained token."""
+    if segment_ids is not None:
+        out = jnp.where(last_token_mask(mask, segment_ids), rewards.astype(jnp.float32), 0.0)
+    else:
+        out = jnp.where(last_token_mask(mask), rewards.astype(jnp.float32)[:, None], 0.0)
     if kl is not None and kl_coef > 0:
         out = out - kl_coef * jnp.where(mask, kl.astype(jnp.float32), 0.0)
     return out
 
 
 @functools.partial(jax.jit, static_argnames=("gamma", "lam"))
-def gae(token_reward: jax.Array, values: jax.Array, mask: jax.Array, gamma: float, lam: float) -> tuple[jax.Array, jax.Array]:
-    """``(advantages, returns)`` ``[B, L]``, 0 on untrained tokens.
+def gae(token_reward: jax.Array, values: jax.Array, mask: jax.Array, gamma: float, lam: float,
+        segment_ids: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+    """``(advantages, returns)`` ``[B, L]``, 0 on untrained tokens. Packed rows (``segment_ids``
+    ``[B, L]``): each segment is an episode of its own (the recursion restarts at its last trained token).
 
     Over the trained tokens t_1 < t_2 < ... < t_n of a row (V(t_{n+1}) = 0)::
 
@@ -59,17 +70,20 @@ def gae(token_reward: jax.Array, values: jax.Array, mask: jax.Array, gamma: floa
     """
     values = jnp.where(mask, values.astype(jnp.float32), 0.0)
     token_reward = token_reward.astype(jnp.float32)
+    # Where an episode ends, V(t_{n+1}) = A_{n+1} = 0 (unpacked the carry is 0 there already).
+    ends = jnp.zeros_like(mask) if segment_ids is None else last_token_mask(mask, segment_ids)
 
     def back(carry, x):
         next_value, next_advantage = carry
-        r, v, m = x
+        r, v, m, end = x
+        next_value, next_advantage = jnp.where(end, 0.0, next_value), jnp.where(end, 0.0, next_advantage)
         advantage = r + gamma * next_value - v + gamma * lam * next_advantage
         carry = (jnp.where(m, v, next_value), jnp.where(m, advantage, next_advantage))
         return carry, jnp.where(m, advantage, 0.0)
 
     rows = mask.shape[0]
     zeros = jnp.zeros((rows,), jnp.float32)
-    _, advantages = jax.lax.scan(back, (zeros, zeros), (token_reward.T, values.T, mask.T), reverse=True)
+    _, advantages = jax.lax.scan(back, (zeros, zeros), (token_reward.T, values.T, mask.T, ends.T), reverse=True)
     advantages = advantages.T
     return advantages, jnp.where(mask, advantages + values, 0.0)
 

@@ -161,6 +161,8 @@ class RolloutConfig(Section):
     """Decoding of training rollouts: ``strategy`` must be ``sample`` (greedy and beam completions are not samples of the policy); ``constraint`` restricts completions to a trie (docs/decoding.md)."""
     length_bucket: int = Field(default=64, ge=1)
     """Batch length ``L`` is the longest sequence rounded up to a multiple of this (fewer recompilations)."""
+    pack: bool = False
+    """Sequence packing in the trainer: each step's rows are packed first-fit-decreasing into as few rows of length ``L`` as hold them, attention and positions kept within each original row (segment ids), so padding costs no FLOPs; losses, gradients and every aggregation equal the unpacked step's (float32 rounding), each mini-batch packed from exactly its own rows (docs/performance.md "Sequence packing"). RL and SFT, with micro- and mini-batches and LoRA (with LoRA dropout the dropped positions are another draw), multi-process data splits (each process packs its own rows), the critic of ``algo.estimator: gae`` (GAE per segment) and reward-model scoring (sequences packed into each scoring batch). A packed row is scored whole (the lm-head window of unpacked batches is off). The packed row count is rounded up to 1/8 of the unpacked rows, so a run compiles at most 8 packed steps per batch shape."""
     max_seq_len: Optional[int] = Field(default=None, ge=2)
     """Cap on ``L``; a longer trajectory drops its group (``dropped:too_long``). Default: ``data.max_prompt_tokens + rollout.max_new_tokens``, room for one turn: a multi-turn workflow sets it to its whole episode's length (every turn, tool output and prompt)."""
     filter_zero_variance: bool = False

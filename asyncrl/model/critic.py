@@ -135,19 +135,25 @@ def critic_shardings(cfg: DecoderConfig, params: dict, mesh: Any) -> dict:
 
 def per_token_values(graphdef: Any, decoder_params: Any, value_head: dict, input_ids: jax.Array,
                      attention_mask: jax.Array, *, window: Optional[int] = None,
-                     window_start: Optional[jax.Array] = None) -> jax.Array:
+                     window_start: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None) -> jax.Array:
     """float32 ``[B, L]`` (or ``[B, W]`` with a window, positions as in
     :func:`~asyncrl.model.logprobs.per_token_logprobs`) values V(state before token t); 0 where
-    token t has no context or is padding. Traceable and differentiable."""
+    token t has no context or is padding (packed rows, ``segment_ids`` ``[B, L]``: or is its
+    segment's first). Traceable and differentiable."""
     from flax import nnx
 
     from asyncrl.model.logprobs import take_window
 
     model = nnx.merge(graphdef, decoder_params)
     attention_mask = attention_mask.astype(bool)
-    hidden, _ = model.hidden_states(input_ids, None, attention_mask)  # [B, L, H]
+    if segment_ids is None:
+        hidden, _ = model.hidden_states(input_ids, None, attention_mask)  # [B, L, H]
+    else:
+        hidden, _ = model.hidden_states(input_ids, None, attention_mask, segment_ids=segment_ids)
     b, length, _ = hidden.shape
     scored = jnp.concatenate([jnp.zeros((b, 1), bool), attention_mask[:, 1:] & attention_mask[:, :-1]], axis=1)
+    if segment_ids is not None:
+        scored = scored & jnp.concatenate([jnp.zeros((b, 1), bool), segment_ids[:, 1:] == segment_ids[:, :-1]], axis=1)
     context = jnp.concatenate([hidden[:, :1], hidden[:, :-1]], axis=1)  # hidden of position t - 1
     if window is not None:
         if window_start is None:

@@ -184,6 +184,7 @@ def per_token_logprobs(
     with_entropy: bool = True,
     allowed: Optional[jax.Array] = None,
     with_router: bool = False,
+    segment_ids: Optional[jax.Array] = None,
 ) -> Any:
     """``(logprobs, entropy)`` float32, ``[B, L]`` aligned with ``input_ids`` (or ``[B, W]`` with a window).
 
@@ -196,8 +197,11 @@ def per_token_logprobs(
     docstring). ``with_entropy=False``: entropy is None and not computed. ``allowed`` int32
     ``[B, L, K]`` (optional, aligned with ``input_ids``): the tokens a trie constraint allowed
     for each token, ``-1`` padding; constrained tokens are scored under the masked distribution
-    (:func:`token_logprobs_from_logits`; built by :func:`asyncrl.engine.constraints.allowed_tokens`). Traceable and
-    differentiable: call it inside your jitted loss, or use :data:`per_token_logprobs_jit`.
+    (:func:`token_logprobs_from_logits`; built by :func:`asyncrl.engine.constraints.allowed_tokens`).
+    ``segment_ids`` int32 ``[B, L]`` (packed rows, 0 = padding; docs/performance.md "Sequence
+    packing"): each segment is scored as if it were a row of its own: attention and positions stay
+    within it and its first token gets 0, like ``t = 0``. Traceable and differentiable: call it
+    inside your jitted loss, or use :data:`per_token_logprobs_jit`.
     ``with_router=True`` (mixture-of-experts models): a third output, the router logits of every
     MoE layer (float32 ``[B * L, experts]`` each, :func:`asyncrl.model.moe.hidden_states_with_router`).
     """
@@ -207,12 +211,15 @@ def per_token_logprobs(
     if with_router:
         from asyncrl.model.moe import hidden_states_with_router
 
-        hidden, router = hidden_states_with_router(model, input_ids, positions, attention_mask)
+        hidden, router = hidden_states_with_router(model, input_ids, positions, attention_mask, segment_ids)
     else:
-        hidden, _ = model.hidden_states(input_ids, positions, attention_mask)  # [B, L, H]
+        hidden, _ = model.hidden_states(input_ids, positions, attention_mask, segment_ids=segment_ids)  # [B, L, H]
     b, length, _ = hidden.shape
-    # scored[b, t]: token t and its context t-1 are real (t >= 1); position t-1's logits score token t.
+    # scored[b, t]: token t and its context t-1 are real (t >= 1) and, packed, of one segment;
+    # position t-1's logits score token t.
     scored = jnp.concatenate([jnp.zeros((b, 1), bool), attention_mask[:, 1:] & attention_mask[:, :-1]], axis=1)
+    if segment_ids is not None:
+        scored = scored & jnp.concatenate([jnp.zeros((b, 1), bool), segment_ids[:, 1:] == segment_ids[:, :-1]], axis=1)
     context = jnp.concatenate([hidden[:, :1], hidden[:, :-1]], axis=1)  # [B, L, H]: hidden of position t-1
     targets = input_ids
     if window is not None:

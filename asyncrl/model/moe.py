@@ -169,13 +169,14 @@ class SparseMoeBlock(nnx.Module):
 
 
 def hidden_states_with_router(model: nnx.Module, input_ids: jax.Array, positions: Any = None,
-                              attention_mask: Any = None) -> tuple[jax.Array, list[jax.Array]]:
+                              attention_mask: Any = None, segment_ids: Any = None) -> tuple[jax.Array, list[jax.Array]]:
     """``model.hidden_states`` (no cache) under ``nnx.capture``: the final hidden states and the
     router logits of every MoE layer, float32 ``[tokens, E]`` each, in layer order (empty for a
     dense model)."""
     # Unrolled: what a layer sows inside scanned_layers' lax.scan body would not reach the capture.
-    capture = nnx.capture(lambda m: m.hidden_states(input_ids, positions, attention_mask, unrolled=True)[0],
-                          nnx.Intermediate)
+    capture = nnx.capture(
+        lambda m: m.hidden_states(input_ids, positions, attention_mask, segment_ids=segment_ids, unrolled=True)[0],
+        nnx.Intermediate)
     hidden, state = capture(model)
     found = []
     for path, value in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:

@@ -442,23 +442,31 @@ class Decoder(nnx.Module):
         positions: Optional[jax.Array] = None,
         attention_mask: Optional[jax.Array] = None,
         kv_cache: Optional[KVCache] = None,
+        segment_ids: Optional[jax.Array] = None,
         *,
         unrolled: bool = False,
     ) -> tuple[jax.Array, Optional[KVCache]]:
         """Final-norm hidden states [B, T, hidden] (compute dtype) and the updated cache.
-        ``unrolled``: never :func:`scanned_layers` (for callers that capture what layers sow:
-        a ``lax.scan`` body's intermediates do not reach the caller)."""
+
+        ``segment_ids`` int32 [B, T] (packed rows, no cache; 0 = padding): attention stays within
+        a segment and positions restart at 0 in each (:func:`segment_positions`). ``unrolled``:
+        never :func:`scanned_layers` (for callers that capture what layers sow: a ``lax.scan``
+        body's intermediates do not reach the caller)."""
         cfg = self.cfg
         b, t = input_ids.shape
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), bool)
         attention_mask = attention_mask.astype(bool)
         running = jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1
+        if segment_ids is not None and kv_cache is not None:
+            raise ValueError("Decoder.hidden_states: segment_ids (packed rows) are for cache-free forwards only")
         if kv_cache is None:
             if positions is None:
-                positions = jnp.maximum(running, 0)
+                positions = jnp.maximum(running, 0) if segment_ids is None else segment_positions(segment_ids)
             causal = jnp.tril(jnp.ones((t, t), bool))
             mask = causal[None] & attention_mask[:, None, :]
+            if segment_ids is not None:
+                mask = mask & same_segment(segment_ids)
             write_idx = None
         else:
             if positions is None:
@@ -501,6 +509,22 @@ class Decoder(nnx.Module):
     def __call__(self, input_ids, positions=None, attention_mask=None, kv_cache=None):
         hidden, new_cache = self.hidden_states(input_ids, positions, attention_mask, kv_cache)
         return self.logits(hidden), new_cache
+
+
+def same_segment(segment_ids: jax.Array) -> jax.Array:
+    """bool [B, T, T]: query t and key s lie in the same packed segment (both non-padding).
+    The packing term of the attention mask, kept apart from the causal and padding terms."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """int32 [B, T]: each token's offset from the first token of its segment (rotary positions of
+    a packed row restart at 0 in every segment, as each sequence had alone); 0 on padding."""
+    t = segment_ids.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], segment_ids.shape)
+    previous = jnp.concatenate([jnp.zeros_like(segment_ids[:, :1]), segment_ids[:, :-1]], axis=1)
+    starts = jnp.where(segment_ids != previous, idx, 0)
+    return jnp.where(segment_ids > 0, idx - jax.lax.cummax(starts, axis=1), 0).astype(jnp.int32)
 
 
 def init_decoder(cfg: DecoderConfig, seed: int = 0) -> Decoder:

@@ -155,7 +155,8 @@ def _load(cfg: Any, tokenizer: Any, where: str, path: str, devices: Optional[str
     _render_choice(model.tokenizer, tokenizer, chat_template, where, path)  # its errors before anything is placed
     buckets = sorted({b for b in DEFAULT_LENGTH_BUCKETS if b < max_tokens} | {max_tokens})
     scorer = RewardModelScorer(model, devices=_devices(cfg, devices, where), batch_size=batch_size,
-                               length_buckets=buckets, name=f"{where} (reward_model {path})")
+                               length_buckets=buckets, name=f"{where} (reward_model {path})",
+                               pack=bool(cfg is not None and cfg.rollout.pack))
     try:
         scorer.warm_up()  # compiles now, and a device that cannot hold it fails before step 1
     except Exception as err:

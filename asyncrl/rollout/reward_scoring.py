@@ -64,10 +64,13 @@ class RewardModelScorer:
         batch_size: most sequences per device call; rounded up to a multiple of the devices.
         length_buckets: padded sequence lengths; a longer sequence is an error of its request.
         name: names the thread and the errors (e.g. ``rewards.0 (reward_model)``).
+        pack: pack each batch's sequences first-fit decreasing into as few rows of its length bucket
+            as hold them (``rollout.pack``; :func:`~asyncrl.model.reward_model.packed_reward_scores`):
+            the same scores, fewer padded positions.
     """
 
     def __init__(self, model: Any, *, devices: Optional[Sequence[Any]] = None, batch_size: int = 64,
-                 length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS, name: str = "reward_model"):
+                 length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS, name: str = "reward_model", pack: bool = False):
         import jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -77,6 +80,7 @@ class RewardModelScorer:
             raise ValueError(f"{name}: length_buckets need at least one entry, all >= 1 (given {list(length_buckets)})")
         self.name = name
         self.model = model
+        self.pack = pack
         self.devices = tuple(devices) if devices else (jax.local_devices()[0],)
         count = len(self.devices)
         self.batch_size = -(-batch_size // count) * count
@@ -192,16 +196,19 @@ class RewardModelScorer:
         longest = max(r.token_ids.size for r in batch)
         length = next(b for b in self.length_buckets if b >= longest)
         rows = next(b for b in self.row_buckets if b >= len(batch))
-        ids = np.zeros((rows, length), np.int32)
-        mask = np.zeros((rows, length), bool)
-        for row, request in enumerate(batch):
-            ids[row, : request.token_ids.size] = request.token_ids
-            mask[row, : request.token_ids.size] = True
         start = time.perf_counter()
         try:
-            ids_on, mask_on = jax.device_put((ids, mask), self._rows_sharding)
-            scores = np.asarray(jax.device_get(reward_scores_jit(
-                self.model.graphdef, self._params, self._score_weight, ids_on, mask_on, self._pad_id)))
+            if self.pack:
+                scores = self._run_packed(batch, length, rows)
+            else:
+                ids = np.zeros((rows, length), np.int32)
+                mask = np.zeros((rows, length), bool)
+                for row, request in enumerate(batch):
+                    ids[row, : request.token_ids.size] = request.token_ids
+                    mask[row, : request.token_ids.size] = True
+                ids_on, mask_on = jax.device_put((ids, mask), self._rows_sharding)
+                scores = np.asarray(jax.device_get(reward_scores_jit(
+                    self.model.graphdef, self._params, self._score_weight, ids_on, mask_on, self._pad_id)))
         except Exception as err:  # noqa: BLE001 - every request of the batch gets the cause
             error = RolloutError(f"{self.name}: scoring a batch of {len(batch)} failed: {type(err).__name__}: {err}")
             log.debug("%s: scoring failed\n%s", self.name, traceback.format_exc())
@@ -214,6 +221,34 @@ class RewardModelScorer:
             self.device_seconds += time.perf_counter() - start
         for row, request in enumerate(batch):
             request.future.set_result(float(scores[row]))
+
+    def _run_packed(self, batch: list[_Request], length: int, rows: int) -> np.ndarray:
+        """float32 [rows] scores of ``batch`` packed into the fewest rows of ``length`` (a row
+        bucket); request n's score is entry n. Each sequence is scored where unpacked it would be:
+        its rightmost token that is not the pad id (its first when all are)."""
+        import jax
+
+        from asyncrl.model.reward_model import NO_PAD_ID, packed_reward_scores_jit
+        from asyncrl.rollout.packing import first_fit_decreasing
+
+        bins = first_fit_decreasing([r.token_ids.size for r in batch], length)
+        packed_rows = next(b for b in self.row_buckets if b >= len(bins))
+        ids = np.zeros((packed_rows, length), np.int32)
+        segments = np.zeros((packed_rows, length), np.int32)
+        score_row = np.zeros(rows, np.int32)  # padding entries score row 0, position 0: unread
+        score_at = np.zeros(rows, np.int32)
+        for p, members in enumerate(bins):
+            at = 0
+            for segment, n in enumerate(members, start=1):
+                tokens = batch[n].token_ids
+                ids[p, at:at + tokens.size] = tokens
+                segments[p, at:at + tokens.size] = segment
+                counted = np.nonzero(tokens != self._pad_id)[0] if self._pad_id != NO_PAD_ID else np.arange(tokens.size)
+                score_row[n], score_at[n] = p, at + (int(counted[-1]) if counted.size else 0)
+                at += tokens.size
+        ids_on, segments_on = jax.device_put((ids, segments), self._rows_sharding)
+        return np.asarray(jax.device_get(packed_reward_scores_jit(
+            self.model.graphdef, self._params, self._score_weight, ids_on, segments_on, score_row, score_at)))
 
     def _fail_waiting(self, error: Exception) -> None:
         while True:

@@ -266,14 +266,16 @@ def params_per_device(model_cfg: Any, params: dict, mesh: Any, lora: Any = None)
 def batch_shape(cfg: Config, sft: bool) -> tuple[int, int, int]:
     """``(rows, L, W)`` of a trainer step: rows (padded to the mesh later), the batch length (the
     longest allowed sequence rounded up to ``rollout.length_bucket``), and the trained window
-    (the completion, rounded the same way)."""
+    (the completion, rounded the same way). With ``rollout.pack`` the rows are the worst case's
+    (every sequence of length ``L`` fills a packed row of its own) and the window is ``L``: a
+    packed row is scored whole (:mod:`asyncrl.trainer.packed`)."""
     bucket = cfg.rollout.length_bucket
     round_up = lambda n: -(-n // bucket) * bucket  # noqa: E731
     length = round_up(cfg.max_seq_len)
     if sft:
         return cfg.sft.batch_size, length, length
     rows = cfg.rollout.batch_size * cfg.rollout.group_size
-    return rows, length, min(length, round_up(cfg.rollout.max_new_tokens))
+    return rows, length, length if cfg.rollout.pack else min(length, round_up(cfg.rollout.max_new_tokens))
 
 
 def layer_share(model_cfg: Any) -> float:
@@ -394,7 +396,10 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     add("trainer", "activations", layers,
         f"{local_rows} rows x {length} tokens per micro-batch ({micro} micro-batches), {remat}, {model_cfg.compute_dtype}")
     add("trainer", "lm head", head, f"window {window}, " + (f"chunks of {chunk}" if chunk else "unchunked"))
-    add("trainer", "batch", rows // shards * length * 14, "token arrays of the step")
+    # ids, 2 masks, log-probs, (versions); packed also segment_ids, row_rewards, row_group_index, row_truncated.
+    token_bytes = 14 + (13 if cfg.rollout.pack else 0)
+    add("trainer", "batch", rows // shards * length * token_bytes,
+        "token arrays of the step" + (", packed (rollout.pack: worst case, no row saved)" if cfg.rollout.pack else ""))
     if model_cfg.scan_layers:  # scanned_layers stacks the layers' variables, and the backward their gradients
         share = layer_share(model_cfg)
         add("trainer", "stacked layers", int(base * share) * p_bytes + int(trained * share) * 4,
@@ -682,6 +687,12 @@ def compiled_train_step(cfg: Config, model_cfg: Any, layout: Layout, sft: bool =
               "loss_mask": ((rows, length), np.bool_), "behavior_logprobs": ((rows, length), np.float32),
               "rewards": ((rows,), np.float32), "group_index": ((rows,), np.int32), "truncated": ((rows,), np.bool_)}
     batch = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=row_sharding(len(shape))) for name, (shape, dtype) in fields.items()}
+    if cfg.rollout.pack:  # asyncrl.trainer.packed: token arrays only (segments, the row facts at first tokens)
+        for name, dtype in (("segment_ids", np.int32), ("row_rewards", np.float32), ("row_group_index", np.int32),
+                            ("row_truncated", np.bool_)):
+            batch[name] = jax.ShapeDtypeStruct((rows, length), dtype, sharding=row_sharding(2))
+        for name in ("rewards", "group_index", "truncated"):
+            del batch[name]
     ref = params if (algo is not None and algo.needs_reference) else None
     lowered = train_step.lower(HashedGraphDef(graphdef), params, opt_state, ref, batch, np.float32(1.0), None, None,
                                algo=algo, optim=optim, spec=spec, window=None if window == length else window)

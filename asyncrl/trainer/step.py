@@ -64,6 +64,7 @@ from asyncrl.algo import (
     compute_advantages,
     gae,
     masked_whiten,
+    packed_denominators,
     policy_loss,
     shaped_rewards,
     token_mean,
@@ -78,6 +79,7 @@ from asyncrl.model.critic import critic_shardings, per_token_values
 from asyncrl.model.logprobs import per_token_logprobs, take_window, window_starts
 from asyncrl.model.sharding import param_shardings
 from asyncrl.trainer.optim import OptimParams, build_optimizer, dotted_path, learning_rate_schedule, update_count
+from asyncrl.trainer.packed import packed_shaped_rewards, packed_targets
 
 _TRACE_COUNT = [0]
 """Traces of the train step in this process (:func:`compile_count`)."""
@@ -261,29 +263,31 @@ def batch_logprobs(forward: Callable, weights: Any, chunks: dict[str, jax.Array]
     """``[M, U, S * b, W]`` log-probs (``W`` the step's window) of every chunk under ``weights``, no gradient (pi_prox or
     pi_ref). One micro-batch at a time (``lax.map``): the memory of one forward, like training."""
     m_count, u_count = chunks["input_ids"].shape[:2]
-    flat = lambda x: x.reshape(m_count * u_count, *x.shape[2:])
-    one = lambda a: forward(weights, a[0], a[1], a[2], with_entropy=False, nodes=a[3])[0]
-    nodes = chunks.get("constraint_nodes")
+    flat = lambda x: None if x is None else x.reshape(m_count * u_count, *x.shape[2:])
+    one = lambda a: forward(weights, a[0], a[1], a[2], with_entropy=False, nodes=a[3], segments=a[4])[0]
     out = jax.lax.map(one, (flat(chunks["input_ids"]), flat(chunks["attention_mask"]), flat(chunks["window_start"]),
-                            None if nodes is None else flat(nodes)))
+                            flat(chunks.get("constraint_nodes")), flat(chunks.get("segment_ids"))))
     return jax.lax.stop_gradient(out.reshape(m_count, u_count, *out.shape[1:]))
 
 
 def critic_targets(chunks: dict[str, jax.Array], rewards: jax.Array, old_values: jax.Array,
                    algo: AlgoParams) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
     """GAE on the chunked batch: ``{advantages, returns, old_values}`` ``[M, U, S * b, W]`` and the
-    whole-batch value statistics. ``rewards`` ``[M, U, S * b]`` shaped sequence rewards,
-    ``old_values`` the critic's values at the step's start. GAE runs per row, so the chunk layout
-    does not matter; the advantages are whitened over every trained token of the batch."""
+    whole-batch value statistics. ``rewards`` ``[M, U, S * b]`` shaped sequence rewards (packed:
+    ``[M, U, S * b, L]``, each token's row's), ``old_values`` the critic's values at the step's start.
+    GAE runs per row (packed: per segment), so the chunk layout does not matter; the advantages
+    are whitened over every trained token of the batch."""
     shape = chunks["mask"].shape
     flat = lambda x: x.reshape(-1, shape[-1])
     mask = flat(chunks["mask"])
+    segments = flat(chunks["segment_ids"]) if "segment_ids" in chunks else None
     kl = None
     if algo.reward_kl_coef > 0:  # log pi_old - log pi_ref (pi_old: pi_prox, or the behaviour policy)
         kl = flat(chunks["prox_logprobs"]) - flat(chunks["ref_logprobs"])
-    reward = token_rewards(rewards.reshape(-1), mask, kl, algo.reward_kl_coef)
+    reward = token_rewards(rewards.reshape(-1) if segments is None else flat(rewards), mask, kl, algo.reward_kl_coef,
+                           segment_ids=segments)
     values = flat(old_values)
-    advantages, returns = gae(reward, values, mask, gamma=algo.gamma, lam=algo.lam)
+    advantages, returns = gae(reward, values, mask, gamma=algo.gamma, lam=algo.lam, segment_ids=segments)
     stats = value_statistics(values, returns, mask)
     out = {"advantages": masked_whiten(advantages, mask), "returns": returns, "old_values": jnp.where(mask, values, 0.0)}
     return {k: v.reshape(shape) for k, v in out.items()}, stats
@@ -293,7 +297,7 @@ def critic_micro_loss(theta: Any, x: dict[str, jax.Array], denominators: Any, ke
                       forward: Callable, critic: CriticSpec) -> tuple[jax.Array, dict]:
     """One micro-batch's share of its mini-batch's value loss (times ``critic.loss_coef``),
     differentiated in the critic's ``theta``; chunks as in :func:`micro_loss`."""
-    values = forward(theta, x["input_ids"], x["attention_mask"], x["window_start"], key)
+    values = forward(theta, x["input_ids"], x["attention_mask"], x["window_start"], key, segments=x.get("segment_ids"))
     loss, diagnostics = value_loss(values, x["old_values"], x["returns"], x["mask"], denominators, critic.value_clip)
     return critic.loss_coef * loss, diagnostics
 
@@ -306,37 +310,45 @@ def micro_loss(theta: Any, x: dict[str, jax.Array], denominators: Any, key: Opti
     ``input_ids`` / ``attention_mask`` are ``[S * b, W]`` windows (``window_start``).
     ``router_top_k`` (a mixture-of-experts policy's top-k, 0 otherwise): add the router terms
     (:func:`router_terms`)."""
+    segments = x.get("segment_ids")  # packed rows: [S * b, L]
     router = {"with_router": True} if router_top_k else {}
     outputs = forward(theta, x["input_ids"], x["attention_mask"], x["window_start"], key,
-                      nodes=x.get("constraint_nodes"), **router)
+                      nodes=x.get("constraint_nodes"), segments=segments, **router)
     logprobs, entropy = outputs[:2]
     if algo is None:
         loss, diagnostics = sft_loss(logprobs, entropy, x["mask"], denominators)
     else:
         loss, diagnostics = policy_loss(
             logprobs, x["prox_logprobs"], x["behavior_logprobs"], x["advantages"], x["mask"], denominators, algo,
-            entropy=entropy, ref_logprobs=x.get("ref_logprobs"),
+            entropy=entropy, ref_logprobs=x.get("ref_logprobs"), segment_ids=segments,
         )
     if not router_top_k:
         return loss, diagnostics
     coef = 0.0 if algo is None else algo.router_aux_loss_coef
-    aux_share, stats = router_terms(outputs[2], x["attention_mask"], x["real"], denominators, router_top_k)
+    aux_share, stats = router_terms(outputs[2], x["attention_mask"], x["real"], denominators, router_top_k, segments)
     return loss + coef * aux_share, dict(diagnostics, **stats)
 
 
 def router_terms(router_logits: list[jax.Array], attention_mask: jax.Array, real: jax.Array, denominators: Any,
-                 top_k: int) -> tuple[jax.Array, dict]:
+                 top_k: int, segment_ids: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
     """A mixture-of-experts micro-batch's load-balancing loss, as its share of the mini-batch's
     (weighted by its real rows, like a row mean), and its routing statistics: ``router_aux_loss``
     (logged ``loss/router_aux``) and ``expert_load_max`` (``train/expert_load_max``, maximised over
     micro-batches; :func:`asyncrl.model.moe.expert_load_max`). ``router_logits`` float32
     ``[rows * L, E]`` per MoE layer; ``attention_mask`` ``[rows, L]`` and ``real`` ``[rows]`` pick
-    the real tokens. The experts drop no token (no capacity limit), so there is no drop count."""
+    the real tokens. Packed (``segment_ids [rows, L]``), the micro-batch's rows are its segments:
+    the loss is over the same tokens, grouped into micro-batches as packing groups them. The
+    experts drop no token (no capacity limit), so there is no drop count."""
     from asyncrl.model.moe import expert_load_max, load_balancing_loss
 
     tokens = (attention_mask & real[:, None]).reshape(-1)  # [rows * L]
     aux = load_balancing_loss(router_logits, top_k, tokens)
-    share = aux * jnp.sum(real).astype(jnp.float32) / jnp.maximum(denominators.rows, 1.0)
+    if segment_ids is None:
+        rows_here = jnp.sum(real).astype(jnp.float32)
+    else:  # a segment starts where the id changes to a non-zero one
+        previous = jnp.concatenate([jnp.zeros_like(segment_ids[:, :1]), segment_ids[:, :-1]], axis=1)
+        rows_here = jnp.sum((segment_ids > 0) & (segment_ids != previous)).astype(jnp.float32)
+    share = aux * rows_here / jnp.maximum(denominators.rows, 1.0)
     stats = {"router_aux_loss": share, "expert_load_max": expert_load_max(router_logits, top_k, tokens)}
     return share, jax.tree.map(jax.lax.stop_gradient, stats)
 
@@ -347,8 +359,11 @@ def accumulate_gradients(grad_fn: Callable, theta: Any, mini: dict[str, jax.Arra
     over its micro-batches in float32 (each micro-batch's loss is its share of the mini-batch
     loss, so the sum is the mini-batch's; ``_max`` diagnostics take the maximum)."""
     length = mini["mask"].shape[-1]
-    # Over the whole mini-batch, passed to every micro-batch.
-    denominators = aggregation_denominators(mini["mask"].reshape(-1, length), mini["real"].reshape(-1))
+    # Over the whole mini-batch, passed to every micro-batch (packed: counted over its segments).
+    if "segment_ids" in mini:
+        denominators = packed_denominators(mini["mask"].reshape(-1, length), mini["segment_ids"].reshape(-1, length))
+    else:
+        denominators = aggregation_denominators(mini["mask"].reshape(-1, length), mini["real"].reshape(-1))
     micro_key = lambda j: None if update_key is None else jax.random.fold_in(update_key, j)
     first = jax.tree.map(lambda x: x[0], mini)
     (_, diag_shape), _ = jax.eval_shape(grad_fn, theta, first, denominators, micro_key(0))
@@ -518,19 +533,22 @@ def _train_step_impl(
 
     # The policy's forward at this step's temperature, over the window:
     # (theta, ids, attention, starts, key) -> (logprobs, entropy) [b, W].
-    def forward(theta, input_ids, attention_mask, starts, key=None, with_entropy=spec.entropy, nodes=None,
+    def forward(theta, input_ids, attention_mask, starts, key=None, with_entropy=spec.entropy, nodes=None, segments=None,
                 with_router=False):
         weights = lora_weights(frozen, spec.lora_dropout, theta, key)
         allowed = None if trie is None or nodes is None else allowed_tokens(jnp, trie, nodes, spec.trie_branch)
         return per_token_logprobs(graphdef, weights, input_ids, attention_mask, temperature, with_entropy=with_entropy,
                                   window=None if window == length else window, window_start=starts, allowed=allowed,
-                                  with_router=with_router)
+                                  segment_ids=segments, with_router=with_router)
 
     # 1. Whole-batch quantities, token ones cut to the window, then the batch cut into
     # [M, U, S * b, ...] chunks.
+    packed = "segment_ids" in batch  # rows packed (asyncrl.rollout.packing): whole rows, no window
+    if packed and window != length:
+        raise ValueError("train_step: a packed batch is scored over whole rows (window None)")
     starts = window_starts(batch["loss_mask"], window)
     cut = (lambda x: x) if window == length else (lambda x: take_window(x, starts, window))
-    mask, advantages = batch_targets(batch, algo, sft)
+    mask, advantages = packed_targets(batch, algo, sft) if packed else batch_targets(batch, algo, sft)
     if window < length:  # positions past L (only when window > the row's room) are never trained
         mask = take_window(mask, starts, window) & ((starts[:, None] + jnp.arange(window)[None, :]) < length)
         advantages = cut(advantages) if advantages.ndim == 2 else advantages
@@ -541,8 +559,11 @@ def _train_step_impl(
         "mask": to_chunks(mask, spec),
         "behavior_logprobs": to_chunks(cut(batch["behavior_logprobs"].astype(jnp.float32)), spec),
         "advantages": to_chunks(advantages, spec),
-        "real": to_chunks(batch["group_index"] >= 0, spec),
+        # Packed: a packed row is real if it holds a segment (its rows are counted by packed_denominators).
+        "real": to_chunks(jnp.any(batch["segment_ids"] > 0, axis=1) if packed else batch["group_index"] >= 0, spec),
     }
+    if packed:
+        chunks["segment_ids"] = to_chunks(batch["segment_ids"], spec)
     if trie is not None and "constraint_nodes" in batch:  # whole rows, like input_ids (forward cuts the window)
         chunks["constraint_nodes"] = to_chunks(batch["constraint_nodes"], spec)
 
@@ -561,13 +582,18 @@ def _train_step_impl(
         assert algo is not None and critic_params is not None
         c_graphdef = critic.graphdef.graphdef if isinstance(critic.graphdef, HashedGraphDef) else critic.graphdef
 
-        def values_forward(c_theta, input_ids, attention_mask, starts, key=None, with_entropy=False):
+        def values_forward(c_theta, input_ids, attention_mask, starts, key=None, with_entropy=False, segments=None):
             decoder = lora_weights(critic_frozen, critic.lora_dropout, c_theta["decoder"], key)
             return per_token_values(c_graphdef, decoder, c_theta["value_head"], input_ids, attention_mask,
-                                    window=None if window == length else window, window_start=starts)
+                                    window=None if window == length else window, window_start=starts, segment_ids=segments)
 
-        old_values = batch_logprobs(lambda w, i, a, st, with_entropy, nodes=None: (values_forward(w, i, a, st),), critic_params, chunks)
-        rewards = shaped_rewards(batch["rewards"], jnp.sum(batch["loss_mask"], axis=-1), algo)
+        old_values = batch_logprobs(
+            lambda w, i, a, st, with_entropy, nodes=None, segments=None: (values_forward(w, i, a, st, segments=segments),),
+            critic_params, chunks)
+        if packed:
+            rewards = packed_shaped_rewards(batch, algo)  # [P, L]
+        else:
+            rewards = shaped_rewards(batch["rewards"], jnp.sum(batch["loss_mask"], axis=-1), algo)
         targets, value_stats = critic_targets(chunks, to_chunks(rewards, spec), old_values, algo)
         chunks.update(targets)
         c_p_shardings = critic_shardings(critic.model_cfg, critic_params, spec.mesh)

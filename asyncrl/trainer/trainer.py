@@ -23,6 +23,7 @@ from asyncrl.errors import TrainerError
 from asyncrl.model.sharding import param_shardings
 from asyncrl.pytree import TreeError, fill, keyed_leaves, to_host, tree_to_host
 from asyncrl.trainer.optim import OptimParams, update_count
+from asyncrl.trainer.packed import packed_fields
 from asyncrl.trainer.precompile import Precompile, abstract_batch
 from asyncrl.trainer.step import (
     CriticSpec,
@@ -191,6 +192,9 @@ class Trainer:
         stage of a multi-stage run starts at the steps its predecessors completed."""
         self.skipped_updates_total = 0
         self.consecutive_nonfinite = 0
+        self.pack = bool(cfg.rollout.pack)
+        """Pack each step's rows (``rollout.pack``, :mod:`asyncrl.trainer.packed`); evaluation
+        (:meth:`nll`, :meth:`logprobs`) stays unpacked (the same numbers)."""
         self.precompile: Optional[Precompile] = None
         """The first step's background compile (:meth:`start_precompile`), until that step settles it."""
         self.precompile_hit: Optional[bool] = None
@@ -304,10 +308,11 @@ class Trainer:
         """This process's rows must be a multiple of this (``prepare_batch(row_multiple=...)``)."""
         return local_row_shards(self.mesh) * self.spec.mini_batches * self.spec.micro_batches
 
-    def _device_batch(self, batch: Any) -> tuple[dict[str, jax.Array], float, int]:
+    def _device_batch(self, batch: Any, pack: bool = False) -> tuple[dict[str, jax.Array], float, Optional[int]]:
         """Check the batch, permute its rows into device order and place them on the mesh.
         Returns ``(arrays, temperature, window)``: ``window`` the step's static lm-head window
-        (:func:`~asyncrl.trainer.step.loss_window`)."""
+        (:func:`~asyncrl.trainer.step.loss_window`). ``pack``: its real rows packed first
+        (:mod:`asyncrl.trainer.packed`; window None, packed rows are scored whole)."""
         fields = {name: np.asarray(getattr(batch, name)) for name in BATCH_FIELDS}
         if batch.advantages is not None and self.critic_spec is not None:
             raise TrainerError("Trainer.step: the batch carries its own advantages, but algo.estimator gae computes "
@@ -349,21 +354,23 @@ class Trainer:
                     f"{self.version}, but row {row} position {pos} has version {int(batch.versions[row, pos])}; "
                     "use algo.prox_logp: recompute (or max_staleness 0)"
                 )
-        if jax.process_count() > 1:
-            # Groups of different processes must not share an index: offset by this process's rows.
-            gi = fields["group_index"]
-            fields["group_index"] = np.where(gi >= 0, gi + jax.process_index() * rows, -1).astype(np.int32)
         s, m, u = local_row_shards(self.mesh), self.spec.mini_batches, self.spec.micro_batches
-        b = rows // (s * m * u)
 
         def device_order(x: np.ndarray) -> np.ndarray:
             if s == 1 or m * u == 1:  # the permutation is the identity
                 return x
-            rest = x.shape[1:]
+            rows, rest = x.shape[0], x.shape[1:]
             return np.ascontiguousarray(
-                np.moveaxis(x.reshape(m, u, s, b, *rest), 2, 0).reshape(rows, *rest)
+                np.moveaxis(x.reshape(m, u, s, rows // (s * m * u), *rest), 2, 0).reshape(rows, *rest)
             )
 
+        if jax.process_count() > 1:
+            # Groups of different processes must not share an index: offset by this process's rows.
+            gi = fields["group_index"]
+            fields["group_index"] = np.where(gi >= 0, gi + jax.process_index() * rows, -1).astype(np.int32)
+        if pack:  # token arrays only from here on, [packed rows, L], split and placed like any rows
+            fields = packed_fields(fields, mini_batches=m, row_multiple=s * u)
+            rows = fields["input_ids"].shape[0]
         ordered = {name: device_order(value) for name, value in fields.items()}
         shardings = {name: row_sharding(self.mesh, value.ndim) for name, value in ordered.items()}
         if jax.process_count() == 1:  # one batched transfer (part of the tiny step's fixed cost)
@@ -373,6 +380,8 @@ class Trainer:
                 name: jax.make_array_from_process_local_data(shardings[name], value, (rows * jax.process_count(), *value.shape[1:]))
                 for name, value in ordered.items()
             }
+        if pack:  # a packed row is scored whole
+            return placed, temperature, None
         window = loss_window(fields["loss_mask"], self.cfg.rollout.length_bucket)
         if jax.process_count() > 1:  # one static window for every process's program
             from jax.experimental import multihost_utils
@@ -440,13 +449,13 @@ class Trainer:
             log.warning("trainer step %d: skipped %d of %d updates (non-finite loss or gradient)",
                         self.version, skipped, finite.size)
         self.version += 1
-        rows, length = batch.input_ids.shape
+        rows, length = args[4]["input_ids"].shape  # every process's rows (packed: the packed rows)
         flops = step_flops(self._matmul_params, self.model_cfg, self._step_algo, self.spec.ppo_epochs,
-                           rows * jax.process_count(), length, train_passes=2 if self.lora is not None else 3,
+                           rows, length, train_passes=2 if self.lora is not None else 3,
                            window=kwargs["window"])
         if self.critic_spec is not None:
             flops += critic_step_flops(self._critic_matmul_params, self.critic_spec.model_cfg, self.spec.ppo_epochs,
-                                       rows * jax.process_count(), length,
+                                       rows, length,
                                        train_passes=2 if self.critic_frozen is not None else 3)
         metrics = {step_metric_name(k): float(v) for k, v in out.items()}
         if critic_finite is not None:
@@ -487,10 +496,10 @@ class Trainer:
     def _step_arguments(self, batch: Any) -> tuple[tuple, dict]:
         """``(args, kwargs)`` of :func:`~asyncrl.trainer.step.train_step` for ``batch`` (also what
         ``train_step.lower(*args, **kwargs)`` takes, e.g. for the compiled step's cost analysis)."""
-        arrays, temperature, window = self._device_batch(batch)
+        arrays, temperature, window = self._device_batch(batch, pack=self.pack)
         return self._arguments_for(arrays, temperature, window)
 
-    def _arguments_for(self, arrays: dict[str, Any], temperature: float, window: int) -> tuple[tuple, dict]:
+    def _arguments_for(self, arrays: dict[str, Any], temperature: float, window: Optional[int]) -> tuple[tuple, dict]:
         """:meth:`_step_arguments` from placed (or abstract) batch arrays."""
         if self.objective == "sft":
             temperature = 1.0  # cross-entropy of the model's own distribution

@@ -6,6 +6,8 @@ would route differently (the last test shows the check would catch it)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,7 +67,7 @@ def run_round_trip(model_dir, compute_dtype: str = "float32", lora: bool = False
     graphdef, params = lm.split()
     if edit is not None:
         params = edit(params)
-    sections = dict(rollout={"temperature": TEMPERATURE}, algo={"decoupled": True, "router_aux_loss_coef": 0.01},
+    sections: dict[str, dict[str, Any]] = dict(rollout={"temperature": TEMPERATURE}, algo={"decoupled": True, "router_aux_loss_coef": 0.01},
                     optim={"lr": 1e-2}, model={"compute_dtype": compute_dtype})
     if lora:
         sections["model"]["lora"] = {"rank": 4, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
@@ -115,7 +117,7 @@ def near_tie(params: dict, offset: float = 2e-3) -> dict:
     very different weights, so every token sits at a near-tie between two different experts."""
     mlp = params["layers"][0]["mlp"]
     kernel = np.array(mlp["gate"]["kernel"], np.float32)  # [hidden, E]
-    direction = np.random.default_rng(0).standard_normal(kernel.shape[0]).astype(np.float32)
+    direction = np.asarray(np.random.default_rng(0).standard_normal(kernel.shape[0]), np.float32)
     kernel[:, 1] *= 8.0  # experts 1 and 2 always ahead of the others ...
     kernel[:, 2] = kernel[:, 1] + offset * direction / np.linalg.norm(direction)
     experts = {k: np.array(v) for k, v in mlp["experts"].items()}

@@ -101,6 +101,20 @@ def test_scorer_batches_concurrent_callers_and_matches_unbatched_scores(same_tok
         scorer.close()
 
 
+def test_packed_scoring_matches_unpacked_scores(same_tokenizer_rm):
+    """rollout.pack's scorer: sequences packed several to a row score as each does alone, trailing
+    pad ids included (the score is at each segment's last non-pad token)."""
+    model = load_reward_model(same_tokenizer_rm, with_tokenizer=False)
+    scorer = RewardModelScorer(model, batch_size=8, length_buckets=(16, 64), pack=True)
+    try:
+        seqs = sequences(16, model.config.vocab_size, seed=1)
+        seqs[3] = seqs[3] + [model.pad_id, model.pad_id]  # scored before its trailing pads
+        np.testing.assert_allclose(scorer.score(seqs, timeout_s=120), direct_scores(same_tokenizer_rm, seqs),
+                                   atol=1e-5, rtol=1e-5)
+    finally:
+        scorer.close()
+
+
 def test_bad_sequences_fail_their_own_request(same_tokenizer_rm):
     model = load_reward_model(same_tokenizer_rm, with_tokenizer=False)
     scorer = RewardModelScorer(model, batch_size=4, length_buckets=(16,), name="rewards.0")

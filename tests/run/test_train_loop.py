@@ -305,3 +305,20 @@ def test_an_rl_run_compiles_its_first_step_while_the_first_rollouts_run(tmp_path
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     assert rows[0]["perf/startup_precompile_hit"] == 1.0 and "perf/startup_precompile_hit" not in rows[1]
+
+
+def test_a_packed_run_logs_the_unpacked_runs_losses(quick_run, tmp_path):
+    """rollout.pack through the whole loop (SFT stage, RL stage, eval): every step's loss, gradient
+    norm and trained tokens are the unpacked run's (rollouts are seeded, so the batches are too)."""
+    from asyncrl.run.loop import train
+
+    _, _, plain_out, _ = quick_run
+    train(quick_config(tmp_path, "rollout.pack=true"), argv=["test"], console=io.StringIO())
+    keys = ("loss/sft", "loss/total", "train/grad_norm", "train/trained_tokens")
+    runs = [[{k: row[k] for k in keys if k in row} for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+             if row["step"] > 0] for out in (plain_out, tmp_path)]
+    assert len(runs[1]) == 5 and all(len(row) == 3 for row in runs[1])
+    for plain, packed in zip(*runs):
+        assert plain.keys() == packed.keys() and plain["train/trained_tokens"] == packed["train/trained_tokens"]
+        for key in plain:
+            np.testing.assert_allclose(packed[key], plain[key], rtol=1e-5, err_msg=key)

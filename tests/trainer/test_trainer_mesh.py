@@ -60,7 +60,8 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 port, pid, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 from tests.trainer_fixtures import SGD, make_batch, slice_rows, tiny_model, trainer_config
 cfg = trainer_config(optim=SGD, mesh={"distributed": {"enabled": True, "coordinator_address": f"127.0.0.1:{port}",
-                                                       "num_processes": 2, "process_id": pid}})
+                                                       "num_processes": 2, "process_id": pid}},
+                     rollout={"pack": sys.argv[4:] == ["pack"]})  # tests/trainer/test_packing.py passes "pack"
 from asyncrl.trainer import Trainer, initialize_distributed
 initialize_distributed(cfg.mesh)
 assert jax.process_count() == 2 and jax.device_count() == 2
@@ -81,13 +82,13 @@ print("done", pid)
 
 @pytest.mark.slow  # 15 s cold: two JAX processes with gloo; the 8-device mesh test stays in the default selection
 @pytest.mark.timeout(150)
-def test_two_processes_compute_the_single_process_step(tmp_path):
+def test_two_processes_compute_the_single_process_step(tmp_path, extra_args=()):
     out = tmp_path / "two.npz"
     port = str(free_port())
     env = subprocess_env()
     env.pop("XLA_FLAGS", None)
     procs = [
-        subprocess.Popen([sys.executable, "-c", textwrap.dedent(PROCESS_CODE), port, str(pid), str(out)],
+        subprocess.Popen([sys.executable, "-c", textwrap.dedent(PROCESS_CODE), port, str(pid), str(out), *extra_args],
                          env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for pid in range(2)
     ]

@@ -1,0 +1,138 @@
+"""Sequence packing (``rollout.pack``): trained tokens per second of the trainer step, packed against
+unpacked, on batches with GSM8K-like lengths.
+
+Lengths: each row is one GSM8K example, drawn at random from ``--data``'s ``train.jsonl``: its
+question's token count as the (untrained) prompt and its answer's as the (trained) completion,
+counted with Qwen2's pre-tokenizer split (a digit alone, a word with its leading space, a run of
+punctuation, a newline run: :func:`approx_tokens`), which approximates Qwen2.5's token counts
+(common words are one token; rare ones split further, so real counts run a little longer). The
+completions span about 20 to 400 tokens (median about 110): the spread the issue measures.
+
+Every batch is a GRPO batch of ``--rows`` rows (groups of 4), ``L`` its longest row rounded up to
+``--bucket``. The same ``--batches`` batches are stepped packed and unpacked, alternating one step
+of each (a shared machine's load moves both alike); every shape is compiled in a first,
+untimed round, then ``--rounds`` timed rounds follow. ``trained_tokens_per_s`` is the trained
+(loss-mask) tokens of all timed steps over their summed ``perf/train_time``; ``speedup`` packed
+over unpacked; ``positions`` the ``rows x L`` each step computes (packed: the packed rows).
+
+Usage: python scripts/bench.py pack [--models tiny] [--rows 64] [--batches 4] [--rounds 2]
+       [--bucket 64] [--data ../shared/data/gsm8k]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from bench_common import load_avg, load_avg_since
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_DATA = Path(os.environ.get("ASYNCRL_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data") / "gsm8k"
+_PIECES = re.compile(r"\d| ?[A-Za-z]+| ?[^\sA-Za-z\d]+|\s+")
+
+
+def approx_tokens(text: str) -> int:
+    """Qwen2-style pre-tokenizer pieces of ``text`` (each piece one token: an approximation)."""
+    return len(_PIECES.findall(text))
+
+
+def gsm8k_lengths(data: Path) -> list[tuple[int, int]]:
+    """``(prompt, completion)`` approximate token counts of every example of ``data/train.jsonl``."""
+    out = []
+    with open(data / "train.jsonl") as f:
+        for line in f:
+            example = json.loads(line)
+            out.append((approx_tokens(example["question"]) + 1, approx_tokens(example["answer"]) + 1))  # + EOS
+    return out
+
+
+def gsm8k_like_batch(lengths: list[tuple[int, int]], rows: int, bucket: int, vocab: int, seed: int) -> Any:
+    """A right-padded GRPO TrainBatch of ``rows`` GSM8K-length rows (random tokens and rewards)."""
+    import numpy as np
+
+    from asyncrl.rollout.trajectory import TrainBatch
+
+    rng = np.random.default_rng(seed)
+    picks = [lengths[i] for i in rng.integers(0, len(lengths), size=rows)]
+    ends = np.array([p + c for p, c in picks])
+    length = int(-(-ends.max() // bucket) * bucket)
+    pos = np.arange(length)[None]
+    attention = pos < ends[:, None]
+    loss = attention & (pos >= np.array([p for p, _ in picks])[:, None])
+    ids = np.where(attention, rng.integers(0, vocab, size=(rows, length)), 0).astype(np.int32)
+    behavior = np.where(loss, -rng.uniform(0.5, 4.0, size=(rows, length)), 0.0).astype(np.float32)
+    versions = np.where(loss, 0, -1).astype(np.int32)
+    group_index = (np.arange(rows) // 4).astype(np.int32)
+    rewards = rng.normal(size=rows).astype(np.float32)
+    return TrainBatch(ids, attention, loss, behavior, versions, rewards, group_index, np.zeros(rows, bool), 1.0)
+
+
+def bench_model(name: str, args: argparse.Namespace, lengths: list[tuple[int, int]]) -> dict:
+    from asyncrl.config import load_config
+    from asyncrl.model import bench_40m_config, init_decoder, split_params
+    from asyncrl.model.tiny import TinySpec, tiny_decoder_config
+    from asyncrl.rollout.packing import packed_shape
+    from asyncrl.trainer import Trainer
+
+    model_cfg = bench_40m_config() if name == "bench-40m" else tiny_decoder_config(TinySpec())
+    graphdef, params = split_params(init_decoder(model_cfg, seed=0))
+    batches = [gsm8k_like_batch(lengths, args.rows, args.bucket, model_cfg.vocab_size, seed) for seed in range(args.batches)]
+    longest = max(b.input_ids.shape[1] for b in batches)
+    trainers = {}
+    for pack in (False, True):
+        cfg = load_config(data={"rollout": {"group_size": 4, "batch_size": args.rows // 4, "pack": pack,
+                                             "length_bucket": args.bucket, "max_seq_len": max(longest, 1024)}})
+        trainers[pack] = Trainer(cfg, graphdef, params)
+    times = {False: 0.0, True: 0.0}
+    trained = {False: 0.0, True: 0.0}
+    for round_index in range(args.rounds + 1):  # round 0 compiles every shape
+        for batch in batches:
+            for pack in (False, True):
+                metrics = trainers[pack].step(batch)
+                if round_index:
+                    times[pack] += metrics["perf/train_time"]
+                    trained[pack] += metrics["train/trained_tokens"]
+    positions = {False: sum(b.input_ids.size for b in batches), True: 0}
+    for b in batches:
+        rows, length = packed_shape(b.attention_mask.sum(axis=1), b.input_ids.shape[1])
+        positions[True] += rows * length
+    real = sum(int(b.attention_mask.sum()) for b in batches)
+    rate = {pack: trained[pack] / times[pack] for pack in (False, True)}
+    return {
+        "lengths": [list(b.input_ids.shape) for b in batches],
+        "real_tokens_fraction_unpacked": round(real / positions[False], 3),
+        "real_tokens_fraction_packed": round(real / positions[True], 3),
+        "unpacked": {"trained_tokens_per_s": round(rate[False], 1), "train_time_s": round(times[False], 3)},
+        "packed": {"trained_tokens_per_s": round(rate[True], 1), "train_time_s": round(times[True], 3)},
+        "speedup": round(rate[True] / rate[False], 3),
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default="tiny", help="comma-separated: tiny, bench-40m")
+    parser.add_argument("--rows", type=int, default=64, help="rows per batch (groups of 4)")
+    parser.add_argument("--batches", type=int, default=4, help="distinct batches (each compiled once per mode)")
+    parser.add_argument("--rounds", type=int, default=2, help="timed passes over the batches")
+    parser.add_argument("--bucket", type=int, default=64, help="rollout.length_bucket")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="directory of GSM8K's train.jsonl")
+
+
+def run(args: argparse.Namespace) -> dict:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    lengths = gsm8k_lengths(args.data)
+    completions = sorted(c for _, c in lengths)
+    load_start = load_avg()
+    result: dict[str, Any] = {
+        "rows": args.rows, "batches": args.batches, "rounds": args.rounds, "bucket": args.bucket,
+        "completion_tokens_p5_p50_p95_max": [completions[int(q * (len(completions) - 1))] for q in (0.05, 0.5, 0.95, 1.0)],
+        "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+    }
+    for name in args.models.split(","):
+        result[name] = bench_model(name, args, lengths)
+    return {**result, **load_avg_since(load_start)}
