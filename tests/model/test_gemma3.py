@@ -122,3 +122,14 @@ def test_transformers_own_gemma3_config_is_refused_for_its_vision_tower():
 
     with pytest.raises(ModelError, match="vision_config"):
         from_hf_config(Gemma3Config(text_config=hf_config("gemma3").to_dict()))
+
+
+def test_a_gemma3_critic_is_refused_before_training(checkpoint):
+    """transformers has no Gemma3ForTokenClassification to export a value model as (hf_critic/)."""
+    from asyncrl.model.critic import critic_from_policy, load_critic
+
+    path, _, lm = checkpoint
+    with pytest.raises(ModelError, match="critic.*gemma3_text"):
+        critic_from_policy(lm.config, lm.split()[1])
+    with pytest.raises(ModelError, match="critic.path.*gemma3_text"):
+        load_critic(path, vocab_size=VOCAB)
