@@ -130,6 +130,8 @@ class DecoderConfig:
                 and (index + 1) % self.decoder_sparse_step == 0)
 
     def _layer_type_problems(self) -> list[str]:
+        if isinstance(self.layer_types, list):  # hashable, as the graphdef's static data must be
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
         problems = []
         if self.hidden_act not in ACTIVATIONS:
             problems.append(f"hidden_act={self.hidden_act!r} must be one of {', '.join(ACTIVATIONS)}")
