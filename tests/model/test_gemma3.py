@@ -172,3 +172,30 @@ def test_tensor_parallel_engine_decodes_the_tiny_gemma3_as_one_device_does():
     proc = run_python(TENSOR_PARALLEL_CODE, env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
                       timeout=200)
     assert "tensor-parallel gemma3 engine matches" in proc.stdout
+
+
+def test_scanned_gemma3_layers_give_the_unrolled_logits_and_gradients(checkpoint):
+    """``model.scan_layers`` (on by default on GPUs and TPUs): runs of sliding layers and global ones each
+    take their own rope and mask, so scanning matches the unrolled layers (and transformers)."""
+    import jax
+
+    from asyncrl.model import per_token_logprobs
+
+    _, hf, lm = checkpoint
+    cfg = lm.config.replace(num_layers=5, layer_types=("sliding_attention",) * 2 + ("full_attention",) + ("sliding_attention",) * 2)
+    ids, mask = _batch(2)
+
+    def loss_and_grads(model_cfg):
+        graphdef, params = split_params(init_decoder(model_cfg, seed=3))
+        loss = lambda p: per_token_logprobs(graphdef, p, jnp.asarray(ids), jnp.asarray(mask), 0.9)[0].sum()  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    loss, grads = loss_and_grads(cfg)
+    scanned_loss, scanned_grads = loss_and_grads(cfg.replace(scan_layers=True))
+    np.testing.assert_allclose(scanned_loss, loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(scanned_grads)):  # float32 rounding of another op order
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+    scanned = load_model(str(checkpoint[0]), with_tokenizer=False).config.replace(scan_layers=True)
+    model = init_decoder(scanned)
+    nnx.update(model, nnx.state(lm.model))
+    assert np.abs(_logits(*split_params(model), ids, mask) - hf_logits(hf, ids, mask))[mask].max() < 1e-4
