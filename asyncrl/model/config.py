@@ -19,8 +19,8 @@ import json
 from types import SimpleNamespace
 from typing import Any, Optional
 
+import asyncrl.model.gemma3 as gemma3
 from asyncrl.errors import ModelError
-from asyncrl.model import gemma3
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
