@@ -66,6 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from asyncrl.model.blocks import ACTIVATIONS, sliding_window_mask, softcap
 from asyncrl.model.config import DecoderConfig
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -346,23 +347,6 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, choice: s
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=kernel)
 
 
-def sliding_window_mask(mask: jax.Array, query_index: jax.Array, key_index: jax.Array, window: int) -> jax.Array:
-    """``mask`` bool ``[B, T, S]`` narrowed to keys fewer than ``window`` indices before the query
-    (itself included), as transformers' sliding-window mask (``kv_idx > q_idx - window``).
-    ``query_index`` int ``[B, T]`` and ``key_index`` int ``[S]`` are sequence indices without a cache
-    and cache slots with one: real tokens of a row are contiguous in both (pads lie only before
-    or after them), so the index distance is the distance in tokens."""
-    return mask & (query_index[:, :, None] - key_index[None, None, :] < window)
-
-
-def softcap(x: jax.Array, cap: float) -> jax.Array:
-    """``cap * tanh(x / cap)``: Gemma's soft-capping, bounding ``x`` to ``(-cap, cap)``."""
-    return cap * jnp.tanh(x / cap)
-
-
-_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
-
-
 class MLP(nnx.Module):
     """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu), or Gemma's GeGLU (tanh-approximated gelu)."""
 
@@ -374,7 +358,7 @@ class MLP(nnx.Module):
         self.down_proj = _linear(cfg, i, h, cfg.mlp_bias, rngs)
 
     def __call__(self, x):
-        act = _ACTIVATIONS[self.hidden_act]
+        act = ACTIVATIONS[self.hidden_act]
         return _dense(self.down_proj, act(_dense(self.gate_proj, x)) * _dense(self.up_proj, x))
 
 
