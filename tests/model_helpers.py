@@ -37,6 +37,18 @@ FAMILIES = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
         eos_token_id=[1, 2], bos_token_id=1,
     ),
+    # Gemma 3: (1 + w) norms, sandwich norms, GeGLU, scaled embeddings, q/k norms, head_dim (32) != hidden / heads,
+    # sliding layers (window 4 < the tests' sequences) between global ones with their own rope bases (the global
+    # one linearly scaled), query_pre_attn_scalar != head_dim, final-logit soft-capping that bites, tied head.
+    "gemma3": dict(
+        model_type="gemma3_text", vocab_size=52, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=128,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+        query_pre_attn_scalar=24, final_logit_softcapping=3.0, tie_word_embeddings=True,
+        eos_token_id=[1, 3], bos_token_id=2, pad_token_id=0,
+    ),
 }
 
 

@@ -99,6 +99,40 @@ def _resumed(ws: Path, output: str) -> None:
     assert (ws / "runs/quickstart/checkpoints/step_00000005").is_dir()
 
 
+GEMMA3_RUN = "runs/quickstart-gemma3"
+
+
+def _gemma3_interrupted(ws: Path) -> None:
+    """The tiny Gemma 3 run as if killed during step 5 (as :func:`_interrupt_after_step_4`)."""
+    import shutil
+
+    shutil.rmtree(ws / GEMMA3_RUN / "checkpoints/step_00000005")
+
+
+def _gemma3_resumed(ws: Path, _: str) -> None:
+    rows = [json.loads(line) for line in (ws / GEMMA3_RUN / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if row["step"] > 0] == [1, 2, 3, 4, 5], "resume repeated or lost a step"
+    assert (ws / GEMMA3_RUN / "checkpoints/step_00000005").is_dir()
+
+
+def _gemma3_export_loads_in_transformers(ws: Path, _: str) -> None:
+    """transformers' Gemma3ForCausalLM loads the export and gives our logits (the sliding window of 8 included)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.model import forward_jit, load_model
+
+    hf = AutoModelForCausalLM.from_pretrained(str(ws / "gemma3-model"), attn_implementation="eager").eval()
+    assert type(hf).__name__ == "Gemma3ForCausalLM"
+    ours = load_model(str(ws / "gemma3-model"), with_tokenizer=False)
+    ids = np.random.default_rng(0).integers(6, ours.config.vocab_size, size=(2, 20)).astype(np.int32)
+    with torch.no_grad():
+        want = hf(torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
+    got = np.asarray(forward_jit(*ours.split(), ids)[0])
+    assert np.abs(got - want).max() < 1e-4, np.abs(got - want).max()
+
+
 def _printed_config(_: Path, output: str) -> None:
     assert re.search(r"^\s*max_staleness: 0$", output, re.M), output[-2000:]
 
@@ -262,6 +296,14 @@ MOE_CHAIN = (
 SLOW_CHAINS = {
     # docs/scaling.md: the tiny Qwen3-MoE run (about 2 minutes per training command here)
     "moe": MOE_CHAIN,
+    # docs/models.md: a quickstart-sized Gemma 3 run (tiny in Gemma 3's layout): train, interrupt, resume, export
+    "gemma3": (
+        Step("asyncrl train configs/quickstart.yaml --set model.path=tiny:family=gemma3 --set run.name=quickstart-gemma3",
+             QUICKSTART_QUICK, check=_exists(f"{GEMMA3_RUN}/hf/config.json", f"{GEMMA3_RUN}/checkpoints/step_00000005")),
+        Step("asyncrl train configs/quickstart.yaml --set model.path=tiny:family=gemma3 --set run.name=quickstart-gemma3 "
+             "--resume", QUICKSTART_QUICK, prepare=_gemma3_interrupted, check=_gemma3_resumed),
+        Step("asyncrl export runs/quickstart-gemma3 gemma3-model/", check=_gemma3_export_loads_in_transformers),
+    ),
     # README: the component benchmarks' quick forms, five interpreters that each compile (34 s)
     "bench": BENCH_CHAIN,
     # docs/performance.md: the Qwen2.5-0.5B-shaped run (write, 3 steps, SIGKILL, resume, eval, export;

@@ -91,7 +91,7 @@ class ModelConfig(Section):
     """The policy model: where its weights come from and the dtypes it runs in."""
 
     path: str = "tiny"
-    """Local Hugging Face directory, hub id, or built-in spec: ``tiny`` (character vocabulary) or ``tiny-qwen3`` (Qwen3-shaped, BPE tokenizer trained on GSM8K)."""
+    """Local Hugging Face directory, hub id, or built-in spec: ``tiny`` (character vocabulary; ``tiny:family=gemma3`` in Gemma 3's layout) or ``tiny-qwen3`` (Qwen3-shaped, BPE tokenizer trained on GSM8K)."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype the parameters are stored and updated in."""
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"

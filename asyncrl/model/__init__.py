@@ -1,4 +1,4 @@
-"""The policy model: a Flax NNX decoder (Qwen2/2.5, Qwen3, Llama) with Hugging Face interop.
+"""The policy model: a Flax NNX decoder (Qwen2/2.5, Qwen3, Llama, Gemma 3) with Hugging Face interop.
 
 API guide
 ---------

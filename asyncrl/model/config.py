@@ -5,10 +5,11 @@ graphdef as static data, so two models with equal configs share jit compilations
 It holds the architecture (what ``config.json`` says) and the runtime options that
 change the computation but not the weights (dtypes, remat, log-prob chunking).
 
-Only what the supported families (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama) need is representable; anything else in an
-HF config that would change the model (sliding windows, other rope types, partial
+Only what the supported families (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama, Gemma 3) need is representable; anything
+else in an HF config that would change the model (Qwen2's sliding windows, other rope types, partial
 rotary, a different activation) is a :class:`~asyncrl.errors.ModelError` naming the
-option, never a silently different model.
+option, never a silently different model. Gemma 3's options and their translation are
+:mod:`asyncrl.model.gemma3`'s.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import json
 from types import SimpleNamespace
 from typing import Any, Optional
 
+import asyncrl.model.gemma3 as gemma3
 from asyncrl.errors import ModelError
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "reference")
+ACTIVATIONS = ("silu", gemma3.GELU_TANH)
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("full", "save_dots")
 
@@ -31,7 +34,7 @@ REMAT_POLICIES = ("full", "save_dots")
 class DecoderConfig:
     """Architecture plus runtime options of a decoder-only transformer."""
 
-    model_type: str  # qwen2 | qwen3 | llama: decides parameter names on export
+    model_type: str  # qwen2 | qwen3 | llama | gemma3_text: decides the config written on export
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -63,6 +66,16 @@ class DecoderConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     decoder_sparse_step: int = 1  # layer i is sparse iff (i + 1) % step == 0 and i not in mlp_only_layers
     mlp_only_layers: tuple[int, ...] = ()
+    # Gemma 3 (asyncrl.model.gemma3); the defaults are the other families' computation
+    hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_pytorch_tanh
+    norm_plus_one: bool = False  # RMSNorm scales by (1 + weight) in float32 (weights stored zero-centred)
+    sandwich_norms: bool = False  # norms on the attention and MLP outputs, and a pre-MLP norm of its own
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size)
+    query_pre_attn_scalar: Optional[float] = None  # attention scores scale by its ** -0.5 (None: head_dim's)
+    final_logit_softcap: Optional[float] = None  # logits = cap * tanh(logits / cap)
+    sliding_window: Optional[int] = None  # a sliding layer's query sees this many tokens (itself included)
+    layer_types: Optional[tuple[str, ...]] = None  # per layer: full_attention | sliding_attention (None: all full)
+    rope_local_theta: Optional[float] = None  # sliding layers' rope base (default rope type)
     # runtime options (not part of the checkpoint)
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
@@ -95,6 +108,7 @@ class DecoderConfig:
         if self.logprob_chunk_budget_mb is not None and self.logprob_chunk_budget_mb < 0:
             problems.append(f"logprob_chunk_budget_mb={self.logprob_chunk_budget_mb} must be >= 0")
         problems += self._moe_problems()
+        problems += self._layer_type_problems()
         if problems:
             raise ModelError("invalid model config: " + "; ".join(problems))
 
@@ -114,6 +128,25 @@ class DecoderConfig:
         """Whether decoder layer ``index`` has a sparse MoE block (transformers' Qwen3-MoE rule)."""
         return (self.num_experts > 0 and index not in self.mlp_only_layers
                 and (index + 1) % self.decoder_sparse_step == 0)
+
+    def _layer_type_problems(self) -> list[str]:
+        if isinstance(self.layer_types, list):  # hashable, as the graphdef's static data must be
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        problems = []
+        if self.hidden_act not in ACTIVATIONS:
+            problems.append(f"hidden_act={self.hidden_act!r} must be one of {', '.join(ACTIVATIONS)}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                problems.append(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            if set(self.layer_types) - set(gemma3.LAYER_TYPES):
+                problems.append(f"layer_types must be among {', '.join(gemma3.LAYER_TYPES)}")
+            if gemma3.SLIDING in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+                problems.append(f"sliding_attention layers need sliding_window >= 1, got {self.sliding_window}")
+        return problems
+
+    def layer_type(self, layer: int) -> str:
+        """``full_attention`` or ``sliding_attention`` (only with a ``sliding_window``)."""
+        return self.layer_types[layer] if self.layer_types is not None else gemma3.FULL
 
     def replace(self, **changes: Any) -> "DecoderConfig":
         return dataclasses.replace(self, **changes)
@@ -136,7 +169,8 @@ class DecoderConfig:
         moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts + router
         mlps = sum(moe if self.is_moe_layer(n) else mlp for n in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * (attn + 2 * h) + mlps + h + head
+        norms = 4 * h if self.sandwich_norms else 2 * h  # Gemma 3's sandwich norms: two more per layer
+        return self.vocab_size * h + self.num_layers * (attn + norms) + mlps + h + head
 
 
 # --------------------------------------------------------------------------- config.json without transformers
@@ -184,6 +218,8 @@ def hf_config_from_dict(raw: dict[str, Any], *, source: str = "config.json") -> 
     A field of the wrong type, or a rope setting missing a required key, is a ModelError
     naming ``source``, where transformers would refuse the file too."""
     model_type = raw.get("model_type")
+    if gemma3.is_gemma3(raw):
+        return gemma3.text_config_view(raw, source)
     if model_type not in _HF_DEFAULTS:
         return SimpleNamespace(**raw)
     values = {**_HF_DEFAULTS[model_type], **raw}
@@ -269,21 +305,26 @@ def from_hf_config(hf: Any, *, source: str = "config.json", **runtime: Any) -> D
     ``source`` and every offending option.
     """
     model_type = getattr(hf, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in SUPPORTED_MODEL_TYPES and model_type != gemma3.MULTIMODAL_MODEL_TYPE:
         raise ModelError(
             f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    family: dict[str, Any] = {}  # a family's own fields and checks (Gemma 3)
+    if model_type in (gemma3.TEXT_MODEL_TYPE, gemma3.MULTIMODAL_MODEL_TYPE):
+        family = gemma3.decoder_fields(hf, source)
+        hf = getattr(hf, "text_config", None) or hf  # transformers' Gemma3Config nests the text model
+        model_type = family["model_type"]
     problems = []
     act = getattr(hf, "hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and not family:
         problems.append(f"hidden_act={act!r} (only 'silu' is supported)")
     layer_types = getattr(hf, "layer_types", None)
-    if layer_types and any(t != "full_attention" for t in layer_types):
+    if layer_types and not family and any(t != "full_attention" for t in layer_types):
         problems.append(f"layer_types={sorted(set(layer_types))} (sliding-window attention is not supported)")
     if getattr(hf, "use_sliding_window", False) and _has_sliding_layers(hf):
         problems.append("use_sliding_window=true (sliding-window attention is not supported)")
 
-    rope = getattr(hf, "rope_parameters", None) or {}
+    rope = family.pop("rope", None) or getattr(hf, "rope_parameters", None) or {}
     if rope and "rope_theta" not in rope and any(isinstance(v, dict) for v in rope.values()):
         problems.append(f"per-layer-type rope_parameters {sorted(rope)} are not supported")
         rope = {}
@@ -295,7 +336,9 @@ def from_hf_config(hf: Any, *, source: str = "config.json", **runtime: Any) -> D
     if rope_type not in SUPPORTED_ROPE_TYPES:
         problems.append(f"rope_type={rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
 
-    if model_type == "qwen2":
+    if family:
+        qkv_bias, o_bias, mlp_bias, qk_norm = (family.pop(k) for k in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm"))
+    elif model_type == "qwen2":
         qkv_bias, o_bias, mlp_bias, qk_norm = True, False, False, False
     elif model_type in ("qwen3", "qwen3_moe"):
         qkv_bias = o_bias = bool(getattr(hf, "attention_bias", False))
@@ -341,6 +384,7 @@ def from_hf_config(hf: Any, *, source: str = "config.json", **runtime: Any) -> D
         pad_token_id=getattr(hf, "pad_token_id", None),
     )
     cfg.update(moe)
+    cfg.update(family)
     cfg.update(runtime)
     try:
         return DecoderConfig(**cfg)
@@ -417,4 +461,7 @@ def to_hf_config(cfg: DecoderConfig) -> Any:
         kwargs.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                       moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
                       decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers))
+    if cfg.model_type == gemma3.TEXT_MODEL_TYPE:
+        del kwargs["hidden_act"]
+        kwargs.update(gemma3.hf_config_kwargs(cfg, rope))
     return AutoConfig.for_model(cfg.model_type, **kwargs)

@@ -43,7 +43,12 @@ class CriticModel(NamedTuple):
 
 
 def critic_config(cfg: DecoderConfig) -> DecoderConfig:
-    """The critic decoder's config: ``cfg`` without an lm head (tied embeddings)."""
+    """The critic decoder's config: ``cfg`` without an lm head (tied embeddings). A model type
+    transformers has no ``*ForTokenClassification`` for (Gemma 3) is refused here, before training,
+    rather than when its ``hf_critic/`` export fails at the end of the run."""
+    if cfg.model_type not in TOKEN_CLASSIFICATION:
+        raise ModelError(f"critic (algo.estimator: gae) of model_type {cfg.model_type!r} is not supported: transformers has "
+                         f"no token-classification model of it to export the critic as (supported: {', '.join(TOKEN_CLASSIFICATION)})")
     return cfg.replace(tie_word_embeddings=True)
 
 

@@ -310,7 +310,10 @@ def load_hf_directory(model_dir: Path, *, with_tokenizer: bool = True, builtin: 
     hf_config = read_hf_config(model_dir)
     cfg = from_hf_config(hf_config, source=str(model_dir / "config.json"), **runtime)
     model = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
-    params = params_from_hf(cfg, read_safetensors(model_dir), str(model_dir), abstract=model)
+    tensors = read_safetensors(model_dir)
+    if getattr(hf_config, "multimodal", False):  # a gemma3 config without a vision tower
+        tensors = text_model_tensors(tensors)
+    params = params_from_hf(cfg, tensors, str(model_dir), abstract=model)
     state = nnx.state(model)
     nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
@@ -320,6 +323,24 @@ def load_hf_directory(model_dir: Path, *, with_tokenizer: bool = True, builtin: 
     if pad is None:
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
     return LoadedModel(model, tokenizer, stop_ids, int(pad), model_dir)
+
+
+_TEXT_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                        ("language_model.lm_head.", "lm_head."))
+
+
+def text_model_tensors(tensors: dict[str, Any]) -> dict[str, Any]:
+    """A ``gemma3`` checkpoint's language-model tensors under the text model's names
+    (``model.language_model.layers.0...`` in transformers 5, ``language_model.model.layers.0...``
+    before it, become ``model.layers.0...``); other names are kept, for the usual checks to list."""
+    renamed = {}
+    for name, value in tensors.items():
+        for old, new in _TEXT_MODEL_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        renamed[name] = value
+    return renamed
 
 
 # --------------------------------------------------------------------------- export
@@ -379,6 +400,7 @@ def export_hf(
 
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 _ARCHITECTURES["qwen3_moe"] = "Qwen3MoeForCausalLM"
+_ARCHITECTURES["gemma3_text"] = "Gemma3ForCausalLM"
 
 
 def write_hf_metadata(cfg: DecoderConfig, tokenizer: Any, directory: Path,

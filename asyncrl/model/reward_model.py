@@ -1,9 +1,10 @@
 """Learned reward models: Hugging Face sequence-classification checkpoints in JAX.
 
 A reward model is the policy's decoder (:class:`~asyncrl.model.transformer.Decoder`, the
-same Qwen2/Qwen3/Llama code) plus a bias-free ``score`` head ``[1, hidden]`` that
-``Qwen2ForSequenceClassification``, ``Qwen3ForSequenceClassification`` and
-``LlamaForSequenceClassification`` put on the final hidden states. The scalar reward of a
+same Qwen2/Qwen3/Llama/Gemma 3 code) plus a bias-free ``score`` head ``[1, hidden]`` that
+``Qwen2ForSequenceClassification``, ``Qwen3ForSequenceClassification``,
+``LlamaForSequenceClassification`` and ``Gemma3TextForSequenceClassification`` put on the final
+hidden states. The scalar reward of a
 sequence is the head's output at one position, read as transformers does: the rightmost token
 whose id is not ``config.json``'s ``pad_token_id`` (the last token when the config has no pad
 id). So a sequence that ends in a token equal to the pad id (some checkpoints set pad = EOS) is
@@ -37,6 +38,7 @@ SEQUENCE_CLASSIFIERS = {
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
     "LlamaForSequenceClassification": "llama",
+    "Gemma3TextForSequenceClassification": "gemma3_text",
 }
 """The checkpoint classes (``config.json`` ``architectures``) a reward model may be, and their model type."""
 

@@ -10,7 +10,8 @@ chat template. It is written as an ordinary HF directory (``export_hf``) into
 place, so parallel builders race safely (the loser discards its copy).
 
 ``model.path: tiny`` uses the defaults; ``tiny:hidden=128,layers=4`` overrides fields
-of :class:`TinySpec`. The cache is ``$ASYNCRL_CACHE_DIR``, else ``$XDG_CACHE_HOME/asyncrl``, else ``~/.cache/asyncrl``.
+of :class:`TinySpec`; ``tiny:family=gemma3`` is the same sizes in Gemma 3's layout
+(:func:`as_gemma3`), for quickstart-sized runs of that family. The cache is ``$ASYNCRL_CACHE_DIR``, else ``$XDG_CACHE_HOME/asyncrl``, else ``~/.cache/asyncrl``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ class TinySpec:
     tied: bool = True
     seed: int = 0
     max_positions: int = 1024
+    family: str = "llama"
+    """``llama`` (the layout below) or ``gemma3`` (:func:`as_gemma3`)."""
+
+
+TINY_FAMILIES = ("llama", "gemma3")
 
 
 def is_tiny(text: str) -> bool:
@@ -98,6 +104,8 @@ def parse_tiny_spec(text: str) -> TinySpec:
     spec = TinySpec(**parse_spec_options(text, "tiny", TinySpec))
     if spec.hidden % spec.heads or spec.heads % spec.kv_heads or (spec.hidden // spec.heads) % 2:
         raise ModelError(f"model.path {text!r}: hidden must split into an even head_dim over heads, heads must be a multiple of kv_heads")
+    if spec.family not in TINY_FAMILIES:
+        raise ModelError(f"model.path {text!r}: family must be one of {', '.join(TINY_FAMILIES)}, got {spec.family!r}")
     return spec
 
 
@@ -129,7 +137,7 @@ def build_tiny_tokenizer() -> Any:
 
 def tiny_decoder_config(spec: TinySpec) -> DecoderConfig:
     vocab = tiny_vocab()
-    return DecoderConfig(
+    cfg = DecoderConfig(
         # Llama architecture with q/k/v/o biases: Qwen2's layout (plus an o_proj bias).
         # Not model_type qwen2, because transformers 5's AutoTokenizer forces its byte-level
         # Qwen2Tokenizer on every qwen2 directory, which mangles a character tokenizer.
@@ -149,6 +157,23 @@ def tiny_decoder_config(spec: TinySpec) -> DecoderConfig:
         o_bias=True,
         eos_token_id=vocab[END],
         pad_token_id=vocab[PAD],
+    )
+    return as_gemma3(cfg) if spec.family == "gemma3" else cfg
+
+
+TINY_GEMMA3_WINDOW = 8
+"""The tiny Gemma 3's sliding window: shorter than the quickstart's prompts plus completions (up to 24 tokens)."""
+
+
+def as_gemma3(cfg: DecoderConfig) -> DecoderConfig:
+    """``cfg``'s sizes in Gemma 3's layout (asyncrl.model.gemma3): no biases, q/k norms, ``(1 + w)`` and
+    sandwich norms, GeGLU, scaled embeddings, and sliding layers with every second layer global
+    (Gemma 3's pattern is every sixth), with Gemma 3's rope bases."""
+    layer_types = tuple("full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(cfg.num_layers))
+    return cfg.replace(
+        model_type="gemma3_text", qkv_bias=False, o_bias=False, qk_norm=True, hidden_act="gelu_pytorch_tanh",
+        norm_plus_one=True, sandwich_norms=True, scale_embeddings=True, query_pre_attn_scalar=float(cfg.head_dim),
+        sliding_window=TINY_GEMMA3_WINDOW, layer_types=layer_types, rope_theta=1_000_000.0, rope_local_theta=10_000.0,
     )
 
 

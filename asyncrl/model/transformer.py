@@ -1,4 +1,4 @@
-"""The decoder: Qwen2/2.5, Qwen3 and Llama in Flax NNX, and its pure functional forward.
+"""The decoder: Qwen2/2.5, Qwen3, Llama and Gemma 3 in Flax NNX, and its pure functional forward.
 
 One implementation serves training and inference. The NNX module (:class:`Decoder`)
 holds the parameters; :func:`forward` is the pure function callers jit:
@@ -12,7 +12,9 @@ convention with cos/sin computed in float32; attention scores and softmax run in
 float32; logits are float32. Attention over more than one new token (training, scoring,
 prefill) goes through ``jax.nn.dot_product_attention`` (``model.attention``: ``xla`` by
 default, ``cudnn`` on GPUs), decoding one token by einsum on the cache (:func:`cached_attention`); both
-take the same boolean mask and agree to float32 rounding.
+take the same boolean mask and agree to float32 rounding. Gemma 3's sliding-window layers
+narrow that mask to the last ``sliding_window`` tokens (:func:`sliding_window_mask`, the one
+rule for training, scoring, prefill and decoding) and use their own rope base.
 
 KV cache (:class:`KVCache`)
 ---------------------------
@@ -55,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import math
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -63,6 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from asyncrl.model.blocks import ACTIVATIONS, sliding_window_mask, softcap
 from asyncrl.model.config import DecoderConfig
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -191,17 +195,26 @@ def _normal(std: float):
 
 
 class RMSNorm(nnx.Module):
-    """HF RMSNorm: normalise in float32, cast back, multiply by the weight."""
+    """HF RMSNorm: normalise in float32, cast back, multiply by the weight. ``plus_one`` (Gemma):
+    the weight is stored zero-centred and the float32 result is scaled by ``1 + weight`` before
+    the cast, as transformers' Gemma3RMSNorm computes it."""
 
-    def __init__(self, dim: int, eps: float, param_dtype: Any):
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+    def __init__(self, dim: int, eps: float, param_dtype: Any, plus_one: bool = False):
+        self.weight = nnx.Param(jnp.zeros((dim,), param_dtype) if plus_one else jnp.ones((dim,), param_dtype))
         self.eps = eps
+        self.plus_one = plus_one
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(dtype)
         return self.weight[...].astype(dtype) * x32.astype(dtype)
+
+
+def _norm(cfg: DecoderConfig, dim: int) -> RMSNorm:
+    return RMSNorm(dim, cfg.rms_norm_eps, dtype_of(cfg.param_dtype), plus_one=cfg.norm_plus_one)
 
 
 def _dense(layer: Any, x: jax.Array) -> jax.Array:
@@ -236,8 +249,8 @@ class Attention(nnx.Module):
         self.v_proj = _linear(cfg, h, cfg.num_kv_heads * d, cfg.qkv_bias, rngs)
         self.o_proj = _linear(cfg, cfg.num_heads * d, h, cfg.o_bias, rngs)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype_of(cfg.param_dtype))
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype_of(cfg.param_dtype))
+            self.q_norm = _norm(cfg, d)
+            self.k_norm = _norm(cfg, d)
 
     def __call__(self, x, cos, sin, mask, cache: Optional[LayerKV] = None, write_idx=None):
         """x [B, T, H]; mask bool [B, T, S]. Without a cache S = T; with one, the new
@@ -251,10 +264,12 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
         if cache is not None:
-            out, new_cache = cached_attention(q, k, v, mask, cache, write_idx, cfg.attention)
+            out, new_cache = cached_attention(q, k, v, mask, cache, write_idx, cfg.attention, scale)
             return _dense(self.o_proj, out.reshape(b, t, cfg.num_heads * cfg.head_dim)), new_cache
-        out = _attend(q, k, v, mask, cfg.attention, kv_spec="bskd").reshape(b, t, cfg.num_heads * cfg.head_dim)
+        out = _attend(q, k, v, mask, cfg.attention, kv_spec="bskd", scale=scale)
+        out = out.reshape(b, t, cfg.num_heads * cfg.head_dim)
         return _dense(self.o_proj, out), None
 
 
@@ -280,21 +295,24 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
     return _einsum_attention(q, k, v, mask, kv_spec="bskd")
 
 
-def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, kv_spec: str) -> jax.Array:
+def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, kv_spec: str,
+                      scale: Optional[float] = None) -> jax.Array:
     """Grouped-query attention by einsum with keys and values laid out as ``kv_spec`` says:
     ``bskd`` (``[B, S, kv_heads, D]``) or ``bksd`` (the cache's ``[B, kv_heads, S, D]``); the
-    same float32 scores and softmax, in the same order, either way."""
+    same float32 scores and softmax, in the same order, either way. Scores scale by ``scale``
+    (None: ``head_dim ** -0.5``)."""
     b, t, heads, d = q.shape
     kv_heads = k.shape[kv_spec.index("k")]
     q = q.reshape(b, t, kv_heads, heads // kv_heads, d)
     scores = jnp.einsum(f"btkgd,{kv_spec}->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (d**-0.5)
+    scores = scores * (d**-0.5 if scale is None else scale)
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum(f"bkgts,{kv_spec}->btkgd", probs, v).reshape(b, t, heads, d)
 
 
-def cached_attention(q, k, v, mask, cache: LayerKV, write_idx, choice: str) -> tuple[jax.Array, LayerKV]:
+def cached_attention(q, k, v, mask, cache: LayerKV, write_idx, choice: str,
+                     scale: Optional[float] = None) -> tuple[jax.Array, LayerKV]:
     """Attention of ``q [B, T, heads, D]`` over a layer's cache after writing the new ``k, v``
     ``[B, T, kv_heads, D]`` into it at ``write_idx`` int32 [B, T] (indices past the capacity are
     dropped); ``mask`` bool [B, T, capacity]. Returns ``(out [B, T, heads, D], the updated
@@ -311,46 +329,59 @@ def cached_attention(q, k, v, mask, cache: LayerKV, write_idx, choice: str) -> t
     # Advanced indices around the head slice: the indexed block is [B, T, kv_heads, D], as k is.
     cache_k = cache.k.at[rows, :, write_idx].set(k.astype(cache.k.dtype), mode="drop")
     cache_v = cache.v.at[rows, :, write_idx].set(v.astype(cache.v.dtype), mode="drop")
-    out = _attend(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask, choice, kv_spec="bksd")
+    out = _attend(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask, choice, kv_spec="bksd", scale=scale)
     return out, LayerKV(cache_k, cache_v)
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, choice: str, kv_spec: str) -> jax.Array:
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, choice: str, kv_spec: str,
+            scale: Optional[float] = None) -> jax.Array:
     """Attention by ``model.attention``'s implementation (``choice``) for several query tokens,
     by einsum (:func:`_einsum_attention`) for one; ``k, v`` laid out as ``kv_spec`` says
     (``bskd``, or the cache's ``bksd``, which ``jax.nn.dot_product_attention`` gets transposed)."""
     implementation = attention_implementation(choice, q.dtype) if q.shape[1] > 1 else "reference"
     if implementation == "reference":
-        return _einsum_attention(q, k, v, mask, kv_spec)
+        return _einsum_attention(q, k, v, mask, kv_spec, scale)
     if kv_spec == "bksd":
         k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
     kernel: Any = implementation  # "xla" | "cudnn"
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=kernel)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=kernel)
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu), or Gemma's GeGLU (tanh-approximated gelu)."""
 
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         h, i = cfg.hidden_size, cfg.intermediate_size
+        self.hidden_act = cfg.hidden_act
         self.gate_proj = _linear(cfg, h, i, cfg.mlp_bias, rngs)
         self.up_proj = _linear(cfg, h, i, cfg.mlp_bias, rngs)
         self.down_proj = _linear(cfg, i, h, cfg.mlp_bias, rngs)
 
     def __call__(self, x):
-        return _dense(self.down_proj, jax.nn.silu(_dense(self.gate_proj, x)) * _dense(self.up_proj, x))
+        act = ACTIVATIONS[self.hidden_act]
+        return _dense(self.down_proj, act(_dense(self.gate_proj, x)) * _dense(self.up_proj, x))
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm layer; with ``sandwich_norms`` (Gemma) ``post_attention_layernorm`` norms the attention
+    output and ``pre_/post_feedforward_layernorm`` the MLP's input and output."""
+
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs, index: int = 0):
-        pd = dtype_of(cfg.param_dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.input_layernorm = _norm(cfg, cfg.hidden_size)
         self.self_attn = Attention(cfg, rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd)
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
         self.mlp = _sparse_moe_block(cfg, rngs) if cfg.is_moe_layer(index) else MLP(cfg, rngs)
+        self.sandwich_norms = cfg.sandwich_norms
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+            self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
 
     def __call__(self, x, cos, sin, mask, cache: Optional[LayerKV] = None, write_idx=None):
         attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, write_idx)
+        if self.sandwich_norms:
+            x = x + self.post_attention_layernorm(attn)
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            return x, new_cache
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, new_cache
@@ -391,29 +422,36 @@ def _identical_runs(layers: Any) -> list[tuple[nnx.GraphDef, list[nnx.State]]]:
     return runs
 
 
-def scanned_layers(layers: Any, x: jax.Array, args: tuple, cfg: DecoderConfig) -> jax.Array:
+def scanned_layers(layers: Any, x: jax.Array, args: tuple | list[tuple], cfg: DecoderConfig) -> jax.Array:
     """``layers`` applied in order to ``x [B, T, H]`` without a KV cache (training, scoring), each
     run of identical layers as one ``lax.scan`` over its stacked weights: XLA compiles one layer
     per run instead of every layer (the 0.5B shape's 24 layers are one run). ``args``: the layer
-    call's arguments after ``x`` (``cos, sin, mask``, shared by every layer).
+    call's arguments after ``x`` (``cos, sin, mask``), shared by every layer, or a list of one
+    such tuple per layer: a run then also ends where the arguments change (Gemma 3's sliding and
+    global layers, which take their own rope and mask).
 
     The weights stay per layer (HF names, LoRA, partition rules and checkpoints unchanged); each
     call stacks a run's ``[layers, ...]`` copy, whose cost is one pass over the weights, and the
     backward slices the stacked gradient back. ``model.remat`` rematerialises the scan's body
     with ``model.remat_policy``, as the unrolled layers are."""
 
-    def body(h: jax.Array, state: nnx.State, graphdef: nnx.GraphDef) -> tuple[jax.Array, None]:
-        return nnx.merge(graphdef, state)(h, *args, None, None)[0], None
+    def body(h: jax.Array, state: nnx.State, graphdef: nnx.GraphDef, run_args: tuple) -> tuple[jax.Array, None]:
+        return nnx.merge(graphdef, state)(h, *run_args, None, None)[0], None
 
+    per_layer = args if isinstance(args, list) else [args] * len(layers)
+    first = 0
     for graphdef, states in _identical_runs(layers):
-        step: Callable[..., tuple[jax.Array, None]] = functools.partial(body, graphdef=graphdef)
-        if cfg.remat:  # inside a scan, CSE across iterations cannot undo it: prevent_cse is not needed
-            step = jax.checkpoint(step, policy=_REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
-        if len(states) == 1:
-            x = step(x, states[0])[0]
-            continue
-        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
-        x = jax.lax.scan(step, x, stacked)[0]
+        layer_args, first = per_layer[first:first + len(states)], first + len(states)
+        for _, group in itertools.groupby(zip(layer_args, states), key=lambda pair: id(pair[0])):
+            run_args, run_states = zip(*group)
+            step: Callable[..., tuple[jax.Array, None]] = functools.partial(body, graphdef=graphdef, run_args=run_args[0])
+            if cfg.remat:  # inside a scan, CSE across iterations cannot undo it: prevent_cse is not needed
+                step = jax.checkpoint(step, policy=_REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
+            if len(run_states) == 1:
+                x = step(x, run_states[0])[0]
+                continue
+            stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *run_states)
+            x = jax.lax.scan(step, x, stacked)[0]
     return x
 
 
@@ -432,7 +470,7 @@ class Decoder(nnx.Module):
             rngs=rngs,
         )
         self.layers = nnx.List([DecoderLayer(cfg, rngs, i) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype_of(cfg.param_dtype))
+        self.norm = _norm(cfg, cfg.hidden_size)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
 
@@ -468,6 +506,7 @@ class Decoder(nnx.Module):
             if segment_ids is not None:
                 mask = mask & same_segment(segment_ids)
             write_idx = None
+            query_index, key_index = jnp.arange(t)[None, :], jnp.arange(t)
         else:
             if positions is None:
                 positions = jnp.maximum(kv_cache.lengths[:, None] + running, 0)
@@ -476,15 +515,25 @@ class Decoder(nnx.Module):
             valid = kv_cache.valid.at[rows, write_idx].set(attention_mask, mode="drop")
             slots = jnp.arange(kv_cache.capacity, dtype=jnp.int32)
             mask = valid[:, None, :] & (slots[None, None, :] <= write_idx[:, :, None])
-        cos, sin = rope_cos_sin(cfg, positions)
+            query_index, key_index = write_idx, slots
+        by_type = {"full_attention": (*rope_cos_sin(cfg, positions), mask)}  # per layer type: cos, sin, mask
+        if cfg.layer_types is not None and "sliding_attention" in cfg.layer_types:
+            assert cfg.sliding_window is not None  # DecoderConfig checks it
+            local = cfg if cfg.rope_local_theta is None else cfg.replace(rope_theta=cfg.rope_local_theta, rope_type="default")
+            by_type["sliding_attention"] = (*rope_cos_sin(local, positions),
+                                            sliding_window_mask(mask, query_index, key_index, cfg.sliding_window))
         x = self.embed_tokens(input_ids)
+        if cfg.scale_embeddings:  # Gemma: times sqrt(hidden), rounded to the weights' dtype as transformers does
+            x = x * jnp.asarray(cfg.hidden_size**0.5, dtype_of(cfg.param_dtype)).astype(x.dtype)
         call = _REMAT_CALLS[cfg.remat_policy] if cfg.remat else _call_layer
+        layer_args = [by_type[cfg.layer_type(i)] for i in range(cfg.num_layers)]  # (cos, sin, mask) of each layer
         new_layers = []
         if kv_cache is None and cfg.scan_layers and not unrolled:
-            x = scanned_layers(self.layers, x, (cos, sin, mask), cfg)
+            x = scanned_layers(self.layers, x, layer_args, cfg)
         else:
             for i, layer in enumerate(self.layers):
-                x, layer_cache = call(layer, x, cos, sin, mask, None if kv_cache is None else kv_cache.layers[i], write_idx)
+                cos, sin, layer_mask = layer_args[i]
+                x, layer_cache = call(layer, x, cos, sin, layer_mask, None if kv_cache is None else kv_cache.layers[i], write_idx)
                 new_layers.append(layer_cache)
         x = self.norm(x)
         if kv_cache is None:
@@ -504,6 +553,8 @@ class Decoder(nnx.Module):
         else:
             kernel = self.lm_head.kernel[...].astype(hidden.dtype)
             logits = jnp.einsum("nh,hv->nv", flat, kernel, preferred_element_type=jnp.float32)
+        if self.cfg.final_logit_softcap is not None:
+            logits = softcap(logits, self.cfg.final_logit_softcap)
         return logits.reshape(*lead, -1)
 
     def __call__(self, input_ids, positions=None, attention_mask=None, kv_cache=None):
@@ -543,8 +594,8 @@ def init_decoder(cfg: DecoderConfig, seed: int = 0) -> Decoder:
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         if name.endswith("bias"):
             return jnp.zeros(leaf.shape, dtype)
-        if name.endswith("norm/weight"):
-            return jnp.ones(leaf.shape, dtype)
+        if name.endswith("norm/weight"):  # unit scale: 1, or 0 where the norm scales by 1 + weight
+            return (jnp.zeros if cfg.norm_plus_one else jnp.ones)(leaf.shape, dtype)
         digest = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
         rng = np.random.Generator(np.random.PCG64([seed, digest]))
         values = rng.standard_normal(leaf.shape, dtype=np.float32) * np.float32(cfg.initializer_range)

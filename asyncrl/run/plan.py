@@ -292,7 +292,7 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     Layers: without remat, per layer and token what autodiff keeps of a pre-norm decoder layer in
     the compute dtype (the input, two normed copies and the residual, q/k/v before and after rope,
     the attention output, the MLP's gate, up, its activation and their product), two float32
-    copies for the RMSNorms, and float32 attention tensors over ``length`` (scores, probabilities, exponentials);
+    copies for the RMSNorms (with Gemma 3's ``sandwich_norms`` twice the normed and float32 copies), and float32 attention tensors over ``length`` (scores, probabilities, exponentials);
     heads and the MLP width split over ``tensor``. With ``model.remat`` each layer keeps only its
     input (``remat_policy: save_dots``: also its seven projections' outputs, q/k/v/o and
     gate/up/down) and one layer at a time is recomputed in full.
@@ -302,8 +302,9 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     h, d = model_cfg.hidden_size, model_cfg.head_dim
     heads = max(model_cfg.num_heads // tensor, 1)
     kv_heads = max(model_cfg.num_kv_heads // tensor, 1)
-    per_token = (4 * h + 3 * heads * d + 4 * kv_heads * d) * c + mlp_activation_bytes(model_cfg, tensor)
-    per_token += NORM_FLOAT32_COPIES * h * 4
+    norm_pairs = 2 if model_cfg.sandwich_norms else 1  # Gemma 3 also norms the attention and MLP outputs
+    per_token = ((2 + 2 * norm_pairs) * h + 3 * heads * d + 4 * kv_heads * d) * c + mlp_activation_bytes(model_cfg, tensor)
+    per_token += norm_pairs * NORM_FLOAT32_COPIES * h * 4
     per_token += ATTENTION_FLOAT32_COPIES * heads * length * 4
     one_layer = rows * length * per_token
     if model_cfg.remat:

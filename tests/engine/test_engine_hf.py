@@ -1,6 +1,6 @@
 """JaxEngine greedy decoding equals transformers' greedy ``generate`` token for token.
 
-Random-weight Qwen2 and Llama checkpoints are written by transformers itself; prompts of
+Random-weight Qwen2, Llama and Gemma 3 checkpoints are written by transformers itself; prompts of
 different lengths go through the engine concurrently (different prefill buckets, shared
 decode batch). Tokens are compared up to the first step where HF's top-1/top-2 logit gap
 is at most 1e-4 (beyond a near tie, float rounding may legitimately pick either).
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.timeout(120)
 
 # The model tests' Qwen2 config; their Llama one with q/k/v/o biases and a pad token too
 # (the tiny model's layout), so both engine paths see biases.
-OVERRIDES = {"qwen2": {}, "llama": {"attention_bias": True, "pad_token_id": 0}}
+# Gemma 3's: prompts and generations run past its sliding window of 4 (prefill and decode).
+OVERRIDES = {"qwen2": {}, "llama": {"attention_bias": True, "pad_token_id": 0}, "gemma3": {}}
 FAMILIES = {name: {**MODEL_FAMILIES[name], **extra} for name, extra in OVERRIDES.items()}
 PROMPT_LENGTHS = (1, 5, 12, 23)
 MAX_NEW = 16

@@ -49,7 +49,7 @@ def hf_logprobs(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "gemma3"])
 def test_logprobs_match_transformers_peft_on_the_exported_adapter(family, tmp_path):
     from peft import PeftModel
 

@@ -156,7 +156,7 @@ def test_old_layout_config_gives_same_model(checkpoints, tmp_path):
     assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
 def test_kv_cache_decoding_matches_full_forward(checkpoints, family):
     _, _, lm = checkpoints[family]
     graphdef, params = lm.split()
@@ -291,7 +291,7 @@ def test_the_save_dots_policy_recomputes_only_attention_matmuls():
     assert dots == none + 2 * layers and full > dots, (none, dots, full)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
 def test_export_round_trip_loads_in_transformers(checkpoints, tmp_path, family):
     from transformers import AutoModelForCausalLM
 

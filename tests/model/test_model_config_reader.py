@@ -39,6 +39,15 @@ VARIANTS = {
                                        max_window_layers=2, num_key_value_heads=2, **BASE),
     "qwen3-attention-bias": dict(model_type="qwen3", attention_bias=True, head_dim=16, rms_norm_eps=1e-5,
                                  num_key_value_heads=2, **BASE),
+    # Gemma 3: every default of Gemma3TextConfig (layer types from the pattern of 6, rope bases 1e6 / 1e4), and the
+    # released 1B's layout (legacy rope_theta, rope_local_base_freq, sliding_window_pattern), and 4B's linear scaling
+    "gemma3-minimal": dict(model_type="gemma3_text", num_key_value_heads=2, head_dim=16, **{**BASE, "num_hidden_layers": 7}),
+    "gemma3-1b-layout": dict(model_type="gemma3_text", num_key_value_heads=1, head_dim=16, rope_theta=1000000,
+                             rope_local_base_freq=10000, rope_scaling=None, sliding_window=512, sliding_window_pattern=6,
+                             query_pre_attn_scalar=16, attn_logit_softcapping=None, final_logit_softcapping=None,
+                             eos_token_id=[1, 106], cache_implementation="hybrid", **BASE),
+    "gemma3-linear-rope": dict(model_type="gemma3_text", rope_scaling={"rope_type": "linear", "factor": 8.0},
+                               sliding_window=1024, sliding_window_pattern=2, **BASE),
     # refused, with the same message from both readers
     "qwen2-sliding": dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1,
                           num_key_value_heads=2, **BASE),
@@ -47,6 +56,7 @@ VARIANTS = {
                                                           "original_max_position_embeddings": 512}, **BASE),
     "llama-gelu": dict(model_type="llama", hidden_act="gelu", **BASE),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=48),
+    "gemma3-attn-softcap": dict(model_type="gemma3_text", attn_logit_softcapping=50.0, **BASE),
 }
 
 
@@ -99,7 +109,7 @@ def test_config_reader_matches_autoconfig(tmp_path, builtin_dirs):
         if ours[0] == "ModelError":
             refused.append(name)
             assert str(model_dir / "config.json") in ours[1], name
-    assert refused == ["qwen2-default-kv-heads", "qwen2-sliding", "llama-partial-rotary", "llama-yarn", "llama-gelu", "gpt2"]
+    assert refused == ["qwen2-default-kv-heads", "qwen2-sliding", "llama-partial-rotary", "llama-yarn", "llama-gelu", "gpt2", "gemma3-attn-softcap"]
 
 
 @pytest.mark.parametrize("raw, message", [

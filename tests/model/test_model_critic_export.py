@@ -15,7 +15,7 @@ from tests.model_helpers import FAMILIES, hf_logits, save_hf_model
 
 # One family in the default selection (qwen3: qk-norm, untied head); the others are slow, their
 # decoders being checked against transformers in test_model.py.
-@pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f == "qwen3" else [pytest.mark.slow]) for f in sorted(FAMILIES)])
+@pytest.mark.parametrize("family", [pytest.param(f, marks=[] if f == "qwen3" else [pytest.mark.slow]) for f in sorted(TOKEN_CLASSIFICATION)])
 def test_exported_critic_matches_transformers(family, tmp_path):
     import torch
     from transformers import AutoModelForTokenClassification

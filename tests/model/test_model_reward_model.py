@@ -15,7 +15,7 @@ from tests.model_helpers import hf_config, randomize_weights
 torch = pytest.importorskip("torch")
 
 CLASSES = {"qwen2": "Qwen2ForSequenceClassification", "qwen3": "Qwen3ForSequenceClassification",
-           "llama": "LlamaForSequenceClassification"}
+           "llama": "LlamaForSequenceClassification", "gemma3": "Gemma3TextForSequenceClassification"}
 
 
 def save_reward_model(family: str, out_dir, seed: int = 0, *, num_labels: int = 1, **overrides):
@@ -39,7 +39,8 @@ def torch_scores(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 # One family in the default selection (qwen2: q/k/v bias, tied head); the others are slow, their
 # decoders being checked against transformers in test_model.py.
-@pytest.mark.parametrize("family", ["qwen2", pytest.param("qwen3", marks=pytest.mark.slow), pytest.param("llama", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["qwen2", pytest.param("qwen3", marks=pytest.mark.slow), pytest.param("llama", marks=pytest.mark.slow),
+                                    pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_scores_equal_transformers_on_a_right_padded_batch(tmp_path, family):
     pad = 0
     model = save_reward_model(family, tmp_path, seed=1, pad_token_id=pad)

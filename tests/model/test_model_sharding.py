@@ -18,8 +18,10 @@ from tests.model_helpers import FAMILIES, hf_config
 assert jax.device_count() == 8
 report = {}
 rng = np.random.RandomState(0)
-for family, mesh_shape in (("qwen2", (2, 2, 2)), ("qwen3", (1, 2, 4)), ("llama", (2, 1, 4))):
-    cfg = from_hf_config(hf_config(family)).replace(num_layers=1)  # one layer: same rules, half the compile
+for family, mesh_shape in (("qwen2", (2, 2, 2)), ("qwen3", (1, 2, 4)), ("llama", (2, 1, 4)), ("gemma3", (2, 2, 2))):
+    cfg = from_hf_config(hf_config(family))
+    layers = 2 if cfg.layer_types else 1  # one layer: same rules, half the compile (Gemma 3: a sliding and a global one)
+    cfg = cfg.replace(num_layers=layers, layer_types=cfg.layer_types and cfg.layer_types[:layers])
     graphdef, params = split_params(init_decoder(cfg, seed=1))
     # perturb every parameter, so zero biases and unit norms cannot hide a sharding error
     params = jax.tree.map(lambda x: x + jnp.asarray(0.05 * rng.standard_normal(x.shape), x.dtype), params)
@@ -71,3 +73,7 @@ def test_every_parameter_sharded_and_sharded_forward_matches():
     # fsdp axis of size 1 is not used; vocab 44 / 4 splits; 1 KV head replicates
     assert ll["layers.0.self_attn.v_proj.kernel"] == [None, None]
     assert ll["embed_tokens.embedding"] == ["tensor", None]
+    # Gemma 3's extra norms are replicated; its matrices split like the others'
+    gm = report["gemma3"]["specs"]
+    assert gm["layers.1.pre_feedforward_layernorm.weight"] == gm["layers.1.post_feedforward_layernorm.weight"] == [None]
+    assert gm["layers.1.self_attn.k_proj.kernel"] == ["fsdp", "tensor"] and gm["layers.0.mlp.gate_proj.kernel"] == ["fsdp", "tensor"]

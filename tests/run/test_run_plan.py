@@ -68,6 +68,9 @@ def test_activation_formula_by_hand():
                                       tensor=1, chunk=4)
     kept = H + HEADS * D + 2 * KV * D + 2 * H + 2 * I
     assert dots_layers == LAYERS * rows * length * kept * 2 + rows * length * per_token
+    # Gemma 3's sandwich norms: two more normed copies (compute dtype) and float32 copies per layer and token
+    sandwich, _ = activation_bytes(model.replace(sandwich_norms=True), rows, length, window, tensor=1, chunk=None)
+    assert sandwich == layers + LAYERS * rows * length * (2 * H * 2 + 2 * H * 4)
 
 
 def test_micro_batches_and_rows_per_device():
@@ -120,13 +123,34 @@ def _mesh(data, fsdp, tensor):
 
 
 def test_public_configs_have_their_published_sizes():
+    # Gemma 3: transformers' Gemma3ForCausalLM of each config counted on the meta device (4B: its text model)
     sizes = {"qwen2.5-0.5b": 494.0e6, "qwen2.5-1.5b": 1543.7e6, "qwen2.5-7b": 7615.6e6, "qwen3-1.7b": 1720.6e6,
-             "qwen3-8b": 8190.7e6}
+             "qwen3-8b": 8190.7e6, "gemma-3-1b-it": 999.886e6, "gemma-3-4b-it": 3880.263e6}
     for name, size in sizes.items():
         model = read_decoder_config(str(MODELS / name / "config.json"))
         assert model.num_params() == pytest.approx(size, rel=1e-4), name
     qwen = read_decoder_config(str(MODELS / "qwen2.5-0.5b"))
     assert (qwen.vocab_size, qwen.tie_word_embeddings, qwen.rope_theta, qwen.num_kv_heads) == (151936, True, 1e6, 2)
+    gemma_1b, gemma_4b = (read_decoder_config(str(MODELS / name)) for name in ("gemma-3-1b-it", "gemma-3-4b-it"))
+    assert gemma_1b.num_params() == 999_885_952 and gemma_4b.num_params() == 3_880_263_168
+    assert (gemma_1b.vocab_size, gemma_1b.sliding_window, gemma_1b.rope_theta, gemma_1b.rope_local_theta) == (262144, 512, 1e6, 1e4)
+    assert gemma_1b.layer_types.count("full_attention") == 4 and gemma_1b.layer_types[5] == "full_attention"
+    assert (gemma_4b.vocab_size, gemma_4b.sliding_window, gemma_4b.rope_type, gemma_4b.rope_factor) == (262208, 1024, "linear", 8.0)
+
+
+def test_gemma3_1b_recipe_fits_one_16gb_gpu_and_a_tpu_v5e_8_as_its_header_says(capsys):
+    config = CONFIGS / "gsm8k_grpo_gemma3_1b.yaml"
+    header = config.read_text().split("\nrun:", 1)[0]
+    stated = [float(x) for x in re.findall(r"(\d+\.\d\d) GiB per (?:device|chip)", header)]
+    gemma_1b = ["--set", f"model.path={MODELS / 'gemma-3-1b-it'}"]
+    assert main(["plan", str(config), *gemma_1b, "--device-memory", "16"]) == 0
+    one_gpu = plan_config(load_config(config, [f"model.path={MODELS / 'gemma-3-1b-it'}"]), backend="gpu")
+    v5e = ["mesh.fsdp=8", "model.lora=null", "model.param_dtype=float32", "optim.lr=2.0e-6"]
+    tpu = plan_config(load_config(config, [f"model.path={MODELS / 'gemma-3-1b-it'}", *v5e]), devices=8, backend="tpu")
+    tpu_4b = plan_config(load_config(config, [f"model.path={MODELS / 'gemma-3-4b-it'}", *v5e, "model.scan_layers=false"]),
+                         devices=8, backend="tpu")
+    assert stated == [round(p.total_bytes / GIB, 2) for p in (one_gpu, tpu, tpu_4b)]
+    assert max(p.total_bytes for p in (one_gpu, tpu, tpu_4b)) < 16 * GIB
 
 
 # --------------------------------------------------------------------------- the command
