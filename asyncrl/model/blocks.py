@@ -1,10 +1,41 @@
-"""Small pure functions of the decoder's family options (asyncrl/model/transformer.py): Gemma 3's
-sliding-window mask and soft-capping, and the gated MLP's activations by ``hidden_act``."""
+"""Small pieces the decoder's blocks share (asyncrl/model/transformer.py, asyncrl/model/moe.py):
+dtypes by name, the projection every block builds, Gemma 3's sliding-window mask and
+soft-capping, and the gated MLP's activations by ``hidden_act``."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from asyncrl.model.config import DecoderConfig
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def dtype_of(name: str) -> Any:
+    """The jnp dtype of a config's dtype name (``float32``, ``bfloat16``)."""
+    return _DTYPES[name]
+
+
+def normal_init(std: float) -> Any:
+    return nnx.initializers.normal(stddev=std)
+
+
+def linear(cfg: DecoderConfig, n_in: int, n_out: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+    """A projection in the config's dtypes (parameters in ``param_dtype``, computed in
+    ``compute_dtype``) with HF's normal init."""
+    return nnx.Linear(
+        n_in,
+        n_out,
+        use_bias=bias,
+        dtype=dtype_of(cfg.compute_dtype),
+        param_dtype=dtype_of(cfg.param_dtype),
+        kernel_init=normal_init(cfg.initializer_range),
+        rngs=rngs,
+    )
 
 
 def sliding_window_mask(mask: jax.Array, query_index: jax.Array, key_index: jax.Array, window: int) -> jax.Array:

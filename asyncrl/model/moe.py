@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from asyncrl.model.blocks import dtype_of, linear
 from asyncrl.model.config import DecoderConfig
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -134,7 +135,6 @@ class Experts(nnx.Module):
     """The stacked expert weights of one MoE layer (``[experts, in, out]``, as ``nnx.Linear``'s kernels)."""
 
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
-        from asyncrl.model.transformer import dtype_of
 
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = nnx.initializers.normal(stddev=cfg.initializer_range)
@@ -148,10 +148,9 @@ class SparseMoeBlock(nnx.Module):
     """Router + routed experts (module docstring); replaces the MLP of a sparse layer."""
 
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
-        from asyncrl.model.transformer import _linear
 
         self.cfg = cfg
-        self.gate = _linear(cfg, cfg.hidden_size, cfg.num_experts, False, rngs)  # the router (HF name)
+        self.gate = linear(cfg, cfg.hidden_size, cfg.num_experts, False, rngs)  # the router (HF name)
         self.experts = Experts(cfg, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -66,15 +66,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from asyncrl.model.blocks import ACTIVATIONS, sliding_window_mask, softcap
+from asyncrl.model.blocks import ACTIVATIONS, dtype_of, linear, normal_init, sliding_window_mask, softcap
 from asyncrl.model.config import DecoderConfig
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _MASKED = -1e30  # finite, so fully masked rows (pads) give uniform weights, never NaN
-
-
-def dtype_of(name: str) -> Any:
-    return _DTYPES[name]
 
 
 # --------------------------------------------------------------------------- KV cache
@@ -190,10 +185,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------- modules
 
 
-def _normal(std: float):
-    return nnx.initializers.normal(stddev=std)
-
-
 class RMSNorm(nnx.Module):
     """HF RMSNorm: normalise in float32, cast back, multiply by the weight. ``plus_one`` (Gemma):
     the weight is stored zero-centred and the float32 result is scaled by ``1 + weight`` before
@@ -226,28 +217,16 @@ def _dense(layer: Any, x: jax.Array) -> jax.Array:
     return layer(x.reshape(-1, x.shape[-1])).reshape(*lead, -1)
 
 
-def _linear(cfg: DecoderConfig, n_in: int, n_out: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(
-        n_in,
-        n_out,
-        use_bias=bias,
-        dtype=dtype_of(cfg.compute_dtype),
-        param_dtype=dtype_of(cfg.param_dtype),
-        kernel_init=_normal(cfg.initializer_range),
-        rngs=rngs,
-    )
-
-
 class Attention(nnx.Module):
     """Grouped-query attention with rotary embeddings, optional q/k norm and biases."""
 
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = _linear(cfg, h, cfg.num_heads * d, cfg.qkv_bias, rngs)
-        self.k_proj = _linear(cfg, h, cfg.num_kv_heads * d, cfg.qkv_bias, rngs)
-        self.v_proj = _linear(cfg, h, cfg.num_kv_heads * d, cfg.qkv_bias, rngs)
-        self.o_proj = _linear(cfg, cfg.num_heads * d, h, cfg.o_bias, rngs)
+        self.q_proj = linear(cfg, h, cfg.num_heads * d, cfg.qkv_bias, rngs)
+        self.k_proj = linear(cfg, h, cfg.num_kv_heads * d, cfg.qkv_bias, rngs)
+        self.v_proj = linear(cfg, h, cfg.num_kv_heads * d, cfg.qkv_bias, rngs)
+        self.o_proj = linear(cfg, cfg.num_heads * d, h, cfg.o_bias, rngs)
         if cfg.qk_norm:
             self.q_norm = _norm(cfg, d)
             self.k_norm = _norm(cfg, d)
@@ -353,9 +332,9 @@ class MLP(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         h, i = cfg.hidden_size, cfg.intermediate_size
         self.hidden_act = cfg.hidden_act
-        self.gate_proj = _linear(cfg, h, i, cfg.mlp_bias, rngs)
-        self.up_proj = _linear(cfg, h, i, cfg.mlp_bias, rngs)
-        self.down_proj = _linear(cfg, i, h, cfg.mlp_bias, rngs)
+        self.gate_proj = linear(cfg, h, i, cfg.mlp_bias, rngs)
+        self.up_proj = linear(cfg, h, i, cfg.mlp_bias, rngs)
+        self.down_proj = linear(cfg, i, h, cfg.mlp_bias, rngs)
 
     def __call__(self, x):
         act = ACTIVATIONS[self.hidden_act]
@@ -466,13 +445,13 @@ class Decoder(nnx.Module):
             cfg.hidden_size,
             dtype=dtype_of(cfg.compute_dtype),
             param_dtype=dtype_of(cfg.param_dtype),
-            embedding_init=_normal(cfg.initializer_range),
+            embedding_init=normal_init(cfg.initializer_range),
             rngs=rngs,
         )
         self.layers = nnx.List([DecoderLayer(cfg, rngs, i) for i in range(cfg.num_layers)])
         self.norm = _norm(cfg, cfg.hidden_size)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
+            self.lm_head = linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
 
     def hidden_states(
         self,
@@ -598,7 +577,7 @@ def init_decoder(cfg: DecoderConfig, seed: int = 0) -> Decoder:
             return (jnp.zeros if cfg.norm_plus_one else jnp.ones)(leaf.shape, dtype)
         digest = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
         rng = np.random.Generator(np.random.PCG64([seed, digest]))
-        values = rng.standard_normal(leaf.shape, dtype=np.float32) * np.float32(cfg.initializer_range)
+        values = rng.standardnormal_init(leaf.shape, dtype=np.float32) * np.float32(cfg.initializer_range)
         return jnp.asarray(values, dtype)
 
     nnx.update(model, jax.tree_util.tree_map_with_path(fill, abstract))
