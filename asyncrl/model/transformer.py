@@ -577,7 +577,7 @@ def init_decoder(cfg: DecoderConfig, seed: int = 0) -> Decoder:
             return (jnp.zeros if cfg.norm_plus_one else jnp.ones)(leaf.shape, dtype)
         digest = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
         rng = np.random.Generator(np.random.PCG64([seed, digest]))
-        values = rng.standardnormal_init(leaf.shape, dtype=np.float32) * np.float32(cfg.initializer_range)
+        values = rng.standard_normal(leaf.shape, dtype=np.float32) * np.float32(cfg.initializer_range)
         return jnp.asarray(values, dtype)
 
     nnx.update(model, jax.tree_util.tree_map_with_path(fill, abstract))
