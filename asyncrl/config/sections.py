@@ -369,6 +369,10 @@ class EngineConfig(Section):
     """Default timeout of a request without its own ``timeout_s``; unfinished samples come back ``aborted``. Null: none."""
     tensor_parallel: int = Field(default=1, ge=1)
     """Devices each engine replica splits the model over (attention and KV heads, MLP width, vocabulary); the engine's devices (``placement.engine``) form ``devices / tensor_parallel`` replicas that decode different slots. Must divide the model's KV heads. 1 with the default placement: the engine serves the trainer's own arrays, as before (docs/scaling.md)."""
+    sampler: Literal["auto", "inverse_cdf", "gumbel"] = "auto"
+    """How a slot's token is drawn from ``softmax(logits / T)``: ``inverse_cdf`` (one uniform per slot; fastest on XLA:CPU), ``gumbel`` (Gumbel-max: one fused pass over the vocabulary, for GPUs), ``auto``: ``inverse_cdf`` on the CPU, ``gumbel`` on accelerators. Both draw from the same distribution and report the same log-probs, but a seed's tokens depend on the sampler."""
+    attention_buckets: int = Field(default=1, ge=1)
+    """Size classes of the KV cache a decode chunk attends over: the capacity halved ``attention_buckets - 1`` times (multiples of 16); each chunk attends over the smallest class that holds its active slots' contexts, one compiled decode program per class. 1: always the whole ``kv_capacity``."""
     remote: Optional[RemoteEngineConfig] = None
     """Generate on inference servers instead of in-process (the fields above then apply to ``asyncrl serve`` only); null: the in-process JAX engine."""
 

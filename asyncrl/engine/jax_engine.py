@@ -31,8 +31,10 @@ slot idles for at most the steps until the next finish rather than the rest of a
 whole one, and refills come in pairs, prefilled in one call that costs about what one prompt
 alone costs (small prefills read all the weights for few tokens). The programs are
 module-level jits shared by every engine with the same model shapes: one prefill per bucket
-and two decode variants (:func:`compile_count`, reported as
-``engine/compiles``).
+and two decode variants per attention bucket (``engine.attention_buckets``:
+:mod:`asyncrl.engine.attention_buckets`) (:func:`compile_count`, reported as
+``engine/compiles``). The sampler (``engine.sampler``) and the XLA flags are chosen per
+platform (:mod:`asyncrl.engine.platform`).
 
 Sampling and randomness (docs/design.md "Randomness", "Log-probabilities")
 -----------------------------------------------------------------
@@ -68,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.config import EngineConfig
+from asyncrl.engine.attention_buckets import attention_buckets, chunk_bucket
 from asyncrl.engine.constraints import TokenTrie, TriePool
 from asyncrl.engine.jax_programs import (
     PREFILL_ROWS,
@@ -84,6 +87,7 @@ from asyncrl.engine.jax_programs import (
     slot_state_shardings,
     snapshot,
 )
+from asyncrl.engine.platform import resolve_sampler
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
 from asyncrl.model.sharding import check_tensor_parallel, param_shardings
@@ -239,6 +243,8 @@ class JaxEngine:
         self.chunk = cfg.decode_chunk
         self.buckets = tuple(sorted(b for b in set(cfg.prefill_buckets) if b <= cfg.kv_capacity))
         self.prefill_rows = min(PREFILL_ROWS, cfg.slots)
+        self.sampler = resolve_sampler(cfg.sampler, next(iter(embed.devices())).platform)
+        self.attention_buckets = attention_buckets(self.capacity, cfg.attention_buckets)
         if not self.buckets:
             raise EngineRequestError(f"engine.prefill_buckets {cfg.prefill_buckets}: none fits engine.kv_capacity = {cfg.kv_capacity}")
         self._check_stop_ids(self.default_stop_ids, "stop_token_ids (the model's default)")
@@ -381,16 +387,22 @@ class JaxEngine:
         return self._crash
 
     def warmup(self) -> int:
-        """Compile every program (each prefill bucket, both decode variants); returns the compile count."""
+        """Compile every program (each prefill bucket, both decode variants per attention bucket); returns the compile count."""
         for bucket in self.buckets:
             plan = PrefillPlan.empty(self.prefill_rows, bucket, self.slots)  # no destination: the state is unchanged
             self._state = prefill_insert_jit(self.graphdef, self._params, self._state, plan, self._root_key, self._layout)
         idle = idle_controls(self.slots, self.config.max_stop_ids)
         for filtered in (False, True):
-            self._state, *_ = decode_chunk_jit(self.graphdef, self._params, self._state, idle, self.chunk, filtered,
-                                               self._layout)
+            for attend in self.attention_buckets:
+                self._state, *_ = decode_chunk_jit(self.graphdef, self._params, self._state, idle, self.chunk, filtered,
+                                                   self._layout, **self._decode_options(attend))
         jax.block_until_ready(self._state)
         return compile_count()
+
+    def _decode_options(self, attend: int) -> dict[str, Any]:
+        """The decode program's sampler and attended cache size (0: the whole cache, the same
+        program as without attention buckets)."""
+        return {"sampler": self.sampler, "attend": 0 if attend >= self.capacity else attend}
 
     def metrics(self) -> dict[str, float]:
         """Cumulative figures since start (``engine/...``). ``decode_s`` (wall time of decode
@@ -757,9 +769,12 @@ class JaxEngine:
             pair = self.prefill_rows if self.slots >= PAIRED_REFILL_MIN_SLOTS else 1
             c.refill_free[...] = max(self._waiting[0].request.n if self._waiting else 1, pair)
         version = self._version
+        contexts = (len(owner[0].request.prompt_ids) - 1 + int(c.generated[slot])
+                    for slot, owner in enumerate(self._slot_owner) if active[slot] and owner is not None)
         self._state, tokens, logprobs, emitted = decode_chunk_jit(
             self.graphdef, self._params, self._state, snapshot(c), self.chunk, filtered, self._layout,
             self._trie_tables if constrained else None, self._tries.max_branch if constrained else 0,
+            **self._decode_options(chunk_bucket(self.attention_buckets, contexts, self.chunk)),
         )
         dispatched = time.monotonic()
         tokens, logprobs, emitted = np.asarray(tokens), np.asarray(logprobs), np.asarray(emitted)
