@@ -25,6 +25,7 @@ import bench_rl  # noqa: E402
 import bench_vs_trl  # noqa: E402
 from bench_components import accel as bench_accel  # noqa: E402
 from bench_components import engine as bench_engine  # noqa: E402
+from bench_components import gpu as bench_gpu  # noqa: E402
 
 # --------------------------------------------------------------------------- benchmark arithmetic
 
@@ -257,3 +258,29 @@ def test_bench_vs_trl_reports_asyncrl_at_eta_0_and_the_async_eta_against_trl(mon
     only_sync = bench_vs_trl.compare(bench_vs_trl.parse(["--rounds", "1", "--async-staleness", "0"]),
                                      tmp_path / "c.yaml", tmp_path / "out", {}, tmp_path)
     assert made == [0] and only_sync["asyncrl_async"] is None
+
+
+def test_bench_gpu_trace_summary_counts_device_kernels_per_step(tmp_path):
+    """``bench.py gpu --profile``'s summary: on a trace with a GPU track, only its kernels count
+    (per decode step, ranked by time); without one (the CPU), the host's events but Python frames."""
+    import gzip
+
+    def event(pid, name, dur):
+        return {"ph": "X", "pid": pid, "tid": 1, "name": name, "ts": 0, "dur": dur}
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}}]
+    gpu = meta + [event(7, "fusion_1", 3.0)] * 8 + [event(7, "gemm", 10.0)] * 4 + [event(1, "$loop.py:1 run", 999.0)]
+    path = tmp_path / "gpu.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": gpu}, f)
+    summary = bench_gpu.summarise_trace(path, steps=4)
+    assert summary["events_on"] == "device" and summary["events_per_step"] == 3.0
+    assert summary["event_us_per_step"] == 16.0
+    assert [row["name"] for row in summary["top"]] == ["gemm", "fusion_1"] and summary["top"][0]["per_step"] == 1.0
+
+    cpu = meta[:1] + [event(1, "dot.3", 5.0), event(1, "$threading.py:1 wait", 500.0)]
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": cpu}, f)
+    summary = bench_gpu.summarise_trace(path, steps=1)
+    assert summary["events_on"] == "host" and [row["name"] for row in summary["top"]] == ["dot.3"]
