@@ -355,8 +355,8 @@ class RemoteEngineConfig(Section):
 class EngineConfig(Section):
     """The JAX inference engine: batch slots, KV cache, and the shapes it compiles for."""
 
-    slots: int = Field(default=16, ge=1)
-    """Sequences decoded together (batch rows of the KV cache); a request's ``n`` samples need ``n`` free slots."""
+    slots: Union[int, Literal["auto"]] = 16
+    """Sequences decoded together (batch rows of the KV cache); a request's ``n`` samples need ``n`` free slots. ``auto``: as many as the device's memory holds after the trainer at the configured ``kv_capacity``, by ``asyncrl plan``'s accounting (at least ``rollout.group_size``, at most ``rollout.max_concurrent x rollout.group_size``, a multiple of 8 from 8 up), sized when the run starts and logged (``asyncrl plan --device-memory`` shows the figure)."""
     kv_capacity: int = Field(default=512, ge=2)
     """Tokens one slot holds: prompt + ``max_new_tokens`` of every request must fit."""
     decode_chunk: int = Field(default=8, ge=1)
@@ -375,6 +375,13 @@ class EngineConfig(Section):
     """Size classes of the KV cache a decode chunk attends over: the capacity halved ``attention_buckets - 1`` times (multiples of 16); each chunk attends over the smallest class that holds its active slots' contexts, one compiled decode program per class. 1: always the whole ``kv_capacity``."""
     remote: Optional[RemoteEngineConfig] = None
     """Generate on inference servers instead of in-process (the fields above then apply to ``asyncrl serve`` only); null: the in-process JAX engine."""
+
+    @field_validator("slots")
+    @classmethod
+    def _check_slots(cls, value: Union[int, str]) -> Union[int, str]:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"engine.slots: at least 1, or auto (given {value})")
+        return value
 
     @model_validator(mode="after")
     def _check_buckets(self) -> "EngineConfig":

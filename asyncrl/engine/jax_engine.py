@@ -216,6 +216,9 @@ class JaxEngine:
         mesh: Any = None,
     ):
         self.config = cfg = config or EngineConfig()
+        if not isinstance(cfg.slots, int):
+            raise EngineRequestError("engine.slots: auto is sized by the training run (asyncrl.run.auto_slots); "
+                                     "give the engine a number of slots")
         self.graphdef = graphdef
         if hasattr(params, "to_pure_dict"):
             params = params.to_pure_dict()

@@ -365,7 +365,7 @@ def _engine_lines(cfg: Config, model_cfg: Any, layout: Layout, params: dict, bas
     else:
         engine_base, _ = params_per_device(model_cfg, params, _mesh_view(replicas, 1, tp))
         weights, note = engine_base * p_bytes, f"own copy, {replicas} replica(s) x tensor_parallel {tp}"
-    slots = -(-engine.slots // replicas)
+    slots = -(-planned_slots(cfg) // replicas)
     kv_heads = model_cfg.num_kv_heads // tp
     kv = slots * engine.kv_capacity * model_cfg.num_layers * 2 * kv_heads * model_cfg.head_dim * c_bytes
     kv += slots * engine.kv_capacity  # the valid mask
@@ -378,6 +378,14 @@ def _engine_lines(cfg: Config, model_cfg: Any, layout: Layout, params: dict, bas
                                          f"{kv_heads} KV heads x {model_cfg.head_dim} x {c_bytes} B"),
         Line("engine", "decode step", DECODE_LOGIT_COPIES * slots * vocab * 4, "float32 logits of one step"),
     ]
+
+
+def planned_slots(cfg: Config) -> int:
+    """``engine.slots``, or for ``auto`` (sized at start: :mod:`asyncrl.run.auto_slots`) the fewest
+    the run needs; :func:`run_plan` sizes ``auto`` first when given the device's memory."""
+    from asyncrl.run.auto_slots import minimum_slots
+
+    return cfg.engine.slots if isinstance(cfg.engine.slots, int) else minimum_slots(cfg)
 
 
 def engine_base_bytes(model_cfg: Any, params: dict, layout: Layout, trainer_base: int) -> int:
@@ -439,7 +447,7 @@ def _candidates(cfg: Config, layout: Layout) -> list[list[str]]:
         if trainer_devices % (fsdp * layout.mesh[2]) == 0:
             out.append([f"mesh.fsdp={fsdp}"] + (["mesh.data=null"] if cfg.mesh.data is not None else []))
         fsdp *= 2
-    slots = cfg.engine.slots // 2
+    slots = planned_slots(cfg) // 2 if cfg.engine.slots != "auto" else 0  # auto sizes itself
     while slots >= cfg.rollout.group_size:
         out.append([f"engine.slots={slots}"])
         slots //= 2
@@ -638,10 +646,10 @@ def compiled_decode_chunk(cfg: Config, model_cfg: Any) -> CompiledMemory:
     from asyncrl.model.transformer import Decoder, split_params
 
     graphdef, params = split_params(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))
-    engine = cfg.engine
-    state = jax.eval_shape(lambda: init_slot_state(model_cfg, engine.slots, engine.kv_capacity))
+    engine, slots = cfg.engine, planned_slots(cfg)
+    state = jax.eval_shape(lambda: init_slot_state(model_cfg, slots, engine.kv_capacity))
     controls = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
-                            idle_controls(engine.slots, engine.max_stop_ids))
+                            idle_controls(slots, engine.max_stop_ids))
     lowered = decode_chunk_jit.lower(graphdef, params, state, controls, engine.decode_chunk, False)
     return _compiled_memory(lowered)
 
@@ -658,8 +666,10 @@ def run_plan(config: str, overrides: Sequence[str] = (), devices: int = 1, proce
     if device_memory_gb is not None and not device_memory_gb > 0:
         raise ConfigError(f"--device-memory {device_memory_gb}: give the memory of one device in GB (GiB), > 0")
     cfg = load_config(config, overrides)
-    plan = plan_config(cfg, devices, processes, backend=backend)
     device_memory = None if device_memory_gb is None else int(device_memory_gb * GIB)
+    if cfg.engine.slots == "auto":
+        cfg = _plan_auto_slots(cfg, device_memory, devices, processes, backend)
+    plan = plan_config(cfg, devices, processes, backend=backend)
     compiled: dict[str, CompiledMemory] = {}
     if xla:
         stage, stage_cfg = next((s, c) for s, c in cfg.stage_configs() if s.name == plan.stage)
@@ -678,3 +688,21 @@ def run_plan(config: str, overrides: Sequence[str] = (), devices: int = 1, proce
     sys.stdout.write(format_suggestions(suggest(config, overrides, device_memory, devices, processes, backend=backend),
                                         device_memory))
     return 1
+
+
+def _plan_auto_slots(cfg: Config, device_memory: Optional[int], devices: int, processes: int,
+                     backend: Optional[str]) -> Config:
+    """``engine.slots: auto`` sized for ``device_memory`` as a run would size it (stderr says the
+    count); without a device memory the plan shows the fewest slots the run needs."""
+    import sys
+
+    from asyncrl.run.auto_slots import HEADROOM, minimum_slots, slots_for_budget, with_slots
+
+    if device_memory is None:
+        slots = minimum_slots(cfg)
+        print(f"asyncrl plan: engine.slots: auto: planned at its minimum, {slots} slots; give --device-memory to size it "
+              "as a run does", file=sys.stderr)
+    else:
+        slots = slots_for_budget(cfg, int(HEADROOM * device_memory), devices, processes, backend=backend)
+        print(f"asyncrl plan: engine.slots: auto -> {slots} slots ({HEADROOM:.0%} of --device-memory)", file=sys.stderr)
+    return with_slots(cfg, slots)
