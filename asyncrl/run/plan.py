@@ -20,7 +20,7 @@ engine
     (``slots x kv_capacity x layers x 2 x kv_heads x head_dim x`` compute-dtype bytes, slots
     split over the engine's replicas, KV heads over ``engine.tensor_parallel``) and one decode
     step's logits. Where ``model.compute_dtype`` differs from ``model.param_dtype`` both hold a
-    compute-dtype copy of the weights (the trainer's for the backward, the engine's per decode call;
+    compute-dtype copy of the weights (the trainer's for the backward, the engine's serving copy cast at each publish;
     measured on the Qwen2.5-0.5B shape).
 
 A device that hosts both (the colocated default) needs their sum. When a ``--device-memory``
@@ -371,7 +371,7 @@ def _engine_lines(cfg: Config, model_cfg: Any, layout: Layout, params: dict, bas
     kv += slots * engine.kv_capacity  # the valid mask
     vocab = model_cfg.vocab_size // tp if model_cfg.vocab_size % tp == 0 else model_cfg.vocab_size
     cast = [Line("engine", "cast weights", engine_base_bytes(model_cfg, params, layout, base) * c_bytes // p_bytes,
-                 f"each decode call's {model_cfg.compute_dtype} copy")] if c_bytes != p_bytes else []
+                 f"serving copy in {model_cfg.compute_dtype}, cast at each publish")] if c_bytes != p_bytes else []
     return cast + [
         Line("engine", "weights", weights, note),
         Line("engine", "KV cache", kv, f"{slots} slots x {engine.kv_capacity} tokens x {model_cfg.num_layers} layers x 2 x "

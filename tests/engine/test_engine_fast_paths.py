@@ -162,3 +162,61 @@ def test_bucketed_attention_equals_full_attention(tiny_split):
             assert a.output_ids.tolist() == b.output_ids.tolist()
             np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-6, rtol=0)
         check_logprobs(graphdef, params, request.prompt_ids, got, 1.0, tol=1e-5)
+
+
+# --------------------------------------------------------------------------- serving copy
+
+
+@pytest.fixture(scope="module")
+def bf16_compute_tiny():
+    """tiny's shape with float32 weights and bfloat16 compute (the GSM8K recipes' dtypes)."""
+    import dataclasses
+
+    from asyncrl.model import init_decoder, split_params
+    from asyncrl.model.tiny import parse_tiny_spec, tiny_decoder_config
+
+    cfg = dataclasses.replace(tiny_decoder_config(parse_tiny_spec("tiny")), param_dtype="float32", compute_dtype="bfloat16")
+    return split_params(init_decoder(cfg, seed=3))
+
+
+def test_serving_copy_casts_matrices_only_and_decodes_bitwise_alike(bf16_compute_tiny):
+    from asyncrl.engine.jax_programs import decode_chunk_jit, graphdef_config, idle_controls, init_slot_state
+    from asyncrl.engine.serving_copy import serving_copy
+
+    graphdef, params = bf16_compute_tiny
+    serving = serving_copy(params, "bfloat16")
+    for (path, original), copy in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(serving)):
+        want = jnp.bfloat16 if original.ndim >= 2 else jnp.float32
+        assert copy.dtype == want, jax.tree_util.keystr(path)
+    assert serving_copy(serving, "bfloat16") is serving  # nothing left to cast: no copy
+    assert serving_copy(params, "float32") is params
+
+    controls = idle_controls(3, 8)
+    controls.active[:] = True
+    controls.max_new_tokens[:] = 12
+    controls.last_token[:] = [7, 9, 11]
+    controls.greedy[:] = [True, False, False]
+    outs = []
+    for weights in (params, serving):  # the per-call cast, then the copy
+        state = init_slot_state(graphdef_config(graphdef, params), 3, 32)
+        outs.append([np.asarray(x) for x in decode_chunk_jit(graphdef, weights, state, controls, 12, False, None)[1:]])
+    for per_call, copied in zip(*outs):
+        np.testing.assert_array_equal(copied, per_call)
+
+
+def test_engine_serves_the_copy_and_refreshes_it_at_each_publish(bf16_compute_tiny):
+    graphdef, params = bf16_compute_tiny
+    cfg = EngineConfig(slots=2, kv_capacity=48, decode_chunk=4, prefill_buckets=[16])
+    request = GenerationRequest(prompt_ids=prompt_of(3, 9), n=2, temperature=1.0, max_new_tokens=16, stop_token_ids=[],
+                                sample_id=4)
+    with JaxEngine(graphdef, params, config=cfg) as engine:
+        assert engine.served_params["embed_tokens"]["embedding"].dtype == jnp.float32  # what asyncrl serve reuses
+        assert engine._serving["embed_tokens"]["embedding"].dtype == jnp.bfloat16
+        before = engine.generate(request)
+        moved = jax.tree.map(lambda x: x * 1.5, params)
+        engine.update_weights(moved, 1)
+        np.testing.assert_array_equal(np.asarray(engine._serving["embed_tokens"]["embedding"], np.float32),
+                                      np.asarray(moved["embed_tokens"]["embedding"].astype(jnp.bfloat16), np.float32))
+        after = engine.generate(request)
+    assert [r.versions.tolist() for r in after] == [[1] * 16] * 2
+    assert any(a.logprobs.tolist() != b.logprobs.tolist() for a, b in zip(before, after))
