@@ -284,3 +284,21 @@ def test_bench_gpu_trace_summary_counts_device_kernels_per_step(tmp_path):
         json.dump({"traceEvents": cpu}, f)
     summary = bench_gpu.summarise_trace(path, steps=1)
     assert summary["events_on"] == "host" and [row["name"] for row in summary["top"]] == ["dot.3"]
+
+
+def test_bench_gpu_comparison_child_runs_without_the_gpu_flags():
+    from asyncrl.engine.platform import merge_xla_flags, xla_flags_for
+
+    extended = merge_xla_flags("--xla_dump_to=/tmp/d", xla_flags_for("gpu"))
+    assert bench_gpu.without_gpu_defaults(extended) == "--xla_dump_to=/tmp/d"
+
+
+def test_bench_gpu_comparison_child_decodes_in_its_own_process():
+    """The GPU-only comparison part, run here on the quick shape: a child process's decode line."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench_gpu.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--baseline-slots", "2"])
+    out = bench_gpu.part_decode_without_command_buffers(args)
+    assert [row["slots"] for row in out["slots"]] == [2] and out["slots"][0]["ms_per_step"] > 0, out

@@ -148,12 +148,25 @@ def part_decode_without_command_buffers(args: argparse.Namespace) -> dict:
     argv = [sys.executable, str(Path(__file__).resolve().parents[1] / "bench.py"), "gpu", "--parts", "decode",
             "--slots", ",".join(map(str, args.baseline_slots)), "--model-config", str(args.model_config),
             "--prompt", str(args.prompt), "--new", str(args.new), "--repeats", str(args.repeats),
-            "--sampler", args.sampler, "--attention-buckets", str(args.attention_buckets)]
-    env = {**os.environ, "ASYNCRL_XLA_PLATFORM_FLAGS": "0"}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=True)
+            "--sampler", args.sampler, "--attention-buckets", str(args.attention_buckets)] + (["--quick"] if args.quick else [])
+    env = {**os.environ, "ASYNCRL_XLA_PLATFORM_FLAGS": "0",
+           "XLA_FLAGS": without_gpu_defaults(os.environ.get("XLA_FLAGS", "")),
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}  # this tree
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"decode_without_command_buffers: the child exited {done.returncode}:\n{done.stderr[-3000:]}")
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     decode = next(line for line in lines if line.get("part") == "decode")
     return {"xla_flags": env.get("XLA_FLAGS", ""), "slots": decode["slots"]}
+
+
+def without_gpu_defaults(xla_flags: str) -> str:
+    """``xla_flags`` (this process's ``XLA_FLAGS``, which :func:`apply_platform_xla_flags` extended)
+    without the flags asyncrl adds on GPUs: what the child of the comparison runs with."""
+    from asyncrl.engine.platform import xla_flags_for
+
+    added = set(xla_flags_for("gpu"))
+    return " ".join(flag for flag in xla_flags.split() if flag not in added)
 
 
 def part_hf_generate(cfg: Any, args: argparse.Namespace, engine_rows: list[dict]) -> dict:
@@ -345,7 +358,9 @@ def run(args: argparse.Namespace) -> dict:
     from asyncrl.engine.platform import apply_platform_xla_flags
 
     apply_platform_xla_flags()  # before the backend starts
-    if args.quick:
+    if args.quick and args.parts == "decode":  # decode_without_command_buffers' child: its slots as given
+        args.prompt, args.new, args.repeats, args.decode_chunk = 16, 32, 1, 8
+    elif args.quick:
         args.slots, args.baseline_slots, args.hf_slots = [1, 4], [4], [4]
         args.prompt, args.new, args.repeats, args.loop_steps, args.decode_chunk = 16, 32, 1, 2, 8
     parts = [p for p in args.parts.split(",") if p]
