@@ -1,12 +1,12 @@
 """``engine.slots: auto``: as many decode slots as the device's memory holds after the trainer.
 
-The count comes from ``asyncrl plan``'s accounting (:func:`~asyncrl.run.plan.plan_config`), so a
+The count comes from ``asyncrl plan``'s accounting (:func:`~asyncrl.run.plan.slots_for_budget`), so a
 run sized here and the plan printed for it agree. A plan's total is affine in the slots each
 engine replica holds (the KV cache and one decode step's logits per slot; every other line is
 fixed), so two plans give the fixed bytes and the bytes per slot, and the count is the largest
 that fits the budget, within:
 
-* at least :func:`minimum_slots` (a group's samples decode together; a beam needs its width);
+* at least :func:`~asyncrl.run.plan.minimum_slots` (a group's samples decode together; a beam needs its width);
 * at most ``rollout.max_concurrent x rollout.group_size`` (more slots than samples in flight
   never fill);
 * a multiple of 8 from 8 up (tile-friendly batch rows on accelerators), of the engine replicas.
@@ -22,53 +22,13 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any
 
 from asyncrl.config import Config
-from asyncrl.errors import ConfigError
+from asyncrl.run.plan import AUTO_SLOTS_HEADROOM as HEADROOM
+from asyncrl.run.plan import GIB, slots_for_budget, with_slots
 
 log = logging.getLogger("asyncrl.run")
-
-HEADROOM = 0.9
-"""Share of the device's memory the plan may fill."""
-ROUND_TO = 8
-
-
-def minimum_slots(cfg: Config) -> int:
-    """The fewest slots the run can work with: a group (``rollout.group_size``), and eval's beam width."""
-    beam = cfg.eval.decoding.beam_width if cfg.eval.decoding.strategy == "beam" else 1
-    return max(cfg.rollout.group_size, beam)
-
-
-def with_slots(cfg: Config, slots: int) -> Config:
-    """``cfg`` with ``engine.slots = slots`` (stages inherit the top-level engine section)."""
-    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"slots": slots})})
-
-
-def slots_for_budget(cfg: Config, budget: int, devices: int = 1, processes: int = 1, model_cfg: Any = None,
-                     backend: Optional[str] = None) -> int:
-    """The most slots (see the module docstring) whose plan of ``cfg`` fits ``budget`` bytes per
-    device; a ConfigError naming ``engine.slots`` when even :func:`minimum_slots` does not."""
-    from asyncrl.run.plan import GIB, plan_config, plan_layout
-
-    replicas = max(plan_layout(cfg, devices, processes).engine_replicas, 1)
-    total = lambda per_replica: plan_config(with_slots(cfg, per_replica * replicas), devices, processes, model_cfg,
-                                            backend).total_bytes
-    one, two = total(1), total(2)
-    per_slot, fixed = two - one, 2 * one - two
-    least = minimum_slots(cfg)
-    most = max(cfg.rollout.max_concurrent * cfg.rollout.group_size, least)
-    fitting = (budget - fixed) // per_slot * replicas if per_slot > 0 else most
-    slots = min(fitting, most)
-    if slots >= ROUND_TO * replicas:
-        slots -= slots % (ROUND_TO * replicas)
-    if slots < least:
-        need = fixed + -(-least // replicas) * per_slot
-        raise ConfigError([f"engine.slots: auto: the {least} slots the run needs (rollout.group_size, eval's beam width) "
-                           f"take {need / GIB:.2f} GiB per device with the trainer, over the {budget / GIB:.2f} GiB "
-                           "budget; lower engine.kv_capacity or the trainer's memory (asyncrl plan --device-memory "
-                           "lists changes), or give a number"])
-    return int(slots)
 
 
 def device_budget(device: Any) -> tuple[int, str]:
@@ -92,8 +52,6 @@ def resolve_auto_slots(cfg: Config, model_cfg: Any) -> Config:
     if cfg.engine.slots != "auto":
         return cfg
     import jax
-
-    from asyncrl.run.plan import GIB
 
     budget, source = device_budget(jax.local_devices()[0])
     slots = slots_for_budget(cfg, budget, jax.device_count(), jax.process_count(), model_cfg, jax.default_backend())

@@ -383,8 +383,6 @@ def _engine_lines(cfg: Config, model_cfg: Any, layout: Layout, params: dict, bas
 def planned_slots(cfg: Config) -> int:
     """``engine.slots``, or for ``auto`` (sized at start: :mod:`asyncrl.run.auto_slots`) the fewest
     the run needs; :func:`run_plan` sizes ``auto`` first when given the device's memory."""
-    from asyncrl.run.auto_slots import minimum_slots
-
     return cfg.engine.slots if isinstance(cfg.engine.slots, int) else minimum_slots(cfg)
 
 
@@ -425,6 +423,49 @@ def plan_config(cfg: Config, devices: int = 1, processes: int = 1, model_cfg: An
         decoder = stage_decoder_config(flat, model_cfg, backend)
         plans.append(plan_stage(flat, decoder, layout, abstract_params(decoder), stage.type == "sft", stage.name))
     return max(plans, key=lambda plan: plan.total_bytes)
+
+
+# --------------------------------------------------------------------------- engine.slots: auto
+
+
+AUTO_SLOTS_HEADROOM = 0.9
+"""``engine.slots: auto``: the share of the device's memory the plan may fill (:mod:`asyncrl.run.auto_slots`)."""
+AUTO_SLOTS_ROUND_TO = 8
+
+
+def minimum_slots(cfg: Config) -> int:
+    """The fewest slots the run can work with: a group (``rollout.group_size``), and eval's beam width."""
+    beam = cfg.eval.decoding.beam_width if cfg.eval.decoding.strategy == "beam" else 1
+    return max(cfg.rollout.group_size, beam)
+
+
+def with_slots(cfg: Config, slots: int) -> Config:
+    """``cfg`` with ``engine.slots = slots`` (stages inherit the top-level engine section)."""
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"slots": slots})})
+
+
+def slots_for_budget(cfg: Config, budget: int, devices: int = 1, processes: int = 1, model_cfg: Any = None,
+                     backend: Optional[str] = None) -> int:
+    """The most slots (:mod:`asyncrl.run.auto_slots` says within which bounds) whose plan of ``cfg`` fits ``budget`` bytes per
+    device; a ConfigError naming ``engine.slots`` when even :func:`minimum_slots` does not."""
+    replicas = max(plan_layout(cfg, devices, processes).engine_replicas, 1)
+    total = lambda per_replica: plan_config(with_slots(cfg, per_replica * replicas), devices, processes, model_cfg,
+                                            backend).total_bytes
+    one, two = total(1), total(2)
+    per_slot, fixed = two - one, 2 * one - two
+    least = minimum_slots(cfg)
+    most = max(cfg.rollout.max_concurrent * cfg.rollout.group_size, least)
+    fitting = (budget - fixed) // per_slot * replicas if per_slot > 0 else most
+    slots = min(fitting, most)
+    if slots >= AUTO_SLOTS_ROUND_TO * replicas:
+        slots -= slots % (AUTO_SLOTS_ROUND_TO * replicas)
+    if slots < least:
+        need = fixed + -(-least // replicas) * per_slot
+        raise ConfigError([f"engine.slots: auto: the {least} slots the run needs (rollout.group_size, eval's beam width) "
+                           f"take {need / GIB:.2f} GiB per device with the trainer, over the {budget / GIB:.2f} GiB "
+                           "budget; lower engine.kv_capacity or the trainer's memory (asyncrl plan --device-memory "
+                           "lists changes), or give a number"])
+    return int(slots)
 
 
 # --------------------------------------------------------------------------- suggestions
@@ -696,13 +737,11 @@ def _plan_auto_slots(cfg: Config, device_memory: Optional[int], devices: int, pr
     count); without a device memory the plan shows the fewest slots the run needs."""
     import sys
 
-    from asyncrl.run.auto_slots import HEADROOM, minimum_slots, slots_for_budget, with_slots
-
     if device_memory is None:
         slots = minimum_slots(cfg)
         print(f"asyncrl plan: engine.slots: auto: planned at its minimum, {slots} slots; give --device-memory to size it "
               "as a run does", file=sys.stderr)
     else:
-        slots = slots_for_budget(cfg, int(HEADROOM * device_memory), devices, processes, backend=backend)
-        print(f"asyncrl plan: engine.slots: auto -> {slots} slots ({HEADROOM:.0%} of --device-memory)", file=sys.stderr)
+        slots = slots_for_budget(cfg, int(AUTO_SLOTS_HEADROOM * device_memory), devices, processes, backend=backend)
+        print(f"asyncrl plan: engine.slots: auto -> {slots} slots ({AUTO_SLOTS_HEADROOM:.0%} of --device-memory)", file=sys.stderr)
     return with_slots(cfg, slots)
