@@ -220,3 +220,34 @@ def test_engine_serves_the_copy_and_refreshes_it_at_each_publish(bf16_compute_ti
         after = engine.generate(request)
     assert [r.versions.tolist() for r in after] == [[1] * 16] * 2
     assert any(a.logprobs.tolist() != b.logprobs.tolist() for a, b in zip(before, after))
+
+
+def test_bucketed_attention_equals_full_with_top_k_top_p_and_a_trie_in_one_batch(tiny_split):
+    """The filtered and the constrained decode variants under attention buckets, requests submitted
+    together (one batch): the same tokens and log-probs as over the whole cache."""
+    from asyncrl.engine.constraints import TokenTrie
+
+    lm, graphdef, params = tiny_split
+    rng = np.random.default_rng(7)
+    trie = TokenTrie({tuple(int(t) for t in rng.integers(6, 28, size=40)) for _ in range(16)}, name="bucket-test")
+    cfg = EngineConfig(slots=6, kv_capacity=128, decode_chunk=4, prefill_buckets=[32])
+    requests = [
+        GenerationRequest(prompt_ids=prompt_of(20, 25), n=2, temperature=0.9, top_k=5, top_p=0.8, max_new_tokens=60,
+                          stop_token_ids=[], sample_id=20),
+        GenerationRequest(prompt_ids=prompt_of(21, 10), n=2, temperature=1.0, max_new_tokens=80, stop_token_ids=[],
+                          sample_id=21, constraint=trie),
+        GenerationRequest(prompt_ids=prompt_of(22, 30), n=2, temperature=1.0, max_new_tokens=70, stop_token_ids=[],
+                          sample_id=22),
+    ]
+
+    def run(buckets: int) -> list:
+        config = cfg.model_copy(update={"attention_buckets": buckets})
+        with JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=config, seed=5) as engine:
+            return [f.result() for f in [engine.submit(r) for r in requests]]
+
+    full, bucketed = run(1), run(4)
+    for want, got in zip(full, bucketed):
+        for a, b in zip(want, got):
+            assert a.output_ids.tolist() == b.output_ids.tolist() and a.stop_reason == b.stop_reason
+            np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-6, rtol=0)
+    assert all(trie.contains(r.output_ids.tolist()) for r in bucketed[1])  # the constrained request's samples
