@@ -194,6 +194,8 @@ def part_hf_generate(cfg: Any, args: argparse.Namespace, engine_rows: list[dict]
     from asyncrl.model import to_hf_config
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":  # OpenMP threads beside XLA's collapse on a small shared CPU (bench.py engine: 1 thread too)
+        torch.set_num_threads(1)
     dtype = getattr(torch, cfg.compute_dtype)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=dtype).to(device).eval()
