@@ -296,6 +296,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "version":
         print(f"asyncrl {__version__}")
         return 0
+    if args.command in ("serve", "train", "eval"):
+        # Before any backend starts (XLA reads XLA_FLAGS once): command buffers on GPUs.
+        from asyncrl.engine.platform import apply_platform_xla_flags
+
+        apply_platform_xla_flags()
     if args.command == "serve":
         return _serve(args)
     if args.command == "export":

@@ -197,6 +197,20 @@ def _bench_accel(_: Path, output: str) -> None:
     assert result["train"]["achieved_flops_per_s"] > 0 and result["decode"]["ms_per_step"] > 0, result
 
 
+def _bench_gpu(_: Path, output: str) -> None:
+    """``bench.py gpu``'s quick form: one line per part, then the summary; decode against its floor."""
+    lines = [json.loads(line) for line in output.splitlines() if line.startswith('{"bench": "gpu"')]
+    parts = {line["part"]: line for line in lines}
+    assert set(parts) == {"device", "decode", "decode_baseline", "hf_generate", "loop", "summary"}, list(parts)
+    assert parts["device"]["copy_bytes_per_s"] > 0 and parts["device"]["matmul_flops_per_s"] > 0, parts["device"]
+    assert [row["slots"] for row in parts["decode"]["slots"]] == [1, 4], parts["decode"]
+    assert all(row["ms_per_step"] > 0 and row["floor_ms_per_step"] > 0 for row in parts["decode"]["slots"]), parts["decode"]
+    assert parts["hf_generate"]["slots"][0]["engine_over_hf"] > 0, parts["hf_generate"]
+    loop = parts["loop"]
+    assert loop["steps"] == 2 and loop["time_to_first_step_s"] > 0 and loop["plan_total_bytes"] > 0, loop
+    assert set(parts["summary"]["load_avg"]) == {"start", "end"}
+
+
 def _bench_vs_trl_dry(_: Path, output: str) -> None:
     result = json.loads(output.strip().splitlines()[-1])
     assert result["dry_run"] and result["asyncrl"]["rollout"]["max_staleness"] == 0, result
@@ -322,6 +336,9 @@ SLOW_CHAINS = {
         # Needs TRL (the optional [compare] extra) and minutes per step: the dry form checks the two configs.
         Step("python scripts/bench_vs_trl.py", ("--dry-run",), check=_bench_vs_trl_dry),
     ),
+    # docs/performance.md "On a GPU": the GPU benchmark's CPU form (tiny shape, a 2-step GSM8K loop: minutes here)
+    "bench_gpu": (Step("python scripts/bench.py gpu --model-config configs/models/qwen2.5-0.5b/config.json", ("--quick",),
+                       check=_bench_gpu),),
     # docs/performance.md: bench_async on tiny, colocated (its split layout runs in tests/test_perf_tools.py)
     "bench_async": (
         Step("python scripts/bench_async.py", ("--model", "tiny", "--layouts", "colocated", "--staleness", "0", "2",

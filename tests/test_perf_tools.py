@@ -25,6 +25,7 @@ import bench_rl  # noqa: E402
 import bench_vs_trl  # noqa: E402
 from bench_components import accel as bench_accel  # noqa: E402
 from bench_components import engine as bench_engine  # noqa: E402
+from bench_components import gpu as bench_gpu  # noqa: E402
 
 # --------------------------------------------------------------------------- benchmark arithmetic
 
@@ -257,3 +258,47 @@ def test_bench_vs_trl_reports_asyncrl_at_eta_0_and_the_async_eta_against_trl(mon
     only_sync = bench_vs_trl.compare(bench_vs_trl.parse(["--rounds", "1", "--async-staleness", "0"]),
                                      tmp_path / "c.yaml", tmp_path / "out", {}, tmp_path)
     assert made == [0] and only_sync["asyncrl_async"] is None
+
+
+def test_bench_gpu_trace_summary_counts_device_kernels_per_step(tmp_path):
+    """``bench.py gpu --profile``'s summary: on a trace with a GPU track, only its kernels count
+    (per decode step, ranked by time); without one (the CPU), the host's events but Python frames."""
+    import gzip
+
+    def event(pid, name, dur):
+        return {"ph": "X", "pid": pid, "tid": 1, "name": name, "ts": 0, "dur": dur}
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}}]
+    gpu = meta + [event(7, "fusion_1", 3.0)] * 8 + [event(7, "gemm", 10.0)] * 4 + [event(1, "$loop.py:1 run", 999.0)]
+    path = tmp_path / "gpu.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": gpu}, f)
+    summary = bench_gpu.summarise_trace(path, steps=4)
+    assert summary["events_on"] == "device" and summary["events_per_step"] == 3.0
+    assert summary["event_us_per_step"] == 16.0
+    assert [row["name"] for row in summary["top"]] == ["gemm", "fusion_1"] and summary["top"][0]["per_step"] == 1.0
+
+    cpu = meta[:1] + [event(1, "dot.3", 5.0), event(1, "$threading.py:1 wait", 500.0)]
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": cpu}, f)
+    summary = bench_gpu.summarise_trace(path, steps=1)
+    assert summary["events_on"] == "host" and [row["name"] for row in summary["top"]] == ["dot.3"]
+
+
+def test_bench_gpu_comparison_child_runs_without_the_gpu_flags():
+    from asyncrl.engine.platform import merge_xla_flags, xla_flags_for
+
+    extended = merge_xla_flags("--xla_dump_to=/tmp/d", xla_flags_for("gpu"))
+    assert bench_gpu.without_gpu_defaults(extended) == "--xla_dump_to=/tmp/d"
+
+
+def test_bench_gpu_comparison_child_decodes_in_its_own_process():
+    """The GPU-only comparison part, run here on the quick shape: a child process's decode line."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench_gpu.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--baseline-slots", "2"])
+    out = bench_gpu.part_decode_without_command_buffers(args)
+    assert [row["slots"] for row in out["slots"]] == [2] and out["slots"][0]["ms_per_step"] > 0, out

@@ -363,8 +363,8 @@ class RemoteEngineConfig(Section):
 class EngineConfig(Section):
     """The JAX inference engine: batch slots, KV cache, and the shapes it compiles for."""
 
-    slots: int = Field(default=16, ge=1)
-    """Sequences decoded together (batch rows of the KV cache); a request's ``n`` samples need ``n`` free slots."""
+    slots: Union[int, Literal["auto"]] = 16
+    """Sequences decoded together (batch rows of the KV cache); a request's ``n`` samples need ``n`` free slots. ``auto``: as many as the device's memory holds after the trainer at the configured ``kv_capacity``, by ``asyncrl plan``'s accounting (at least ``rollout.group_size``, at most ``rollout.max_concurrent x rollout.group_size``, a multiple of 8 from 8 up), sized when the run starts and logged (``asyncrl plan --device-memory`` shows the figure)."""
     kv_capacity: int = Field(default=512, ge=2)
     """Tokens one slot holds: prompt + ``max_new_tokens`` of every request must fit."""
     decode_chunk: int = Field(default=8, ge=1)
@@ -377,8 +377,19 @@ class EngineConfig(Section):
     """Default timeout of a request without its own ``timeout_s``; unfinished samples come back ``aborted``. Null: none."""
     tensor_parallel: int = Field(default=1, ge=1)
     """Devices each engine replica splits the model over (attention and KV heads, MLP width, vocabulary); the engine's devices (``placement.engine``) form ``devices / tensor_parallel`` replicas that decode different slots. Must divide the model's KV heads. 1 with the default placement: the engine serves the trainer's own arrays, as before (docs/scaling.md)."""
+    sampler: Literal["auto", "inverse_cdf", "gumbel"] = "auto"
+    """How a slot's token is drawn from ``softmax(logits / T)``: ``inverse_cdf`` (one uniform per slot; fastest on XLA:CPU), ``gumbel`` (Gumbel-max: one fused pass over the vocabulary, for GPUs), ``auto``: ``inverse_cdf`` on the CPU, ``gumbel`` on accelerators. Both draw from the same distribution and report the same log-probs, but a seed's tokens depend on the sampler."""
+    attention_buckets: int = Field(default=1, ge=1)
+    """Size classes of the KV cache a decode chunk attends over: the capacity halved ``attention_buckets - 1`` times (multiples of 16); each chunk attends over the smallest class that holds its active slots' contexts, one compiled decode program per class. 1: always the whole ``kv_capacity``."""
     remote: Optional[RemoteEngineConfig] = None
     """Generate on inference servers instead of in-process (the fields above then apply to ``asyncrl serve`` only); null: the in-process JAX engine."""
+
+    @field_validator("slots")
+    @classmethod
+    def _check_slots(cls, value: Union[int, str]) -> Union[int, str]:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"engine.slots: at least 1, or auto (given {value})")
+        return value
 
     @model_validator(mode="after")
     def _check_buckets(self) -> "EngineConfig":

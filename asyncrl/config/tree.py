@@ -216,14 +216,16 @@ class Config(Section):
                 "rollout.decoding / eval.decoding: trie constraints and beam search need the in-process engine; "
                 "engine.remote is set (drop the constraint and use strategy greedy or sample)"
             )
-        if eval_decoding.strategy == "beam" and eval_decoding.beam_width > engine.slots:
+        # engine.slots: auto is sized at start to at least these (asyncrl.run.auto_slots.minimum_slots)
+        slots = engine.slots if isinstance(engine.slots, int) else None
+        if slots is not None and eval_decoding.strategy == "beam" and eval_decoding.beam_width > slots:
             problems.append(f"eval.decoding.beam_width ({eval_decoding.beam_width}) must be at most engine.slots ({engine.slots})")
         if eval_decoding.constraint and rollout_decoding.constraint:
             problems.append("eval.decoding.constraint: eval decodes under rollout.decoding.constraint when that is set; "
                             "leave eval.decoding.constraint null")
         if eval_decoding.strategy == "sample":
             problems.append("eval.decoding.strategy: 'greedy' or 'beam' (eval's sampled completions are eval.n_samples)")
-        if self.rollout.group_size > engine.slots:
+        if slots is not None and self.rollout.group_size > slots:
             problems.append(
                 f"engine.slots ({engine.slots}) must be at least rollout.group_size ({self.rollout.group_size}): "
                 "a group's samples share one prefill and decode together"

@@ -31,8 +31,10 @@ slot idles for at most the steps until the next finish rather than the rest of a
 whole one, and refills come in pairs, prefilled in one call that costs about what one prompt
 alone costs (small prefills read all the weights for few tokens). The programs are
 module-level jits shared by every engine with the same model shapes: one prefill per bucket
-and two decode variants (:func:`compile_count`, reported as
-``engine/compiles``).
+and two decode variants per attention bucket (``engine.attention_buckets``:
+:mod:`asyncrl.engine.attention_buckets`) (:func:`compile_count`, reported as
+``engine/compiles``). The sampler (``engine.sampler``) and the XLA flags are chosen per
+platform (:mod:`asyncrl.engine.platform`).
 
 Sampling and randomness (docs/design.md "Randomness", "Log-probabilities")
 -----------------------------------------------------------------
@@ -68,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.config import EngineConfig
+from asyncrl.engine.attention_buckets import attention_buckets, chunk_bucket
 from asyncrl.engine.constraints import TokenTrie, TriePool
 from asyncrl.engine.jax_programs import (
     PREFILL_ROWS,
@@ -84,7 +87,9 @@ from asyncrl.engine.jax_programs import (
     slot_state_shardings,
     snapshot,
 )
+from asyncrl.engine.platform import resolve_sampler
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
+from asyncrl.engine.serving_copy import serving_copy
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
 from asyncrl.model.sharding import check_tensor_parallel, param_shardings
 from asyncrl.registry import register
@@ -138,8 +143,9 @@ class _Pending:
 
 
 class _Update:
-    def __init__(self, params: Any, version: int):
+    def __init__(self, params: Any, version: int, compute_dtype: Any):
         self.params = params
+        self.serving = serving_copy(params, compute_dtype)  # cast once here, not in every program call
         self.version = version
         self.requested = time.monotonic()
         self.done = threading.Event()
@@ -212,6 +218,9 @@ class JaxEngine:
         mesh: Any = None,
     ):
         self.config = cfg = config or EngineConfig()
+        if not isinstance(cfg.slots, int):
+            raise EngineRequestError("engine.slots: auto is sized by the training run (asyncrl.run.auto_slots); "
+                                     "give the engine a number of slots")
         self.graphdef = graphdef
         if hasattr(params, "to_pure_dict"):
             params = params.to_pure_dict()
@@ -229,6 +238,7 @@ class JaxEngine:
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             self._shardings = jax.tree.map(lambda _: device, params)
         self._params = move_params(params, self._shardings)
+        self._serving = serving_copy(self._params, nnx_cfg.compute_dtype)  # what the programs run on
         self._treedef: Any = jax.tree.structure(self._params)  # (jax's PyTreeDef is untyped for mypy)
         self._avals = [(x.shape, x.dtype) for x in jax.tree.leaves(self._params)]
         embed = self._params["embed_tokens"]["embedding"]
@@ -239,6 +249,8 @@ class JaxEngine:
         self.chunk = cfg.decode_chunk
         self.buckets = tuple(sorted(b for b in set(cfg.prefill_buckets) if b <= cfg.kv_capacity))
         self.prefill_rows = min(PREFILL_ROWS, cfg.slots)
+        self.sampler = resolve_sampler(cfg.sampler, next(iter(embed.devices())).platform)
+        self.attention_buckets = attention_buckets(self.capacity, cfg.attention_buckets)
         if not self.buckets:
             raise EngineRequestError(f"engine.prefill_buckets {cfg.prefill_buckets}: none fits engine.kv_capacity = {cfg.kv_capacity}")
         self._check_stop_ids(self.default_stop_ids, "stop_token_ids (the model's default)")
@@ -321,7 +333,7 @@ class JaxEngine:
         if avals != self._avals:
             bad = [i for i, (a, b) in enumerate(zip(avals, self._avals)) if a != b]
             raise ValueError(f"update_weights: {len(bad)} parameter(s) differ in shape or dtype from the served ones (first: leaf {bad[0]}: {avals[bad[0]]} vs {self._avals[bad[0]]})")
-        update = _Update(move_params(params, self._shardings), version)
+        update = _Update(move_params(params, self._shardings), version, self.model_config.compute_dtype)
         with self._cond:
             self._raise_if_unusable()
             if self._update is not None or version != self._version + 1:
@@ -381,16 +393,22 @@ class JaxEngine:
         return self._crash
 
     def warmup(self) -> int:
-        """Compile every program (each prefill bucket, both decode variants); returns the compile count."""
+        """Compile every program (each prefill bucket, both decode variants per attention bucket); returns the compile count."""
         for bucket in self.buckets:
             plan = PrefillPlan.empty(self.prefill_rows, bucket, self.slots)  # no destination: the state is unchanged
-            self._state = prefill_insert_jit(self.graphdef, self._params, self._state, plan, self._root_key, self._layout)
+            self._state = prefill_insert_jit(self.graphdef, self._serving, self._state, plan, self._root_key, self._layout)
         idle = idle_controls(self.slots, self.config.max_stop_ids)
         for filtered in (False, True):
-            self._state, *_ = decode_chunk_jit(self.graphdef, self._params, self._state, idle, self.chunk, filtered,
-                                               self._layout)
+            for attend in self.attention_buckets:
+                self._state, *_ = decode_chunk_jit(self.graphdef, self._serving, self._state, idle, self.chunk, filtered,
+                                                   self._layout, **self._decode_options(attend))
         jax.block_until_ready(self._state)
         return compile_count()
+
+    def _decode_options(self, attend: int) -> dict[str, Any]:
+        """The decode program's sampler and attended cache size (0: the whole cache, the same
+        program as without attention buckets)."""
+        return {"sampler": self.sampler, "attend": 0 if attend >= self.capacity else attend}
 
     def metrics(self) -> dict[str, float]:
         """Cumulative figures since start (``engine/...``). ``decode_s`` (wall time of decode
@@ -531,7 +549,7 @@ class JaxEngine:
             self._fail_all(EngineCrashed("the inference engine's thread died", tb))
 
     def _install(self, update: _Update) -> None:
-        self._params = update.params
+        self._params, self._serving = update.params, update.serving
         self._version = update.version
         latency = time.monotonic() - update.requested
         self._stats.swaps += 1
@@ -651,7 +669,7 @@ class JaxEngine:
             root = self._trie_offset(trie)  # first: it may rebuild the pool's tables
             tries = (self._trie_tables, np.int32(root))
         started = time.monotonic()
-        out = beam_search_jit(self.graphdef, self._params, ids, np.arange(bucket) < context, np.int32(prompt[-1]), stop_vocab,
+        out = beam_search_jit(self.graphdef, self._serving, ids, np.arange(bucket) < context, np.int32(prompt[-1]), stop_vocab,
                               np.float32(request.length_penalty), tries, k=request.n, max_new=request.max_new_tokens,
                               capacity=bucket + request.max_new_tokens, max_branch=self._tries.max_branch if trie else 0)
         tokens, logprobs, lengths, scores = (np.asarray(x) for x in out)
@@ -708,7 +726,7 @@ class JaxEngine:
                 self._start_slot(slot, request, pending.stop_ids, int(prompt[-1]))
             self._stats.prefill_tokens += context
         self._stats.prefill_calls += 1
-        self._state = prefill_insert_jit(self.graphdef, self._params, self._state, plan, self._root_key, self._layout)
+        self._state = prefill_insert_jit(self.graphdef, self._serving, self._state, plan, self._root_key, self._layout)
 
     def _start_slot(self, slot: int, request: GenerationRequest, stop_ids: tuple[int, ...], last_token: int) -> None:
         """Set a freshly prefilled slot's controls from its request."""
@@ -757,9 +775,12 @@ class JaxEngine:
             pair = self.prefill_rows if self.slots >= PAIRED_REFILL_MIN_SLOTS else 1
             c.refill_free[...] = max(self._waiting[0].request.n if self._waiting else 1, pair)
         version = self._version
+        contexts = (len(owner[0].request.prompt_ids) - 1 + int(c.generated[slot])
+                    for slot, owner in enumerate(self._slot_owner) if active[slot] and owner is not None)
         self._state, tokens, logprobs, emitted = decode_chunk_jit(
-            self.graphdef, self._params, self._state, snapshot(c), self.chunk, filtered, self._layout,
+            self.graphdef, self._serving, self._state, snapshot(c), self.chunk, filtered, self._layout,
             self._trie_tables if constrained else None, self._tries.max_branch if constrained else 0,
+            **self._decode_options(chunk_bucket(self.attention_buckets, contexts, self.chunk)),
         )
         dispatched = time.monotonic()
         tokens, logprobs, emitted = np.asarray(tokens), np.asarray(logprobs), np.asarray(emitted)

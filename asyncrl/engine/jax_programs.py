@@ -22,7 +22,11 @@ Compiled programs
 * ``beam_search``: one request's whole beam search (:func:`_beam_search`), compiled per
   prompt bucket, width, ``max_new_tokens`` and trie size class; used only by beam requests.
 
-So at most ``len(prefill_buckets) + 2`` programs per model without constraints or beams; :func:`compile_count` counts
+Each decode variant is compiled once per sampler (``engine.sampler``) and per attention bucket
+(``engine.attention_buckets``: the chunk attends over the cache's first ``attend`` slots, the
+smallest size class holding every active slot's context to the chunk's end; :func:`cache_prefix`).
+
+So at most ``len(prefill_buckets) + 2 * attention_buckets`` programs per model without constraints or beams; :func:`compile_count` counts
 traces (each trace is one compilation) and is reported as ``engine/compiles``.
 
 Sampling (docs/design.md "Randomness", "Log-probabilities")
@@ -293,6 +297,27 @@ def _sample(keys: jax.Array, scaled: jax.Array) -> jax.Array:
     return jnp.minimum(block * _SAMPLE_BLOCK + offset, vocab - 1).astype(jnp.int32)
 
 
+def _sample_gumbel(keys: jax.Array, scaled: jax.Array) -> jax.Array:
+    """One draw per row from ``softmax(scaled)`` [S, V] by the Gumbel-max trick:
+    ``argmax(scaled + G)`` with ``G`` standard Gumbel noise from the row's key. One pass over
+    the vocabulary (noise, add and argmax fuse into one reduction on a GPU) instead of the
+    inverse CDF's exp, block sums and two scans; it draws V random numbers per row, which is
+    what makes it slower on XLA:CPU. Masked (-inf) tokens are never drawn."""
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[-1:], jnp.float32))(keys)  # [S, V]
+    return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+
+
+def draw_tokens(sampler: str, keys: jax.Array, scaled: jax.Array) -> jax.Array:
+    """int32 [S]: one draw per row of ``softmax(scaled)`` [S, V] with each row's key [S, 2], by
+    ``sampler`` (``engine.sampler`` resolved: :func:`asyncrl.engine.platform.resolve_sampler`).
+    Both samplers draw from the same distribution with different random numbers."""
+    if sampler == "gumbel":
+        return _sample_gumbel(keys, scaled)
+    if sampler == "inverse_cdf":
+        return _sample(keys, scaled)
+    raise ValueError(f"engine.sampler: unknown sampler {sampler!r} (inverse_cdf or gumbel)")
+
+
 def allowed_vocab(tries: TrieTables, node: jax.Array, vocab: int, max_branch: int) -> jax.Array:
     """bool [S, V]: the tokens each slot may take at its trie ``node`` [S] (every token where -1)."""
     allowed = allowed_tokens(jnp, tries, node, max_branch)  # [S, K], -1 pads
@@ -301,8 +326,10 @@ def allowed_vocab(tries: TrieTables, node: jax.Array, vocab: int, max_branch: in
     return mask | (node < 0)[:, None]
 
 
-def _choose_tokens(logits, controls: SlotControls, stop_vocab, keys, generated, filtered: bool, allowed=None):
-    """One token per slot from float32 ``logits`` [S, V] (see the module docstring).
+def _choose_tokens(logits, controls: SlotControls, stop_vocab, keys, generated, filtered: bool, allowed=None,
+                   sampler: str = "inverse_cdf"):
+    """One token per slot from float32 ``logits`` [S, V] (see the module docstring), drawn by
+    ``sampler`` (:func:`draw_tokens`).
 
     ``stop_vocab`` bool [S, V] marks each slot's stop ids; ``keys`` uint32 [S, 2] the slot
     keys; ``generated`` int32 [S] each slot's token index; ``allowed`` bool [S, V] or None:
@@ -317,7 +344,7 @@ def _choose_tokens(logits, controls: SlotControls, stop_vocab, keys, generated, 
     greedy_token = jnp.argmax(scaled, axis=-1)
     if filtered:
         scaled = _top_k_top_p(scaled, controls.top_k, controls.top_p)
-    drawn = _sample(jax.vmap(jax.random.fold_in)(keys, generated), scaled)
+    drawn = draw_tokens(sampler, jax.vmap(jax.random.fold_in)(keys, generated), scaled)
     token = jnp.where(controls.greedy, greedy_token, drawn).astype(jnp.int32)
     # log_softmax(unmasked)[token] without materialising the [S, V] log-softmax: same order of operations
     top = jax.lax.stop_gradient(jnp.max(unmasked, axis=-1))
@@ -343,8 +370,25 @@ class _Chunk(NamedTuple):
     emitted: jax.Array  # bool [S, steps]: the slot was active at that step
 
 
+def cache_prefix(cache: KVCache, size: int) -> KVCache:
+    """The first ``size`` slots of every row of ``cache`` (K/V ``[B, kv_heads, size, D]``, ``valid``
+    ``[B, size]``; write positions unchanged): a decode step on it attends over ``size`` slots
+    instead of the whole capacity. Rows whose write position is ``>= size`` must be idle (their
+    writes fall past the prefix and are dropped)."""
+    layers = tuple(LayerKV(layer.k[:, :, :size], layer.v[:, :, :size]) for layer in cache.layers)
+    return KVCache(layers, cache.valid[:, :size], cache.write_pos)
+
+
+def cache_put_prefix(full: KVCache, prefix: KVCache) -> KVCache:
+    """``full`` with its first ``prefix.capacity`` slots replaced by ``prefix`` (its write positions
+    taken from ``prefix``): the inverse of :func:`cache_prefix` after the prefix was decoded into."""
+    put = lambda whole, part: jax.lax.dynamic_update_slice(whole, part, (0,) * whole.ndim)
+    layers = tuple(LayerKV(put(w.k, p.k), put(w.v, p.v)) for w, p in zip(full.layers, prefix.layers))
+    return KVCache(layers, put(full.valid, prefix.valid), prefix.write_pos)
+
+
 def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, steps: int, filtered: bool, layout=None,
-                  tries=None, max_branch: int = 0):
+                  tries=None, max_branch: int = 0, *, sampler: str = "inverse_cdf", attend: int = 0):
     """Decode up to ``steps`` tokens for every active slot: each step is the model's own
     KV-cache :func:`~asyncrl.model.transformer.forward` with ``T = 1`` (idle slots masked out).
 
@@ -354,9 +398,15 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
     engine's trie pool (:class:`~asyncrl.engine.constraints.TrieTables`, device arrays) when
     some slot is constrained (``controls.node >= 0``), else None; ``max_branch`` (static) its
     widest node. A constrained slot samples from the masked distribution, ignores stop ids,
-    and ends when it reaches a leaf.
+    and ends when it reaches a leaf. ``sampler`` (static): :func:`draw_tokens`' sampler.
+    ``attend`` (static): decode over the cache's first ``attend`` slots only
+    (:func:`cache_prefix`; 0 or the capacity: all of it); the caller picks it at least as large
+    as every active slot's write position plus ``steps`` (:mod:`asyncrl.engine.attention_buckets`),
+    so every valid slot and every write of the chunk lies inside it and the results equal the
+    full cache's.
     """
-    _count_trace(("decode_chunk_topk_topp" if filtered else "decode_chunk") + ("_trie" if tries is not None else ""))
+    _count_trace(("decode_chunk_topk_topp" if filtered else "decode_chunk") + ("_trie" if tries is not None else "")
+                 + (f"_{sampler}" if sampler != "inverse_cdf" else "") + (f"_attend{attend}" if attend else ""))
     slots = controls.active.shape[0]
     vocab = params["embed_tokens"]["embedding"].shape[0]
     stop_vocab = jax.nn.one_hot(controls.stop_ids, vocab, dtype=bool).any(axis=1)  # [S, V]; -1 pads hit nothing
@@ -365,7 +415,8 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
         logits, cache = forward(graphdef, params, c.last_token[:, None], None, c.active[:, None], c.cache)
         assert cache is not None  # forward returns the updated cache when given one
         allowed = None if tries is None else allowed_vocab(tries, c.node, vocab, max_branch)
-        token, log_p, is_stop = _choose_tokens(logits[:, 0], controls, stop_vocab, state.keys, c.generated, filtered, allowed)
+        token, log_p, is_stop = _choose_tokens(logits[:, 0], controls, stop_vocab, state.keys, c.generated, filtered, allowed,
+                                               sampler)
         node = c.node
         if tries is not None:
             next_node = next_nodes(jnp, tries, c.node, token, max_branch)
@@ -385,9 +436,10 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
             emitted=c.emitted.at[:, c.step].set(c.active),
         )
 
+    bucketed = 0 < attend < state.cache.capacity
     init = _Chunk(
         step=jnp.int32(0),
-        cache=state.cache,
+        cache=cache_prefix(state.cache, attend) if bucketed else state.cache,
         last_token=jnp.asarray(controls.last_token, jnp.int32),
         generated=jnp.asarray(controls.generated, jnp.int32),
         node=jnp.asarray(controls.node, jnp.int32),
@@ -406,11 +458,13 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
         return (c.step < steps) & jnp.any(c.active) & ~refill
 
     out = jax.lax.while_loop(more, body, init)
-    return _constrain(SlotState(out.cache, state.keys), layout), out.tokens, out.logprobs, out.emitted
+    cache = cache_put_prefix(state.cache, out.cache) if bucketed else out.cache
+    return _constrain(SlotState(cache, state.keys), layout), out.tokens, out.logprobs, out.emitted
 
 
 prefill_insert_jit = jax.jit(_prefill_insert, static_argnums=(0, 5), donate_argnums=2)
-decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 4, 5, 6, 8), donate_argnums=2)
+decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 4, 5, 6, 8), static_argnames=("sampler", "attend"),
+                           donate_argnums=2)
 
 
 # --------------------------------------------------------------------------- beam search

@@ -130,7 +130,10 @@ def build_local_engine(cfg: Config, graphdef: Any, params: Any, stop_token_ids: 
     ``params`` placed there by the model's partition rules."""
     from asyncrl.cluster.placement import engine_mesh, resolve_placement
     from asyncrl.engine.jax_engine import JaxEngine
+    from asyncrl.engine.jax_programs import graphdef_config
+    from asyncrl.run.auto_slots import resolve_auto_slots
 
+    cfg = resolve_auto_slots(cfg, graphdef_config(graphdef, params))  # engine.slots: auto, from the memory left
     placement = placement if placement is not None else resolve_placement(cfg)
     mesh = None if placement.shares_trainer_arrays else engine_mesh(placement)
     return JaxEngine(graphdef, params, stop_token_ids=stop_token_ids, config=cfg.engine, seed=cfg.run.seed,

@@ -20,7 +20,7 @@ engine
     (``slots x kv_capacity x layers x 2 x kv_heads x head_dim x`` compute-dtype bytes, slots
     split over the engine's replicas, KV heads over ``engine.tensor_parallel``) and one decode
     step's logits. Where ``model.compute_dtype`` differs from ``model.param_dtype`` both hold a
-    compute-dtype copy of the weights (the trainer's for the backward, the engine's per decode call;
+    compute-dtype copy of the weights (the trainer's for the backward, the engine's serving copy cast at each publish;
     measured on the Qwen2.5-0.5B shape).
 
 A device that hosts both (the colocated default) needs their sum. When a ``--device-memory``
@@ -422,19 +422,25 @@ def _engine_lines(cfg: Config, model_cfg: Any, layout: Layout, params: dict, bas
     else:
         engine_base, _ = params_per_device(model_cfg, params, _mesh_view(replicas, 1, tp))
         weights, note = engine_base * p_bytes, f"own copy, {replicas} replica(s) x tensor_parallel {tp}"
-    slots = -(-engine.slots // replicas)
+    slots = -(-planned_slots(cfg) // replicas)
     kv_heads = model_cfg.num_kv_heads // tp
     kv = slots * engine.kv_capacity * model_cfg.num_layers * 2 * kv_heads * model_cfg.head_dim * c_bytes
     kv += slots * engine.kv_capacity  # the valid mask
     vocab = model_cfg.vocab_size // tp if model_cfg.vocab_size % tp == 0 else model_cfg.vocab_size
     cast = [Line("engine", "cast weights", engine_base_bytes(model_cfg, params, layout, base) * c_bytes // p_bytes,
-                 f"each decode call's {model_cfg.compute_dtype} copy")] if c_bytes != p_bytes else []
+                 f"serving copy in {model_cfg.compute_dtype}, cast at each publish")] if c_bytes != p_bytes else []
     return cast + [
         Line("engine", "weights", weights, note),
         Line("engine", "KV cache", kv, f"{slots} slots x {engine.kv_capacity} tokens x {model_cfg.num_layers} layers x 2 x "
                                          f"{kv_heads} KV heads x {model_cfg.head_dim} x {c_bytes} B"),
         Line("engine", "decode step", DECODE_LOGIT_COPIES * slots * vocab * 4, "float32 logits of one step"),
     ]
+
+
+def planned_slots(cfg: Config) -> int:
+    """``engine.slots``, or for ``auto`` (sized at start: :mod:`asyncrl.run.auto_slots`) the fewest
+    the run needs; :func:`run_plan` sizes ``auto`` first when given the device's memory."""
+    return cfg.engine.slots if isinstance(cfg.engine.slots, int) else minimum_slots(cfg)
 
 
 def engine_base_bytes(model_cfg: Any, params: dict, layout: Layout, trainer_base: int) -> int:
@@ -474,6 +480,49 @@ def plan_config(cfg: Config, devices: int = 1, processes: int = 1, model_cfg: An
     return max(plans, key=lambda plan: plan.total_bytes)
 
 
+# --------------------------------------------------------------------------- engine.slots: auto
+
+
+AUTO_SLOTS_HEADROOM = 0.9
+"""``engine.slots: auto``: the share of the device's memory the plan may fill (:mod:`asyncrl.run.auto_slots`)."""
+AUTO_SLOTS_ROUND_TO = 8
+
+
+def minimum_slots(cfg: Config) -> int:
+    """The fewest slots the run can work with: a group (``rollout.group_size``), and eval's beam width."""
+    beam = cfg.eval.decoding.beam_width if cfg.eval.decoding.strategy == "beam" else 1
+    return max(cfg.rollout.group_size, beam)
+
+
+def with_slots(cfg: Config, slots: int) -> Config:
+    """``cfg`` with ``engine.slots = slots`` (stages inherit the top-level engine section)."""
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"slots": slots})})
+
+
+def slots_for_budget(cfg: Config, budget: int, devices: int = 1, processes: int = 1, model_cfg: Any = None,
+                     backend: Optional[str] = None) -> int:
+    """The most slots (:mod:`asyncrl.run.auto_slots` says within which bounds) whose plan of ``cfg`` fits ``budget`` bytes per
+    device; a ConfigError naming ``engine.slots`` when even :func:`minimum_slots` does not."""
+    replicas = max(plan_layout(cfg, devices, processes).engine_replicas, 1)
+    total = lambda per_replica: plan_config(with_slots(cfg, per_replica * replicas), devices, processes, model_cfg,
+                                            backend).total_bytes
+    one, two = total(1), total(2)
+    per_slot, fixed = two - one, 2 * one - two
+    least = minimum_slots(cfg)
+    most = max(cfg.rollout.max_concurrent * cfg.rollout.group_size, least)
+    fitting = (budget - fixed) // per_slot * replicas if per_slot > 0 else most
+    slots = min(fitting, most)
+    if slots >= AUTO_SLOTS_ROUND_TO * replicas:
+        slots -= slots % (AUTO_SLOTS_ROUND_TO * replicas)
+    if slots < least:
+        need = fixed + -(-least // replicas) * per_slot
+        raise ConfigError([f"engine.slots: auto: the {least} slots the run needs (rollout.group_size, eval's beam width) "
+                           f"take {need / GIB:.2f} GiB per device with the trainer, over the {budget / GIB:.2f} GiB "
+                           "budget; lower engine.kv_capacity or the trainer's memory (asyncrl plan --device-memory "
+                           "lists changes), or give a number"])
+    return int(slots)
+
+
 # --------------------------------------------------------------------------- suggestions
 
 
@@ -496,7 +545,7 @@ def _candidates(cfg: Config, layout: Layout) -> list[list[str]]:
         if trainer_devices % (fsdp * layout.mesh[2]) == 0:
             out.append([f"mesh.fsdp={fsdp}"] + (["mesh.data=null"] if cfg.mesh.data is not None else []))
         fsdp *= 2
-    slots = cfg.engine.slots // 2
+    slots = planned_slots(cfg) // 2 if cfg.engine.slots != "auto" else 0  # auto sizes itself
     while slots >= cfg.rollout.group_size:
         out.append([f"engine.slots={slots}"])
         slots //= 2
@@ -711,10 +760,10 @@ def compiled_decode_chunk(cfg: Config, model_cfg: Any) -> CompiledMemory:
     from asyncrl.model.transformer import Decoder, split_params
 
     graphdef, params = split_params(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))
-    engine = cfg.engine
-    state = jax.eval_shape(lambda: init_slot_state(model_cfg, engine.slots, engine.kv_capacity))
+    engine, slots = cfg.engine, planned_slots(cfg)
+    state = jax.eval_shape(lambda: init_slot_state(model_cfg, slots, engine.kv_capacity))
     controls = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
-                            idle_controls(engine.slots, engine.max_stop_ids))
+                            idle_controls(slots, engine.max_stop_ids))
     lowered = decode_chunk_jit.lower(graphdef, params, state, controls, engine.decode_chunk, False)
     return _compiled_memory(lowered)
 
@@ -731,8 +780,10 @@ def run_plan(config: str, overrides: Sequence[str] = (), devices: int = 1, proce
     if device_memory_gb is not None and not device_memory_gb > 0:
         raise ConfigError(f"--device-memory {device_memory_gb}: give the memory of one device in GB (GiB), > 0")
     cfg = load_config(config, overrides)
-    plan = plan_config(cfg, devices, processes, backend=backend)
     device_memory = None if device_memory_gb is None else int(device_memory_gb * GIB)
+    if cfg.engine.slots == "auto":
+        cfg = _plan_auto_slots(cfg, device_memory, devices, processes, backend)
+    plan = plan_config(cfg, devices, processes, backend=backend)
     compiled: dict[str, CompiledMemory] = {}
     if xla:
         stage, stage_cfg = next((s, c) for s, c in cfg.stage_configs() if s.name == plan.stage)
@@ -751,3 +802,19 @@ def run_plan(config: str, overrides: Sequence[str] = (), devices: int = 1, proce
     sys.stdout.write(format_suggestions(suggest(config, overrides, device_memory, devices, processes, backend=backend),
                                         device_memory))
     return 1
+
+
+def _plan_auto_slots(cfg: Config, device_memory: Optional[int], devices: int, processes: int,
+                     backend: Optional[str]) -> Config:
+    """``engine.slots: auto`` sized for ``device_memory`` as a run would size it (stderr says the
+    count); without a device memory the plan shows the fewest slots the run needs."""
+    import sys
+
+    if device_memory is None:
+        slots = minimum_slots(cfg)
+        print(f"asyncrl plan: engine.slots: auto: planned at its minimum, {slots} slots; give --device-memory to size it "
+              "as a run does", file=sys.stderr)
+    else:
+        slots = slots_for_budget(cfg, int(AUTO_SLOTS_HEADROOM * device_memory), devices, processes, backend=backend)
+        print(f"asyncrl plan: engine.slots: auto -> {slots} slots ({AUTO_SLOTS_HEADROOM:.0%} of --device-memory)", file=sys.stderr)
+    return with_slots(cfg, slots)

@@ -1,0 +1,253 @@
+"""The engine's per-platform fast paths (issue 39), checked on the CPU: the XLA flags a GPU
+would get (and that the CPU does not), the Gumbel-max sampler (same distribution as
+``softmax(logits / T)`` by a chi-square test over 10^5 draws, exact log-probs, deterministic per
+key), and decode attending over a prefix of the KV cache (attention buckets) giving the same
+tokens and log-probs as attention over the whole capacity."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from asyncrl.config import EngineConfig
+from asyncrl.engine.attention_buckets import attention_buckets, chunk_bucket
+from asyncrl.engine.jax_engine import JaxEngine
+from asyncrl.engine.platform import (
+    apply_platform_xla_flags,
+    expected_platform,
+    merge_xla_flags,
+    resolve_sampler,
+    xla_flags_for,
+)
+from asyncrl.engine.protocol import GenerationRequest
+from tests.engine.test_engine import check_logprobs, prompt_of
+
+pytestmark = pytest.mark.timeout(300)
+
+# --------------------------------------------------------------------------- platform flags
+
+
+def test_command_buffer_flags_only_on_gpus():
+    (flag,) = xla_flags_for("gpu")
+    name, types = flag.split("=")
+    assert name == "--xla_gpu_enable_command_buffer"
+    assert {"WHILE", "CONDITIONAL", "FUSION"} <= set(types.split(","))
+    assert xla_flags_for("cpu") == [] and xla_flags_for("tpu") == []
+
+
+def test_platform_flags_applied_by_expected_platform_and_user_flags_win():
+    env = {"JAX_PLATFORMS": "cuda", "XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    assert apply_platform_xla_flags(env) == xla_flags_for("gpu")
+    assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x", *xla_flags_for("gpu")]
+    assert apply_platform_xla_flags(env) == []  # already there: nothing added twice
+
+    cpu = {"JAX_PLATFORMS": "cpu"}
+    assert expected_platform(cpu) == "cpu" and apply_platform_xla_flags(cpu) == [] and "XLA_FLAGS" not in cpu
+    off = {"JAX_PLATFORMS": "cuda", "ASYNCRL_XLA_PLATFORM_FLAGS": "0"}
+    assert apply_platform_xla_flags(off) == [] and "XLA_FLAGS" not in off
+
+    mine = "--xla_gpu_enable_command_buffer=FUSION"
+    assert merge_xla_flags(mine, xla_flags_for("gpu")) == mine  # the user's own setting is kept
+    # This machine has no CUDA plugin: without JAX_PLATFORMS the guess is the CPU.
+    assert expected_platform({}) == jax.default_backend() == "cpu"
+
+
+def test_sampler_resolved_by_platform():
+    assert resolve_sampler("auto", "cpu") == "inverse_cdf"
+    assert resolve_sampler("auto", "gpu") == resolve_sampler("auto", "tpu") == "gumbel"
+    assert resolve_sampler("gumbel", "cpu") == "gumbel"
+    with pytest.raises(ValueError, match="engine.sampler"):
+        resolve_sampler("sorted", "cpu")
+
+
+# --------------------------------------------------------------------------- samplers
+
+
+def draws_of(sampler: str, logits: jax.Array, count: int, seed: int = 0) -> np.ndarray:
+    from asyncrl.engine.jax_programs import draw_tokens
+
+    keys = jax.random.split(jax.random.PRNGKey(seed), count)
+    rows = jnp.broadcast_to(logits[None], (count, logits.shape[0]))
+    return np.asarray(jax.jit(draw_tokens, static_argnums=0)(sampler, keys, rows))
+
+
+@pytest.mark.parametrize("sampler", ["gumbel", "inverse_cdf"])
+def test_sampler_draws_from_softmax_chi_square(sampler):
+    """10^5 draws at T = 0.7 from 40 tokens (two masked) against softmax(logits / T)."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=40).astype(np.float32) * 2
+    scaled = logits / 0.7
+    scaled[[4, 17]] = -np.inf
+    probs = np.exp(scaled - scaled[np.isfinite(scaled)].max())
+    probs /= probs.sum()
+    draws = draws_of(sampler, jnp.asarray(scaled), 100_000)
+    counts = np.bincount(draws, minlength=40)
+    assert counts[4] == counts[17] == 0, "a masked token was drawn"
+    live = probs > 0
+    _, p_value = stats.chisquare(counts[live], probs[live] * counts.sum())
+    assert p_value > 1e-3, f"{sampler}: draws do not follow softmax(logits / T) (p = {p_value:.2e})"
+
+
+def test_gumbel_sampler_deterministic_per_key():
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=64).astype(np.float32))
+    np.testing.assert_array_equal(draws_of("gumbel", logits, 500, seed=5), draws_of("gumbel", logits, 500, seed=5))
+    assert not np.array_equal(draws_of("gumbel", logits, 500, seed=5), draws_of("gumbel", logits, 500, seed=6))
+
+
+def test_gumbel_engine_logprobs_exact_and_seeded(tiny_split):
+    """The engine with ``sampler: gumbel``: log-probs equal per_token_logprobs (1e-5), a seeded
+    request repeats its tokens, and greedy tokens equal the default sampler's."""
+    lm, graphdef, params = tiny_split
+    cfg = EngineConfig(slots=4, kv_capacity=64, decode_chunk=4, prefill_buckets=[16])
+    prompt = prompt_of(0, 11)
+    sampled = GenerationRequest(prompt_ids=prompt, n=4, temperature=0.8, max_new_tokens=24, sample_id=9)
+    greedy = GenerationRequest(prompt_ids=prompt, greedy=True, max_new_tokens=24, stop_token_ids=[])
+    with JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=cfg.model_copy(update={"sampler": "gumbel"}),
+                   seed=2) as gumbel:
+        assert gumbel.sampler == "gumbel"
+        first, again, gumbel_greedy = gumbel.generate(sampled), gumbel.generate(sampled), gumbel.generate(greedy)
+    check_logprobs(graphdef, params, prompt, first, 0.8, tol=1e-5)
+    assert [r.output_ids.tolist() for r in first] == [r.output_ids.tolist() for r in again]
+    with JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=cfg, seed=2) as default:
+        assert default.sampler == "inverse_cdf"  # auto on the CPU
+        default_greedy = default.generate(greedy)
+    assert gumbel_greedy[0].output_ids.tolist() == default_greedy[0].output_ids.tolist()
+    np.testing.assert_array_equal(gumbel_greedy[0].logprobs, default_greedy[0].logprobs)
+
+
+# --------------------------------------------------------------------------- attention buckets
+
+
+def test_attention_bucket_sizes():
+    assert attention_buckets(512, 1) == (512,)
+    assert attention_buckets(512, 4) == (64, 128, 256, 512)
+    assert attention_buckets(100, 3) == (32, 64, 100)  # 25 and 50 rounded up to multiples of 16
+    assert attention_buckets(20, 4) == (16, 20)  # merged duplicates, never above the capacity
+    with pytest.raises(ValueError, match="engine.attention_buckets"):
+        attention_buckets(64, 0)
+    buckets = (64, 128, 256, 512)
+    assert chunk_bucket(buckets, [10, 56], 8) == 64  # 56 + 8 fits exactly
+    assert chunk_bucket(buckets, [10, 57], 8) == 128
+    assert chunk_bucket(buckets, [], 8) == 512
+    assert chunk_bucket(buckets, [600], 8) == 512
+
+
+def test_bucketed_attention_equals_full_attention(tiny_split):
+    """Requests whose contexts cross several size classes (prompts of 5 to 60 tokens, up to 64 new
+    tokens in a 160-token cache): sampled and greedy tokens and log-probs equal those of attention
+    over the whole cache, and the smaller classes were used (their programs were compiled)."""
+    from asyncrl.engine import jax_programs
+
+    lm, graphdef, params = tiny_split
+    cfg = EngineConfig(slots=6, kv_capacity=160, decode_chunk=4, prefill_buckets=[16, 64])
+    requests = [GenerationRequest(prompt_ids=prompt_of(i, length), n=2, temperature=1.0, max_new_tokens=new,
+                                  stop_token_ids=[], sample_id=i)
+                for i, (length, new) in enumerate([(5, 40), (30, 60), (60, 30), (12, 64)])]
+    requests.append(GenerationRequest(prompt_ids=prompt_of(9, 20), greedy=True, max_new_tokens=50, stop_token_ids=[]))
+
+    def run(buckets: int) -> list:
+        config = cfg.model_copy(update={"attention_buckets": buckets})
+        with JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=config, seed=4) as engine:
+            return [engine.generate(r) for r in requests]
+
+    full = run(1)
+    bucketed = run(3)
+    traced = {name for name in jax_programs._compiles if isinstance(name, str)}
+    assert {"decode_chunk_attend48", "decode_chunk_attend80"} <= traced  # 160 / 4 and 160 / 2, rounded up to 16
+    for request, want, got in zip(requests, full, bucketed):
+        for a, b in zip(want, got):
+            assert a.output_ids.tolist() == b.output_ids.tolist()
+            np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-6, rtol=0)
+        check_logprobs(graphdef, params, request.prompt_ids, got, 1.0, tol=1e-5)
+
+
+# --------------------------------------------------------------------------- serving copy
+
+
+@pytest.fixture(scope="module")
+def bf16_compute_tiny():
+    """tiny's shape with float32 weights and bfloat16 compute (the GSM8K recipes' dtypes)."""
+    import dataclasses
+
+    from asyncrl.model import init_decoder, split_params
+    from asyncrl.model.tiny import parse_tiny_spec, tiny_decoder_config
+
+    cfg = dataclasses.replace(tiny_decoder_config(parse_tiny_spec("tiny")), param_dtype="float32", compute_dtype="bfloat16")
+    return split_params(init_decoder(cfg, seed=3))
+
+
+def test_serving_copy_casts_matrices_only_and_decodes_bitwise_alike(bf16_compute_tiny):
+    from asyncrl.engine.jax_programs import decode_chunk_jit, graphdef_config, idle_controls, init_slot_state
+    from asyncrl.engine.serving_copy import serving_copy
+
+    graphdef, params = bf16_compute_tiny
+    serving = serving_copy(params, "bfloat16")
+    for (path, original), copy in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(serving)):
+        want = jnp.bfloat16 if original.ndim >= 2 else jnp.float32
+        assert copy.dtype == want, jax.tree_util.keystr(path)
+    assert serving_copy(serving, "bfloat16") is serving  # nothing left to cast: no copy
+    assert serving_copy(params, "float32") is params
+
+    controls = idle_controls(3, 8)
+    controls.active[:] = True
+    controls.max_new_tokens[:] = 12
+    controls.last_token[:] = [7, 9, 11]
+    controls.greedy[:] = [True, False, False]
+    outs = []
+    for weights in (params, serving):  # the per-call cast, then the copy
+        state = init_slot_state(graphdef_config(graphdef, params), 3, 32)
+        outs.append([np.asarray(x) for x in decode_chunk_jit(graphdef, weights, state, controls, 12, False, None)[1:]])
+    for per_call, copied in zip(*outs):
+        np.testing.assert_array_equal(copied, per_call)
+
+
+def test_engine_serves_the_copy_and_refreshes_it_at_each_publish(bf16_compute_tiny):
+    graphdef, params = bf16_compute_tiny
+    cfg = EngineConfig(slots=2, kv_capacity=48, decode_chunk=4, prefill_buckets=[16])
+    request = GenerationRequest(prompt_ids=prompt_of(3, 9), n=2, temperature=1.0, max_new_tokens=16, stop_token_ids=[],
+                                sample_id=4)
+    with JaxEngine(graphdef, params, config=cfg) as engine:
+        assert engine.served_params["embed_tokens"]["embedding"].dtype == jnp.float32  # what asyncrl serve reuses
+        assert engine._serving["embed_tokens"]["embedding"].dtype == jnp.bfloat16
+        before = engine.generate(request)
+        moved = jax.tree.map(lambda x: x * 1.5, params)
+        engine.update_weights(moved, 1)
+        np.testing.assert_array_equal(np.asarray(engine._serving["embed_tokens"]["embedding"], np.float32),
+                                      np.asarray(moved["embed_tokens"]["embedding"].astype(jnp.bfloat16), np.float32))
+        after = engine.generate(request)
+    assert [r.versions.tolist() for r in after] == [[1] * 16] * 2
+    assert any(a.logprobs.tolist() != b.logprobs.tolist() for a, b in zip(before, after))
+
+
+def test_bucketed_attention_equals_full_with_top_k_top_p_and_a_trie_in_one_batch(tiny_split):
+    """The filtered and the constrained decode variants under attention buckets, requests submitted
+    together (one batch): the same tokens and log-probs as over the whole cache."""
+    from asyncrl.engine.constraints import TokenTrie
+
+    lm, graphdef, params = tiny_split
+    rng = np.random.default_rng(7)
+    trie = TokenTrie({tuple(int(t) for t in rng.integers(6, 28, size=40)) for _ in range(16)}, name="bucket-test")
+    cfg = EngineConfig(slots=6, kv_capacity=128, decode_chunk=4, prefill_buckets=[32])
+    requests = [
+        GenerationRequest(prompt_ids=prompt_of(20, 25), n=2, temperature=0.9, top_k=5, top_p=0.8, max_new_tokens=60,
+                          stop_token_ids=[], sample_id=20),
+        GenerationRequest(prompt_ids=prompt_of(21, 10), n=2, temperature=1.0, max_new_tokens=80, stop_token_ids=[],
+                          sample_id=21, constraint=trie),
+        GenerationRequest(prompt_ids=prompt_of(22, 30), n=2, temperature=1.0, max_new_tokens=70, stop_token_ids=[],
+                          sample_id=22),
+    ]
+
+    def run(buckets: int) -> list:
+        config = cfg.model_copy(update={"attention_buckets": buckets})
+        with JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=config, seed=5) as engine:
+            return [f.result() for f in [engine.submit(r) for r in requests]]
+
+    full, bucketed = run(1), run(4)
+    for want, got in zip(full, bucketed):
+        for a, b in zip(want, got):
+            assert a.output_ids.tolist() == b.output_ids.tolist() and a.stop_reason == b.stop_reason
+            np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-6, rtol=0)
+    assert all(trie.contains(r.output_ids.tolist()) for r in bucketed[1])  # the constrained request's samples

@@ -1,0 +1,73 @@
+"""``engine.slots: auto``: the most slots whose ``asyncrl plan`` fits a budget, within the run's
+bounds; the plan shows the count; a run's engine gets it from the memory it finds."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from asyncrl.cli import main
+from asyncrl.config import load_config
+from asyncrl.errors import ConfigError
+from asyncrl.run.auto_slots import resolve_auto_slots
+from asyncrl.run.plan import AUTO_SLOTS_HEADROOM as HEADROOM
+from asyncrl.run.plan import GIB, minimum_slots, plan_config, slots_for_budget, with_slots
+from tests.helpers import REPO_ROOT
+
+RECIPE = REPO_ROOT / "configs" / "gsm8k_grpo_qwen2.5_0.5b.yaml"
+QWEN = REPO_ROOT / "configs" / "models" / "qwen2.5-0.5b"
+
+
+def recipe(*overrides: str):
+    return load_config(str(RECIPE), [f"model.path={QWEN}", "engine.slots=auto", *overrides])
+
+
+def total(cfg, slots: int) -> int:
+    return plan_config(with_slots(cfg, slots), backend="gpu").total_bytes
+
+
+def test_auto_slots_is_the_most_that_fit_a_planned_budget():
+    cfg = recipe()
+    budget = 24 * GIB
+    slots = slots_for_budget(cfg, budget, backend="gpu")
+    assert slots % 8 == 0 and minimum_slots(cfg) <= slots < cfg.rollout.max_concurrent * cfg.rollout.group_size
+    assert total(cfg, slots) <= budget < total(cfg, slots + 8)
+
+
+def test_auto_slots_bounds_and_a_budget_too_small():
+    cfg = recipe()
+    assert slots_for_budget(cfg, 10_000 * GIB, backend="gpu") == cfg.rollout.max_concurrent * cfg.rollout.group_size
+    with pytest.raises(ConfigError, match="engine.slots: auto"):
+        slots_for_budget(cfg, 8 * GIB, backend="gpu")  # the trainer alone is larger
+    assert load_config(data={"engine": {"slots": "auto"}, "rollout": {"group_size": 64}}).engine.slots == "auto"
+
+
+def test_plan_sizes_auto_slots_for_the_device_memory(capsys):
+    argv = ["plan", str(RECIPE), "--set", f"model.path={QWEN}", "--set", "engine.slots=auto", "--backend", "gpu"]
+    assert main([*argv, "--device-memory", "24"]) == 0
+    expected = slots_for_budget(recipe(), int(HEADROOM * 24 * GIB), backend="gpu")
+    captured = capsys.readouterr()
+    assert f"engine.slots: auto -> {expected} slots" in captured.err
+    assert f"{expected} slots x 1024 tokens" in captured.out  # the KV cache line is planned at that count
+    assert main(argv) == 0
+    assert "planned at its minimum, 8 slots" in capsys.readouterr().err
+
+
+def test_a_run_engine_gets_auto_slots_from_memory(tiny_split, caplog):
+    from asyncrl.run.build import build_local_engine
+
+    _, graphdef, params = tiny_split
+    cfg = load_config(data={"model": {"path": "tiny"}, "engine": {"slots": "auto", "kv_capacity": 64,
+                                                                  "prefill_buckets": [16]},
+                            "data": {"max_prompt_tokens": 16}, "rollout": {"max_new_tokens": 16, "group_size": 2,
+                                                                          "max_concurrent": 3}})
+    assert resolve_auto_slots(with_slots(cfg, 5), None).engine.slots == 5  # a number stays
+    with caplog.at_level(logging.INFO, logger="asyncrl.run"):
+        engine = build_local_engine(cfg, graphdef, params, ())
+    try:
+        # the CPU reports no device memory: the host's; tiny fits, so the bound max_concurrent x group_size
+        assert engine.slots == 6
+    finally:
+        engine.shutdown()
+    assert "engine.slots: auto -> 6 slots of 64 tokens" in caplog.text
