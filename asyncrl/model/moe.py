@@ -44,6 +44,14 @@ from asyncrl.model.config import DecoderConfig
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
+def is_router_weight(path: tuple) -> bool:
+    """Whether a parameter path (``jax.tree_util`` keys, e.g. ``layers/0/mlp/gate/kernel``) is a
+    router's: the one weight the decoder reads in float32 whatever the compute dtype, so a copy
+    of the weights in the compute dtype (the engine's serving copy) must keep it as it is."""
+    names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+    return len(names) >= 3 and names[-3:] == ["mlp", "gate", "kernel"]
+
+
 # --------------------------------------------------------------------------- pure functions
 
 
