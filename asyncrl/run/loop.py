@@ -759,12 +759,14 @@ def _open_trackers(cfg: Config, out: Path, resumed: Optional[Checkpoint]) -> Opt
 def _start_precompile(run: Run, stage: Stage, trainer: Trainer) -> None:
     """Compile the run's first train step while the engine starts and generates the first batch
     (:mod:`asyncrl.trainer.precompile`): for RL stages of a one-process run with the persistent
-    compilation cache on (the way the compiled program reaches the step)."""
+    compilation cache on (the way the compiled program reaches the step), unpacked (a packed
+    batch's row count depends on its lengths)."""
     import jax
 
     from asyncrl.trainer.precompile import expected_first_shape
 
-    if stage.type != "rl" or run.hosts.multi or not jax.config.values.get("jax_enable_compilation_cache"):
+    if stage.type != "rl" or run.hosts.multi or stage.cfg.rollout.pack \
+            or not jax.config.values.get("jax_enable_compilation_cache"):
         return
     scfg = stage.cfg
     rows = scfg.rollout.batch_size * scfg.rollout.group_size

@@ -12,8 +12,9 @@ is started): when the first batch has the predicted shape, the step's own jit fi
 program there instead of compiling it again.
 
 The prediction is exact when one length bucket covers every sequence (``rollout.length_bucket
->= `` the length cap, as in the quickstart) and with packing's fixed rows; otherwise it guesses
-the cap, which early RL batches (with truncated completions) usually reach. A miss costs only
+>= `` the length cap, as in the quickstart); otherwise it guesses the cap, which early RL
+batches (with truncated completions) usually reach. Packed batches (``rollout.pack``), whose
+row count depends on the lengths, are not predicted. A miss costs only
 the background compile's CPU time: the step then compiles its own shape as before, without
 waiting for the thread.
 """
