@@ -89,8 +89,8 @@ from asyncrl.engine.jax_programs import (
 )
 from asyncrl.engine.platform import resolve_sampler
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
-from asyncrl.engine.serving_copy import serving_copy
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
+from asyncrl.model.compute_copy import compute_copy
 from asyncrl.model.sharding import check_tensor_parallel, param_shardings
 from asyncrl.registry import register
 
@@ -145,7 +145,7 @@ class _Pending:
 class _Update:
     def __init__(self, params: Any, version: int, compute_dtype: Any):
         self.params = params
-        self.serving = serving_copy(params, compute_dtype)  # cast once here, not in every program call
+        self.serving = compute_copy(params, compute_dtype)  # cast once here, not in every program call
         self.version = version
         self.requested = time.monotonic()
         self.done = threading.Event()
@@ -238,7 +238,7 @@ class JaxEngine:
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             self._shardings = jax.tree.map(lambda _: device, params)
         self._params = move_params(params, self._shardings)
-        self._serving = serving_copy(self._params, nnx_cfg.compute_dtype)  # what the programs run on
+        self._serving = compute_copy(self._params, nnx_cfg.compute_dtype)  # what the programs run on
         self._treedef: Any = jax.tree.structure(self._params)  # (jax's PyTreeDef is untyped for mypy)
         self._avals = [(x.shape, x.dtype) for x in jax.tree.leaves(self._params)]
         embed = self._params["embed_tokens"]["embedding"]

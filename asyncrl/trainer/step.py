@@ -75,6 +75,8 @@ from asyncrl.algo import (
 )
 from asyncrl.cluster.mesh import ROW_AXES, row_shards
 from asyncrl.engine.constraints import TrieTables, allowed_tokens
+from asyncrl.model.blocks import dtype_of
+from asyncrl.model.compute_copy import cast_for_compute
 from asyncrl.model.critic import critic_shardings, per_token_values
 from asyncrl.model.logprobs import per_token_logprobs, take_window, window_starts
 from asyncrl.model.sharding import param_shardings
@@ -354,10 +356,15 @@ def router_terms(router_logits: list[jax.Array], attention_mask: jax.Array, real
 
 
 def accumulate_gradients(grad_fn: Callable, theta: Any, mini: dict[str, jax.Array], update_key: Optional[jax.Array],
-                         p_shardings: Any) -> tuple[Any, jax.Array, dict]:
+                         p_shardings: Any, compute_dtype: Optional[str] = None) -> tuple[Any, jax.Array, dict]:
     """``(grads, loss, diagnostics)`` of one mini-batch (``mini``: ``[U, S * b, ...]``), summed
     over its micro-batches in float32 (each micro-batch's loss is its share of the mini-batch
-    loss, so the sum is the mini-batch's; ``_max`` diagnostics take the maximum)."""
+    loss, so the sum is the mini-batch's; ``_max`` diagnostics take the maximum).
+
+    ``compute_dtype`` (a name; None: no copy): the micro-batches run on one copy of ``theta`` in
+    that dtype, cast once here instead of in each micro-batch's forward
+    (:func:`asyncrl.model.compute_copy.cast_for_compute`); the gradients, taken with respect to
+    the copy, are the same numbers the cast inside the model would give."""
     length = mini["mask"].shape[-1]
     # Over the whole mini-batch, passed to every micro-batch (packed: counted over its segments).
     if "segment_ids" in mini:
@@ -365,9 +372,11 @@ def accumulate_gradients(grad_fn: Callable, theta: Any, mini: dict[str, jax.Arra
     else:
         denominators = aggregation_denominators(mini["mask"].reshape(-1, length), mini["real"].reshape(-1))
     micro_key = lambda j: None if update_key is None else jax.random.fold_in(update_key, j)
+    zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), theta)
+    if compute_dtype is not None:
+        theta = cast_for_compute(theta, dtype_of(compute_dtype))
     first = jax.tree.map(lambda x: x[0], mini)
     (_, diag_shape), _ = jax.eval_shape(grad_fn, theta, first, denominators, micro_key(0))
-    zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), theta)
     zero_diag = {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0.0, v.dtype) for k, v in diag_shape.items()}
 
     def one_micro(acc, x_and_index):
@@ -425,16 +434,19 @@ class CriticUpdate:
 
 def optimizer_update(carry: tuple, update_index: jax.Array, *, chunks: dict[str, jax.Array],
                      grad_fn: Callable, dropout_key: Optional[jax.Array], optim: OptimParams, p_shardings: Any,
-                     o_shardings: Any, critic: Optional[CriticUpdate] = None) -> tuple[tuple, dict]:
+                     o_shardings: Any, critic: Optional[CriticUpdate] = None,
+                     compute_dtype: Optional[str] = None) -> tuple[tuple, dict]:
     """The body of the scan over updates: update ``update_index`` trains mini-batch
     ``update_index % M`` (epochs cycle over the mini-batches in order). ``carry`` is
     ``(theta, state)``, or ``(theta, state, critic_theta, critic_state)`` with a critic, which then
-    takes one update of its own on the same mini-batch (kept only when finite, like the policy's)."""
+    takes one update of its own on the same mini-batch (kept only when finite, like the policy's).
+    ``compute_dtype``: the policy's micro-batches run on one copy of ``theta`` in it
+    (:func:`accumulate_gradients`)."""
     theta, state = carry[:2]
     m_count = chunks["mask"].shape[0]
     mini = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, update_index % m_count, 0, False), chunks)
     update_key = None if dropout_key is None else jax.random.fold_in(dropout_key, update_index)
-    grads, loss, diag = accumulate_gradients(grad_fn, theta, mini, update_key, p_shardings)
+    grads, loss, diag = accumulate_gradients(grad_fn, theta, mini, update_key, p_shardings, compute_dtype)
     theta, state, stats = apply_if_finite(theta, state, grads, loss, optim=optim, p_shardings=p_shardings,
                                           o_shardings=o_shardings)
     if critic is None:
@@ -525,6 +537,12 @@ def _train_step_impl(
     if isinstance(graphdef, HashedGraphDef):
         graphdef = graphdef.graphdef
     sft = spec.objective == "sft"
+    # The float32 weights in the compute dtype once per update (or, under LoRA, the frozen base
+    # once per step), not once per micro-batch's forward: docs/performance.md "The train step".
+    model_cfg = spec.model_cfg
+    cast_once = model_cfg.compute_dtype if model_cfg.param_dtype != model_cfg.compute_dtype else None
+    if frozen is not None and cast_once is not None:
+        frozen = cast_for_compute(frozen, dtype_of(cast_once))
     p_shardings = param_shardings(spec.model_cfg, params, spec.mesh)
     o_shardings = opt_state_shardings(build_optimizer(optim), opt_state, p_shardings, spec.mesh)
 
@@ -609,7 +627,8 @@ def _train_step_impl(
     loss_fn = functools.partial(micro_loss, forward=forward, algo=None if sft else algo, router_top_k=router_top_k)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     update = functools.partial(optimizer_update, chunks=chunks, grad_fn=grad_fn, dropout_key=dropout_key,
-                               optim=optim, p_shardings=p_shardings, o_shardings=o_shardings, critic=critic_update)
+                               optim=optim, p_shardings=p_shardings, o_shardings=o_shardings, critic=critic_update,
+                               compute_dtype=cast_once if frozen is None else None)
     n_updates = spec.ppo_epochs * spec.mini_batches
     carry: tuple = (params, opt_state) if critic is None else (params, opt_state, critic_params, critic_opt_state)
     carry, per_update = jax.lax.scan(update, carry, jnp.arange(n_updates))

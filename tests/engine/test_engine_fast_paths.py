@@ -181,15 +181,15 @@ def bf16_compute_tiny():
 
 def test_serving_copy_casts_matrices_only_and_decodes_bitwise_alike(bf16_compute_tiny):
     from asyncrl.engine.jax_programs import decode_chunk_jit, graphdef_config, idle_controls, init_slot_state
-    from asyncrl.engine.serving_copy import serving_copy
+    from asyncrl.model.compute_copy import compute_copy
 
     graphdef, params = bf16_compute_tiny
-    serving = serving_copy(params, "bfloat16")
+    serving = compute_copy(params, "bfloat16")
     for (path, original), copy in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(serving)):
         want = jnp.bfloat16 if original.ndim >= 2 else jnp.float32
         assert copy.dtype == want, jax.tree_util.keystr(path)
-    assert serving_copy(serving, "bfloat16") is serving  # nothing left to cast: no copy
-    assert serving_copy(params, "float32") is params
+    assert compute_copy(serving, "bfloat16") is serving  # nothing left to cast: no copy
+    assert compute_copy(params, "float32") is params
 
     controls = idle_controls(3, 8)
     controls.active[:] = True
