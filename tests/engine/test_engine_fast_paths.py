@@ -222,6 +222,7 @@ def test_engine_serves_the_copy_and_refreshes_it_at_each_publish(bf16_compute_ti
     assert any(a.logprobs.tolist() != b.logprobs.tolist() for a, b in zip(before, after))
 
 
+@pytest.mark.slow  # the plain bucketed decode stays in the default selection
 def test_bucketed_attention_equals_full_with_top_k_top_p_and_a_trie_in_one_batch(tiny_split):
     """The filtered and the constrained decode variants under attention buckets, requests submitted
     together (one batch): the same tokens and log-probs as over the whole cache."""

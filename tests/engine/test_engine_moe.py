@@ -101,6 +101,7 @@ def test_engine_and_trainer_agree_before_and_after_a_publish(moe_dir):
     assert metrics["loss/router_aux"] > 0 and 1.0 <= metrics["train/expert_load_max"] <= 2.0  # E / k = 2
 
 
+@pytest.mark.slow  # the round trip without LoRA and in bfloat16 stay in the default selection
 def test_engine_and_trainer_agree_with_lora(moe_dir):
     out = run_round_trip(moe_dir, lora=True)
     assert out["before"] <= GAP and out["after"] <= GAP, out
@@ -171,6 +172,7 @@ def test_near_tie_routes_alike_and_a_bfloat16_router_would_not(top1_dir, monkeyp
     assert max_gap(trainer, batch) > 1e-3
 
 
+@pytest.mark.slow  # the loss is checked against numpy and transformers in tests/model/test_moe.py, and logged by the round trip
 def test_router_aux_loss_enters_the_loss_with_its_coefficient(moe_dir):
     """One plain SGD step on the same batch with ``algo.router_aux_loss_coef`` 0 and 0.5: the
     logged total loss differs by 0.5 x ``loss/router_aux`` (itself independent of the coefficient,

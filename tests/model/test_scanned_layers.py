@@ -87,6 +87,7 @@ def test_plan_counts_the_stacked_copy_only_when_scanning():
     assert "stacked layers" not in on_cpu
 
 
+@pytest.mark.slow  # the plain scanned layers stay in the default selection
 def test_scanned_lora_layers_with_dropout_give_the_unrolled_loss_and_gradients():
     """Adapters, their dropout keys and the frozen base stack like any layer variable."""
     from asyncrl.model.lora import LoraSpec, attach_lora

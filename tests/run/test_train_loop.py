@@ -307,6 +307,7 @@ def test_an_rl_run_compiles_its_first_step_while_the_first_rollouts_run(tmp_path
     assert rows[0]["perf/startup_precompile_hit"] == 1.0 and "perf/startup_precompile_hit" not in rows[1]
 
 
+@pytest.mark.slow  # a whole run; packed steps equal unpacked ones in tests/trainer/test_packing.py
 def test_a_packed_run_logs_the_unpacked_runs_losses(quick_run, tmp_path):
     """rollout.pack through the whole loop (SFT stage, RL stage, eval): every step's loss, gradient
     norm and trained tokens are the unpacked run's (rollouts are seeded, so the batches are too)."""

@@ -75,17 +75,22 @@ def _loss_and_grads(graphdef, params, batch, algo, packed: bool):
         mask, advantages = batch_targets(arrays, algo, False)
         denominators = aggregation_denominators(mask, arrays["group_index"] >= 0)
     behaviour = arrays["behavior_logprobs"]
-    ref_params = jax.tree.map(lambda x: x * 0.9, params)
-    ref, _ = per_token_logprobs(graphdef, ref_params, arrays["input_ids"], arrays["attention_mask"], 1.0,
-                                segment_ids=seg, with_entropy=False)
 
-    def loss(theta):
-        lp, ent = per_token_logprobs(graphdef, theta, arrays["input_ids"], arrays["attention_mask"], 1.0, segment_ids=seg)
-        value, diag = policy_loss(lp, behaviour, behaviour, advantages, mask, denominators, algo, entropy=ent,
-                                  ref_logprobs=ref, segment_ids=seg)
-        return value, diag
+    @jax.jit  # one program per call: far quicker than the same ops dispatched one by one
+    def loss_and_grads(params):
+        ref_params = jax.tree.map(lambda x: x * 0.9, params)
+        ref, _ = per_token_logprobs(graphdef, ref_params, arrays["input_ids"], arrays["attention_mask"], 1.0,
+                                    segment_ids=seg, with_entropy=False)
 
-    (value, diag), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        def loss(theta):
+            lp, ent = per_token_logprobs(graphdef, theta, arrays["input_ids"], arrays["attention_mask"], 1.0,
+                                         segment_ids=seg)
+            return policy_loss(lp, behaviour, behaviour, advantages, mask, denominators, algo, entropy=ent,
+                               ref_logprobs=ref, segment_ids=seg)
+
+        return jax.value_and_grad(loss, has_aux=True)(params)
+
+    (value, diag), grads = loss_and_grads(params)
     return value, diag, grads
 
 
@@ -195,6 +200,7 @@ for mesh, micro in [((4, 2, 1), 2), ((1, 4, 2), 1)]:
 """
 
 
+@pytest.mark.slow  # an 8-device subprocess; the packed step is checked on one device in the default selection
 def test_packed_steps_on_a_mesh_equal_the_single_device_unpacked_step():
     """data x fsdp with 2 micro-batches and fsdp x tensor, 2 mini-batches: each device's packed rows
     (a mini-batch's rows from every shard, device order) give the single-device unpacked update."""

@@ -60,6 +60,7 @@ def test_the_first_step_loads_the_background_compile_from_the_cache(fresh_cache)
     assert np.isfinite(metrics["loss/total"])
 
 
+@pytest.mark.slow  # compiles the step twice; the hit is in the default selection
 def test_a_wrong_prediction_costs_no_wait_and_the_step_compiles_its_own(fresh_cache):
     from asyncrl.trainer import Trainer
 
