@@ -402,9 +402,12 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     add("trainer", "batch", rows // shards * length * token_bytes,
         "token arrays of the step" + (", packed (rollout.pack: worst case, no row saved)" if cfg.rollout.pack else ""))
     if model_cfg.scan_layers:  # scanned_layers stacks the layers' variables, and the backward their gradients
+        # What is stacked is the step's copy in the compute dtype (asyncrl/model/compute_copy.py), and
+        # the gradient is the copy's; LoRA adapters stay in their own dtype.
         share = layer_share(model_cfg)
-        add("trainer", "stacked layers", int(base * share) * p_bytes + int(trained * share) * 4,
-            "model.scan_layers: a [layers, ...] copy of the layer weights and of their gradients")
+        grad_bytes = 4 if lora is not None else c_bytes
+        add("trainer", "stacked layers", int(base * share) * c_bytes + int(trained * share) * grad_bytes,
+            f"model.scan_layers: a [layers, ...] copy of the layer weights and of their gradients ({model_cfg.compute_dtype})")
 
     if not sft and cfg.engine.remote is None:
         lines.extend(_engine_lines(cfg, model_cfg, layout, params, base, adapters, p_bytes, c_bytes))
