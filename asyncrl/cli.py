@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from asyncrl import __version__
 from asyncrl.errors import AsyncRLError, ConfigError
@@ -205,16 +205,29 @@ def _exit_while_exiting(code: int) -> Callable[[int, object], None]:
     return exit_now
 
 
+_error_line: Optional[str] = None
+"""The one line :func:`_main` printed for the error that ended the command (None: none)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    global _error_line
+    _error_line = None
     code = _main(argv)
     if code != 0 and "asyncrl.cluster.distributed" in sys.modules:
-        # A failed process of a multi-process run: tell the others and exit now, instead of
-        # JAX's graceful shutdown waiting for processes stuck in a collective with this one.
+        # A failed process of a multi-process run: tell the others (with its error line, which
+        # they print if they stop before reaching the same error) and exit now, instead of JAX's
+        # graceful shutdown waiting for processes stuck in a collective with this one.
         from asyncrl.cluster.distributed import SIGNAL_EXIT_CODES, exit_after_failure
 
         if code not in SIGNAL_EXIT_CODES:
-            exit_after_failure(code)
+            exit_after_failure(code, _error_line or "see its log")
     return code
+
+
+def _say_error(text: str) -> None:
+    global _error_line
+    _error_line = text
+    print(f"asyncrl: error: {text}", file=sys.stderr)
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -238,10 +251,10 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"  {line}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except AsyncRLError as err:
-        print(f"asyncrl: error: {err}", file=sys.stderr)
+        _say_error(str(err))
         return 1
     except OSError as err:
-        print(f"asyncrl: error: {_describe_os_error(err)}", file=sys.stderr)
+        _say_error(_describe_os_error(err))
         return 1
 
 

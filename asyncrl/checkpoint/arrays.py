@@ -18,6 +18,7 @@ Imports jax and orbax when called, never at import time.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -95,11 +96,33 @@ def start_save(directory: Path, trees: Mapping[str, Mapping[str, Any]]) -> Any:
     It returns once the arrays are copied off the devices, so the caller may change them."""
     import orbax.checkpoint as ocp
 
+    _quiet_orbax_tracebacks()
     checkpointer = ocp.AsyncCheckpointer(_handler(trees))
     items = {name: ocp.args.PyTreeSave(_nest({key: _owned_copy(leaf) for key, leaf in flat.items()}))
              for name, flat in trees.items()}
     checkpointer.save(Path(directory).absolute(), args=ocp.args.Composite(**items))  # Orbax needs absolute paths
     return checkpointer
+
+
+class _WithoutTraceback(logging.Filter):
+    """Orbax's error records without their tracebacks: when a background write fails, each of its
+    threads logs the error with a traceback (a full disk gave six, about 400 lines), and the write's
+    caller reports the same failure as one line (:class:`~asyncrl.errors.CheckpointError`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info is not None and f"{os.sep}orbax{os.sep}" in record.pathname:
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_ORBAX_FILTER = _WithoutTraceback()
+
+
+def _quiet_orbax_tracebacks() -> None:
+    """Install :class:`_WithoutTraceback` on the logger Orbax logs to (absl's), once."""
+    logger = logging.getLogger("absl")
+    if _ORBAX_FILTER not in logger.filters:
+        logger.addFilter(_ORBAX_FILTER)
 
 
 HANDLER_OPTIONS: dict[str, Any] = {"use_compression": False, "enable_pinned_host_transfer": False}

@@ -93,6 +93,7 @@ _TRASH_PREFIX = ".trash-"
 _TREE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ORBAX_NAME = re.compile(r"^_[A-Za-z0-9][A-Za-z0-9_.-]*$")  # Orbax's _METADATA, _sharding, ...
 _HASH_CHUNK = 1 << 22
+_FAILED_KEY = "asyncrl/checkpoint-failed"  # + /<step>/<process>: a process's failed part of a write
 
 # Called with a stage name after each durable stage of a save ("params.safetensors", ...,
 # "MANIFEST.json", "fsync-dir", "renamed", "trashed step_<k>", "pruned"). Only tests set it (to kill a writer at
@@ -286,7 +287,11 @@ class PendingSave:
     """A checkpoint being written: the Orbax write of the arrays, then (in a daemon thread when
     asynchronous) each process hashing its own files, and process 0 writing the manifest,
     renaming the directory into place and pruning. :meth:`wait` ends it and re-raises a
-    failure in the caller's thread."""
+    failure in the caller's thread; :meth:`failed` tells without waiting.
+
+    With several processes a process whose part of the write fails posts its error to the
+    coordinator's key-value store, so that the others' :meth:`wait` ends at once with it
+    instead of waiting ``timeout_s`` for files that will never come."""
 
     def __init__(self, root: Path, step: int, process: int, processes: int, keep: Optional[int],
                  timeout_s: float) -> None:
@@ -298,6 +303,7 @@ class PendingSave:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._waited = False
+        self._abandoned = threading.Event()
 
     def start(self, checkpointer: Any, asynchronous: bool) -> None:
         if not asynchronous:
@@ -311,16 +317,29 @@ class PendingSave:
         """Whether the write has ended (completed or failed)."""
         return self._thread is None or not self._thread.is_alive()
 
+    def failed(self) -> bool:
+        """Whether this process's part of the write has already failed (never blocks; :meth:`wait`
+        raises the error)."""
+        return self.done() and self._error is not None
+
     def wait(self, timeout_s: Optional[float] = None) -> Path:
         """Block until the checkpoint is complete and return its directory; raises the write's
-        :class:`CheckpointError` (disk full, ...) here, in the caller's thread."""
+        :class:`CheckpointError` (disk full, ..., or another process's part of it failed) here,
+        in the caller's thread."""
         if self._thread is not None:
             limit = self.timeout_s * 2 if timeout_s is None else timeout_s
-            self._thread.join(limit)
-            if self._thread.is_alive():
-                raise CheckpointError(f"the checkpoint of step {self.step} in {self.root} did not finish within "
-                                      f"{limit:.0f} s (a stuck file system or process?); the previous complete "
-                                      "checkpoint is intact")
+            deadline = time.monotonic() + limit
+            while self._thread.is_alive():
+                self._thread.join(max(0.0, min(0.25, deadline - time.monotonic())))
+                if self._thread.is_alive() and self.processes > 1:
+                    peer = self.peer_failure()
+                    if peer is not None:
+                        self.abandon()
+                        raise CheckpointError(peer)
+                if self._thread.is_alive() and time.monotonic() >= deadline:
+                    raise CheckpointError(f"the checkpoint of step {self.step} in {self.root} did not finish within "
+                                          f"{limit:.0f} s (a stuck file system or process?); the previous complete "
+                                          "checkpoint is intact")
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -330,23 +349,61 @@ class PendingSave:
                 log.info("checkpoint of step %d written to %s", self.step, self.final)
         return self.final
 
+    def abandon(self) -> None:
+        """Stop this process's part of the write without waiting for it (another process's part
+        failed): a wait for the other processes' files ends at once; what Orbax still has in
+        flight ends on its own. The temporary directory is removed by the next save or resume."""
+        self._abandoned.set()
+
+    def peer_failure(self) -> Optional[str]:
+        """The one-line error another process posted for its part of this write, or None."""
+        from asyncrl.cluster.distributed import coordination_client
+
+        try:
+            posted = coordination_client().key_value_dir_get(f"{_FAILED_KEY}/{self.step}/")
+        except Exception:  # noqa: BLE001 - the coordinator is gone: the watchdog ends this process
+            return None
+        theirs = sorted((int(key.rsplit("/", 1)[-1]), text) for key, text in posted)
+        theirs = [(process, text) for process, text in theirs if process != self.process]
+        if not theirs:
+            return None
+        process, text = theirs[0]
+        return (f"process {process} of {self.processes} failed to write its part of the checkpoint of step "
+                f"{self.step}, so every process stops: {text}")
+
     def reporting_io_errors(self) -> Any:
         return _reporting_io_errors(self)
 
     def _finish(self, checkpointer: Any) -> None:
         try:
-            with self.reporting_io_errors():
-                if checkpointer is not None:
-                    try:
-                        checkpointer.wait_until_finished()
-                    finally:
-                        checkpointer.close()
-                    _stage("arrays")
-                self._write_own_hashes()
-                if self.process == 0:
-                    self._commit()
+            try:
+                with self.reporting_io_errors():
+                    if checkpointer is not None:
+                        try:
+                            checkpointer.wait_until_finished()
+                        finally:
+                            checkpointer.close()
+                        _stage("arrays")
+                    self._write_own_hashes()
+                    if self.process == 0:
+                        self._commit()
+            except CheckpointError:
+                raise
+            except Exception as err:  # noqa: BLE001 - whatever failed in the write, the run gets one line
+                raise CheckpointError(_cannot_write(self, f"{type(err).__name__}: {_first_line(err)}")) from err
         except BaseException as err:  # reaches the caller through wait()
             self._error = err
+            if self.processes > 1 and not self._abandoned.is_set():
+                self._post_failure(str(err))
+
+    def _post_failure(self, text: str) -> None:
+        from asyncrl.cluster.distributed import coordination_client
+
+        try:
+            coordination_client().key_value_set(f"{_FAILED_KEY}/{self.step}/{self.process}", text.splitlines()[0])
+        except Exception:  # noqa: BLE001 - the coordinator is gone: the others stop through the watchdog
+            log.warning("process %d: cannot tell the other processes that its part of the checkpoint of step %d "
+                        "failed", self.process, self.step)
 
     def _write_own_hashes(self) -> None:
         """This process's files of ``arrays/`` with their sizes and sha256, as ``hashes/process_<i>.json``."""
@@ -369,6 +426,9 @@ class PendingSave:
     def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
         while not ready():
+            if self._abandoned.is_set():
+                raise CheckpointError(f"the checkpoint of step {self.step} in {self.root}: abandoned while waiting "
+                                      f"for {what} (another process's part of it failed)")
             if time.monotonic() > deadline:
                 raise CheckpointError(f"the checkpoint of step {self.step} in {self.root}: {what} did not happen "
                                       f"within checkpoint.barrier_timeout_s={self.timeout_s:.0f} s")
@@ -412,32 +472,68 @@ class PendingSave:
 
 @contextlib.contextmanager
 def _reporting_io_errors(pending: "PendingSave") -> Iterator[None]:
-    """Disk full, an I/O error, a read-only file system: the write is abandoned (process 0 removes
-    its temporary directory) and every complete checkpoint stays as it was; one line says so."""
+    """Disk full, an I/O error, a read-only file system: the write is abandoned and every complete
+    checkpoint stays as it was; one line says so. A one-process run removes the temporary
+    directory; with several processes it is left to the next save or resume, which removes it
+    (the other processes may still be writing into it)."""
     try:
         yield
     except BaseException as err:
-        if pending.process == 0 and pending.tmp != pending.root and pending.tmp.exists():
+        if pending.processes == 1 and pending.tmp != pending.root and pending.tmp.exists():
             shutil.rmtree(pending.tmp, ignore_errors=True)
         oserror = err if isinstance(err, OSError) else None if isinstance(err, CheckpointError) else _as_oserror(err)
         if oserror is None:
             raise
-        raise CheckpointError(
-            f"cannot write the checkpoint of step {pending.step} in {pending.root}: [Errno {oserror.errno}] "
-            f"{oserror.strerror}{f': {oserror.filename}' if oserror.filename else ''} (the previous complete "
-            "checkpoint is intact; free the space or fix the device, then resume)"
-        ) from err
+        raise CheckpointError(_cannot_write(pending, f"[Errno {oserror.errno}] {oserror.strerror}"
+                                                     f"{f': {oserror.filename}' if oserror.filename else ''}")) from err
+
+
+def _cannot_write(pending: "PendingSave", cause: str) -> str:
+    """The one line of a failed write: the step, the directory, the cause and the checkpoint a
+    resume would continue from."""
+    previous = _newest_complete(pending.root)
+    where = (f"the previous complete checkpoint, {previous.name}, is intact" if previous is not None else
+             "no complete checkpoint was written before it, so a resume starts fresh")
+    return (f"cannot write the checkpoint of step {pending.step} in {pending.root}: {cause} ({where}; free the space "
+            "or fix the device, then resume)")
+
+
+def _newest_complete(root: Path) -> Optional[Path]:
+    """The newest complete checkpoint under ``root`` (sizes checked, no hashing), or None."""
+    try:
+        for _, path in reversed(_step_dirs(root)):
+            if not checkpoint_problems(path, checksums=False):
+                return path
+    except OSError:  # the device that failed the write may fail this too
+        pass
+    return None
+
+
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+_REPORTED_ERRNOS = ("ENOSPC", "EIO", "EROFS", "EDQUOT", "EACCES", "EPERM", "ENOENT", "ESTALE", "ENOTCONN", "ENODEV",
+                    "ENXIO")
 
 
 def _as_oserror(err: BaseException) -> Optional[OSError]:
-    """The ``OSError`` a tensorstore/Orbax error reports in its message (``No space left on device``)."""
+    """The ``OSError`` a tensorstore/Orbax error reports in its message: the errno tensorstore
+    names (``[os_error_code='28']``), else a known ``strerror`` text (``No space left on device``)."""
     import errno as errno_codes
 
     text = str(err)
-    for code in (errno_codes.ENOSPC, errno_codes.EIO, errno_codes.EROFS, errno_codes.EDQUOT):
-        if os.strerror(code) in text:
+    found = _OS_ERROR_CODE.search(text)
+    if found is not None:
+        code = int(found.group(1))
+        return OSError(code, os.strerror(code))
+    for name in _REPORTED_ERRNOS:
+        code = getattr(errno_codes, name, None)
+        if code is not None and os.strerror(code) in text:
             return OSError(code, os.strerror(code))
     return None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else repr(err)
 
 
 def _checked_inputs(step: Any, arrays: Mapping[str, Any], state: Mapping[str, Any], config_yaml: Any,

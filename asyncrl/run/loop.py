@@ -298,7 +298,11 @@ def run_stage(run: "Run", stage: Stage, trainer: Trainer, source: BatchSource, r
             if eval_due(scfg, stage_step):
                 _timed_eval(record_eval, tracker)
             run.history.append(tracker.commit(run.version))
-            stop = run.hosts.agree_stop()  # the same answer on every process
+            # The same answers on every process: a signal, and a checkpoint write that failed in
+            # the background (disk full...), which ends the run here rather than at the next save.
+            stop, failed_saves = run.hosts.agree_stop(save_failed=run.checkpoint_failed())
+            if failed_saves:
+                run.raise_failed_checkpoint(failed_saves)
             if run.checkpoint_due(stage_step, scfg.run.total_steps, stopping=stop is not None):
                 saving = time.perf_counter()
                 run.save(stage, stage_step, trainer, source)
@@ -725,6 +729,25 @@ class Run:
         self.last_checkpoint_version = self.version
         if not self.cfg.checkpoint.asynchronous:
             self.finish_checkpoint()
+
+    def checkpoint_failed(self) -> bool:
+        """Whether this process's part of the checkpoint in flight has already failed (never blocks)."""
+        return self.pending_checkpoint is not None and self.pending_checkpoint.failed()
+
+    def raise_failed_checkpoint(self, processes: list[int]) -> None:
+        """End the run because the checkpoint in flight failed on ``processes`` (every process
+        calls this at the same step): a process among them raises its own write error; the
+        others stop waiting for their part and raise one naming the process that failed."""
+        pending, self.pending_checkpoint = self.pending_checkpoint, None
+        if pending is None:
+            raise CheckpointError(f"process {processes[0]} of {self.hosts.count} failed to write its part of the "
+                                  "checkpoint in flight, so every process stops (its log has the cause)")
+        if self.hosts.index in processes:
+            pending.wait()  # raises this process's error
+        pending.abandon()
+        raise CheckpointError(pending.peer_failure() or (
+            f"process {processes[0]} of {self.hosts.count} failed to write its part of the checkpoint of step "
+            f"{pending.step}, so every process stops (its log has the cause)"))
 
     def finish_checkpoint(self) -> None:
         """Wait until the checkpoint in flight (if any) is complete on every process; raises its

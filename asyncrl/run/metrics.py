@@ -16,6 +16,8 @@ import json
 import logging
 import math
 import os
+import socket
+import struct
 import sys
 import threading
 import time
@@ -169,38 +171,87 @@ class JsonlSink:
         self._appender.close()
 
 
-def _summary_writer_class() -> type:
-    """tensorboardX's ``SummaryWriter``, imported without importing torch.
+def _tensorboard_protos() -> tuple[type, type, object]:
+    """tensorboardX's ``Event`` and ``Summary`` protobufs and its ``masked_crc32c``, imported
+    without importing torch.
 
-    tensorboardX's writer module imports torch whenever it is installed, only for a type alias
-    (``numpy_compatible``), and that import was seconds of every run's start-up; the sink logs
-    plain floats. So while tensorboardX first loads (once per process), ``import torch`` fails
-    for it; torch imports normally afterwards. Where torch is already imported this changes nothing."""
+    tensorboardX's package imports its writer module, which imports torch whenever it is
+    installed, only for a type alias (``numpy_compatible``), and that import was seconds of every
+    run's start-up; the sink logs plain floats. So while tensorboardX first loads (once per
+    process), ``import torch`` fails for it; torch imports normally afterwards. Where torch is
+    already imported this changes nothing."""
     from asyncrl.imports import import_without
 
     import_without("tensorboardX", "torch")
-    from tensorboardX import SummaryWriter
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.proto.summary_pb2 import Summary
+    from tensorboardX.record_writer import masked_crc32c
 
-    return SummaryWriter
+    return Event, Summary, masked_crc32c
 
 
 class TensorBoardSink:
-    """TensorBoard event files under ``logdir`` (``tensorboard --logdir <run.output_dir>``)."""
+    """TensorBoard event files under ``logdir`` (``tensorboard --logdir <run.output_dir>``).
+
+    Each step's scalars are one event, framed as a TFRecord and appended by the calling thread
+    with one ``os.write``. (tensorboardX's ``SummaryWriter`` hands events to a writer thread
+    through a queue of ten: when a write of that thread failed, a full disk say, the thread died,
+    and the loop's next step blocked forever on the full queue, as did the exit.) A failed write
+    warns once, like :class:`LogAppender`, and the run goes on; the next write starts a new event
+    file (TensorBoard reads every file of the directory), so a record the failure tore is never
+    followed by others in the same file."""
 
     def __init__(self, logdir: str | Path):
-        self._logdir = logdir
-        self._writer = _summary_writer_class()(logdir=str(logdir))
+        self._logdir = Path(logdir)
+        self._event, self._summary, self._crc = _tensorboard_protos()
+        self._fd = -1
+        self._files = 0
+        self._failed_writes = 0
+        self._open()
+
+    def _record(self, event: object) -> bytes:
+        """One TFRecord: length, its masked crc32c, the serialised event, its masked crc32c."""
+        data = event.SerializeToString()  # type: ignore[attr-defined]
+        header = struct.pack("<Q", len(data))
+        return header + struct.pack("<I", self._crc(header)) + data + struct.pack("<I", self._crc(data))  # type: ignore[operator]
+
+    def _open(self) -> None:
+        self._files += 1
+        self._logdir.mkdir(parents=True, exist_ok=True)
+        suffix = f".{self._files}" if self._files > 1 else ""
+        path = self._logdir / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}{suffix}"
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        _write_all(self._fd, self._record(self._event(wall_time=time.time(), file_version="brain.Event:2")))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        values = [self._summary.Value(tag=name, simple_value=float(value)) for name, value in metrics.items()]  # type: ignore[attr-defined]
+        record = self._record(self._event(wall_time=time.time(), step=step, summary=self._summary(value=values)))
         try:
-            for name, value in metrics.items():
-                self._writer.add_scalar(name, value, global_step=step)
-            self._writer.flush()
+            if self._fd < 0:
+                self._open()
+            _write_all(self._fd, record)
         except OSError as err:  # disk full or I/O error: the event file is a log, the run goes on
-            _log.warning("cannot write TensorBoard events to %s: [Errno %s] %s", self._logdir, err.errno, err.strerror)
+            if not self._failed_writes:
+                _log.warning("cannot write TensorBoard events to %s: [Errno %s] %s; these steps are lost from "
+                             "TensorBoard and the run goes on", self._logdir, err.errno, err.strerror)
+            self._failed_writes += 1
+            self._close_file()
+            return
+        if self._failed_writes:
+            _log.warning("writing TensorBoard events to %s works again; %d step(s) were lost", self._logdir,
+                         self._failed_writes)
+            self._failed_writes = 0
+
+    def _close_file(self) -> None:
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = -1
 
     def close(self) -> None:
-        self._writer.close()
+        self._close_file()
 
 
 class ConsoleSink:

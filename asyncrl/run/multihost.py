@@ -20,7 +20,9 @@ loop (:mod:`asyncrl.run.loop`) reads the same with one process or many:
 * **Stop agreement**: a signal on any process makes all of them stop at the same step
   boundary. Process 0 learns of another process's signal from the key-value store while it
   waits for a batch (the header then says "abandoned", with the exit code); after each step
-  every process's flag is combined by a tiny all-gather (:meth:`Hosts.agree_stop`).
+  every process's flag is combined by a tiny all-gather (:meth:`Hosts.agree_stop`), which also
+  carries whether each process's part of the checkpoint in flight has failed, so a failed
+  asynchronous write stops every process at the same step.
 * **Publishing** (:meth:`Hosts.engine_copy`): the trainer's global params are all-gathered
   in groups of at most :data:`~asyncrl.engine.jax_engine.COPY_GROUP_BYTES` (a jitted identity
   with replicated outputs per group: device to device), and process 0 keeps one single-device
@@ -146,19 +148,22 @@ class Hosts:
         """The exit code all processes use after an abandoned batch (that of the first signal seen)."""
         return self._code or self.guard.exit_code
 
-    def agree_stop(self) -> Optional[int]:
-        """At a step boundary, the same answer on every process: None (go on) or the exit code
-        to stop with (128 + the signal of the lowest-numbered process that got one)."""
+    def agree_stop(self, save_failed: bool = False) -> tuple[Optional[int], list[int]]:
+        """At a step boundary, the same answer on every process: the exit code to stop with (None:
+        go on; else 128 + the signal of the lowest-numbered process that got one), and the
+        processes whose part of the checkpoint in flight has failed (``save_failed``: this
+        process's; such a failure ends the run on every process at this step)."""
         local = self.guard.exit_code if self.guard.requested else 0
         if not self.multi:
-            return local or None
+            return local or None, [self.index] if save_failed else []
         from jax.experimental import multihost_utils
 
-        codes = np.asarray(multihost_utils.process_allgather(np.int32(local))).reshape(-1)
-        stop = next((int(c) for c in codes if c), None)
+        mine = np.asarray([local, int(save_failed)], np.int32)
+        gathered = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2)
+        stop = next((int(c) for c in gathered[:, 0] if c), None)
         if stop is not None:
             self._code = self._code or stop
-        return stop
+        return stop, [int(i) for i in np.flatnonzero(gathered[:, 1])]
 
     # ------------------------------------------------------------------ agreement and barriers
 

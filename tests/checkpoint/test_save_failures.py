@@ -1,0 +1,220 @@
+"""A checkpoint write that fails in the background (Orbax's asynchronous array writes: disk full,
+an I/O error) reaches the loop at the next step and stops the run with one line naming the step,
+the directory, the cause and the previous complete checkpoint, in one process and in two.
+
+The fault is injected where tensorstore reports it: Orbax's write of an array's shards
+(``serialization.async_serialize_from_host``, awaited in Orbax's commit threads) raises the
+``ValueError`` tensorstore raises for a failed file write, errno included, so everything above it
+(Orbax's commit futures and background thread, ``PendingSave``, the loop) runs as on a full disk.
+A real full file system (a tmpfs) is exercised by ``test_hardening.py`` where mounting is allowed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from asyncrl import cli
+from asyncrl.checkpoint import store as ck
+from asyncrl.errors import CheckpointError
+from tests.checkpoint.test_hardening import one_line_error, rows, trained_run  # noqa: F401 - a fixture
+from tests.helpers import REPO_ROOT, subprocess_env
+
+
+def tensorstore_error(code: int, path: str) -> ValueError:
+    """The error tensorstore raises for a failed file write (its message, as a full disk gave it)."""
+    status = "RESOURCE_EXHAUSTED" if code == errno.ENOSPC else "UNKNOWN"
+    return ValueError(f'{status}: Error writing "0" in OCDBT database at local file "{path}": Failed writing: '
+                      f'"{path}d/0": Failed to write 4096 bytes to file 7: {os.strerror(code)} '
+                      f"[os_error_code='{code}']")
+
+
+@contextlib.contextmanager
+def failing_array_writes(code: int, step: int) -> Iterator[None]:
+    """Orbax's shard writes into the temporary directory of ``step``'s checkpoint fail with ``code``."""
+    from orbax.checkpoint._src.serialization import serialization
+
+    real = serialization.async_serialize_from_host
+    marker = f".tmp-{ck.step_dir_name(step)}"
+
+    async def write(rslices_on_host, tensorstore_spec, *args, **kwargs):
+        spec = json.dumps(tensorstore_spec, default=str)
+        if marker in spec:
+            raise tensorstore_error(code, spec[spec.index("/", spec.index('"path"')):].split('"')[0])
+        return await real(rslices_on_host, tensorstore_spec, *args, **kwargs)
+
+    serialization.async_serialize_from_host = write
+    try:
+        yield
+    finally:
+        serialization.async_serialize_from_host = real
+
+
+def _arrays(step: int) -> dict:
+    import jax.numpy as jnp
+
+    return {"params": {"w": jnp.full((64, 16), step, jnp.float32)}, "opt_state": {"mu": jnp.zeros(32, jnp.float32)}}
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_a_background_array_write_that_fails_is_seen_without_waiting_and_raised_as_one_line(tmp_path, code):
+    ck.save_checkpoint(tmp_path, 1, arrays=_arrays(1), state={"version": 1}, config_yaml="{}\n")
+    with failing_array_writes(code, 2):
+        pending = ck.start_checkpoint(tmp_path, 2, arrays=_arrays(2), state={"version": 2}, config_yaml="{}\n")
+        deadline = time.monotonic() + 30
+        while not pending.failed():  # what the loop asks after every step: never blocks
+            assert time.monotonic() < deadline, "the failed write was never reported"
+            time.sleep(0.01)
+    with pytest.raises(CheckpointError) as raised:
+        pending.wait()
+    line = str(raised.value)
+    assert "\n" not in line
+    assert line.startswith(f"cannot write the checkpoint of step 2 in {tmp_path / 'checkpoints'}: "
+                           f"[Errno {code}] {os.strerror(code)} (the previous complete checkpoint, step_00000001, "
+                           "is intact"), line
+    assert [p.name for p in ck.checkpoints_root(tmp_path).iterdir()] == ["step_00000001"]  # no temporary left
+    assert ck.load_checkpoint(ck.save_checkpoint(tmp_path, 2, arrays=_arrays(2), state={"version": 2},
+                                                 config_yaml="{}\n")).step == 2  # the disk is back
+
+
+@pytest.fixture
+def run_home(trained_run, tmp_path, monkeypatch) -> Path:  # noqa: F811 - the imported fixture
+    """A private copy of test_hardening's two-step run (steps 1 and 2 checkpointed); the test's
+    working directory is its home."""
+    home = tmp_path / "home"
+    shutil.copytree(trained_run, home)
+    monkeypatch.chdir(home)
+    return home
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_a_failed_asynchronous_save_stops_the_run_at_the_next_step(run_home, capsys, monkeypatch, code):
+    """The resumed run saves at steps 4 and 6; step 4's arrays fail in the background. The run
+    stops at the end of the step in which the write failed (step 5: before, it trained on to the
+    next save, and on a real full disk hung there on tensorboardX's dead writer thread) with
+    exit 1 and one line."""
+    from asyncrl.run import loop
+
+    publish = loop.Run.publish
+
+    def publish_once_the_write_ended(run, trainer):  # makes "the write failed during step 5" certain
+        publish(run, trainer)
+        deadline = time.monotonic() + 30
+        while run.version == 5 and run.pending_checkpoint is not None and not run.pending_checkpoint.done():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    monkeypatch.setattr(loop.Run, "publish", publish_once_the_write_ended)
+    with failing_array_writes(code, 4):
+        started = time.monotonic()
+        assert cli.main(["train", "config.yaml", "--resume", "--set", "run.total_steps=8",
+                         "--set", "checkpoint.every_steps=2"]) == 1
+        elapsed = time.monotonic() - started
+    line = one_line_error(capsys)
+    out = run_home / "run"
+    assert line == (f"asyncrl: error: cannot write the checkpoint of step 4 in {Path('run', 'checkpoints')}: [Errno {code}] "
+                    f"{os.strerror(code)} (the previous complete checkpoint, step_00000002, is intact; free the "
+                    "space or fix the device, then resume)"), line
+    trained = [r["step"] for r in rows(out) if "loss/total" in r]
+    assert trained == [1, 2, 3, 4, 5], trained  # stopped at the step after the failed save, not at step 6's save
+    assert ck.latest_checkpoint(out).name == "step_00000002"
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    assert elapsed < 60, elapsed
+
+
+# The two processes' child: saves step 1, then step 2 with process FAIL's array writes failing
+# with CODE; then, as the loop after each step, polls its own write and agrees with the other
+# process (Hosts.agree_stop) until one of them failed, and ends the run as the loop does.
+CHILD = textwrap.dedent(
+    """
+    import contextlib, os, sys, time
+    from asyncrl.config import load_config
+    from asyncrl.cluster.distributed import initialize_distributed
+    initialize_distributed(load_config(data={}).mesh)
+    import jax, numpy as np
+    from asyncrl.checkpoint import store as ck
+    from asyncrl.errors import CheckpointError
+    from asyncrl.run.loop import Run
+    from asyncrl.run.multihost import Hosts
+    from asyncrl.run.shutdown import ShutdownGuard
+    from tests.checkpoint.test_save_failures import failing_array_writes
+    out, fail, code = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("d",)), jax.sharding.PartitionSpec("d"))
+    def arrays(step):  # one global array, a shard on each process
+        return {"params": {"w": jax.make_array_from_callback((64, 16), sharding, lambda i: np.full((64, 16), step, np.float32)[i])}}
+    ck.save_checkpoint(out, 1, arrays=arrays(1), state={"version": 1}, config_yaml="{}\\n", timeout_s=120)
+    hosts = Hosts(barrier_timeout_s=120)
+    hosts.guard = ShutdownGuard()
+    run = Run.__new__(Run)  # the loop's checkpoint bookkeeping alone
+    run.hosts = hosts
+    started = time.monotonic()
+    with failing_array_writes(code, 2) if jax.process_index() == fail else contextlib.nullcontext():
+        run.pending_checkpoint = ck.start_checkpoint(out, 2, arrays=arrays(2), state={"version": 2},
+                                                     config_yaml="{}\\n", timeout_s=120)
+        try:
+            for step in range(600):
+                time.sleep(0.05)  # a step
+                stop, failed = hosts.agree_stop(save_failed=run.checkpoint_failed())
+                if failed:
+                    run.raise_failed_checkpoint(failed)
+            print("NEVER FAILED", flush=True)
+        except CheckpointError as err:
+            print(f"STOPPED {time.monotonic() - started:.1f}", err, flush=True)
+    from asyncrl.cluster.distributed import wait_at_barrier
+    wait_at_barrier("asyncrl-test/done", 60)  # process 0 hosts the coordinator: it leaves last
+    os._exit(0)  # as the CLI after a failure: no wait for Orbax's threads of the abandoned write
+    """
+)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fail, code", [(1, errno.ENOSPC), (0, errno.EIO)])
+def test_a_save_that_fails_on_one_of_two_processes_stops_both(tmp_path, fail, code):
+    """Two JAX processes on loopback: the process whose write failed raises its own line, the
+    other one naming that process and its cause, at the same step, within seconds (not after
+    checkpoint.barrier_timeout_s); the previous checkpoint stays the newest complete one."""
+    from tests.checkpoint.test_checkpoint_agree import _free_port
+
+    port = _free_port()
+    procs = []
+    for pid in range(2):
+        env = subprocess_env(JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                             JAX_PROCESS_ID=str(pid))
+        procs.append(subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(fail), str(code)], env=env,
+                                      cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    outputs = []
+    try:
+        for proc in procs:
+            stdout, _ = proc.communicate(timeout=240)
+            outputs.append(stdout)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    root = tmp_path / "checkpoints"
+    cause = (f"cannot write the checkpoint of step 2 in {root}: [Errno {code}] {os.strerror(code)} (the previous "
+             "complete checkpoint, step_00000001, is intact")
+    for pid, output in enumerate(outputs):
+        stopped = [line for line in output.splitlines() if line.startswith("STOPPED")]
+        assert len(stopped) == 1, (pid, output)
+        seconds, message = stopped[0].split(" ", 2)[1:]
+        assert float(seconds) < 30, (pid, output)
+        if pid == fail:
+            assert message.startswith(cause), (pid, output)
+        else:
+            assert message.startswith(f"process {fail} of 2 failed to write its part of the checkpoint of step 2, "
+                                      f"so every process stops: {cause}"), (pid, output)
+    assert ck.latest_checkpoint(tmp_path).name == "step_00000001"
