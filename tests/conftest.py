@@ -45,6 +45,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def compile_cache(tmp_path, monkeypatch):
+    """JAX's persistent compilation cache on for one test that needs the cache itself (the train
+    step compiled in the background reaches the step through it: asyncrl/trainer/precompile.py):
+    the suite's directory, or under ``-p no:cacheprovider``, where the suite has none and runs keep
+    the cache off (``pytest_configure``), a fresh one in ``tmp_path``. Yields the directory; the
+    process's cache settings are restored afterwards."""
+    import jax
+    from jax._src import compilation_cache
+
+    names = ("jax_compilation_cache_dir", "jax_enable_compilation_cache")
+    before = {name: jax.config.values[name] for name in names}
+    where = before["jax_compilation_cache_dir"] or os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path / "jax")
+    monkeypatch.delenv("ASYNCRL_COMPILE_CACHE", raising=False)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", where)  # what a run's enable_compile_cache reads
+    jax.config.update("jax_compilation_cache_dir", where)
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
+    yield where
+    for name, value in before.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
 # The tiny model in the four shapes tests want it, each under its own name (module scope: one
 # load per test file, as before).
 

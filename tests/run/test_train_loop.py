@@ -294,10 +294,11 @@ def test_export_command_writes_the_newest_checkpoint_or_the_hf_export(quick_run,
     assert "exists and is not empty" in capsys.readouterr().err
 
 
-def test_an_rl_run_compiles_its_first_step_while_the_first_rollouts_run(tmp_path):
+def test_an_rl_run_compiles_its_first_step_while_the_first_rollouts_run(tmp_path, compile_cache):
     """RL from the start: the train step's compile starts before the engine's first rollouts
     (asyncrl/trainer/precompile.py); the quickstart's one length bucket makes the first batch's
-    shape certain, so the prediction is a hit and the step loads the program from the cache."""
+    shape certain, so the prediction is a hit and the step loads the program from the cache
+    (which the fixture turns on: ``-p no:cacheprovider`` turns the suite's off)."""
     from asyncrl.run.loop import train
 
     cfg = quick_config(tmp_path, "stages=[]", "run.total_steps=2", "eval.every_steps=0", "logging.dump_every_steps=0")

@@ -29,14 +29,18 @@ def _backend_compiles_of_the_step() -> list[float]:
 
 @pytest.fixture
 def fresh_cache(tmp_path):
-    """An empty persistent compilation cache for this test (the suite's may already hold the step)."""
+    """An empty persistent compilation cache for this test (the suite's may already hold the
+    step), on even where an earlier run in this process turned the cache off (``-p no:cacheprovider``)."""
     from jax._src import compilation_cache
 
-    before = jax.config.values["jax_compilation_cache_dir"]
+    names = ("jax_compilation_cache_dir", "jax_enable_compilation_cache")
+    before = {name: jax.config.values[name] for name in names}
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax-cache"))
+    jax.config.update("jax_enable_compilation_cache", True)
     compilation_cache.reset_cache()
     yield
-    jax.config.update("jax_compilation_cache_dir", before)
+    for name, value in before.items():
+        jax.config.update(name, value)
     compilation_cache.reset_cache()
 
 
