@@ -69,6 +69,11 @@ class BatchSource(Protocol):
         """What a checkpoint keeps so that a resumed run continues with the very next batch."""
         ...
 
+    def checkpoint_state(self) -> Any:
+        """:meth:`state_dict` as of the last :meth:`set_version`: what the loop checkpoints after
+        a step (consistent with the engine counters it read before that publish)."""
+        ...
+
     def close(self) -> None:
         """Stop background work; returns promptly."""
         ...

@@ -135,6 +135,9 @@ class WorkflowExecutor:
         self._metrics_error_logged = False
         self._stopping = threading.Event()
         self._dispatcher: Optional[threading.Thread] = None
+        self._published: Optional[tuple[dict[str, Any], dict[int, TrajectoryGroup]]] = None
+        """The ledger and the queued groups as of the last :meth:`set_version` (or :meth:`start`):
+        what :meth:`checkpoint_state` packs."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -144,6 +147,7 @@ class WorkflowExecutor:
             raise RuntimeError("WorkflowExecutor.start() was already called")
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="asyncrl-dispatcher", daemon=True)
         with self._lock:
+            self._published = self._snapshot()
             for _ in range(self.cfg.rollout.max_concurrent):
                 self._start_worker()
         self._dispatcher.start()
@@ -175,6 +179,10 @@ class WorkflowExecutor:
             )
         with self._wake:
             self.ledger.publish(version)
+            # Taken in the same hold of the lock as the publish: nothing admitted under the new
+            # version has started, so this is the rollout state that goes with the engine counters
+            # the loop read just before (docs/design.md "Versions and the publish order", step 4).
+            self._published = self._snapshot()
             self._wake.notify_all()
 
     @property
@@ -499,20 +507,30 @@ class WorkflowExecutor:
     def state_dict(self) -> dict[str, Any]:
         """``{"meta": JSON-serialisable dict, "arrays": {name: np.ndarray}}``: the ledger (tickets,
         sample ids drawn, accounting) and every queued group, packed by
-        :meth:`TrajectoryGroup.pack` (arrays named ``g<ticket>_<name>``). In-flight episodes
+        :meth:`TrajectoryGroup.pack` (arrays named ``g<ticket>_<name>``), now. In-flight episodes
         are not saved: their sample ids are re-issued by :meth:`load_state_dict`."""
         with self._lock:
-            for ticket, group in self._queue.get_all():
-                self._ready[ticket] = group
-            snap = self.ledger.snapshot()
-            groups_meta: dict[str, Any] = {}
-            arrays: dict[str, np.ndarray] = {}
-            for ticket in sorted(self._ready):
-                if self.ledger.state_of(ticket) != QUEUED:
-                    continue
-                groups_meta[str(ticket)], packed = self._ready[ticket].pack()
-                arrays.update({f"g{ticket}_{name}": array for name, array in packed.items()})
-        return {"meta": {"format": STATE_FORMAT, "ledger": snap, "groups": groups_meta}, "arrays": arrays}
+            snapshot = self._snapshot()
+        return _pack_state(*snapshot)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """:meth:`state_dict` as of the last :meth:`set_version` (before it, :meth:`start`): what
+        a checkpoint of the step just published keeps. Groups that finished since (with
+        ``max_staleness: 0``, the next step's, generated while the loop logged, evaluated or
+        waited for the checkpoint before) are in flight in it and generated again on a resume,
+        exactly once in all, like their engine work: the engine counters a checkpoint keeps are
+        read before that publish, so a resume that restored them queued never counted them."""
+        with self._lock:
+            snapshot = self._published if self._published is not None else self._snapshot()
+        return _pack_state(*snapshot)
+
+    def _snapshot(self) -> tuple[dict[str, Any], dict[int, TrajectoryGroup]]:
+        """The ledger's snapshot and the queued groups (lock held; the groups are not copied:
+        a group is never changed once queued)."""
+        for ticket, group in self._queue.get_all():
+            self._ready[ticket] = group
+        groups = {ticket: group for ticket, group in self._ready.items() if self.ledger.state_of(ticket) == QUEUED}
+        return self.ledger.snapshot(), groups
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore before :meth:`start`: queued groups come back (each checked by the trajectory
@@ -538,6 +556,16 @@ class WorkflowExecutor:
             if missing:
                 raise RolloutError(f"rollout state: queued tickets {missing} have no stored group")
             self._ready = ready
+
+
+def _pack_state(ledger: dict[str, Any], groups: Mapping[int, TrajectoryGroup]) -> dict[str, Any]:
+    """A rollout state (:meth:`WorkflowExecutor.state_dict`) of a ledger snapshot and its queued groups."""
+    groups_meta: dict[str, Any] = {}
+    arrays: dict[str, np.ndarray] = {}
+    for ticket in sorted(groups):
+        groups_meta[str(ticket)], packed = groups[ticket].pack()
+        arrays.update({f"g{ticket}_{name}": array for name, array in packed.items()})
+    return {"meta": {"format": STATE_FORMAT, "ledger": ledger, "groups": groups_meta}, "arrays": arrays}
 
 
 def _drop_hint(reason: str, cfg: Config) -> str:

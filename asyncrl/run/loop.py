@@ -712,9 +712,10 @@ class Run:
             }
             if self.hosts.multi:
                 state["process_count"] = self.hosts.count  # recorded; a resume may have another count
-            rollout_state = source.state_dict() if stage.type == "rl" else None
+            # As of the step's publish, like the engine counters above (read just before it).
+            rollout_state = source.checkpoint_state() if stage.type == "rl" else None
             if stage.type == "sft":
-                state["sft"] = source.state_dict()
+                state["sft"] = source.checkpoint_state()
             if self.lora_state is not None:
                 state["lora"] = self.lora_state  # params are adapters: of this base only
             if self.trackers is not None and self.trackers.run_ids():

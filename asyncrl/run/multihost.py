@@ -417,6 +417,10 @@ class HostBatchSource:
         """Process 0's source state (the others have none: process 0 writes the checkpoint)."""
         return self.source.state_dict() if self.source is not None else None
 
+    def checkpoint_state(self) -> Any:
+        """Process 0's source state as of the last publish (None on the other processes)."""
+        return self.source.checkpoint_state() if self.source is not None else None
+
     def close(self) -> None:
         if self.source is not None:
             self.source.close()

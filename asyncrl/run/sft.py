@@ -242,6 +242,10 @@ class SFTData:
         self.position = int(state["position"])
         self.skipped_too_long = int(state["skipped_too_long"])
 
+    def checkpoint_state(self) -> dict:
+        """:meth:`state_dict`: the position changes only when a batch is taken."""
+        return self.state_dict()
+
     def set_version(self, version: int) -> None:
         """Nothing to do: SFT batches do not depend on the served weights."""
 
