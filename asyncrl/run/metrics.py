@@ -6,7 +6,7 @@ the quantity under its final name (the trainer's ``loss/*`` and ``perf/train_tim
 executor's ``rollout/*``, the loop's ``perf/step_time``; nothing is renamed afterwards);
 :meth:`StatsTracker.commit` reduces what was
 recorded since the last commit into one flat ``{name: float}`` and hands it to each
-sink: ``metrics.jsonl`` (one object per step), TensorBoard via tensorboardX, and the
+sink: ``metrics.jsonl`` (one object per step), TensorBoard event files (tensorboardX's protobufs), and the
 console. Recording is thread-safe (rollout threads record too).
 """
 
@@ -197,14 +197,15 @@ class TensorBoardSink:
     with one ``os.write``. (tensorboardX's ``SummaryWriter`` hands events to a writer thread
     through a queue of ten: when a write of that thread failed, a full disk say, the thread died,
     and the loop's next step blocked forever on the full queue, as did the exit.) A failed write
-    warns once, like :class:`LogAppender`, and the run goes on; the next write starts a new event
-    file (TensorBoard reads every file of the directory), so a record the failure tore is never
-    followed by others in the same file."""
+    warns once, like :class:`LogAppender`, and the run goes on; the file is cut back to its last
+    whole record (or, where that fails too, the next write starts a new event file: TensorBoard
+    reads every file of the directory), so a torn record is never followed by others."""
 
     def __init__(self, logdir: str | Path):
         self._logdir = Path(logdir)
         self._event, self._summary, self._crc = _tensorboard_protos()
         self._fd = -1
+        self._size = 0  # bytes of whole records in the open file
         self._files = 0
         self._failed_writes = 0
         self._open()
@@ -221,7 +222,12 @@ class TensorBoardSink:
         suffix = f".{self._files}" if self._files > 1 else ""
         path = self._logdir / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}{suffix}"
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-        _write_all(self._fd, self._record(self._event(wall_time=time.time(), file_version="brain.Event:2")))
+        self._size = 0
+        self._append(self._record(self._event(wall_time=time.time(), file_version="brain.Event:2")))
+
+    def _append(self, record: bytes) -> None:
+        _write_all(self._fd, record)
+        self._size += len(record)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         values = [self._summary.Value(tag=name, simple_value=float(value)) for name, value in metrics.items()]  # type: ignore[attr-defined]
@@ -229,18 +235,27 @@ class TensorBoardSink:
         try:
             if self._fd < 0:
                 self._open()
-            _write_all(self._fd, record)
+            self._append(record)
         except OSError as err:  # disk full or I/O error: the event file is a log, the run goes on
             if not self._failed_writes:
                 _log.warning("cannot write TensorBoard events to %s: [Errno %s] %s; these steps are lost from "
                              "TensorBoard and the run goes on", self._logdir, err.errno, err.strerror)
             self._failed_writes += 1
-            self._close_file()
+            self._cut_torn_record()
             return
         if self._failed_writes:
             _log.warning("writing TensorBoard events to %s works again; %d step(s) were lost", self._logdir,
                          self._failed_writes)
             self._failed_writes = 0
+
+    def _cut_torn_record(self) -> None:
+        """After a failed write: back to the last whole record, or a new file next time."""
+        if self._fd < 0:
+            return
+        try:
+            os.ftruncate(self._fd, self._size)
+        except OSError:
+            self._close_file()
 
     def _close_file(self) -> None:
         if self._fd >= 0:

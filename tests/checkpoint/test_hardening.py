@@ -180,10 +180,12 @@ def test_a_full_small_filesystem_keeps_the_previous_checkpoint_and_logs_go_on(tm
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here")
     try:
-        from asyncrl.run.metrics import JsonlSink
+        from asyncrl.run.metrics import JsonlSink, TensorBoardSink
+        from tests.helpers import read_tensorboard_scalars
 
         arrays = {"params": {"w": np.ones(64 * 1024, np.float32)}}  # 256 KiB
         ck.save_checkpoint(mount, 1, arrays=arrays, state={"version": 1}, config_yaml="{}\n", keep=5)
+        tensorboard = TensorBoardSink(mount / "tb")
         filler = mount / "filler"
         with open(filler, "wb") as handle:  # fill the rest
             try:
@@ -199,11 +201,17 @@ def test_a_full_small_filesystem_keeps_the_previous_checkpoint_and_logs_go_on(tm
         with caplog.at_level(logging.WARNING, logger="asyncrl"):
             for step in range(200):
                 sink.write(step, {"x": 1.0})
-        assert any("No space left on device" in r.getMessage() for r in caplog.records)
-        filler.unlink()  # space freed: both go on
+                tensorboard.write(step, {"x": 1.0})  # never blocks (tensorboardX's writer thread died here)
+        assert any("No space left on device" in r.getMessage() and "metrics.jsonl" in r.getMessage()
+                   for r in caplog.records)
+        assert any("cannot write TensorBoard events" in r.getMessage() for r in caplog.records)
+        filler.unlink()  # space freed: all go on
         sink.write(200, {"x": 2.0})
         sink.close()
+        tensorboard.write(200, {"x": 2.0})
+        tensorboard.close()
         assert json.loads((mount / "metrics.jsonl").read_text().splitlines()[-1]) == {"step": 200, "x": 2.0}
+        assert read_tensorboard_scalars(mount / "tb")["x"][-1] == (200, 2.0)
         assert ck.load_checkpoint(ck.save_checkpoint(mount, 2, arrays=arrays, state={"version": 2},
                                                      config_yaml="{}\n", keep=5)).step == 2
     finally:

@@ -59,6 +59,43 @@ def test_tensorboard_events_read_back(tmp_path):
     assert scalars["loss/policy"] == [(1, -1.0), (2, -2.0)]
 
 
+def test_a_failing_tensorboard_write_warns_once_and_never_blocks_the_step(tmp_path, monkeypatch, caplog):
+    """Disk full under the event file: each step's write fails at once (tensorboardX's writer
+    thread died there and its full queue blocked the run forever: issue 47), one warning; a
+    record the failure tore is cut off, and once writing works again the events go on in the
+    same file."""
+    import errno
+    import logging
+    import os
+
+    import asyncrl.run.metrics as metrics
+    from tests.helpers import read_tensorboard_scalars
+
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.write(1, {"reward/mean": 0.5})
+    real_write = os.write
+    full = {"on": True}
+
+    def write(fd, data):
+        if full["on"] and os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / "tb")):
+            real_write(fd, bytes(data)[:7])  # a torn record, as a full disk leaves one
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(metrics.os, "write", write)
+    with caplog.at_level(logging.WARNING, logger="asyncrl"):
+        for step in range(2, 50):  # far more events than tensorboardX's queue of ten
+            sink.write(step, {"reward/mean": step / 100})
+        full["on"] = False
+        sink.write(50, {"reward/mean": 0.25})
+    sink.close()
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and "[Errno 28] No space left on device" in warned[0], warned
+    assert "works again; 48 step(s) were lost" in warned[1], warned
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
+    assert read_tensorboard_scalars(tmp_path / "tb")["reward/mean"] == [(1, 0.5), (50, 0.25)]
+
+
 def test_console_plain_lines_keep_last_values_and_eta():
     stream = io.StringIO()
     sink = ConsoleSink(total_steps=4, stream=stream, use_bar=False)
