@@ -525,9 +525,9 @@ def _as_oserror(err: BaseException) -> Optional[OSError]:
         code = int(found.group(1))
         return OSError(code, os.strerror(code))
     for name in _REPORTED_ERRNOS:
-        code = getattr(errno_codes, name, None)
-        if code is not None and os.strerror(code) in text:
-            return OSError(code, os.strerror(code))
+        known: Optional[int] = getattr(errno_codes, name, None)
+        if known is not None and os.strerror(known) in text:
+            return OSError(known, os.strerror(known))
     return None
 
 
