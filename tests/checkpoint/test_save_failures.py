@@ -218,3 +218,57 @@ def test_a_save_that_fails_on_one_of_two_processes_stops_both(tmp_path, fail, co
             assert message.startswith(f"process {fail} of 2 failed to write its part of the checkpoint of step 2, "
                                       f"so every process stops: {cause}"), (pid, output)
     assert ck.latest_checkpoint(tmp_path).name == "step_00000001"
+
+
+# `asyncrl train` as one of two processes, its array writes of step FAIL_STEP's checkpoint failing
+# with CODE on process FAIL (argv: config, fail, code, fail_step).
+TRAIN_CHILD = textwrap.dedent(
+    """
+    import contextlib, os, sys
+    from tests.checkpoint.test_save_failures import failing_array_writes
+    config, fail, code, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    failing = failing_array_writes(code, step) if int(os.environ["JAX_PROCESS_ID"]) == fail else contextlib.nullcontext()
+    from asyncrl.cli import main
+    with failing:
+        sys.exit(main(["train", config]))
+    """
+)
+
+
+@pytest.mark.slow  # two training processes: about a minute; the agreement itself is tested above
+@pytest.mark.timeout(400)
+def test_asyncrl_train_on_two_processes_stops_both_when_one_save_fails(tmp_path):
+    """The CLI on two processes (2 CPU devices each): process 1's part of step 2's checkpoint
+    fails with ENOSPC; both stop at the same step with exit 1, process 1 with its own line,
+    process 0 naming process 1 and its cause; step 1's checkpoint stays the newest complete one."""
+    from asyncrl.cluster.launch import free_port
+    from tests.cluster.test_multiprocess import FAST_COMPILE_FLAGS, _config, _kill, _logs
+
+    config = _config(tmp_path, "fail", run={"total_steps": 6}, checkpoint={"every_steps": 1, "keep": 5})
+    port = free_port()
+    procs = []
+    for pid in range(2):
+        env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {FAST_COMPILE_FLAGS}",
+                             JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                             JAX_PROCESS_ID=str(pid))
+        log = open(config.with_suffix(f".p{pid}.log"), "w")
+        procs.append(subprocess.Popen([sys.executable, "-c", TRAIN_CHILD, str(config), "1", str(errno.ENOSPC), "2"],
+                                      env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+        log.close()
+    try:
+        codes = [proc.wait(timeout=300) for proc in procs]
+    finally:
+        _kill(procs)
+    logs = [config.with_suffix(f".p{pid}.log").read_text() for pid in range(2)]
+    assert codes == [1, 1], _logs(config, 2)
+    out = tmp_path / "fail"
+    cause = (f"cannot write the checkpoint of step 2 in {out / 'checkpoints'}: [Errno 28] No space left on device "
+             "(the previous complete checkpoint, step_00000001, is intact")
+    last = [[line for line in log.splitlines() if line.startswith("asyncrl:")][-1] for log in logs]
+    assert last[1].startswith(f"asyncrl: error: {cause}"), _logs(config, 2)
+    assert last[0].startswith("asyncrl: error: process 1 of 2 failed to write its part of the checkpoint of step 2, "
+                              f"so every process stops: {cause}"), _logs(config, 2)
+    assert "Traceback" not in logs[0] + logs[1], _logs(config, 2)
+    assert ck.latest_checkpoint(out).name == "step_00000001"
+    assert max(json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()) < 6
