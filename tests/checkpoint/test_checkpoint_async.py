@@ -141,7 +141,7 @@ TRAIN_CHILD = textwrap.dedent(
 @pytest.mark.slow  # a training child: ~100 s on the loaded 2-core machine
 @pytest.mark.timeout(300)
 def test_a_save_in_flight_at_sigterm_is_completed_before_the_run_exits(tmp_path):
-    from tests.test_resume import read_rows, write_config
+    from tests.checkpoint.test_resume import read_rows, write_config
 
     out = tmp_path / "run"
     config = write_config(tmp_path, out, run={"total_steps": 500}, checkpoint={"every_steps": 1, "keep": 2})

@@ -1,5 +1,6 @@
 """Hardening (issue 21): damaged logs never block a resume, a checkpoint's contents are validated
-before they are trusted, disk-full and I/O errors are survivable, and resource use is logged.
+before they are trusted, disk-full and I/O errors are survivable (issue 47: also when Orbax's
+background writes fail), and resource use is logged.
 
 Runs go through the CLI (``asyncrl.cli.main`` in-process) on the ``tiny`` model. One real run
 of two steps (:func:`trained_run`, module scope) is copied by each test that resumes it; the
@@ -15,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +134,43 @@ def test_a_write_failure_in_a_checkpoint_stops_the_run_and_a_log_failure_does_no
     assert len(warned) == 1 and "metrics.jsonl: [Errno 5]" in warned[0], warned
     final = ck.load_checkpoint(ck.latest_checkpoint(run_copy))
     assert final.step == 3 and final.rollout_state["meta"]["ledger"]["terminal"]["trained"] == 3 * 2
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, pytest.param(errno.EIO, marks=pytest.mark.slow)])  # EIO: the same path
+def test_a_failed_asynchronous_save_stops_the_run_at_the_next_step(run_copy, capsys, monkeypatch, code):
+    """The resumed run saves at steps 4 and 6; step 4's arrays fail in the background. The run
+    stops at the end of the step in which the write failed (step 5: before, it trained on to the
+    next save, and on a real full disk hung there on tensorboardX's dead writer thread) with
+    exit 1 and one line."""
+    from asyncrl.run import loop
+    from tests.checkpoint.test_save_failures import failing_array_writes
+
+    publish = loop.Run.publish
+
+    def publish_once_the_write_ended(run, trainer):  # makes "the write failed during step 5" certain
+        publish(run, trainer)
+        deadline = time.monotonic() + 30
+        while run.version == 5 and run.pending_checkpoint is not None and not run.pending_checkpoint.done():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    monkeypatch.setattr(loop.Run, "publish", publish_once_the_write_ended)
+    with failing_array_writes(code, 4):
+        started = time.monotonic()
+        assert cli.main(["train", "config.yaml", "--resume", "--set", "run.total_steps=8",
+                         "--set", "checkpoint.every_steps=2"]) == 1
+        elapsed = time.monotonic() - started
+    line = one_line_error(capsys)
+    out = run_copy
+    # (run.output_dir is relative: the test's working directory is the run's home)
+    assert line == (f"asyncrl: error: cannot write the checkpoint of step 4 in {Path('run', 'checkpoints')}: [Errno {code}] "
+                    f"{os.strerror(code)} (the previous complete checkpoint, step_00000002, is intact; free the "
+                    "space or fix the device, then resume)"), line
+    trained = [r["step"] for r in rows(out) if "loss/total" in r]
+    assert trained == [1, 2, 3, 4, 5], trained  # stopped at the step after the failed save, not at step 6's save
+    assert ck.latest_checkpoint(out).name == "step_00000002"
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    assert elapsed < 60, elapsed
 
 
 # --------------------------------------------------------------------------- checkpoint write stages
