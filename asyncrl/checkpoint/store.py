@@ -40,9 +40,7 @@ Importing this module imports no jax; saving and reading arrays import jax and O
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
-import itertools
 import json
 import logging
 import os
@@ -55,87 +53,60 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
-from pydantic import ValidationError
 
 import asyncrl.checkpoint.files as checkpoint_files
-from asyncrl import pytree
+from asyncrl.checkpoint.layout import (  # noqa: F401 - the layout's names, importable from here as before
+    _FORMATS,
+    _HASH_CHUNK,
+    _HASHES_DIR,
+    _ORBAX_NAME,
+    _STEP_DIGITS,
+    _STEP_DIR,
+    _TMP_PREFIX,
+    _TRASH_PREFIX,
+    _TREE_NAME,
+    ARRAYS_DIR,
+    CHECKPOINT_FORMAT,
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    ROLLOUT_PREFIX,
+    STATE_FILE,
+    _file_problem,
+    _my_share,
+    _process,
+    _read_manifest,
+    _refuse_other_format,
+    _sha256_file,
+    _step_dirs,
+    _step_of,
+    checkpoint_due,
+    checkpoint_problems,
+    checkpoints_root,
+    step_dir_name,
+)
+from asyncrl.checkpoint.load import (  # noqa: F401 - the reader's names, importable from here as before
+    Checkpoint,
+    SavedTrees,
+    latest_checkpoint,
+    load_checkpoint,
+    resume_checkpoint,
+)
 from asyncrl.checkpoint.schema import (  # noqa: F401 - the config checks a resume runs, importable from here
     RESUME_MUTABLE_FIELDS,
     Manifest,
     check_resume_compatible,
     saved_config,
 )
-from asyncrl.config import Config
 from asyncrl.errors import CheckpointError
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT_FORMAT = 3
-"""Version of the directory layout. 3: array trees on Orbax, written shard by shard by every
-process. A checkpoint of another format is refused on resume with the reason and what to do,
-never silently skipped (format 2 can be converted: :mod:`asyncrl.checkpoint.convert`)."""
-_FORMATS = {
-    1: "format 1 keyed the optimizer state by dotted paths",
-    2: "format 2 held each tree as one safetensors file written by process 0",
-}
-CHECKPOINTS_DIR = "checkpoints"
-MANIFEST_FILE = "MANIFEST.json"
-STATE_FILE = "state.json"
-CONFIG_FILE = "config.yaml"
-ROLLOUT_PREFIX = checkpoint_files.ROLLOUT_PREFIX
-ARRAYS_DIR = "arrays"
-_HASHES_DIR = "hashes"
-
-_STEP_DIGITS = 8
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_TMP_PREFIX = ".tmp-"
-_TRASH_PREFIX = ".trash-"
-_TREE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_ORBAX_NAME = re.compile(r"^_[A-Za-z0-9][A-Za-z0-9_.-]*$")  # Orbax's _METADATA, _sharding, ...
-_HASH_CHUNK = 1 << 22
 _FAILED_KEY = "asyncrl/checkpoint-failed"  # + /<step>/<process>: a process's failed part of a write
 
 # Called with a stage name after each durable stage of a save ("params.safetensors", ...,
 # "MANIFEST.json", "fsync-dir", "renamed", "trashed step_<k>", "pruned"). Only tests set it (to kill a writer at
 # a chosen point); it is never set by library code.
 _stage_hook: Optional[Callable[[str], None]] = None
-
-
-# --------------------------------------------------------------------------- layout
-
-
-def checkpoints_root(out_dir: str | Path) -> Path:
-    """``<out_dir>/checkpoints``: where the step directories of a run live."""
-    return Path(out_dir) / CHECKPOINTS_DIR
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:0{_STEP_DIGITS}d}"
-
-
-def _step_of(path: Path) -> Optional[int]:
-    match = _STEP_DIR.match(path.name)
-    return int(match.group(1)) if match else None
-
-
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """Every ``step_<k>`` directory under ``root``, oldest first (by number, not by name)."""
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        step = _step_of(child)
-        if step is not None and child.is_dir():
-            found.append((step, child))
-    return sorted(found)
-
-
-def checkpoint_due(cfg: Config, step: int, total_steps: Optional[int] = None) -> bool:
-    """Whether the loop writes a checkpoint after ``step``: every ``checkpoint.every_steps``
-    and after the last step (``total_steps``, default ``run.total_steps``)."""
-    last = cfg.run.total_steps if total_steps is None else total_steps
-    every = cfg.checkpoint.every_steps
-    return step >= last or (every > 0 and step % every == 0)
 
 
 # --------------------------------------------------------------------------- durable file operations
@@ -199,13 +170,6 @@ def remove_stale_writes(out_dir: str | Path) -> list[Path]:
 
 
 # --------------------------------------------------------------------------- saving
-
-
-def _process() -> tuple[int, int]:
-    """``(process index, process count)`` of this JAX run (jax is imported by Orbax anyway)."""
-    import jax
-
-    return jax.process_index(), jax.process_count()
 
 
 def save_checkpoint(out_dir: str | Path, step: int, **kwargs: Any) -> Path:
@@ -580,354 +544,3 @@ def _prune(root: Path, keep: int) -> None:
         if step < oldest_kept:
             log.info("deleting old checkpoint %s (checkpoint.keep=%d)", path, keep)
             _remove_dir(path)
-
-
-# --------------------------------------------------------------------------- finding and loading
-
-
-def _read_manifest(path: Path) -> tuple[Optional[dict], Optional[str]]:
-    manifest_path = path / MANIFEST_FILE
-    if not manifest_path.is_file():
-        return None, f"no {MANIFEST_FILE} (the write did not finish)"
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        return None, f"{MANIFEST_FILE} is unreadable ({err})"
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        return None, f"{MANIFEST_FILE} is not a manifest"
-    for filename, entry in manifest["files"].items():
-        if not all(_TREE_NAME.match(part) or _ORBAX_NAME.match(part) for part in filename.split("/")) \
-                or not isinstance(entry, dict):
-            return None, f"{MANIFEST_FILE} has a malformed entry {filename!r}"
-    if manifest.get("format") != CHECKPOINT_FORMAT:
-        return None, f"format {manifest.get('format')!r}, this asyncrl reads {CHECKPOINT_FORMAT}"
-    step = _step_of(path)
-    if step is not None and manifest.get("step") != step:
-        return None, f"{MANIFEST_FILE} is of step {manifest.get('step')!r}, the directory of step {step}"
-    required = {STATE_FILE, CONFIG_FILE, *(f"{ARRAYS_DIR}/{t}/_METADATA" for t in manifest.get("trees", []))}
-    if manifest.get("rollout"):
-        required |= {f"{ROLLOUT_PREFIX}.json", f"{ROLLOUT_PREFIX}.npz"}
-    missing = sorted(required - set(manifest["files"]))
-    if missing:
-        return None, f"{MANIFEST_FILE} does not list {', '.join(missing)}"
-    try:
-        Manifest.model_validate_json(json.dumps(manifest))  # every field of the right type, no unknown ones
-    except ValidationError as err:
-        first = err.errors()[0]
-        return None, f"{MANIFEST_FILE}: field {'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
-    return manifest, None
-
-
-def _file_problem(path: Path, name: str, entry: Mapping[str, Any], data: Optional[bytes] = None,
-                  checksums: bool = True) -> Optional[str]:
-    if data is None:
-        if not path.is_file():
-            return f"{name} is missing"
-        size = path.stat().st_size
-    else:
-        size = len(data)
-    if size != entry.get("bytes"):
-        return f"{name} has {size} bytes, the manifest says {entry.get('bytes')} (truncated or overwritten)"
-    if checksums:
-        digest = hashlib.sha256(data).hexdigest() if data is not None else _sha256_file(path)
-        if digest != entry.get("sha256"):
-            return f"{name} does not match its sha256 in the manifest (corrupt)"
-    return None
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _my_share(files: list[str], share: Optional[tuple[int, int]]) -> set[str]:
-    """The files whose sha256 this process checks: all of them, or with ``share=(i, n)`` every
-    n-th by size (so the n processes of a run each read about 1/n of the checkpoint)."""
-    if share is None or share[1] <= 1:
-        return set(files)
-    index, count = share
-    return {name for position, name in enumerate(sorted(files)) if position % count == index}
-
-
-def checkpoint_problems(path: str | Path, *, checksums: bool = True,
-                        share: Optional[tuple[int, int]] = None) -> list[str]:
-    """Why ``path`` is not a complete checkpoint (empty list: it is complete).
-
-    Checks the manifest, that every listed file exists with its recorded size, and, with
-    ``checksums``, its sha256 (reads every byte; with ``share=(i, n)``, process ``i`` of ``n``
-    reads only its share of the files).
-    """
-    path = Path(path)
-    if not path.is_dir():
-        return [f"{path} is not a directory"]
-    manifest, problem = _read_manifest(path)
-    if problem:
-        return [problem]
-    assert manifest is not None
-    mine = _my_share(list(manifest["files"]), share) if checksums else set()
-    problems = []
-    for filename, entry in manifest["files"].items():
-        found = _file_problem(path / filename, filename, entry, checksums=filename in mine)
-        if found:
-            problems.append(found)
-    return problems
-
-
-def _refuse_other_format(path: Path) -> None:
-    """A finished checkpoint of another layout version is not skipped (a resume would start
-    fresh over the run): it is a :class:`CheckpointError` saying what to do."""
-    try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return  # unfinished or damaged: skipped with its reason like any incomplete checkpoint
-    found = manifest.get("format") if isinstance(manifest, dict) else None
-    if isinstance(found, int) and found != CHECKPOINT_FORMAT:
-        how = (f"convert it with `python -m asyncrl.checkpoint.convert {path.parent.parent}`, or finish that run with "
-               "the asyncrl that wrote it") if found == 2 else "finish that run with the asyncrl that wrote it"
-        raise CheckpointError(
-            f"checkpoint {path}: MANIFEST.json: field format: {found}, this asyncrl reads format {CHECKPOINT_FORMAT} "
-            f"({_FORMATS.get(found, 'an unknown layout')}); {how}, or start a new run in another run.output_dir"
-        )
-
-
-def latest_checkpoint(out_dir: str | Path, *, checksums: bool = True,
-                      share: Optional[tuple[int, int]] = None, timeout_s: float = 600.0) -> Optional[Path]:
-    """The newest complete checkpoint under ``<out_dir>/checkpoints``, or None.
-
-    Every newer directory that is skipped is logged (warning) with the reason; unfinished
-    temporary writes are never candidates. A finished checkpoint of another
-    :data:`CHECKPOINT_FORMAT` is a :class:`CheckpointError`. ``share=(i, n)``: process ``i`` of
-    a run of ``n`` hashes only its share of the files (:func:`checkpoint_problems`), and the
-    ``n`` processes exchange what they found through the coordination service (waiting at most
-    ``timeout_s`` for each other), so that all of them skip the same checkpoints, each naming
-    every damaged file, and return the same one; every process of the run must call it.
-    """
-    root = checkpoints_root(out_dir)
-    if root.is_dir():
-        for child in sorted(root.iterdir()):
-            if child.name.startswith(_TMP_PREFIX):
-                log.info("ignoring %s: an unfinished checkpoint write", child)
-    exchange = share is not None and share[1] > 1
-    for path in [*(path for _, path in reversed(_step_dirs(root))), None]:
-        problems = []
-        if path is not None:
-            _refuse_other_format(path)
-            problems = checkpoint_problems(path, checksums=checksums, share=share)
-        if exchange:
-            assert share is not None
-            problems = _problems_everywhere(root, path, problems, share, timeout_s)
-        if path is None:
-            return None
-        if not problems:
-            return path
-        log.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
-    return None
-
-
-_exchange_rounds = itertools.count()
-
-
-def _problems_everywhere(root: Path, path: Optional[Path], problems: list[str], share: tuple[int, int],
-                         timeout_s: float) -> list[str]:
-    """Every process's problems with candidate ``path`` (None: this process has no candidate
-    left), each once, in process order: what each found in its share of the files, exchanged
-    through the coordinator's key-value store. Processes that see different candidates (no
-    shared ``run.output_dir``) get a :class:`CheckpointError` saying so."""
-    from asyncrl.cluster.distributed import coordination_client
-
-    index, count = share
-    client = coordination_client()
-    prefix = f"asyncrl/checkpoint-check/{next(_exchange_rounds)}/"
-    mine: dict[str, Any] = {"checkpoint": None if path is None else path.name, "problems": problems}
-    client.key_value_set(prefix + str(index), json.dumps(mine))
-    found: list[str] = []
-    for other in range(count):
-        theirs = mine
-        if other != index:
-            try:
-                theirs = json.loads(client.blocking_key_value_get(prefix + str(other), int(timeout_s * 1000)))
-            except Exception as err:  # jaxlib raises its own error type
-                raise CheckpointError(
-                    f"{root}: process {other} did not report its check of {mine['checkpoint'] or 'the checkpoints'} "
-                    f"within {timeout_s:g} s ({str(err).strip().splitlines()[0] if str(err).strip() else err!r}); "
-                    "every process of a run checks the checkpoints together (checkpoint.barrier_timeout_s)"
-                ) from None
-        if theirs["checkpoint"] != mine["checkpoint"]:
-            raise CheckpointError(
-                f"{root}: process {index} sees {mine['checkpoint'] or 'no further checkpoint'} where process {other} "
-                f"sees {theirs['checkpoint'] or 'none'}; every process must see the same run.output_dir (a shared "
-                "file system)"
-            )
-        found += [problem for problem in theirs["problems"] if problem not in found]
-    return found
-
-
-class SavedTrees(Mapping[str, dict[str, np.ndarray]]):
-    """``{tree name: {key: numpy array}}`` of a checkpoint, each tree read (whole, to this host)
-    on first access; ``in`` and iteration read nothing. A run restores onto its devices with
-    :meth:`Checkpoint.tree` instead, which reads only this process's shards."""
-
-    def __init__(self, path: Path, names: list[str]) -> None:
-        self.path, self.names = path, list(names)
-        self._read: dict[str, dict[str, np.ndarray]] = {}
-
-    def __getitem__(self, name: str) -> dict[str, np.ndarray]:
-        if name not in self.names:
-            raise KeyError(name)
-        if name not in self._read:
-            import asyncrl.checkpoint.arrays as checkpoint_arrays
-
-            directory = self.path / ARRAYS_DIR
-            saved = checkpoint_arrays.saved_arrays(directory, name)
-            self._read[name] = {key: np.asarray(value) for key, value in
-                                checkpoint_arrays.restore(directory, name, saved).items()}
-        return self._read[name]
-
-    def __contains__(self, name: object) -> bool:
-        # Mapping's own ``in`` indexes the tree, which read it whole to this host and kept it:
-        # every restore (Checkpoint.tree checks the name first) held the whole tree beside its shards.
-        return name in self.names
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-
-@dataclasses.dataclass(frozen=True)
-class Checkpoint:
-    """A loaded checkpoint: its JSON as saved, its arrays read on demand."""
-
-    path: Path
-    step: int
-    arrays: Mapping[str, dict[str, np.ndarray]]
-    """``{tree name: {key: numpy array}}``, the keys as :func:`asyncrl.pytree.flatten` spells them
-    (a tree is read to this host when first indexed; :meth:`tree` reads onto devices instead)."""
-    state: dict[str, Any]
-    """The JSON state as saved."""
-    config_yaml: str
-    """The resolved config of the run that wrote it."""
-    rollout_state: Optional[dict[str, Any]]
-    """The executor's ``{"meta", "arrays"}`` for ``WorkflowExecutor.load_state_dict`` (None if not saved)."""
-    processes: int = 1
-    """How many processes wrote it (any number may restore it)."""
-
-    def config(self) -> Config:
-        """The saved config, validated by this asyncrl's schema."""
-        return saved_config(self.config_yaml, where=str(self.path / CONFIG_FILE))
-
-    def saved(self, name: str) -> dict[str, Any]:
-        """``{key: SavedArray}`` (shape, dtype) of tree ``name``, from Orbax's metadata alone."""
-        import asyncrl.checkpoint.arrays as checkpoint_arrays
-
-        self._check_name(name)
-        if not isinstance(self.arrays, SavedTrees):  # built by hand from arrays in memory
-            return dict(self.arrays[name])
-        return checkpoint_arrays.saved_arrays(self.path / ARRAYS_DIR, name)
-
-    def _check_name(self, name: str) -> None:
-        if name not in self.arrays:
-            raise CheckpointError(f"checkpoint {self.path}: holds no tree {name!r} (it holds {sorted(self.arrays)})")
-
-    def tree(self, name: str, template: Any) -> Any:
-        """Tree ``name`` in ``template``'s structure, each leaf read straight onto the
-        template's sharding (a ``jax.Array``: this process reads only the shards it holds, on
-        whatever mesh and process count the run has now) or as the template's numpy/Python
-        type. Every missing, extra or mis-shaped key is a :class:`CheckpointError` naming this
-        directory, the tree and the key, before any array is read."""
-        import asyncrl.checkpoint.arrays as checkpoint_arrays
-
-        where = f"checkpoint {self.path}: {ARRAYS_DIR}/{name}"
-        problems = pytree.mismatches(template, self.saved(name), where=where)
-        if problems:
-            raise CheckpointError(str(pytree.TreeError(where, problems)))
-        values = checkpoint_arrays.restore(self.path / ARRAYS_DIR, name, pytree.keyed_leaves(template, where))
-        try:
-            return pytree.fill(template, values, where=where)
-        except pytree.TreeError as err:
-            raise CheckpointError(str(err)) from None
-
-
-def load_checkpoint(path: str | Path, *, verify: bool = True, share: Optional[tuple[int, int]] = None) -> Checkpoint:
-    """Read a checkpoint directory's JSON, checking every file against the manifest (size and,
-    with ``verify``, sha256; ``share``: as :func:`checkpoint_problems`); never unpickles anything.
-
-    Arrays are read later, on demand (:attr:`Checkpoint.arrays` to the host,
-    :meth:`Checkpoint.tree` onto devices). Raises :class:`CheckpointError` naming the file at fault.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    manifest, problem = _read_manifest(path)
-    if problem:
-        raise CheckpointError(f"{path}: not a complete checkpoint: {problem}")
-    assert manifest is not None
-    files = manifest["files"]
-    mine = _my_share(list(files), share) if verify else set()
-
-    def read(filename: str) -> bytes:
-        file = path / filename
-        try:
-            data = file.read_bytes()
-        except OSError as err:
-            raise CheckpointError(f"{path}: cannot read {filename} ({err})") from err
-        found = _file_problem(file, filename, files[filename], data=data, checksums=filename in mine)
-        if found:
-            raise CheckpointError(f"{path}: {found}")
-        return data
-
-    small = {STATE_FILE, CONFIG_FILE, f"{ROLLOUT_PREFIX}.json", f"{ROLLOUT_PREFIX}.npz"}
-    for filename, entry in files.items():
-        if filename not in small:  # the arrays' files: checked here, read by Orbax later
-            found = _file_problem(path / filename, filename, entry, checksums=filename in mine)
-            if found:
-                raise CheckpointError(f"{path}: {found}")
-    try:
-        state = json.loads(read(STATE_FILE).decode("utf-8"))
-        config_yaml = read(CONFIG_FILE).decode("utf-8")
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: {STATE_FILE} or {CONFIG_FILE} is unreadable ({err})") from err
-    rollout_state = None
-    if manifest.get("rollout"):
-        for filename in (f"{ROLLOUT_PREFIX}.json", f"{ROLLOUT_PREFIX}.npz"):
-            read(filename)  # verified against the manifest before it is parsed
-        try:
-            rollout_state = checkpoint_files.load_rollout_state(path)
-        except (ValueError, OSError, json.JSONDecodeError) as err:
-            raise CheckpointError(f"{path}: the rollout state is unreadable ({err})") from err
-    return Checkpoint(path=path, step=int(manifest["step"]), arrays=SavedTrees(path, manifest["trees"]), state=state,
-                      config_yaml=config_yaml, rollout_state=rollout_state, processes=int(manifest["processes"]))
-
-
-# --------------------------------------------------------------------------- resuming
-
-
-def resume_checkpoint(cfg: Config) -> Optional[Checkpoint]:
-    """What the loop calls at start: the checkpoint to resume from, or None to start fresh.
-
-    None when ``checkpoint.resume`` is ``never`` or ``run.output_dir`` holds no complete
-    checkpoint (incomplete ones are logged and skipped). Otherwise the newest complete one,
-    after :func:`check_resume_compatible` against ``cfg`` (checked before any array is read).
-    """
-    if cfg.checkpoint.resume == "never":
-        return None
-    out = cfg.run.resolved_output_dir
-    # Each process hashes its share of the files; they agree on what they found.
-    path = latest_checkpoint(out, share=_process(), timeout_s=cfg.checkpoint.barrier_timeout_s)
-    if path is None:
-        if (Path(out) / "metrics.jsonl").exists():
-            # An earlier run that never finished a checkpoint: say so loudly, its logs are replaced.
-            log.warning("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh (the earlier run's "
-                        "metrics and trajectory logs there are replaced)", checkpoints_root(out))
-        else:
-            log.info("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh", checkpoints_root(out))
-        return None
-    config_text = (path / CONFIG_FILE).read_text(encoding="utf-8")
-    check_resume_compatible(saved_config(config_text, where=str(path / CONFIG_FILE)), cfg, where=str(path))
-    checkpoint = load_checkpoint(path, verify=False)  # verified just now
-    log.info("resuming from %s (step %d)", path, checkpoint.step)
-    return checkpoint
