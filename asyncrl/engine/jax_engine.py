@@ -85,7 +85,7 @@ from asyncrl.engine.jax_programs import (
     slot_state_shardings,
 )
 from asyncrl.engine.jax_scheduler import EngineScheduler, EngineStats, _Pending, _Update
-from asyncrl.engine.platform import resolve_sampler
+from asyncrl.engine.platform import resolve_inner_steps, resolve_sampler
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
 from asyncrl.model.compute_copy import compute_copy
@@ -164,7 +164,9 @@ class JaxEngine(EngineScheduler):
         self.chunk = cfg.decode_chunk
         self.buckets = tuple(sorted(b for b in set(cfg.prefill_buckets) if b <= cfg.kv_capacity))
         self.prefill_rows = min(PREFILL_ROWS, cfg.slots)
-        self.sampler = resolve_sampler(cfg.sampler, next(iter(embed.devices())).platform)
+        platform = next(iter(embed.devices())).platform
+        self.sampler = resolve_sampler(cfg.sampler, platform)
+        self.inner_steps = resolve_inner_steps(cfg.decode_inner_steps, platform)
         self.attention_buckets = attention_buckets(self.capacity, cfg.attention_buckets)
         if not self.buckets:
             raise EngineRequestError(f"engine.prefill_buckets {cfg.prefill_buckets}: none fits engine.kv_capacity = {cfg.kv_capacity}")
@@ -321,9 +323,9 @@ class JaxEngine(EngineScheduler):
         return compile_count()
 
     def _decode_options(self, attend: int) -> dict[str, Any]:
-        """The decode program's sampler and attended cache size (0: the whole cache, the same
-        program as without attention buckets)."""
-        return {"sampler": self.sampler, "attend": 0 if attend >= self.capacity else attend}
+        """The decode program's sampler, attended cache size (0: the whole cache, the same
+        program as without attention buckets) and steps per loop iteration."""
+        return {"sampler": self.sampler, "attend": 0 if attend >= self.capacity else attend, "inner": self.inner_steps}
 
     def metrics(self) -> dict[str, float]:
         """Cumulative figures since start (``engine/...``). ``decode_s`` (wall time of decode
