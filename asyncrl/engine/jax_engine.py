@@ -33,8 +33,10 @@ alone costs (small prefills read all the weights for few tokens). The programs a
 module-level jits shared by every engine with the same model shapes: one prefill per bucket
 and two decode variants per attention bucket (``engine.attention_buckets``:
 :mod:`asyncrl.engine.attention_buckets`) (:func:`compile_count`, reported as
-``engine/compiles``). The sampler (``engine.sampler``) and the XLA flags are chosen per
-platform (:mod:`asyncrl.engine.platform`).
+``engine/compiles``). The sampler (``engine.sampler``), the XLA flags and the decode steps per
+iteration of a chunk's loop (``engine.decode_inner_steps``: 8 on GPUs, where the host reads the
+loop's exit test, so a chunk's early exit comes at most 7 steps late there; 1 elsewhere) are
+chosen per platform (:mod:`asyncrl.engine.platform`).
 
 Sampling and randomness (docs/design.md "Randomness", "Log-probabilities")
 -----------------------------------------------------------------
