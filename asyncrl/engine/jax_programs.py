@@ -45,6 +45,7 @@ the untruncated, unmasked logits (T = 1 for greedy). A slot under a trie constra
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 from typing import Any, NamedTuple
 
@@ -53,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.engine.constraints import TrieTables, allowed_tokens, is_leaf_node, next_nodes
+from asyncrl.model.decode_attention import einsum_decode_attention
 from asyncrl.model.transformer import KVCache, LayerKV, forward, hidden_states, init_kv_cache, kv_cache_copy_rows
 
 _compiles: collections.Counter = collections.Counter()
@@ -472,7 +474,10 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
         refill = (free > free_at_start) & (free >= controls.refill_free)
         return (c.step < steps) & jnp.any(c.active) & ~refill
 
-    out = jax.lax.while_loop(more, body, init)
+    # On an engine mesh the programs' operands are split over devices, which the decode attention
+    # kernel is not: there the einsum path (layout is static, so each choice is its own program).
+    with contextlib.nullcontext() if layout is None else einsum_decode_attention():
+        out = jax.lax.while_loop(more, body, init)
     cache = cache_put_prefix(state.cache, out.cache) if bucketed else out.cache
     return _constrain(SlotState(cache, state.keys), layout), out.tokens, out.logprobs, out.emitted
 

@@ -20,8 +20,10 @@ have no attention-logit soft-capping (Gemma 3 has none; its final-logit cap is o
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import Optional
+from typing import Iterator, Optional
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +31,20 @@ import jax.numpy as jnp
 _MASKED = -1e30  # as asyncrl.model.transformer's: finite, so fully masked rows never give NaN
 _GROUP_TILE = 16  # query heads per program, padded: the smallest dot tile Triton takes
 _BLOCK = 128  # cache slots per step of the kernel's loop (fewer when S is smaller)
+_KERNEL_ALLOWED = contextvars.ContextVar("asyncrl_decode_attention_kernel", default=True)
+
+
+@contextlib.contextmanager
+def einsum_decode_attention() -> Iterator[None]:
+    """Within (while a program is traced): :func:`decode_attention` takes the einsum path on every
+    platform. For programs whose operands are split over several devices (the engine on a mesh of
+    its own): XLA's partitioner does not split the kernel, it would gather the whole KV cache
+    around it in every layer. The caller's jit must key on the choice (a static argument)."""
+    token = _KERNEL_ALLOWED.set(False)
+    try:
+        yield
+    finally:
+        _KERNEL_ALLOWED.reset(token)
 
 
 def kernel_block(slots: int, head_dim: int = 64) -> Optional[int]:
@@ -156,9 +172,9 @@ def decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k: jax.Ar
     past ``S``), then attended under ``mask`` bool ``[B, 1, S]``. Returns ``(out [B, 1, heads, D], k, v)``.
     ``reference`` (same arguments and result) is the scatter-and-einsum path: the CPU's, TPUs', and
     the kernel's reference; ``scale`` None is ``head_dim ** -0.5``. The Pallas kernel on CUDA
-    lowerings whose ``S`` has a :func:`kernel_block`."""
+    lowerings whose ``S`` has a :func:`kernel_block`, outside :func:`einsum_decode_attention`."""
     heads, d = q.shape[2], q.shape[3]
-    if kernel_block(k.shape[2], d) is None or heads % k.shape[1]:
+    if not _KERNEL_ALLOWED.get() or kernel_block(k.shape[2], d) is None or heads % k.shape[1]:
         return reference(q, k_new, v_new, k, v, write_pos, mask)
     scale = d**-0.5 if scale is None else scale
 

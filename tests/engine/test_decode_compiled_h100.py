@@ -56,3 +56,36 @@ def test_decode_step_kernels_and_host_round_trips_on_h100():
     assert per_layer <= 10, per_layer  # issue 45's target (16 before the decode attention kernel)
     assert outside <= 20, outside  # issue 45's target is 15: not reached (docs/performance.md; 19.6 when this landed)
     assert inner >= 8  # at most one host round trip per 8 generated tokens
+
+
+def test_engine_mesh_takes_the_einsum_path_on_gpus():
+    """On an engine mesh (KV heads split over two H100s) the kernel, which XLA does not partition,
+    would gather the whole cache around it; under einsum_decode_attention (the decode program with a
+    layout) the attention is the einsum path, partitioned, with no all-gather."""
+    code = """
+import contextlib, functools, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec as P
+from asyncrl.model.decode_attention import decode_attention, einsum_decode_attention
+from asyncrl.model.transformer import _scatter_and_attend
+from tests.engine.h100_decode_structure import H100
+devices = topologies.get_topology_desc(platform="cuda", target_config=H100, topology="1x1x2").devices
+mesh = jax.sharding.Mesh(np.array(devices), ("tensor",))
+spec = lambda *s: NamedSharding(mesh, P(*s))
+A = lambda shape, s=(), dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=spec(*s))
+heads, cache = (None, None, "tensor", None), (None, "tensor", None, None)
+args = (A((16, 1, 14, 64), heads), A((16, 1, 2, 64), heads), A((16, 1, 2, 64), heads), A((16, 2, 128, 64), cache),
+        A((16, 2, 128, 64), cache), A((16,), dt=jnp.int32), A((16, 1, 128), dt=jnp.bool_))
+reference = functools.partial(_scatter_and_attend, scale=0.125)
+for einsum in (False, True):
+    with einsum_decode_attention() if einsum else contextlib.nullcontext():
+        text = jax.jit(lambda *a: decode_attention(*a[:6], a[6], 0.125, reference)).lower(*args).compile().as_text()
+    print(einsum, "custom-call" in text and "__gpu$xla.gpu.triton" in text, text.count("all-gather"))
+"""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    kernel, einsum = out.stdout.strip().splitlines()[-2:]
+    assert kernel.split()[:2] == ["False", "True"]  # the kernel where allowed (and gathers around it)
+    assert einsum.split() == ["True", "False", "0"]  # no kernel, no all-gather
