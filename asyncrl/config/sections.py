@@ -381,6 +381,8 @@ class EngineConfig(Section):
     """How a slot's token is drawn from ``softmax(logits / T)``: ``inverse_cdf`` (one uniform per slot; fastest on XLA:CPU), ``gumbel`` (Gumbel-max: one fused pass over the vocabulary, for GPUs), ``auto``: ``inverse_cdf`` on the CPU, ``gumbel`` on accelerators. Both draw from the same distribution and report the same log-probs, but a seed's tokens depend on the sampler."""
     attention_buckets: int = Field(default=1, ge=1)
     """Size classes of the KV cache a decode chunk attends over: the capacity halved ``attention_buckets - 1`` times (multiples of 16); each chunk attends over the smallest class that holds its active slots' contexts, one compiled decode program per class. 1: always the whole ``kv_capacity``."""
+    decode_inner_steps: Union[int, Literal["auto"]] = "auto"
+    """Decode steps per iteration of a chunk's device loop (unrolled in the compiled program): the chunk's early exit (a slot finished and a refill fits) is tested once every this many steps, so a finished slot idles at most this many steps minus one before it can be refilled, and the program is about this many times larger to compile. On a GPU the host reads the loop's exit test, so it is in the loop once per this many tokens. ``auto``: 8 on GPUs, 1 on the CPU and TPUs (their loops run without the host)."""
     remote: Optional[RemoteEngineConfig] = None
     """Generate on inference servers instead of in-process (the fields above then apply to ``asyncrl serve`` only); null: the in-process JAX engine."""
 
@@ -389,6 +391,13 @@ class EngineConfig(Section):
     def _check_slots(cls, value: Union[int, str]) -> Union[int, str]:
         if isinstance(value, int) and value < 1:
             raise ValueError(f"engine.slots: at least 1, or auto (given {value})")
+        return value
+
+    @field_validator("decode_inner_steps")
+    @classmethod
+    def _check_inner_steps(cls, value: Union[int, str]) -> Union[int, str]:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"engine.decode_inner_steps: at least 1, or auto (given {value})")
         return value
 
     @model_validator(mode="after")

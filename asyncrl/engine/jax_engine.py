@@ -33,8 +33,10 @@ alone costs (small prefills read all the weights for few tokens). The programs a
 module-level jits shared by every engine with the same model shapes: one prefill per bucket
 and two decode variants per attention bucket (``engine.attention_buckets``:
 :mod:`asyncrl.engine.attention_buckets`) (:func:`compile_count`, reported as
-``engine/compiles``). The sampler (``engine.sampler``) and the XLA flags are chosen per
-platform (:mod:`asyncrl.engine.platform`).
+``engine/compiles``). The sampler (``engine.sampler``), the XLA flags and the decode steps per
+iteration of a chunk's loop (``engine.decode_inner_steps``: 8 on GPUs, where the host reads the
+loop's exit test, so a chunk's early exit comes at most 7 steps late there; 1 elsewhere) are
+chosen per platform (:mod:`asyncrl.engine.platform`).
 
 Sampling and randomness (docs/design.md "Randomness", "Log-probabilities")
 -----------------------------------------------------------------
@@ -57,11 +59,9 @@ Stop ids end a sample on device; stop sequences are matched on the host after ea
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 import time
-import traceback
 from concurrent.futures import Future
 from typing import Any, Optional, Sequence
 
@@ -70,14 +70,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.config import EngineConfig
-from asyncrl.engine.attention_buckets import attention_buckets, chunk_bucket
+from asyncrl.engine.attention_buckets import attention_buckets
 from asyncrl.engine.constraints import TokenTrie, TriePool
+from asyncrl.engine.device_copy import COPY_GROUP_BYTES, local_copy, move_params
 from asyncrl.engine.jax_programs import (
     PREFILL_ROWS,
     PrefillPlan,
     SlotControls,
     SlotState,
-    beam_search_jit,
     compile_count,
     decode_chunk_jit,
     graphdef_config,
@@ -85,105 +85,22 @@ from asyncrl.engine.jax_programs import (
     init_slot_state,
     prefill_insert_jit,
     slot_state_shardings,
-    snapshot,
 )
-from asyncrl.engine.platform import resolve_sampler
-from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
+from asyncrl.engine.jax_scheduler import EngineScheduler, EngineStats, _Pending, _Update
+from asyncrl.engine.platform import resolve_inner_steps, resolve_sampler
+from asyncrl.engine.protocol import GenerationRequest, GenerationResponse
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
 from asyncrl.model.compute_copy import compute_copy
 from asyncrl.model.sharding import check_tensor_parallel, param_shardings
 from asyncrl.registry import register
 
+__all__ = ["COPY_GROUP_BYTES", "EngineStats", "JaxEngine", "compile_count", "local_copy", "move_params"]
+
 logger = logging.getLogger("asyncrl.engine")
-
-PAIRED_REFILL_MIN_SLOTS = 8
-"""From this many slots a chunk ends early only once ``prefill_rows`` slots are free, so refills
-are prefilled together; with fewer, one idle slot is too large a share to keep waiting."""
-
-# --------------------------------------------------------------------------- host bookkeeping
-
-
-class _Sample:
-    __slots__ = ("tokens", "logprobs", "versions", "stop_reason", "slot", "node", "score")
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-        self.stop_reason: Optional[StopReason] = None
-        self.slot: Optional[int] = None
-        self.node = 0  # the trie node after the tokens so far (constrained requests only)
-        self.score: Optional[float] = None  # beam search's ranking score
-
-
-class _Pending:
-    """A submitted request and its progress."""
-
-    def __init__(self, request: GenerationRequest, stop_ids: tuple[int, ...], deadline: Optional[float]):
-        self.request = request
-        self.stop_ids = stop_ids
-        self.stop_set = frozenset(stop_ids)
-        self.stop_sequences = [list(map(int, s)) for s in request.stop_sequences if len(s) > 0]
-        self.future: Future = Future()
-        self.submitted = time.monotonic()
-        self.deadline = deadline
-        self.samples = [_Sample() for _ in range(request.n)]
-
-    def response(self) -> list[GenerationResponse]:
-        return [
-            GenerationResponse(
-                output_ids=np.asarray(s.tokens, dtype=np.int32),
-                logprobs=np.asarray(s.logprobs, dtype=np.float32),
-                versions=np.asarray(s.versions, dtype=np.int32),
-                stop_reason=s.stop_reason or "aborted",
-                score=s.score,
-            )
-            for s in self.samples
-        ]
-
-
-class _Update:
-    def __init__(self, params: Any, version: int, compute_dtype: Any):
-        self.params = params
-        self.serving = compute_copy(params, compute_dtype)  # cast once here, not in every program call
-        self.version = version
-        self.requested = time.monotonic()
-        self.done = threading.Event()
-        self.error: Optional[BaseException] = None
-
-
-# --------------------------------------------------------------------------- the engine
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """The cumulative figures behind :meth:`JaxEngine.metrics`, updated by the scheduler thread
-    (``requests`` and ``aborted`` also by callers, under the engine's condition). Fields, not
-    string keys, so a misspelt counter is an error instead of a new key."""
-
-    requests: int = 0  # generate/submit calls accepted
-    aborted: int = 0  # samples ended by abort (timeout or cancel)
-    admitted: int = 0  # requests given slots
-    queue_wait_s: float = 0.0  # summed wait from submit to admission
-    queue_wait_max_s: float = 0.0
-    prefill_calls: int = 0  # prefill-insert program calls
-    prefill_tokens: int = 0  # prompt tokens prefilled
-    prefill_s: float = 0.0
-    decode_steps: int = 0  # decode steps (every slot advances one token per step)
-    decode_tokens: int = 0  # tokens emitted by decode steps
-    decode_s: float = 0.0  # wall time of decode chunks = decode_wait_s + decode_host_s
-    decode_wait_s: float = 0.0  # blocked on a chunk's results (device time not hidden by host work)
-    decode_host_s: float = 0.0  # dispatch, control upload and per-slot bookkeeping
-    refill_wait_s: float = 0.0  # after chunks that freed slots, waiting for callers to submit again
-    beam_calls: int = 0  # beam-search requests run
-    beam_s: float = 0.0  # their wall time
-    swaps: int = 0  # weight versions installed
-    swap_s: float = 0.0  # summed install latency (publish to installed)
-    swap_max_s: float = 0.0
 
 
 @register("engine", "jax")
-class JaxEngine:
+class JaxEngine(EngineScheduler):
     """The :class:`~asyncrl.engine.protocol.InferenceEngine` on a Flax NNX decoder.
 
     Args:
@@ -249,7 +166,9 @@ class JaxEngine:
         self.chunk = cfg.decode_chunk
         self.buckets = tuple(sorted(b for b in set(cfg.prefill_buckets) if b <= cfg.kv_capacity))
         self.prefill_rows = min(PREFILL_ROWS, cfg.slots)
-        self.sampler = resolve_sampler(cfg.sampler, next(iter(embed.devices())).platform)
+        platform = next(iter(embed.devices())).platform
+        self.sampler = resolve_sampler(cfg.sampler, platform)
+        self.inner_steps = resolve_inner_steps(cfg.decode_inner_steps, platform)
         self.attention_buckets = attention_buckets(self.capacity, cfg.attention_buckets)
         if not self.buckets:
             raise EngineRequestError(f"engine.prefill_buckets {cfg.prefill_buckets}: none fits engine.kv_capacity = {cfg.kv_capacity}")
@@ -406,9 +325,9 @@ class JaxEngine:
         return compile_count()
 
     def _decode_options(self, attend: int) -> dict[str, Any]:
-        """The decode program's sampler and attended cache size (0: the whole cache, the same
-        program as without attention buckets)."""
-        return {"sampler": self.sampler, "attend": 0 if attend >= self.capacity else attend}
+        """The decode program's sampler, attended cache size (0: the whole cache, the same
+        program as without attention buckets) and steps per loop iteration."""
+        return {"sampler": self.sampler, "attend": 0 if attend >= self.capacity else attend, "inner": self.inner_steps}
 
     def metrics(self) -> dict[str, float]:
         """Cumulative figures since start (``engine/...``). ``decode_s`` (wall time of decode
@@ -516,337 +435,6 @@ class JaxEngine:
             )
         return stop_ids
 
-    # ------------------------------------------------------------------ scheduler thread
-
-    def _loop(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while not (self._closed or self._waiting or self._update is not None or self._running or self._aborts):
-                        self._cond.wait(1.0)
-                    if self._closed:
-                        return
-                    update, self._update = self._update, None
-                    aborts, self._aborts = self._aborts, []
-                if aborts:
-                    self._abort_now(aborts)
-                if update is not None:
-                    self._install(update)
-                self._expire()
-                self._admit()
-                if self._running:
-                    self._decode()
-                    self._await_refill()
-        except BaseException:  # noqa: BLE001 - delivered to every caller
-            tb = traceback.format_exc()
-            logger.error("inference engine thread died:\n%s", tb)
-            with self._cond:
-                self._crash = tb
-                update, self._update = self._update, None
-            if update is not None:
-                update.error = EngineCrashed("the inference engine's thread died", tb)
-                update.done.set()
-            self._fail_all(EngineCrashed("the inference engine's thread died", tb))
-
-    def _install(self, update: _Update) -> None:
-        self._params, self._serving = update.params, update.serving
-        self._version = update.version
-        latency = time.monotonic() - update.requested
-        self._stats.swaps += 1
-        self._stats.swap_s += latency
-        self._stats.swap_max_s = max(self._stats.swap_max_s, latency)
-        update.done.set()
-
-    def _abort_now(self, aborts: list[threading.Event]) -> None:
-        with self._cond:
-            waiting = list(self._waiting)
-            self._waiting.clear()
-        for p in waiting:
-            self._running.add(p)
-        for p in list(self._running):
-            for j, s in enumerate(p.samples):
-                if s.stop_reason is None:
-                    self._end_sample(p, j, "aborted")
-        for done in aborts:
-            done.set()
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self._cond:
-            pending = list(self._waiting) + list(self._running)
-            self._waiting.clear()
-            self._running.clear()
-        self._slot_owner = [None] * self.slots
-        for p in pending:
-            if not p.future.done():
-                p.future.set_exception(error)
-
-    def _free_slots(self) -> list[int]:
-        return [i for i, owner in enumerate(self._slot_owner) if owner is None]
-
-    def _finish(self, pending: _Pending) -> None:
-        self._running.discard(pending)
-        self._stats.requests += 1
-        pending.future.set_result(pending.response())
-
-    def _end_sample(self, pending: _Pending, j: int, reason: StopReason) -> None:
-        sample = pending.samples[j]
-        sample.stop_reason = reason
-        if reason == "aborted":
-            self._stats.aborted += 1
-        if sample.slot is not None:
-            self._slot_owner[sample.slot] = None
-            self._controls.active[sample.slot] = False
-            sample.slot = None
-        if all(s.stop_reason is not None for s in pending.samples):
-            self._finish(pending)
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        with self._cond:
-            expired = [p for p in self._waiting if p.deadline is not None and now > p.deadline]
-            for p in expired:
-                self._waiting.remove(p)
-        for p in expired:
-            self._running.add(p)
-            for j in range(p.request.n):
-                self._end_sample(p, j, "aborted")
-        for p in [p for p in self._running if p.deadline is not None and now > p.deadline]:
-            for j, s in enumerate(p.samples):
-                if s.stop_reason is None:
-                    self._end_sample(p, j, "aborted")
-
-    def _admit(self) -> None:
-        """Move waiting requests (in order) into free slots while the next one fits, and prefill
-        them, ``PREFILL_ROWS`` prompts of one bucket per program call, so the weights are read
-        once per call rather than once per request. Requests that arrive while the calls are
-        dispatched are taken too (clients of a burst submit a moment apart)."""
-        self._run_beams()
-        started = time.monotonic()
-        any_admitted = False
-        while admitted := self._take_waiting():
-            any_admitted = True
-            taken_at = time.monotonic()  # a request taken on a later pass may have arrived after `started`
-            by_bucket: dict[int, list[tuple[_Pending, list[int]]]] = {}
-            for pending, rows in admitted:
-                context = len(pending.request.prompt_ids) - 1  # the last prompt token is fed by the first decode step
-                bucket = next(b for b in self.buckets if b >= max(context, 1))
-                by_bucket.setdefault(bucket, []).append((pending, rows))
-            for bucket in sorted(by_bucket):
-                group = by_bucket[bucket]
-                for first in range(0, len(group), self.prefill_rows):
-                    self._prefill(bucket, group[first : first + self.prefill_rows], taken_at)
-        if any_admitted:
-            # Prefills run asynchronously: wait for them here so that their device time counts
-            # as prefill_s, not as the next chunk's decode_s (engine/decode_ms_per_step).
-            jax.block_until_ready(self._state)
-            self._stats.prefill_s += time.monotonic() - started
-
-    def _run_beams(self) -> None:
-        """Run the waiting beam-search requests, one program call each (they take no slots: the
-        running samples wait one call)."""
-        with self._cond:
-            beams = [p for p in self._waiting if p.request.beam]
-            for p in beams:
-                self._waiting.remove(p)
-                self._running.add(p)
-        for pending in beams:
-            self._beam(pending)
-
-    def _beam(self, pending: _Pending) -> None:
-        """Beam search for ``pending`` (:func:`~asyncrl.engine.jax_programs._beam_search`); the
-        ``n`` best beams become its samples, best first."""
-        request = pending.request
-        prompt = np.asarray(request.prompt_ids, np.int32)
-        context = len(prompt) - 1
-        bucket = next(b for b in self.buckets if b >= max(context, 1))
-        ids = np.zeros(bucket, np.int32)
-        ids[:context] = prompt[:context]
-        stop_vocab = np.zeros(self.vocab_size, bool)
-        stop_vocab[list(pending.stop_ids)] = True
-        trie = request.constraint
-        tries = None
-        if trie is not None:
-            root = self._trie_offset(trie)  # first: it may rebuild the pool's tables
-            tries = (self._trie_tables, np.int32(root))
-        started = time.monotonic()
-        out = beam_search_jit(self.graphdef, self._serving, ids, np.arange(bucket) < context, np.int32(prompt[-1]), stop_vocab,
-                              np.float32(request.length_penalty), tries, k=request.n, max_new=request.max_new_tokens,
-                              capacity=bucket + request.max_new_tokens, max_branch=self._tries.max_branch if trie else 0)
-        tokens, logprobs, lengths, scores = (np.asarray(x) for x in out)
-        self._stats.beam_calls += 1
-        self._stats.beam_s += time.monotonic() - started
-        for j, sample in enumerate(pending.samples):
-            n = int(lengths[j])
-            sample.tokens, sample.logprobs = tokens[j, :n].tolist(), logprobs[j, :n].tolist()
-            sample.versions = [self._version] * n
-            sample.score = float(scores[j])
-            if trie is not None:
-                sample.stop_reason = "stop" if trie.contains(sample.tokens) else "length"
-            else:
-                sample.stop_reason = "eos" if n and sample.tokens[-1] in pending.stop_set else "length"
-        self._finish(pending)
-
-    def _take_waiting(self) -> list[tuple[_Pending, list[int]]]:
-        """Pop waiting requests in order while the next one fits in the free slots; each with
-        the slots it will fill (not yet owned: :meth:`_prefill` takes them)."""
-        admitted: list[tuple[_Pending, list[int]]] = []
-        free = self._free_slots()
-        with self._cond:
-            while self._waiting and self._waiting[0].request.n <= len(free) and not self._waiting[0].request.beam:
-                pending = self._waiting.popleft()
-                self._running.add(pending)
-                n = pending.request.n
-                admitted.append((pending, free[:n]))
-                free = free[n:]
-        return admitted
-
-    def _prefill(self, bucket: int, group: list[tuple[_Pending, list[int]]], admitted_at: float) -> None:
-        """Prefill ``group`` (up to ``prefill_rows`` requests and their slots, prompts of ``bucket``
-        tokens at most) in one call: prompt row ``r`` is request ``r``'s ``prompt[:-1]``,
-        right-padded; rows past the group are all padding."""
-        plan = PrefillPlan.empty(self.prefill_rows, bucket, self.slots)
-        k = 0  # destinations filled so far
-        for row, (pending, slots) in enumerate(group):
-            request = pending.request
-            wait = admitted_at - pending.submitted
-            self._stats.admitted += 1
-            self._stats.queue_wait_s += wait
-            self._stats.queue_wait_max_s = max(self._stats.queue_wait_max_s, wait)
-            prompt = np.asarray(request.prompt_ids, np.int32)
-            context = len(prompt) - 1
-            plan.prompt_ids[row, :context] = prompt[:context]
-            plan.prompt_mask[row, :context] = True
-            for j, slot in enumerate(slots):
-                plan.src_rows[k], plan.dst_rows[k] = row, slot
-                plan.sample_id[k], plan.turn[k] = request.sample_id % 2**32, request.turn % 2**32
-                plan.key_index[k] = (request.index_in_group + j) % 2**32
-                k += 1
-                self._slot_owner[slot] = (pending, j)
-                pending.samples[j].slot = slot
-                self._start_slot(slot, request, pending.stop_ids, int(prompt[-1]))
-            self._stats.prefill_tokens += context
-        self._stats.prefill_calls += 1
-        self._state = prefill_insert_jit(self.graphdef, self._serving, self._state, plan, self._root_key, self._layout)
-
-    def _start_slot(self, slot: int, request: GenerationRequest, stop_ids: tuple[int, ...], last_token: int) -> None:
-        """Set a freshly prefilled slot's controls from its request."""
-        c = self._controls
-        c.last_token[slot], c.generated[slot], c.active[slot] = last_token, 0, True
-        c.greedy[slot] = request.greedy
-        c.temperature[slot] = 1.0 if request.greedy else request.temperature
-        c.top_k[slot] = 0 if request.greedy else request.top_k
-        c.top_p[slot] = 1.0 if request.greedy else request.top_p
-        c.min_new_tokens[slot], c.max_new_tokens[slot] = request.min_new_tokens, request.max_new_tokens
-        c.stop_ids[slot] = -1
-        c.stop_ids[slot, : len(stop_ids)] = stop_ids
-        c.node[slot] = -1
-        if request.constraint is not None:
-            c.node[slot] = self._trie_offset(request.constraint)
-
-    def _trie_offset(self, trie: TokenTrie) -> int:
-        """``trie``'s node offset in the engine's pool, adding it (with the tries still in use, whose
-        slots' nodes are moved to their new offsets) when it is new."""
-        offset = self._tries.offset(trie)
-        if offset is not None:
-            return offset
-        live = [(owner[0].request.constraint, owner[0].samples[owner[1]], slot) for slot, owner in enumerate(self._slot_owner)
-                if owner is not None and owner[0].request.constraint is not None and self._controls.node[slot] >= 0]
-        self._tries.rebuild([t for t, _, _ in live] + [trie])
-        for live_trie, sample, slot in live:
-            self._controls.node[slot] = self._tries.require(live_trie) + sample.node
-        assert self._tries.tables is not None
-        replicated = (jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()) if self._layout is not None
-                      else self._state_shardings())
-        self._trie_tables = jax.device_put(self._tries.tables, replicated)
-        return self._tries.require(trie)
-
-    def _decode(self) -> None:
-        started = time.monotonic()
-        c = self._controls
-        active = c.active.copy()
-        filtered = bool(np.any(active & ((c.top_k > 0) | (c.top_p < 1.0))))
-        constrained = bool(np.any(active & (c.node >= 0)))
-        with self._cond:
-            # A slot freed inside the chunk ends it early when the next waiting request fits and
-            # (with PAIRED_REFILL_MIN_SLOTS or more) prefill_rows slots are free: two prompts
-            # prefill in one call for about the price of one, while the first freed slot idles
-            # only until the next finish. With none waiting the same holds: a client usually
-            # submits again at once.
-            pair = self.prefill_rows if self.slots >= PAIRED_REFILL_MIN_SLOTS else 1
-            c.refill_free[...] = max(self._waiting[0].request.n if self._waiting else 1, pair)
-        version = self._version
-        contexts = (len(owner[0].request.prompt_ids) - 1 + int(c.generated[slot])
-                    for slot, owner in enumerate(self._slot_owner) if active[slot] and owner is not None)
-        self._state, tokens, logprobs, emitted = decode_chunk_jit(
-            self.graphdef, self._serving, self._state, snapshot(c), self.chunk, filtered, self._layout,
-            self._trie_tables if constrained else None, self._tries.max_branch if constrained else 0,
-            **self._decode_options(chunk_bucket(self.attention_buckets, contexts, self.chunk)),
-        )
-        dispatched = time.monotonic()
-        tokens, logprobs, emitted = np.asarray(tokens), np.asarray(logprobs), np.asarray(emitted)
-        ready = time.monotonic()
-        steps = int(emitted.any(axis=0).sum())
-        self._stats.decode_steps += steps
-        self._stats.decode_tokens += int(emitted.sum())
-        for slot in map(int, np.flatnonzero(active)):
-            owner = self._slot_owner[slot]
-            assert owner is not None, f"active slot {slot} has no owner"
-            pending, j = owner
-            self._consume(pending, j, slot, tokens[slot], logprobs[slot], emitted[slot], version)
-        finished = time.monotonic()
-        self._freed = int(np.sum(active & ~c.active))
-        self._step_s = (finished - started) / max(steps, 1)
-        self._stats.decode_s += finished - started
-        self._stats.decode_wait_s += ready - dispatched
-        self._stats.decode_host_s += (dispatched - started) + (finished - ready)
-
-    def _await_refill(self) -> None:
-        """After a chunk that freed slots, give the callers whose requests just finished a moment
-        to submit their next ones before the next chunk starts without them: until waiting
-        samples cover the freed slots (so they are prefilled together, ``prefill_rows`` per
-        call), at most a tenth of a decode step (an idle slot would otherwise wait for the next
-        chunk boundary)."""
-        if not self._freed:
-            return
-        started = time.monotonic()
-        deadline = started + min(0.1 * self._step_s, 0.05)
-        with self._cond:
-            while not (sum(p.request.n for p in self._waiting) >= self._freed or self._closed
-                       or self._update is not None or self._aborts):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-        self._stats.refill_wait_s += time.monotonic() - started
-
-    def _consume(self, pending: _Pending, j: int, slot: int, tokens, logprobs, emitted, version: int) -> None:
-        """Append one slot's chunk output to its sample and end the sample when it stopped."""
-        request = pending.request
-        sample = pending.samples[j]
-        trie = request.constraint
-        for t in np.flatnonzero(emitted):
-            token = int(tokens[t])
-            sample.tokens.append(token)
-            sample.logprobs.append(float(logprobs[t]))
-            sample.versions.append(version)
-            index = len(sample.tokens) - 1
-            if trie is not None:  # the device followed the same trie: the token is allowed
-                sample.node = trie.child(sample.node, token)
-                if trie.is_leaf(sample.node):
-                    return self._end_sample(pending, j, "stop")
-            elif index >= request.min_new_tokens:
-                if token in pending.stop_set:
-                    return self._end_sample(pending, j, "eos")
-                for seq in pending.stop_sequences:
-                    if sample.tokens[-len(seq):] == seq:
-                        return self._end_sample(pending, j, "stop")
-            if len(sample.tokens) >= request.max_new_tokens:
-                return self._end_sample(pending, j, "length")
-        self._controls.last_token[slot] = sample.tokens[-1]
-        self._controls.generated[slot] = len(sample.tokens)
-        if trie is not None:
-            self._controls.node[slot] = self._tries.require(trie) + sample.node
-
 
 def _model_config(graphdef: Any, params: Any) -> Any:
     """The :class:`~asyncrl.model.DecoderConfig` the graphdef was built with."""
@@ -854,101 +442,3 @@ def _model_config(graphdef: Any, params: Any) -> Any:
     if cfg is None:
         raise EngineRequestError("JaxEngine: the graphdef is not an asyncrl Decoder (no .cfg)")
     return cfg
-
-
-# --------------------------------------------------------------------------- publishing across devices
-
-
-def move_params(params: Any, shardings: Any) -> Any:
-    """``params`` (a pytree of arrays, e.g. the trainer's, on any devices) put on ``shardings``
-    (the engine's), device to device.
-
-    ``jax.device_put`` copies a shard device to device only when the source array already
-    holds a shard with the exact index range the target device needs (or lives on one
-    device, which it slices there); otherwise (JAX 0.10's ``shard_sharded_device_array_slow_path``)
-    it goes through ``np.asarray`` of the whole array on the host. So a leaf whose source
-    shards do not cover the target's (the trainer's fsdp split vs the engine's tensor split)
-    is first replicated over its own devices by a jitted identity (XLA's all-gather, on
-    device), and the engine's shards are sliced from one replica on device. Host values
-    (numpy) are simply ``device_put``.
-    """
-    leaves, treedef = jax.tree.flatten(params)
-    targets = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
-    assert len(targets) == len(leaves), "shardings do not match the params' structure"
-    if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
-        raise ValueError("JaxEngine: params span other processes' devices; every process calls "
-                         "asyncrl.engine.jax_engine.local_copy on them and process 0 hands its copies to the engine")
-    gather = [i for i, (x, s) in enumerate(zip(leaves, targets)) if not _copies_directly(x, s)]
-    for i, whole in zip(gather, local_copy([leaves[i] for i in gather])):
-        leaves[i] = whole
-    moved = jax.device_put(leaves, targets)
-    return jax.tree.unflatten(treedef, moved)
-
-
-COPY_GROUP_BYTES = 128 << 20
-"""Bytes :func:`local_copy` replicates per program: what a device holds beyond its own shards while
-it runs (the model never is whole on every device at once)."""
-
-
-def local_copy(arrays: list, group_bytes: int = COPY_GROUP_BYTES) -> list:
-    """Each array (on a ``NamedSharding``) as one single-device array holding all of it, on one of
-    this process's devices: replicated over its own mesh by a jitted identity (an all-gather on
-    device), a group of at most ``group_bytes`` at a time, then one replica of each kept (the other
-    replicas are freed before the next group). With several processes every process must call it
-    (collectives over the params' mesh); process 0 then hands the copies to its engine."""
-    by_mesh: dict[Any, list[int]] = {}
-    for i, x in enumerate(arrays):
-        by_mesh.setdefault(x.sharding.mesh, []).append(i)
-    out = list(arrays)
-    for mesh, indices in by_mesh.items():
-        for group in _byte_groups(indices, [arrays[i].nbytes for i in indices], group_bytes):
-            replicated = _replicate_jit(mesh)([arrays[i] for i in group])
-            for i, full in zip(group, replicated):
-                out[i] = full.addressable_shards[0].data
-            del replicated
-    return out
-
-
-def _byte_groups(items: list, sizes: list[int], budget: int) -> list[list]:
-    """``items`` in order, cut into runs of at most ``budget`` bytes (an item larger than it alone)."""
-    groups: list[list] = []
-    size = 0
-    for item, nbytes in zip(items, sizes):
-        if not groups or (size + nbytes > budget and groups[-1]):
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += nbytes
-    return groups
-
-
-def _copies_directly(x: Any, target: Any) -> bool:
-    """True when ``device_put(x, target)`` needs no host round trip: ``x`` is not a device
-    array (host data is uploaded anyway), lives on one device, or holds every index range
-    ``target`` asks for; also when it cannot be regathered here (not a ``NamedSharding``)."""
-    if not isinstance(x, jax.Array) or len(x.sharding.device_set) == 1:
-        return True
-    if not isinstance(x.sharding, jax.sharding.NamedSharding):
-        return True
-
-    def ranges(sharding: Any) -> set:
-        return {tuple(sl.indices(n) for sl, n in zip(idx, x.shape))
-                for idx in sharding.addressable_devices_indices_map(x.shape).values()}
-
-    return ranges(target) <= ranges(x.sharding)
-
-
-_REPLICATORS: dict[Any, Any] = {}
-
-
-def _replicate_jit(mesh: Any) -> Any:
-    """A jitted identity whose outputs are replicated over ``mesh`` (one per mesh, so the
-    program compiles once per parameter structure)."""
-    if mesh not in _REPLICATORS:
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        _REPLICATORS[mesh] = jax.jit(_identity, out_shardings=replicated)
-    return _REPLICATORS[mesh]
-
-
-def _identity(tree: Any) -> Any:
-    return tree

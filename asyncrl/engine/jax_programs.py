@@ -12,7 +12,9 @@ Compiled programs
 * ``prefill_insert``: one per prefill bucket; the prompts admitted at one chunk boundary
   are prefilled :data:`PREFILL_ROWS` at a time, so the weights are read once per call, not
   once per request;
-* ``decode_chunk``: up to ``engine.decode_chunk`` steps in a ``lax.while_loop`` (it exits
+* ``decode_chunk``: up to ``engine.decode_chunk`` steps in a ``lax.while_loop`` of
+  ``engine.decode_inner_steps`` unrolled steps per iteration (:mod:`asyncrl.engine.platform`: 8 on
+  GPUs, where the host reads the loop's predicate after every iteration; 1 elsewhere) (it exits
   early once every slot is done, or once a slot finished and enough slots are free for the
   scheduler to refill: ``SlotControls.refill_free``), in two variants: plain sampling, and sampling with
   top-k/top-p (two threshold searches over the vocabulary), used only for chunks in which
@@ -22,7 +24,7 @@ Compiled programs
 * ``beam_search``: one request's whole beam search (:func:`_beam_search`), compiled per
   prompt bucket, width, ``max_new_tokens`` and trie size class; used only by beam requests.
 
-Each decode variant is compiled once per sampler (``engine.sampler``) and per attention bucket
+Each decode variant is compiled once per sampler (``engine.sampler``), steps per iteration and attention bucket
 (``engine.attention_buckets``: the chunk attends over the cache's first ``attend`` slots, the
 smallest size class holding every active slot's context to the chunk's end; :func:`cache_prefix`).
 
@@ -43,6 +45,7 @@ the untruncated, unmasked logits (T = 1 for greedy). A slot under a trie constra
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 from typing import Any, NamedTuple
 
@@ -51,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.engine.constraints import TrieTables, allowed_tokens, is_leaf_node, next_nodes
+from asyncrl.model.decode_attention import einsum_decode_attention
 from asyncrl.model.transformer import KVCache, LayerKV, forward, hidden_states, init_kv_cache, kv_cache_copy_rows
 
 _compiles: collections.Counter = collections.Counter()
@@ -388,7 +392,7 @@ def cache_put_prefix(full: KVCache, prefix: KVCache) -> KVCache:
 
 
 def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, steps: int, filtered: bool, layout=None,
-                  tries=None, max_branch: int = 0, *, sampler: str = "inverse_cdf", attend: int = 0):
+                  tries=None, max_branch: int = 0, *, sampler: str = "inverse_cdf", attend: int = 0, inner: int = 1):
     """Decode up to ``steps`` tokens for every active slot: each step is the model's own
     KV-cache :func:`~asyncrl.model.transformer.forward` with ``T = 1`` (idle slots masked out).
 
@@ -403,7 +407,11 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
     (:func:`cache_prefix`; 0 or the capacity: all of it); the caller picks it at least as large
     as every active slot's write position plus ``steps`` (:mod:`asyncrl.engine.attention_buckets`),
     so every valid slot and every write of the chunk lies inside it and the results equal the
-    full cache's.
+    full cache's. ``inner`` (static): decode steps per iteration of the chunk's loop
+    (``engine.decode_inner_steps``): the early exit is tested once every ``inner`` steps, so on a
+    GPU the host, which reads the loop's predicate, is in the loop once per ``inner`` tokens;
+    a slot that finished idles at most ``inner - 1`` more steps before the chunk can end. Steps
+    past ``steps`` (when ``inner`` does not divide it) run with every slot idle and emit nothing.
     """
     _count_trace(("decode_chunk_topk_topp" if filtered else "decode_chunk") + ("_trie" if tries is not None else "")
                  + (f"_{sampler}" if sampler != "inverse_cdf" else "") + (f"_attend{attend}" if attend else ""))
@@ -411,7 +419,11 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
     vocab = params["embed_tokens"]["embedding"].shape[0]
     stop_vocab = jax.nn.one_hot(controls.stop_ids, vocab, dtype=bool).any(axis=1)  # [S, V]; -1 pads hit nothing
 
-    def body(c: _Chunk) -> _Chunk:
+    def step(c: _Chunk) -> _Chunk:
+        # One decode step. Past ``steps`` no slot runs (an idle slot's step changes nothing: its
+        # K/V land on its next, still invalid, cache position and its write position stays).
+        if inner > 1:
+            c = c._replace(active=c.active & (c.step < steps))
         logits, cache = forward(graphdef, params, c.last_token[:, None], None, c.active[:, None], c.cache)
         assert cache is not None  # forward returns the updated cache when given one
         allowed = None if tries is None else allowed_vocab(tries, c.node, vocab, max_branch)
@@ -431,10 +443,15 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
             generated=generated,
             node=node,
             active=c.active & ~done,
-            tokens=c.tokens.at[:, c.step].set(token),
-            logprobs=c.logprobs.at[:, c.step].set(log_p),
-            emitted=c.emitted.at[:, c.step].set(c.active),
+            tokens=c.tokens.at[:, c.step].set(token, mode="drop"),
+            logprobs=c.logprobs.at[:, c.step].set(log_p, mode="drop"),
+            emitted=c.emitted.at[:, c.step].set(c.active, mode="drop"),
         )
+
+    def body(c: _Chunk) -> _Chunk:
+        if inner == 1:
+            return step(c)
+        return jax.lax.fori_loop(0, inner, lambda _, c: step(c), c, unroll=True)
 
     bucketed = 0 < attend < state.cache.capacity
     init = _Chunk(
@@ -457,13 +474,16 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
         refill = (free > free_at_start) & (free >= controls.refill_free)
         return (c.step < steps) & jnp.any(c.active) & ~refill
 
-    out = jax.lax.while_loop(more, body, init)
+    # On an engine mesh the programs' operands are split over devices, which the decode attention
+    # kernel is not: there the einsum path (layout is static, so each choice is its own program).
+    with contextlib.nullcontext() if layout is None else einsum_decode_attention():
+        out = jax.lax.while_loop(more, body, init)
     cache = cache_put_prefix(state.cache, out.cache) if bucketed else out.cache
     return _constrain(SlotState(cache, state.keys), layout), out.tokens, out.logprobs, out.emitted
 
 
 prefill_insert_jit = jax.jit(_prefill_insert, static_argnums=(0, 5), donate_argnums=2)
-decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 4, 5, 6, 8), static_argnames=("sampler", "attend"),
+decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 4, 5, 6, 8), static_argnames=("sampler", "attend", "inner"),
                            donate_argnums=2)
 
 

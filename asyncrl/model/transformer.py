@@ -68,6 +68,7 @@ from flax import nnx
 
 from asyncrl.model.blocks import ACTIVATIONS, dtype_of, linear, normal_init, sliding_window_mask, softcap
 from asyncrl.model.config import DecoderConfig
+from asyncrl.model.decode_attention import decode_attention
 
 _MASKED = -1e30  # finite, so fully masked rows (pads) give uniform weights, never NaN
 
@@ -297,19 +298,33 @@ def cached_attention(q, k, v, mask, cache: LayerKV, write_idx, choice: str,
     dropped); ``mask`` bool [B, T, capacity]. Returns ``(out [B, T, heads, D], the updated
     LayerKV)``.
 
-    One new token (a decode step) attends by einsum straight on the ``[B, kv_heads, C, D]``
-    cache: batch and head dims lead and head_dim is minor, which is the layout XLA's batched
+    One new token (a decode step) attends straight on the ``[B, kv_heads, C, D]`` cache
+    (:func:`~asyncrl.model.decode_attention.decode_attention`: one Pallas kernel on GPUs, by einsum
+    elsewhere): batch and head dims lead and head_dim is minor, which is the layout XLA's batched
     dot wants, so no transposed copy of the cache is made per step. Several new tokens (prefill
     into a cache) go through ``model.attention``'s implementation (``choice``) on a transposed
     view, once per call.
     """
-    b = write_idx.shape[0]
-    rows = jnp.arange(b)[:, None]
-    # Advanced indices around the head slice: the indexed block is [B, T, kv_heads, D], as k is.
-    cache_k = cache.k.at[rows, :, write_idx].set(k.astype(cache.k.dtype), mode="drop")
-    cache_v = cache.v.at[rows, :, write_idx].set(v.astype(cache.v.dtype), mode="drop")
-    out = _attend(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask, choice, kv_spec="bksd", scale=scale)
+    if q.shape[1] == 1:  # a decode step: one kernel on GPUs (asyncrl.model.decode_attention), the einsum elsewhere
+        reference = functools.partial(_scatter_and_attend, choice=choice, scale=scale)
+        out, cache_k, cache_v = decode_attention(q, k, v, cache.k, cache.v, write_idx[:, 0], mask, scale, reference)
+        return out, LayerKV(cache_k, cache_v)
+    out, cache_k, cache_v = _scatter_and_attend(q, k, v, cache.k, cache.v, write_idx, mask, choice, scale)
     return out, LayerKV(cache_k, cache_v)
+
+
+def _scatter_and_attend(q, k, v, cache_k, cache_v, write_idx, mask, choice: str = "reference",
+                        scale: Optional[float] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`cached_attention` by XLA: the new ``k, v`` scattered into the cache at ``write_idx``
+    (int32 [B, T], or [B] for one token), then attention over it. Returns ``(out, cache_k, cache_v)``."""
+    if write_idx.ndim == 1:
+        write_idx = write_idx[:, None]
+    rows = jnp.arange(write_idx.shape[0])[:, None]
+    # Advanced indices around the head slice: the indexed block is [B, T, kv_heads, D], as k is.
+    cache_k = cache_k.at[rows, :, write_idx].set(k.astype(cache_k.dtype), mode="drop")
+    cache_v = cache_v.at[rows, :, write_idx].set(v.astype(cache_v.dtype), mode="drop")
+    out = _attend(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask, choice, kv_spec="bksd", scale=scale)
+    return out, cache_k, cache_v
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, choice: str, kv_spec: str,

@@ -24,7 +24,7 @@ loop (:mod:`asyncrl.run.loop`) reads the same with one process or many:
   carries whether each process's part of the checkpoint in flight has failed, so a failed
   asynchronous write stops every process at the same step.
 * **Publishing** (:meth:`Hosts.engine_copy`): the trainer's global params are all-gathered
-  in groups of at most :data:`~asyncrl.engine.jax_engine.COPY_GROUP_BYTES` (a jitted identity
+  in groups of at most :data:`~asyncrl.engine.device_copy.COPY_GROUP_BYTES` (a jitted identity
   with replicated outputs per group: device to device), and process 0 keeps one single-device
   copy of each group for its engine, which moves it onto its own shardings; so a device holds at
   most one group beyond its shards, never a whole copy of the model. With ``engine.remote`` every
@@ -217,7 +217,7 @@ class Hosts:
     def engine_copy(self, params: Any) -> Any:
         """The weights as process 0's engine takes them. Every process must call this (an
         all-gather over the trainer mesh when the params span processes,
-        :func:`~asyncrl.engine.jax_engine.local_copy`); returns process 0's single-device
+        :func:`~asyncrl.engine.device_copy.local_copy`); returns process 0's single-device
         copies, None on the other processes, ``params`` itself with one process."""
         if not self.multi:
             return params

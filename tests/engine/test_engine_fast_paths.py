@@ -19,6 +19,7 @@ from asyncrl.engine.platform import (
     apply_platform_xla_flags,
     expected_platform,
     merge_xla_flags,
+    resolve_inner_steps,
     resolve_sampler,
     xla_flags_for,
 )
@@ -61,6 +62,13 @@ def test_sampler_resolved_by_platform():
     assert resolve_sampler("gumbel", "cpu") == "gumbel"
     with pytest.raises(ValueError, match="engine.sampler"):
         resolve_sampler("sorted", "cpu")
+
+
+def test_inner_steps_resolved_by_platform():
+    assert resolve_inner_steps("auto", "gpu") == 8 and resolve_inner_steps("auto", "cpu") == resolve_inner_steps("auto", "tpu") == 1
+    assert resolve_inner_steps(3, "cpu") == 3
+    with pytest.raises(ValueError, match="engine.decode_inner_steps"):
+        resolve_inner_steps(0, "gpu")
 
 
 # --------------------------------------------------------------------------- samplers
@@ -162,6 +170,54 @@ def test_bucketed_attention_equals_full_attention(tiny_split):
             assert a.output_ids.tolist() == b.output_ids.tolist()
             np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-6, rtol=0)
         check_logprobs(graphdef, params, request.prompt_ids, got, 1.0, tol=1e-5)
+
+
+# --------------------------------------------------------------------------- steps per loop iteration
+
+
+@pytest.mark.parametrize("variants", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_inner_steps_decode_the_same_tokens_stops_and_versions(tiny_split, variants):
+    """Three decode steps per loop iteration (not dividing the 4-step chunk: the last two steps of
+    an iteration run idle) against one: the same tokens, log-probs, stop reasons and versions for
+    sampled (stop ids after ``min_new_tokens``) and greedy (a stop sequence) requests in one batch,
+    with a publish in between; with ``variants`` (slow) also top-k/top-p and trie-constrained
+    requests under attention buckets."""
+    from asyncrl.engine.constraints import TokenTrie
+
+    lm, graphdef, params = tiny_split
+    cfg = EngineConfig(slots=6, kv_capacity=96, decode_chunk=4, prefill_buckets=[32], attention_buckets=2 if variants else 1)
+    requests = [
+        GenerationRequest(prompt_ids=prompt_of(30, 9), n=3, temperature=0.9, max_new_tokens=30, sample_id=30,
+                          min_new_tokens=3),
+        GenerationRequest(prompt_ids=prompt_of(31, 20), greedy=True, max_new_tokens=21, stop_token_ids=[],
+                          stop_sequences=[prompt_of(31, 20)[-2:]]),
+    ]
+    if variants:
+        rng = np.random.default_rng(11)
+        trie = TokenTrie({tuple(int(t) for t in rng.integers(6, 28, size=12)) for _ in range(8)}, name="inner-test")
+        requests += [
+            GenerationRequest(prompt_ids=prompt_of(32, 14), temperature=1.0, top_k=6, top_p=0.9, max_new_tokens=17,
+                              stop_token_ids=[], sample_id=32),
+            GenerationRequest(prompt_ids=prompt_of(33, 6), temperature=1.0, max_new_tokens=12, stop_token_ids=[],
+                              sample_id=33, constraint=trie),
+        ]
+
+    def run(inner: int) -> list:
+        config = cfg.model_copy(update={"decode_inner_steps": inner})
+        with JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=config, seed=6) as engine:
+            assert engine.inner_steps == inner
+            first = [f.result() for f in [engine.submit(r) for r in requests]]
+            engine.update_weights(params, 1)
+            return first + [engine.generate(requests[0])]
+
+    one, three = run(1), run(3)
+    for want, got in zip(one, three):
+        for a, b in zip(want, got):
+            assert a.output_ids.tolist() == b.output_ids.tolist() and a.stop_reason == b.stop_reason
+            assert a.versions.tolist() == b.versions.tolist()
+            np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-6, rtol=0)
+    assert {r.stop_reason for rs in three for r in rs} >= ({"length", "eos", "stop"} if variants else {"length", "eos"})
+    assert three[-1][0].versions.tolist() == [1] * len(three[-1][0].output_ids)
 
 
 # --------------------------------------------------------------------------- serving copy
