@@ -23,7 +23,8 @@ of each batch; :mod:`asyncrl.run.multihost` holds what differs by process (docs/
 
 Any thread's crash ends the run with that thread's traceback (the executor re-raises
 rollout and engine failures in the main thread), and everything is stopped in a
-``finally`` so nothing hangs. SIGINT/SIGTERM: the step in progress ends (or the wait for
+``finally`` so nothing hangs. A checkpoint write that failed in the background (disk full)
+ends the run at the end of the step in progress, on every process, with one line. SIGINT/SIGTERM: the step in progress ends (or the wait for
 its batch is abandoned), one checkpoint is written, :class:`TrainingInterrupted` is raised.
 """
 

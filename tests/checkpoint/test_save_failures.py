@@ -64,7 +64,7 @@ def _arrays(step: int) -> dict:
     return {"params": {"w": jnp.full((64, 16), step, jnp.float32)}, "opt_state": {"mu": jnp.zeros(32, jnp.float32)}}
 
 
-@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO, errno.EACCES])  # EACCES: a permission changed
 def test_a_background_array_write_that_fails_is_seen_without_waiting_and_raised_as_one_line(tmp_path, code):
     ck.save_checkpoint(tmp_path, 1, arrays=_arrays(1), state={"version": 1}, config_yaml="{}\n")
     with failing_array_writes(code, 2):
