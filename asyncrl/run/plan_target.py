@@ -224,6 +224,11 @@ def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_d
 
 
 def _layout(cfg: Config, target: Target, devices: int, hosts: int) -> Any:
+    """The stage's layout on the target's devices (one-line errors naming the target), after
+    refusing what the compiled programs do not yet cover."""
+    if cfg.critic is not None and cfg.critic.lora is not None:
+        raise ConfigError("critic.lora: --target compiles a fully trained critic only so far (its frozen base and adapters "
+                          "are not laid out here); asyncrl plan without --target gives the analytic figures")
     try:
         return plan_layout(cfg, devices, hosts)
     except ConfigError as err:

@@ -66,6 +66,7 @@ def _plan_json(*args: str) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
+@pytest.mark.timeout(600)  # a process of its own and three compiles: 15-20 s on a quiet machine, minutes under load
 def test_cpu_target_reports_every_program_as_json():
     """The one test of the whole path: a process of its own compiles the train step, the prefill
     bucket and the decode chunk of a tiny config for the cpu target, one JSON line each."""
@@ -79,6 +80,7 @@ def test_cpu_target_reports_every_program_as_json():
 
 
 @pytest.mark.skipif(not plugin_installed("gpu"), reason="jax's CUDA plugin is not installed (tests/README.md: the aot venv)")
+@pytest.mark.timeout(900)
 def test_h100_target_compiles_and_reads_the_decode_structure():
     """With bfloat16 compute (the GPU default): the publish cast too; the decode chunk's launch
     structure from XLA's dump, compiled with the engine's command-buffer flags."""
@@ -91,6 +93,7 @@ def test_h100_target_compiles_and_reads_the_decode_structure():
 
 
 @pytest.mark.skipif(not plugin_installed("tpu"), reason="libtpu is not installed (tests/README.md: the aot venv)")
+@pytest.mark.timeout(900)
 def test_v6e_8_target_compiles_on_the_config_mesh():
     rows = _plan_json("--target", "v6e-8", "--set", "mesh.fsdp=8")
     assert [r["program"] for r in rows] == ["train_step", "prefill", "decode_chunk", "publish_cast"]
@@ -110,3 +113,22 @@ def test_one_line_errors_before_any_compile(args, message, capsys):
     assert main(["plan", "configs/quickstart.yaml", *SMALL, *extra, *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 2  # "asyncrl: config error:" and the line
+
+
+@pytest.mark.slow  # two train-step compiles; the cpu JSON test guards the path
+def test_lora_train_step_compiles_with_its_frozen_base():
+    """``model.lora``: the step takes the adapters as its parameters and the base as frozen, as the
+    trainer does; its arguments are far below full fine-tuning's (no optimizer state for the base)."""
+    import jax
+
+    from asyncrl.config import load_config
+    from asyncrl.run.plan_compiled import compile_lowered, lower_train_step
+    from asyncrl.run.plan_formulas import stage_decoder_config
+
+    overrides = ["stages=[]", "rollout.batch_size=2"]
+    memory = {}
+    for name, extra in (("full", []), ("lora", ["model.lora={rank: 4, alpha: 8, dropout: 0.1}"])):
+        cfg = load_config(REPO_ROOT / "configs" / "quickstart.yaml", [*overrides, *extra])
+        lowered = lower_train_step(cfg, stage_decoder_config(cfg, backend="cpu"), jax.devices()[:1], (16, 24, 8))
+        memory[name] = compile_lowered(lowered)[0]
+    assert 0 < memory["lora"].arguments < 0.6 * memory["full"].arguments, memory
