@@ -260,6 +260,9 @@ def target_devices(target: Target, devices: int, hosts: int = 1) -> list[Any]:
             found = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(target), topology=name).devices
         else:
             name = str(target.topology)
+            # libtpu's lockfile would refuse this process while another holds it; these chips are
+            # compile-only (read when libtpu loads, so set before the first TPU topology).
+            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
             found = topologies.get_topology_desc(name, "tpu", chip_config_name=target.chip_config,
                                                  chips_per_host_bounds=list(target.chips_per_host_bounds)).devices
     except Exception as err:  # noqa: BLE001 - the plugin's own error, reported in one line
