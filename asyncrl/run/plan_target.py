@@ -128,12 +128,17 @@ def plan_bytes_for(program: str, plan: MemoryPlan, cfg: Config, model_cfg: Any, 
     step (the plan does not count a critic: ``critic_step`` gets the same figure), the engine's
     total (weights, KV cache, one step's logits) for prefill and decode, the engine's weights and
     a ``beam_width x beam_capacity`` cache for a beam search, the engine's weights and their
-    cast copy for the publish cast."""
+    cast copy for the publish cast. Where the engine serves the trainer's own arrays the weights
+    it reads are the trainer's parameters (the plan's table counts them once, as the trainer's)."""
     if program in ("train_step", "critic_step"):
         return plan.part_bytes("trainer")
+    # The weights an engine program reads: its serving copy, its own weights, or (serving the
+    # trainer's arrays in their own dtype) the trainer's parameters, which the plan counts there.
+    shared = 0 if _line(plan, "engine", "cast weights") or _line(plan, "engine", "weights") else \
+        _line(plan, "trainer", "parameters")
     if program in ("prefill", "decode_chunk"):
-        return plan.part_bytes("engine")
-    weights = _line(plan, "engine", "weights") + _line(plan, "engine", "cast weights")
+        return plan.part_bytes("engine") + shared
+    weights = _line(plan, "engine", "weights") + _line(plan, "engine", "cast weights") + shared
     if program == "beam_search":
         c = DTYPE_BYTES[model_cfg.compute_dtype]
         kv_heads = model_cfg.num_kv_heads // max(plan.layout.tensor_parallel, 1)
