@@ -216,6 +216,8 @@ class EngineArgs:
     """The state's shardings on the engine's own mesh (a static argument), or None on the trainer's arrays."""
     slots: int
     sampler: str
+    inner_steps: int = 1
+    """Decode steps per iteration of a chunk's loop (``engine.decode_inner_steps`` on the platform)."""
 
 
 def engine_args(cfg: Config, model_cfg: Any, placement: Any, platform: str, mesh: Any = None) -> EngineArgs:
@@ -232,7 +234,7 @@ def engine_args(cfg: Config, model_cfg: Any, placement: Any, platform: str, mesh
     from asyncrl.cluster.mesh import build_mesh
     from asyncrl.cluster.placement import engine_mesh
     from asyncrl.engine.jax_programs import init_slot_state, slot_state_shardings
-    from asyncrl.engine.platform import resolve_sampler
+    from asyncrl.engine.platform import resolve_inner_steps, resolve_sampler
     from asyncrl.model.compute_copy import cast_for_compute
     from asyncrl.model.sharding import param_shardings
     from asyncrl.model.transformer import Decoder, split_params
@@ -252,7 +254,7 @@ def engine_args(cfg: Config, model_cfg: Any, placement: Any, platform: str, mesh
     params = _placed(shapes, shardings)
     serving = _placed(jax.eval_shape(lambda p: cast_for_compute(p, model_cfg.compute_dtype), shapes), shardings)
     return EngineArgs(graphdef, params, serving, _placed(state_shapes, state_shardings), layout, slots,
-                      resolve_sampler(cfg.engine.sampler, platform))
+                      resolve_sampler(cfg.engine.sampler, platform), resolve_inner_steps(cfg.engine.decode_inner_steps, platform))
 
 
 def _replicated_like(engine: EngineArgs, tree: Any) -> Any:
@@ -275,7 +277,7 @@ def lower_decode_chunk(cfg: Config, engine: EngineArgs, attend: int = 0) -> Any:
     controls = _replicated_like(engine, idle_controls(engine.slots, cfg.engine.max_stop_ids))
     attend = 0 if attend >= cfg.engine.kv_capacity else attend
     return decode_chunk_jit.lower(engine.graphdef, engine.serving, engine.state, controls, cfg.engine.decode_chunk, False,
-                                  engine.layout, sampler=engine.sampler, attend=attend)
+                                  engine.layout, sampler=engine.sampler, attend=attend, inner=engine.inner_steps)
 
 
 def lower_prefill(cfg: Config, engine: EngineArgs, bucket: int) -> Any:

@@ -124,17 +124,21 @@ class DecodeStructure:
                 f"trip(s) per generated token, {self.kernels_outside_loop} kernels once per chunk")
 
 
-def layer_period(names: list[str], num_layers: int) -> int:
+def layer_period(names: list[str], num_layers: int, max_period: Optional[int] = None) -> int:
     """The kernels one decoder layer launches, from the order of a decode step's kernels: the
     layers run one after another, so the sequence of kernel kinds (names without XLA's numeric
     suffixes: ``gemm_fusion_dot_144`` -> ``gemm_fusion_dot``) repeats with the layer's kernel
     count as its period over ``num_layers`` blocks. The period is the shift at which the most
     kernels equal the one that many places later (XLA may fuse a layer's first or last kernel
     into its neighbour, or schedule a few out of order: the count tolerates that). 0 when the
-    sequence is too short to hold ``num_layers`` blocks of two."""
+    sequence is too short to hold ``num_layers`` blocks of two. ``max_period``: the longest
+    period considered (default ``len(names) // num_layers``; with several steps per loop
+    iteration, one step's kernels over ``num_layers``, so that the steps' own period is not
+    taken for a layer's)."""
     kinds = [re.sub(r"(_\d+)+$", "", name) for name in names]
     best, period = 0, 0
-    for shift in range(2, len(kinds) // max(num_layers, 1) + 1):
+    longest = len(kinds) // max(num_layers, 1) if max_period is None else max_period
+    for shift in range(2, longest + 1):
         matches = sum(a == b for a, b in zip(kinds, kinds[shift:]))
         if matches > best:
             best, period = matches, shift
@@ -145,19 +149,27 @@ def decode_structure(text: str, num_layers: int) -> Optional[DecodeStructure]:
     """The :class:`DecodeStructure` of a decode chunk's thunk sequence dump ``text`` for a model of
     ``num_layers`` decoder layers; None when the dump has no ``while`` loop (not a decode chunk).
 
-    Per layer: :func:`layer_period` of the loop body's kernels; steps per iteration: how many
-    times per layer the kernel names repeated across layers occur (2 when XLA unrolled the loop)."""
+    Per layer: :func:`layer_period` of the body's kernels (XLA may move a step's independent
+    kernels ahead of the others, so steps are not cut apart); steps per iteration: how many times per
+    layer the layers' kernels occur (2 when XLA unrolled the loop, ``engine.decode_inner_steps``
+    when the engine did)."""
     thunks = parse_thunks(text)
     loops = [t for t in thunks if t.kind == "kWhile"]
     if not loops:
         return None
     body = [t for t in thunks if t.is_kernel and t.in_while_body]
     layers = max(num_layers, 1)
-    counts = collections.Counter(t.name for t in body).values()
-    frequent = [n for n in counts if n >= max(layers - 1, 2)]
-    steps = max(round(collections.Counter(frequent).most_common(1)[0][0] / layers), 1) if frequent else 1
+    # A layer's kernels are launched layers x steps times each (XLA reuses one compiled kernel for
+    # identical fusions); the count that covers the most launches is theirs. Counting names alone
+    # would pick the most frequent count, which with few layers and several steps per iteration is
+    # some pair of kernels outside the layers.
+    launches: collections.Counter[int] = collections.Counter()
+    for count in collections.Counter(t.name for t in body).values():
+        launches[count] += count
+    layer_count = max(launches, key=lambda c: (launches[c], c)) if launches else 1
+    steps = max(round(layer_count / layers), 1)
     per_step = len(body) // steps
-    per_layer = layer_period([t.name for t in body], layers)
+    per_layer = layer_period([t.name for t in body], layers, max_period=per_step // layers)
     loop_in_buffer = loops[0].in_command_buffer
     return DecodeStructure(
         kernels_per_step=per_step,
