@@ -33,6 +33,7 @@ from asyncrl.run.plan_formulas import (  # noqa: F401 - re-exported
     MemoryPlan,
     StandInDevice,
     abstract_params,
+    Activations,
     activation_bytes,
     batch_shape,
     engine_base_bytes,

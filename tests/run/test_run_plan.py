@@ -56,21 +56,27 @@ def test_tiny_parameters_optimizer_and_kv_cache_by_hand():
 def test_activation_formula_by_hand():
     model = tiny_decoder_config(parse_tiny_spec("tiny")).replace(compute_dtype="bfloat16")
     rows, length, window = 3, 40, 16
+    # On the CPU: three float32 attention tensors per score, the head's float32 logits and cotangent.
     per_token = (4 * H + 3 * HEADS * D + 4 * KV * D + 4 * I) * 2 + 2 * H * 4 + 3 * HEADS * length * 4
-    layers, head = activation_bytes(model, rows, length, window, tensor=1, chunk=None)
-    assert layers == LAYERS * rows * length * per_token
-    assert head == rows * window * H * 2 + 2 * rows * window * V * 4
-    remat_layers, chunked = activation_bytes(model.replace(remat=True), rows, length, window, tensor=1, chunk=4)
-    assert remat_layers == LAYERS * rows * length * H * 2 + rows * length * per_token
-    assert chunked == rows * window * H * 2 + 2 * rows * 4 * V * 4
+    act = activation_bytes(model, rows, length, window, tensor=1, chunk=None)
+    assert act.kept == LAYERS * rows * length * per_token and act.layer == 0
+    assert act.head == rows * window * H * 2 + 2 * rows * window * V * 4
+    assert act.peak == act.kept + act.head  # without remat the head's backward runs on top of every layer's tensors
+    remat = activation_bytes(model.replace(remat=True), rows, length, window, tensor=1, chunk=4)
+    assert remat.kept == LAYERS * rows * length * H * 2 and remat.layer == rows * length * per_token
+    assert remat.head == rows * window * H * 2 + 2 * rows * 4 * V * 4
+    assert remat.peak == remat.kept + max(remat.layer, remat.head)  # never alive together
     # save_dots keeps the seven projections' outputs too: q (heads x D), k and v (KV x D), o and down (H), gate and up (I)
-    dots_layers, _ = activation_bytes(model.replace(remat=True, remat_policy="save_dots"), rows, length, window,
-                                      tensor=1, chunk=4)
+    dots = activation_bytes(model.replace(remat=True, remat_policy="save_dots"), rows, length, window, tensor=1, chunk=4)
     kept = H + HEADS * D + 2 * KV * D + 2 * H + 2 * I
-    assert dots_layers == LAYERS * rows * length * kept * 2 + rows * length * per_token
+    assert dots.kept == LAYERS * rows * length * kept * 2 and dots.layer == remat.layer
     # Gemma 3's sandwich norms: two more normed copies (compute dtype) and float32 copies per layer and token
-    sandwich, _ = activation_bytes(model.replace(sandwich_norms=True), rows, length, window, tensor=1, chunk=None)
-    assert sandwich == layers + LAYERS * rows * length * (2 * H * 2 + 2 * H * 4)
+    sandwich = activation_bytes(model.replace(sandwich_norms=True), rows, length, window, tensor=1, chunk=None)
+    assert sandwich.kept == act.kept + LAYERS * rows * length * (2 * H * 2 + 2 * H * 4)
+    # GPU and TPU compilers keep the float32 scores and bfloat16 probabilities, and a bfloat16 cotangent of the logits.
+    gpu = activation_bytes(model.replace(remat=True), rows, length, window, tensor=1, chunk=4, backend="gpu")
+    assert gpu.layer == remat.layer - rows * length * HEADS * length * (12 - 6)
+    assert gpu.head == rows * window * H * 2 + rows * 4 * V * 6
 
 
 def test_micro_batches_and_rows_per_device():
@@ -321,8 +327,7 @@ def test_moe_activations_count_routed_experts_and_lora_targets_attention(capsys)
     rows, length = 2, 64
     per_token = ((4 * MOE_H + 3 * 32 * 128 + 4 * 4 * 128) * 2 + 8 * (4 * MOE_I + 2 * MOE_H) * 2 + 2 * MOE_E * 4
                  + 2 * MOE_H * 4 + 3 * 32 * length * 4)
-    layers, _ = activation_bytes(model, rows, length, length, tensor=1, chunk=None)
-    assert layers == MOE_LAYERS * rows * length * per_token
+    assert activation_bytes(model, rows, length, length, tensor=1, chunk=None).kept == MOE_LAYERS * rows * length * per_token
     argv = ["plan", str(CONFIGS / "gsm8k_grpo.yaml"), "--set", f"model.path={MODELS / 'qwen3-30b-a3b'}",
             "--devices", "8", "--set", "mesh.fsdp=8", "--backend", "gpu"]
     assert main([*argv, "--device-memory", "80"]) == 1  # full fine-tuning: ~24 B per parameter / 8
