@@ -10,19 +10,29 @@ counts bytes per device:
 trainer
     parameters (``model.param_dtype``), the step's new parameters (the step does not donate
     them: the engine may serve the old ones, docs/design.md), the float32 gradient accumulator
-    and one micro-batch's gradients, AdamW's two moments, the frozen reference model when
-    ``algo.kl_coef > 0``, LoRA's frozen base, and the activations of one micro-batch
-    (:func:`activation_bytes`: per layer what the backward pass keeps, or with ``model.remat``
-    each layer's input plus one layer recomputed; the lm head's float32 logits over the
-    trained window, chunked by ``model.logprob_chunk_size`` or the automatic budget);
+    and one micro-batch's gradients (in the compute dtype where the step differentiates its
+    compute-dtype copy of the weights), AdamW's two moments, the frozen reference model when
+    ``algo.kl_coef > 0``, LoRA's frozen base, the step's compute-dtype copy of the weights and,
+    with ``model.scan_layers``, its stacked ``[layers, ...]`` copy, and the activations of one
+    micro-batch (:func:`activation_bytes`: per layer what the backward pass keeps, or with
+    ``model.remat`` each layer's input plus the larger of one layer recomputed and the lm head's
+    logits over the trained window, chunked by ``model.logprob_chunk_size`` or the automatic
+    budget: the two are never alive together);
 engine
     its weights (none when it serves the trainer's own arrays, the default placement of one
     process; a copy on its own devices otherwise; LoRA's merged weights), the KV cache
     (``slots x kv_capacity x layers x 2 x kv_heads x head_dim x`` compute-dtype bytes, slots
-    split over the engine's replicas, KV heads over ``engine.tensor_parallel``) and one decode
-    step's logits. Where ``model.compute_dtype`` differs from ``model.param_dtype`` both hold a
-    compute-dtype copy of the weights (the trainer's for the backward, the engine's serving copy cast at each publish;
-    measured on the Qwen2.5-0.5B shape).
+    split over the engine's replicas when it has a mesh of its own, whole on every device when it
+    serves the trainer's arrays, KV heads over ``engine.tensor_parallel``) and one decode step's
+    logits. Where ``model.compute_dtype`` differs from ``model.param_dtype`` both hold a
+    compute-dtype copy of the weights (the trainer's for the backward, the engine's serving copy
+    cast at each publish; measured on the Qwen2.5-0.5B shape).
+
+The copies XLA keeps differ by backend (attention scores, the lm head's logits, a decode step's
+logits: :func:`attention_score_bytes`, :func:`head_logit_bytes`, :func:`decode_logit_copies`), so
+the plan is for a backend (``--backend``; ``asyncrl plan --target`` plans for the target's). The
+GPU and TPU figures are calibrated against XLA's own memory analysis of the compiled programs
+(docs/performance.md "The formulas against XLA").
 
 A device that hosts both (the colocated default) needs their sum. ``engine.slots: auto`` is sized
 from the same accounting (:func:`slots_for_budget`, used by :mod:`asyncrl.run.auto_slots`).
