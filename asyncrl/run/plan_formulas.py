@@ -329,7 +329,7 @@ class Activations(NamedTuple):
 
 
 def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor: int, chunk: Optional[int],
-                     backend: str = "cpu") -> Activations:
+                     backend: str = "cpu", fsdp: int = 1) -> Activations:
     """What one device holds for the backward pass of one micro-batch of ``rows`` rows (its own
     share) and ``length`` positions, of which ``window`` go through the lm head, as compiled for
     ``backend`` (``cpu``, ``gpu``, ``tpu``).
@@ -343,7 +343,10 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     save_dots``: also its seven projections' outputs, q/k/v/o and gate/up/down) and one layer at a
     time is recomputed in full. The head: the hidden states of the window and the logits and their
     cotangent over ``chunk`` positions at a time (``window`` when unchunked; :func:`head_logit_bytes`),
-    vocabulary split over ``tensor``."""
+    vocabulary split over ``tensor``. With ``fsdp`` > 1 the table's hidden dimension is split over
+    the fsdp axis (asyncrl/model/sharding.py) and XLA contracts it where it lies: every device
+    computes float32 partial logits of all ``rows x fsdp`` rows of its fsdp group, reduce-scattered
+    to its own rows (read from XLA's buffer assignment for 8 H100s)."""
     c = DTYPE_BYTES[model_cfg.compute_dtype]
     h, d = model_cfg.hidden_size, model_cfg.head_dim
     heads = max(model_cfg.num_heads // tensor, 1)
@@ -356,6 +359,8 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     positions = window if chunk is None else min(chunk, window)
     vocab = model_cfg.vocab_size // tensor if model_cfg.vocab_size % tensor == 0 else model_cfg.vocab_size
     head = rows * window * h * c + rows * positions * vocab * head_logit_bytes(c, backend)
+    if fsdp > 1:
+        head += fsdp * rows * positions * vocab * 4
     if not model_cfg.remat:
         return Activations(model_cfg.num_layers * one_layer, 0, head)
     kept = h * c
@@ -443,7 +448,7 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     chunk = model_cfg.logprob_chunk_size or auto_chunk_size(global_micro_rows, window, model_cfg.vocab_size,
                                                             model_cfg.logprob_chunk_budget_mb)
     backend = resolve_backend(backend)
-    act = activation_bytes(model_cfg, local_rows, length, window, layout.mesh[2], chunk, backend)
+    act = activation_bytes(model_cfg, local_rows, length, window, layout.mesh[2], chunk, backend, layout.mesh[1])
     remat = ("remat" if model_cfg.remat_policy == "full" else f"remat ({model_cfg.remat_policy})") if model_cfg.remat \
         else "no remat"
     add("trainer", "activations", act.kept,
