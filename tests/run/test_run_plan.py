@@ -348,3 +348,28 @@ def test_packing_is_planned_at_its_worst_case_with_the_whole_row_scored(capsys):
     assert packed["batch"] == plain["batch"] * 27 // 14
     assert main(["plan", str(CONFIGS / "quickstart.yaml"), "--xla", "--set", "rollout.pack=true"]) == 0
     assert "XLA, compiled here" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- against XLA for the targets
+
+# XLA's per-device peaks (arguments + outputs - aliased + temporaries) of the programs compiled for the
+# target on this CPU (jax 0.10.2, jax-cuda13-plugin 0.10.2, libtpu 0.0.42.1), docs/performance.md "The
+# formulas against XLA": (config, overrides, devices, backend, train step GiB, decode chunk GiB or None).
+XLA_PEAKS = [
+    pytest.param("gsm8k_grpo_qwen2.5_0.5b.yaml", ["model.path=qwen2.5-0.5b-instruct"], 1, "gpu", 15319305794, 2697031116,
+                 id="0.5b-h100"),
+    # Qwen3-1.7B's abstract parameters take seconds to build: these two run in the slow selection.
+    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-1.7b", "mesh.fsdp=8"], 8, "gpu", 7071442946, 15561449964,
+                 marks=pytest.mark.slow, id="1.7b-fsdp8-8xh100"),
+    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-1.7b", "mesh.fsdp=8"], 8, "tpu", 7965346976, None,
+                 marks=pytest.mark.slow, id="1.7b-fsdp8-v6e-8"),
+]
+
+
+@pytest.mark.parametrize("config,overrides,devices,backend,train,decode", XLA_PEAKS)
+def test_plan_within_10_percent_of_xla_on_the_targets(config, overrides, devices, backend, train, decode):
+    sets = [o.replace("model.path=", f"model.path={MODELS}/") for o in overrides]
+    plan = plan_config(load_config(CONFIGS / config, sets), devices, backend=backend)
+    assert 0.9 <= plan.part_bytes("trainer") / train <= 1.1
+    if decode is not None:  # the engine serves the trainer's arrays: its bf16 copy and the KV cache (whole on every device)
+        assert 0.9 <= plan.part_bytes("engine") / decode <= 1.1
