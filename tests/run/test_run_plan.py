@@ -151,9 +151,11 @@ def test_gemma3_1b_recipe_fits_one_16gb_gpu_and_a_tpu_v5e_8_as_its_header_says(c
     gemma_1b = ["--set", f"model.path={MODELS / 'gemma-3-1b-it'}"]
     assert main(["plan", str(config), *gemma_1b, "--device-memory", "16"]) == 0
     one_gpu = plan_config(load_config(config, [f"model.path={MODELS / 'gemma-3-1b-it'}"]), backend="gpu")
+    assert main(["plan", str(config), *gemma_1b, "--backend", "gpu", "--device-memory", "16"]) == 0
     v5e = ["mesh.fsdp=8", "model.lora=null", "model.param_dtype=float32", "optim.lr=2.0e-6"]
     tpu = plan_config(load_config(config, [f"model.path={MODELS / 'gemma-3-1b-it'}", *v5e]), devices=8, backend="tpu")
-    tpu_4b = plan_config(load_config(config, [f"model.path={MODELS / 'gemma-3-4b-it'}", *v5e, "model.scan_layers=false"]),
+    tpu_4b = plan_config(load_config(config, [f"model.path={MODELS / 'gemma-3-4b-it'}", *v5e, "model.scan_layers=false",
+                                              "engine.slots=16"]),
                          devices=8, backend="tpu")
     assert stated == [round(p.total_bytes / GIB, 2) for p in (one_gpu, tpu, tpu_4b)]
     assert max(p.total_bytes for p in (one_gpu, tpu, tpu_4b)) < 16 * GIB
