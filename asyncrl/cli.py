@@ -347,7 +347,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise ConfigError(f"{'--json' if args.json else '--dump'}: only with --target NAME")
         from asyncrl.run.plan import run_plan
 
-        return run_plan(args.config, overrides, devices=args.devices or 1, processes=args.processes or 1,
+        return run_plan(args.config, overrides, devices=1 if args.devices is None else args.devices,
+                        processes=1 if args.processes is None else args.processes,
                         device_memory_gb=args.device_memory, backend=args.backend, xla=args.xla)
     # Other libraries (jax, transformers) speak at WARNING and up; asyncrl at logging.level.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -239,11 +239,21 @@ def _plan_within_25_percent(cwd: Path, output: str) -> None:
     assert 0.75 <= result["trainer_ratio"] <= 1.25 and 0.75 <= result["engine_ratio"] <= 1.25, result
 
 
+def _compiled_for_cpu(_: Path, output: str) -> None:
+    """``asyncrl plan --target cpu``: a row per program, each with XLA's figures and a verdict."""
+    rows = [line.split() for line in output.splitlines() if line.startswith("rl ")]
+    assert [row[1] for row in rows] == ["train_step", "prefill", "decode_chunk"], output
+    assert all("fits" in row for row in rows), output
+
+
 PLAN_CHAIN = (
     Step("asyncrl plan configs/gsm8k_grpo.yaml --set model.path=configs/models/qwen3-1.7b --device-memory 80",
          check=lambda _, out: None if "fits" in out and "does NOT" not in out else pytest.fail(out)),
     Step("python scripts/bench.py plan --model bench-40m --set optim.micro_batches=4", ("--model", "tiny"),
          check=_plan_within_25_percent),
+    # docs/performance.md "Compiled for the target": the cpu target (the GPU and TPU ones need their plugins)
+    Step("asyncrl plan configs/quickstart.yaml --target cpu --devices 2",
+         ("--set", "stages=[]", "--set", "rollout.batch_size=2", "--set", "engine.slots=16"), check=_compiled_for_cpu),
 )
 
 BENCH_CHAIN = (
@@ -437,7 +447,18 @@ ELSEWHERE = {
 }
 """Documented commands this file does not run, and what runs them (checked below)."""
 
+_AOT_PLUGIN = ("the compile-only venvs of docs/performance.md \"Compiled for the target\" (about 4 GB and 0.7 GB, kept out "
+               "of the test venv); tests/run/test_plan_target.py compiles for h100 and v6e-8 where the plugin is importable "
+               "and the cpu target always")
 NOT_RUNNABLE_HERE = {
+    "python -m venv ~/.cache/asyncrl-aot-cuda": _AOT_PLUGIN,
+    "~/.cache/asyncrl-aot-cuda/bin/pip install -e '.[cuda]'": _AOT_PLUGIN,
+    "~/.cache/asyncrl-aot-cuda/bin/python -m asyncrl.cli plan configs/gsm8k_grpo_qwen2.5_0.5b.yaml --set "
+    "model.path=configs/models/qwen2.5-0.5b --target h100": _AOT_PLUGIN,
+    "python -m venv ~/.cache/asyncrl-aot-tpu": _AOT_PLUGIN,
+    "~/.cache/asyncrl-aot-tpu/bin/pip install -e '.[tpu]'": _AOT_PLUGIN,
+    "~/.cache/asyncrl-aot-tpu/bin/python -m asyncrl.cli plan configs/gsm8k_grpo.yaml --set "
+    "model.path=configs/models/qwen3-1.7b --set mesh.fsdp=8 --target v6e-8": _AOT_PLUGIN,
     "python -m sglang.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct --host 0.0.0.0 --port 30000 "
     "--skip-tokenizer-init --weight-version 0 --api-key $ASYNCRL_API_KEY":
         "SGLang needs a GPU and is not a dependency; tests/engine/test_remote.py runs the same protocol against asyncrl serve",

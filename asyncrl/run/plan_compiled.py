@@ -106,12 +106,21 @@ def lower_train_step(cfg: Config, model_cfg: Any, devices: Sequence[Any], shape:
     del hosts  # the rows are global already; the mesh spans every host's devices
     mesh = build_mesh(cfg.mesh, devices=list(devices))
     graphdef, shapes = split_params(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))
+    frozen = dropout_key = None
+    lora_dropout = 0.0
+    if cfg.model.lora is not None:  # the trainer's LoRA: adapters trained, the base (and dropout keys) frozen
+        graphdef, adapters, frozen, lora_dropout = _abstract_lora(cfg, model_cfg, shapes)
+        frozen = _placed(frozen, param_shardings(model_cfg, frozen, mesh))
+        if lora_dropout > 0:
+            dropout_key = jax.eval_shape(lambda: jax.random.key(0))
+        shapes = adapters
     params = _placed(shapes, param_shardings(model_cfg, shapes, mesh))
     algo = None if sft else AlgoParams.from_config(cfg)
     optim = OptimParams.from_config(cfg, updates_per_step=1 if sft else None)
     spec = StepSpec(mesh=mesh, model_cfg=model_cfg, ppo_epochs=1 if sft else cfg.algo.ppo_epochs,
                     mini_batches=1 if sft else cfg.algo.mini_batches, micro_batches=cfg.optim.micro_batches,
-                    objective="sft" if sft else "rl", entropy=cfg.algo.log_entropy or (not sft and cfg.algo.entropy_coef > 0))
+                    objective="sft" if sft else "rl", entropy=cfg.algo.log_entropy or (not sft and cfg.algo.entropy_coef > 0),
+                    lora_dropout=lora_dropout)
     opt_state = abstract_opt_state(params, optim=optim, spec=spec)
     rows, length, window = shape
     row_sharding = lambda ndim: NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))  # noqa: E731
@@ -129,10 +138,27 @@ def lower_train_step(cfg: Config, model_cfg: Any, devices: Sequence[Any], shape:
     critic: dict[str, Any] = {}
     if algo is not None and algo.uses_critic:
         critic = _abstract_critic(cfg, model_cfg, shapes, mesh)
-    return train_step.lower(HashedGraphDef(graphdef), params, opt_state, ref, batch, np.float32(1.0), None, None,
+    return train_step.lower(HashedGraphDef(graphdef), params, opt_state, ref, batch, np.float32(1.0), frozen, dropout_key,
                             critic_params=critic.get("params"), critic_opt_state=critic.get("opt_state"),
                             algo=algo, optim=optim, spec=spec, window=None if window == length else window,
                             critic=critic.get("spec"))
+
+
+def _abstract_lora(cfg: Config, model_cfg: Any, base: dict) -> tuple[Any, dict, dict, float]:
+    """``(graphdef, adapters, frozen, dropout)`` of ``model.lora`` on the base shapes ``base``, as
+    :func:`~asyncrl.model.lora.attach_lora` makes them (adapters in the base's dtype; ``frozen``
+    the base and the dropout keys), abstract."""
+    import jax
+    from flax import nnx
+
+    from asyncrl.model.lora import LoraSpec, _lora_decoder, combine_params, partition_params
+
+    spec = LoraSpec.from_config(cfg.model.lora)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: _lora_decoder(model_cfg, spec)))
+    _, adapter_shapes, key_shapes = partition_params(nnx.to_pure_dict(state))
+    dtype = jax.tree.leaves(base)[0].dtype
+    adapters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), adapter_shapes)
+    return graphdef, adapters, combine_params(base, key_shapes), spec.dropout
 
 
 def _abstract_critic(cfg: Config, model_cfg: Any, policy_shapes: dict, mesh: Any) -> dict[str, Any]:

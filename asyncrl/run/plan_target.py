@@ -224,6 +224,11 @@ def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_d
 
 
 def _layout(cfg: Config, target: Target, devices: int, hosts: int) -> Any:
+    """The stage's layout on the target's devices (one-line errors naming the target), after
+    refusing what the compiled programs do not yet cover."""
+    if cfg.critic is not None and cfg.critic.lora is not None:
+        raise ConfigError("critic.lora: --target compiles a fully trained critic only so far (its frozen base and adapters "
+                          "are not laid out here); asyncrl plan without --target gives the analytic figures")
     try:
         return plan_layout(cfg, devices, hosts)
     except ConfigError as err:
@@ -350,4 +355,31 @@ def run_plan_target(config: str, overrides: Sequence[str], target_name: str, dev
         env[CHILD_ENV] = str(dump) if target.platform == "gpu" else "-"
         argv = [sys.executable, "-m", "asyncrl.cli", "plan", config, *(a for o in overrides for a in ("--set", o)),
                 "--target", target.name, "--devices", str(count), "--processes", str(hosts), *(["--json"] if as_json else [])]
-        return subprocess.run(argv, env=env, check=False).returncode
+        return _run_forwarding(argv, env)
+
+
+def _run_forwarding(argv: list[str], env: dict[str, str]) -> int:
+    """Run ``argv``, its stdout and stderr passed on line by line to this process's (so callers
+    in this process, tests included, see the output) and its exit status returned. The process
+    compiles for minutes on large models: no timeout, it ends when it is done or interrupted."""
+    import threading
+
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    assert proc.stdout is not None and proc.stderr is not None
+
+    def forward_stderr(stream: Any) -> None:
+        for line in stream:
+            sys.stderr.write(line)
+
+    errors = threading.Thread(target=forward_stderr, args=(proc.stderr,), name="asyncrl-plan-stderr", daemon=True)
+    errors.start()
+    try:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        proc.terminate()
+        raise
+    code = proc.wait()
+    errors.join(timeout=10)
+    return code

@@ -28,7 +28,7 @@ Entry points:
 * :func:`device_memory_bytes`: the memory of one device of the target.
 * :func:`target_env`: the environment a process compiling for the target needs, set before
   jax starts a backend (``JAX_PLATFORMS=cpu``, forced host devices for ``cpu``, libtpu's
-  host lookup silenced).
+  host lookup silenced and its one-process lock lifted: compile-only chips are driven by no one).
 """
 
 from __future__ import annotations
@@ -215,7 +215,9 @@ def target_env(target: Target, devices: int, env: Optional[dict[str, str]] = Non
     devices needs it before jax starts: ``JAX_PLATFORMS=cpu`` (the compile-only devices need no
     accelerator; a machine with a GPU attached keeps its GPU backend so that
     :func:`gpu_target_config` reads the real one), forced host devices for ``cpu``, and
-    ``TPU_WORKER_HOSTNAMES=localhost`` for libtpu (it silences its host lookup)."""
+    ``TPU_WORKER_HOSTNAMES=localhost`` (it silences libtpu's host lookup) and
+    ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` (libtpu's lockfile keeps a second process off the chips;
+    compile-only ones have none to share) for TPUs."""
     out = dict(os.environ if env is None else env)
     gpu_here = target.platform == "gpu" and Path("/dev/nvidia0").exists()
     if gpu_here:
@@ -225,6 +227,9 @@ def target_env(target: Target, devices: int, env: Optional[dict[str, str]] = Non
         out["JAX_PLATFORMS"] = "cpu"
     if target.platform == "tpu":
         out.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        # libtpu locks /tmp/libtpu_lockfile so that two processes do not drive the same chips;
+        # compile-only devices drive none, so several compiling processes may run at once.
+        out.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     if target.platform == "cpu":
         flag = f"--xla_force_host_platform_device_count={devices}"
         flags = [f for f in out.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
@@ -255,13 +260,18 @@ def target_devices(target: Target, devices: int, hosts: int = 1) -> list[Any]:
             found = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(target), topology=name).devices
         else:
             name = str(target.topology)
+            # libtpu's lockfile would refuse this process while another holds it; these chips are
+            # compile-only (read when libtpu loads, so set before the first TPU topology).
+            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
             found = topologies.get_topology_desc(name, "tpu", chip_config_name=target.chip_config,
                                                  chips_per_host_bounds=list(target.chips_per_host_bounds)).devices
     except Exception as err:  # noqa: BLE001 - the plugin's own error, reported in one line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"--target {target.name}: the installed {_plugin_version(target.platform)} does not know topology "
-                          f"{name!r} ({first}); upgrade it in its venv (pip install -U 'jax[{_INSTALL[target.platform][1]}]') "
-                          "or pick another --target") from None
+        unknown = isinstance(err, NotImplementedError) or first.startswith(("INVALID_ARGUMENT", "UNIMPLEMENTED"))
+        what = "does not know topology" if unknown else "could not make the compile-only devices of topology"
+        raise ConfigError(f"--target {target.name}: the installed {_plugin_version(target.platform)} {what} {name!r} ({first}); "
+                          f"upgrade it in its venv (pip install -U 'jax[{_INSTALL[target.platform][1]}]') or pick another "
+                          "--target") from None
     if len(found) != devices:
         raise ConfigError(f"--target {target.name}: topology {name!r} gave {len(found)} devices, not {devices}")
     return sorted(found, key=lambda d: (d.process_index, d.id))

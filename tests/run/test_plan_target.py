@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from asyncrl.cli import main
+from asyncrl.run.targets import plugin_installed
 from asyncrl.run.thunk_sequence import decode_structure, layer_period, parse_thunks
 from tests.helpers import REPO_ROOT, subprocess_env
 
@@ -58,20 +59,46 @@ def test_decode_structure_of_a_tiny_model_and_the_loop_variants():
     assert decode_structure("000: kCustomKernel [source | sink] loop_add_fusion grid: [1, 1, 1]", 6) is None
 
 
+def _plan_json(*args: str) -> list[dict]:
+    proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", "plan", "configs/quickstart.yaml", *SMALL, *args, "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+@pytest.mark.timeout(600)  # a process of its own and three compiles: 15-20 s on a quiet machine, minutes under load
 def test_cpu_target_reports_every_program_as_json():
     """The one test of the whole path: a process of its own compiles the train step, the prefill
     bucket and the decode chunk of a tiny config for the cpu target, one JSON line each."""
-    proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", "plan", "configs/quickstart.yaml", *SMALL, "--target", "cpu",
-                           "--devices", "2", "--json"], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
-                          env=subprocess_env())
-    assert proc.returncode == 0, proc.stderr
-    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    rows = _plan_json("--target", "cpu", "--devices", "2")
     assert [r["program"] for r in rows] == ["train_step", "prefill", "decode_chunk"]
     for r in rows:
         assert r["stage"] == "rl" and r["target"] == "cpu" and r["devices"] == 2 and r["fits"] and r["compile_s"] > 0
         assert r["xla_peak_bytes"] == r["xla_argument_bytes"] + r["xla_output_bytes"] - r["xla_alias_bytes"] + r["xla_temp_bytes"]
         assert r["xla_argument_bytes"] > 0 and r["plan_bytes"] > 0
     assert rows[0]["detail"] == "16 x 24 rows, window 24" and "kernels_per_step" not in rows[2]  # no thunk dump on the CPU
+
+
+@pytest.mark.skipif(not plugin_installed("gpu"), reason="jax's CUDA plugin is not installed (tests/README.md: the aot venv)")
+@pytest.mark.timeout(900)
+def test_h100_target_compiles_and_reads_the_decode_structure():
+    """With bfloat16 compute (the GPU default): the publish cast too; the decode chunk's launch
+    structure from XLA's dump, compiled with the engine's command-buffer flags."""
+    rows = _plan_json("--target", "h100", "--set", "model.param_dtype=float32")
+    assert [r["program"] for r in rows] == ["train_step", "prefill", "decode_chunk", "publish_cast"]
+    decode = rows[2]
+    assert decode["kernels_per_step"] == decode["kernels_per_layer"] * 2 + decode["kernels_outside_layers"], decode
+    assert decode["kernels_per_layer"] > 5 and decode["steps_per_iteration"] == 1 and decode["body_in_command_buffer"], decode
+    assert decode["host_round_trips_per_token"] in (0.0, 1.0) and all(r["fits"] and r["devices"] == 1 for r in rows)
+
+
+@pytest.mark.skipif(not plugin_installed("tpu"), reason="libtpu is not installed (tests/README.md: the aot venv)")
+@pytest.mark.timeout(900)
+def test_v6e_8_target_compiles_on_the_config_mesh():
+    rows = _plan_json("--target", "v6e-8", "--set", "mesh.fsdp=8")
+    assert [r["program"] for r in rows] == ["train_step", "prefill", "decode_chunk", "publish_cast"]
+    assert all(r["devices"] == 8 and r["fits"] and r["xla_peak_bytes"] > 0 for r in rows)
+    assert "kernels_per_step" not in rows[2]  # thunk sequences are XLA:GPU's
 
 
 @pytest.mark.parametrize("args, message", [
@@ -86,3 +113,22 @@ def test_one_line_errors_before_any_compile(args, message, capsys):
     assert main(["plan", "configs/quickstart.yaml", *SMALL, *extra, *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 2  # "asyncrl: config error:" and the line
+
+
+@pytest.mark.slow  # two train-step compiles; the cpu JSON test guards the path
+def test_lora_train_step_compiles_with_its_frozen_base():
+    """``model.lora``: the step takes the adapters as its parameters and the base as frozen, as the
+    trainer does; its arguments are far below full fine-tuning's (no optimizer state for the base)."""
+    import jax
+
+    from asyncrl.config import load_config
+    from asyncrl.run.plan_compiled import compile_lowered, lower_train_step
+    from asyncrl.run.plan_formulas import stage_decoder_config
+
+    overrides = ["stages=[]", "rollout.batch_size=2"]
+    memory = {}
+    for name, extra in (("full", []), ("lora", ["model.lora={rank: 4, alpha: 8, dropout: 0.1}"])):
+        cfg = load_config(REPO_ROOT / "configs" / "quickstart.yaml", [*overrides, *extra])
+        lowered = lower_train_step(cfg, stage_decoder_config(cfg, backend="cpu"), jax.devices()[:1], (16, 24, 8))
+        memory[name] = compile_lowered(lowered)[0]
+    assert 0 < memory["lora"].arguments < 0.6 * memory["full"].arguments, memory
