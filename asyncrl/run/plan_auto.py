@@ -101,11 +101,11 @@ def choose_auto(candidates: Sequence[tuple[str, ...]], budget: int, estimate: Ca
         if len(tried) >= max_compiles:
             break
     last = candidates[-1]
-    peak = next((p for c, p in tried if c == last), None)
-    if peak is None:
-        peak = measure(last)
-        tried.append((last, peak))
-    return MemoryChoice(last, peak, peak <= budget, tuple(tried))
+    found = next((p for c, p in tried if c == last), None)
+    if found is None:
+        found = measure(last)
+        tried.append((last, found))
+    return MemoryChoice(last, found, found <= budget, tuple(tried))
 
 
 # --------------------------------------------------------------------------- for a target
@@ -169,4 +169,5 @@ def _same_slots(new: Config, planned: Config) -> Config:
     """``new`` with ``planned``'s engine slots (``engine.slots: auto`` is sized before the choice)."""
     from asyncrl.run.plan_formulas import with_slots
 
-    return with_slots(new, planned.engine.slots) if new.engine.slots != planned.engine.slots else new
+    slots = planned.engine.slots
+    return with_slots(new, slots) if isinstance(slots, int) and new.engine.slots != slots else new
