@@ -98,18 +98,25 @@ class ModelConfig(Section):
     """Dtype of activations and matmuls; norms, softmax and log-probs always run in float32. ``auto``: bfloat16 on GPU/TPU (with float32 ``param_dtype``: float32 master weights and optimizer state), float32 on CPU (as fast there, and more accurate)."""
     remat: bool = False
     """Rematerialise each decoder layer in the backward pass (less memory, ~1/3 more compute)."""
-    remat_policy: Literal["full", "save_dots"] = "full"
-    """With ``remat``: what a layer keeps for the backward pass. ``full``: only its input (the whole layer is recomputed); ``save_dots``: also its weight matmuls' outputs (q/k/v/o, gate/up/down projections: JAX's ``dots_with_no_batch_dims_saveable``), so the backward recomputes only norms, rope, attention and activations, for more memory than ``full`` (``asyncrl plan`` counts it)."""
+    remat_policy: Literal["auto", "full", "save_dots"] = "auto"
+    """With ``remat``: what a layer keeps for the backward pass. ``full``: only its input (the whole layer is recomputed); ``save_dots``: also its weight matmuls' outputs (q/k/v/o, gate/up/down projections: JAX's ``dots_with_no_batch_dims_saveable``), so the backward recomputes only norms, rope, attention and activations, for more memory than ``full`` (``asyncrl plan`` counts it). ``auto``: ``full`` in a run (the memory-safe one); ``asyncrl plan --target`` picks, for that target, ``save_dots`` where XLA's compiled peak of the run fits the device's memory, else ``full``, and prints the choice as the ``--set`` that pins it."""
     scan_layers: Union[bool, Literal["auto"]] = "auto"
     """Run the decoder's identical layers as one ``lax.scan`` over their stacked weights in training and scoring (no KV cache), so XLA compiles one layer instead of every layer; weights, checkpoints and exports stay per layer, and each forward holds a stacked copy of the layer weights (``asyncrl plan`` counts it). ``auto``: on GPUs and TPUs; not on CPUs, where XLA compiled the scanned train step more slowly (docs/performance.md). The engine's prefill and decode keep every layer unrolled."""
-    logprob_chunk_size: Optional[int] = Field(default=None, ge=1)
-    """Sequence positions per lm-head chunk in ``per_token_logprobs`` (bounds [B, chunk, vocab] memory); null: chosen automatically under ``logprob_chunk_budget_mb``."""
+    logprob_chunk_size: Union[int, Literal["auto"], None] = "auto"
+    """Sequence positions per lm-head chunk in ``per_token_logprobs`` (bounds [B, chunk, vocab] memory); null: chosen under ``logprob_chunk_budget_mb``. ``auto``: null in a run; ``asyncrl plan --target`` picks, for that target, the largest chunk (the trained window whole first, then halves of it down to 32 positions) whose XLA compiled peak of the run fits the device's memory, and prints it as the ``--set`` that pins it."""
     logprob_chunk_budget_mb: float = Field(default=1024.0, ge=0)
     """With ``logprob_chunk_size`` null: the lm head is chunked (under ``jax.checkpoint``) when one float32 ``[rows, positions, vocab]`` logits tensor of a forward would exceed this many MiB, with the most positions per chunk that fit; 0: never chunk automatically."""
     attention: Literal["auto", "xla", "cudnn", "reference"] = "auto"
     """Attention of training, scoring and prefill (more than one new token): ``jax.nn.dot_product_attention`` with ``xla`` or ``cudnn`` (GPU with bfloat16/float16 compute; opt-in, not yet measured here); ``auto``: xla; ``reference``: asyncrl's own einsum attention. Decoding one token at a time always uses the einsum path."""
     lora: Optional[LoraConfig] = None
     """Train low-rank adapters on frozen base weights instead of every weight (``{rank, alpha, target_modules, dropout}``); null: off."""
+
+    @field_validator("logprob_chunk_size")
+    @classmethod
+    def _check_chunk(cls, value: Union[int, str, None]) -> Union[int, str, None]:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"model.logprob_chunk_size: at least 1, auto or null (given {value})")
+        return value
 
 
 class DecodingConfig(Section):

@@ -41,7 +41,18 @@ def runtime_options(section: ModelConfig, backend: Optional[str] = None) -> dict
         runtime["compute_dtype"] = auto_compute_dtype(backend)
     if runtime.get("scan_layers") == "auto":
         runtime["scan_layers"] = auto_scan_layers(backend)
-    return runtime
+    return resolve_run_auto(runtime)
+
+
+RUN_AUTO = {"remat_policy": "full", "logprob_chunk_size": None}
+"""What ``model.remat_policy: auto`` and ``model.logprob_chunk_size: auto`` are in a run: the
+memory-safe policy and the chunk chosen under ``logprob_chunk_budget_mb``. ``asyncrl plan
+--target`` chooses them per target from XLA's figures instead (:mod:`asyncrl.run.plan_auto`)."""
+
+
+def resolve_run_auto(runtime: dict[str, Any]) -> dict[str, Any]:
+    """``runtime`` with the ``auto`` of :data:`RUN_AUTO`'s fields replaced by their run values."""
+    return {name: RUN_AUTO[name] if name in RUN_AUTO and value == "auto" else value for name, value in runtime.items()}
 
 
 def auto_scan_layers(backend: Optional[str] = None) -> bool:
@@ -95,7 +106,7 @@ def load_model(
     remat: Optional[bool] = None,
     remat_policy: Optional[str] = None,
     scan_layers: Optional[Union[bool, str]] = None,
-    logprob_chunk_size: Optional[int] = None,
+    logprob_chunk_size: Optional[Union[int, str]] = None,
     with_tokenizer: bool = True,
 ) -> LoadedModel:
     """Load a policy model: ``path`` is a local HF directory, ``tiny[:options]``, ``tiny-qwen3[:options]``,
@@ -117,6 +128,7 @@ def load_model(
         runtime["compute_dtype"] = auto_compute_dtype()
     if runtime.get("scan_layers") == "auto":
         runtime["scan_layers"] = auto_scan_layers()
+    runtime = resolve_run_auto(runtime)
     model_dir = resolve_model_dir(path)
     return load_hf_directory(model_dir, with_tokenizer=with_tokenizer, builtin=is_builtin(path), **runtime)
 

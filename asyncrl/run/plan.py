@@ -28,6 +28,7 @@ from asyncrl.run.plan_formulas import (  # noqa: F401 - re-exported
     AUTO_SLOTS_ROUND_TO,
     DTYPE_BYTES,
     GIB,
+    Activations,
     Layout,
     Line,
     MemoryPlan,
@@ -76,7 +77,7 @@ def _candidates(cfg: Config, layout: Layout) -> list[list[str]]:
             out.append([f"optim.micro_batches={micro * factor}"])
     if not cfg.model.remat:
         out.append(["model.remat=true"])
-    elif cfg.model.remat_policy != "full":
+    elif cfg.model.remat_policy == "save_dots":
         out.append(["model.remat_policy=full"])
     trainer_devices = layout.mesh[0] * layout.mesh[1] * layout.mesh[2]
     fsdp = layout.mesh[1] * 2

@@ -192,7 +192,7 @@ def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_d
         sft = stage.type == "sft"
         layout = _layout(flat, target, devices, hosts)
         model_cfg = stage_decoder_config(flat, backend=target.platform)
-        plan = plan_stage(flat, model_cfg, layout, abstract_params(model_cfg), sft, stage.name)
+        plan = plan_stage(flat, model_cfg, layout, abstract_params(model_cfg), sft, stage.name, target.platform)
         placement = resolve_placement(flat, found, hosts)
         report = _reporter(stage.name, target, devices, memory)
 
@@ -312,8 +312,12 @@ def compile_and_print(config: str, overrides: Sequence[str], target_name: str, d
         from asyncrl.run.plan import _plan_auto_slots
 
         cfg = _plan_auto_slots(cfg, device_memory_bytes(target), count, hosts, target.platform)
+    from asyncrl.run.plan_auto import resolve_for_target  # model.remat_policy / logprob_chunk_size: auto (issue 46)
     from asyncrl.run.plan_formulas import plan_config
 
+    cfg, auto_line = resolve_for_target(config, overrides, cfg, target, count, hosts)
+    if auto_line is not None:
+        print(f"asyncrl plan: {auto_line}", file=sys.stderr if as_json else sys.stdout, flush=True)
     large = plan_config(cfg, count, hosts, backend=target.platform).total_bytes >= GIB
     unit, scale = ("GiB", GIB) if large else ("MiB", 2**20)
     if not as_json:

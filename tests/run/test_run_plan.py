@@ -56,21 +56,27 @@ def test_tiny_parameters_optimizer_and_kv_cache_by_hand():
 def test_activation_formula_by_hand():
     model = tiny_decoder_config(parse_tiny_spec("tiny")).replace(compute_dtype="bfloat16")
     rows, length, window = 3, 40, 16
+    # On the CPU: three float32 attention tensors per score, the head's float32 logits and cotangent.
     per_token = (4 * H + 3 * HEADS * D + 4 * KV * D + 4 * I) * 2 + 2 * H * 4 + 3 * HEADS * length * 4
-    layers, head = activation_bytes(model, rows, length, window, tensor=1, chunk=None)
-    assert layers == LAYERS * rows * length * per_token
-    assert head == rows * window * H * 2 + 2 * rows * window * V * 4
-    remat_layers, chunked = activation_bytes(model.replace(remat=True), rows, length, window, tensor=1, chunk=4)
-    assert remat_layers == LAYERS * rows * length * H * 2 + rows * length * per_token
-    assert chunked == rows * window * H * 2 + 2 * rows * 4 * V * 4
+    act = activation_bytes(model, rows, length, window, tensor=1, chunk=None)
+    assert act.kept == LAYERS * rows * length * per_token and act.layer == 0
+    assert act.head == rows * window * H * 2 + 2 * rows * window * V * 4
+    assert act.peak == act.kept + act.head  # without remat the head's backward runs on top of every layer's tensors
+    remat = activation_bytes(model.replace(remat=True), rows, length, window, tensor=1, chunk=4)
+    assert remat.kept == LAYERS * rows * length * H * 2 and remat.layer == rows * length * per_token
+    assert remat.head == rows * window * H * 2 + 2 * rows * 4 * V * 4
+    assert remat.peak == remat.kept + max(remat.layer, remat.head)  # never alive together
     # save_dots keeps the seven projections' outputs too: q (heads x D), k and v (KV x D), o and down (H), gate and up (I)
-    dots_layers, _ = activation_bytes(model.replace(remat=True, remat_policy="save_dots"), rows, length, window,
-                                      tensor=1, chunk=4)
+    dots = activation_bytes(model.replace(remat=True, remat_policy="save_dots"), rows, length, window, tensor=1, chunk=4)
     kept = H + HEADS * D + 2 * KV * D + 2 * H + 2 * I
-    assert dots_layers == LAYERS * rows * length * kept * 2 + rows * length * per_token
+    assert dots.kept == LAYERS * rows * length * kept * 2 and dots.layer == remat.layer
     # Gemma 3's sandwich norms: two more normed copies (compute dtype) and float32 copies per layer and token
-    sandwich, _ = activation_bytes(model.replace(sandwich_norms=True), rows, length, window, tensor=1, chunk=None)
-    assert sandwich == layers + LAYERS * rows * length * (2 * H * 2 + 2 * H * 4)
+    sandwich = activation_bytes(model.replace(sandwich_norms=True), rows, length, window, tensor=1, chunk=None)
+    assert sandwich.kept == act.kept + LAYERS * rows * length * (2 * H * 2 + 2 * H * 4)
+    # GPU and TPU compilers keep the float32 scores and bfloat16 probabilities, and a bfloat16 cotangent of the logits.
+    gpu = activation_bytes(model.replace(remat=True), rows, length, window, tensor=1, chunk=4, backend="gpu")
+    assert gpu.layer == remat.layer - rows * length * HEADS * length * (12 - 6)
+    assert gpu.head == rows * window * H * 2 + rows * 4 * V * 6
 
 
 def test_micro_batches_and_rows_per_device():
@@ -145,9 +151,11 @@ def test_gemma3_1b_recipe_fits_one_16gb_gpu_and_a_tpu_v5e_8_as_its_header_says(c
     gemma_1b = ["--set", f"model.path={MODELS / 'gemma-3-1b-it'}"]
     assert main(["plan", str(config), *gemma_1b, "--device-memory", "16"]) == 0
     one_gpu = plan_config(load_config(config, [f"model.path={MODELS / 'gemma-3-1b-it'}"]), backend="gpu")
+    assert main(["plan", str(config), *gemma_1b, "--backend", "gpu", "--device-memory", "16"]) == 0
     v5e = ["mesh.fsdp=8", "model.lora=null", "model.param_dtype=float32", "optim.lr=2.0e-6"]
     tpu = plan_config(load_config(config, [f"model.path={MODELS / 'gemma-3-1b-it'}", *v5e]), devices=8, backend="tpu")
-    tpu_4b = plan_config(load_config(config, [f"model.path={MODELS / 'gemma-3-4b-it'}", *v5e, "model.scan_layers=false"]),
+    tpu_4b = plan_config(load_config(config, [f"model.path={MODELS / 'gemma-3-4b-it'}", *v5e, "model.scan_layers=false",
+                                              "engine.slots=8"]),
                          devices=8, backend="tpu")
     assert stated == [round(p.total_bytes / GIB, 2) for p in (one_gpu, tpu, tpu_4b)]
     assert max(p.total_bytes for p in (one_gpu, tpu, tpu_4b)) < 16 * GIB
@@ -321,8 +329,7 @@ def test_moe_activations_count_routed_experts_and_lora_targets_attention(capsys)
     rows, length = 2, 64
     per_token = ((4 * MOE_H + 3 * 32 * 128 + 4 * 4 * 128) * 2 + 8 * (4 * MOE_I + 2 * MOE_H) * 2 + 2 * MOE_E * 4
                  + 2 * MOE_H * 4 + 3 * 32 * length * 4)
-    layers, _ = activation_bytes(model, rows, length, length, tensor=1, chunk=None)
-    assert layers == MOE_LAYERS * rows * length * per_token
+    assert activation_bytes(model, rows, length, length, tensor=1, chunk=None).kept == MOE_LAYERS * rows * length * per_token
     argv = ["plan", str(CONFIGS / "gsm8k_grpo.yaml"), "--set", f"model.path={MODELS / 'qwen3-30b-a3b'}",
             "--devices", "8", "--set", "mesh.fsdp=8", "--backend", "gpu"]
     assert main([*argv, "--device-memory", "80"]) == 1  # full fine-tuning: ~24 B per parameter / 8
@@ -343,3 +350,31 @@ def test_packing_is_planned_at_its_worst_case_with_the_whole_row_scored(capsys):
     assert packed["batch"] == plain["batch"] * 27 // 14
     assert main(["plan", str(CONFIGS / "quickstart.yaml"), "--xla", "--set", "rollout.pack=true"]) == 0
     assert "XLA, compiled here" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- against XLA for the targets
+
+# XLA's per-device peaks (arguments + outputs - aliased + temporaries) of the programs compiled for the
+# target on this CPU (jax 0.10.2, jax-cuda13-plugin 0.10.2, libtpu 0.0.42.1), docs/performance.md "The
+# formulas against XLA": (config, overrides, devices, backend, train step bytes, the largest decode chunk's
+# bytes: on the h100 the 512-position attention bucket's, as `asyncrl plan --target h100` prints it in GiB).
+XLA_PEAKS = [
+    pytest.param("gsm8k_grpo_qwen2.5_0.5b.yaml", ["model.path=qwen2.5-0.5b-instruct"], 1, "gpu", 15319305794,
+                 int(3.26 * GIB), id="0.5b-h100"),
+    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-1.7b", "mesh.fsdp=8"], 8, "gpu", 7071442946, 15561449964,
+                 id="1.7b-fsdp8-8xh100"),
+    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-1.7b", "mesh.fsdp=8"], 8, "tpu", 7965346976, int(28.50 * GIB),
+                 id="1.7b-fsdp8-v6e-8"),
+    # Qwen3-8B's abstract parameters (the plan's shapes) take a second or two more.
+    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-8b", "mesh.fsdp=8"], 8, "gpu", 29369442738, 21474740916,
+                 marks=pytest.mark.slow, id="8b-fsdp8-8xh100"),
+]
+
+
+@pytest.mark.parametrize("config,overrides,devices,backend,train,decode", XLA_PEAKS)
+def test_plan_within_10_percent_of_xla_on_the_targets(config, overrides, devices, backend, train, decode):
+    sets = [o.replace("model.path=", f"model.path={MODELS}/") for o in overrides]
+    plan = plan_config(load_config(CONFIGS / config, sets), devices, backend=backend)
+    assert 0.9 <= plan.part_bytes("trainer") / train <= 1.1
+    # The engine serves the trainer's arrays: its bf16 copy, the KV cache (whole on every device), the decode's copy of it.
+    assert 0.9 <= plan.part_bytes("engine") / decode <= 1.1

@@ -1,0 +1,173 @@
+"""``model.remat_policy: auto`` and ``model.logprob_chunk_size: auto`` chosen for a target by
+``asyncrl plan --target`` (issue 46): the cheapest setting whose XLA peak fits the device.
+
+Cheapest means least recomputation: ``remat_policy: save_dots`` (the backward recomputes norms,
+rope, attention and activations) before ``full`` (the whole layer), and the largest lm-head
+chunk (the trained window whole, then halves of it down to :data:`SMALLEST_CHUNK` positions:
+each chunk is recomputed in the backward, and smaller chunks are more loop steps). An explicit
+value in the config always wins: only fields left ``auto`` are chosen (``remat_policy`` only
+with ``model.remat``; without it there is no policy to pick). In a run, ``auto`` is what
+:data:`asyncrl.model.loading.RUN_AUTO` says (``full``; the chunk under
+``model.logprob_chunk_budget_mb``); the choice printed here is the ``--set`` that pins it.
+
+Compiles are the cost (tens of seconds to minutes each here), so the calibrated formulas
+(:mod:`asyncrl.run.plan_formulas`, within :data:`PLAN_TOLERANCE` of XLA on the shipped configs)
+decide where they are clear (a candidate over the budget by more than the tolerance cannot fit,
+one under it by more fits) and XLA's peak decides in between, at most ``max_compiles`` compiles;
+when none fits, the least-memory candidate is returned as not fitting. The report that follows
+compiles the chosen setting and prints its verdict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+from asyncrl.config import Config
+
+SMALLEST_CHUNK = 32
+"""The smallest lm-head chunk ``auto`` tries (positions)."""
+PLAN_TOLERANCE = 0.10
+"""How far the plan's formulas may be from XLA's figures (docs/performance.md's calibration table):
+a candidate whose formula total exceeds the budget by more is not compiled."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryChoice:
+    """What ``auto`` became for a target."""
+
+    overrides: tuple[str, ...]
+    """The chosen values as ``--set`` overrides (empty: nothing was ``auto``)."""
+    peak_bytes: Optional[int]
+    """XLA's per-device peak with them (None: nothing compiled)."""
+    fits: bool
+    tried: tuple[tuple[tuple[str, ...], int], ...] = ()
+    """Each candidate compiled, in order, with XLA's per-device peak."""
+
+    def describe(self, budget: int) -> str:
+        """One line for ``asyncrl plan``: the choice, how it was decided, what was compiled."""
+        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+        sets = " ".join(f"--set {o}" for o in self.overrides)
+        if self.peak_bytes is None:
+            how = f"the plan's total is under the {gib(budget)} per device by more than its {PLAN_TOLERANCE:.0%} tolerance"
+        else:
+            how = (f"XLA peak {gib(self.peak_bytes)} of {gib(budget)} per device: "
+                   + ("fits" if self.fits else "does NOT fit; the least memory tried"))
+        tried = "; ".join(f"{' '.join(o.split('.', 1)[-1] for o in c)}: {gib(p)}" for c, p in self.tried)
+        return f"auto -> {sets} ({how}" + (f"; compiled: {tried})" if tried else ")")
+
+
+def auto_candidates(cfg: Config, window: int) -> list[tuple[str, ...]]:
+    """The settings ``auto`` may take for ``cfg``, cheapest first, as ``--set`` overrides: every
+    remat policy left ``auto`` (``save_dots``, ``full``) with every chunk left ``auto`` (``window``,
+    then halves down to :data:`SMALLEST_CHUNK`). ``[()]`` when nothing is ``auto``."""
+    model = cfg.model
+    policies: list[Optional[str]] = ["save_dots", "full"] if (model.remat and model.remat_policy == "auto") else [None]
+    chunks: list[Optional[int]] = [None]
+    if model.logprob_chunk_size == "auto":
+        chunks, size = [], window
+        while size >= SMALLEST_CHUNK or not chunks:
+            chunks.append(size)
+            size //= 2
+    out = []
+    for policy in policies:
+        for chunk in chunks:
+            sets = ([f"model.remat_policy={policy}"] if policy else []) + ([f"model.logprob_chunk_size={chunk}"] if chunk else [])
+            out.append(tuple(sets))
+    return out
+
+
+def choose_auto(candidates: Sequence[tuple[str, ...]], budget: int, estimate: Callable[[tuple[str, ...]], int],
+                measure: Callable[[tuple[str, ...]], int], max_compiles: int = 3) -> MemoryChoice:
+    """The first of ``candidates`` (cheapest first) that fits ``budget`` bytes per device. The
+    formulas (``estimate``) are within :data:`PLAN_TOLERANCE` of XLA, so a candidate over the
+    budget by more is skipped uncompiled and one under it by more is taken uncompiled (its peak,
+    None here, is the report's); in between XLA's peak (``measure``: bytes per device, trainer
+    and engine where they share it) decides. After ``max_compiles`` compiles without a fit, the
+    least-memory candidate is measured and returned as not fitting."""
+    if not candidates or candidates[0] == ():
+        return MemoryChoice((), None, True)
+    tried: list[tuple[tuple[str, ...], int]] = []
+    for candidate in candidates:
+        planned = estimate(candidate)
+        if planned * (1 + PLAN_TOLERANCE) <= budget:
+            return MemoryChoice(candidate, None, True, tuple(tried))
+        if planned > budget * (1 + PLAN_TOLERANCE) and candidate != candidates[-1]:
+            continue
+        peak = measure(candidate)
+        tried.append((candidate, peak))
+        if peak <= budget:
+            return MemoryChoice(candidate, peak, True, tuple(tried))
+        if len(tried) >= max_compiles:
+            break
+    last = candidates[-1]
+    found = next((p for c, p in tried if c == last), None)
+    if found is None:
+        found = measure(last)
+        tried.append((last, found))
+    return MemoryChoice(last, found, found <= budget, tuple(tried))
+
+
+# --------------------------------------------------------------------------- for a target
+
+
+def run_peak(cfg: Config, target: Any, devices: int, hosts: int) -> int:
+    """XLA's per-device peak of ``cfg`` on ``target`` (run where the target's compile-only devices
+    are: the ``--target`` process): over the stages, the train step's at its first batch shape,
+    plus, where the engine shares the trainer's devices, its decode chunk's over the whole cache,
+    less the trainer's parameter arrays when the engine serves them as they are (both programs
+    read them: one copy on the device)."""
+    from asyncrl.cluster.placement import resolve_placement
+    from asyncrl.run.plan_compiled import compile_lowered, engine_args, lower_decode_chunk, lower_train_step
+    from asyncrl.run.plan_formulas import abstract_params, plan_layout, plan_stage, stage_decoder_config
+    from asyncrl.run.plan_target import train_shape
+    from asyncrl.run.targets import target_devices
+
+    found = target_devices(target, devices, hosts)
+    peak = 0
+    for stage, flat in cfg.stage_configs():
+        sft = stage.type == "sft"
+        layout = plan_layout(flat, devices, hosts)
+        model_cfg = stage_decoder_config(flat, backend=target.platform)
+        placement = resolve_placement(flat, found, hosts)
+        lowered = lower_train_step(flat, model_cfg, placement.trainer_devices, train_shape(flat, sft, layout.row_shards, hosts), sft)
+        total = compile_lowered(lowered)[0].peak
+        if not sft and flat.engine.remote is None and layout.colocated:
+            decode = compile_lowered(lower_decode_chunk(flat, engine_args(flat, model_cfg, placement, target.platform)))[0]
+            plan = plan_stage(flat, model_cfg, layout, abstract_params(model_cfg), sft, stage.name, target.platform)
+            shared = {line.name: line.bytes for line in plan.lines if line.part == "engine"}
+            reads_trainer_arrays = layout.shares_trainer_arrays and "cast weights" not in shared and flat.model.lora is None
+            total += decode.peak - (next(line.bytes for line in plan.lines if line.name == "parameters")
+                                    if reads_trainer_arrays else 0)
+        peak = max(peak, total)
+    return peak
+
+
+def resolve_for_target(config: Optional[str], overrides: Sequence[str], cfg: Config, target: Any, devices: int,
+                       hosts: int) -> tuple[Config, Optional[str]]:
+    """``cfg`` with its ``auto`` remat policy and lm-head chunk chosen for ``target``
+    (:func:`choose_auto` on :func:`run_peak` against the target's memory per device), and the
+    line ``asyncrl plan --target`` prints about the choice (None when nothing was ``auto``)."""
+    from asyncrl.config import load_config
+    from asyncrl.run.plan_formulas import batch_shape, plan_config
+    from asyncrl.run.targets import device_memory_bytes
+
+    window = max(batch_shape(flat, stage.type == "sft")[2] for stage, flat in cfg.stage_configs())
+    candidates = auto_candidates(cfg, window)
+    if candidates == [()]:
+        return cfg, None
+    budget = device_memory_bytes(target)
+    with_sets = lambda sets: load_config(config, [*overrides, *sets])  # noqa: E731
+    estimate = lambda sets: plan_config(_same_slots(with_sets(sets), cfg), devices, hosts,  # noqa: E731
+                                        backend=target.platform).total_bytes
+    measure = lambda sets: run_peak(_same_slots(with_sets(sets), cfg), target, devices, hosts)  # noqa: E731
+    choice = choose_auto(candidates, budget, estimate, measure)
+    return _same_slots(with_sets(choice.overrides), cfg), choice.describe(budget)
+
+
+def _same_slots(new: Config, planned: Config) -> Config:
+    """``new`` with ``planned``'s engine slots (``engine.slots: auto`` is sized before the choice)."""
+    from asyncrl.run.plan_formulas import with_slots
+
+    slots = planned.engine.slots
+    return with_slots(new, slots) if isinstance(slots, int) and new.engine.slots != slots else new

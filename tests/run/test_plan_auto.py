@@ -1,0 +1,73 @@
+"""``model.remat_policy: auto`` / ``model.logprob_chunk_size: auto``: what a run takes, and what
+``asyncrl plan --target`` chooses (the cheapest setting whose XLA peak fits; explicit values win)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.errors import ConfigError
+from asyncrl.model.loading import runtime_options
+from asyncrl.run.plan_auto import auto_candidates, choose_auto
+
+
+def test_auto_is_the_memory_safe_default_in_a_run_and_explicit_values_stay():
+    section = load_config(data={}).model
+    assert (section.remat_policy, section.logprob_chunk_size) == ("auto", "auto")
+    runtime = runtime_options(section, "cpu")
+    assert (runtime["remat_policy"], runtime["logprob_chunk_size"]) == ("full", None)
+    given = load_config(data={}, overrides=["model.remat_policy=save_dots", "model.logprob_chunk_size=64"]).model
+    assert (runtime_options(given, "gpu")["remat_policy"], runtime_options(given, "gpu")["logprob_chunk_size"]) == ("save_dots", 64)
+    assert runtime_options(load_config(data={}, overrides=["model.logprob_chunk_size=null"]).model)["logprob_chunk_size"] is None
+    with pytest.raises(ConfigError, match="logprob_chunk_size"):
+        load_config(data={}, overrides=["model.logprob_chunk_size=0"])
+
+
+def test_candidates_cheapest_first_and_only_for_fields_left_auto():
+    remat = load_config(data={"model": {"remat": True}})
+    assert auto_candidates(remat, 128) == [
+        ("model.remat_policy=save_dots", "model.logprob_chunk_size=128"), ("model.remat_policy=save_dots", "model.logprob_chunk_size=64"),
+        ("model.remat_policy=save_dots", "model.logprob_chunk_size=32"), ("model.remat_policy=full", "model.logprob_chunk_size=128"),
+        ("model.remat_policy=full", "model.logprob_chunk_size=64"), ("model.remat_policy=full", "model.logprob_chunk_size=32")]
+    assert auto_candidates(load_config(data={}), 64) == [("model.logprob_chunk_size=64",), ("model.logprob_chunk_size=32",)]  # no remat: no policy
+    explicit = load_config(data={"model": {"remat": True, "remat_policy": "full", "logprob_chunk_size": 16}})
+    assert auto_candidates(explicit, 512) == [()]
+
+
+def test_choose_compiles_only_where_the_formulas_cannot_tell():
+    candidates = [("a",), ("b",), ("c",), ("d",)]
+    estimates = {"a": 200, "b": 105, "c": 95, "d": 50}
+    peaks = {"b": 101, "c": 99, "d": 60}
+    compiled = []
+
+    def measure(c):
+        compiled.append(c[0])
+        return peaks[c[0]]
+
+    choice = choose_auto(candidates, 100, lambda c: estimates[c[0]], measure)
+    assert choice.overrides == ("c",) and choice.fits and choice.peak_bytes == 99
+    assert compiled == ["b", "c"]  # "a" is over the budget by more than the formulas' tolerance
+    assert [c for c, _ in choice.tried] == [("b",), ("c",)] and "compiled: b: " in choice.describe(100)
+    compiled.clear()
+    clear = choose_auto(candidates, 250, lambda c: estimates[c[0]], measure)
+    assert clear.overrides == ("a",) and clear.peak_bytes is None and compiled == []  # under it by more: no compile
+    nothing = choose_auto(candidates, 10, lambda c: estimates[c[0]], measure)
+    assert nothing.overrides == ("d",) and not nothing.fits  # none fits: the least-memory one, measured
+    assert choose_auto([()], 10, lambda c: 0, measure).overrides == ()
+
+
+def test_plan_target_states_the_choice_and_explicit_values_win():
+    """On the cpu target (this process's CPU; its memory is the host's) the cheapest candidate is
+    clear from the formulas: no compile. An explicit value is kept as given."""
+    from asyncrl.run.plan_auto import resolve_for_target
+    from asyncrl.run.targets import get_target
+
+    small = ["stages=[]", "rollout.batch_size=2", "engine.slots=16", "model.remat=true"]
+    cfg = load_config("configs/quickstart.yaml", small)
+    chosen, line = resolve_for_target("configs/quickstart.yaml", small, cfg, get_target("cpu"), 1, 1)
+    assert (chosen.model.remat_policy, chosen.model.logprob_chunk_size) == ("save_dots", 32)  # the window whole
+    assert line.startswith("auto -> --set model.remat_policy=save_dots --set model.logprob_chunk_size=32 (the plan's total")
+    pinned = [*small, "model.remat_policy=full", "model.logprob_chunk_size=8"]
+    kept, line = resolve_for_target("configs/quickstart.yaml", pinned, load_config("configs/quickstart.yaml", pinned),
+                                    get_target("cpu"), 1, 1)
+    assert line is None and (kept.model.remat_policy, kept.model.logprob_chunk_size) == ("full", 8)
