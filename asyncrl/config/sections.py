@@ -106,8 +106,8 @@ class ModelConfig(Section):
     """Sequence positions per lm-head chunk in ``per_token_logprobs`` (bounds [B, chunk, vocab] memory); null: chosen automatically under ``logprob_chunk_budget_mb``."""
     logprob_chunk_budget_mb: float = Field(default=1024.0, ge=0)
     """With ``logprob_chunk_size`` null: the lm head is chunked (under ``jax.checkpoint``) when one float32 ``[rows, positions, vocab]`` logits tensor of a forward would exceed this many MiB, with the most positions per chunk that fit; 0: never chunk automatically."""
-    attention: Literal["auto", "xla", "cudnn", "reference"] = "auto"
-    """Attention of training, scoring and prefill (more than one new token): ``jax.nn.dot_product_attention`` with ``xla`` or ``cudnn`` (GPU with bfloat16/float16 compute; opt-in, not yet measured here); ``auto``: xla; ``reference``: asyncrl's own einsum attention. Decoding one token at a time always uses the einsum path."""
+    attention: Literal["auto", "xla", "cudnn", "splash", "reference"] = "auto"
+    """Attention of training, scoring and prefill (more than one new token). ``auto``: the fused kernel of the platform the program is compiled for (the mesh's devices): cuDNN's flash attention on GPUs with bfloat16/float16 compute, Pallas' splash attention on TPUs, XLA's on the CPU; the causal mask, padding (as row lengths: real tokens first) and packing's segment ids go to the kernel as its own mask structure, never as a dense [T, T] mask; a model the kernel cannot take falls back to ``xla`` with one log line saying why (asyncrl/model/attention.py). ``xla``: ``jax.nn.dot_product_attention`` with XLA's implementation and a dense mask; ``cudnn`` / ``splash``: that kernel, explicitly (splash runs in Pallas' interpret mode off TPUs: tests only); ``reference``: asyncrl's own einsum attention. Decoding one token at a time always uses the einsum path."""
     lora: Optional[LoraConfig] = None
     """Train low-rank adapters on frozen base weights instead of every weight (``{rank, alpha, target_modules, dropout}``); null: off."""
 

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.engine.constraints import TrieTables, allowed_tokens, is_leaf_node, next_nodes
+from asyncrl.model.attention import compiled_for
 from asyncrl.model.transformer import KVCache, LayerKV, forward, hidden_states, init_kv_cache, kv_cache_copy_rows
 
 _compiles: collections.Counter = collections.Counter()
@@ -182,13 +183,19 @@ class PrefillPlan(NamedTuple):
                    np.full((slots,), slots, np.int32), *(np.zeros((slots,), np.uint32) for _ in range(3)))
 
 
+def _layout_devices(layout: Any) -> list:
+    """The devices of an engine layout's shardings (whose platform picks the prefill's attention kernel)."""
+    return list(jax.tree.leaves(layout)[0].device_set)
+
+
 def _prefill_insert(graphdef, params, state: SlotState, plan: PrefillPlan, root_key, layout=None):
     """Prefill ``plan``'s prompts and copy each into its request's slots (:class:`PrefillPlan`).
     ``layout`` (static): the state's shardings on an engine mesh, or None."""
     _count_trace("prefill_insert")
     cfg = graphdef_config(graphdef, params)
     small = init_kv_cache(cfg, plan.prompt_ids.shape[0], plan.prompt_ids.shape[1], state.cache.layers[0].k.dtype)
-    _, small = hidden_states(graphdef, params, plan.prompt_ids, None, plan.prompt_mask, small)
+    with compiled_for(devices=None if layout is None else _layout_devices(layout)):
+        _, small = hidden_states(graphdef, params, plan.prompt_ids, None, plan.prompt_mask, small, empty_cache=True)
     cache = kv_cache_copy_rows(state.cache, small, plan.src_rows, plan.dst_rows)
     new_keys = jax.vmap(_slot_key, in_axes=(None, 0, 0, 0))(root_key, plan.sample_id, plan.key_index, plan.turn)
     keys = state.keys.at[plan.dst_rows].set(new_keys, mode="drop")
@@ -501,7 +508,7 @@ def _beam_search(graphdef, params, prompt_ids, prompt_mask, last_token, stop_voc
     cache = init_kv_cache(cfg, k, capacity)
     ids = jnp.broadcast_to(prompt_ids[None], (k, prompt_ids.shape[0]))
     mask = jnp.broadcast_to(prompt_mask[None], ids.shape)
-    _, cache = hidden_states(graphdef, params, ids, None, mask, cache)
+    _, cache = hidden_states(graphdef, params, ids, None, mask, cache, empty_cache=True)
     table, root = (None, None) if tries is None else tries
 
     class Carry(NamedTuple):
