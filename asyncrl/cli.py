@@ -131,8 +131,10 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
         "--device-memory 80",
     )
     _add_config_args(plan)
-    plan.add_argument("--devices", type=int, default=1, metavar="N", help="devices of the run, all processes (default 1)")
-    plan.add_argument("--processes", type=int, default=1, metavar="P", help="processes (hosts) they are spread over (default 1)")
+    plan.add_argument("--devices", type=int, default=None, metavar="N",
+                      help="devices of the run, all processes (default 1; with --target: the target's)")
+    plan.add_argument("--processes", type=int, default=None, metavar="P",
+                      help="processes (hosts) they are spread over (default 1; with --target: the target's)")
     plan.add_argument("--device-memory", type=float, default=None, metavar="GB",
                       help="memory of one device in GiB (e.g. 80); without it the table is printed with no verdict")
     plan.add_argument("--backend", choices=("cpu", "gpu", "tpu"), default=None,
@@ -140,6 +142,15 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--xla", action="store_true",
                       help="also compile the real train step and decode step here on abstract shapes and show XLA's "
                       "memory figures (this backend's; needs the planned devices here)")
+    plan.add_argument("--target", default=None, metavar="NAME",
+                      help="compile the run's programs for a GPU or TPU it will rent (h100, h200, a100-80gb, l4, v4-8, "
+                      "v5e-1/4/8, v5p-8, v5p-32, v6e-1/4/8/16/32, cpu) on this machine, in a process of its own, and print "
+                      "XLA's per-device memory per program beside the plan's, the verdict and the compile seconds (GPU "
+                      "decode: kernels per step, host round trips per token); needs jax's CUDA plugin or libtpu installed "
+                      "(docs/performance.md \"Compiled for the target\")")
+    plan.add_argument("--json", action="store_true", help="with --target: one JSON object per line and program")
+    plan.add_argument("--dump", default=None, metavar="DIR",
+                      help="with --target on a GPU: keep XLA's dump of the decode chunks (thunk sequences) in DIR")
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -323,9 +334,20 @@ def _dispatch(args: argparse.Namespace) -> int:
         sys.stdout.write(dump_config(cfg))
         return 0
     if args.command == "plan":
+        if args.target is not None:
+            from asyncrl.run.plan_target import run_plan_target
+
+            for given, option in ((args.xla, "--xla"), (args.device_memory is not None, "--device-memory"),
+                                  (args.backend is not None, "--backend")):
+                if given:
+                    raise ConfigError(f"{option}: not with --target (the target gives the devices, their memory and backend)")
+            return run_plan_target(args.config, overrides, args.target, devices=args.devices, processes=args.processes,
+                                   as_json=args.json, keep_dump=args.dump)
+        if args.json or args.dump:
+            raise ConfigError(f"{'--json' if args.json else '--dump'}: only with --target NAME")
         from asyncrl.run.plan import run_plan
 
-        return run_plan(args.config, overrides, devices=args.devices, processes=args.processes,
+        return run_plan(args.config, overrides, devices=args.devices or 1, processes=args.processes or 1,
                         device_memory_gb=args.device_memory, backend=args.backend, xla=args.xla)
     # Other libraries (jax, transformers) speak at WARNING and up; asyncrl at logging.level.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,12 +1,12 @@
 """``engine.slots: auto``: as many decode slots as the device's memory holds after the trainer.
 
-The count comes from ``asyncrl plan``'s accounting (:func:`~asyncrl.run.plan.slots_for_budget`), so a
+The count comes from ``asyncrl plan``'s accounting (:func:`~asyncrl.run.plan_formulas.slots_for_budget`), so a
 run sized here and the plan printed for it agree. A plan's total is affine in the slots each
 engine replica holds (the KV cache and one decode step's logits per slot; every other line is
 fixed), so two plans give the fixed bytes and the bytes per slot, and the count is the largest
 that fits the budget, within:
 
-* at least :func:`~asyncrl.run.plan.minimum_slots` (a group's samples decode together; a beam needs its width);
+* at least :func:`~asyncrl.run.plan_formulas.minimum_slots` (a group's samples decode together; a beam needs its width);
 * at most ``rollout.max_concurrent x rollout.group_size`` (more slots than samples in flight
   never fill);
 * a multiple of 8 from 8 up (tile-friendly batch rows on accelerators), of the engine replicas.

@@ -1,0 +1,304 @@
+"""XLA's own figures for ``asyncrl plan``: the run's real jitted programs lowered on abstract
+arguments (``jax.ShapeDtypeStruct`` with the planned shardings: nothing is allocated) and compiled,
+and the per-device bytes of ``compiled.memory_analysis()``.
+
+Each ``lower_*`` function returns the ``Lowered`` of one program on given devices (this
+machine's for ``asyncrl plan --xla``; compile-only GPUs or TPUs for ``--target``,
+:mod:`asyncrl.run.targets`), laid out as the run lays it out: the trainer's mesh over
+``placement.trainer_devices`` and the engine on the trainer's arrays (the default) or on its own
+mesh (:func:`~asyncrl.cluster.placement.engine_mesh`, split placement):
+
+* :func:`lower_train_step`: :func:`asyncrl.trainer.step.train_step` at a batch shape (with a
+  critic for ``algo.estimator: gae``: the same one program then also runs the critic);
+* :func:`lower_prefill`, :func:`lower_decode_chunk`, :func:`lower_beam_search`: the engine's
+  programs (:mod:`asyncrl.engine.jax_programs`) on its serving copy of the weights;
+* :func:`lower_publish_cast`: the cast of published weights to the serving copy
+  (:func:`asyncrl.model.compute_copy.compute_copy`).
+
+:func:`compiled_train_step` and :func:`compiled_decode_chunk` are ``asyncrl plan --xla``'s (this
+machine's devices); their figures are this backend's (XLA on CPU plans buffers differently from
+XLA on a GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from types import SimpleNamespace
+from typing import Any, Optional, Sequence
+
+from asyncrl.config import Config
+from asyncrl.run.plan_formulas import Layout, batch_shape, planned_slots
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """Bytes per device of one compiled program (``compiled.memory_analysis()``)."""
+
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+
+    @property
+    def peak(self) -> int:
+        """Arguments, plus outputs not written over a donated argument, plus temporaries."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+def compile_lowered(lowered: Any) -> tuple[CompiledMemory, float]:
+    """Compile ``lowered``: its :class:`CompiledMemory` and the seconds the compile took here."""
+    started = time.perf_counter()
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - started
+    stats = compiled.memory_analysis()
+    memory = CompiledMemory(int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
+                            int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes))
+    return memory, seconds
+
+
+def _compiled_memory(lowered: Any) -> CompiledMemory:
+    return compile_lowered(lowered)[0]
+
+
+def can_compile_here(cfg: Config, layout: Layout) -> Optional[str]:
+    """None when this process can compile ``cfg``'s programs for ``layout`` (one process, enough
+    local devices); else why not (the plan is then analytic only)."""
+    import jax
+
+    if layout.processes != 1:
+        return "several processes"
+    if layout.devices > jax.local_device_count():
+        return f"{layout.devices} devices planned, {jax.local_device_count()} here"
+    if cfg.model.lora is not None:
+        return "LoRA (analytic only)"
+    return None
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+def _placed(tree: Any, shardings: Any) -> Any:
+    import jax
+
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def lower_train_step(cfg: Config, model_cfg: Any, devices: Sequence[Any], shape: tuple[int, int, int], sft: bool = False,
+                     hosts: int = 1) -> Any:
+    """The ``Lowered`` of :func:`asyncrl.trainer.step.train_step` for one step of ``cfg`` on the
+    trainer's mesh over ``devices`` (``placement.trainer_devices``), for a batch of ``shape``
+    ``(rows, L, window)`` (global rows: every host's; ``rollout.pack``: the packed fields). With
+    ``algo.estimator: gae`` the critic (a copy of the policy with a value head, as the trainer
+    builds it without ``critic.path``) is part of the same program."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from asyncrl.algo import AlgoParams
+    from asyncrl.cluster.mesh import build_mesh
+    from asyncrl.model.sharding import param_shardings
+    from asyncrl.model.transformer import Decoder, split_params
+    from asyncrl.trainer.optim import OptimParams
+    from asyncrl.trainer.step import HashedGraphDef, StepSpec, abstract_opt_state, train_step
+
+    del hosts  # the rows are global already; the mesh spans every host's devices
+    mesh = build_mesh(cfg.mesh, devices=list(devices))
+    graphdef, shapes = split_params(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))
+    params = _placed(shapes, param_shardings(model_cfg, shapes, mesh))
+    algo = None if sft else AlgoParams.from_config(cfg)
+    optim = OptimParams.from_config(cfg, updates_per_step=1 if sft else None)
+    spec = StepSpec(mesh=mesh, model_cfg=model_cfg, ppo_epochs=1 if sft else cfg.algo.ppo_epochs,
+                    mini_batches=1 if sft else cfg.algo.mini_batches, micro_batches=cfg.optim.micro_batches,
+                    objective="sft" if sft else "rl", entropy=cfg.algo.log_entropy or (not sft and cfg.algo.entropy_coef > 0))
+    opt_state = abstract_opt_state(params, optim=optim, spec=spec)
+    rows, length, window = shape
+    row_sharding = lambda ndim: NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))  # noqa: E731
+    fields = {"input_ids": ((rows, length), np.int32), "attention_mask": ((rows, length), np.bool_),
+              "loss_mask": ((rows, length), np.bool_), "behavior_logprobs": ((rows, length), np.float32),
+              "rewards": ((rows,), np.float32), "group_index": ((rows,), np.int32), "truncated": ((rows,), np.bool_)}
+    batch = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=row_sharding(len(shape))) for name, (shape, dtype) in fields.items()}
+    if cfg.rollout.pack and not sft:  # asyncrl.trainer.packed: token arrays only (segments, the row facts at first tokens)
+        for name, dtype in (("segment_ids", np.int32), ("row_rewards", np.float32), ("row_group_index", np.int32),
+                            ("row_truncated", np.bool_)):
+            batch[name] = jax.ShapeDtypeStruct((rows, length), dtype, sharding=row_sharding(2))
+        for name in ("rewards", "group_index", "truncated"):
+            del batch[name]
+    ref = params if (algo is not None and algo.needs_reference) else None
+    critic: dict[str, Any] = {}
+    if algo is not None and algo.uses_critic:
+        critic = _abstract_critic(cfg, model_cfg, shapes, mesh)
+    return train_step.lower(HashedGraphDef(graphdef), params, opt_state, ref, batch, np.float32(1.0), None, None,
+                            critic_params=critic.get("params"), critic_opt_state=critic.get("opt_state"),
+                            algo=algo, optim=optim, spec=spec, window=None if window == length else window,
+                            critic=critic.get("spec"))
+
+
+def _abstract_critic(cfg: Config, model_cfg: Any, policy_shapes: dict, mesh: Any) -> dict[str, Any]:
+    """The critic the trainer builds without ``critic.path`` (the policy's decoder, tied, and a
+    zero value head), as placed abstract arrays, its optimizer state and its static spec."""
+    import jax
+
+    from asyncrl.model.critic import _graphdef, critic_config, critic_shardings, zero_value_head
+    from asyncrl.trainer.optim import OptimParams
+    from asyncrl.trainer.step import CriticSpec, HashedGraphDef, abstract_critic_opt_state
+
+    section = cfg.critic
+    assert section is not None  # load_config: algo.estimator gae needs a critic section
+    critic_cfg = critic_config(model_cfg)
+    decoder = {k: v for k, v in policy_shapes.items() if k != "lm_head"}
+    shapes = {"decoder": decoder, "value_head": jax.eval_shape(lambda: zero_value_head(critic_cfg.hidden_size))}
+    params = _placed(shapes, critic_shardings(critic_cfg, shapes, mesh))
+    optim = OptimParams.from_config(cfg.model_copy(update={"optim": section.optim}))
+    spec = CriticSpec(graphdef=HashedGraphDef(_graphdef(critic_cfg)), model_cfg=critic_cfg, optim=optim,
+                      value_clip=section.value_clip, loss_coef=section.loss_coef)
+    opt_state = abstract_critic_opt_state(params, optim=optim, model_cfg=critic_cfg, mesh=mesh)
+    return {"params": params, "opt_state": opt_state, "spec": spec}
+
+
+def compiled_train_step(cfg: Config, model_cfg: Any, layout: Layout, sft: bool = False,
+                        devices: Optional[Sequence[Any]] = None) -> CompiledMemory:
+    """XLA's memory analysis of the real jitted train step (:func:`asyncrl.trainer.step.train_step`)
+    lowered on abstract arguments for one step of ``cfg`` at the plan's batch shape
+    (:func:`~asyncrl.run.plan_formulas.batch_shape`, rows padded to the trainer's multiple) on
+    ``devices`` (default: the local ones) arranged as ``layout``."""
+    import jax
+
+    rows, length, window = batch_shape(cfg, sft)
+    multiple = layout.row_shards * (1 if sft else cfg.algo.mini_batches) * cfg.optim.micro_batches
+    rows = -(-rows // multiple) * multiple
+    chosen = list(devices) if devices is not None else jax.devices()[: layout.devices]
+    return _compiled_memory(lower_train_step(cfg, model_cfg, chosen, (rows, length, window), sft))
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineArgs:
+    """The engine's abstract arguments as a run places them (:class:`~asyncrl.engine.jax_engine.JaxEngine`)."""
+
+    graphdef: Any
+    params: Any
+    """In ``model.param_dtype``, as published to the engine."""
+    serving: Any
+    """The serving copy the programs run on (compute dtype)."""
+    state: Any
+    """The slot state (KV cache, keys)."""
+    layout: Any
+    """The state's shardings on the engine's own mesh (a static argument), or None on the trainer's arrays."""
+    slots: int
+    sampler: str
+
+
+def engine_args(cfg: Config, model_cfg: Any, placement: Any, platform: str, mesh: Any = None) -> EngineArgs:
+    """The engine of ``cfg`` on ``placement``'s devices, abstract: on the trainer's arrays (the
+    default placement of one process: parameters sharded by the trainer's mesh, the slot state
+    replicated over it) or on its own mesh (parameters by the partition rules, the slot state by
+    :func:`~asyncrl.engine.jax_programs.slot_state_shardings`). ``platform``: the sampler's
+    (``engine.sampler: auto``). ``mesh``: the trainer's mesh when already built (else built
+    from ``placement.trainer_devices``)."""
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from asyncrl.cluster.mesh import build_mesh
+    from asyncrl.cluster.placement import engine_mesh
+    from asyncrl.engine.jax_programs import init_slot_state, slot_state_shardings
+    from asyncrl.engine.platform import resolve_sampler
+    from asyncrl.model.compute_copy import cast_for_compute
+    from asyncrl.model.sharding import param_shardings
+    from asyncrl.model.transformer import Decoder, split_params
+
+    graphdef, shapes = split_params(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))
+    slots = planned_slots(cfg)
+    state_shapes = jax.eval_shape(lambda: init_slot_state(model_cfg, slots, cfg.engine.kv_capacity))
+    if placement.shares_trainer_arrays:
+        mesh = mesh if mesh is not None else build_mesh(cfg.mesh, devices=list(placement.trainer_devices))
+        layout = None
+        state_shardings: Any = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), state_shapes)
+    else:
+        mesh = engine_mesh(placement)
+        layout = slot_state_shardings(model_cfg, slots, mesh)
+        state_shardings = layout
+    shardings = param_shardings(model_cfg, shapes, mesh)
+    params = _placed(shapes, shardings)
+    serving = _placed(jax.eval_shape(lambda p: cast_for_compute(p, model_cfg.compute_dtype), shapes), shardings)
+    return EngineArgs(graphdef, params, serving, _placed(state_shapes, state_shardings), layout, slots,
+                      resolve_sampler(cfg.engine.sampler, platform))
+
+
+def _replicated_like(engine: EngineArgs, tree: Any) -> Any:
+    """``tree``'s arrays as abstract arguments replicated over the engine's devices (the host
+    uploads of a program call: controls, prefill plans)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.tree.leaves(engine.serving)[0].sharding.mesh
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated), tree)
+
+
+def lower_decode_chunk(cfg: Config, engine: EngineArgs, attend: int = 0) -> Any:
+    """The ``Lowered`` of the engine's plain decode chunk (``decode_chunk_jit``: ``engine.decode_chunk``
+    steps, no top-k/top-p, no trie) attending over the cache's first ``attend`` slots (0: all)."""
+    from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls
+
+    controls = _replicated_like(engine, idle_controls(engine.slots, cfg.engine.max_stop_ids))
+    attend = 0 if attend >= cfg.engine.kv_capacity else attend
+    return decode_chunk_jit.lower(engine.graphdef, engine.serving, engine.state, controls, cfg.engine.decode_chunk, False,
+                                  engine.layout, sampler=engine.sampler, attend=attend)
+
+
+def lower_prefill(cfg: Config, engine: EngineArgs, bucket: int) -> Any:
+    """The ``Lowered`` of the engine's prefill-insert of one prompt bucket (``PREFILL_ROWS`` prompts)."""
+    import numpy as np
+
+    from asyncrl.engine.jax_programs import PREFILL_ROWS, PrefillPlan, prefill_insert_jit
+
+    plan = _replicated_like(engine, PrefillPlan.empty(min(PREFILL_ROWS, engine.slots), bucket, engine.slots))
+    key = _replicated_like(engine, np.zeros(2, np.uint32))  # the engine's root key (uint32 [2])
+    return prefill_insert_jit.lower(engine.graphdef, engine.serving, engine.state, plan, key, engine.layout)
+
+
+def lower_beam_search(cfg: Config, engine: EngineArgs, bucket: int) -> Any:
+    """The ``Lowered`` of one beam search (``eval.decoding``'s width, ``rollout.max_new_tokens``
+    new tokens) for a prompt of ``bucket`` tokens, as the engine calls it for eval's beams."""
+    import numpy as np
+
+    from asyncrl.engine.jax_programs import beam_search_jit
+
+    decoding = cfg.eval.decoding
+    max_new = cfg.rollout.max_new_tokens
+    vocab = engine.serving["embed_tokens"]["embedding"].shape[0]
+    args = _replicated_like(engine, (np.zeros(bucket, np.int32), np.zeros(bucket, bool), np.int32(0), np.zeros(vocab, bool),
+                                     np.float32(decoding.length_penalty)))
+    return beam_search_jit.lower(engine.graphdef, engine.serving, *args, None, k=decoding.beam_width, max_new=max_new,
+                                 capacity=bucket + max_new, max_branch=0)
+
+
+def lower_publish_cast(engine: EngineArgs, model_cfg: Any) -> Any:
+    """The ``Lowered`` of the cast a publish makes of the engine's weights into its serving copy
+    (:func:`~asyncrl.model.compute_copy.compute_copy`'s jitted cast), on the engine's shardings."""
+    from asyncrl.model.compute_copy import _cast
+
+    return _cast.lower(engine.params, model_cfg.compute_dtype)
+
+
+def compiled_decode_chunk(cfg: Config, model_cfg: Any) -> CompiledMemory:
+    """XLA's memory analysis of the engine's decode program (``decode_chunk``) for ``engine.slots`` x
+    ``engine.kv_capacity`` on one local device, on abstract arguments (the serving copy of the
+    weights, the sampler of this machine's platform)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from asyncrl.model.sharding import MESH_AXES
+
+    one = jax.devices()[:1]
+    placement = SimpleNamespace(shares_trainer_arrays=True, trainer_devices=tuple(one))
+    mesh = Mesh(np.array(one, dtype=object).reshape(1, 1, 1), MESH_AXES)
+    engine = engine_args(cfg, model_cfg, placement, one[0].platform, mesh=mesh)
+    return _compiled_memory(lower_decode_chunk(cfg, engine))

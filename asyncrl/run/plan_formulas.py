@@ -1,0 +1,511 @@
+"""The memory formulas of ``asyncrl plan`` (:mod:`asyncrl.run.plan`): what a config needs on each
+device, counted from the run config and the model's ``config.json`` alone.
+
+No weights are read, nothing is allocated, no accelerator is needed. :func:`plan_config` lays the
+run out as training would: the trainer's mesh and the engine's devices
+(:func:`~asyncrl.cluster.placement.resolve_placement` on stand-in devices), the parameters' shards
+(the model's own partition rules, :mod:`asyncrl.model.sharding`, on abstract shapes), and then
+counts bytes per device:
+
+trainer
+    parameters (``model.param_dtype``), the step's new parameters (the step does not donate
+    them: the engine may serve the old ones, docs/design.md), the float32 gradient accumulator
+    and one micro-batch's gradients, AdamW's two moments, the frozen reference model when
+    ``algo.kl_coef > 0``, LoRA's frozen base, and the activations of one micro-batch
+    (:func:`activation_bytes`: per layer what the backward pass keeps, or with ``model.remat``
+    each layer's input plus one layer recomputed; the lm head's float32 logits over the
+    trained window, chunked by ``model.logprob_chunk_size`` or the automatic budget);
+engine
+    its weights (none when it serves the trainer's own arrays, the default placement of one
+    process; a copy on its own devices otherwise; LoRA's merged weights), the KV cache
+    (``slots x kv_capacity x layers x 2 x kv_heads x head_dim x`` compute-dtype bytes, slots
+    split over the engine's replicas, KV heads over ``engine.tensor_parallel``) and one decode
+    step's logits. Where ``model.compute_dtype`` differs from ``model.param_dtype`` both hold a
+    compute-dtype copy of the weights (the trainer's for the backward, the engine's serving copy cast at each publish;
+    measured on the Qwen2.5-0.5B shape).
+
+A device that hosts both (the colocated default) needs their sum. ``engine.slots: auto`` is sized
+from the same accounting (:func:`slots_for_budget`, used by :mod:`asyncrl.run.auto_slots`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional
+
+from asyncrl.config import Config
+from asyncrl.errors import ConfigError, ModelError
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+NORM_FLOAT32_COPIES = 2
+"""Float32 copies of the hidden state each layer keeps for its two RMSNorms' backward."""
+ATTENTION_FLOAT32_COPIES = 3
+"""Float32 ``[heads, L]`` tensors per token each layer keeps for attention's backward (scores,
+probabilities, and the softmax's exponentials); measured: ``scripts/bench.py plan``."""
+DECODE_LOGIT_COPIES = 3
+"""Float32 ``[slots, vocab]`` tensors one decode step holds at once (logits, scaled, probabilities)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StandInDevice:
+    """A device of the planned machine, for :func:`~asyncrl.cluster.placement.resolve_placement`."""
+
+    id: int
+    process_index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the run's parts go on the planned devices."""
+
+    devices: int
+    processes: int
+    mesh: tuple[int, int, int]
+    """The trainer's ``(data, fsdp, tensor)``."""
+    engine_devices: int
+    tensor_parallel: int
+    colocated: bool
+    """Every engine device is a trainer device: such a device holds both."""
+    shares_trainer_arrays: bool
+    """The engine serves the trainer's own parameter arrays (no copy)."""
+
+    @property
+    def row_shards(self) -> int:
+        return self.mesh[0] * self.mesh[1]
+
+    @property
+    def engine_replicas(self) -> int:
+        return self.engine_devices // self.tensor_parallel
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+    """One figure of the table: bytes per device of one thing."""
+
+    part: str  # "trainer" | "engine"
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The per-device figures of one config on one layout."""
+
+    lines: tuple[Line, ...]
+    layout: Layout
+    stage: str
+    """The stage planned (the one needing the most memory)."""
+    params: int
+    """The model's parameter count."""
+
+    def part_bytes(self, part: str) -> int:
+        return sum(line.bytes for line in self.lines if line.part == part)
+
+    @property
+    def total_bytes(self) -> int:
+        """The most any one device holds: trainer + engine where they share devices."""
+        trainer, engine = self.part_bytes("trainer"), self.part_bytes("engine")
+        return trainer + engine if self.layout.colocated else max(trainer, engine)
+
+
+# --------------------------------------------------------------------------- the model's config.json
+
+
+def read_decoder_config(model_path: str) -> Any:
+    """The :class:`~asyncrl.model.DecoderConfig` of ``model.path`` from its ``config.json`` only:
+    a model directory, a ``config.json`` file, ``tiny[:...]`` (computed), ``tiny-qwen3[:...]``
+    (its built directory), or a hub id whose config is in the local Hugging Face cache.
+    Runtime options are the defaults (:func:`stage_decoder_config` sets the config's)."""
+    from asyncrl.model.config import from_hf_config
+    from asyncrl.model.hf import read_hf_config_file
+    from asyncrl.model.tiny import is_tiny, parse_tiny_spec, tiny_decoder_config
+    from asyncrl.model.tiny_qwen3 import is_tiny_qwen3
+
+    text = os.fspath(model_path)
+    local = Path(text).expanduser()
+    if is_tiny(text) and not local.exists():
+        return tiny_decoder_config(parse_tiny_spec(text))
+    if local.is_dir():
+        file = local / "config.json"
+    elif local.is_file():
+        file = local
+    elif is_tiny_qwen3(text):
+        from asyncrl.model.tiny_qwen3 import ensure_tiny_qwen3
+
+        file = ensure_tiny_qwen3(text) / "config.json"
+    else:
+        file = _cached_hub_config(text)
+    if not file.is_file():
+        raise ModelError(f"model.path {text!r}: no config.json in {file.parent}; give a model directory or its config.json")
+    hf_config = read_hf_config_file(file)
+    try:
+        return from_hf_config(hf_config, source=str(file))
+    except AttributeError as err:  # a required field (hidden_size, ...) missing where no default exists
+        raise ModelError(f"{file}: missing a field the model needs ({err})") from None
+
+
+def _cached_hub_config(text: str) -> Path:
+    """``config.json`` of hub id ``text`` from the local Hugging Face cache (plan never downloads)."""
+    looks_hub = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+    if looks_hub:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(text, "config.json")
+        except Exception:  # noqa: BLE001 - a malformed id: same answer as not cached
+            found = None
+        if isinstance(found, str):
+            return Path(found)
+    raise ModelError(
+        f"model.path {text!r}: no such directory or file, and not a hub id with config.json in the local Hugging Face "
+        "cache (asyncrl plan downloads nothing); --set model.path=<a model directory or its config.json>"
+    )
+
+
+# --------------------------------------------------------------------------- layout and shards
+
+
+def plan_layout(cfg: Config, devices: int, processes: int = 1) -> Layout:
+    """The trainer mesh and engine devices ``cfg`` gets on ``devices`` devices over ``processes``
+    processes (the same rules and errors as a real start)."""
+    from asyncrl.cluster.mesh import mesh_shape
+    from asyncrl.cluster.placement import resolve_placement
+
+    if devices < 1 or processes < 1 or devices % processes:
+        raise ConfigError(f"--devices {devices} --processes {processes}: give devices >= 1 and a process count that "
+                          "divides them (each process has devices / processes of them)")
+    per_process = devices // processes
+    stand_ins = [StandInDevice(i, i // per_process) for i in range(devices)]
+    placement = resolve_placement(cfg, stand_ins, processes)
+    from asyncrl.errors import TrainerError
+
+    try:
+        mesh = mesh_shape(cfg.mesh, len(placement.trainer_devices))
+    except TrainerError as err:
+        raise ConfigError(str(err)) from None
+    return Layout(
+        devices=devices, processes=processes, mesh=mesh, engine_devices=len(placement.engine_devices),
+        tensor_parallel=placement.tensor_parallel, colocated=placement.colocated,
+        shares_trainer_arrays=placement.shares_trainer_arrays,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def abstract_params(model_cfg: Any) -> dict:
+    """The model's parameter tree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated); cached
+    per config (suggestions plan the same model many times). Treat it as read-only."""
+    from flax import nnx
+
+    from asyncrl.model.transformer import Decoder, split_params
+
+    return split_params(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))[1]
+
+
+def _mesh_view(data: int, fsdp: int, tensor: int) -> Any:
+    """What the partition rules read of a mesh (its axis sizes), for a mesh of devices not here."""
+    return SimpleNamespace(shape={"data": data, "fsdp": fsdp, "tensor": tensor})
+
+
+def _shard_factor(spec: Any, mesh: Any) -> int:
+    return math.prod(mesh.shape[axis] for axis in spec if axis is not None)
+
+
+def params_per_device(model_cfg: Any, params: dict, mesh: Any, lora: Any = None) -> tuple[int, int]:
+    """``(base, adapters)``: parameters one device holds on ``mesh`` by the partition rules, and
+    LoRA adapter parameters (``lora``: the ``model.lora`` section; A ``[in, r]`` split like the
+    base kernel's input, B ``[r, out]`` like its output)."""
+    import jax
+
+    from asyncrl.model.sharding import partition_spec
+    from asyncrl.pytree import dotted_name
+
+    base = adapters = 0
+    targets = set(lora.target_modules) if lora is not None else set()
+    if lora is not None:
+        from asyncrl.model.lora import check_moe_targets
+
+        check_moe_targets(model_cfg, targets)  # refused as training would refuse it
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = dotted_name(path)
+        shape = tuple(leaf.shape)
+        spec = partition_spec(model_cfg, name, shape, mesh)
+        base += math.prod(shape) // _shard_factor(spec, mesh)
+        module = name.rsplit(".", 2)[-2] if name.endswith(".kernel") else None
+        if module in targets:
+            (fan_in, fan_out), (axis_in, axis_out) = shape, tuple(spec)
+            split = lambda axis: mesh.shape[axis] if axis is not None else 1  # noqa: E731
+            adapters += fan_in * lora.rank // split(axis_in) + lora.rank * fan_out // split(axis_out)
+    return base, adapters
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def batch_shape(cfg: Config, sft: bool) -> tuple[int, int, int]:
+    """``(rows, L, W)`` of a trainer step: rows (padded to the mesh later), the batch length (the
+    longest allowed sequence rounded up to ``rollout.length_bucket``), and the trained window
+    (the completion, rounded the same way). With ``rollout.pack`` the rows are the worst case's
+    (every sequence of length ``L`` fills a packed row of its own) and the window is ``L``: a
+    packed row is scored whole (:mod:`asyncrl.trainer.packed`)."""
+    bucket = cfg.rollout.length_bucket
+    round_up = lambda n: -(-n // bucket) * bucket  # noqa: E731
+    length = round_up(cfg.max_seq_len)
+    if sft:
+        return cfg.sft.batch_size, length, length
+    rows = cfg.rollout.batch_size * cfg.rollout.group_size
+    return rows, length, length if cfg.rollout.pack else min(length, round_up(cfg.rollout.max_new_tokens))
+
+
+def layer_share(model_cfg: Any) -> float:
+    """The decoder layers' share of the parameters (all but the embedding, the lm head and the final norm)."""
+    total = model_cfg.num_params()
+    outside = model_cfg.vocab_size * model_cfg.hidden_size * (1 if model_cfg.tie_word_embeddings else 2) + model_cfg.hidden_size
+    return (total - outside) / total
+
+
+def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor: int, chunk: Optional[int]) -> tuple[int, int]:
+    """``(layers, head)``: bytes one device holds for the backward pass of one micro-batch of
+    ``rows`` rows (its own share) and ``length`` positions, of which ``window`` go through the lm head.
+
+    Layers: without remat, per layer and token what autodiff keeps of a pre-norm decoder layer in
+    the compute dtype (the input, two normed copies and the residual, q/k/v before and after rope,
+    the attention output, the MLP's gate, up, its activation and their product), two float32
+    copies for the RMSNorms (with Gemma 3's ``sandwich_norms`` twice the normed and float32 copies), and float32 attention tensors over ``length`` (scores, probabilities, exponentials);
+    heads and the MLP width split over ``tensor``. With ``model.remat`` each layer keeps only its
+    input (``remat_policy: save_dots``: also its seven projections' outputs, q/k/v/o and
+    gate/up/down) and one layer at a time is recomputed in full.
+    Head: the hidden states of the window and float32 logits and their cotangent over
+    ``chunk`` positions at a time (``window`` when unchunked), vocabulary split over ``tensor``."""
+    c = DTYPE_BYTES[model_cfg.compute_dtype]
+    h, d = model_cfg.hidden_size, model_cfg.head_dim
+    heads = max(model_cfg.num_heads // tensor, 1)
+    kv_heads = max(model_cfg.num_kv_heads // tensor, 1)
+    norm_pairs = 2 if model_cfg.sandwich_norms else 1  # Gemma 3 also norms the attention and MLP outputs
+    per_token = ((2 + 2 * norm_pairs) * h + 3 * heads * d + 4 * kv_heads * d) * c + mlp_activation_bytes(model_cfg, tensor)
+    per_token += norm_pairs * NORM_FLOAT32_COPIES * h * 4
+    per_token += ATTENTION_FLOAT32_COPIES * heads * length * 4
+    one_layer = rows * length * per_token
+    if model_cfg.remat:
+        kept = h * c
+        if model_cfg.remat_policy == "save_dots":
+            kept += (heads * d + 2 * kv_heads * d + h) * c + saved_mlp_dots_bytes(model_cfg, tensor)
+        layers = model_cfg.num_layers * rows * length * kept + one_layer
+    else:
+        layers = model_cfg.num_layers * one_layer
+    positions = window if chunk is None else min(chunk, window)
+    vocab = model_cfg.vocab_size // tensor if model_cfg.vocab_size % tensor == 0 else model_cfg.vocab_size
+    head = rows * window * h * c + 2 * rows * positions * vocab * 4
+    return layers, head
+
+
+def saved_mlp_dots_bytes(model_cfg: Any, tensor: int) -> int:
+    """Bytes per token ``remat_policy: save_dots`` keeps of the feed-forward blocks, averaged over
+    the layers: a dense MLP's gate, up and down outputs; a mixture-of-experts block's float32
+    router logits (its experts' grouped matmuls are not dots the policy saves)."""
+    c = DTYPE_BYTES[model_cfg.compute_dtype]
+    dense = (2 * (model_cfg.intermediate_size // tensor) + model_cfg.hidden_size) * c
+    experts = getattr(model_cfg, "num_experts", 0)
+    if not experts:
+        return dense
+    moe_layers = sum(model_cfg.is_moe_layer(i) for i in range(model_cfg.num_layers))
+    return (moe_layers * experts * 4 + (model_cfg.num_layers - moe_layers) * dense) // model_cfg.num_layers
+
+
+def mlp_activation_bytes(model_cfg: Any, tensor: int) -> int:
+    """Bytes per token the feed-forward blocks keep for the backward pass, averaged over the layers:
+    a dense MLP its gate, up, activation and product (``4 x intermediate``); a mixture-of-experts
+    block (asyncrl/model/moe.py) the same per routed expert at ``moe_intermediate_size``, plus the
+    token's ``k`` gathered input copies and weighted outputs and the float32 router logits and
+    probabilities. Widths split over ``tensor``."""
+    c = DTYPE_BYTES[model_cfg.compute_dtype]
+    dense = 4 * (model_cfg.intermediate_size // tensor) * c
+    experts = getattr(model_cfg, "num_experts", 0)
+    if not experts:
+        return dense
+    k, h = model_cfg.num_experts_per_tok, model_cfg.hidden_size
+    sparse = k * (4 * (model_cfg.moe_intermediate_size // tensor) + 2 * h) * c + 2 * experts * 4
+    layers = model_cfg.num_layers
+    n_sparse = sum(1 for i in range(layers) if model_cfg.is_moe_layer(i))
+    return (n_sparse * sparse + (layers - n_sparse) * dense) // layers
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: bool = False, stage: str = "rl") -> MemoryPlan:
+    """The per-device figures of one stage's flat config (``cfg.stage_configs()``) on ``layout``."""
+    from asyncrl.algo import AlgoParams
+    from asyncrl.model.logprobs import auto_chunk_size
+
+    p_bytes = DTYPE_BYTES[model_cfg.param_dtype]
+    c_bytes = DTYPE_BYTES[model_cfg.compute_dtype]
+    mesh = _mesh_view(*layout.mesh)
+    lora = cfg.model.lora
+    base, adapters = params_per_device(model_cfg, params, mesh, lora)
+    trained = adapters if lora is not None else base
+    lines = []
+    add = lambda *args: lines.append(Line(*args))  # noqa: E731
+    what = "LoRA adapters" if lora is not None else "parameters"
+    add("trainer", what, trained * p_bytes, f"{model_cfg.param_dtype}, mesh (data, fsdp, tensor) = {layout.mesh}")
+    add("trainer", "new " + what, trained * p_bytes, "the step's output (parameters are not donated)")
+    add("trainer", "gradients", trained * (4 + p_bytes), "float32 accumulator + one micro-batch's")
+    adam = cfg.optim.optimizer == "adamw"
+    add("trainer", "optimizer state", 2 * trained * p_bytes if adam else 0, "AdamW mu, nu" if adam else "sgd: none")
+    if lora is not None:
+        add("trainer", "frozen base", base * p_bytes, f"LoRA rank {lora.rank}")
+    if c_bytes != p_bytes:  # each forward casts the weights; the backward keeps the cast copies
+        add("trainer", "cast weights", base * c_bytes, f"{model_cfg.param_dtype} weights as {model_cfg.compute_dtype}")
+    algo = None if sft else AlgoParams.from_config(cfg)
+    if algo is not None and algo.needs_reference:
+        add("trainer", "reference model", trained * p_bytes, "algo.kl_coef > 0")
+
+    rows, length, window = batch_shape(cfg, sft)
+    shards = layout.row_shards
+    updates = 1 if sft else cfg.algo.mini_batches
+    micro = cfg.optim.micro_batches
+    multiple = shards * updates * micro  # prepare_batch pads rows to the trainer's row multiple
+    rows = -(-rows // multiple) * multiple
+    global_micro_rows = rows // (updates * micro)
+    local_rows = global_micro_rows // shards
+    chunk = model_cfg.logprob_chunk_size or auto_chunk_size(global_micro_rows, window, model_cfg.vocab_size,
+                                                            model_cfg.logprob_chunk_budget_mb)
+    layers, head = activation_bytes(model_cfg, local_rows, length, window, layout.mesh[2], chunk)
+    remat = ("remat" if model_cfg.remat_policy == "full" else f"remat ({model_cfg.remat_policy})") if model_cfg.remat \
+        else "no remat"
+    add("trainer", "activations", layers,
+        f"{local_rows} rows x {length} tokens per micro-batch ({micro} micro-batches), {remat}, {model_cfg.compute_dtype}")
+    add("trainer", "lm head", head, f"window {window}, " + (f"chunks of {chunk}" if chunk else "unchunked"))
+    # ids, 2 masks, log-probs, (versions); packed also segment_ids, row_rewards, row_group_index, row_truncated.
+    token_bytes = 14 + (13 if cfg.rollout.pack else 0)
+    add("trainer", "batch", rows // shards * length * token_bytes,
+        "token arrays of the step" + (", packed (rollout.pack: worst case, no row saved)" if cfg.rollout.pack else ""))
+    if model_cfg.scan_layers:  # scanned_layers stacks the layers' variables, and the backward their gradients
+        # What is stacked is the step's copy in the compute dtype (asyncrl/model/compute_copy.py), and
+        # the gradient is the copy's; LoRA adapters stay in their own dtype.
+        share = layer_share(model_cfg)
+        grad_bytes = 4 if lora is not None else c_bytes
+        add("trainer", "stacked layers", int(base * share) * c_bytes + int(trained * share) * grad_bytes,
+            f"model.scan_layers: a [layers, ...] copy of the layer weights and of their gradients ({model_cfg.compute_dtype})")
+
+    if not sft and cfg.engine.remote is None:
+        lines.extend(_engine_lines(cfg, model_cfg, layout, params, base, adapters, p_bytes, c_bytes))
+    n_params = sum(math.prod(leaf.shape) for leaf in _leaves(params))
+    return MemoryPlan(tuple(lines), layout, stage, n_params)
+
+
+def _engine_lines(cfg: Config, model_cfg: Any, layout: Layout, params: dict, base: int, adapters: int,
+                  p_bytes: int, c_bytes: int) -> list[Line]:
+    engine = cfg.engine
+    tp, replicas = layout.tensor_parallel, layout.engine_replicas
+    if layout.shares_trainer_arrays:
+        weights = base * p_bytes if cfg.model.lora is not None else 0
+        note = "LoRA merged for publishing" if cfg.model.lora is not None else "serves the trainer's arrays"
+    else:
+        engine_base, _ = params_per_device(model_cfg, params, _mesh_view(replicas, 1, tp))
+        weights, note = engine_base * p_bytes, f"own copy, {replicas} replica(s) x tensor_parallel {tp}"
+    slots = -(-planned_slots(cfg) // replicas)
+    kv_heads = model_cfg.num_kv_heads // tp
+    kv = slots * engine.kv_capacity * model_cfg.num_layers * 2 * kv_heads * model_cfg.head_dim * c_bytes
+    kv += slots * engine.kv_capacity  # the valid mask
+    vocab = model_cfg.vocab_size // tp if model_cfg.vocab_size % tp == 0 else model_cfg.vocab_size
+    cast = [Line("engine", "cast weights", engine_base_bytes(model_cfg, params, layout, base) * c_bytes // p_bytes,
+                 f"serving copy in {model_cfg.compute_dtype}, cast at each publish")] if c_bytes != p_bytes else []
+    return cast + [
+        Line("engine", "weights", weights, note),
+        Line("engine", "KV cache", kv, f"{slots} slots x {engine.kv_capacity} tokens x {model_cfg.num_layers} layers x 2 x "
+                                         f"{kv_heads} KV heads x {model_cfg.head_dim} x {c_bytes} B"),
+        Line("engine", "decode step", DECODE_LOGIT_COPIES * slots * vocab * 4, "float32 logits of one step"),
+    ]
+
+
+def planned_slots(cfg: Config) -> int:
+    """``engine.slots``, or for ``auto`` (sized at start: :mod:`asyncrl.run.auto_slots`) the fewest
+    the run needs; :func:`run_plan` sizes ``auto`` first when given the device's memory."""
+    return cfg.engine.slots if isinstance(cfg.engine.slots, int) else minimum_slots(cfg)
+
+
+def engine_base_bytes(model_cfg: Any, params: dict, layout: Layout, trainer_base: int) -> int:
+    """Bytes of the weights one engine device reads, in ``model.param_dtype``."""
+    if layout.shares_trainer_arrays:
+        return trainer_base * DTYPE_BYTES[model_cfg.param_dtype]
+    engine_base, _ = params_per_device(model_cfg, params, _mesh_view(layout.engine_replicas, 1, layout.tensor_parallel))
+    return engine_base * DTYPE_BYTES[model_cfg.param_dtype]
+
+
+def _leaves(tree: Any) -> list:
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def stage_decoder_config(flat: Config, model_cfg: Any = None, backend: Optional[str] = None) -> Any:
+    """The DecoderConfig of a stage's flat config: ``model_cfg`` (else ``model.path``'s config.json)
+    with the ``model`` section's runtime options; ``compute_dtype: auto`` as on ``backend``
+    (``cpu``, ``gpu``, ``tpu``; default: this machine's)."""
+    from asyncrl.model.loading import runtime_options
+
+    runtime = runtime_options(flat.model, backend)
+    decoder = model_cfg if model_cfg is not None else read_decoder_config(flat.model.path)
+    return decoder.replace(**runtime)
+
+
+def plan_config(cfg: Config, devices: int = 1, processes: int = 1, model_cfg: Any = None,
+                backend: Optional[str] = None) -> MemoryPlan:
+    """The plan of the stage that needs the most memory per device (``model_cfg``: the
+    model's :class:`~asyncrl.model.DecoderConfig`; read from ``model.path`` when None)."""
+    layout = plan_layout(cfg, devices, processes)
+    plans = []
+    for stage, flat in cfg.stage_configs():
+        decoder = stage_decoder_config(flat, model_cfg, backend)
+        plans.append(plan_stage(flat, decoder, layout, abstract_params(decoder), stage.type == "sft", stage.name))
+    return max(plans, key=lambda plan: plan.total_bytes)
+
+
+# --------------------------------------------------------------------------- engine.slots: auto
+
+
+AUTO_SLOTS_HEADROOM = 0.9
+"""``engine.slots: auto``: the share of the device's memory the plan may fill (:mod:`asyncrl.run.auto_slots`)."""
+AUTO_SLOTS_ROUND_TO = 8
+
+
+def minimum_slots(cfg: Config) -> int:
+    """The fewest slots the run can work with: a group (``rollout.group_size``), and eval's beam width."""
+    beam = cfg.eval.decoding.beam_width if cfg.eval.decoding.strategy == "beam" else 1
+    return max(cfg.rollout.group_size, beam)
+
+
+def with_slots(cfg: Config, slots: int) -> Config:
+    """``cfg`` with ``engine.slots = slots`` (stages inherit the top-level engine section)."""
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"slots": slots})})
+
+
+def slots_for_budget(cfg: Config, budget: int, devices: int = 1, processes: int = 1, model_cfg: Any = None,
+                     backend: Optional[str] = None) -> int:
+    """The most slots (:mod:`asyncrl.run.auto_slots` says within which bounds) whose plan of ``cfg`` fits ``budget`` bytes per
+    device; a ConfigError naming ``engine.slots`` when even :func:`minimum_slots` does not."""
+    replicas = max(plan_layout(cfg, devices, processes).engine_replicas, 1)
+    total = lambda per_replica: plan_config(with_slots(cfg, per_replica * replicas), devices, processes, model_cfg,
+                                            backend).total_bytes
+    one, two = total(1), total(2)
+    per_slot, fixed = two - one, 2 * one - two
+    least = minimum_slots(cfg)
+    most = max(cfg.rollout.max_concurrent * cfg.rollout.group_size, least)
+    fitting = (budget - fixed) // per_slot * replicas if per_slot > 0 else most
+    slots = min(fitting, most)
+    if slots >= AUTO_SLOTS_ROUND_TO * replicas:
+        slots -= slots % (AUTO_SLOTS_ROUND_TO * replicas)
+    if slots < least:
+        need = fixed + -(-least // replicas) * per_slot
+        raise ConfigError([f"engine.slots: auto: the {least} slots the run needs (rollout.group_size, eval's beam width) "
+                           f"take {need / GIB:.2f} GiB per device with the trainer, over the {budget / GIB:.2f} GiB "
+                           "budget; lower engine.kv_capacity or the trainer's memory (asyncrl plan --device-memory "
+                           "lists changes), or give a number"])
+    return int(slots)

@@ -1,0 +1,349 @@
+"""``asyncrl plan CONFIG --target NAME``: the run's real programs compiled for the GPU or TPU it
+will rent, on this machine, and what XLA says of them.
+
+The command runs in a process of its own (:func:`run_plan_target` starts it): the compile-only
+devices need ``JAX_PLATFORMS=cpu``, and XLA reads its flags (the GPU dump, the engine's
+command-buffer flags of :mod:`asyncrl.engine.platform`, forced host devices for ``cpu``) once,
+when the backend starts. Nothing is allocated and nothing is downloaded. In that process
+(:func:`target_reports`), for each stage of CONFIG and on the config's mesh laid over the
+target's devices (:mod:`asyncrl.run.targets`; the engine on the trainer's arrays or, with split
+placement, on its own mesh):
+
+* ``train_step`` at the predicted first batch shape (:func:`~asyncrl.trainer.precompile.expected_first_shape`;
+  with ``rollout.pack`` the packed worst case, every sequence in a row of its own); with
+  ``algo.estimator: gae`` the same one program also runs the critic and is reported as ``critic_step``;
+* the engine's ``prefill`` at each prompt bucket, its ``decode_chunk`` at each attention bucket,
+  ``beam_search`` when eval decodes with beams, and ``publish_cast`` (the serving copy's cast
+  at each publish, where ``model.compute_dtype`` differs from ``model.param_dtype``).
+
+Per program it prints XLA's per-device arguments, outputs, aliased and temporary bytes and the
+peak they add up to, the plan's estimate of the same program (:mod:`asyncrl.run.plan_formulas`),
+the verdict against the target's memory and the compile seconds here; for a GPU decode chunk the
+launch structure read from XLA's thunk sequence dump (:mod:`asyncrl.run.thunk_sequence`).
+``--json``: one object per line and program (:meth:`ProgramReport.as_json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+from asyncrl.config import Config, load_config
+from asyncrl.errors import ConfigError
+from asyncrl.run.plan_compiled import (
+    CompiledMemory,
+    compile_lowered,
+    engine_args,
+    lower_beam_search,
+    lower_decode_chunk,
+    lower_prefill,
+    lower_publish_cast,
+    lower_train_step,
+)
+from asyncrl.run.plan_formulas import (
+    DTYPE_BYTES,
+    GIB,
+    MemoryPlan,
+    abstract_params,
+    batch_shape,
+    engine_base_bytes,
+    params_per_device,
+    plan_layout,
+    plan_stage,
+    stage_decoder_config,
+)
+from asyncrl.run.targets import (
+    Target,
+    check_plugin,
+    device_memory_bytes,
+    get_target,
+    target_devices,
+    target_env,
+    target_topology,
+)
+from asyncrl.run.thunk_sequence import DecodeStructure, decode_structure
+
+CHILD_ENV = "ASYNCRL_PLAN_TARGET_CHILD"
+"""Set in the compiling process :func:`run_plan_target` starts (its value: the dump directory, or
+``-`` for none)."""
+THUNK_DUMP_SUFFIX = "thunk_sequence_after_thunk_passes.txt"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramReport:
+    """One compiled program of one stage."""
+
+    program: str
+    """``train_step``, ``critic_step``, ``prefill``, ``decode_chunk``, ``beam_search`` or ``publish_cast``."""
+    stage: str
+    detail: str
+    """What distinguishes it among its kind: the batch shape, the bucket."""
+    target: str
+    devices: int
+    memory: CompiledMemory
+    plan_bytes: Optional[int]
+    """The plan's estimate of the same program's per-device peak (None: the plan has no figure for it)."""
+    compile_s: float
+    device_memory: int
+    decode: Optional[DecodeStructure] = None
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.peak <= self.device_memory
+
+    def as_json(self) -> dict[str, Any]:
+        """The ``--json`` object: the issue's fields, decode structure on a GPU decode chunk."""
+        out: dict[str, Any] = {
+            "program": self.program, "stage": self.stage, "detail": self.detail, "target": self.target,
+            "devices": self.devices, "xla_argument_bytes": self.memory.arguments, "xla_output_bytes": self.memory.outputs,
+            "xla_alias_bytes": self.memory.aliased, "xla_temp_bytes": self.memory.temporaries,
+            "xla_peak_bytes": self.memory.peak, "plan_bytes": self.plan_bytes, "device_memory_bytes": self.device_memory,
+            "fits": self.fits, "compile_s": round(self.compile_s, 2),
+        }
+        if self.decode is not None:
+            d = self.decode
+            out.update(kernels_per_step=d.kernels_per_step, kernels_per_layer=d.kernels_per_layer,
+                       kernels_outside_layers=d.kernels_outside_layers, steps_per_iteration=d.steps_per_iteration,
+                       host_round_trips_per_token=d.host_round_trips_per_token,
+                       body_in_command_buffer=d.body_in_command_buffer, while_in_command_buffer=d.while_in_command_buffer,
+                       condition_kernels=d.condition_kernels, kernels_outside_loop=d.kernels_outside_loop)
+        return out
+
+
+# --------------------------------------------------------------------------- the plan's figure per program
+
+
+def _line(plan: MemoryPlan, part: str, name: str) -> int:
+    return sum(line.bytes for line in plan.lines if line.part == part and line.name == name)
+
+
+def plan_bytes_for(program: str, plan: MemoryPlan, cfg: Config, model_cfg: Any, beam_capacity: int = 0) -> Optional[int]:
+    """The plan's estimate of one program's per-device peak: the trainer's total for the train
+    step (the plan does not count a critic: ``critic_step`` gets the same figure), the engine's
+    total (weights, KV cache, one step's logits) for prefill and decode, the engine's weights and
+    a ``beam_width x beam_capacity`` cache for a beam search, the engine's weights and their
+    cast copy for the publish cast."""
+    if program in ("train_step", "critic_step"):
+        return plan.part_bytes("trainer")
+    if program in ("prefill", "decode_chunk"):
+        return plan.part_bytes("engine")
+    weights = _line(plan, "engine", "weights") + _line(plan, "engine", "cast weights")
+    if program == "beam_search":
+        c = DTYPE_BYTES[model_cfg.compute_dtype]
+        kv_heads = model_cfg.num_kv_heads // max(plan.layout.tensor_parallel, 1)
+        width = cfg.eval.decoding.beam_width
+        return weights + width * beam_capacity * (model_cfg.num_layers * 2 * kv_heads * model_cfg.head_dim * c + 1)
+    if program == "publish_cast":
+        base, _ = params_per_device(model_cfg, abstract_params(model_cfg), _plan_mesh(plan))
+        return engine_base_bytes(model_cfg, abstract_params(model_cfg), plan.layout, base) + _line(plan, "engine", "cast weights")
+    return None
+
+
+def _plan_mesh(plan: MemoryPlan) -> Any:
+    from types import SimpleNamespace
+
+    data, fsdp, tensor = plan.layout.mesh
+    return SimpleNamespace(shape={"data": data, "fsdp": fsdp, "tensor": tensor})
+
+
+# --------------------------------------------------------------------------- what is compiled
+
+
+def train_shape(cfg: Config, sft: bool, row_shards: int, hosts: int) -> tuple[int, int, int]:
+    """``(global rows, L, window)`` of the stage's first train step: the precompile's prediction
+    (:func:`~asyncrl.trainer.precompile.expected_first_shape`, per host, times the hosts); with
+    ``rollout.pack`` (and for SFT) the plan's worst case (:func:`~asyncrl.run.plan_formulas.batch_shape`),
+    rows padded to the trainer's multiple."""
+    mini = 1 if sft else cfg.algo.mini_batches
+    multiple = row_shards * mini * cfg.optim.micro_batches
+    if sft or cfg.rollout.pack:
+        rows, length, window = batch_shape(cfg, sft)
+        return -(-rows // multiple) * multiple, length, window
+    from asyncrl.trainer.precompile import expected_first_shape
+
+    local_rows = -(-cfg.rollout.batch_size * cfg.rollout.group_size // hosts)
+    rows, length, window = expected_first_shape(cfg, local_rows, max(multiple // hosts, 1))
+    return rows * hosts, length, window
+
+
+def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_dir: Optional[Path] = None) -> Iterator[ProgramReport]:
+    """Compile every program of every stage of ``cfg`` for ``target`` (``devices`` over ``hosts``),
+    yielding each report as it is done. Run where :func:`~asyncrl.run.targets.target_env` set
+    the environment (the compiling process); ``dump_dir``: XLA's dump directory (GPU targets),
+    read after each decode chunk's compile."""
+    from asyncrl.cluster.placement import resolve_placement
+    from asyncrl.engine.attention_buckets import attention_buckets
+    from asyncrl.model.compute_copy import needs_compute_copy
+
+    found = target_devices(target, devices, hosts)
+    memory = device_memory_bytes(target)
+    for stage, flat in cfg.stage_configs():
+        sft = stage.type == "sft"
+        layout = _layout(flat, target, devices, hosts)
+        model_cfg = stage_decoder_config(flat, backend=target.platform)
+        plan = plan_stage(flat, model_cfg, layout, abstract_params(model_cfg), sft, stage.name)
+        placement = resolve_placement(flat, found, hosts)
+        report = _reporter(stage.name, target, devices, memory)
+
+        shape = train_shape(flat, sft, layout.row_shards, hosts)
+        critic = not sft and flat.algo.estimator == "gae"
+        program = "critic_step" if critic else "train_step"
+        rows, length, window = shape
+        lowered = _lower(program, target, lower_train_step, flat, model_cfg, placement.trainer_devices, shape, sft)
+        yield report(program, f"{rows} x {length} rows, window {window}" + (", packed worst case" if flat.rollout.pack else ""),
+                     lowered, plan_bytes_for(program, plan, flat, model_cfg))
+        if sft or flat.engine.remote is not None:
+            continue
+        engine = engine_args(flat, model_cfg, placement, target.platform)
+        buckets = sorted(b for b in set(flat.engine.prefill_buckets) if b <= flat.engine.kv_capacity)
+        for bucket in buckets:
+            lowered = _lower("prefill", target, lower_prefill, flat, engine, bucket)
+            yield report("prefill", f"bucket {bucket}", lowered, plan_bytes_for("prefill", plan, flat, model_cfg))
+        for attend in attention_buckets(flat.engine.kv_capacity, flat.engine.attention_buckets):
+            before = _dumped(dump_dir)
+            lowered = _lower("decode_chunk", target, lower_decode_chunk, flat, engine, attend)
+            done = report("decode_chunk", f"{engine.slots} slots x {attend} cache positions, {flat.engine.decode_chunk} steps, "
+                          f"{engine.sampler}", lowered, plan_bytes_for("decode_chunk", plan, flat, model_cfg))
+            yield dataclasses.replace(done, decode=_decode_structure(dump_dir, before, model_cfg.num_layers))
+        if flat.eval.decoding.strategy == "beam":
+            bucket = buckets[-1]
+            capacity = bucket + flat.rollout.max_new_tokens
+            lowered = _lower("beam_search", target, lower_beam_search, flat, engine, bucket)
+            yield report("beam_search", f"width {flat.eval.decoding.beam_width}, prompt bucket {bucket}", lowered,
+                         plan_bytes_for("beam_search", plan, flat, model_cfg, capacity))
+        if needs_compute_copy(abstract_params(model_cfg), model_cfg.compute_dtype):
+            lowered = _lower("publish_cast", target, lower_publish_cast, engine, model_cfg)
+            yield report("publish_cast", f"{model_cfg.param_dtype} -> {model_cfg.compute_dtype}", lowered,
+                         plan_bytes_for("publish_cast", plan, flat, model_cfg))
+
+
+def _layout(cfg: Config, target: Target, devices: int, hosts: int) -> Any:
+    try:
+        return plan_layout(cfg, devices, hosts)
+    except ConfigError as err:
+        raise ConfigError(f"--target {target.name} ({devices} devices): {'; '.join(err.problems)}") from None
+
+
+def _lower(program: str, target: Target, lower: Any, *args: Any) -> Any:
+    """``lower(*args)``, with a program JAX or XLA rejects reported in one line."""
+    try:
+        return lower(*args)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the compiler's error, reported in one line
+        raise ConfigError(_rejected(program, target, err)) from None
+
+
+def _rejected(program: str, target: Target, err: BaseException) -> str:
+    first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+    return (f"{program}: rejected for --target {target.name} ({type(err).__name__}: {first[:300]}); change the config's "
+            "mesh, model or engine settings for this target, or pick another --target")
+
+
+def _reporter(stage: str, target: Target, devices: int, memory: int) -> Any:
+    def report(program: str, detail: str, lowered: Any, plan_bytes: Optional[int]) -> ProgramReport:
+        try:
+            compiled, seconds = compile_lowered(lowered)
+        except Exception as err:  # noqa: BLE001 - the compiler's error, reported in one line
+            raise ConfigError(_rejected(program, target, err)) from None
+        return ProgramReport(program, stage, detail, target.name, devices, compiled, plan_bytes, seconds, memory)
+
+    return report
+
+
+def _dumped(dump_dir: Optional[Path]) -> set[Path]:
+    return set(dump_dir.glob(f"*{THUNK_DUMP_SUFFIX}")) if dump_dir is not None else set()
+
+
+def _decode_structure(dump_dir: Optional[Path], before: set[Path], num_layers: int) -> Optional[DecodeStructure]:
+    """The decode structure of the thunk sequence the last compile dumped (GPU targets)."""
+    new = sorted(p for p in _dumped(dump_dir) - before if "decode_chunk" in p.name)
+    return decode_structure(new[-1].read_text(), num_layers) if new else None
+
+
+# --------------------------------------------------------------------------- output
+
+
+def format_report(r: ProgramReport, scale: int = GIB) -> str:
+    """One program's row (``scale``: GiB or MiB per device) and, for a GPU decode chunk, its launch structure."""
+    g = lambda n: f"{n / scale:7.2f}"  # noqa: E731
+    m = r.memory
+    plan = f"{g(r.plan_bytes)} {r.plan_bytes / m.peak:5.2f}" if r.plan_bytes and m.peak else f"{'-':>7} {'-':>5}"
+    row = (f"{r.stage:<6} {r.program:<12} {g(m.arguments)} {g(m.outputs)} {g(m.aliased)} {g(m.temporaries)} {g(m.peak)} "
+           f"{plan}  {'fits' if r.fits else 'NO':<4} {r.compile_s:6.1f}  {r.detail}")
+    if r.decode is not None:
+        row += "\n" + " " * 20 + r.decode.summary()
+    return row
+
+
+def report_header(cfg: Config, target: Target, devices: int, hosts: int, unit: str = "GiB") -> str:
+    memory = device_memory_bytes(target)
+    return (f"asyncrl plan --target {target.name}: {cfg.model.path} on {devices} x {target.description} over {hosts} host(s), "
+            f"{memory / GIB:.2f} GiB per device; per device ({unit}): XLA's figures of each program compiled here, "
+            "the plan's estimate of it and their ratio\n"
+            f"{'stage':<6} {'program':<12} {'args':>7} {'out':>7} {'alias':>7} {'temp':>7} {'peak':>7} {'plan':>7} "
+            f"{'p/XLA':>5}  {'':<4} {'comp s':>6}  what")
+
+
+def compile_and_print(config: str, overrides: Sequence[str], target_name: str, devices: Optional[int],
+                      processes: Optional[int], as_json: bool, dump_dir: Optional[Path]) -> int:
+    """The compiling process's work: every program compiled, a row (or JSON line) each as it is
+    done; 0 when every program fits the target's memory, 1 otherwise."""
+    cfg = load_config(config, overrides)
+    target = get_target(target_name)
+    count, hosts = target_topology(target, devices, processes)
+    if cfg.engine.slots == "auto":
+        from asyncrl.run.plan import _plan_auto_slots
+
+        cfg = _plan_auto_slots(cfg, device_memory_bytes(target), count, hosts, target.platform)
+    from asyncrl.run.plan_formulas import plan_config
+
+    large = plan_config(cfg, count, hosts, backend=target.platform).total_bytes >= GIB
+    unit, scale = ("GiB", GIB) if large else ("MiB", 2**20)
+    if not as_json:
+        print(report_header(cfg, target, count, hosts, unit), flush=True)
+    fits = True
+    for report in target_reports(cfg, target, count, hosts, dump_dir):
+        fits = fits and report.fits
+        print(json.dumps(report.as_json()) if as_json else format_report(report, scale), flush=True)
+    return 0 if fits else 1
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def run_plan_target(config: str, overrides: Sequence[str], target_name: str, devices: Optional[int] = None,
+                    processes: Optional[int] = None, as_json: bool = False, keep_dump: Optional[str] = None) -> int:
+    """``asyncrl plan CONFIG --target NAME``: checks what it can here (the target, its plugin, the
+    device count), then compiles in a process of its own with the target's environment
+    (:func:`~asyncrl.run.targets.target_env`; on GPUs also XLA's dump and the engine's
+    command-buffer flags) and passes its output and exit status on. ``keep_dump``: a directory
+    for XLA's dump (default: a temporary one, removed)."""
+    if os.environ.get(CHILD_ENV):
+        given = os.environ[CHILD_ENV]
+        return compile_and_print(config, overrides, target_name, devices, processes, as_json,
+                                 None if given == "-" else Path(given))
+    target = get_target(target_name)
+    count, hosts = target_topology(target, devices, processes)
+    check_plugin(target)
+    cfg = load_config(config, overrides)  # config and layout errors are reported here, before a compiler starts
+    for _, flat in cfg.stage_configs():
+        _layout(flat, target, count, hosts)
+    with tempfile.TemporaryDirectory(prefix="asyncrl-plan-dump-") as tmp:
+        dump = Path(keep_dump) if keep_dump else Path(tmp)
+        env = target_env(target, count)
+        if target.platform == "gpu":
+            from asyncrl.engine.platform import merge_xla_flags, xla_flags_for
+
+            flags = [f"--xla_dump_to={dump}", "--xla_dump_hlo_module_re=.*decode_chunk.*", *xla_flags_for("gpu")]
+            env["XLA_FLAGS"] = merge_xla_flags(env.get("XLA_FLAGS", ""), flags)
+        env[CHILD_ENV] = str(dump) if target.platform == "gpu" else "-"
+        argv = [sys.executable, "-m", "asyncrl.cli", "plan", config, *(a for o in overrides for a in ("--set", o)),
+                "--target", target.name, "--devices", str(count), "--processes", str(hosts), *(["--json"] if as_json else [])]
+        return subprocess.run(argv, env=env, check=False).returncode
