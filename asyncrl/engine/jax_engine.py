@@ -90,6 +90,7 @@ from asyncrl.engine.jax_programs import (
 from asyncrl.engine.platform import resolve_sampler
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
+from asyncrl.model.attention import device_platform
 from asyncrl.model.compute_copy import compute_copy
 from asyncrl.model.sharding import check_tensor_parallel, param_shardings
 from asyncrl.registry import register
@@ -249,7 +250,8 @@ class JaxEngine:
         self.chunk = cfg.decode_chunk
         self.buckets = tuple(sorted(b for b in set(cfg.prefill_buckets) if b <= cfg.kv_capacity))
         self.prefill_rows = min(PREFILL_ROWS, cfg.slots)
-        self.sampler = resolve_sampler(cfg.sampler, next(iter(embed.devices())).platform)
+        self.platform = device_platform(next(iter(embed.devices())))  # picks the prefill's attention kernel
+        self.sampler = resolve_sampler(cfg.sampler, self.platform)
         self.attention_buckets = attention_buckets(self.capacity, cfg.attention_buckets)
         if not self.buckets:
             raise EngineRequestError(f"engine.prefill_buckets {cfg.prefill_buckets}: none fits engine.kv_capacity = {cfg.kv_capacity}")
@@ -396,7 +398,8 @@ class JaxEngine:
         """Compile every program (each prefill bucket, both decode variants per attention bucket); returns the compile count."""
         for bucket in self.buckets:
             plan = PrefillPlan.empty(self.prefill_rows, bucket, self.slots)  # no destination: the state is unchanged
-            self._state = prefill_insert_jit(self.graphdef, self._serving, self._state, plan, self._root_key, self._layout)
+            self._state = prefill_insert_jit(self.graphdef, self._serving, self._state, plan, self._root_key, self._layout,
+                                             self.platform)
         idle = idle_controls(self.slots, self.config.max_stop_ids)
         for filtered in (False, True):
             for attend in self.attention_buckets:
@@ -671,7 +674,8 @@ class JaxEngine:
         started = time.monotonic()
         out = beam_search_jit(self.graphdef, self._serving, ids, np.arange(bucket) < context, np.int32(prompt[-1]), stop_vocab,
                               np.float32(request.length_penalty), tries, k=request.n, max_new=request.max_new_tokens,
-                              capacity=bucket + request.max_new_tokens, max_branch=self._tries.max_branch if trie else 0)
+                              capacity=bucket + request.max_new_tokens, max_branch=self._tries.max_branch if trie else 0,
+                              platform=self.platform)
         tokens, logprobs, lengths, scores = (np.asarray(x) for x in out)
         self._stats.beam_calls += 1
         self._stats.beam_s += time.monotonic() - started
@@ -726,7 +730,8 @@ class JaxEngine:
                 self._start_slot(slot, request, pending.stop_ids, int(prompt[-1]))
             self._stats.prefill_tokens += context
         self._stats.prefill_calls += 1
-        self._state = prefill_insert_jit(self.graphdef, self._serving, self._state, plan, self._root_key, self._layout)
+        self._state = prefill_insert_jit(self.graphdef, self._serving, self._state, plan, self._root_key, self._layout,
+                                             self.platform)
 
     def _start_slot(self, slot: int, request: GenerationRequest, stop_ids: tuple[int, ...], last_token: int) -> None:
         """Set a freshly prefilled slot's controls from its request."""

@@ -119,16 +119,17 @@ def device_platform(device: Any) -> str:
 
 
 @contextlib.contextmanager
-def compiled_for(mesh: Any = None, devices: Any = None) -> Iterator[None]:
-    """Within it, ``model.attention: auto`` picks the kernel of ``mesh``'s devices (or
-    ``devices``'), and the splash kernel runs on ``mesh``. Enter it inside the traced function,
-    from its static arguments, so that a cached trace always saw the same target."""
+def compiled_for(mesh: Any = None, platform: Optional[str] = None) -> Iterator[None]:
+    """Within it, ``model.attention: auto`` picks the kernel of ``mesh``'s devices (or of
+    ``platform``: ``cpu``, ``gpu``, ``tpu``), and the splash kernel runs on ``mesh``. Enter it
+    inside the traced function, from its static arguments, so that a cached trace always saw
+    the same target. Neither given: no change (this process's default backend)."""
     if mesh is not None:
-        devices = list(mesh.devices.flat)
-    if not devices:
+        platform = device_platform(mesh.devices.flat[0])
+    if platform is None:
         yield
         return
-    token = _TARGET.set(KernelTarget(device_platform(devices[0]), mesh))
+    token = _TARGET.set(KernelTarget(platform, mesh))
     try:
         yield
     finally:
@@ -212,7 +213,9 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: SelfAttentio
     # contiguous run) start there, and the output rotated back. Right-padded rows (every batch
     # asyncrl builds) rotate by 0; left-padded ones come out exact too.
     t = q.shape[1]
-    lengths = mask.key_valid.sum(axis=1).astype(jnp.int32)
+    # At least 1: a padding row (no real token) attends its first position, never an empty set
+    # (whose softmax a kernel may leave NaN, and NaN times a zero cotangent is NaN).
+    lengths = jnp.maximum(mask.key_valid.sum(axis=1), 1).astype(jnp.int32)
     start = jnp.argmax(mask.key_valid, axis=1).astype(jnp.int32)  # leading pads (0 for all-padding rows)
     index = jnp.arange(t, dtype=jnp.int32)[None, :]
 
