@@ -103,20 +103,27 @@ from asyncrl.run.compile_cache import enable_compile_cache
 where = enable_compile_cache(True)
 jax.jit(lambda x: x * 2 + 1)(jnp.arange(3.0)).block_until_ready()  # compiles in well under JAX's 1 s threshold
 files = sorted(p.name for p in Path(sys.argv[1]).rglob("*") if p.is_file()) if Path(sys.argv[1]).exists() else []
-print(where, len(files))
+from jax._src import compiler  # the options XLA compiles with: where GPU autotuning results go
+options = compiler.get_compile_options(1, 1)  # held: its nested views die with it
+build = options.executable_build_options
+autotune = build.debug_options.xla_gpu_per_fusion_autotune_cache_dir
+print(where, len(files), autotune or "-")
 """
 
 
 def test_a_run_process_caches_small_programs_under_the_user_cache_and_the_switch_stops_it(tmp_path):
+    """... and XLA's GPU autotuning results go beside the executables (the compile options name the directory)."""
     env = subprocess_env(XDG_CACHE_HOME=str(tmp_path))
     for name in ("JAX_COMPILATION_CACHE_DIR", "ASYNCRL_CACHE_DIR", "ASYNCRL_COMPILE_CACHE",
                  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):
         env.pop(name, None)
+    env.pop("JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES", None)
     cache = tmp_path / "asyncrl" / "jax"
-    where, count = run_python(CACHE_PROBE, env=env, args=[str(cache)]).stdout.split()
+    where, count, autotune = run_python(CACHE_PROBE, env=env, args=[str(cache)]).stdout.split()
     assert where == str(cache) and int(count) >= 1
+    assert autotune == str(cache / "xla_gpu_per_fusion_autotune_cache_dir")  # GPU autotuning kept with the cache
     off = run_python(CACHE_PROBE, env={**env, "ASYNCRL_COMPILE_CACHE": "0"}, args=[str(tmp_path / "off")])
-    assert off.stdout.split() == ["None", "0"]
+    assert off.stdout.split() == ["None", "0", "-"]
 
 
 # --------------------------------------------------------------------------- bench_rl's window

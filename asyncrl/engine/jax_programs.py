@@ -47,13 +47,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.engine.constraints import TrieTables, allowed_tokens, is_leaf_node, next_nodes
+from asyncrl.model.attention import compiled_for
 from asyncrl.model.decode_attention import einsum_decode_attention
 from asyncrl.model.transformer import KVCache, LayerKV, forward, hidden_states, init_kv_cache, kv_cache_copy_rows
 
@@ -186,13 +187,16 @@ class PrefillPlan(NamedTuple):
                    np.full((slots,), slots, np.int32), *(np.zeros((slots,), np.uint32) for _ in range(3)))
 
 
-def _prefill_insert(graphdef, params, state: SlotState, plan: PrefillPlan, root_key, layout=None):
+def _prefill_insert(graphdef, params, state: SlotState, plan: PrefillPlan, root_key, layout=None, platform=None):
     """Prefill ``plan``'s prompts and copy each into its request's slots (:class:`PrefillPlan`).
-    ``layout`` (static): the state's shardings on an engine mesh, or None."""
+    ``layout`` (static): the state's shardings on an engine mesh, or None. ``platform`` (static):
+    the engine's devices' (:func:`asyncrl.model.attention.device_platform`), whose fused attention
+    kernel the prefill runs (None: this process's default backend)."""
     _count_trace("prefill_insert")
     cfg = graphdef_config(graphdef, params)
     small = init_kv_cache(cfg, plan.prompt_ids.shape[0], plan.prompt_ids.shape[1], state.cache.layers[0].k.dtype)
-    _, small = hidden_states(graphdef, params, plan.prompt_ids, None, plan.prompt_mask, small)
+    with compiled_for(platform=platform):
+        _, small = hidden_states(graphdef, params, plan.prompt_ids, None, plan.prompt_mask, small, empty_cache=True)
     cache = kv_cache_copy_rows(state.cache, small, plan.src_rows, plan.dst_rows)
     new_keys = jax.vmap(_slot_key, in_axes=(None, 0, 0, 0))(root_key, plan.sample_id, plan.key_index, plan.turn)
     keys = state.keys.at[plan.dst_rows].set(new_keys, mode="drop")
@@ -482,7 +486,7 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
     return _constrain(SlotState(cache, state.keys), layout), out.tokens, out.logprobs, out.emitted
 
 
-prefill_insert_jit = jax.jit(_prefill_insert, static_argnums=(0, 5), donate_argnums=2)
+prefill_insert_jit = jax.jit(_prefill_insert, static_argnums=(0, 5, 6), donate_argnums=2)
 decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 4, 5, 6, 8), static_argnames=("sampler", "attend", "inner"),
                            donate_argnums=2)
 
@@ -500,7 +504,8 @@ class BeamResult(NamedTuple):
 
 
 def _beam_search(graphdef, params, prompt_ids, prompt_mask, last_token, stop_vocab, length_penalty, tries=None,
-                 k: int = 1, max_new: int = 1, capacity: int = 2, max_branch: int = 0) -> BeamResult:
+                 k: int = 1, max_new: int = 1, capacity: int = 2, max_branch: int = 0,
+                 platform: Optional[str] = None) -> BeamResult:
     """Beam search of width ``k`` for one prompt: ``prompt_ids``/``prompt_mask`` [bucket] hold
     ``prompt[:-1]`` right-padded and ``last_token`` [] the last prompt token (fed by the first
     step, as in the engine's decode). ``stop_vocab`` bool [V]: the stop ids (free decoding);
@@ -521,7 +526,8 @@ def _beam_search(graphdef, params, prompt_ids, prompt_mask, last_token, stop_voc
     cache = init_kv_cache(cfg, k, capacity)
     ids = jnp.broadcast_to(prompt_ids[None], (k, prompt_ids.shape[0]))
     mask = jnp.broadcast_to(prompt_mask[None], ids.shape)
-    _, cache = hidden_states(graphdef, params, ids, None, mask, cache)
+    with compiled_for(platform=platform):  # the prompt's prefill: the engine's platform's attention kernel
+        _, cache = hidden_states(graphdef, params, ids, None, mask, cache, empty_cache=True)
     table, root = (None, None) if tries is None else tries
 
     class Carry(NamedTuple):
@@ -584,4 +590,4 @@ def _beam_search(graphdef, params, prompt_ids, prompt_mask, last_token, stop_voc
     return jax.lax.while_loop(more, body, init).pool
 
 
-beam_search_jit = jax.jit(_beam_search, static_argnums=0, static_argnames=("k", "max_new", "capacity", "max_branch"))
+beam_search_jit = jax.jit(_beam_search, static_argnums=0, static_argnames=("k", "max_new", "capacity", "max_branch", "platform"))

@@ -141,6 +141,7 @@ class EngineScheduler:
     prefill_rows: int
     vocab_size: int
     attention_buckets: tuple[int, ...]
+    platform: str  # the engine's devices' (cpu, gpu, tpu): picks the prefill's attention kernel
     _params: Any
     _serving: Any
     _version: int
@@ -322,7 +323,8 @@ class EngineScheduler:
         started = time.monotonic()
         out = beam_search_jit(self.graphdef, self._serving, ids, np.arange(bucket) < context, np.int32(prompt[-1]), stop_vocab,
                               np.float32(request.length_penalty), tries, k=request.n, max_new=request.max_new_tokens,
-                              capacity=bucket + request.max_new_tokens, max_branch=self._tries.max_branch if trie else 0)
+                              capacity=bucket + request.max_new_tokens, max_branch=self._tries.max_branch if trie else 0,
+                              platform=self.platform)
         tokens, logprobs, lengths, scores = (np.asarray(x) for x in out)
         self._stats.beam_calls += 1
         self._stats.beam_s += time.monotonic() - started
@@ -377,7 +379,8 @@ class EngineScheduler:
                 self._start_slot(slot, request, pending.stop_ids, int(prompt[-1]))
             self._stats.prefill_tokens += context
         self._stats.prefill_calls += 1
-        self._state = prefill_insert_jit(self.graphdef, self._serving, self._state, plan, self._root_key, self._layout)
+        self._state = prefill_insert_jit(self.graphdef, self._serving, self._state, plan, self._root_key, self._layout,
+                                         self.platform)
 
     def _start_slot(self, slot: int, request: GenerationRequest, stop_ids: tuple[int, ...], last_token: int) -> None:
         """Set a freshly prefilled slot's controls from its request."""

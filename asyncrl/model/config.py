@@ -24,7 +24,7 @@ from asyncrl.errors import ModelError
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "reference")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash", "reference")
 ACTIVATIONS = ("silu", gemma3.GELU_TANH)
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("full", "save_dots")
@@ -84,7 +84,7 @@ class DecoderConfig:
     scan_layers: bool = False  # without a KV cache, runs of identical layers as one lax.scan (transformer.scanned_layers)
     logprob_chunk_size: Optional[int] = None  # per_token_logprobs: positions per lm-head chunk
     logprob_chunk_budget_mb: Optional[float] = 1024.0  # auto chunk when [B, positions, V] float32 logits exceed it
-    attention: str = "auto"  # auto | xla | cudnn | reference: see transformer.attention_implementation
+    attention: str = "auto"  # auto | xla | cudnn | splash | reference: see asyncrl.model.attention
 
     def __post_init__(self) -> None:
         problems = []

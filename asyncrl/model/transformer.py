@@ -10,11 +10,13 @@ Numerics follow transformers' PyTorch models: RMSNorm normalises in float32 and
 multiplies by its weight in the compute dtype; rotary embeddings use the rotate-half
 convention with cos/sin computed in float32; attention scores and softmax run in
 float32; logits are float32. Attention over more than one new token (training, scoring,
-prefill) goes through ``jax.nn.dot_product_attention`` (``model.attention``: ``xla`` by
-default, ``cudnn`` on GPUs), decoding one token by einsum on the cache (:func:`cached_attention`); both
-take the same boolean mask and agree to float32 rounding. Gemma 3's sliding-window layers
-narrow that mask to the last ``sliding_window`` tokens (:func:`sliding_window_mask`, the one
-rule for training, scoring, prefill and decoding) and use their own rope base.
+prefill) goes through ``model.attention``'s kernel with the mask as structure
+(:mod:`asyncrl.model.attention`: ``auto`` is cuDNN's flash attention on GPUs, Pallas' splash
+attention on TPUs, XLA's on the CPU), decoding one token by einsum on the cache
+(:func:`cached_attention`); they apply the same mask rule and agree to float32 rounding.
+Gemma 3's sliding-window layers narrow that mask to the last ``sliding_window`` tokens
+(:func:`sliding_window_mask`, the one rule for training, scoring, prefill and decoding) and use
+their own rope base.
 
 KV cache (:class:`KVCache`)
 ---------------------------
@@ -66,6 +68,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from asyncrl.model.attention import (
+    SelfAttentionMask,
+    attention_kernel,
+    cudnn_attention,
+    current_target,
+    row_shards_divide,
+    splash_attention,
+)
 from asyncrl.model.blocks import ACTIVATIONS, dtype_of, linear, normal_init, sliding_window_mask, softcap
 from asyncrl.model.config import DecoderConfig
 from asyncrl.model.decode_attention import decode_attention
@@ -233,9 +243,9 @@ class Attention(nnx.Module):
             self.k_norm = _norm(cfg, d)
 
     def __call__(self, x, cos, sin, mask, cache: Optional[LayerKV] = None, write_idx=None):
-        """x [B, T, H]; mask bool [B, T, S]. Without a cache S = T; with one, the new
-        k/v are scattered into the layer's cache [B, KV, C, D] at write_idx [B, T] first
-        and S = C (:func:`cached_attention`). Returns (out [B, T, H], the updated LayerKV or None)."""
+        """x [B, T, H]; mask: a :class:`~asyncrl.model.attention.SelfAttentionMask` (attention among
+        the call's tokens) or bool [B, T, C] over a cache. With a cache, the new k/v are scattered
+        into the layer's cache [B, KV, C, D] at write_idx [B, T] first (:func:`cached_attention`). Returns (out [B, T, H], the updated LayerKV or None)."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = _dense(self.q_proj, x).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -253,18 +263,12 @@ class Attention(nnx.Module):
         return _dense(self.o_proj, out), None
 
 
-def attention_implementation(choice: str, dtype: Any) -> str:
-    """The attention path of ``model.attention`` (``choice``) for ``dtype`` activations:
-    ``reference`` (:func:`reference_attention`) or a ``jax.nn.dot_product_attention``
-    implementation. ``auto`` is XLA's (every backend and dtype; tested equal to the reference
-    in float32). ``cudnn`` (GPU, 16-bit compute only) is opt-in: not yet measured or tested
-    on a GPU here."""
-    if choice != "auto":
-        if choice == "cudnn" and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-            raise ValueError(f"model.attention 'cudnn' needs bfloat16 or float16 compute (model.compute_dtype), "
-                             f"not {jnp.dtype(dtype).name}; use 'xla' or 'auto'")
-        return choice
-    return "xla"
+def attention_implementation(choice: str, dtype: Any, head_dim: int = 64, **kwargs: Any) -> str:
+    """The attention path of ``model.attention`` (``choice``) for ``dtype`` activations on the platform
+    the program is compiled for: ``reference`` (:func:`reference_attention`), ``xla``, ``cudnn`` or
+    ``splash`` (:func:`asyncrl.model.attention.attention_kernel`; ``auto``: cuDNN on GPUs, splash on
+    TPUs, XLA's on the CPU)."""
+    return attention_kernel(choice, dtype, head_dim, **kwargs)
 
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -295,7 +299,9 @@ def cached_attention(q, k, v, mask, cache: LayerKV, write_idx, choice: str,
                      scale: Optional[float] = None) -> tuple[jax.Array, LayerKV]:
     """Attention of ``q [B, T, heads, D]`` over a layer's cache after writing the new ``k, v``
     ``[B, T, kv_heads, D]`` into it at ``write_idx`` int32 [B, T] (indices past the capacity are
-    dropped); ``mask`` bool [B, T, capacity]. Returns ``(out [B, T, heads, D], the updated
+    dropped); ``mask`` bool [B, T, capacity], or a :class:`~asyncrl.model.attention.SelfAttentionMask`
+    when the cache was empty before the call (a prefill: the new tokens attend only among
+    themselves, by the fused kernel where there is one). Returns ``(out [B, T, heads, D], the updated
     LayerKV)``.
 
     One new token (a decode step) attends straight on the ``[B, kv_heads, C, D]`` cache
@@ -305,6 +311,10 @@ def cached_attention(q, k, v, mask, cache: LayerKV, write_idx, choice: str,
     into a cache) go through ``model.attention``'s implementation (``choice``) on a transposed
     view, once per call.
     """
+    if isinstance(mask, SelfAttentionMask):  # an empty cache (prefill): the call's tokens attend among themselves
+        cache_k, cache_v = _scatter(k, v, cache.k, cache.v, write_idx)
+        k, v = k.astype(cache.k.dtype).astype(q.dtype), v.astype(cache.v.dtype).astype(q.dtype)
+        return _attend(q, k, v, mask, choice, kv_spec="bskd", scale=scale), LayerKV(cache_k, cache_v)
     if q.shape[1] == 1:  # a decode step: one kernel on GPUs (asyncrl.model.decode_attention), the einsum elsewhere
         reference = functools.partial(_scatter_and_attend, choice=choice, scale=scale)
         out, cache_k, cache_v = decode_attention(q, k, v, cache.k, cache.v, write_idx[:, 0], mask, scale, reference)
@@ -313,31 +323,51 @@ def cached_attention(q, k, v, mask, cache: LayerKV, write_idx, choice: str,
     return out, LayerKV(cache_k, cache_v)
 
 
-def _scatter_and_attend(q, k, v, cache_k, cache_v, write_idx, mask, choice: str = "reference",
-                        scale: Optional[float] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """:func:`cached_attention` by XLA: the new ``k, v`` scattered into the cache at ``write_idx``
-    (int32 [B, T], or [B] for one token), then attention over it. Returns ``(out, cache_k, cache_v)``."""
+def _scatter(k, v, cache_k, cache_v, write_idx) -> tuple[jax.Array, jax.Array]:
+    """The new ``k, v`` ``[B, T, kv_heads, D]`` written into the ``[B, kv_heads, C, D]`` caches at
+    ``write_idx`` (int32 [B, T], or [B] for one token; indices past the capacity are dropped)."""
     if write_idx.ndim == 1:
         write_idx = write_idx[:, None]
     rows = jnp.arange(write_idx.shape[0])[:, None]
     # Advanced indices around the head slice: the indexed block is [B, T, kv_heads, D], as k is.
     cache_k = cache_k.at[rows, :, write_idx].set(k.astype(cache_k.dtype), mode="drop")
     cache_v = cache_v.at[rows, :, write_idx].set(v.astype(cache_v.dtype), mode="drop")
+    return cache_k, cache_v
+
+
+def _scatter_and_attend(q, k, v, cache_k, cache_v, write_idx, mask, choice: str = "reference",
+                        scale: Optional[float] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`cached_attention` by XLA: the new ``k, v`` scattered into the cache (:func:`_scatter`),
+    then attention over it. Returns ``(out, cache_k, cache_v)``."""
+    cache_k, cache_v = _scatter(k, v, cache_k, cache_v, write_idx)
     out = _attend(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask, choice, kv_spec="bksd", scale=scale)
     return out, cache_k, cache_v
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, choice: str, kv_spec: str,
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, choice: str, kv_spec: str,
             scale: Optional[float] = None) -> jax.Array:
-    """Attention by ``model.attention``'s implementation (``choice``) for several query tokens,
-    by einsum (:func:`_einsum_attention`) for one; ``k, v`` laid out as ``kv_spec`` says
-    (``bskd``, or the cache's ``bksd``, which ``jax.nn.dot_product_attention`` gets transposed)."""
-    implementation = attention_implementation(choice, q.dtype) if q.shape[1] > 1 else "reference"
+    """Attention by ``model.attention``'s kernel (``choice``) for several query tokens, by einsum
+    (:func:`_einsum_attention`) for one; ``k, v`` laid out as ``kv_spec`` says (``bskd``, or the
+    cache's ``bksd``, which ``jax.nn.dot_product_attention`` gets transposed). ``mask``: a
+    :class:`~asyncrl.model.attention.SelfAttentionMask` (attention among the call's own tokens,
+    ``bskd``), which the fused kernels take as their own mask structure, or a bool ``[B, T, S]``
+    over a cache (the einsum and XLA paths)."""
+    if q.shape[1] == 1:
+        return _einsum_attention(q, k, v, mask.dense() if isinstance(mask, SelfAttentionMask) else mask, kv_spec, scale)
+    target = current_target()
+    implementation = attention_implementation(choice, q.dtype, q.shape[-1], target=target)
+    if isinstance(mask, SelfAttentionMask):
+        if implementation == "cudnn":
+            return cudnn_attention(q, k, v, mask, scale)
+        if implementation == "splash" and row_shards_divide(target.mesh, q.shape[0]):
+            return splash_attention(q, k, v, mask, scale, mesh=target.mesh, interpret=target.platform != "tpu")
+        mask = mask.dense()
     if implementation == "reference":
         return _einsum_attention(q, k, v, mask, kv_spec, scale)
     if kv_spec == "bksd":
         k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
-    kernel: Any = implementation  # "xla" | "cudnn"
+    # Over a cache (a dense mask) splash has no form; cuDNN takes the mask as its bias.
+    kernel: Any = "cudnn" if implementation == "cudnn" else "xla"
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=kernel)
 
 
@@ -477,13 +507,20 @@ class Decoder(nnx.Module):
         segment_ids: Optional[jax.Array] = None,
         *,
         unrolled: bool = False,
+        empty_cache: bool = False,
     ) -> tuple[jax.Array, Optional[KVCache]]:
         """Final-norm hidden states [B, T, hidden] (compute dtype) and the updated cache.
 
         ``segment_ids`` int32 [B, T] (packed rows, no cache; 0 = padding): attention stays within
         a segment and positions restart at 0 in each (:func:`segment_positions`). ``unrolled``:
         never :func:`scanned_layers` (for callers that capture what layers sow: a ``lax.scan``
-        body's intermediates do not reach the caller)."""
+        body's intermediates do not reach the caller). ``empty_cache`` (static): ``kv_cache`` holds
+        no token yet (:func:`init_kv_cache`; a prefill), so the call's tokens attend only among
+        themselves, with the fused kernel's mask structure, and are written into the cache.
+
+        Without a cache (or with ``empty_cache``) attention takes the mask as structure
+        (:class:`~asyncrl.model.attention.SelfAttentionMask`): a row's real tokens are one
+        contiguous run (left or right padding), as everywhere in asyncrl."""
         cfg = self.cfg
         b, t = input_ids.shape
         if attention_mask is None:
@@ -492,15 +529,16 @@ class Decoder(nnx.Module):
         running = jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1
         if segment_ids is not None and kv_cache is not None:
             raise ValueError("Decoder.hidden_states: segment_ids (packed rows) are for cache-free forwards only")
-        if kv_cache is None:
+        mask: Any
+        if kv_cache is None or empty_cache:
             if positions is None:
                 positions = jnp.maximum(running, 0) if segment_ids is None else segment_positions(segment_ids)
-            causal = jnp.tril(jnp.ones((t, t), bool))
-            mask = causal[None] & attention_mask[:, None, :]
-            if segment_ids is not None:
-                mask = mask & same_segment(segment_ids)
-            write_idx = None
-            query_index, key_index = jnp.arange(t)[None, :], jnp.arange(t)
+            mask = SelfAttentionMask(attention_mask, segment_ids)
+            if kv_cache is not None:  # written from slot 0, as any call writes from write_pos (0 here)
+                write_idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+                valid = jnp.zeros_like(kv_cache.valid).at[jnp.arange(b)[:, None], write_idx].set(attention_mask, mode="drop")
+            else:
+                write_idx = None
         else:
             if positions is None:
                 positions = jnp.maximum(kv_cache.lengths[:, None] + running, 0)
@@ -514,8 +552,9 @@ class Decoder(nnx.Module):
         if cfg.layer_types is not None and "sliding_attention" in cfg.layer_types:
             assert cfg.sliding_window is not None  # DecoderConfig checks it
             local = cfg if cfg.rope_local_theta is None else cfg.replace(rope_theta=cfg.rope_local_theta, rope_type="default")
-            by_type["sliding_attention"] = (*rope_cos_sin(local, positions),
-                                            sliding_window_mask(mask, query_index, key_index, cfg.sliding_window))
+            local_mask = (mask.with_window(cfg.sliding_window) if isinstance(mask, SelfAttentionMask)
+                          else sliding_window_mask(mask, query_index, key_index, cfg.sliding_window))
+            by_type["sliding_attention"] = (*rope_cos_sin(local, positions), local_mask)
         x = self.embed_tokens(input_ids)
         if cfg.scale_embeddings:  # Gemma: times sqrt(hidden), rounded to the weights' dtype as transformers does
             x = x * jnp.asarray(cfg.hidden_size**0.5, dtype_of(cfg.param_dtype)).astype(x.dtype)
@@ -554,12 +593,6 @@ class Decoder(nnx.Module):
     def __call__(self, input_ids, positions=None, attention_mask=None, kv_cache=None):
         hidden, new_cache = self.hidden_states(input_ids, positions, attention_mask, kv_cache)
         return self.logits(hidden), new_cache
-
-
-def same_segment(segment_ids: jax.Array) -> jax.Array:
-    """bool [B, T, T]: query t and key s lie in the same packed segment (both non-padding).
-    The packing term of the attention mask, kept apart from the causal and padding terms."""
-    return (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
@@ -621,10 +654,12 @@ def forward(
     return model(input_ids, positions, attention_mask, kv_cache)
 
 
-def hidden_states(graphdef, params, input_ids, positions=None, attention_mask=None, kv_cache=None):
-    """Like :func:`forward`, but returns final hidden states instead of logits."""
+def hidden_states(graphdef, params, input_ids, positions=None, attention_mask=None, kv_cache=None, *,
+                  empty_cache: bool = False):
+    """Like :func:`forward`, but returns final hidden states instead of logits. ``empty_cache``
+    (static): ``kv_cache`` is fresh from :func:`init_kv_cache` (a prefill; :meth:`Decoder.hidden_states`)."""
     model = nnx.merge(graphdef, params)
-    return model.hidden_states(input_ids, positions, attention_mask, kv_cache)
+    return model.hidden_states(input_ids, positions, attention_mask, kv_cache, empty_cache=empty_cache)
 
 
 forward_jit = jax.jit(forward, static_argnums=0)

@@ -5,7 +5,7 @@ with GSM8K-like completion lengths most of its positions are padding. :func:`pac
 places the rows one after another into rows of the same length ``L`` (first-fit decreasing,
 :func:`first_fit_decreasing`), each original row a *segment* with its own id. The model's forward
 then keeps attention within a segment and restarts positions in each
-(:func:`asyncrl.model.transformer.same_segment`, :func:`~asyncrl.model.transformer.segment_positions`),
+(:class:`asyncrl.model.attention.SelfAttentionMask`, :func:`~asyncrl.model.transformer.segment_positions`),
 and :func:`~asyncrl.model.logprobs.per_token_logprobs` gives a segment's first token 0, so every
 token's log-prob is the one its unpacked row gives (docs/performance.md "Sequence packing").
 

@@ -18,6 +18,15 @@ JAX's size and compile-time thresholds are lowered to zero unless set in the env
 CPU most programs compile in under JAX's default one second and would not be cached.
 JAX keys entries by the program, the compile options, the devices and the jax/XLA
 versions, so a stale entry is never reused; the directory can be deleted at any time.
+
+On GPUs XLA times candidate kernels for each fusion and matmul while compiling (autotuning):
+on a real H100 most of the first train step's compile. The results are kept beside the
+executables, in ``<cache>/xla_gpu_per_fusion_autotune_cache_dir`` (XLA's
+``--xla_gpu_per_fusion_autotune_cache_dir``, which JAX sets from its
+``jax_persistent_cache_enable_xla_caches``; asyncrl names it explicitly, unless
+``$JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES`` says otherwise), so a program that misses the
+executable cache (another batch shape or option) but shares fusions with one compiled before is
+not tuned again; only process 0 writes them. An executable loaded from the cache is not tuned at all.
 """
 
 from __future__ import annotations
@@ -83,4 +92,11 @@ def enable_compile_cache(enabled: bool = True) -> Optional[Path]:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES" not in os.environ:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES" not in os.environ:
+        jax.config.update("jax_persistent_cache_enable_xla_caches", GPU_AUTOTUNE_CACHE)
     return where
+
+
+GPU_AUTOTUNE_CACHE = "xla_gpu_per_fusion_autotune_cache_dir"
+"""The XLA cache kept beside the executables (JAX's ``jax_persistent_cache_enable_xla_caches``): GPU
+autotuning results, one file per fusion, under ``<cache>/xla_gpu_per_fusion_autotune_cache_dir``."""

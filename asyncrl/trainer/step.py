@@ -75,6 +75,7 @@ from asyncrl.algo import (
 )
 from asyncrl.cluster.mesh import ROW_AXES, row_shards
 from asyncrl.engine.constraints import TrieTables, allowed_tokens
+from asyncrl.model.attention import compiled_for
 from asyncrl.model.blocks import dtype_of
 from asyncrl.model.compute_copy import cast_for_compute
 from asyncrl.model.critic import critic_shardings, per_token_values
@@ -642,8 +643,17 @@ def _train_step_impl(
     return opt_state, params, metrics, carry[3], carry[2]
 
 
+@functools.wraps(_train_step_impl)
+def _train_step_for_mesh(*args: Any, spec: StepSpec, **kwargs: Any) -> Any:
+    """:func:`_train_step_impl` traced for the devices of ``spec.mesh``: ``model.attention: auto``
+    picks their platform's kernel (:func:`asyncrl.model.attention.compiled_for`), whatever this
+    process's default backend (a compile-only target included)."""
+    with compiled_for(spec.mesh):
+        return _train_step_impl(*args, spec=spec, **kwargs)
+
+
 train_step = jax.jit(
-    _train_step_impl, static_argnames=("graphdef", "algo", "optim", "spec", "window", "critic"),
+    _train_step_for_mesh, static_argnames=("graphdef", "algo", "optim", "spec", "window", "critic"),
     donate_argnames=("opt_state", "critic_opt_state"),
 )
 """The jitted step: ``(opt_state, params, metrics)`` (with a critic ``+ (critic_opt_state,

@@ -15,8 +15,12 @@ untimed round, then ``--rounds`` timed rounds follow. ``trained_tokens_per_s`` i
 (loss-mask) tokens of all timed steps over their summed ``perf/train_time``; ``speedup`` packed
 over unpacked; ``positions`` the ``rows x L`` each step computes (packed: the packed rows).
 
+``--prompt-tokens N`` puts N more untrained tokens before every prompt: the long-prompt case,
+where an unpacked step sends only its completions' window through the lm head and a packed one
+every position.
+
 Usage: python scripts/bench.py pack [--models tiny] [--rows 64] [--batches 4] [--rounds 2]
-       [--bucket 64] [--data ../shared/data/gsm8k]
+       [--bucket 64] [--data ../shared/data/gsm8k] [--prompt-tokens 0]
 """
 
 from __future__ import annotations
@@ -50,14 +54,16 @@ def gsm8k_lengths(data: Path) -> list[tuple[int, int]]:
     return out
 
 
-def gsm8k_like_batch(lengths: list[tuple[int, int]], rows: int, bucket: int, vocab: int, seed: int) -> Any:
-    """A right-padded GRPO TrainBatch of ``rows`` GSM8K-length rows (random tokens and rewards)."""
+def gsm8k_like_batch(lengths: list[tuple[int, int]], rows: int, bucket: int, vocab: int, seed: int,
+                     prompt_tokens: int = 0) -> Any:
+    """A right-padded GRPO TrainBatch of ``rows`` GSM8K-length rows (random tokens and rewards);
+    ``prompt_tokens`` more (untrained) tokens before every prompt (a long few-shot prompt)."""
     import numpy as np
 
     from asyncrl.rollout.trajectory import TrainBatch
 
     rng = np.random.default_rng(seed)
-    picks = [lengths[i] for i in rng.integers(0, len(lengths), size=rows)]
+    picks = [(p + prompt_tokens, c) for p, c in (lengths[i] for i in rng.integers(0, len(lengths), size=rows))]
     ends = np.array([p + c for p, c in picks])
     length = int(-(-ends.max() // bucket) * bucket)
     pos = np.arange(length)[None]
@@ -80,7 +86,8 @@ def bench_model(name: str, args: argparse.Namespace, lengths: list[tuple[int, in
 
     model_cfg = bench_40m_config() if name == "bench-40m" else tiny_decoder_config(TinySpec())
     graphdef, params = split_params(init_decoder(model_cfg, seed=0))
-    batches = [gsm8k_like_batch(lengths, args.rows, args.bucket, model_cfg.vocab_size, seed) for seed in range(args.batches)]
+    batches = [gsm8k_like_batch(lengths, args.rows, args.bucket, model_cfg.vocab_size, seed, args.prompt_tokens)
+               for seed in range(args.batches)]
     longest = max(b.input_ids.shape[1] for b in batches)
     trainers = {}
     for pack in (False, True):
@@ -119,6 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="timed passes over the batches")
     parser.add_argument("--bucket", type=int, default=64, help="rollout.length_bucket")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="directory of GSM8K's train.jsonl")
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="untrained tokens added before every prompt (the long-prompt case: unpacked rows score "
+                             "only the lm-head window of their completions, packed rows whole)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -130,6 +140,7 @@ def run(args: argparse.Namespace) -> dict:
     load_start = load_avg()
     result: dict[str, Any] = {
         "rows": args.rows, "batches": args.batches, "rounds": args.rounds, "bucket": args.bucket,
+        "prompt_tokens": args.prompt_tokens,
         "completion_tokens_p5_p50_p95_max": [completions[int(q * (len(completions) - 1))] for q in (0.05, 0.5, 0.95, 1.0)],
         "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
     }

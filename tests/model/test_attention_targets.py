@@ -1,0 +1,61 @@
+"""``model.attention: auto`` compiled for accelerator targets on this CPU (asyncrl/model/attention.py):
+the train step compiled for a compile-only H100 runs cuDNN's flash attention with no ``[T, T]``
+mask operand, and for a v6e-8 splash attention (a Mosaic kernel), each with less XLA memory
+than ``model.attention: xla`` in the same run. Skipped unless jax's CUDA plugin / libtpu are
+importable (the aot venvs of tests/README.md: ``JAX_PLATFORMS=cpu ~/.cache/asyncrl-aot-cuda/bin/python -m pytest ...``).
+The recipes' own figures (the 0.5B recipe on h100, Qwen3-1.7B fsdp 8 on v6e-8) are docs/performance.md's."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.model.tiny import TinySpec, tiny_decoder_config
+from asyncrl.run.plan_compiled import CompiledMemory, lower_train_step
+from asyncrl.run.targets import get_target, plugin_installed, target_devices
+
+LENGTH = 256  # distinct from every model dimension, so a [T, T] operand is recognisable
+
+
+def compiled(target: str, devices: int, attention: str, fsdp: int = 1) -> tuple[str, int]:
+    """The optimized HLO text and XLA peak bytes of a tiny bfloat16 model's train step (16 rows of
+    LENGTH tokens, 2 micro-batches, remat, scanned layers) compiled for ``target``."""
+    model_cfg = tiny_decoder_config(TinySpec(layers=2)).replace(
+        compute_dtype="bfloat16", remat=True, scan_layers=True, attention=attention)
+    cfg = load_config(data={"rollout": {"batch_size": 4, "group_size": 4, "max_seq_len": LENGTH, "max_new_tokens": 128},
+                            "data": {"max_prompt_tokens": 128},
+                            "optim": {"micro_batches": 2}, "mesh": {"fsdp": fsdp}})
+    executable = lower_train_step(cfg, model_cfg, target_devices(get_target(target), devices), (16, LENGTH, LENGTH)).compile()
+    stats = executable.memory_analysis()
+    peak = CompiledMemory(int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
+                          int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes)).peak
+    return executable.as_text(), peak
+
+
+def kernel_operands(text: str, marker: str) -> list[str]:
+    """The operand lists of the custom calls whose line contains ``marker``."""
+    return [line.split("custom-call(", 1)[1] for line in text.splitlines() if marker in line and "custom-call(" in line]
+
+
+@pytest.mark.skipif(not plugin_installed("gpu"), reason="jax's CUDA plugin is not installed (tests/README.md: the aot venv)")
+@pytest.mark.timeout(900)  # two compiles for the target: seconds alone, minutes beside other work
+def test_h100_train_step_runs_cudnn_flash_attention_without_a_dense_mask():
+    text, peak = compiled("h100", 1, "auto")
+    operands = kernel_operands(text, "__cudnn$fmha")
+    assert operands and any("Backward" in line for line in text.splitlines() if "__cudnn$fmha" in line)
+    assert not [o for o in operands if re.search(rf"\[[0-9,]*{LENGTH},{LENGTH}\]", o)]  # no [.., T, T] mask or bias
+    xla_text, xla_peak = compiled("h100", 1, "xla")
+    assert "__cudnn$fmha" not in xla_text and peak < xla_peak
+
+
+@pytest.mark.skipif(not plugin_installed("tpu"), reason="libtpu is not installed (tests/README.md: the aot venv)")
+@pytest.mark.timeout(900)
+def test_v6e_train_step_runs_splash_attention_per_chip():
+    text, peak = compiled("v6e-8", 8, "auto", fsdp=8)
+    operands = kernel_operands(text, "tpu_custom_call")
+    assert operands and "splash" in text
+    assert not [o for o in operands if re.search(rf"\[[0-9,]*{LENGTH},{LENGTH}\]", o)]
+    xla_text, xla_peak = compiled("v6e-8", 8, "xla", fsdp=8)
+    assert "tpu_custom_call" not in xla_text and peak < xla_peak
