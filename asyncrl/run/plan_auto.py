@@ -118,9 +118,8 @@ def run_peak(cfg: Config, target: Any, devices: int, hosts: int) -> int:
     less the trainer's parameter arrays when the engine serves them as they are (both programs
     read them: one copy on the device)."""
     from asyncrl.cluster.placement import resolve_placement
-    from asyncrl.run.plan_compiled import compile_lowered, engine_args, lower_decode_chunk, lower_train_step
+    from asyncrl.run.plan_compiled import compile_lowered, engine_args, lower_decode_chunk, lower_train_step, train_shape
     from asyncrl.run.plan_formulas import abstract_params, plan_layout, plan_stage, stage_decoder_config
-    from asyncrl.run.plan_target import train_shape
     from asyncrl.run.targets import target_devices
 
     found = target_devices(target, devices, hosts)

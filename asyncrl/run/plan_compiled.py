@@ -339,3 +339,20 @@ def compiled_decode_chunk(cfg: Config, model_cfg: Any) -> CompiledMemory:
     mesh = Mesh(np.array(one, dtype=object).reshape(1, 1, 1), MESH_AXES)
     engine = engine_args(cfg, model_cfg, placement, one[0].platform, mesh=mesh)
     return _compiled_memory(lower_decode_chunk(cfg, engine))
+
+
+def train_shape(cfg: Config, sft: bool, row_shards: int, hosts: int) -> tuple[int, int, int]:
+    """``(global rows, L, window)`` of the stage's first train step: the precompile's prediction
+    (:func:`~asyncrl.trainer.precompile.expected_first_shape`, per host, times the hosts); with
+    ``rollout.pack`` (and for SFT) the plan's worst case (:func:`~asyncrl.run.plan_formulas.batch_shape`),
+    rows padded to the trainer's multiple."""
+    mini = 1 if sft else cfg.algo.mini_batches
+    multiple = row_shards * mini * cfg.optim.micro_batches
+    if sft or cfg.rollout.pack:
+        rows, length, window = batch_shape(cfg, sft)
+        return -(-rows // multiple) * multiple, length, window
+    from asyncrl.trainer.precompile import expected_first_shape
+
+    local_rows = -(-cfg.rollout.batch_size * cfg.rollout.group_size // hosts)
+    rows, length, window = expected_first_shape(cfg, local_rows, max(multiple // hosts, 1))
+    return rows * hosts, length, window

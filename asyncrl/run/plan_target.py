@@ -45,13 +45,13 @@ from asyncrl.run.plan_compiled import (
     lower_prefill,
     lower_publish_cast,
     lower_train_step,
+    train_shape,
 )
 from asyncrl.run.plan_formulas import (
     DTYPE_BYTES,
     GIB,
     MemoryPlan,
     abstract_params,
-    batch_shape,
     engine_base_bytes,
     params_per_device,
     plan_layout,
@@ -158,23 +158,6 @@ def _plan_mesh(plan: MemoryPlan) -> Any:
 
 
 # --------------------------------------------------------------------------- what is compiled
-
-
-def train_shape(cfg: Config, sft: bool, row_shards: int, hosts: int) -> tuple[int, int, int]:
-    """``(global rows, L, window)`` of the stage's first train step: the precompile's prediction
-    (:func:`~asyncrl.trainer.precompile.expected_first_shape`, per host, times the hosts); with
-    ``rollout.pack`` (and for SFT) the plan's worst case (:func:`~asyncrl.run.plan_formulas.batch_shape`),
-    rows padded to the trainer's multiple."""
-    mini = 1 if sft else cfg.algo.mini_batches
-    multiple = row_shards * mini * cfg.optim.micro_batches
-    if sft or cfg.rollout.pack:
-        rows, length, window = batch_shape(cfg, sft)
-        return -(-rows // multiple) * multiple, length, window
-    from asyncrl.trainer.precompile import expected_first_shape
-
-    local_rows = -(-cfg.rollout.batch_size * cfg.rollout.group_size // hosts)
-    rows, length, window = expected_first_shape(cfg, local_rows, max(multiple // hosts, 1))
-    return rows * hosts, length, window
 
 
 def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_dir: Optional[Path] = None) -> Iterator[ProgramReport]:
