@@ -21,6 +21,7 @@ STAGES = {
 }
 
 
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
 def test_a_finished_staged_run_is_extended_by_raising_its_last_stage(tmp_path):
     out = tmp_path / "staged"
     config = write_config(tmp_path, out, **STAGES)

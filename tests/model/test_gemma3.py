@@ -165,6 +165,7 @@ print("tensor-parallel gemma3 engine matches")
 """
 
 
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
 def test_tensor_parallel_engine_decodes_the_tiny_gemma3_as_one_device_does():
     """Prompts of 11 tokens and 14 new ones: the sliding layer's window (8) is crossed in prefill and decode."""
     from tests.helpers import run_python, subprocess_env
@@ -174,6 +175,7 @@ def test_tensor_parallel_engine_decodes_the_tiny_gemma3_as_one_device_does():
     assert "tensor-parallel gemma3 engine matches" in proc.stdout
 
 
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
 def test_scanned_gemma3_layers_give_the_unrolled_logits_and_gradients(checkpoint):
     """``model.scan_layers`` (on by default on GPUs and TPUs): runs of sliding layers and global ones each
     take their own rope and mask, so scanning matches the unrolled layers (and transformers)."""

@@ -240,6 +240,7 @@ def test_router_logits_reach_the_trainer_with_scanned_layers(checkpoint):
     np.testing.assert_allclose(plain_scanned, logprobs, atol=1e-5)
 
 
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
 def test_remat_gives_the_same_gradients(checkpoint):
     from asyncrl.model import per_token_logprobs
 

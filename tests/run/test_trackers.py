@@ -118,6 +118,7 @@ def mlflow_run(experiment: str) -> tuple[Any, Any]:
     return runs.iloc[0], MlflowClient(uri)
 
 
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
 def test_wandb_and_mlflow_get_the_run_and_resume_continues_it_without_a_repeated_step(offline, tmp_path):
     out = tmp_path / "run"
     raw, _ = train_run(out, offline)
