@@ -25,6 +25,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 from pydantic import ConfigDict, Field
 
 from asyncrl.config import Config, OptimConfig
@@ -121,3 +122,11 @@ def update_count(opt_state: Any) -> jax.Array:
     if not counts:
         raise ValueError("optimizer state has no schedule count")
     return counts[0]
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, opt_state: Any, p_shardings: Any, mesh: Any) -> Any:
+    """Shardings of an optax state: per-parameter leaves follow their parameter, the rest replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return optax.tree_map_params(
+        optimizer, lambda _, sharding: sharding, opt_state, p_shardings, transform_non_params=lambda _: replicated
+    )

@@ -41,7 +41,7 @@ def packed_fields(fields: dict[str, np.ndarray], *, mini_batches: int, row_multi
 
 
 def packed_targets(batch: dict[str, jax.Array], algo: Optional[AlgoParams], sft: bool) -> tuple[jax.Array, jax.Array]:
-    """:func:`~asyncrl.trainer.step.batch_targets` of a packed batch: ``(mask, advantages)`` bool /
+    """:func:`~asyncrl.trainer.losses.batch_targets` of a packed batch: ``(mask, advantages)`` bool /
     float32 ``[P, L]``. The estimator sees one entry per token, real only at segments' first tokens
     (``row_group_index >= 0``; every other entry is a padding row to it), so its group statistics
     are the original rows'; a segment's tokens then share its first token's advantage and keep."""
@@ -58,7 +58,7 @@ def packed_targets(batch: dict[str, jax.Array], algo: Optional[AlgoParams], sft:
     mask = batch["loss_mask"] & in_segment & (spread(keep.astype(jnp.float32)) > 0)
     if "advantages" in batch:
         return mask, batch["advantages"].astype(jnp.float32)
-    if algo.uses_critic:  # GAE's per-token advantages need the critic's values (step.critic_targets)
+    if algo.uses_critic:  # GAE's per-token advantages need the critic's values (losses.critic_targets)
         return mask, jnp.zeros(segment_ids.shape, jnp.float32)
     advantages = compute_advantages(flat(batch["row_rewards"]), group_index, _completion_lengths(batch), algo)  # 0 off first tokens
     return mask, jnp.where(in_segment, spread(advantages), 0.0)

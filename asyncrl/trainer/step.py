@@ -8,15 +8,15 @@ whose config is static (the model graphdef, :class:`~asyncrl.algo.AlgoParams`,
 configs share one compilation (:func:`compile_count`). It reads top to bottom:
 
 1. trained mask and advantages from ``rewards`` + ``group_index`` (``asyncrl.algo``),
-   unless the batch carries its own advantages (:func:`batch_targets`);
+   unless the batch carries its own advantages (:func:`~asyncrl.trainer.losses.batch_targets`);
 2. pi_prox log-probs of the step's starting weights, once, on the whole batch, no
    gradient, when ``algo`` needs them recomputed (decoupled with ``prox_logp: recompute``,
    or mismatch correction); reference log-probs (frozen initial weights) only when
-   ``algo.kl_coef > 0`` (:func:`batch_logprobs`);
+   ``algo.kl_coef > 0`` (:func:`~asyncrl.trainer.losses.batch_logprobs`);
 2b. with a critic (``algo.estimator: gae``, a static :class:`CriticSpec`): the critic's values at the
-   step's start, and from them GAE advantages and returns (:func:`critic_targets`);
+   step's start, and from them GAE advantages and returns (:func:`~asyncrl.trainer.losses.critic_targets`);
 3. ``lax.scan`` over the updates (:func:`optimizer_update`; with a critic, each policy update is
-   followed by one of the critic's, :func:`critic_micro_loss`); each accumulates float32
+   followed by one of the critic's, :func:`~asyncrl.trainer.losses.critic_micro_loss`); each accumulates float32
    gradients over ``optim.micro_batches`` (:func:`accumulate_gradients`, a ``lax.scan``) with
    the mini-batch's aggregation denominators, then clips the global norm once and applies the
    optax update. An update whose loss or gradient norm is not finite keeps the old parameters
@@ -61,19 +61,10 @@ from asyncrl.algo import (
     AlgoParams,
     accumulate_diagnostics,
     aggregation_denominators,
-    compute_advantages,
-    gae,
-    masked_whiten,
     packed_denominators,
-    policy_loss,
     shaped_rewards,
-    token_mean,
-    token_rewards,
-    trained_mask,
-    value_loss,
-    value_statistics,
 )
-from asyncrl.cluster.mesh import ROW_AXES, row_shards
+from asyncrl.cluster.mesh import ROW_AXES
 from asyncrl.engine.constraints import TrieTables, allowed_tokens
 from asyncrl.model.attention import compiled_for
 from asyncrl.model.blocks import dtype_of
@@ -81,85 +72,13 @@ from asyncrl.model.compute_copy import cast_for_compute
 from asyncrl.model.critic import critic_shardings, per_token_values
 from asyncrl.model.logprobs import per_token_logprobs, take_window, window_starts
 from asyncrl.model.sharding import param_shardings
-from asyncrl.trainer.optim import OptimParams, build_optimizer, dotted_path, learning_rate_schedule, update_count
+from asyncrl.trainer.losses import batch_logprobs, batch_targets, critic_micro_loss, critic_targets, lora_weights, micro_loss
+from asyncrl.trainer.optim import OptimParams, build_optimizer, learning_rate_schedule, opt_state_shardings, update_count
 from asyncrl.trainer.packed import packed_shaped_rewards, packed_targets
+from asyncrl.trainer.spec import CriticSpec, HashedGraphDef, StepSpec
 
 _TRACE_COUNT = [0]
 """Traces of the train step in this process (:func:`compile_count`)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StepSpec:
-    """Static shape of a step: the mesh, the model config, and the update structure."""
-
-    mesh: Any
-    """``jax.sharding.Mesh`` (hashable)."""
-    model_cfg: Any
-    """``asyncrl.model.DecoderConfig`` (for the partition rules)."""
-    ppo_epochs: int = 1
-    mini_batches: int = 1
-    micro_batches: int = 1
-    objective: str = "rl"
-    """``rl``: the policy loss of ``asyncrl.algo``; ``sft``: cross-entropy on trained tokens
-    (one optimizer update per step: ``ppo_epochs == mini_batches == 1``)."""
-    lora_dropout: float = 0.0
-    """LoRA adapter-input dropout of the gradient passes (0: none; see :mod:`asyncrl.model.lora`)."""
-    trie_branch: int = 0
-    """With a decoding constraint (the ``trie`` argument of :func:`train_step`): the width of its
-    per-token allowed-token gather (the trie pool's ``max_branch``); 0 without one."""
-    entropy: bool = True
-    """Compute the policy's token entropy (a pass over ``[tokens, vocab]``): needed when
-    ``algo.entropy_coef > 0``, else only for the ``train/entropy`` diagnostic (``algo.log_entropy``)."""
-
-    @property
-    def row_shards(self) -> int:
-        return row_shards(self.mesh)
-
-
-@dataclasses.dataclass(frozen=True)
-class CriticSpec:
-    """Static description of the critic of ``algo.estimator: gae`` (:mod:`asyncrl.model.critic`)."""
-
-    graphdef: Any
-    """The critic decoder's graphdef (a :class:`HashedGraphDef`)."""
-    model_cfg: Any
-    """Its ``DecoderConfig`` (partition rules)."""
-    optim: OptimParams
-    """``critic.optim``, resolved."""
-    value_clip: Optional[float] = 0.2
-    loss_coef: float = 1.0
-    lora_dropout: float = 0.0
-    """LoRA adapter dropout of the critic's gradient passes (``critic.lora.dropout``; 0: none)."""
-
-
-class HashedGraphDef:
-    """A model graphdef as :func:`train_step`'s static argument, hashed once.
-
-    jit hashes its static arguments on every call, and an NNX graphdef hashes its whole node
-    tree each time (about half a millisecond for ``tiny``: a visible share of a small step's
-    fixed cost). Equal to another wrapper of an equal graphdef, so equal models still share
-    one compilation."""
-
-    __slots__ = ("graphdef", "_hash")
-
-    def __init__(self, graphdef: Any):
-        self.graphdef = graphdef
-        self._hash = hash(graphdef)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, HashedGraphDef) and self._hash == other._hash
-                                 and self.graphdef == other.graphdef)
-
-
-def opt_state_shardings(optimizer: optax.GradientTransformation, opt_state: Any, p_shardings: Any, mesh: Any) -> Any:
-    """Shardings of an optax state: per-parameter leaves follow their parameter, the rest replicated."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return optax.tree_map_params(
-        optimizer, lambda _, sharding: sharding, opt_state, p_shardings, transform_non_params=lambda _: replicated
-    )
 
 
 @functools.partial(jax.jit, static_argnames=("optim", "spec"))
@@ -215,145 +134,6 @@ def to_chunks(x: jax.Array, spec: StepSpec) -> jax.Array:
     return jax.lax.with_sharding_constraint(
         x, NamedSharding(spec.mesh, PartitionSpec(None, None, ROW_AXES, *([None] * len(rest))))
     )
-
-
-def lora_weights(frozen: Optional[Any], dropout: float, theta: Any, key: Optional[jax.Array] = None) -> Any:
-    """The forward's params: ``theta`` alone (full training), or the frozen base + adapters
-    ``theta`` (+ fresh dropout keys for a gradient pass with LoRA dropout)."""
-    if frozen is None:
-        return theta
-    from asyncrl.model.lora import combine_params, dropout_keys, partition_params
-
-    keys = dropout_keys(partition_params(frozen)[2], key) if (key is not None and dropout > 0) else None
-    return combine_params(frozen, theta, keys)
-
-
-def sft_loss(logprobs: jax.Array, entropy: Optional[jax.Array], mask: jax.Array, denominators: Any) -> tuple[jax.Array, dict]:
-    """This micro-batch's share of the mini-batch's token-mean negative log-likelihood.
-
-    ``logprobs``/``entropy`` float32 ``[b, L]`` (from :func:`per_token_logprobs` at T = 1;
-    ``entropy`` None: not computed, no ``entropy`` diagnostic),
-    ``mask`` bool ``[b, L]`` the trained tokens; ``denominators`` are the whole mini-batch's
-    (:func:`~asyncrl.algo.aggregation_denominators`), so the shares of the micro-batches add up
-    to the mini-batch loss exactly. Masked positions never reach the value or the gradient.
-    Returns ``(loss, {"sft_loss", "entropy"})`` (diagnostics are shares too)."""
-    nll = token_mean(-logprobs, mask, denominators)
-    diagnostics = {"sft_loss": nll}
-    if entropy is not None:
-        diagnostics["entropy"] = token_mean(jax.lax.stop_gradient(entropy), mask, denominators)
-    return nll, diagnostics
-
-
-def batch_targets(batch: dict[str, jax.Array], algo: Optional[AlgoParams], sft: bool) -> tuple[jax.Array, jax.Array]:
-    """``(mask, advantages)`` of the whole batch: bool ``[rows, L]`` the trained tokens, and float32
-    ``[rows]`` (computed: group statistics are global, so never per micro-batch) or ``[rows, L]``
-    (the workflow's own, when the batch carries them). SFT trains exactly ``loss_mask`` on real
-    rows and needs no advantages (zeros, unused); so does ``gae`` here (its per-token advantages
-    need the critic's values: :func:`critic_targets`)."""
-    if sft:
-        mask = batch["loss_mask"] & (batch["group_index"] >= 0)[:, None]
-        return mask, jnp.zeros(batch["rewards"].shape, jnp.float32)
-    assert algo is not None
-    mask = trained_mask(batch["loss_mask"], batch["group_index"], batch["truncated"], algo)
-    if "advantages" in batch:
-        return mask, batch["advantages"].astype(jnp.float32)
-    if algo.uses_critic:
-        return mask, jnp.zeros(batch["rewards"].shape, jnp.float32)
-    return mask, compute_advantages(batch["rewards"], batch["group_index"], jnp.sum(batch["loss_mask"], axis=-1), algo)
-
-
-def batch_logprobs(forward: Callable, weights: Any, chunks: dict[str, jax.Array]) -> jax.Array:
-    """``[M, U, S * b, W]`` log-probs (``W`` the step's window) of every chunk under ``weights``, no gradient (pi_prox or
-    pi_ref). One micro-batch at a time (``lax.map``): the memory of one forward, like training."""
-    m_count, u_count = chunks["input_ids"].shape[:2]
-    flat = lambda x: None if x is None else x.reshape(m_count * u_count, *x.shape[2:])
-    one = lambda a: forward(weights, a[0], a[1], a[2], with_entropy=False, nodes=a[3], segments=a[4])[0]
-    out = jax.lax.map(one, (flat(chunks["input_ids"]), flat(chunks["attention_mask"]), flat(chunks["window_start"]),
-                            flat(chunks.get("constraint_nodes")), flat(chunks.get("segment_ids"))))
-    return jax.lax.stop_gradient(out.reshape(m_count, u_count, *out.shape[1:]))
-
-
-def critic_targets(chunks: dict[str, jax.Array], rewards: jax.Array, old_values: jax.Array,
-                   algo: AlgoParams) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
-    """GAE on the chunked batch: ``{advantages, returns, old_values}`` ``[M, U, S * b, W]`` and the
-    whole-batch value statistics. ``rewards`` ``[M, U, S * b]`` shaped sequence rewards (packed:
-    ``[M, U, S * b, L]``, each token's row's), ``old_values`` the critic's values at the step's start.
-    GAE runs per row (packed: per segment), so the chunk layout does not matter; the advantages
-    are whitened over every trained token of the batch."""
-    shape = chunks["mask"].shape
-    flat = lambda x: x.reshape(-1, shape[-1])
-    mask = flat(chunks["mask"])
-    segments = flat(chunks["segment_ids"]) if "segment_ids" in chunks else None
-    kl = None
-    if algo.reward_kl_coef > 0:  # log pi_old - log pi_ref (pi_old: pi_prox, or the behaviour policy)
-        kl = flat(chunks["prox_logprobs"]) - flat(chunks["ref_logprobs"])
-    reward = token_rewards(rewards.reshape(-1) if segments is None else flat(rewards), mask, kl, algo.reward_kl_coef,
-                           segment_ids=segments)
-    values = flat(old_values)
-    advantages, returns = gae(reward, values, mask, gamma=algo.gamma, lam=algo.lam, segment_ids=segments)
-    stats = value_statistics(values, returns, mask)
-    out = {"advantages": masked_whiten(advantages, mask), "returns": returns, "old_values": jnp.where(mask, values, 0.0)}
-    return {k: v.reshape(shape) for k, v in out.items()}, stats
-
-
-def critic_micro_loss(theta: Any, x: dict[str, jax.Array], denominators: Any, key: Optional[jax.Array], *,
-                      forward: Callable, critic: CriticSpec) -> tuple[jax.Array, dict]:
-    """One micro-batch's share of its mini-batch's value loss (times ``critic.loss_coef``),
-    differentiated in the critic's ``theta``; chunks as in :func:`micro_loss`."""
-    values = forward(theta, x["input_ids"], x["attention_mask"], x["window_start"], key, segments=x.get("segment_ids"))
-    loss, diagnostics = value_loss(values, x["old_values"], x["returns"], x["mask"], denominators, critic.value_clip)
-    return critic.loss_coef * loss, diagnostics
-
-
-def micro_loss(theta: Any, x: dict[str, jax.Array], denominators: Any, key: Optional[jax.Array], *,
-               forward: Callable, algo: Optional[AlgoParams], router_top_k: int = 0) -> tuple[jax.Array, dict]:
-    """One micro-batch's share of its mini-batch's loss, and the diagnostics; differentiated
-    in ``theta``. ``x``: the micro-batch's chunks, ``[S * b, L]`` / ``[S * b]``; ``algo`` None
-    for SFT; ``key`` the micro-batch's LoRA dropout key (or None). Token arrays other than
-    ``input_ids`` / ``attention_mask`` are ``[S * b, W]`` windows (``window_start``).
-    ``router_top_k`` (a mixture-of-experts policy's top-k, 0 otherwise): add the router terms
-    (:func:`router_terms`)."""
-    segments = x.get("segment_ids")  # packed rows: [S * b, L]
-    router = {"with_router": True} if router_top_k else {}
-    outputs = forward(theta, x["input_ids"], x["attention_mask"], x["window_start"], key,
-                      nodes=x.get("constraint_nodes"), segments=segments, **router)
-    logprobs, entropy = outputs[:2]
-    if algo is None:
-        loss, diagnostics = sft_loss(logprobs, entropy, x["mask"], denominators)
-    else:
-        loss, diagnostics = policy_loss(
-            logprobs, x["prox_logprobs"], x["behavior_logprobs"], x["advantages"], x["mask"], denominators, algo,
-            entropy=entropy, ref_logprobs=x.get("ref_logprobs"), segment_ids=segments,
-        )
-    if not router_top_k:
-        return loss, diagnostics
-    coef = 0.0 if algo is None else algo.router_aux_loss_coef
-    aux_share, stats = router_terms(outputs[2], x["attention_mask"], x["real"], denominators, router_top_k, segments)
-    return loss + coef * aux_share, dict(diagnostics, **stats)
-
-
-def router_terms(router_logits: list[jax.Array], attention_mask: jax.Array, real: jax.Array, denominators: Any,
-                 top_k: int, segment_ids: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
-    """A mixture-of-experts micro-batch's load-balancing loss, as its share of the mini-batch's
-    (weighted by its real rows, like a row mean), and its routing statistics: ``router_aux_loss``
-    (logged ``loss/router_aux``) and ``expert_load_max`` (``train/expert_load_max``, maximised over
-    micro-batches; :func:`asyncrl.model.moe.expert_load_max`). ``router_logits`` float32
-    ``[rows * L, E]`` per MoE layer; ``attention_mask`` ``[rows, L]`` and ``real`` ``[rows]`` pick
-    the real tokens. Packed (``segment_ids [rows, L]``), the micro-batch's rows are its segments:
-    the loss is over the same tokens, grouped into micro-batches as packing groups them. The
-    experts drop no token (no capacity limit), so there is no drop count."""
-    from asyncrl.model.moe import expert_load_max, load_balancing_loss
-
-    tokens = (attention_mask & real[:, None]).reshape(-1)  # [rows * L]
-    aux = load_balancing_loss(router_logits, top_k, tokens)
-    if segment_ids is None:
-        rows_here = jnp.sum(real).astype(jnp.float32)
-    else:  # a segment starts where the id changes to a non-zero one
-        previous = jnp.concatenate([jnp.zeros_like(segment_ids[:, :1]), segment_ids[:, :-1]], axis=1)
-        rows_here = jnp.sum((segment_ids > 0) & (segment_ids != previous)).astype(jnp.float32)
-    share = aux * rows_here / jnp.maximum(denominators.rows, 1.0)
-    stats = {"router_aux_loss": share, "expert_load_max": expert_load_max(router_logits, top_k, tokens)}
-    return share, jax.tree.map(jax.lax.stop_gradient, stats)
 
 
 def accumulate_gradients(grad_fn: Callable, theta: Any, mini: dict[str, jax.Array], update_key: Optional[jax.Array],
@@ -531,7 +311,7 @@ def _train_step_impl(
 
     ``critic`` (static; ``algo.estimator: gae``): the critic's ``critic_params`` / ``critic_opt_state``
     (``critic_frozen``: its LoRA base, ``critic_dropout_key`` its adapter dropout). Its values at the
-    step's start give the GAE advantages and returns (:func:`critic_targets`); each optimizer update
+    step's start give the GAE advantages and returns (:func:`~asyncrl.trainer.losses.critic_targets`); each optimizer update
     of the policy is followed by one of the critic on the same mini-batch. The step then returns
     ``(opt_state, params, metrics, critic_opt_state, critic_params)``."""
     _TRACE_COUNT[0] += 1
@@ -706,51 +486,3 @@ def loss_window(loss_mask: np.ndarray, multiple: int) -> int:
     last = length - 1 - np.argmax(loss_mask[:, ::-1], axis=1)
     span = int(np.max(np.where(any_true, last - first + 1, 0)))
     return min(length, -(-span // multiple) * multiple)
-
-
-# --------------------------------------------------------------------------- what a step costs
-
-
-def matmul_params(params: Any, model_cfg: Any) -> int:
-    """Parameters that take part in matmuls (every matrix but the embedding table, plus the lm head);
-    of a mixture-of-experts layer's stacked experts ``[E, in, out]`` the ``k / E`` a token runs through."""
-    total = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if leaf.ndim == 2 and "embed_tokens" not in dotted_path(path):
-            total += int(np.prod(leaf.shape))
-        elif leaf.ndim == 3 and ".experts." in dotted_path(path):
-            total += int(np.prod(leaf.shape)) * model_cfg.num_experts_per_tok // model_cfg.num_experts
-    if model_cfg.tie_word_embeddings:
-        total += model_cfg.vocab_size * model_cfg.hidden_size
-    return total
-
-
-def step_flops(n_matmul_params: int, model_cfg: Any, algo: Optional[AlgoParams], epochs: int, rows: int, length: int,
-               train_passes: int = 3, window: Optional[int] = None) -> float:
-    """Model FLOPs of one step (rematerialisation not counted), on every position of the padded batch.
-
-    A forward pass costs ``2 * n_matmul_params + 4 * layers * L * heads * head_dim`` per token
-    (:func:`matmul_params`; the attention is computed over all L positions), except that the lm
-    head (``2 * vocab * hidden``) runs over the ``window`` scored positions only (default ``L``);
-    a training pass (forward + backward) three forwards; pi_prox and pi_ref one forward each when
-    computed (``algo=None``: an SFT step, training passes only). With LoRA a training pass is
-    ``train_passes=2`` forwards: the frozen weights need no weight gradients (the adapters'
-    own matmuls are not counted).
-    """
-    head = 2 * model_cfg.vocab_size * model_cfg.hidden_size
-    window = length if window is None else min(window, length)
-    per_token = 2 * n_matmul_params - head + 4 * model_cfg.num_layers * length * model_cfg.num_heads * model_cfg.head_dim
-    passes = train_passes * epochs
-    if algo is not None:
-        passes += int(algo.needs_prox_recompute) + int(algo.needs_reference)
-    return (float(per_token) * length + float(head) * window) * rows * passes
-
-
-def critic_step_flops(critic_matmul_params: int, model_cfg: Any, epochs: int, rows: int, length: int,
-                      train_passes: int = 3) -> float:
-    """Model FLOPs of the critic in one step (``algo.estimator: gae``): the forward of its values at
-    the step's start and ``train_passes`` forwards per epoch, every one without an lm head
-    (``critic_matmul_params``: :func:`matmul_params` of its decoder, which counts no head), the
-    value head's ``2 * hidden`` per position included."""
-    per_token = 2 * critic_matmul_params + 2 * model_cfg.hidden_size + 4 * model_cfg.num_layers * length * model_cfg.num_heads * model_cfg.head_dim
-    return float(per_token) * length * rows * (1 + train_passes * epochs)

@@ -22,6 +22,7 @@ from asyncrl.cluster.mesh import build_mesh, initialize_distributed, local_row_s
 from asyncrl.errors import TrainerError
 from asyncrl.model.sharding import param_shardings
 from asyncrl.pytree import TreeError, fill, keyed_leaves, to_host, tree_to_host
+from asyncrl.trainer.flops import critic_step_flops, matmul_params, step_flops
 from asyncrl.trainer.optim import OptimParams, update_count
 from asyncrl.trainer.packed import packed_fields
 from asyncrl.trainer.precompile import Precompile, abstract_batch
@@ -32,13 +33,10 @@ from asyncrl.trainer.step import (
     abstract_critic_opt_state,
     abstract_opt_state,
     compile_count,
-    critic_step_flops,
     init_critic_opt_state,
     init_opt_state,
     loss_window,
-    matmul_params,
     nll_sums,
-    step_flops,
     token_logprobs_jit,
     train_step,
 )
@@ -110,7 +108,7 @@ class Trainer:
 
     ``objective="sft"`` makes the same machinery (optax chain, mesh placement, micro-batching,
     non-finite guard, metrics, state) train supervised: :meth:`step` then minimises the
-    token-mean cross-entropy of ``batch.loss_mask`` tokens at temperature 1 (:func:`~asyncrl.trainer.step.sft_loss`),
+    token-mean cross-entropy of ``batch.loss_mask`` tokens at temperature 1 (:func:`~asyncrl.trainer.losses.sft_loss`),
     one optimizer update per step (``algo`` is not read); batches come from
     :class:`asyncrl.run.sft.SFTData`.
 

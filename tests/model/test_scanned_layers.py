@@ -91,7 +91,7 @@ def test_plan_counts_the_stacked_copy_only_when_scanning():
 def test_scanned_lora_layers_with_dropout_give_the_unrolled_loss_and_gradients():
     """Adapters, their dropout keys and the frozen base stack like any layer variable."""
     from asyncrl.model.lora import LoraSpec, attach_lora
-    from asyncrl.trainer.step import lora_weights
+    from asyncrl.trainer.losses import lora_weights
 
     key = jax.random.key_data(jax.random.key(3))
     results = []

@@ -319,7 +319,7 @@ def test_qwen3_30b_a3b_has_its_published_size_and_shards_its_experts_over_fsdp()
     base, _ = params_per_device(model, params, _mesh(1, 8, 1))
     assert base == (MOE_PARAMS - MOE_NORMS) // 8 + MOE_NORMS
     # FLOPs (MFU) count the experts a token runs: top-8 of 128; with the embedding, the "A3B" 3.35B.
-    from asyncrl.trainer.step import matmul_params
+    from asyncrl.trainer.flops import matmul_params
 
     active = MOE_V * MOE_H + MOE_LAYERS * (MOE_ATTENTION + MOE_E * MOE_H + 8 * 3 * MOE_H * MOE_I)
     assert matmul_params(params, model) == active and 3.3e9 < active + MOE_V * MOE_H < 3.4e9

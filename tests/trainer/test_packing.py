@@ -15,8 +15,8 @@ from asyncrl.model.logprobs import per_token_logprobs
 from asyncrl.model.transformer import segment_positions
 from asyncrl.rollout.packing import pack_train_batch
 from asyncrl.trainer import Trainer
+from asyncrl.trainer.losses import batch_targets
 from asyncrl.trainer.packed import packed_targets
-from asyncrl.trainer.step import batch_targets
 from tests.trainer_fixtures import SGD, VOCAB_HIGH, VOCAB_LOW, mixed_length_batch, trainer_config
 
 # --------------------------------------------------------------------------- the model
