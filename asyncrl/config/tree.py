@@ -235,8 +235,15 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _check_stages(self) -> "Config":
+    def _check_stages(self, info: ValidationInfo) -> "Config":
         if not self.stages:
+            # Without stages the run is one RL stage, which never reads the sft section: settings
+            # there would be dropped in silence (and an SFT recipe would train with RL).
+            if self.sft != SFTConfig() and not (info.context or {}).get("stage"):
+                raise ValueError(
+                    "sft: set, but without stages the run is one RL stage, which does not use it; to train with "
+                    "SFT add stages: [{name: sft, type: sft, total_steps: N}] (and drop run.total_steps), "
+                    "or remove the sft section")
             return self
         problems = []
         if "total_steps" in self.run.model_fields_set:

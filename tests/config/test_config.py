@@ -10,6 +10,7 @@ from pydantic import Field
 from asyncrl.config import Config, Section, dump_config, load_config
 from asyncrl.config.overrides import apply_override
 from asyncrl.errors import ConfigError
+from tests.helpers import REPO_ROOT
 
 
 def problems_of(**kwargs) -> list[str]:
@@ -166,6 +167,10 @@ def test_no_stages_is_one_rl_stage():
     cfg = load_config(overrides=["run.total_steps=4"])
     ((stage, stage_cfg),) = cfg.stage_configs()
     assert (stage.type, stage.total_steps) == ("rl", 4) and stage_cfg is cfg and cfg.total_steps == 4
+    # that RL stage never reads the sft section: a setting there is refused, not dropped
+    (line,) = problems_of(data={"sft": {"batch_size": 8}})
+    assert line.startswith("sft: set, but without stages the run is one RL stage") and "type: sft" in line
+    assert load_config(REPO_ROOT / "configs" / "gsm8k_sft.yaml").stage_configs()[0][0].type == "sft"
 
 
 def test_dump_round_trip_with_stages(tmp_path):
@@ -182,7 +187,6 @@ def test_dump_round_trip_with_stages(tmp_path):
 def test_adapter_publishes_need_lora_and_one_process(extra, needle):
     import json
 
-    from tests.helpers import REPO_ROOT
 
     quickstart = REPO_ROOT / "configs" / "quickstart.yaml"
     remote = json.dumps({"urls": ["http://127.0.0.1:30000"], "publish_adapters": True})

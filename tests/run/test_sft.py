@@ -188,7 +188,8 @@ def test_gsm8k_sft_config_runs_two_steps_on_tiny(tiny_loaded):
         pytest.skip(f"{path} not present")
     cfg = load_config("configs/gsm8k_sft.yaml", ["model.path=tiny", f"data.dataset.kwargs.path={path}",
                                                  "sft.batch_size=8", "model.compute_dtype=float32"])
-    assert cfg.data.dataset.target == "gsm8k" and cfg.max_seq_len == 512
+    (stage, cfg), = cfg.stage_configs()  # one SFT stage, what `asyncrl train` runs
+    assert stage.type == "sft" and cfg.data.dataset.target == "gsm8k" and cfg.max_seq_len == 512
     from asyncrl.run.build import build_task_and_workflow
 
     cfg, task, workflow = build_task_and_workflow(cfg, tiny_loaded.tokenizer)
