@@ -1,12 +1,18 @@
-"""Helpers shared by tests: running Python in a fresh (spawned) subprocess."""
+"""Helpers shared by tests: running Python in fresh subprocesses, alone or as JAX processes on loopback."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+from typing import Callable
+
+from asyncrl.cluster.launch import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("ASYNCRL_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
@@ -34,6 +40,56 @@ def run_python(code: str, *, timeout: float = 110, env: dict[str, str] | None = 
     if proc.returncode != 0:
         raise AssertionError(f"subprocess exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc
+
+
+def start_jax_processes(argv: Callable[[int], list[str]], logs: list[Path], *, devices: int | None = None,
+                        xla_flags: str = "", **env: str) -> list[subprocess.Popen]:
+    """Python ``argv(pid)`` as ``len(logs)`` JAX processes on a loopback coordinator (one process:
+    no coordinator), ``devices`` forced CPU devices each, stdout and stderr to ``logs[pid]``.
+
+    Each runs in a session of its own, so :func:`stop_processes` can kill what it started too.
+    Output goes to files, not pipes: a chatty process cannot block on a full pipe while the test
+    waits on its peer.
+    """
+    flags = " ".join(f for f in (f"--xla_force_host_platform_device_count={devices}" if devices else "", xla_flags) if f)
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs = []
+    for pid, log_path in enumerate(logs):
+        child_env = subprocess_env(JAX_PLATFORMS="cpu", **({"XLA_FLAGS": flags} if flags else {}), **env)
+        if len(logs) > 1:
+            child_env.update(JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES=str(len(logs)),
+                             JAX_PROCESS_ID=str(pid))
+        with open(log_path, "w") as log:
+            procs.append(subprocess.Popen([sys.executable, *argv(pid)], env=child_env, cwd=REPO_ROOT, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout: float = 0.0) -> list[int | None]:
+    """Wait up to ``timeout`` seconds in all for ``procs`` to exit, then kill the session of each
+    one still running (SIGKILL; its exit code is then negative); the exit codes."""
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.01, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    return [proc.returncode for proc in procs]
+
+
+def run_jax_processes(log_dir: Path, argv: Callable[[int], list[str]], processes: int, *, timeout: float,
+                      devices: int | None = None, xla_flags: str = "", **env: str) -> tuple[list[int | None], list[str]]:
+    """:func:`start_jax_processes` with logs ``log_dir/p<pid>.log``, then :func:`stop_processes`:
+    the exit codes and the logs' text."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    logs = [log_dir / f"p{pid}.log" for pid in range(processes)]
+    codes = stop_processes(start_jax_processes(argv, logs, devices=devices, xla_flags=xla_flags, **env), timeout)
+    return codes, [log.read_text() for log in logs]
 
 
 # Compiler options for tests whose time is mostly XLA compiling small programs: LLVM's

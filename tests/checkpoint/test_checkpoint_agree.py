@@ -8,9 +8,6 @@ Each reader is one of two JAX processes on loopback (gloo), started here."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -18,7 +15,7 @@ import numpy as np
 import pytest
 
 from asyncrl.checkpoint import store as ck
-from tests.helpers import REPO_ROOT, subprocess_env
+from tests.helpers import run_jax_processes
 
 # argv: OUT (this process's run.output_dir); env: the JAX_* variables of a 2-process run.
 CHILD = textwrap.dedent(
@@ -41,34 +38,11 @@ CHILD = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_processes(outs: list[Path]) -> list[str]:
+def _two_processes(tmp_path: Path, outs: list[Path]) -> list[str]:
     """The child as two JAX processes (process i reading ``outs[i]``); their outputs."""
-    port = _free_port()
-    procs = []
-    for pid, out in enumerate(outs):
-        env = subprocess_env(JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                             JAX_PROCESS_ID=str(pid))
-        procs.append(subprocess.Popen([sys.executable, "-c", CHILD, str(out)], env=env, cwd=REPO_ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
-    outputs = []
-    try:
-        for proc in procs:
-            stdout, _ = proc.communicate(timeout=180)
-            assert proc.returncode == 0, stdout[-4000:]
-            outputs.append(stdout)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-    return outputs
+    codes, logs = run_jax_processes(tmp_path / "logs", lambda pid: ["-c", CHILD, str(outs[pid])], 2, timeout=180)
+    assert codes == [0, 0], logs
+    return logs
 
 
 def _save(out: Path, step: int) -> Path:
@@ -90,7 +64,7 @@ def test_a_file_damaged_in_one_process_share_is_skipped_by_both_naming_the_file(
     data[len(data) // 2] ^= 0xFF  # same size: only its sha256 tells
     (newest / damaged).write_bytes(bytes(data))
 
-    outputs = _two_processes([tmp_path, tmp_path])
+    outputs = _two_processes(tmp_path, [tmp_path, tmp_path])
     for pid, output in enumerate(outputs):
         assert "CHOSEN step_00000001" in output, (pid, output)
         skipped = [line for line in output.splitlines() if line.startswith("WARNING skipping checkpoint")]
@@ -104,7 +78,7 @@ def test_processes_that_see_different_checkpoints_are_refused_in_one_line(tmp_pa
     _save(both, 1)
     _save(both, 2)
     _save(older, 1)
-    outputs = _two_processes([both, older])  # as if run.output_dir were two local disks
+    outputs = _two_processes(tmp_path, [both, older])  # as if run.output_dir were two local disks
     for output in outputs:
         refused = [line for line in output.splitlines() if line.startswith("REFUSED")]
         assert len(refused) == 1, output

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import json
 import pickletools
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO_ROOT, subprocess_env
+from tests.helpers import run_jax_processes
 
 # argv: MODE(save|check) OUT FSDP; env: JAX_NUM_PROCESSES / JAX_PROCESS_ID / JAX_COORDINATOR_ADDRESS for 2 processes.
 CHILD = textwrap.dedent(
@@ -68,29 +65,12 @@ CHILD = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(mode: str, out: Path, processes: int, devices: int, fsdp: int) -> list[str]:
-    """The child as ``processes`` JAX processes of ``devices`` CPU devices each; their stdouts."""
-    port = _free_port()
-    procs = []
-    for pid in range(processes):
-        env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-        if processes > 1:
-            env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes),
-                       JAX_PROCESS_ID=str(pid))
-        procs.append(subprocess.Popen([sys.executable, "-c", CHILD, mode, str(out), str(fsdp)], env=env, cwd=REPO_ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    for proc in procs:
-        stdout, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, stdout[-4000:]
-        outputs.append(stdout)
-    return outputs
+    """The child as ``processes`` JAX processes of ``devices`` CPU devices each; their outputs."""
+    codes, logs = run_jax_processes(out / f"logs-{mode}-{processes}", lambda pid: ["-c", CHILD, mode, str(out), str(fsdp)],
+                                    processes, timeout=300, devices=devices)
+    assert codes == [0] * processes, logs
+    return logs
 
 
 def _equal(outputs: list[str]) -> list[dict]:

@@ -16,8 +16,6 @@ import contextlib
 import errno
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import time
 from typing import Iterator
@@ -26,7 +24,7 @@ import pytest
 
 from asyncrl.checkpoint import store as ck
 from asyncrl.errors import CheckpointError
-from tests.helpers import REPO_ROOT, subprocess_env
+from tests.helpers import run_jax_processes, start_jax_processes, stop_processes
 
 
 def tensorstore_error(code: int, path: str) -> ValueError:
@@ -136,26 +134,8 @@ def test_a_save_that_fails_on_one_of_two_processes_stops_both(tmp_path, fail, co
     """Two JAX processes on loopback: the process whose write failed raises its own line, the
     other one naming that process and its cause, at the same step, within seconds (not after
     checkpoint.barrier_timeout_s); the previous checkpoint stays the newest complete one."""
-    from tests.checkpoint.test_checkpoint_agree import _free_port
-
-    port = _free_port()
-    procs = []
-    for pid in range(2):
-        env = subprocess_env(JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                             JAX_PROCESS_ID=str(pid))
-        procs.append(subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(fail), str(code)], env=env,
-                                      cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
-    outputs = []
-    try:
-        for proc in procs:
-            stdout, _ = proc.communicate(timeout=240)
-            outputs.append(stdout)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+    _, outputs = run_jax_processes(tmp_path / "logs", lambda pid: ["-c", CHILD, str(tmp_path), str(fail), str(code)],
+                                   2, timeout=240)
     root = tmp_path / "checkpoints"
     cause = (f"cannot write the checkpoint of step 2 in {root}: [Errno {code}] {os.strerror(code)} (the previous "
              "complete checkpoint, step_00000001, is intact")
@@ -193,25 +173,13 @@ def test_asyncrl_train_on_two_processes_stops_both_when_one_save_fails(tmp_path)
     """The CLI on two processes (2 CPU devices each): process 1's part of step 2's checkpoint
     fails with ENOSPC; both stop at the same step with exit 1, process 1 with its own line,
     process 0 naming process 1 and its cause; step 1's checkpoint stays the newest complete one."""
-    from asyncrl.cluster.launch import free_port
-    from tests.cluster.test_multiprocess import FAST_COMPILE_FLAGS, _config, _kill, _logs
+    from tests.cluster.test_multiprocess import FAST_COMPILE_FLAGS, _config, _logs
 
     config = _config(tmp_path, "fail", run={"total_steps": 6}, checkpoint={"every_steps": 1, "keep": 5})
-    port = free_port()
-    procs = []
-    for pid in range(2):
-        env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {FAST_COMPILE_FLAGS}",
-                             JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                             JAX_PROCESS_ID=str(pid))
-        log = open(config.with_suffix(f".p{pid}.log"), "w")
-        procs.append(subprocess.Popen([sys.executable, "-c", TRAIN_CHILD, str(config), "1", str(errno.ENOSPC), "2"],
-                                      env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-        log.close()
-    try:
-        codes = [proc.wait(timeout=300) for proc in procs]
-    finally:
-        _kill(procs)
+    procs = start_jax_processes(lambda pid: ["-c", TRAIN_CHILD, str(config), "1", str(errno.ENOSPC), "2"],
+                                [config.with_suffix(f".p{pid}.log") for pid in range(2)], devices=2,
+                                xla_flags=FAST_COMPILE_FLAGS)
+    codes = stop_processes(procs, timeout=300)
     logs = [config.with_suffix(f".p{pid}.log").read_text() for pid in range(2)]
     assert codes == [1, 1], _logs(config, 2)
     out = tmp_path / "fail"

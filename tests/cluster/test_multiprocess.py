@@ -19,7 +19,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,11 +29,10 @@ import yaml
 
 from asyncrl.checkpoint import checkpoint_problems, checkpoints_root, latest_checkpoint, load_checkpoint, step_dir_name
 from asyncrl.cluster.distributed import resolved_distributed
-from asyncrl.cluster.launch import free_port
 from asyncrl.config.sections import DistributedConfig
 from asyncrl.errors import ConfigError
 from asyncrl.run.multihost import pack_block, split_rows, unpack_block
-from tests.helpers import REPO_ROOT, subprocess_env
+from tests.helpers import start_jax_processes, stop_processes
 from tests.trainer_fixtures import make_batch
 
 BASE: dict[str, Any] = {
@@ -123,36 +121,17 @@ def _config(tmp_path: Path, name: str, **sections: Any) -> Path:
 
 def _start(config: Path, processes: int, devices: int, *args: str) -> list[subprocess.Popen]:
     """``asyncrl train CONFIG`` as ``processes`` JAX processes of ``devices`` CPU devices each."""
-    port = free_port()
-    procs = []
-    for pid in range(processes):
-        env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_FLAGS}",
-                             JAX_PLATFORMS="cpu")
-        if processes > 1:
-            env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes),
-                       JAX_PROCESS_ID=str(pid))
-        log = open(config.with_suffix(f".p{pid}.log"), "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", str(config), *args], env=env,
-                                      cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        log.close()
-    return procs
+    return start_jax_processes(lambda pid: ["-m", "asyncrl.cli", "train", str(config), *args],
+                               [config.with_suffix(f".p{pid}.log") for pid in range(processes)], devices=devices,
+                               xla_flags=FAST_COMPILE_FLAGS)
 
 
-def _wait(procs: list[subprocess.Popen], config: Path, timeout: float = PROCESS_TIMEOUT_S) -> list[int]:
-    deadline = time.monotonic() + timeout
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        _kill(procs)
-    return [proc.returncode for proc in procs]
+def _wait(procs: list[subprocess.Popen], config: Path, timeout: float = PROCESS_TIMEOUT_S) -> list[int | None]:
+    return stop_processes(procs, timeout)
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+    stop_processes(procs)
 
 
 def _logs(config: Path, processes: int) -> str:

@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
-from typing import Callable
 
 import httpx
 import ml_dtypes
@@ -18,8 +14,8 @@ import pytest
 from asyncrl.engine import sglang_protocol as sp
 from asyncrl.engine.publish import TENSOR_HASHES, PublishError, WeightsWriter, assign_owners, shard_file_name
 from asyncrl.model.hf import SAFETENSORS_INDEX, hf_tensors_from_params, read_safetensors
-from tests.helpers import REPO_ROOT, subprocess_env
-from tests.remote_helpers import API_KEY, QUICKSTART, free_port, inprocess_servers
+from tests.helpers import run_jax_processes
+from tests.remote_helpers import API_KEY, QUICKSTART, inprocess_servers
 
 
 @pytest.fixture(scope="module")
@@ -34,29 +30,6 @@ def bf16_reference(loaded, scale=1.0) -> dict:
     _, params = loaded.split()
     return {k: (np.asarray(v, np.float32) * np.float32(scale)).astype(ml_dtypes.bfloat16)
             for k, v in hf_tensors_from_params(loaded.config, params).items()}
-
-
-def run_two_processes(tmp_path, argv: Callable[[int], list[str]], *, devices: int, timeout: float,
-                      **env: str) -> tuple[list[int], str]:
-    """Python ``argv(pid)`` as JAX processes 0 and 1 on loopback, ``devices`` CPU devices each;
-    their exit codes and their logs (``p<pid>.log``). A process still running at ``timeout`` is killed."""
-    port = free_port()
-    procs = []
-    for pid in range(2):
-        child_env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-                                   JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                                   JAX_PROCESS_ID=str(pid), **env)
-        with open(tmp_path / f"p{pid}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, *argv(pid)], env=child_env, cwd=REPO_ROOT, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait(10)
-    return codes, "\n".join((tmp_path / f"p{pid}.log").read_text() for pid in range(2))
 
 
 def test_owners_balance_the_bytes_and_agree_everywhere():
@@ -112,9 +85,9 @@ def test_two_processes_each_write_their_own_tensors_and_a_server_loads_them(tmp_
     """2 processes x 2 CPU devices, params fsdp-sharded over all 4: one shard file per process
     holding exactly the tensors it owns, equal to the weights in bf16; ``asyncrl serve`` loads it."""
     weights = tmp_path / "weights"
-    codes, logs = run_two_processes(
+    codes, logs = run_jax_processes(
         tmp_path, lambda pid: ["-m", "tests.publish_worker", str(weights / "run"), str(tmp_path / f"p{pid}.json")],
-        devices=2, timeout=300)
+        2, devices=2, timeout=300)
     assert codes == [0, 0], logs
     reports = [json.loads((tmp_path / f"p{pid}.json").read_text()) for pid in range(2)]
     path = weights / "run" / "v1"
@@ -181,8 +154,8 @@ def test_a_two_process_run_publishes_to_a_server_each_process_writing_its_share(
                   "checkpoint": {"every_steps": 0, "keep": None}}
         path = tmp_path / "run.yaml"
         path.write_text(yaml.safe_dump(config))
-        codes, logs = run_two_processes(tmp_path, lambda pid: ["-m", "asyncrl.cli", "train", str(path)], devices=1,
-                                        timeout=480, ASYNCRL_TEST_API_KEY=API_KEY)
+        codes, logs = run_jax_processes(tmp_path, lambda pid: ["-m", "asyncrl.cli", "train", str(path)], 2,
+                                        devices=1, timeout=480, ASYNCRL_TEST_API_KEY=API_KEY)
         assert codes == [0, 0], logs
         info = httpx.get(f"{server.url}/get_model_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert info["weight_version"] == "2"
