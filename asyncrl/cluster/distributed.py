@@ -135,7 +135,8 @@ def initialize_distributed(mesh_cfg: Any) -> None:
     log.info("jax.distributed: process %d of %d, %d local devices",
              jax.process_index(), jax.process_count(), jax.local_device_count())
     if jax.process_count() > 1:
-        start_watchdog(coordination_client(), jax.process_index(), jax.process_count(), dist.heartbeat_timeout_s)
+        start_watchdog(coordination_client(), jax.process_index(), jax.process_count(), dist.heartbeat_timeout_s,
+                       dist.shutdown_timeout_s)
 
 
 def _startup_timer(dist: Any) -> threading.Timer:
@@ -306,6 +307,34 @@ class Watchdog:
         self._exiting = True
         self.poll()
 
+    def finish(self, timeout_s: float) -> bool:
+        """At a normal exit, after :meth:`mark_exiting`: wait (at most ``timeout_s``) until every
+        other process is past its work too, still watching them, then stop the thread and join it.
+
+        Why: the thread spends its life in the coordination client's C++ calls. Were one in flight
+        when the interpreter finalizes, CPython would end the daemon thread on its way back
+        (a forced unwind through C++ frames that swallow it: "FATAL: exception not rethrown",
+        SIGABRT, a failed exit of a run that finished; seen once in two 2-process runs). Once every
+        peer is exiting, JAX's shutdown barrier has nobody left to wait for and the watch can stop.
+        True when every peer was seen exiting (or gone) in time."""
+        deadline = self.clock() + timeout_s
+        done = False
+        while not self._stop.is_set():
+            try:
+                beats, gone = self._dir("heartbeat"), self._dir("gone")
+            except Exception:  # noqa: BLE001 - the coordinator is shutting down: everyone is past it
+                break
+            if all(beats.get(peer) == _EXITING or peer in gone for peer in self._seen):
+                done = True
+                break
+            if self.clock() >= deadline:
+                break
+            time.sleep(min(0.05, self.interval_s))
+        self.stop()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval_s + 5.0)
+        return done
+
     def announce_failure(self, exit_code: int, reason: str) -> None:
         """Publish this process's failure so the others stop (they acknowledge, then exit)."""
         self._failed = True
@@ -334,9 +363,16 @@ class Watchdog:
 _WATCHDOG: Optional[Watchdog] = None
 
 
-def start_watchdog(client: Any, process_id: int, num_processes: int, timeout_s: float) -> Watchdog:
-    """Start this process's :class:`Watchdog` (one per process) and mark it exiting at interpreter exit."""
+_SHUTDOWN_TIMEOUT_S = [300.0]
+"""``mesh.distributed.shutdown_timeout_s`` of this process: how long its exit waits for the others."""
+
+
+def start_watchdog(client: Any, process_id: int, num_processes: int, timeout_s: float,
+                   shutdown_timeout_s: float = 300.0) -> Watchdog:
+    """Start this process's :class:`Watchdog` (one per process); at interpreter exit it marks this
+    process exiting and waits for the others (:meth:`Watchdog.finish`)."""
     global _WATCHDOG
+    _SHUTDOWN_TIMEOUT_S[0] = shutdown_timeout_s
     if _WATCHDOG is None:
         _WATCHDOG = Watchdog(client, process_id, num_processes, timeout_s)
         _WATCHDOG.start()
@@ -353,6 +389,7 @@ def _at_exit() -> None:
     if isinstance(uncaught, BaseException):
         exit_after_failure(1, f"{type(uncaught).__name__}: {_first_line(uncaught)}")
     watchdog.mark_exiting()
+    watchdog.finish(_SHUTDOWN_TIMEOUT_S[0])
 
 
 def exit_after_failure(exit_code: int, reason: str = "see its log") -> None:

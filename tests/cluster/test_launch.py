@@ -240,6 +240,22 @@ def test_watchdog_ignores_finished_processes_and_reports_a_lost_coordinator(capf
     assert "lost the coordinator, process 0 of 2" in capfd.readouterr().err
 
 
+def test_a_normal_exit_waits_until_every_peer_is_exiting_then_stops_watching():
+    """:meth:`Watchdog.finish` at exit: the thread (running, in a real process) is stopped and
+    joined only once every peer is past its work, so none of its client calls is in flight when
+    the interpreter finalizes; a peer still working holds the exit until the bound."""
+    client, now, (d0, d1) = _watchdogs(n=2)
+    d1.start()  # its thread polls every second; finish() must end it
+    d1.mark_exiting()
+    assert not d1.finish(0)  # process 0 is still working: not done by the (zero) bound
+    assert not d1._thread.is_alive()
+    d0.mark_exiting()
+    assert d0.finish(0)  # process 1 is exiting already
+    down, _, (late, _) = _watchdogs(n=2)
+    down.down = True
+    assert not late.finish(5)  # a coordinator gone at exit ends the wait at once (the clock here stands still)
+
+
 # ---------------------------------------------------------------- two JAX processes on loopback
 
 COLLECTIVES = """
