@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.engine.constraints import TrieTables, allowed_tokens, is_leaf_node, next_nodes
-from asyncrl.model.attention import compiled_for
+from asyncrl.model.attention import KernelTarget, compiled_for
 from asyncrl.model.decode_attention import einsum_decode_attention
 from asyncrl.model.transformer import KVCache, LayerKV, forward, hidden_states, init_kv_cache, kv_cache_copy_rows
 
@@ -187,15 +187,20 @@ class PrefillPlan(NamedTuple):
                    np.full((slots,), slots, np.int32), *(np.zeros((slots,), np.uint32) for _ in range(3)))
 
 
-def _prefill_insert(graphdef, params, state: SlotState, plan: PrefillPlan, root_key, layout=None, platform=None):
+def _kernel(kernel: Optional[KernelTarget]) -> Any:
+    """:func:`compiled_for` the engine's devices (no change for None)."""
+    return compiled_for(platform=None if kernel is None else kernel.platform, devices=0 if kernel is None else kernel.devices)
+
+
+def _prefill_insert(graphdef, params, state: SlotState, plan: PrefillPlan, root_key, layout=None, kernel=None):
     """Prefill ``plan``'s prompts and copy each into its request's slots (:class:`PrefillPlan`).
-    ``layout`` (static): the state's shardings on an engine mesh, or None. ``platform`` (static):
-    the engine's devices' (:func:`asyncrl.model.attention.device_platform`), whose fused attention
-    kernel the prefill runs (None: this process's default backend)."""
+    ``layout`` (static): the state's shardings on an engine mesh, or None. ``kernel`` (static): the
+    engine's devices as a :class:`~asyncrl.model.attention.KernelTarget` (platform and count),
+    whose fused attention kernel the prefill runs (None: this process's default backend)."""
     _count_trace("prefill_insert")
     cfg = graphdef_config(graphdef, params)
     small = init_kv_cache(cfg, plan.prompt_ids.shape[0], plan.prompt_ids.shape[1], state.cache.layers[0].k.dtype)
-    with compiled_for(platform=platform):
+    with _kernel(kernel):
         _, small = hidden_states(graphdef, params, plan.prompt_ids, None, plan.prompt_mask, small, empty_cache=True)
     cache = kv_cache_copy_rows(state.cache, small, plan.src_rows, plan.dst_rows)
     new_keys = jax.vmap(_slot_key, in_axes=(None, 0, 0, 0))(root_key, plan.sample_id, plan.key_index, plan.turn)
@@ -505,12 +510,12 @@ class BeamResult(NamedTuple):
 
 def _beam_search(graphdef, params, prompt_ids, prompt_mask, last_token, stop_vocab, length_penalty, tries=None,
                  k: int = 1, max_new: int = 1, capacity: int = 2, max_branch: int = 0,
-                 platform: Optional[str] = None) -> BeamResult:
+                 kernel: Optional[KernelTarget] = None) -> BeamResult:
     """Beam search of width ``k`` for one prompt: ``prompt_ids``/``prompt_mask`` [bucket] hold
     ``prompt[:-1]`` right-padded and ``last_token`` [] the last prompt token (fed by the first
     step, as in the engine's decode). ``stop_vocab`` bool [V]: the stop ids (free decoding);
     ``tries``: ``(trie pool tables, the constraint's root node)`` or None (unconstrained);
-    ``max_branch`` (static) the pool's widest node.
+    ``max_branch`` (static) the pool's widest node; ``kernel`` (static) as in :func:`_prefill_insert`.
 
     Each step extends the ``k`` live beams by every token (log-softmax of the masked logits,
     T = 1), keeps the ``2k`` best extensions, moves those that end (a stop id, a trie leaf, or
@@ -526,7 +531,7 @@ def _beam_search(graphdef, params, prompt_ids, prompt_mask, last_token, stop_voc
     cache = init_kv_cache(cfg, k, capacity)
     ids = jnp.broadcast_to(prompt_ids[None], (k, prompt_ids.shape[0]))
     mask = jnp.broadcast_to(prompt_mask[None], ids.shape)
-    with compiled_for(platform=platform):  # the prompt's prefill: the engine's platform's attention kernel
+    with _kernel(kernel):  # the prompt's prefill: the engine's platform's attention kernel
         _, cache = hidden_states(graphdef, params, ids, None, mask, cache, empty_cache=True)
     table, root = (None, None) if tries is None else tries
 
@@ -590,4 +595,4 @@ def _beam_search(graphdef, params, prompt_ids, prompt_mask, last_token, stop_voc
     return jax.lax.while_loop(more, body, init).pool
 
 
-beam_search_jit = jax.jit(_beam_search, static_argnums=0, static_argnames=("k", "max_new", "capacity", "max_branch", "platform"))
+beam_search_jit = jax.jit(_beam_search, static_argnums=0, static_argnames=("k", "max_new", "capacity", "max_branch", "kernel"))

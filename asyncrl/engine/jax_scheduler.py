@@ -40,6 +40,7 @@ from asyncrl.engine.jax_programs import (
 )
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.errors import EngineCrashed
+from asyncrl.model.attention import KernelTarget
 from asyncrl.model.compute_copy import compute_copy
 
 logger = logging.getLogger("asyncrl.engine")
@@ -141,7 +142,7 @@ class EngineScheduler:
     prefill_rows: int
     vocab_size: int
     attention_buckets: tuple[int, ...]
-    platform: str  # the engine's devices' (cpu, gpu, tpu): picks the prefill's attention kernel
+    kernel: KernelTarget  # the engine's devices (platform, count): pick the prefill's attention kernel
     _params: Any
     _serving: Any
     _version: int
@@ -324,7 +325,7 @@ class EngineScheduler:
         out = beam_search_jit(self.graphdef, self._serving, ids, np.arange(bucket) < context, np.int32(prompt[-1]), stop_vocab,
                               np.float32(request.length_penalty), tries, k=request.n, max_new=request.max_new_tokens,
                               capacity=bucket + request.max_new_tokens, max_branch=self._tries.max_branch if trie else 0,
-                              platform=self.platform)
+                              kernel=self.kernel)
         tokens, logprobs, lengths, scores = (np.asarray(x) for x in out)
         self._stats.beam_calls += 1
         self._stats.beam_s += time.monotonic() - started
@@ -380,7 +381,7 @@ class EngineScheduler:
             self._stats.prefill_tokens += context
         self._stats.prefill_calls += 1
         self._state = prefill_insert_jit(self.graphdef, self._serving, self._state, plan, self._root_key, self._layout,
-                                         self.platform)
+                                         self.kernel)
 
     def _start_slot(self, slot: int, request: GenerationRequest, stop_ids: tuple[int, ...], last_token: int) -> None:
         """Set a freshly prefilled slot's controls from its request."""

@@ -96,11 +96,13 @@ jax.tree_util.register_dataclass(SelfAttentionMask, data_fields=["key_valid", "s
 
 @dataclasses.dataclass(frozen=True)
 class KernelTarget:
-    """What the program is compiled for: the devices' platform (``cpu``, ``gpu``, ``tpu``) and the
-    mesh the kernel's ``shard_map`` runs on (None: no mesh known)."""
+    """What the program is compiled for: the devices' platform (``cpu``, ``gpu``, ``tpu``), the
+    mesh the kernel's ``shard_map`` runs on (None: no mesh known) and, without a mesh, how many
+    devices the program spans (0: not known, taken as this process's device count)."""
 
     platform: str
     mesh: Any = None
+    devices: int = 0
 
 
 _TARGET: contextvars.ContextVar[Optional[KernelTarget]] = contextvars.ContextVar("asyncrl_attention_target", default=None)
@@ -119,17 +121,17 @@ def device_platform(device: Any) -> str:
 
 
 @contextlib.contextmanager
-def compiled_for(mesh: Any = None, platform: Optional[str] = None) -> Iterator[None]:
+def compiled_for(mesh: Any = None, platform: Optional[str] = None, devices: int = 0) -> Iterator[None]:
     """Within it, ``model.attention: auto`` picks the kernel of ``mesh``'s devices (or of
-    ``platform``: ``cpu``, ``gpu``, ``tpu``), and the splash kernel runs on ``mesh``. Enter it
-    inside the traced function, from its static arguments, so that a cached trace always saw
-    the same target. Neither given: no change (this process's default backend)."""
+    ``platform``: ``cpu``, ``gpu``, ``tpu``, on ``devices`` devices), and the splash kernel runs
+    on ``mesh``. Enter it inside the traced function, from its static arguments, so that a cached
+    trace always saw the same target. Neither given: no change (this process's default backend)."""
     if mesh is not None:
         platform = device_platform(mesh.devices.flat[0])
     if platform is None:
         yield
         return
-    token = _TARGET.set(KernelTarget(platform, mesh))
+    token = _TARGET.set(KernelTarget(platform, mesh, devices))
     try:
         yield
     finally:
@@ -179,7 +181,8 @@ def attention_kernel(choice: str, dtype: Any, head_dim: int, *, packed: bool = F
                              f"not {head_dim}")
         return "cudnn"
     if target.platform == "tpu":
-        if target.mesh is None and jax.device_count() > 1:
+        # The target's own count: compiling for 8 chips from a CPU process sees one local device.
+        if target.mesh is None and (target.devices or jax.device_count()) > 1:
             return _fallback("splash attention runs per device in a shard_map, and this program names no mesh")
         return "splash"
     return "xla"

@@ -288,7 +288,7 @@ def lower_prefill(cfg: Config, engine: EngineArgs, bucket: int) -> Any:
 
     plan = _replicated_like(engine, PrefillPlan.empty(min(PREFILL_ROWS, engine.slots), bucket, engine.slots))
     key = _replicated_like(engine, np.zeros(2, np.uint32))  # the engine's root key (uint32 [2])
-    return prefill_insert_jit.lower(engine.graphdef, engine.serving, engine.state, plan, key, engine.layout, _platform(engine))
+    return prefill_insert_jit.lower(engine.graphdef, engine.serving, engine.state, plan, key, engine.layout, _kernel(engine))
 
 
 def lower_beam_search(cfg: Config, engine: EngineArgs, bucket: int) -> Any:
@@ -304,16 +304,18 @@ def lower_beam_search(cfg: Config, engine: EngineArgs, bucket: int) -> Any:
     args = _replicated_like(engine, (np.zeros(bucket, np.int32), np.zeros(bucket, bool), np.int32(0), np.zeros(vocab, bool),
                                      np.float32(decoding.length_penalty)))
     return beam_search_jit.lower(engine.graphdef, engine.serving, *args, None, k=decoding.beam_width, max_new=max_new,
-                                 capacity=bucket + max_new, max_branch=0, platform=_platform(engine))
+                                 capacity=bucket + max_new, max_branch=0, kernel=_kernel(engine))
 
 
-def _platform(engine: EngineArgs) -> str:
-    """The platform of the engine's devices (the prefill's attention kernel is that platform's)."""
+def _kernel(engine: EngineArgs) -> Any:
+    """The engine's devices as the prefill's attention kernel sees them (``JaxEngine.kernel``):
+    their platform and count, the target's, not this CPU process's."""
     import jax
 
-    from asyncrl.model.attention import device_platform
+    from asyncrl.model.attention import KernelTarget, device_platform
 
-    return device_platform(next(iter(jax.tree.leaves(engine.serving)[0].sharding.device_set)))
+    devices = jax.tree.leaves(engine.serving)[0].sharding.device_set
+    return KernelTarget(device_platform(next(iter(devices))), devices=len(devices))
 
 
 def lower_publish_cast(engine: EngineArgs, model_cfg: Any) -> Any:

@@ -54,6 +54,10 @@ def test_auto_picks_the_kernel_of_the_target_platform(caplog):
     assert any("float32" in line for line in caplog.messages) and any("260" in line for line in caplog.messages)
     with pytest.raises(ValueError, match="model.attention 'cudnn' needs bfloat16"):
         attention_kernel("cudnn", jnp.float32, 64, target=gpu)
+    # Without a mesh to shard_map over, splash serves one device only: the count is the target's
+    # (8 chips compiled for from a CPU process with one device), not this process's.
+    assert attention_kernel("auto", jnp.bfloat16, 128, target=KernelTarget("tpu", devices=1)) == "splash"
+    assert attention_kernel("auto", jnp.bfloat16, 128, target=KernelTarget("tpu", devices=8)) == "xla"
     # The devices the program is compiled for decide, not only this process's backend.
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     with compiled_for(mesh):
