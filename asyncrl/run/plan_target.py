@@ -298,7 +298,13 @@ def compile_and_print(config: str, overrides: Sequence[str], target_name: str, d
     from asyncrl.run.plan_auto import resolve_for_target  # model.remat_policy / logprob_chunk_size: auto (issue 46)
     from asyncrl.run.plan_formulas import plan_config
 
-    cfg, auto_line = resolve_for_target(config, overrides, cfg, target, count, hosts)
+    try:
+        cfg, auto_line = resolve_for_target(config, overrides, cfg, target, count, hosts)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a compile of the choice's measurement, reported in one line
+        raise ConfigError(_rejected("model.remat_policy / model.logprob_chunk_size: auto (its measuring compile)",
+                                    target, err) + "; or set both explicitly") from None
     if auto_line is not None:
         print(f"asyncrl plan: {auto_line}", file=sys.stderr if as_json else sys.stdout, flush=True)
     large = plan_config(cfg, count, hosts, backend=target.platform).total_bytes >= GIB

@@ -128,6 +128,26 @@ def test_one_line_errors_before_any_compile(args, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 2  # "asyncrl: config error:" and the line
 
 
+def test_a_measuring_compile_the_target_rejects_is_one_line(monkeypatch):
+    """``auto``'s measuring compiles (plan_auto.run_peak) fail like the report's own: one line
+    naming what compiled and the compiler's first line (seen: libtpu refusing host 0's 4 chips of
+    a v6e-32 engine), not a traceback."""
+    import asyncrl.run.plan_auto as plan_auto
+    from asyncrl.errors import ConfigError
+    from asyncrl.run.plan_target import compile_and_print
+
+    def rejected(*args, **kwargs):
+        raise RuntimeError("INTERNAL: RET_CHECK failure device_id < kMaxDeviceCount\nError encountered while compiling ...")
+
+    monkeypatch.setattr(plan_auto, "resolve_for_target", rejected)
+    with pytest.raises(ConfigError) as info:
+        compile_and_print("configs/quickstart.yaml", SMALL[1::2], "cpu", 1, None, True, None)
+    (line,) = info.value.problems
+    assert line.startswith("model.remat_policy / model.logprob_chunk_size: auto (its measuring compile): rejected for "
+                           "--target cpu (RuntimeError: INTERNAL: RET_CHECK failure")
+    assert line.endswith("or set both explicitly")
+
+
 @pytest.mark.slow  # two train-step compiles; the cpu JSON test guards the path
 def test_lora_train_step_compiles_with_its_frozen_base():
     """``model.lora``: the step takes the adapters as its parameters and the base as frozen, as the
