@@ -425,8 +425,18 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     # (asyncrl/model/compute_copy.py): their gradients are in the compute dtype, the sum in float32.
     cast_once = lora is None and c_bytes != p_bytes
     g_bytes = c_bytes if cast_once else p_bytes
-    add("trainer", "gradients", trained * (4 + g_bytes),
-        f"float32 accumulator + one micro-batch's ({model_cfg.compute_dtype if cast_once else model_cfg.param_dtype})")
+    g_note = f"one micro-batch's ({model_cfg.compute_dtype if cast_once else model_cfg.param_dtype})"
+    backend = resolve_backend(backend)
+    updates = 1 if sft else cfg.algo.mini_batches * cfg.algo.ppo_epochs
+    if updates == 1 and p_bytes >= 4 and backend != "cpu":
+        # One optimizer update per step: XLA lays the micro-batches' float32 sum in the new
+        # parameters' output buffers, which hold nothing else until the update writes them (read
+        # from the buffer assignment of gsm8k_sft.yaml's step for an H100: the accumulator loop's
+        # values live in the outputs, none in the temporaries). With several updates the new
+        # parameters are the update loop's carry and the sum needs buffers of its own.
+        add("trainer", "gradients", trained * g_bytes, g_note + "; the float32 sum in the new parameters' buffers")
+    else:
+        add("trainer", "gradients", trained * (4 + g_bytes), "float32 accumulator + " + g_note)
     adam = cfg.optim.optimizer == "adamw"
     add("trainer", "optimizer state", 2 * trained * p_bytes if adam else 0, "AdamW mu, nu" if adam else "sgd: none")
     if lora is not None:
@@ -439,15 +449,14 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
 
     rows, length, window = batch_shape(cfg, sft)
     shards = layout.row_shards
-    updates = 1 if sft else cfg.algo.mini_batches
+    minis = 1 if sft else cfg.algo.mini_batches
     micro = cfg.optim.micro_batches
-    multiple = shards * updates * micro  # prepare_batch pads rows to the trainer's row multiple
+    multiple = shards * minis * micro  # prepare_batch pads rows to the trainer's row multiple
     rows = -(-rows // multiple) * multiple
-    global_micro_rows = rows // (updates * micro)
+    global_micro_rows = rows // (minis * micro)
     local_rows = global_micro_rows // shards
     chunk = model_cfg.logprob_chunk_size or auto_chunk_size(global_micro_rows, window, model_cfg.vocab_size,
                                                             model_cfg.logprob_chunk_budget_mb)
-    backend = resolve_backend(backend)
     act = activation_bytes(model_cfg, local_rows, length, window, layout.mesh[2], chunk, backend, layout.mesh[1])
     remat = ("remat" if model_cfg.remat_policy == "full" else f"remat ({model_cfg.remat_policy})") if model_cfg.remat \
         else "no remat"

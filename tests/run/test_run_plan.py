@@ -122,6 +122,16 @@ def test_reference_model_only_with_kl_and_own_engine_copy_on_its_devices():
     assert "reference model" not in _lines(plan_config(load_config(data={})))
 
 
+def test_one_update_per_step_sums_gradients_in_the_new_parameters_on_gpus_and_tpus():
+    """XLA lays the float32 sum of a one-update step's micro-batch gradients in the new parameters'
+    output buffers (gsm8k_sft.yaml's step for an H100); with several updates, or on the CPU, it
+    has buffers of its own."""
+    bf16 = ["model.compute_dtype=bfloat16"]
+    for backend, minis, per_param in [("gpu", 1, 2), ("tpu", 1, 2), ("gpu", 2, 4 + 2), ("cpu", 1, 4 + 2)]:
+        got = _lines(plan_config(load_config(overrides=[*bf16, f"algo.mini_batches={minis}"]), backend=backend))
+        assert got["gradients"] == per_param * TINY_PARAMS, (backend, minis)
+
+
 def _mesh(data, fsdp, tensor):
     from types import SimpleNamespace
 
