@@ -124,6 +124,7 @@ def run_peak(cfg: Config, target: Any, devices: int, hosts: int) -> int:
 
     found = target_devices(target, devices, hosts)
     peak = 0
+    sft_only = all(stage.type == "sft" for stage, _ in cfg.stage_configs())  # its engine serves the greedy eval
     for stage, flat in cfg.stage_configs():
         sft = stage.type == "sft"
         layout = plan_layout(flat, devices, hosts)
@@ -131,7 +132,7 @@ def run_peak(cfg: Config, target: Any, devices: int, hosts: int) -> int:
         placement = resolve_placement(flat, found, hosts)
         lowered = lower_train_step(flat, model_cfg, placement.trainer_devices, train_shape(flat, sft, layout.row_shards, hosts), sft)
         total = compile_lowered(lowered)[0].peak
-        if not sft and flat.engine.remote is None and layout.colocated:
+        if (not sft or sft_only) and flat.engine.remote is None and layout.colocated:
             decode = compile_lowered(lower_decode_chunk(flat, engine_args(flat, model_cfg, placement, target.platform)))[0]
             plan = plan_stage(flat, model_cfg, layout, abstract_params(model_cfg), sft, stage.name, target.platform)
             shared = {line.name: line.bytes for line in plan.lines if line.part == "engine"}

@@ -480,7 +480,7 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
         add("trainer", "stacked layers", int(base * share) * c_bytes,
             f"model.scan_layers: a [layers, ...] copy of the layer weights ({model_cfg.compute_dtype})")
 
-    if not sft and cfg.engine.remote is None:
+    if cfg.engine.remote is None:  # an SFT stage holds the engine too (its greedy eval; made at the run's start)
         lines.extend(_engine_lines(cfg, model_cfg, layout, params, base, adapters, p_bytes, c_bytes, backend))
     n_params = sum(math.prod(leaf.shape) for leaf in _leaves(params))
     return MemoryPlan(tuple(lines), layout, stage, n_params)

@@ -171,6 +171,7 @@ def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_d
 
     found = target_devices(target, devices, hosts)
     memory = device_memory_bytes(target)
+    sft_only = all(stage.type == "sft" for stage, _ in cfg.stage_configs())
     for stage, flat in cfg.stage_configs():
         sft = stage.type == "sft"
         layout = _layout(flat, target, devices, hosts)
@@ -186,8 +187,8 @@ def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_d
         lowered = _lower(program, target, lower_train_step, flat, model_cfg, placement.trainer_devices, shape, sft)
         yield report(program, f"{rows} x {length} rows, window {window}" + (", packed worst case" if flat.rollout.pack else ""),
                      lowered, plan_bytes_for(program, plan, flat, model_cfg))
-        if sft or flat.engine.remote is not None:
-            continue
+        if flat.engine.remote is not None or (sft and not sft_only):
+            continue  # one engine serves every stage (the run's engine section): its programs once
         engine = engine_args(flat, model_cfg, placement, target.platform)
         buckets = sorted(b for b in set(flat.engine.prefill_buckets) if b <= flat.engine.kv_capacity)
         for bucket in buckets:

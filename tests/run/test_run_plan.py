@@ -132,6 +132,13 @@ def test_one_update_per_step_sums_gradients_in_the_new_parameters_on_gpus_and_tp
         assert got["gradients"] == per_param * TINY_PARAMS, (backend, minis)
 
 
+def test_an_sft_stage_holds_the_engine_too():
+    """The run's engine is made at its start and serves an SFT stage's greedy eval: its KV cache counts."""
+    sft_only = plan_config(load_config(data={"stages": [{"name": "sft", "type": "sft", "total_steps": 1}]}))
+    rl = plan_config(load_config(data={}))
+    assert _lines(sft_only)["KV cache"] == _lines(rl)["KV cache"] > 0
+
+
 def _mesh(data, fsdp, tensor):
     from types import SimpleNamespace
 
