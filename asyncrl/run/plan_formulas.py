@@ -310,6 +310,26 @@ def layer_share(model_cfg: Any) -> float:
     return (total - outside) / total
 
 
+def stacked_layers(model_cfg: Any) -> list[int]:
+    """The layers ``model.scan_layers`` stacks: those in runs of two or more consecutive layers of
+    one kind (attention type; mixture-of-experts or dense). A run of one layer (Gemma 3's global
+    layers between its sliding ones) is called as it is, unstacked (asyncrl/model/transformer.py
+    ``scanned_layers``; XLA's buffer assignment for an L4 holds ``[5, ...]`` and ``[2, ...]`` stacks
+    for an 8-layer Gemma 3, none for its global layer)."""
+    import itertools
+
+    moe = bool(getattr(model_cfg, "num_experts", 0))
+    kind = lambda i: (model_cfg.layer_type(i), moe and model_cfg.is_moe_layer(i))  # noqa: E731
+    runs = [list(run) for _, run in itertools.groupby(range(model_cfg.num_layers), key=kind)]
+    return [i for run in runs if len(run) > 1 for i in run]
+
+
+def stacked_share(model_cfg: Any, params: dict) -> float:
+    """The share of the parameters in the layers :func:`stacked_layers` stacks."""
+    count = lambda tree: sum(math.prod(leaf.shape) for leaf in _leaves(tree))  # noqa: E731
+    return sum(count(params["layers"][i]) for i in stacked_layers(model_cfg)) / count(params)
+
+
 class Activations(NamedTuple):
     """Bytes one device holds for the backward pass of one micro-batch (:func:`activation_bytes`)."""
 
@@ -486,9 +506,10 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     if model_cfg.scan_layers:  # scanned_layers stacks the layers' variables
         # What is stacked is the step's copy in the compute dtype (asyncrl/model/compute_copy.py). The
         # backward's stacked gradient is the micro-batch's gradient of those layers (counted above).
-        share = layer_share(model_cfg)
-        add("trainer", "stacked layers", int(base * share) * c_bytes,
-            f"model.scan_layers: a [layers, ...] copy of the layer weights ({model_cfg.compute_dtype})")
+        stacked = stacked_layers(model_cfg)
+        add("trainer", "stacked layers", int(base * stacked_share(model_cfg, params)) * c_bytes,
+            f"model.scan_layers: a [layers, ...] copy of the weights of the {len(stacked)} layers in scans "
+            f"({model_cfg.compute_dtype})")
 
     if not sft and cfg.engine.remote is None:
         lines.extend(_engine_lines(cfg, model_cfg, layout, params, base, adapters, p_bytes, c_bytes, backend))
