@@ -540,7 +540,9 @@ def _engine_lines(cfg: Config, model_cfg: Any, layout: Layout, params: dict, bas
         Line("engine", "weights", weights, note),
         Line("engine", "KV cache", kv, f"{slots} slots x {engine.kv_capacity} tokens x {model_cfg.num_layers} layers x 2 x "
                                          f"{kv_heads} KV heads x {model_cfg.head_dim} x {c_bytes} B"),
-        Line("engine", "decode step", decode_logit_copies(backend) * slots * vocab * 4, "float32 logits of one step"),
+        # The chunk's stop-id mask (bool [slots, vocab], asyncrl/engine/jax_programs.py) is carried through its loop.
+        Line("engine", "decode step", decode_logit_copies(backend) * slots * vocab * 4 + slots * model_cfg.vocab_size,
+             "float32 logits of one step, the slots' stop-id mask"),
         _decode_cache_copy(engine, kv, backend),
     ]
 

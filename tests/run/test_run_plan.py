@@ -50,7 +50,7 @@ def test_tiny_parameters_optimizer_and_kv_cache_by_hand():
     assert got["optimizer state"] == 8 * TINY_PARAMS  # AdamW: mu and nu in float32
     assert got["weights"] == 0  # the default placement serves the trainer's own arrays
     assert got["KV cache"] == 8 * 288 * LAYERS * 2 * KV * D * 4 + 8 * 288  # + the valid mask
-    assert got["decode step"] == 3 * 8 * V * 4
+    assert got["decode step"] == 3 * 8 * V * 4 + 8 * V  # + the bool stop-id mask
     assert plan.layout.colocated and plan.total_bytes == plan.part_bytes("trainer") + plan.part_bytes("engine")
 
 
