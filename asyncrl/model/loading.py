@@ -45,9 +45,11 @@ def runtime_options(section: ModelConfig, backend: Optional[str] = None) -> dict
 
 
 RUN_AUTO = {"remat_policy": "full", "logprob_chunk_size": None}
-"""What ``model.remat_policy: auto`` and ``model.logprob_chunk_size: auto`` are in a run: the
-memory-safe policy and the chunk chosen under ``logprob_chunk_budget_mb``. ``asyncrl plan
---target`` chooses them per target from XLA's figures instead (:mod:`asyncrl.run.plan_auto`)."""
+"""What ``model.remat_policy: auto`` and ``model.logprob_chunk_size: auto`` are where nothing chose
+them: the memory-safe policy and the chunk chosen under ``logprob_chunk_budget_mb``. A training run
+first chooses the policy from its devices' memory (:func:`asyncrl.run.auto_slots.resolve_auto_remat`:
+``full`` on a CPU) and keeps this chunk; ``asyncrl plan --target`` chooses both per target from
+XLA's figures (:mod:`asyncrl.run.plan_auto`)."""
 
 
 def resolve_run_auto(runtime: dict[str, Any]) -> dict[str, Any]:

@@ -469,8 +469,12 @@ def scanned_layers(layers: Any, x: jax.Array, args: tuple | list[tuple], cfg: De
         for _, group in itertools.groupby(zip(layer_args, states), key=lambda pair: id(pair[0])):
             run_args, run_states = zip(*group)
             step: Callable[..., tuple[jax.Array, None]] = functools.partial(body, graphdef=graphdef, run_args=run_args[0])
-            if cfg.remat:  # inside a scan, CSE across iterations cannot undo it: prevent_cse is not needed
-                step = jax.checkpoint(step, policy=_REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
+            if cfg.remat:
+                # Inside a scan, CSE across iterations cannot undo the remat: prevent_cse is not needed.
+                # A run of one layer (Gemma 3's global layers) is called outside any scan, where XLA
+                # merged its recompute with the forward and kept the whole layer's activations to its
+                # backward (read from XLA's buffer assignment of Gemma 3 1B compiled for an L4): it needs it.
+                step = jax.checkpoint(step, policy=_REMAT_POLICIES[cfg.remat_policy], prevent_cse=len(run_states) == 1)
             if len(run_states) == 1:
                 x = step(x, run_states[0])[0]
                 continue

@@ -1,4 +1,5 @@
-"""``engine.slots: auto``: as many decode slots as the device's memory holds after the trainer.
+"""``engine.slots: auto``: as many decode slots as the device's memory holds after the trainer;
+and ``model.remat_policy: auto`` chosen from the same memory (:func:`resolve_auto_remat`).
 
 The count comes from ``asyncrl plan``'s accounting (:func:`~asyncrl.run.plan_formulas.slots_for_budget`), so a
 run sized here and the plan printed for it agree. A plan's total is affine in the slots each
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Optional
 
 from asyncrl.config import Config
 from asyncrl.run.plan import AUTO_SLOTS_HEADROOM as HEADROOM
@@ -31,16 +32,22 @@ from asyncrl.run.plan import GIB, slots_for_budget, with_slots
 log = logging.getLogger("asyncrl.run")
 
 
+def device_bytes_limit(device: Any) -> Optional[int]:
+    """What JAX may allocate on ``device`` (``memory_stats()['bytes_limit']``), or None where the
+    backend reports none (the CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # backends without the call raise
+        stats = None
+    return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+
+
 def device_budget(device: Any) -> tuple[int, str]:
     """``(bytes, where from)``: :data:`HEADROOM` of what JAX may allocate on ``device``, or of the
     host's physical memory where the backend reports none (the CPU)."""
-    stats = None
-    try:
-        stats = device.memory_stats()
-    except Exception:  # backends without the call raise: the host's memory then
-        stats = None
-    if stats and stats.get("bytes_limit"):
-        return int(HEADROOM * stats["bytes_limit"]), f"{HEADROOM:.0%} of the device's bytes_limit"
+    limit = device_bytes_limit(device)
+    if limit is not None:
+        return int(HEADROOM * limit), f"{HEADROOM:.0%} of the device's bytes_limit"
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(HEADROOM * physical), f"{HEADROOM:.0%} of the host's physical memory"
 
@@ -58,3 +65,29 @@ def resolve_auto_slots(cfg: Config, model_cfg: Any) -> Config:
     log.info("engine.slots: auto -> %d slots of %d tokens (the plan within %.2f GiB per device: %s)", slots,
              cfg.engine.kv_capacity, budget / GIB, source)
     return with_slots(cfg, slots)
+
+
+def resolve_auto_remat(cfg: Config) -> Config:
+    """``cfg`` with ``model.remat_policy: auto`` (with ``model.remat``) chosen for this process's
+    devices (:func:`~asyncrl.run.plan_auto.choose_remat_for_run` on the first local device's
+    :func:`device_bytes_limit`), logged in one line; ``cfg`` itself otherwise. Runs before the
+    model is loaded (the policy is part of the model): the plan reads ``model.path``'s
+    ``config.json``, fetched first where it is a hub id."""
+    if not (cfg.model.remat and cfg.model.remat_policy == "auto"):
+        return cfg
+    import jax
+
+    from asyncrl.run.plan_auto import choose_remat_for_run
+
+    backend = jax.default_backend()
+    model_cfg = None
+    if backend != "cpu":  # the CPU takes full without a plan: nothing to read
+        from asyncrl.model.loading import resolve_model_dir
+        from asyncrl.run.plan_formulas import read_decoder_config
+
+        model_cfg = read_decoder_config(str(resolve_model_dir(cfg.model.path)))
+    chosen, line = choose_remat_for_run(cfg, device_bytes_limit(jax.local_devices()[0]), backend, jax.device_count(),
+                                        jax.process_count(), model_cfg)
+    if line is not None:
+        log.info("%s", line)
+    return chosen

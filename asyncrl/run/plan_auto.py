@@ -6,9 +6,15 @@ rope, attention and activations) before ``full`` (the whole layer), and the larg
 chunk (the trained window whole, then halves of it down to :data:`SMALLEST_CHUNK` positions:
 each chunk is recomputed in the backward, and smaller chunks are more loop steps). An explicit
 value in the config always wins: only fields left ``auto`` are chosen (``remat_policy`` only
-with ``model.remat``; without it there is no policy to pick). In a run, ``auto`` is what
-:data:`asyncrl.model.loading.RUN_AUTO` says (``full``; the chunk under
-``model.logprob_chunk_budget_mb``); the choice printed here is the ``--set`` that pins it.
+with ``model.remat``; without it there is no policy to pick); the choice printed here is the
+``--set`` that pins it.
+
+A run chooses its remat policy by itself (:func:`choose_remat_for_run`, called at start with the
+memory its devices report: :func:`asyncrl.run.auto_slots.resolve_auto_remat`), from the formulas
+alone: no compile at start. It takes ``save_dots`` only where the plan is under the device's
+memory by more than :data:`PLAN_TOLERANCE`, else ``full``; on a CPU ``full``. Its lm-head chunk
+stays what :data:`asyncrl.model.loading.RUN_AUTO` says (the chunk under
+``model.logprob_chunk_budget_mb``).
 
 Compiles are the cost (tens of seconds to minutes each here), so the calibrated formulas
 (:mod:`asyncrl.run.plan_formulas`, within :data:`PLAN_TOLERANCE` of XLA on the shipped configs)
@@ -78,13 +84,15 @@ def auto_candidates(cfg: Config, window: int) -> list[tuple[str, ...]]:
 
 
 def choose_auto(candidates: Sequence[tuple[str, ...]], budget: int, estimate: Callable[[tuple[str, ...]], int],
-                measure: Callable[[tuple[str, ...]], int], max_compiles: int = 3) -> MemoryChoice:
+                measure: Optional[Callable[[tuple[str, ...]], int]], max_compiles: int = 3) -> MemoryChoice:
     """The first of ``candidates`` (cheapest first) that fits ``budget`` bytes per device. The
     formulas (``estimate``) are within :data:`PLAN_TOLERANCE` of XLA, so a candidate over the
     budget by more is skipped uncompiled and one under it by more is taken uncompiled (its peak,
     None here, is the report's); in between XLA's peak (``measure``: bytes per device, trainer
     and engine where they share it) decides. After ``max_compiles`` compiles without a fit, the
-    least-memory candidate is measured and returned as not fitting."""
+    least-memory candidate is measured and returned as not fitting. Without ``measure`` (a run's
+    start: nothing is compiled) only a candidate the formulas clear is taken, else the last (the
+    least memory), its ``fits`` the formulas' verdict."""
     if not candidates or candidates[0] == ():
         return MemoryChoice((), None, True)
     tried: list[tuple[tuple[str, ...], int]] = []
@@ -92,6 +100,10 @@ def choose_auto(candidates: Sequence[tuple[str, ...]], budget: int, estimate: Ca
         planned = estimate(candidate)
         if planned * (1 + PLAN_TOLERANCE) <= budget:
             return MemoryChoice(candidate, None, True, tuple(tried))
+        if measure is None:
+            if candidate == candidates[-1]:
+                return MemoryChoice(candidate, None, planned <= budget)
+            continue
         if planned > budget * (1 + PLAN_TOLERANCE) and candidate != candidates[-1]:
             continue
         peak = measure(candidate)
@@ -103,6 +115,7 @@ def choose_auto(candidates: Sequence[tuple[str, ...]], budget: int, estimate: Ca
     last = candidates[-1]
     found = next((p for c, p in tried if c == last), None)
     if found is None:
+        assert measure is not None  # without it the loop returned at the last candidate
         found = measure(last)
         tried.append((last, found))
     return MemoryChoice(last, found, found <= budget, tuple(tried))
@@ -171,3 +184,73 @@ def _same_slots(new: Config, planned: Config) -> Config:
 
     slots = planned.engine.slots
     return with_slots(new, slots) if isinstance(slots, int) and new.engine.slots != slots else new
+
+
+# --------------------------------------------------------------------------- in a run
+
+
+def apply_sets(cfg: Config, sets: Sequence[str]) -> Config:
+    """``cfg`` with ``--set`` overrides ``sets`` applied, as :func:`~asyncrl.config.load_config` applies
+    them (``cfg`` written out and read back: :func:`~asyncrl.config.dump_config` round-trips)."""
+    if not sets:
+        return cfg
+    import yaml
+
+    from asyncrl.config import dump_config, load_config
+
+    return load_config(data=yaml.safe_load(dump_config(cfg)), overrides=list(sets))
+
+
+def choose_remat_for_run(cfg: Config, device_bytes: Optional[int], backend: str, devices: int = 1, processes: int = 1,
+                         model_cfg: Any = None) -> tuple[Config, Optional[str]]:
+    """``cfg`` with ``model.remat_policy: auto`` (with ``model.remat``) chosen as a run chooses it at
+    start, and the line it logs (None when the policy is not ``auto`` or there is no remat).
+
+    ``device_bytes``: the memory JAX may allocate on one of the run's devices
+    (``memory_stats()['bytes_limit']``), over ``devices`` devices in ``processes`` processes,
+    ``backend`` their platform. On a GPU or TPU the calibrated formulas decide without a compile
+    (:func:`choose_auto` without ``measure``): ``save_dots`` when the plan's total with it is under
+    ``device_bytes`` by more than :data:`PLAN_TOLERANCE`, else ``full``. The plan is taken at the
+    slots the run will have: a number as given, ``engine.slots: auto`` sized first under ``full``
+    (as ``asyncrl plan --target`` sizes it before its choice), and ``save_dots`` must leave
+    ``auto`` its minimum too. On a CPU (or a device that reports no limit) ``full``: a CPU's
+    memory is the host's, shared with everything else on it and not limited by JAX, so there
+    is no budget to choose against, and its compiler keeps most activations under either
+    policy (docs/performance.md "Memory before hardware")."""
+    from asyncrl.errors import ConfigError
+    from asyncrl.run.plan_formulas import AUTO_SLOTS_HEADROOM, GIB, plan_config, slots_for_budget, with_slots
+
+    if not (cfg.model.remat and cfg.model.remat_policy == "auto"):
+        return cfg, None
+    full = apply_sets(cfg, ["model.remat_policy=full"])
+    if backend == "cpu" or not device_bytes:
+        return full, "model.remat_policy: auto -> full (the CPU: no device memory limit to choose against)"
+    sized = cfg.engine.slots == "auto" and cfg.engine.remote is None
+    slots_budget = int(AUTO_SLOTS_HEADROOM * device_bytes)
+    planned_slots = slots_for_budget(full, slots_budget, devices, processes, model_cfg, backend) if sized else None
+
+    def at_slots(candidate: Config) -> Config:
+        return with_slots(candidate, planned_slots) if planned_slots is not None else candidate
+
+    # The run's lm-head chunk is its own (RUN_AUTO): only the policy is a candidate here.
+    window_fixed = cfg if cfg.model.logprob_chunk_size != "auto" else apply_sets(cfg, ["model.logprob_chunk_size=null"])
+    candidates = auto_candidates(window_fixed, 0)
+    totals = {sets: plan_config(at_slots(apply_sets(window_fixed, sets)), devices, processes, model_cfg, backend).total_bytes
+              for sets in candidates}
+    choice = choose_auto(candidates, device_bytes, totals.__getitem__, None)
+    chosen = apply_sets(cfg, choice.overrides)
+    if sized and chosen.model.remat_policy != "full":
+        try:  # engine.slots: auto, sized after this under the chosen policy, must still get its minimum
+            slots_for_budget(chosen, slots_budget, devices, processes, model_cfg, backend)
+        except ConfigError:
+            chosen = full
+    policy = chosen.model.remat_policy
+    gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
+    plan = totals[next(c for c in candidates if f"model.remat_policy={policy}" in c)]
+    other = totals[candidates[0]]
+    why = (f"the plan's {gib(plan)} per device is under the device's {gib(device_bytes)} by more than "
+           f"{PLAN_TOLERANCE:.0%}" if policy == "save_dots" else
+           f"save_dots would plan {gib(other)} per device, not under the device's {gib(device_bytes)} by "
+           f"{PLAN_TOLERANCE:.0%}; full plans {gib(plan)}")
+    return chosen, f"model.remat_policy: auto -> {policy} ({why}" + (
+        f"; engine.slots: auto planned at {planned_slots}, its size under full" if planned_slots is not None else "") + ")"

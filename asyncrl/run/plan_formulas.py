@@ -310,6 +310,26 @@ def layer_share(model_cfg: Any) -> float:
     return (total - outside) / total
 
 
+def stacked_layers(model_cfg: Any) -> list[int]:
+    """The layers ``model.scan_layers`` stacks: those in runs of two or more consecutive layers of
+    one kind (attention type; mixture-of-experts or dense). A run of one layer (Gemma 3's global
+    layers between its sliding ones) is called as it is, unstacked (asyncrl/model/transformer.py
+    ``scanned_layers``; XLA's buffer assignment for an L4 holds ``[5, ...]`` and ``[2, ...]`` stacks
+    for an 8-layer Gemma 3, none for its global layer)."""
+    import itertools
+
+    moe = bool(getattr(model_cfg, "num_experts", 0))
+    kind = lambda i: (model_cfg.layer_type(i), moe and model_cfg.is_moe_layer(i))  # noqa: E731
+    runs = [list(run) for _, run in itertools.groupby(range(model_cfg.num_layers), key=kind)]
+    return [i for run in runs if len(run) > 1 for i in run]
+
+
+def stacked_share(model_cfg: Any, params: dict) -> float:
+    """The share of the parameters in the layers :func:`stacked_layers` stacks."""
+    count = lambda tree: sum(math.prod(leaf.shape) for leaf in _leaves(tree))  # noqa: E731
+    return sum(count(params["layers"][i]) for i in stacked_layers(model_cfg)) / count(params)
+
+
 class Activations(NamedTuple):
     """Bytes one device holds for the backward pass of one micro-batch (:func:`activation_bytes`)."""
 
@@ -329,7 +349,7 @@ class Activations(NamedTuple):
 
 
 def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor: int, chunk: Optional[int],
-                     backend: str = "cpu", fsdp: int = 1) -> Activations:
+                     backend: str = "cpu", fsdp: int = 1, lora: Any = None) -> Activations:
     """What one device holds for the backward pass of one micro-batch of ``rows`` rows (its own
     share) and ``length`` positions, of which ``window`` go through the lm head, as compiled for
     ``backend`` (``cpu``, ``gpu``, ``tpu``).
@@ -346,7 +366,8 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     vocabulary split over ``tensor``. With ``fsdp`` > 1 the table's hidden dimension is split over
     the fsdp axis (asyncrl/model/sharding.py) and XLA contracts it where it lies: every device
     computes float32 partial logits of all ``rows x fsdp`` rows of its fsdp group, reduce-scattered
-    to its own rows (read from XLA's buffer assignment for 8 H100s)."""
+    to its own rows (read from XLA's buffer assignment for 8 H100s). ``lora``: the ``model.lora``
+    section, whose adapters' matmuls ``save_dots`` keeps too (:func:`saved_lora_dots_bytes`)."""
     c = DTYPE_BYTES[model_cfg.compute_dtype]
     h, d = model_cfg.hidden_size, model_cfg.head_dim
     heads = max(model_cfg.num_heads // tensor, 1)
@@ -366,7 +387,25 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     kept = h * c
     if model_cfg.remat_policy == "save_dots":
         kept += (heads * d + 2 * kv_heads * d + h) * c + saved_mlp_dots_bytes(model_cfg, tensor)
+        kept += saved_lora_dots_bytes(model_cfg, tensor, lora)
     return Activations(model_cfg.num_layers * rows * length * kept, one_layer, head)
+
+
+def saved_lora_dots_bytes(model_cfg: Any, tensor: int, lora: Any) -> int:
+    """Bytes per token and layer ``remat_policy: save_dots`` keeps of LoRA's adapters (``lora``: the
+    ``model.lora`` section; 0 without): each targeted projection adds two matmuls beside the frozen
+    one, ``x A`` (``rank`` wide) and ``(x A) B`` (the projection's output width), and the policy
+    saves both, so a layer with adapters on all seven projections keeps twice the base model's
+    projection outputs (read from XLA's buffer assignment of the Gemma 3 1B recipe compiled for an
+    L4: 997.5 MiB per layer of a 16 x 896-token micro-batch where the base model's count is 514.5)."""
+    if lora is None:
+        return 0
+    c = DTYPE_BYTES[model_cfg.compute_dtype]
+    heads, kv_heads = max(model_cfg.num_heads // tensor, 1), max(model_cfg.num_kv_heads // tensor, 1)
+    d, h, inter = model_cfg.head_dim, model_cfg.hidden_size, model_cfg.intermediate_size // tensor
+    width = {"q_proj": heads * d, "k_proj": kv_heads * d, "v_proj": kv_heads * d, "o_proj": h, "gate_proj": inter,
+             "up_proj": inter, "down_proj": h}
+    return sum((lora.rank + width[module]) * c for module in lora.target_modules)
 
 
 def saved_mlp_dots_bytes(model_cfg: Any, tensor: int) -> int:
@@ -457,7 +496,7 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     local_rows = global_micro_rows // shards
     chunk = model_cfg.logprob_chunk_size or auto_chunk_size(global_micro_rows, window, model_cfg.vocab_size,
                                                             model_cfg.logprob_chunk_budget_mb)
-    act = activation_bytes(model_cfg, local_rows, length, window, layout.mesh[2], chunk, backend, layout.mesh[1])
+    act = activation_bytes(model_cfg, local_rows, length, window, layout.mesh[2], chunk, backend, layout.mesh[1], lora)
     remat = ("remat" if model_cfg.remat_policy == "full" else f"remat ({model_cfg.remat_policy})") if model_cfg.remat \
         else "no remat"
     add("trainer", "activations", act.kept,
@@ -476,9 +515,10 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     if model_cfg.scan_layers:  # scanned_layers stacks the layers' variables
         # What is stacked is the step's copy in the compute dtype (asyncrl/model/compute_copy.py). The
         # backward's stacked gradient is the micro-batch's gradient of those layers (counted above).
-        share = layer_share(model_cfg)
-        add("trainer", "stacked layers", int(base * share) * c_bytes,
-            f"model.scan_layers: a [layers, ...] copy of the layer weights ({model_cfg.compute_dtype})")
+        stacked = stacked_layers(model_cfg)
+        add("trainer", "stacked layers", int(base * stacked_share(model_cfg, params)) * c_bytes,
+            f"model.scan_layers: a [layers, ...] copy of the weights of the {len(stacked)} layers in scans "
+            f"({model_cfg.compute_dtype})")
 
     if cfg.engine.remote is None:  # an SFT stage holds the engine too (its greedy eval; made at the run's start)
         lines.extend(_engine_lines(cfg, model_cfg, layout, params, base, adapters, p_bytes, c_bytes, backend))
@@ -509,7 +549,9 @@ def _engine_lines(cfg: Config, model_cfg: Any, layout: Layout, params: dict, bas
         Line("engine", "weights", weights, note),
         Line("engine", "KV cache", kv, f"{slots} slots x {engine.kv_capacity} tokens x {model_cfg.num_layers} layers x 2 x "
                                          f"{kv_heads} KV heads x {model_cfg.head_dim} x {c_bytes} B"),
-        Line("engine", "decode step", decode_logit_copies(backend) * slots * vocab * 4, "float32 logits of one step"),
+        # The chunk's stop-id mask (bool [slots, vocab], asyncrl/engine/jax_programs.py) is carried through its loop.
+        Line("engine", "decode step", decode_logit_copies(backend) * slots * vocab * 4 + slots * model_cfg.vocab_size,
+             "float32 logits of one step, the slots' stop-id mask"),
         _decode_cache_copy(engine, kv, backend),
     ]
 

@@ -114,6 +114,7 @@ class Run:
                  guard: ShutdownGuard, hosts: Hosts, startup: StartupClock):
         from asyncrl.cluster.placement import check_tensor_parallel, resolve_placement
         from asyncrl.model import load_model
+        from asyncrl.run.auto_slots import resolve_auto_remat
         from asyncrl.run.metrics import ConsoleSink, JsonlSink, LogAppender
         from asyncrl.run.multihost import NoSink
         from asyncrl.trainer import build_mesh
@@ -126,6 +127,7 @@ class Run:
         """The :class:`~asyncrl.checkpoint.Checkpoint` this run continues, or None."""
         self.placement = resolve_placement(cfg)
         """The trainer's and the engine's devices (docs/scaling.md "Placement")."""
+        cfg = self.cfg = resolve_auto_remat(cfg)  # model.remat_policy: auto, from the devices' memory
         self.loaded = load_model(cfg.model)
         if cfg.engine.remote is None:
             check_tensor_parallel(cfg.engine.tensor_parallel, self.loaded.config)

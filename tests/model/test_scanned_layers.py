@@ -108,3 +108,20 @@ def test_scanned_lora_layers_with_dropout_give_the_unrolled_loss_and_gradients()
     np.testing.assert_allclose(scanned_loss, loss, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(scanned_grads)):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_a_run_of_one_layer_keeps_its_remat_and_only_runs_of_two_or_more_are_stacked():
+    """A layer alone between layers of another kind (Gemma 3's global layers) is called outside any
+    scan: its remat needs JAX's optimization barrier, else XLA merges the recompute with the forward
+    and keeps the whole layer's activations (seen in XLA's buffer assignment for an L4). The plan
+    stacks only the layers in runs of two or more."""
+    from asyncrl.run.plan_formulas import stacked_layers
+
+    cfg = _config(3, remat=True, scan_layers=True).replace(
+        layer_types=("sliding_attention", "sliding_attention", "full_attention"), sliding_window=4)
+    assert stacked_layers(cfg) == [0, 1]
+    graphdef, params = split_params(init_decoder(cfg, seed=1))
+    jaxpr = str(jax.make_jaxpr(lambda p: per_token_logprobs(graphdef, p, IDS, MASK, 1.0)[0].sum())(params))
+    assert jaxpr.count("prevent_cse=True") == 1 and jaxpr.count("prevent_cse=False") == 1  # the single layer, the scan
+    uniform = cfg.replace(layer_types=None, sliding_window=None)
+    assert stacked_layers(uniform) == [0, 1, 2]

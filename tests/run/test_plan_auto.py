@@ -71,3 +71,27 @@ def test_plan_target_states_the_choice_and_explicit_values_win():
     kept, line = resolve_for_target("configs/quickstart.yaml", pinned, load_config("configs/quickstart.yaml", pinned),
                                     get_target("cpu"), 1, 1)
     assert line is None and (kept.model.remat_policy, kept.model.logprob_chunk_size) == ("full", 8)
+
+
+def test_a_run_chooses_save_dots_only_where_the_formulas_clear_it_and_full_on_a_cpu():
+    """The run's choice from its device's bytes (no device here: the bytes are given; no compile)."""
+    from asyncrl.run.plan_auto import PLAN_TOLERANCE, apply_sets, choose_remat_for_run
+    from asyncrl.run.plan_formulas import plan_config
+
+    cfg = load_config(data={"model": {"remat": True}, "engine": {"slots": 16}})
+    total = {policy: plan_config(apply_sets(cfg, [f"model.remat_policy={policy}"]), backend="gpu").total_bytes
+             for policy in ("save_dots", "full")}
+    assert total["save_dots"] > total["full"]
+    roomy = int(total["save_dots"] * (1 + PLAN_TOLERANCE)) + 1
+    chosen, line = choose_remat_for_run(cfg, roomy, "gpu")
+    assert chosen.model.remat_policy == "save_dots" and line.startswith("model.remat_policy: auto -> save_dots")
+    tight = int(total["save_dots"] * (1 + PLAN_TOLERANCE)) - 1  # save_dots would fit, but not by the formulas' margin
+    assert choose_remat_for_run(cfg, tight, "gpu")[0].model.remat_policy == "full"
+    assert choose_remat_for_run(cfg, roomy, "cpu")[0].model.remat_policy == "full"  # the CPU: full, as before
+    assert choose_remat_for_run(cfg, None, "tpu")[0].model.remat_policy == "full"  # no limit reported
+    assert chosen.model.logprob_chunk_size == "auto"  # the run's chunk stays its own (RUN_AUTO)
+    pinned = apply_sets(cfg, ["model.remat_policy=full"])
+    assert choose_remat_for_run(pinned, roomy, "gpu") == (pinned, None)  # an explicit policy wins
+    auto_slots = load_config(data={"model": {"remat": True}, "engine": {"slots": "auto"}})  # sized under full first
+    chosen, line = choose_remat_for_run(auto_slots, roomy * 4, "gpu")
+    assert chosen.engine.slots == "auto" and "engine.slots: auto planned at" in line

@@ -7,6 +7,7 @@ import json
 import re
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -49,7 +50,7 @@ def test_tiny_parameters_optimizer_and_kv_cache_by_hand():
     assert got["optimizer state"] == 8 * TINY_PARAMS  # AdamW: mu and nu in float32
     assert got["weights"] == 0  # the default placement serves the trainer's own arrays
     assert got["KV cache"] == 8 * 288 * LAYERS * 2 * KV * D * 4 + 8 * 288  # + the valid mask
-    assert got["decode step"] == 3 * 8 * V * 4
+    assert got["decode step"] == 3 * 8 * V * 4 + 8 * V  # + the bool stop-id mask
     assert plan.layout.colocated and plan.total_bytes == plan.part_bytes("trainer") + plan.part_bytes("engine")
 
 
@@ -70,6 +71,11 @@ def test_activation_formula_by_hand():
     dots = activation_bytes(model.replace(remat=True, remat_policy="save_dots"), rows, length, window, tensor=1, chunk=4)
     kept = H + HEADS * D + 2 * KV * D + 2 * H + 2 * I
     assert dots.kept == LAYERS * rows * length * kept * 2 and dots.layer == remat.layer
+    # LoRA: each targeted projection's two adapter matmuls (x A, rank wide; (x A) B, the output's width) are saved too
+    lora = SimpleNamespace(rank=2, target_modules=("q_proj", "down_proj"))
+    adapters = activation_bytes(model.replace(remat=True, remat_policy="save_dots"), rows, length, window, tensor=1,
+                                chunk=4, lora=lora)
+    assert adapters.kept == dots.kept + LAYERS * rows * length * ((2 + HEADS * D) + (2 + H)) * 2
     # Gemma 3's sandwich norms: two more normed copies (compute dtype) and float32 copies per layer and token
     sandwich = activation_bytes(model.replace(sandwich_norms=True), rows, length, window, tensor=1, chunk=None)
     assert sandwich.kept == act.kept + LAYERS * rows * length * (2 * H * 2 + 2 * H * 4)
