@@ -311,18 +311,31 @@ def _sample_gumbel(keys: jax.Array, scaled: jax.Array) -> jax.Array:
     the vocabulary (noise, add and argmax fuse into one reduction on a GPU) instead of the
     inverse CDF's exp, block sums and two scans; it draws V random numbers per row, which is
     what makes it slower on XLA:CPU. Masked (-inf) tokens are never drawn."""
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[-1:], jnp.float32))(keys)  # [S, V]
-    return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+    return jnp.argmax(scaled + _gumbel_noise(keys, scaled.shape[-1]), axis=-1).astype(jnp.int32)
 
 
-def draw_tokens(sampler: str, keys: jax.Array, scaled: jax.Array) -> jax.Array:
+def _gumbel_noise(keys: jax.Array, vocab: int) -> jax.Array:
+    """float32 [S, vocab]: standard Gumbel noise, one row per key [S, 2]."""
+    return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
+
+
+def draw_tokens(sampler: str, keys: jax.Array, scaled: jax.Array, greedy: Optional[jax.Array] = None,
+                greedy_scaled: Optional[jax.Array] = None) -> jax.Array:
     """int32 [S]: one draw per row of ``softmax(scaled)`` [S, V] with each row's key [S, 2], by
     ``sampler`` (``engine.sampler`` resolved: :func:`asyncrl.engine.platform.resolve_sampler`).
-    Both samplers draw from the same distribution with different random numbers."""
+    Both samplers draw from the same distribution with different random numbers. ``greedy`` bool
+    [S] (optional): those rows take the argmax of ``greedy_scaled`` [S, V] (default ``scaled``)
+    instead; with ``gumbel`` that is the same argmax pass over the vocabulary as the draw's (one
+    reduction for both kinds of rows, not two), with the same tokens as two separate passes."""
+    greedy_scaled = scaled if greedy_scaled is None else greedy_scaled
     if sampler == "gumbel":
-        return _sample_gumbel(keys, scaled)
+        if greedy is None:
+            return _sample_gumbel(keys, scaled)
+        noise = _gumbel_noise(keys, scaled.shape[-1])
+        return jnp.argmax(jnp.where(greedy[:, None], greedy_scaled, scaled + noise), axis=-1).astype(jnp.int32)
     if sampler == "inverse_cdf":
-        return _sample(keys, scaled)
+        drawn = _sample(keys, scaled)
+        return drawn if greedy is None else jnp.where(greedy, jnp.argmax(greedy_scaled, axis=-1), drawn).astype(jnp.int32)
     raise ValueError(f"engine.sampler: unknown sampler {sampler!r} (inverse_cdf or gumbel)")
 
 
@@ -349,11 +362,9 @@ def _choose_tokens(logits, controls: SlotControls, stop_vocab, keys, generated, 
     if allowed is not None:  # "unmasked" below means: not masked by stops or top-k/top-p
         unmasked = jnp.where(allowed, unmasked, -jnp.inf)
     scaled = jnp.where((generated < controls.min_new_tokens)[:, None] & stop_vocab, -jnp.inf, unmasked)
-    greedy_token = jnp.argmax(scaled, axis=-1)
-    if filtered:
-        scaled = _top_k_top_p(scaled, controls.top_k, controls.top_p)
-    drawn = draw_tokens(sampler, jax.vmap(jax.random.fold_in)(keys, generated), scaled)
-    token = jnp.where(controls.greedy, greedy_token, drawn).astype(jnp.int32)
+    # Greedy rows take the argmax of ``scaled`` as it is before top-k/top-p.
+    kept = _top_k_top_p(scaled, controls.top_k, controls.top_p) if filtered else scaled
+    token = draw_tokens(sampler, jax.vmap(jax.random.fold_in)(keys, generated), kept, controls.greedy, scaled)
     # log_softmax(unmasked)[token] without materialising the [S, V] log-softmax: same order of operations
     top = jax.lax.stop_gradient(jnp.max(unmasked, axis=-1))
     log_p = (unmasked[rows, token] - top) - jnp.log(jnp.sum(jnp.exp(unmasked - top[:, None]), axis=-1))
@@ -373,9 +384,10 @@ class _Chunk(NamedTuple):
     generated: jax.Array  # int32 [S]
     node: jax.Array  # int32 [S]: the trie node the next token is chosen at (-1: unconstrained)
     active: jax.Array  # bool [S]
-    tokens: jax.Array  # int32 [S, steps]: the token each slot produced at each step
-    logprobs: jax.Array  # float32 [S, steps]
-    emitted: jax.Array  # bool [S, steps]: the slot was active at that step
+    # The outputs, [S, steps rounded up to whole loop iterations] (written once per iteration):
+    tokens: jax.Array  # int32: the token each slot produced at each step
+    logprobs: jax.Array  # float32
+    emitted: jax.Array  # bool: the slot was active at that step
 
 
 def cache_prefix(cache: KVCache, size: int) -> KVCache:
@@ -423,9 +435,11 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
     vocab = params["embed_tokens"]["embedding"].shape[0]
     stop_vocab = jax.nn.one_hot(controls.stop_ids, vocab, dtype=bool).any(axis=1)  # [S, V]; -1 pads hit nothing
 
-    def step(c: _Chunk) -> _Chunk:
-        # One decode step. Past ``steps`` no slot runs (an idle slot's step changes nothing: its
-        # K/V land on its next, still invalid, cache position and its write position stays).
+    def step(c: _Chunk) -> tuple[_Chunk, tuple[jax.Array, jax.Array, jax.Array]]:
+        # One decode step: the next carry (its output buffers untouched) and what the step emits,
+        # (token, log-prob, emitted) each [S], which ``body`` writes. Past ``steps`` no slot runs (an
+        # idle slot's step changes nothing: its K/V land on its next, still invalid, cache position
+        # and its write position stays).
         if inner > 1:
             c = c._replace(active=c.active & (c.step < steps))
         logits, cache = forward(graphdef, params, c.last_token[:, None], None, c.active[:, None], c.cache)
@@ -440,24 +454,28 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
             node = jnp.where(c.active, next_node, c.node)
         generated = c.generated + c.active.astype(jnp.int32)
         done = is_stop | (generated >= controls.max_new_tokens)
-        return _Chunk(
-            step=c.step + 1,
-            cache=cache,
-            last_token=jnp.where(c.active, token, c.last_token),
-            generated=generated,
-            node=node,
-            active=c.active & ~done,
-            tokens=c.tokens.at[:, c.step].set(token, mode="drop"),
-            logprobs=c.logprobs.at[:, c.step].set(log_p, mode="drop"),
-            emitted=c.emitted.at[:, c.step].set(c.active, mode="drop"),
-        )
+        return c._replace(step=c.step + 1, cache=cache, last_token=jnp.where(c.active, token, c.last_token),
+                          generated=generated, node=node, active=c.active & ~done), (token, log_p, c.active)
 
     def body(c: _Chunk) -> _Chunk:
+        # ``inner`` steps, then their outputs written as one [S, inner] block per buffer at the
+        # iteration's first step: on a GPU three in-place writes per iteration instead of three per
+        # step, and no bounds check (the buffers hold whole iterations, so the block always fits).
+        # One step per iteration (the CPU's): the column write it always had, which keeps XLA:CPU's
+        # fusions, and so the log-probs' last bits, as they were.
+        start, emitted = c.step, []
+        for _ in range(inner):
+            c, out = step(c)
+            emitted.append(out)
         if inner == 1:
-            return step(c)
-        return jax.lax.fori_loop(0, inner, lambda _, c: step(c), c, unroll=True)
+            block = lambda buffer, values: buffer.at[:, start].set(values[0], mode="drop")
+        else:
+            block = lambda buffer, values: jax.lax.dynamic_update_slice(buffer, jnp.stack(values, axis=1), (jnp.int32(0), start))
+        token, log_p, was_active = zip(*emitted)
+        return c._replace(tokens=block(c.tokens, token), logprobs=block(c.logprobs, log_p), emitted=block(c.emitted, was_active))
 
     bucketed = 0 < attend < state.cache.capacity
+    written = -(-steps // inner) * inner  # the output buffers' steps: whole iterations (sliced to ``steps`` at the end)
     init = _Chunk(
         step=jnp.int32(0),
         cache=cache_prefix(state.cache, attend) if bucketed else state.cache,
@@ -465,9 +483,9 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
         generated=jnp.asarray(controls.generated, jnp.int32),
         node=jnp.asarray(controls.node, jnp.int32),
         active=jnp.asarray(controls.active, bool),
-        tokens=jnp.zeros((slots, steps), jnp.int32),
-        logprobs=jnp.zeros((slots, steps), jnp.float32),
-        emitted=jnp.zeros((slots, steps), bool),
+        tokens=jnp.zeros((slots, written), jnp.int32),
+        logprobs=jnp.zeros((slots, written), jnp.float32),
+        emitted=jnp.zeros((slots, written), bool),
     )
     free_at_start = slots - jnp.sum(init.active.astype(jnp.int32))
 
@@ -483,7 +501,8 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
     with contextlib.nullcontext() if layout is None else einsum_decode_attention():
         out = jax.lax.while_loop(more, body, init)
     cache = cache_put_prefix(state.cache, out.cache) if bucketed else out.cache
-    return _constrain(SlotState(cache, state.keys), layout), out.tokens, out.logprobs, out.emitted
+    return (_constrain(SlotState(cache, state.keys), layout), out.tokens[:, :steps], out.logprobs[:, :steps],
+            out.emitted[:, :steps])
 
 
 prefill_insert_jit = jax.jit(_prefill_insert, static_argnums=(0, 5, 6), donate_argnums=2)
