@@ -319,24 +319,33 @@ def _gumbel_noise(keys: jax.Array, vocab: int) -> jax.Array:
     return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
 
 
-def draw_tokens(sampler: str, keys: jax.Array, scaled: jax.Array, greedy: Optional[jax.Array] = None,
-                greedy_scaled: Optional[jax.Array] = None) -> jax.Array:
+def draw_tokens(sampler: str, keys: jax.Array, scaled: jax.Array) -> jax.Array:
     """int32 [S]: one draw per row of ``softmax(scaled)`` [S, V] with each row's key [S, 2], by
     ``sampler`` (``engine.sampler`` resolved: :func:`asyncrl.engine.platform.resolve_sampler`).
-    Both samplers draw from the same distribution with different random numbers. ``greedy`` bool
-    [S] (optional): those rows take the argmax of ``greedy_scaled`` [S, V] (default ``scaled``)
-    instead; with ``gumbel`` that is the same argmax pass over the vocabulary as the draw's (one
-    reduction for both kinds of rows, not two), with the same tokens as two separate passes."""
-    greedy_scaled = scaled if greedy_scaled is None else greedy_scaled
+    Both samplers draw from the same distribution with different random numbers."""
     if sampler == "gumbel":
-        if greedy is None:
-            return _sample_gumbel(keys, scaled)
-        noise = _gumbel_noise(keys, scaled.shape[-1])
-        return jnp.argmax(jnp.where(greedy[:, None], greedy_scaled, scaled + noise), axis=-1).astype(jnp.int32)
+        return _sample_gumbel(keys, scaled)
     if sampler == "inverse_cdf":
-        drawn = _sample(keys, scaled)
-        return drawn if greedy is None else jnp.where(greedy, jnp.argmax(greedy_scaled, axis=-1), drawn).astype(jnp.int32)
+        return _sample(keys, scaled)
     raise ValueError(f"engine.sampler: unknown sampler {sampler!r} (inverse_cdf or gumbel)")
+
+
+def _max_and_argmax(values: jax.Array, choose: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(jnp.max(values, -1), jnp.argmax(choose, -1))`` for ``values, choose`` float32 [S, V], exactly
+    (the argmax's ties go to the first index and a NaN counts as the largest, as in jax's own
+    reducer), as one variadic reduction: one pass over the vocabulary on a GPU instead of two."""
+
+    def combine(a, b):
+        (a_max, a_value, a_index), (b_max, b_value, b_index) = a, b
+        pick_a = (a_value > b_value) | (a_value != a_value)
+        pick_a_index = pick_a | ((a_value == b_value) & (a_index < b_index))
+        return (jax.lax.max(a_max, b_max), jax.lax.select(pick_a, a_value, b_value),
+                jax.lax.select(pick_a_index, a_index, b_index))
+
+    index = jax.lax.broadcasted_iota(jnp.int32, choose.shape, 1)
+    top, _, arg = jax.lax.reduce((values, choose, index), (np.float32(-np.inf), np.float32(-np.inf), np.int32(0)),
+                                 combine, (1,))
+    return top, arg
 
 
 def allowed_vocab(tries: TrieTables, node: jax.Array, vocab: int, max_branch: int) -> jax.Array:
@@ -362,11 +371,16 @@ def _choose_tokens(logits, controls: SlotControls, stop_vocab, keys, generated, 
     if allowed is not None:  # "unmasked" below means: not masked by stops or top-k/top-p
         unmasked = jnp.where(allowed, unmasked, -jnp.inf)
     scaled = jnp.where((generated < controls.min_new_tokens)[:, None] & stop_vocab, -jnp.inf, unmasked)
-    # Greedy rows take the argmax of ``scaled`` as it is before top-k/top-p.
-    kept = _top_k_top_p(scaled, controls.top_k, controls.top_p) if filtered else scaled
-    token = draw_tokens(sampler, jax.vmap(jax.random.fold_in)(keys, generated), kept, controls.greedy, scaled)
+    kept = _top_k_top_p(scaled, controls.top_k, controls.top_p) if filtered else scaled  # greedy rows: argmax of scaled
+    keys = jax.vmap(jax.random.fold_in)(keys, generated)
+    if sampler == "gumbel":  # _sample_gumbel's draw, the greedy argmax and the log-prob's maximum in one reduction
+        choose = jnp.where(controls.greedy[:, None], scaled, kept + _gumbel_noise(keys, scaled.shape[-1]))
+        top, token = _max_and_argmax(unmasked, choose)
+    else:
+        token = jnp.where(controls.greedy, jnp.argmax(scaled, axis=-1), draw_tokens(sampler, keys, kept)).astype(jnp.int32)
+        top = jnp.max(unmasked, axis=-1)
     # log_softmax(unmasked)[token] without materialising the [S, V] log-softmax: same order of operations
-    top = jax.lax.stop_gradient(jnp.max(unmasked, axis=-1))
+    top = jax.lax.stop_gradient(top)
     log_p = (unmasked[rows, token] - top) - jnp.log(jnp.sum(jnp.exp(unmasked - top[:, None]), axis=-1))
     is_stop = stop_vocab[rows, token] & (generated >= controls.min_new_tokens)
     return token, log_p, is_stop
