@@ -18,7 +18,7 @@ Decode steps per loop iteration (:func:`resolve_inner_steps`, ``engine.decode_in
     count is not known: the chunk ends early for refills), so on a GPU every iteration ends with
     the loop's predicate copied to the host, which launches the next body. ``auto`` runs
     :data:`GPU_INNER_STEPS` decode steps per iteration there (one host round trip per 8 tokens,
-    unrolled into one command buffer of about 8 x 400 kernels at Qwen2.5-0.5B shape); on the CPU
+    unrolled into one command buffer of about 8 x 250 kernels at Qwen2.5-0.5B shape); on the CPU
     and TPUs the loop runs without the host, and 1 keeps the program small and the early exit
     exact to the step.
 

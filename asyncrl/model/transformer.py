@@ -547,9 +547,11 @@ class Decoder(nnx.Module):
             if positions is None:
                 positions = jnp.maximum(kv_cache.lengths[:, None] + running, 0)
             write_idx = kv_cache.write_pos[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-            rows = jnp.arange(b)[:, None]
-            valid = kv_cache.valid.at[rows, write_idx].set(attention_mask, mode="drop")
             slots = jnp.arange(kv_cache.capacity, dtype=jnp.int32)
+            if t == 1:  # a decode step: the same write as a select, which XLA fuses with the mask below (a scatter: a kernel more)
+                valid = jnp.where(slots[None, :] == write_idx, attention_mask, kv_cache.valid)
+            else:
+                valid = kv_cache.valid.at[jnp.arange(b)[:, None], write_idx].set(attention_mask, mode="drop")
             mask = valid[:, None, :] & (slots[None, None, :] <= write_idx[:, :, None])
             query_index, key_index = write_idx, slots
         by_type = {"full_attention": (*rope_cos_sin(cfg, positions), mask)}  # per layer type: cos, sin, mask

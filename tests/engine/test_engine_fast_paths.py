@@ -99,6 +99,25 @@ def test_sampler_draws_from_softmax_chi_square(sampler):
     assert p_value > 1e-3, f"{sampler}: draws do not follow softmax(logits / T) (p = {p_value:.2e})"
 
 
+def test_max_and_argmax_in_one_reduction_equals_jnp():
+    """The Gumbel path's one reduction (the log-prob's maximum and the token's argmax) against
+    jnp.max and jnp.argmax: ties to the first index, rows all -inf, NaN, across 300 columns."""
+    from asyncrl.engine.jax_programs import _max_and_argmax
+
+    rng = np.random.default_rng(4)
+    values = rng.normal(size=(6, 300)).astype(np.float32)
+    choose = np.round(rng.normal(size=(6, 300)), 1).astype(np.float32)  # rounded: many ties
+    choose[1] = -np.inf
+    choose[2, [7, 250]] = 9.0  # a tie at the maximum: the first wins
+    choose[3, 41] = np.nan
+    values[4, 100] = np.nan
+    values[5] = -np.inf
+    top, arg = jax.jit(_max_and_argmax)(values, choose)
+    np.testing.assert_array_equal(np.asarray(top), np.asarray(jnp.max(values, axis=-1)))
+    np.testing.assert_array_equal(np.asarray(arg), np.asarray(jnp.argmax(choose, axis=-1)))
+    assert arg[2] == 7 and arg[3] == 41 and np.isnan(top[4])
+
+
 def test_gumbel_sampler_deterministic_per_key():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=64).astype(np.float32))
     np.testing.assert_array_equal(draws_of("gumbel", logits, 500, seed=5), draws_of("gumbel", logits, 500, seed=5))
