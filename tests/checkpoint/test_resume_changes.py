@@ -40,6 +40,7 @@ def test_a_finished_staged_run_is_extended_by_raising_its_last_stage(tmp_path):
         run_in_process(config, "checkpoint.resume=auto", "stages.1.total_steps=3")
 
 
+@pytest.mark.slow  # 14 s cold; resume is tested in test_resume.py by default (session 8's fresh clone: 951 s of the 960 s line)
 def test_a_run_directory_moved_elsewhere_resumes_there(tmp_path):
     first = tmp_path / "first"
     config = write_config(tmp_path, first, **STAGES)

@@ -47,6 +47,7 @@ def _logits(graphdef, params, ids, mask) -> np.ndarray:
     return np.asarray(forward_jit(graphdef, params, jnp.asarray(ids), None, jnp.asarray(mask))[0])
 
 
+@pytest.mark.slow  # 10 s cold; a check of the parity test's reach, not of the model (session 8's fresh clone: 951 s of the 960 s line)
 def test_every_gemma_option_moves_the_logits_the_parity_test_checks(checkpoint):
     _, hf, lm = checkpoint
     cfg = lm.config
