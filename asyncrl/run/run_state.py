@@ -127,6 +127,9 @@ class Run:
         """The :class:`~asyncrl.checkpoint.Checkpoint` this run continues, or None."""
         self.placement = resolve_placement(cfg)
         """The trainer's and the engine's devices (docs/scaling.md "Placement")."""
+        self.given_cfg = cfg
+        """The config as given: what a checkpoint saves and a resume compares, ``auto`` kept (as
+        ``engine.slots: auto`` is), so a resume chooses again on its own devices."""
         cfg = self.cfg = resolve_auto_remat(cfg)  # model.remat_policy: auto, from the devices' memory
         self.loaded = load_model(cfg.model)
         if cfg.engine.remote is None:
@@ -394,7 +397,7 @@ class Run:
             if self.trackers is not None and self.trackers.run_ids():
                 state["trackers"] = self.trackers.run_ids()  # --resume continues these W&B/MLflow runs
         self.pending_checkpoint = start_checkpoint(
-            self.out, self.version, arrays=arrays, state=state, config_yaml=dump_config(self.cfg),
+            self.out, self.version, arrays=arrays, state=state, config_yaml=dump_config(self.given_cfg),
             rollout_state=rollout_state, keep=self.cfg.checkpoint.keep, asynchronous=self.cfg.checkpoint.asynchronous,
             timeout_s=self.cfg.checkpoint.barrier_timeout_s,
         )

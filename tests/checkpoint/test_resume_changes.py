@@ -21,6 +21,19 @@ STAGES = {
 }
 
 
+@pytest.mark.slow  # 32 s cold (two runs compiling a rematerialised step); the resume tests in test_resume.py stay
+def test_a_run_whose_remat_policy_auto_was_resolved_resumes(tmp_path):
+    """``model.remat_policy: auto`` is resolved at a run's start (from its devices' memory), but a
+    checkpoint keeps it ``auto``, as ``engine.slots: auto``: a resume chooses again on its own
+    devices instead of being refused for a config that differs from the one it was given."""
+    out = tmp_path / "remat"
+    config = write_config(tmp_path, out, run={"total_steps": 1}, model={"remat": True},
+                          checkpoint={"every_steps": 1, "keep": 1})
+    run_in_process(config)
+    run_in_process(config, "checkpoint.resume=auto", "run.total_steps=2")
+    assert [r["step"] for r in read_rows(out)] == [1, 2]
+
+
 @pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
 def test_a_finished_staged_run_is_extended_by_raising_its_last_stage(tmp_path):
     out = tmp_path / "staged"
