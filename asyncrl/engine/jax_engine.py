@@ -90,7 +90,7 @@ from asyncrl.engine.jax_scheduler import EngineScheduler, EngineStats, _Pending,
 from asyncrl.engine.platform import resolve_inner_steps, resolve_sampler
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
-from asyncrl.model.attention import KernelTarget, device_platform
+from asyncrl.model.attention import kernel_target_of
 from asyncrl.model.compute_copy import compute_copy
 from asyncrl.model.sharding import check_tensor_parallel, param_shardings
 from asyncrl.registry import register
@@ -167,10 +167,10 @@ class JaxEngine(EngineScheduler):
         self.chunk = cfg.decode_chunk
         self.buckets = tuple(sorted(b for b in set(cfg.prefill_buckets) if b <= cfg.kv_capacity))
         self.prefill_rows = min(PREFILL_ROWS, cfg.slots)
-        self.platform = device_platform(next(iter(embed.devices())))
         # the prefill's attention kernel: the platform's, run per device only where the engine's
         # arrays are on one (a fused kernel over several devices needs a mesh to shard_map over)
-        self.kernel = KernelTarget(self.platform, devices=len(embed.sharding.device_set))
+        self.kernel = kernel_target_of(embed)
+        self.platform = self.kernel.platform
         self.sampler = resolve_sampler(cfg.sampler, self.platform)
         self.inner_steps = resolve_inner_steps(cfg.decode_inner_steps, self.platform)
         self.attention_buckets = attention_buckets(self.capacity, cfg.attention_buckets)

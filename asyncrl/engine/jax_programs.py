@@ -188,8 +188,10 @@ class PrefillPlan(NamedTuple):
 
 
 def _kernel(kernel: Optional[KernelTarget]) -> Any:
-    """:func:`compiled_for` the engine's devices (no change for None)."""
-    return compiled_for(platform=None if kernel is None else kernel.platform, devices=0 if kernel is None else kernel.devices)
+    """:func:`compiled_for` the engine's devices (no change for None: this process's backend)."""
+    if kernel is None:
+        return compiled_for()
+    return compiled_for(platform=kernel.platform, devices=kernel.devices)
 
 
 def _prefill_insert(graphdef, params, state: SlotState, plan: PrefillPlan, root_key, layout=None, kernel=None):

@@ -120,6 +120,13 @@ def device_platform(device: Any) -> str:
     return platform
 
 
+def kernel_target_of(array: Any) -> KernelTarget:
+    """The target of a program over ``array``'s devices with no mesh of its own (the engine's
+    prefill and beam search): their platform and count, compile-only devices included."""
+    devices = array.sharding.device_set
+    return KernelTarget(device_platform(next(iter(devices))), devices=len(devices))
+
+
 @contextlib.contextmanager
 def compiled_for(mesh: Any = None, platform: Optional[str] = None, devices: int = 0) -> Iterator[None]:
     """Within it, ``model.attention: auto`` picks the kernel of ``mesh``'s devices (or of

@@ -312,10 +312,9 @@ def _kernel(engine: EngineArgs) -> Any:
     their platform and count, the target's, not this CPU process's."""
     import jax
 
-    from asyncrl.model.attention import KernelTarget, device_platform
+    from asyncrl.model.attention import kernel_target_of
 
-    devices = jax.tree.leaves(engine.serving)[0].sharding.device_set
-    return KernelTarget(device_platform(next(iter(devices))), devices=len(devices))
+    return kernel_target_of(jax.tree.leaves(engine.serving)[0])
 
 
 def lower_publish_cast(engine: EngineArgs, model_cfg: Any) -> Any:
