@@ -79,6 +79,7 @@ from asyncrl.model.attention import (
 from asyncrl.model.blocks import ACTIVATIONS, dtype_of, linear, normal_init, sliding_window_mask, softcap
 from asyncrl.model.config import DecoderConfig
 from asyncrl.model.decode_attention import decode_attention
+from asyncrl.model.sharding import vocab_parallel_head
 
 _MASKED = -1e30  # finite, so fully masked rows (pads) give uniform weights, never NaN
 
@@ -586,12 +587,15 @@ class Decoder(nnx.Module):
         """float32 logits [..., vocab] from final hidden states [..., hidden] (one 2-D matmul
         over the flattened positions, like :func:`_dense`)."""
         lead, flat = hidden.shape[:-1], hidden.reshape(-1, hidden.shape[-1])
+        mesh = current_target().mesh  # the trainer's: its head runs vocabulary-parallel
         if self.cfg.tie_word_embeddings:
             table = self.embed_tokens.embedding[...].astype(hidden.dtype)
-            logits = jnp.einsum("nh,vh->nv", flat, table, preferred_element_type=jnp.float32)
+            flat, table, laid_out = vocab_parallel_head(flat, table, 0, mesh)
+            logits = laid_out(jnp.einsum("nh,vh->nv", flat, table, preferred_element_type=jnp.float32))
         else:
             kernel = self.lm_head.kernel[...].astype(hidden.dtype)
-            logits = jnp.einsum("nh,hv->nv", flat, kernel, preferred_element_type=jnp.float32)
+            flat, kernel, laid_out = vocab_parallel_head(flat, kernel, 1, mesh)
+            logits = laid_out(jnp.einsum("nh,hv->nv", flat, kernel, preferred_element_type=jnp.float32))
         if self.cfg.final_logit_softcap is not None:
             logits = softcap(logits, self.cfg.final_logit_softcap)
         return logits.reshape(*lead, -1)
