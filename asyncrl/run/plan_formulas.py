@@ -363,11 +363,14 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     save_dots``: also its seven projections' outputs, q/k/v/o and gate/up/down) and one layer at a
     time is recomputed in full. The head: the hidden states of the window and the logits and their
     cotangent over ``chunk`` positions at a time (``window`` when unchunked; :func:`head_logit_bytes`),
-    vocabulary split over ``tensor``. With ``fsdp`` > 1 the table's hidden dimension is split over
-    the fsdp axis (asyncrl/model/sharding.py) and XLA contracts it where it lies: every device
-    computes float32 partial logits of all ``rows x fsdp`` rows of its fsdp group, reduce-scattered
-    to its own rows (read from XLA's buffer assignment for 8 H100s). ``lora``: the ``model.lora``
-    section, whose adapters' matmuls ``save_dots`` keeps too (:func:`saved_lora_dots_bytes`)."""
+    vocabulary split over ``tensor``. With ``fsdp`` > 1 the head runs vocabulary-parallel
+    (:func:`asyncrl.model.sharding.vocab_parallel_head`): each device computes the logits of all
+    ``rows x fsdp`` rows of its group over its ``vocab / (fsdp x tensor)`` slice, and holds that
+    slice of the head's weight and of its gradient in the compute dtype (read from XLA's program
+    for a v6e-8); a vocabulary that does not divide keeps the parameter layout, where every device
+    computes float32 partial logits of all ``rows x fsdp`` rows, reduce-scattered to its own (read
+    from XLA's buffer assignment for 8 H100s). ``lora``: the ``model.lora`` section, whose
+    adapters' matmuls ``save_dots`` keeps too (:func:`saved_lora_dots_bytes`)."""
     c = DTYPE_BYTES[model_cfg.compute_dtype]
     h, d = model_cfg.hidden_size, model_cfg.head_dim
     heads = max(model_cfg.num_heads // tensor, 1)
@@ -380,7 +383,9 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     positions = window if chunk is None else min(chunk, window)
     vocab = model_cfg.vocab_size // tensor if model_cfg.vocab_size % tensor == 0 else model_cfg.vocab_size
     head = rows * window * h * c + rows * positions * vocab * head_logit_bytes(c, backend)
-    if fsdp > 1:
+    if fsdp > 1 and model_cfg.vocab_size % (fsdp * tensor) == 0:  # vocabulary-parallel: the rows x fsdp
+        head += 2 * model_cfg.vocab_size // (fsdp * tensor) * h * c  # rows' logits over vocab / fsdp (above)
+    elif fsdp > 1:
         head += fsdp * rows * positions * vocab * 4
     if not model_cfg.remat:
         return Activations(model_cfg.num_layers * one_layer, 0, head)
@@ -552,20 +557,25 @@ def _engine_lines(cfg: Config, model_cfg: Any, layout: Layout, params: dict, bas
         # The chunk's stop-id mask (bool [slots, vocab], asyncrl/engine/jax_programs.py) is carried through its loop.
         Line("engine", "decode step", decode_logit_copies(backend) * slots * vocab * 4 + slots * model_cfg.vocab_size,
              "float32 logits of one step, the slots' stop-id mask"),
-        _decode_cache_copy(engine, kv, backend),
+        _decode_cache_copy(engine, kv, backend, kv_heads),
     ]
 
 
-def _decode_cache_copy(engine: Any, kv: int, backend: str) -> Line:
-    """What the decode chunk holds of the cache as temporaries, at its largest: on TPUs a copy of the
-    whole cache (XLA's TPU decode loop keeps one beside the donated state: 14.1 GiB for a 14.0 GiB
-    cache on a v6e-8); elsewhere, with ``engine.attention_buckets`` > 1, the prefix a bucketed chunk
-    takes before its loop and puts back after it, at the largest bucket below the capacity (0.75
-    GiB at 512 of 1,024 positions of the 0.5B recipe on an H100)."""
+def _decode_cache_copy(engine: Any, kv: int, backend: str, kv_heads: int) -> Line:
+    """What the decode chunk holds of the cache as temporaries, at its largest: on TPUs, with more
+    than one KV head per device, a copy of the whole cache (XLA's TPU layout for the decode loop
+    orders each layer's ``[slots, kv_heads, T, head_dim]`` cache with the positions before the
+    heads, ``{3,1,2,0}``, and copies the row-major arguments in and out: 14.1 GiB for a 14.0 GiB
+    cache of 8 KV heads on a v6e-8; with one KV head the two layouts are the same bytes and there
+    is no copy: Gemma 3 1B on a v5e-8); elsewhere, with ``engine.attention_buckets`` > 1, the prefix
+    a bucketed chunk takes before its loop and puts back after it, at the largest bucket below the
+    capacity (0.75 GiB at 512 of 1,024 positions of the 0.5B recipe on an H100)."""
     from asyncrl.engine.attention_buckets import attention_buckets
 
     if backend == "tpu":
-        return Line("engine", "decode cache copy", kv, "XLA's TPU decode loop holds a copy of the cache")
+        if kv_heads == 1:
+            return Line("engine", "decode cache copy", 0, "one KV head: XLA's TPU decode loop keeps the cache's layout")
+        return Line("engine", "decode cache copy", kv, "XLA's TPU decode loop relays the cache out (positions before heads)")
     sizes = attention_buckets(engine.kv_capacity, engine.attention_buckets)
     if len(sizes) < 2:
         return Line("engine", "decode cache copy", 0, "one attention bucket: no prefix copy")
