@@ -209,10 +209,13 @@ def _cudnn_max_head_dim() -> int:
 # --------------------------------------------------------------------------- the kernels
 
 
-def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: SelfAttentionMask, scale: Optional[float]) -> jax.Array:
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: SelfAttentionMask, scale: Optional[float],
+                    mesh: Any = None) -> jax.Array:
     """cuDNN flash attention of ``q [B, T, heads, D]`` over ``k, v [B, T, kv_heads, D]``: causal with
     each row's length (real tokens first: right padding), the window as cuDNN's sliding window; packed rows
-    with the dense mask (module docstring)."""
+    with the dense mask (module docstring). ``mesh``: the program's (the trainer's), over which q, k
+    and v are laid out alike (:func:`_alike_on`)."""
+    q, k, v = _alike_on(mesh, q, k, v)
     if mask.segment_ids is not None:
         if "cudnn-packed" not in _LOGGED:
             _LOGGED.add("cudnn-packed")
@@ -228,6 +231,24 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: SelfAttentio
     window = None if mask.window is None else (mask.window - 1, 0)
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, query_seq_lengths=lengths,
                                         key_value_seq_lengths=lengths, local_window_size=window, implementation="cudnn")
+
+
+def _alike_on(mesh: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``q, k, v`` constrained to one sharding on ``mesh`` (None: unchanged): rows over ``data x
+    fsdp`` where they divide, heads over ``tensor`` where both head counts divide. cuDNN's
+    partitioner refuses q, k and v sharded differently ("Query, key and value should have same
+    sharding"), which XLA's propagation gives GQA's q and k/v under fsdp (8 GPUs, Qwen3-1.7B)."""
+    if mesh is None:
+        return q, k, v
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    tensor = mesh.shape.get("tensor", 1)
+    heads = "tensor" if q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0 else None
+    rows = _ROW_AXES if row_shards_divide(mesh, q.shape[0]) else None
+    layout = NamedSharding(mesh, P(rows, None, heads, None))
+    constrain = functools.partial(jax.lax.with_sharding_constraint, shardings=layout)
+    return constrain(q), constrain(k), constrain(v)
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: SelfAttentionMask, scale: Optional[float],

@@ -359,7 +359,7 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, choice: str, kv
     implementation = attention_implementation(choice, q.dtype, q.shape[-1], target=target)
     if isinstance(mask, SelfAttentionMask):
         if implementation == "cudnn":
-            return cudnn_attention(q, k, v, mask, scale)
+            return cudnn_attention(q, k, v, mask, scale, mesh=target.mesh)
         if implementation == "splash" and row_shards_divide(target.mesh, q.shape[0]):
             return splash_attention(q, k, v, mask, scale, mesh=target.mesh, interpret=target.platform != "tpu")
         mask = mask.dense()

@@ -105,6 +105,17 @@ def test_h100_target_compiles_and_reads_the_decode_structure():
     assert decode["host_round_trips_per_token"] in (0.0, 0.125) and all(r["fits"] and r["devices"] == 1 for r in rows)
 
 
+@pytest.mark.skipif(not plugin_installed("gpu"), reason="jax's CUDA plugin is not installed (tests/README.md: the aot venv)")
+@pytest.mark.timeout(900)
+def test_eight_h100s_with_fsdp_compile_the_cudnn_train_step():
+    """cuDNN's partitioner refuses q and GQA's k/v sharded differently, which XLA's propagation gave
+    them under fsdp: the train step of every multi-GPU fsdp run was rejected before q, k and v were
+    laid out alike (asyncrl/model/attention.py)."""
+    rows = _plan_json("--target", "h100", "--devices", "8", "--set", "mesh.fsdp=8", "--set", "model.param_dtype=float32")
+    assert [r["program"] for r in rows] == ["train_step", "prefill", "decode_chunk", "publish_cast"]
+    assert all(r["devices"] == 8 and r["fits"] for r in rows)
+
+
 @pytest.mark.skipif(not plugin_installed("tpu"), reason="libtpu is not installed (tests/README.md: the aot venv)")
 @pytest.mark.timeout(900)
 def test_v6e_8_target_compiles_on_the_config_mesh():
