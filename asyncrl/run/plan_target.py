@@ -106,6 +106,8 @@ class ProgramReport:
             "xla_peak_bytes": self.memory.peak, "plan_bytes": self.plan_bytes, "device_memory_bytes": self.device_memory,
             "fits": self.fits, "compile_s": round(self.compile_s, 2),
         }
+        if self.memory.reported_peak:
+            out["xla_reported_peak_bytes"] = self.memory.reported_peak
         if self.decode is not None:
             d = self.decode
             out.update(kernels_per_step=d.kernels_per_step, kernels_per_layer=d.kernels_per_layer,

@@ -88,6 +88,7 @@ def test_cpu_target_reports_every_program_as_json():
         assert r["stage"] == "rl" and r["target"] == "cpu" and r["devices"] == 2 and r["fits"] and r["compile_s"] > 0
         assert r["xla_peak_bytes"] == r["xla_argument_bytes"] + r["xla_output_bytes"] - r["xla_alias_bytes"] + r["xla_temp_bytes"]
         assert r["xla_argument_bytes"] > 0 and r["plan_bytes"] > 0
+        assert 0 < r["xla_reported_peak_bytes"] <= r["xla_peak_bytes"] + r["xla_alias_bytes"]  # XLA's own, by live ranges
     assert rows[0]["detail"] == "16 x 24 rows, window 24" and "kernels_per_step" not in rows[2]  # no thunk dump on the CPU
 
 
