@@ -119,19 +119,23 @@ def vocab_parallel_head(hidden: jax.Array, weight: jax.Array, vocab_dim: int, me
     gathered over ``fsdp`` and ``tensor`` (rows stay split over ``data``) and the head's
     ``weight`` (``[V, H]`` tied embedding, ``vocab_dim=0``; ``[H, V]`` kernel, ``vocab_dim=1``)
     split over them along the vocabulary, so each device computes all rows' logits for its
-    vocabulary slice and its slice of the weight's gradient, with nothing to reduce. Returns
+    vocabulary slice and its slice of the weight's gradient; what crosses devices is the
+    log-softmax's per-position maxima and sums and the hidden states' cotangent. Returns
     ``(hidden, weight, constrain_logits)``. Why: the parameter layout splits the hidden
     dimension, and with rows split over the same devices (the layout splash attention's
     ``shard_map`` pins) XLA formed the whole ``[V, H]`` float32 gradient on every device at each
     lm-head chunk and all-reduced it (1.8 GiB per chip for Qwen3-1.7B; issue 46). Unchanged
     (identity) without a mesh or where the vocabulary does not divide."""
-    split = tuple(axis for axis in HEAD_VOCAB_AXES if _axis_size(mesh, axis) > 1) if mesh is not None else ()
+    unchanged = hidden, weight, lambda logits: logits
+    if mesh is None:
+        return unchanged
+    split = tuple(axis for axis in HEAD_VOCAB_AXES if _axis_size(mesh, axis) > 1)
     shards = 1
     for axis in split:
-        shards *= _axis_size(mesh, axis)  # type: ignore[arg-type]
+        shards *= _axis_size(mesh, axis)
     if not split or weight.shape[vocab_dim] % shards:
-        return hidden, weight, lambda logits: logits
-    rows = "data" if _axis_size(mesh, "data") > 1 else None  # type: ignore[arg-type]
+        return unchanged
+    rows = "data" if _axis_size(mesh, "data") > 1 else None
     constrain = lambda x, *spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))  # noqa: E731
     weight_spec = (split, None) if vocab_dim == 0 else (None, split)
     return (constrain(hidden, rows, None), constrain(weight, *weight_spec),

@@ -387,12 +387,18 @@ def test_packing_is_planned_at_its_worst_case_with_the_whole_row_scored(capsys):
 XLA_PEAKS = [
     pytest.param("gsm8k_grpo_qwen2.5_0.5b.yaml", ["model.path=qwen2.5-0.5b-instruct"], 1, "gpu", 15319305794,
                  int(3.26 * GIB), id="0.5b-h100"),
-    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-1.7b", "mesh.fsdp=8"], 8, "gpu", 7071442946, 15561449964,
+    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-1.7b", "mesh.fsdp=8"], 8, "gpu", 6006976770, 15561449964,
                  id="1.7b-fsdp8-8xh100"),
-    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-1.7b", "mesh.fsdp=8"], 8, "tpu", 7965346976, int(28.50 * GIB),
+    # The recipe's own target (its header's one 80 GB GPU), with what `auto` takes there.
+    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-1.7b", "model.remat_policy=save_dots"], 1, "gpu", 61674412290,
+                 18572442092, id="1.7b-h100"),
+    # The TPU row's train step: XLA's own peak (xla_reported_peak_bytes, 5.19 GiB), not the sum of its parts
+    # (6.42 GiB: libtpu counts 1.07 GiB of temporaries that no buffer of its buffer assignment holds;
+    # docs/performance.md "The formulas against XLA"), against which the plan is 0.89.
+    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-1.7b", "mesh.fsdp=8"], 8, "tpu", 5571959520, int(28.50 * GIB),
                  id="1.7b-fsdp8-v6e-8"),
     # Qwen3-8B's abstract parameters (the plan's shapes) take a second or two more.
-    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-8b", "mesh.fsdp=8"], 8, "gpu", 29369442738, 21474740916,
+    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-8b", "mesh.fsdp=8"], 8, "gpu", 27489106354, 21474740916,
                  marks=pytest.mark.slow, id="8b-fsdp8-8xh100"),
 ]
 
