@@ -364,9 +364,9 @@ def test_moe_activations_count_routed_experts_and_lora_targets_attention(capsys)
     assert "model.lora.target_modules: down_proj on a mixture-of-experts model" in capsys.readouterr().err
 
 
-def test_packing_is_planned_at_its_worst_case_with_the_whole_row_scored(capsys):
+def test_packing_is_planned_at_its_worst_case_with_the_whole_row_scored():
     """rollout.pack: rows as unpacked (every sequence may be as long as L), the lm head over all of
-    L (a packed row is scored whole), and the packed step's four more token arrays; the packed step compiles."""
+    L (a packed row is scored whole), and the packed step's four more token arrays."""
     data = {"rollout": {"batch_size": 8, "group_size": 4, "max_new_tokens": 64}, "data": {"max_prompt_tokens": 192}}
     plain = _lines(plan_config(load_config(data=data), backend="cpu"))
     packed_plan = plan_config(load_config(data={**data, "rollout": {**data["rollout"], "pack": True}}), backend="cpu")
@@ -374,6 +374,10 @@ def test_packing_is_planned_at_its_worst_case_with_the_whole_row_scored(capsys):
     assert packed["activations"] == plain["activations"]
     assert packed["lm head"] == plain["lm head"] * 256 // 64  # window 64 -> L = 256
     assert packed["batch"] == plain["batch"] * 27 // 14
+
+
+@pytest.mark.slow  # a compile of its own (10-17 s on the CI machine); tests/trainer/test_packing.py runs the packed step
+def test_the_packed_step_compiles_for_plan_xla(capsys):
     assert main(["plan", str(CONFIGS / "quickstart.yaml"), "--xla", "--set", "rollout.pack=true"]) == 0
     assert "XLA, compiled here" in capsys.readouterr().out
 
