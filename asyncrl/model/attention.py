@@ -243,10 +243,8 @@ def _alike_on(mesh: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    tensor = mesh.shape.get("tensor", 1)
-    heads = "tensor" if q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0 else None
     rows = _ROW_AXES if row_shards_divide(mesh, q.shape[0]) else None
-    layout = NamedSharding(mesh, P(rows, None, heads, None))
+    layout = NamedSharding(mesh, P(rows, None, _heads_axis(mesh, q.shape[2], k.shape[2]), None))
     constrain = functools.partial(jax.lax.with_sharding_constraint, shardings=layout)
     return constrain(q), constrain(k), constrain(v)
 
@@ -279,9 +277,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: SelfAttenti
     else:
         from jax.sharding import PartitionSpec as P
 
-        tensor = mesh.shape.get("tensor", 1)
-        head_axis = "tensor" if heads % tensor == 0 and k.shape[1] % tensor == 0 else None
-        qkv, rows = P(_ROW_AXES, head_axis, None, None), P(_ROW_AXES, None)
+        qkv, rows = P(_ROW_AXES, _heads_axis(mesh, heads, k.shape[1]), None, None), P(_ROW_AXES, None)
         out = jax.shard_map(per_device, mesh=mesh, in_specs=(qkv, qkv, qkv, rows), out_specs=qkv,
                             check_vma=False)(q, k, v, segments)
     return out.swapaxes(1, 2)[:, :t]
@@ -302,6 +298,12 @@ def _splash_kernel(heads: int, length: int, window: Optional[int], interpret: bo
     with jax.ensure_compile_time_eval():  # its tables are constants, never tracers of the first trace
         return splash.make_splash_mha(splash.MultiHeadMask([one] * heads), block_sizes=sizes, head_shards=1,
                                       q_seq_shards=1, interpret=interpret)
+
+
+def _heads_axis(mesh: Any, heads: int, kv_heads: int) -> Optional[str]:
+    """``tensor`` where it divides both head counts (the fused kernels' q and k/v split alike), else None."""
+    tensor = mesh.shape.get("tensor", 1)
+    return "tensor" if heads % tensor == 0 and kv_heads % tensor == 0 else None
 
 
 def row_shards_divide(mesh: Any, rows: int) -> bool:

@@ -20,6 +20,7 @@ is silent by design (the result is still correct, only less memory-efficient);
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Optional
 
@@ -114,6 +115,14 @@ def param_shardings(cfg: DecoderConfig, params: Any, mesh: Mesh) -> Any:
 HEAD_VOCAB_AXES = ("fsdp", "tensor")  # the lm head's vocabulary split over these in the trainer (vocab_parallel_head)
 
 
+def head_vocab_shards(axis_sizes: Any, vocab: int) -> int:
+    """How many slices :func:`vocab_parallel_head` splits a ``vocab``-entry head into on a mesh of
+    ``axis_sizes`` (axis name -> size, e.g. ``mesh.shape``): ``fsdp x tensor``, or 1 (the parameter
+    layout kept) where that is 1 or does not divide the vocabulary."""
+    shards = math.prod(int(axis_sizes.get(axis, 1)) for axis in HEAD_VOCAB_AXES)
+    return shards if vocab % shards == 0 else 1
+
+
 def vocab_parallel_head(hidden: jax.Array, weight: jax.Array, vocab_dim: int, mesh: Optional[Mesh]) -> tuple[jax.Array, jax.Array, Any]:
     """The lm head laid out vocabulary-parallel on ``mesh`` (Megatron's way): ``hidden [N, H]``
     gathered over ``fsdp`` and ``tensor`` (rows stay split over ``data``) and the head's
@@ -129,12 +138,9 @@ def vocab_parallel_head(hidden: jax.Array, weight: jax.Array, vocab_dim: int, me
     unchanged = hidden, weight, lambda logits: logits
     if mesh is None:
         return unchanged
-    split = tuple(axis for axis in HEAD_VOCAB_AXES if _axis_size(mesh, axis) > 1)
-    shards = 1
-    for axis in split:
-        shards *= _axis_size(mesh, axis)
-    if not split or weight.shape[vocab_dim] % shards:
+    if head_vocab_shards(mesh.shape, weight.shape[vocab_dim]) == 1:
         return unchanged
+    split = tuple(axis for axis in HEAD_VOCAB_AXES if _axis_size(mesh, axis) > 1)
     rows = "data" if _axis_size(mesh, "data") > 1 else None
     constrain = lambda x, *spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))  # noqa: E731
     weight_spec = (split, None) if vocab_dim == 0 else (None, split)

@@ -383,8 +383,11 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     positions = window if chunk is None else min(chunk, window)
     vocab = model_cfg.vocab_size // tensor if model_cfg.vocab_size % tensor == 0 else model_cfg.vocab_size
     head = rows * window * h * c + rows * positions * vocab * head_logit_bytes(c, backend)
-    if fsdp > 1 and model_cfg.vocab_size % (fsdp * tensor) == 0:  # vocabulary-parallel: the rows x fsdp
-        head += 2 * model_cfg.vocab_size // (fsdp * tensor) * h * c  # rows' logits over vocab / fsdp (above)
+    from asyncrl.model.sharding import head_vocab_shards  # the trainer's own rule (imports jax: here, not at the top)
+
+    shards = head_vocab_shards({"fsdp": fsdp, "tensor": tensor}, model_cfg.vocab_size)
+    if fsdp > 1 and shards > 1:  # vocabulary-parallel: the logits above, and the head's slice and its gradient
+        head += 2 * model_cfg.vocab_size // shards * h * c
     elif fsdp > 1:
         head += fsdp * rows * positions * vocab * 4
     if not model_cfg.remat:
