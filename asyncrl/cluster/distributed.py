@@ -258,10 +258,13 @@ class Watchdog:
             return
         lost = self._stale(beats, self.clock())
         if lost:
-            names = ", ".join(str(p) for p in lost)
-            self._end(EXIT_PEER_LOST, f"lost process {names} of {self.num_processes}: no heartbeat for "
-                                      f"{self.timeout_s:g} s (it crashed, was killed, or its host is down or "
-                                      "unreachable; see its log)", tuple(lost))
+            self._end_lost(lost)
+
+    def _end_lost(self, lost: list[int]) -> None:
+        names = ", ".join(str(p) for p in lost)
+        self._end(EXIT_PEER_LOST, f"lost process {names} of {self.num_processes}: no heartbeat for "
+                                  f"{self.timeout_s:g} s (it crashed, was killed, or its host is down or "
+                                  "unreachable; see its log)", tuple(lost))
 
     def _stale(self, beats: dict[int, str], now: float) -> list[int]:
         lost = []
@@ -343,6 +346,38 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - coordinator gone: the others are stopping anyway
             pass
 
+    def heartbeats(self) -> Optional[dict[int, str]]:
+        """Every process's heartbeat value now; None when the coordinator is unreachable."""
+        try:
+            return self._dir("heartbeat")
+        except Exception:  # noqa: BLE001 - coordinator gone
+            return None
+
+    def end_if_silent(self, before: Optional[dict[int, str]]) -> None:
+        """After a failure notice went unacknowledged for a whole heartbeat timeout: end with
+        :data:`EXIT_PEER_LOST` naming the peers whose heartbeat did not change since ``before``.
+
+        Why: a collective fails at once when its peer is killed (loopback resets the connection),
+        so this process reaches its failure path about when the thread would notice the silence;
+        whichever came first decided the exit code. A live peer beats every ``interval_s``, so a
+        heartbeat unchanged across a wait longer than ``timeout_s`` means that peer is gone: the
+        root cause, which the exit code and the line should name."""
+        now = self.heartbeats()
+        if before is None or now is None:
+            return
+        with self._lock:
+            answered = set(self._dir_or_empty("ack")) | set(self._dir_or_empty("failed"))
+            silent = [p for p in sorted(self._seen) if p not in answered and now.get(p) != _EXITING
+                      and now.get(p, "") == before.get(p, "")]
+            if silent:
+                self._end_lost(silent)
+
+    def _dir_or_empty(self, kind: str) -> dict[int, str]:
+        try:
+            return self._dir(kind)
+        except Exception:  # noqa: BLE001 - coordinator gone
+            return {}
+
     def wait_for_acknowledgements(self, timeout_s: float) -> bool:
         """Until every other process acknowledged the failure notice (bounded); True when all did."""
         deadline = self.clock() + timeout_s
@@ -398,14 +433,17 @@ def exit_after_failure(exit_code: int, reason: str = "see its log") -> None:
     Publishes the failure notice, waits (at most the heartbeat timeout plus one interval) until
     every other process acknowledged it or failed too, then ``os._exit(exit_code)``: JAX's graceful shutdown barrier
     would wait for processes stuck in a collective with this one. No-op (returns) in a
-    single-process run. While it waits, the watchdog may end the process first with
-    :data:`EXIT_PEER_LOST` when the failure was caused by a lost process: the root cause.
+    single-process run. When the failure was caused by a lost process (the root cause), the
+    process ends with :data:`EXIT_PEER_LOST` naming it instead: the watchdog's thread may see the
+    silence first, or, at the end of the wait, a peer that neither answered nor beat is lost.
     """
     watchdog = _WATCHDOG
     if watchdog is None:
         return
     watchdog.announce_failure(exit_code, reason)
-    watchdog.wait_for_acknowledgements(watchdog.timeout_s + watchdog.interval_s)
+    before = watchdog.heartbeats()
+    if not watchdog.wait_for_acknowledgements(watchdog.timeout_s + watchdog.interval_s):
+        watchdog.end_if_silent(before)
     watchdog.stop()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -215,6 +215,29 @@ def test_watchdog_stops_on_a_failure_notice_and_acknowledges_it(capfd):
     assert d2.wait_for_acknowledgements(0)
 
 
+def test_a_failure_whose_notice_a_silent_peer_never_answers_ends_naming_that_peer_lost(capfd):
+    """A killed peer makes this process's collective fail at once (loopback resets the connection):
+    its failure path and the thread's silence check then race. After a wait for acknowledgements
+    longer than the heartbeat timeout, a peer that neither answered nor beat is the root cause."""
+    client, now, (d0, d1, d2) = _watchdogs()
+    for dog in (d0, d1, d2):
+        dog.poll()
+    before = d0.heartbeats()
+    d1.poll()  # process 1 is alive: it beats during the wait (it is busy, so has not acknowledged yet)
+    d0.announce_failure(1, "XlaRuntimeError: Gloo all-reduce failed")
+    assert not d0.wait_for_acknowledgements(0)
+    with pytest.raises(Exited) as ended:
+        d0.end_if_silent(before)
+    assert ended.value.args == (EXIT_PEER_LOST,)
+    err = capfd.readouterr().err
+    assert "asyncrl: error: lost process 2 of 3: no heartbeat for 5 s" in err, err
+    _, _, (alive0, alive1) = _watchdogs(n=2)
+    alive1.mark_exiting()  # past its work, at JAX's shutdown barrier: not lost
+    alive0.announce_failure(1, "ValueError: bad batch")
+    before = alive0.heartbeats()
+    alive0.end_if_silent(before)  # returns: nobody is silent
+
+
 def test_processes_that_all_failed_do_not_wait_for_each_others_acknowledgement():
     """A config error fails on every process at once: nobody is left to acknowledge, and
     waiting for it would hold each process for the whole heartbeat timeout."""
