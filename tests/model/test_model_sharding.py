@@ -115,11 +115,12 @@ for family in ("qwen2", "qwen3"):  # a tied embedding [V, H] and an untied lm he
     step = jax.jit(jax.grad(loss), static_argnums=3)
     sharded = shard_params(cfg, params, mesh)
     lowered = step.lower(sharded, jax.device_put(ids, rows), jax.device_put(mask, rows), True)
-    got = lowered.compile()(sharded, jax.device_put(ids, rows), jax.device_put(mask, rows))
+    compiled = lowered.compile()
+    got = compiled(sharded, jax.device_put(ids, rows), jax.device_put(mask, rows))
     diff = max(float(jnp.abs(a - b).max() / jnp.abs(b).max()) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
     # collectives moving a whole-vocabulary dimension (logits [N, V], the head or its gradient)
     collective = re.compile(r"= (.*?) (all-reduce|all-gather|reduce-scatter|all-to-all)\(")
-    whole = [line.strip()[:120] for line in lowered.compile().as_text().splitlines()
+    whole = [line.strip()[:120] for line in compiled.as_text().splitlines()
              if (m := collective.search(line)) and any(str(cfg.vocab_size) in dims.split(",")
                                                        for dims in re.findall(r"\[([\d,]*)\]", m.group(1)))]
     report[family] = {"diff": diff, "whole_vocabulary_collectives": whole}
