@@ -366,7 +366,8 @@ class Watchdog:
         if before is None or now is None:
             return
         with self._lock:
-            answered = set(self._dir_or_empty("ack")) | set(self._dir_or_empty("failed"))
+            # A peer that acknowledged, failed too, or left (its own watchdog ended it) is not the lost one.
+            answered = {p for kind in ("ack", "failed", "gone") for p in self._dir_or_empty(kind)}
             silent = [p for p in sorted(self._seen) if p not in answered and now.get(p) != _EXITING
                       and now.get(p, "") == before.get(p, "")]
             if silent:

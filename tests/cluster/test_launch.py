@@ -231,6 +231,14 @@ def test_a_failure_whose_notice_a_silent_peer_never_answers_ends_naming_that_pee
     assert ended.value.args == (EXIT_PEER_LOST,)
     err = capfd.readouterr().err
     assert "asyncrl: error: lost process 2 of 3: no heartbeat for 5 s" in err, err
+    _, _, (d0, d1, d2) = _watchdogs()
+    before = d0.heartbeats()
+    d0.announce_failure(1, "XlaRuntimeError: Gloo all-reduce failed")
+    with pytest.raises(Exited):
+        d1.leave(EXIT_PEER_LOST, (2,))  # process 1's own watchdog saw process 2 go first and left
+    with pytest.raises(Exited) as ended:
+        d0.end_if_silent(before)
+    assert "lost process 2 of 3" in capfd.readouterr().err  # process 1 left: not named
     _, _, (alive0, alive1) = _watchdogs(n=2)
     alive1.mark_exiting()  # past its work, at JAX's shutdown barrier: not lost
     alive0.announce_failure(1, "ValueError: bad batch")
