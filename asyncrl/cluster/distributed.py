@@ -353,15 +353,19 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - coordinator gone
             return None
 
-    def end_if_silent(self, before: Optional[dict[int, str]]) -> None:
+    def end_if_silent(self, before: Optional[dict[int, str]], since: float) -> None:
         """After a failure notice went unacknowledged for a whole heartbeat timeout: end with
-        :data:`EXIT_PEER_LOST` naming the peers whose heartbeat did not change since ``before``.
+        :data:`EXIT_PEER_LOST` naming the peers whose heartbeat did not change since ``before``,
+        read at ``since`` (this watchdog's clock). Nothing when less than ``timeout_s`` has passed
+        since then (a wait cut short by a failed read of the store proves no silence).
 
         Why: a collective fails at once when its peer is killed (loopback resets the connection),
         so this process reaches its failure path about when the thread would notice the silence;
         whichever came first decided the exit code. A live peer beats every ``interval_s``, so a
         heartbeat unchanged across a wait longer than ``timeout_s`` means that peer is gone: the
         root cause, which the exit code and the line should name."""
+        if self.clock() - since < self.timeout_s:
+            return
         now = self.heartbeats()
         if before is None or now is None:
             return
@@ -442,9 +446,9 @@ def exit_after_failure(exit_code: int, reason: str = "see its log") -> None:
     if watchdog is None:
         return
     watchdog.announce_failure(exit_code, reason)
-    before = watchdog.heartbeats()
+    before, since = watchdog.heartbeats(), watchdog.clock()
     if not watchdog.wait_for_acknowledgements(watchdog.timeout_s + watchdog.interval_s):
-        watchdog.end_if_silent(before)
+        watchdog.end_if_silent(before, since)
     watchdog.stop()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -152,6 +152,7 @@ class FakeClient:
     def __init__(self):
         self.kv: dict[str, str] = {}
         self.down = False
+        self.fail_once: set[str] = set()  # prefixes whose next read fails (a transient error)
 
     def key_value_set(self, key, value, allow_overwrite=False):
         if self.down:
@@ -159,7 +160,8 @@ class FakeClient:
         self.kv[key] = value
 
     def key_value_dir_get(self, prefix):
-        if self.down:
+        if self.down or prefix in self.fail_once:
+            self.fail_once.discard(prefix)
             raise RuntimeError("UNAVAILABLE: Socket closed")
         return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
 
@@ -215,35 +217,51 @@ def test_watchdog_stops_on_a_failure_notice_and_acknowledges_it(capfd):
     assert d2.wait_for_acknowledgements(0)
 
 
-def test_a_failure_whose_notice_a_silent_peer_never_answers_ends_naming_that_peer_lost(capfd):
+def _fail_in(dog, now, monkeypatch, during_wait=lambda: None):
+    """``exit_after_failure(1, ...)`` of ``dog``'s process on the fake clock ``now``: each of the
+    wait's sleeps advances it and runs ``during_wait`` (what the other processes do meanwhile).
+    Returns the exit code."""
+    from asyncrl.cluster import distributed
+
+    def sleep(seconds):
+        now[0] += seconds
+        during_wait()
+
+    monkeypatch.setattr(distributed, "_WATCHDOG", dog)
+    monkeypatch.setattr(distributed.time, "sleep", sleep)
+    with pytest.raises(Exited) as ended:
+        distributed.exit_after_failure(1, "XlaRuntimeError: Gloo all-reduce failed")
+    return ended.value.args[0]
+
+
+def test_a_failure_whose_notice_a_silent_peer_never_answers_ends_naming_that_peer_lost(monkeypatch, capfd):
     """A killed peer makes this process's collective fail at once (loopback resets the connection):
     its failure path and the thread's silence check then race. After a wait for acknowledgements
-    longer than the heartbeat timeout, a peer that neither answered nor beat is the root cause."""
-    client, now, (d0, d1, d2) = _watchdogs()
-    for dog in (d0, d1, d2):
-        dog.poll()
-    before = d0.heartbeats()
-    d1.poll()  # process 1 is alive: it beats during the wait (it is busy, so has not acknowledged yet)
-    d0.announce_failure(1, "XlaRuntimeError: Gloo all-reduce failed")
-    assert not d0.wait_for_acknowledgements(0)
-    with pytest.raises(Exited) as ended:
-        d0.end_if_silent(before)
-    assert ended.value.args == (EXIT_PEER_LOST,)
-    err = capfd.readouterr().err
-    assert "asyncrl: error: lost process 2 of 3: no heartbeat for 5 s" in err, err
-    _, _, (d0, d1, d2) = _watchdogs()
-    before = d0.heartbeats()
-    d0.announce_failure(1, "XlaRuntimeError: Gloo all-reduce failed")
+    longer than the heartbeat timeout, a peer that neither answered nor beat is the root cause;
+    one that beat (busy), acknowledged or left is not."""
+    client, now, (d0, d1, d2, d3, d4) = _watchdogs(n=5)
+    beats = iter(range(10**6))
+
+    def others():
+        client.key_value_set(d1._key("heartbeat", 1), str(next(beats)))  # alive and busy: no acknowledgement yet
+        d2._acknowledge()  # saw the notice, without a heartbeat since
+
     with pytest.raises(Exited):
-        d1.leave(EXIT_PEER_LOST, (2,))  # process 1's own watchdog saw process 2 go first and left
-    with pytest.raises(Exited) as ended:
-        d0.end_if_silent(before)
-    assert "lost process 2 of 3" in capfd.readouterr().err  # process 1 left: not named
-    _, _, (alive0, alive1) = _watchdogs(n=2)
-    alive1.mark_exiting()  # past its work, at JAX's shutdown barrier: not lost
-    alive0.announce_failure(1, "ValueError: bad batch")
-    before = alive0.heartbeats()
-    alive0.end_if_silent(before)  # returns: nobody is silent
+        d3.leave(EXIT_PEER_LOST, (4,))  # left before the failure (its own watchdog ended it)
+    assert _fail_in(d0, now, monkeypatch, others) == EXIT_PEER_LOST
+    assert now[0] >= 5  # named only after a whole heartbeat timeout
+    err = capfd.readouterr().err
+    assert "asyncrl: error: lost process 4 of 5: no heartbeat for 5 s" in err, err
+    assert err.count("lost process") == 1, err
+
+
+def test_a_failure_whose_wait_is_cut_short_names_nobody_lost(monkeypatch, capfd):
+    """A failed read of the store ends the wait at once: that proves no peer silent, so the process
+    exits with its own code instead of naming live peers lost."""
+    client, now, (d0, d1) = _watchdogs(n=2)
+    client.fail_once.add("asyncrl/watchdog/ack/")
+    assert _fail_in(d0, now, monkeypatch) == 1
+    assert "lost process" not in capfd.readouterr().err
 
 
 def test_processes_that_all_failed_do_not_wait_for_each_others_acknowledgement():
