@@ -551,8 +551,13 @@ def _tpu_relaid_table(model_cfg: Any, mesh: Any, backend: str, trained_in_a_loop
     layout (vocabulary minor, ``{0,1}``), while the update loop carries the table, Adam's mu and
     nu as rows (``{1,0}``, the layout the vocabulary-parallel head reads), its 144 columns padded
     to 256 lanes: three 256 MiB copies beside the 144 MiB arguments. Where the columns fill whole
-    lanes (Qwen3-1.7B's 2,048 over 8: 256) the two layouts hold the same bytes and XLA copies
-    nothing."""
+    lanes (Qwen3-1.7B's 2,048 over 8: 256) the two layouts hold the same bytes.
+
+    Not all of what XLA copies into that loop: it also relays the layers' kernels whose per-device
+    minor dimension is 144 (``o_proj [1024, 144]``, ``down_proj [6912, 144]``) with their moments
+    (604 MiB padded), and copies some aligned ones, while the plan's other lines are above XLA's
+    for that step by about as much (docs/performance.md, "the fourth pass"). Extrapolated, not
+    compiled: ``sgd`` (the table alone) and other vocabularies and widths."""
     from asyncrl.model.sharding import head_vocab_shards, partition_spec
 
     if (backend != "tpu" or not trained_in_a_loop or not model_cfg.tie_word_embeddings
