@@ -17,6 +17,15 @@ from typing import Any, Optional, Sequence
 
 from asyncrl.config import Config, load_config
 from asyncrl.errors import ConfigError
+from asyncrl.run.plan_activations import (  # noqa: F401 - re-exported
+    DTYPE_BYTES,
+    Activations,
+    activation_bytes,
+    batch_shape,
+    layer_share,
+    mlp_activation_bytes,
+    saved_mlp_dots_bytes,
+)
 from asyncrl.run.plan_compiled import (  # noqa: F401 - re-exported
     CompiledMemory,
     can_compile_here,
@@ -26,27 +35,20 @@ from asyncrl.run.plan_compiled import (  # noqa: F401 - re-exported
 from asyncrl.run.plan_formulas import (  # noqa: F401 - re-exported
     AUTO_SLOTS_HEADROOM,
     AUTO_SLOTS_ROUND_TO,
-    DTYPE_BYTES,
     GIB,
-    Activations,
     Layout,
     Line,
     MemoryPlan,
     StandInDevice,
     abstract_params,
-    activation_bytes,
-    batch_shape,
     engine_base_bytes,
-    layer_share,
     minimum_slots,
-    mlp_activation_bytes,
     params_per_device,
     plan_config,
     plan_layout,
     plan_stage,
     planned_slots,
     read_decoder_config,
-    saved_mlp_dots_bytes,
     slots_for_budget,
     stage_decoder_config,
     with_slots,

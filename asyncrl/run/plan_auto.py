@@ -162,7 +162,8 @@ def resolve_for_target(config: Optional[str], overrides: Sequence[str], cfg: Con
     (:func:`choose_auto` on :func:`run_peak` against the target's memory per device), and the
     line ``asyncrl plan --target`` prints about the choice (None when nothing was ``auto``)."""
     from asyncrl.config import load_config
-    from asyncrl.run.plan_formulas import batch_shape, plan_config
+    from asyncrl.run.plan_activations import batch_shape
+    from asyncrl.run.plan_formulas import plan_config
     from asyncrl.run.targets import device_memory_bytes
 
     window = max(batch_shape(flat, stage.type == "sft")[2] for stage, flat in cfg.stage_configs())

@@ -28,7 +28,8 @@ from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 from asyncrl.config import Config
-from asyncrl.run.plan_formulas import Layout, batch_shape, planned_slots
+from asyncrl.run.plan_activations import batch_shape
+from asyncrl.run.plan_formulas import Layout, planned_slots
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from asyncrl.config import Config, load_config
 from asyncrl.errors import ConfigError
+from asyncrl.run.plan_activations import DTYPE_BYTES
 from asyncrl.run.plan_compiled import (
     CompiledMemory,
     compile_lowered,
@@ -48,7 +49,6 @@ from asyncrl.run.plan_compiled import (
     train_shape,
 )
 from asyncrl.run.plan_formulas import (
-    DTYPE_BYTES,
     GIB,
     MemoryPlan,
     abstract_params,

@@ -115,7 +115,7 @@ def test_a_run_of_one_layer_keeps_its_remat_and_only_runs_of_two_or_more_are_sta
     scan: its remat needs JAX's optimization barrier, else XLA merges the recompute with the forward
     and keeps the whole layer's activations (seen in XLA's buffer assignment for an L4). The plan
     stacks only the layers in runs of two or more."""
-    from asyncrl.run.plan_formulas import stacked_layers
+    from asyncrl.run.plan_activations import stacked_layers
 
     cfg = _config(3, remat=True, scan_layers=True).replace(
         layer_types=("sliding_attention", "sliding_attention", "full_attention"), sliding_window=4)
