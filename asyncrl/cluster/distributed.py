@@ -348,8 +348,11 @@ class Watchdog:
 
     def heartbeats(self) -> Optional[dict[int, str]]:
         """Every process's heartbeat value now; None when the coordinator is unreachable."""
+        return self._read("heartbeat")
+
+    def _read(self, kind: str) -> Optional[dict[int, str]]:
         try:
-            return self._dir("heartbeat")
+            return self._dir(kind)
         except Exception:  # noqa: BLE001 - coordinator gone
             return None
 
@@ -371,17 +374,11 @@ class Watchdog:
             return
         with self._lock:
             # A peer that acknowledged, failed too, or left (its own watchdog ended it) is not the lost one.
-            answered = {p for kind in ("ack", "failed", "gone") for p in self._dir_or_empty(kind)}
+            answered = {p for kind in ("ack", "failed", "gone") for p in self._read(kind) or {}}
             silent = [p for p in sorted(self._seen) if p not in answered and now.get(p) != _EXITING
                       and now.get(p, "") == before.get(p, "")]
             if silent:
                 self._end_lost(silent)
-
-    def _dir_or_empty(self, kind: str) -> dict[int, str]:
-        try:
-            return self._dir(kind)
-        except Exception:  # noqa: BLE001 - coordinator gone
-            return {}
 
     def wait_for_acknowledgements(self, timeout_s: float) -> bool:
         """Until every other process acknowledged the failure notice (bounded); True when all did."""

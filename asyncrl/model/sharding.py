@@ -136,9 +136,7 @@ def vocab_parallel_head(hidden: jax.Array, weight: jax.Array, vocab_dim: int, me
     lm-head chunk and all-reduced it (1.8 GiB per chip for Qwen3-1.7B; issue 46). Unchanged
     (identity) without a mesh or where the vocabulary does not divide."""
     unchanged = hidden, weight, lambda logits: logits
-    if mesh is None:
-        return unchanged
-    if head_vocab_shards(mesh.shape, weight.shape[vocab_dim]) == 1:
+    if mesh is None or head_vocab_shards(mesh.shape, weight.shape[vocab_dim]) == 1:
         return unchanged
     split = tuple(axis for axis in HEAD_VOCAB_AXES if _axis_size(mesh, axis) > 1)
     rows = "data" if _axis_size(mesh, "data") > 1 else None
