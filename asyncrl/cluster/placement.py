@@ -11,7 +11,9 @@ model's part (whole KV heads per device) once the model config is known.
 The trainer mesh is ``build_mesh(cfg.mesh, devices=placement.trainer_devices)``; the engine's
 own mesh is :func:`engine_mesh` (axes ``data``, ``fsdp``, ``tensor`` of shape
 ``(replicas, 1, tensor_parallel)``: the trainer's axis names, so the model's partition rules
-apply unchanged and the slots split over ``data`` like the trainer's batch rows).
+apply unchanged and the slots split over ``data`` like the trainer's batch rows). Every placement
+of more than one device gives the engine that mesh, on the trainer's devices (colocated, the
+default) or on its own; only a single device serves the trainer's arrays as they are.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from asyncrl.config.sections import parse_device_range
 from asyncrl.errors import ConfigError, TrainerError
 from asyncrl.model.sharding import check_tensor_parallel
 
-__all__ = ["Placement", "check_tensor_parallel", "device_range", "engine_mesh", "resolve_placement"]
+__all__ = ["Placement", "check_tensor_parallel", "device_range", "engine_mesh", "resolve_placement", "slots_for_replicas"]
 
 
 @dataclass(frozen=True)
@@ -41,9 +43,9 @@ class Placement:
     colocated: bool
     """Every engine device is also a trainer device (they share them; no speed-up from asynchrony)."""
     shares_trainer_arrays: bool
-    """The default of one process: colocated on exactly the trainer's devices with
-    ``tensor_parallel`` 1, so the engine serves the trainer's own arrays on the trainer's
-    shardings (no engine mesh, publishing copies nothing; the behaviour before placements)."""
+    """One device for both, in one process: the engine serves the trainer's own arrays (no mesh
+    of its own; a publish copies nothing but the compute-dtype cast). With more devices the engine
+    always has its own mesh (:func:`engine_mesh`), colocated or not."""
 
     @property
     def engine_replicas(self) -> int:
@@ -79,7 +81,9 @@ def resolve_placement(cfg: Any, devices: Optional[Sequence[Any]] = None, process
     if processes == 1:  # build_mesh's rule: one process may leave devices unused, several may not (it says so)
         trainer = trainer[:size]
     engine = _engine_devices(placement, devices, trainer, processes)
-    tp = cfg.engine.tensor_parallel
+    # auto is the smallest degree whose engine fits the devices' memory: without a memory budget to
+    # size it against (the run and asyncrl plan resolve it first, asyncrl.run.auto_slots), that is 1.
+    tp = 1 if cfg.engine.tensor_parallel == "auto" else cfg.engine.tensor_parallel
     if len(engine) % tp:
         where = f"placement.engine = {placement.engine!r}" if placement.engine else "placement.engine (colocated)"
         raise ConfigError(
@@ -87,7 +91,7 @@ def resolve_placement(cfg: Any, devices: Optional[Sequence[Any]] = None, process
             "multiple of engine.tensor_parallel devices"
         )
     colocated = set(engine) <= set(trainer)
-    shares = processes == 1 and tuple(engine) == tuple(trainer) and tp == 1
+    shares = processes == 1 and len(engine) == 1 and tuple(engine) == tuple(trainer)
     return Placement(tuple(trainer), tuple(engine), tp, colocated, shares)
 
 
@@ -148,6 +152,14 @@ def _engine_devices(placement: Any, devices: Sequence[Any], trainer: list[Any], 
             f"{sum(d.process_index == 0 for d in devices) - 1})"
         )
     return engine
+
+
+def slots_for_replicas(slots: int, replicas: int) -> int:
+    """The multiple of ``replicas`` nearest to ``slots`` (ties up, at least ``replicas``): each engine
+    replica decodes an equal share of the slots."""
+    lower = max(slots // replicas * replicas, replicas)
+    upper = -(-slots // replicas) * replicas
+    return lower if slots - lower < upper - slots else upper
 
 
 def engine_mesh(placement: Placement) -> Any:

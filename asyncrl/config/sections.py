@@ -382,8 +382,8 @@ class EngineConfig(Section):
     """Most stop token ids one request may give (the width of the compiled stop-id table)."""
     request_timeout_s: Optional[float] = Field(default=None, gt=0)
     """Default timeout of a request without its own ``timeout_s``; unfinished samples come back ``aborted``. Null: none."""
-    tensor_parallel: int = Field(default=1, ge=1)
-    """Devices each engine replica splits the model over (attention and KV heads, MLP width, vocabulary); the engine's devices (``placement.engine``) form ``devices / tensor_parallel`` replicas that decode different slots. Must divide the model's KV heads. 1 with the default placement: the engine serves the trainer's own arrays, as before (docs/scaling.md)."""
+    tensor_parallel: Union[int, Literal["auto"]] = "auto"
+    """Devices each engine replica splits the model over (attention and KV heads, MLP width, vocabulary); the engine's devices (``placement.engine``, by default the trainer's) form ``devices / tensor_parallel`` replicas, each decoding its share of the slots. Must divide the model's KV heads and the engine's devices. ``auto``: the smallest such degree whose serving copy and KV cache fit beside the trainer's resident state in the device's memory (with headroom; ``asyncrl plan`` shows the choice), chosen when the run starts and logged; a number that does not fit is refused before step 1 with the degrees that do (docs/scaling.md "Placement")."""
     sampler: Literal["auto", "inverse_cdf", "gumbel"] = "auto"
     """How a slot's token is drawn from ``softmax(logits / T)``: ``inverse_cdf`` (one uniform per slot; fastest on XLA:CPU), ``gumbel`` (Gumbel-max: one fused pass over the vocabulary, for GPUs), ``auto``: ``inverse_cdf`` on the CPU, ``gumbel`` on accelerators. Both draw from the same distribution and report the same log-probs, but a seed's tokens depend on the sampler."""
     attention_buckets: int = Field(default=1, ge=1)
@@ -398,6 +398,13 @@ class EngineConfig(Section):
     def _check_slots(cls, value: Union[int, str]) -> Union[int, str]:
         if isinstance(value, int) and value < 1:
             raise ValueError(f"engine.slots: at least 1, or auto (given {value})")
+        return value
+
+    @field_validator("tensor_parallel")
+    @classmethod
+    def _check_tensor_parallel(cls, value: Union[int, str]) -> Union[int, str]:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"engine.tensor_parallel: at least 1, or auto (given {value})")
         return value
 
     @field_validator("decode_inner_steps")

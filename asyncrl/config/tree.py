@@ -194,7 +194,8 @@ class Config(Section):
                 f"engine.prefill_buckets: the largest ({max(engine.prefill_buckets)}) must hold data.max_prompt_tokens - 1 "
                 f"({self.data.max_prompt_tokens - 1}) tokens (the last prompt token is decoded)"
             )
-        if engine.remote is not None and (self.placement.engine is not None or engine.tensor_parallel > 1):
+        if engine.remote is not None and (self.placement.engine is not None
+                                          or (isinstance(engine.tensor_parallel, int) and engine.tensor_parallel > 1)):
             problems.append(
                 "placement.engine / engine.tensor_parallel: place the in-process engine; with engine.remote set "
                 "generation runs on the servers, so leave both at their defaults"

@@ -1,43 +1,153 @@
-"""Publishing across devices: the engine's copy of published params, moved device to device
-(:func:`move_params`), and the whole-array copies a multi-process run hands its engine
-(:func:`local_copy`)."""
+"""Publishing across devices: the engine's serving copy of published params, made device to
+device (:func:`serving_copy`), and the whole-array copies a multi-process run hands its engine
+(:func:`local_copy`).
+
+One rule for every placement (docs/scaling.md "Placement"): a published leaf is cast to the
+compute dtype (:func:`~asyncrl.model.compute_copy.cast_for_compute`'s rule) and laid out on the
+engine's sharding, a group of at most :data:`COPY_GROUP_BYTES` at a time, by one jitted program
+on the source's own devices, then moved to the engine's devices when they are others:
+
+* the engine on the trainer's devices (colocated): the program writes the engine's layout
+  directly (XLA's all-gathers and slices over the shared devices); nothing is moved after;
+* the engine on devices of its own (split): the program lays the group out on a view of the
+  trainer's devices shaped like the engine's layout, so every shard the engine needs is held
+  whole by some trainer device, and ``jax.device_put`` copies each shard device to device;
+* host arrays, or arrays on one device (a multi-process run's :func:`local_copy`): uploaded or
+  sliced straight onto the engine's sharding, then cast there.
+
+No leaf passes through host memory, and the engine drops its previous copy before it makes the
+new one (:class:`~asyncrl.engine.jax_engine.JaxEngine` installs versions that way), so a publish
+holds one serving copy plus one group's staging at its peak.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
+import numpy as np
+
+__all__ = ["COPY_GROUP_BYTES", "local_copy", "serving_copy"]
+
+COPY_GROUP_BYTES = 128 << 20
+"""Bytes one copy program handles: what a device holds beyond its own shards while a publish or
+:func:`local_copy` runs (the model never is whole on every device at once)."""
 
 
-def move_params(params: Any, shardings: Any) -> Any:
-    """``params`` (a pytree of arrays, e.g. the trainer's, on any devices) put on ``shardings``
-    (the engine's), device to device.
+def serving_copy(params: Any, shardings: Any, compute_dtype: Any, formats: Any = None,
+                 group_bytes: int = COPY_GROUP_BYTES) -> Any:
+    """``params`` (a pytree of arrays: the trainer's, host numpy, or one device's) as the engine
+    serves them: each leaf that the model only uses in ``compute_dtype`` cast to it, every leaf
+    placed on its sharding in ``shardings`` (same structure), device to device (module docstring),
+    and in its memory layout in ``formats`` (``jax.experimental.layout.Format`` leaves, or None:
+    row-major; :func:`~asyncrl.engine.layouts.serving_formats`). New arrays throughout, except
+    leaves already in their dtype and sharding: those are served as they are, never copied."""
+    from asyncrl.model.compute_copy import cast_flags
 
-    ``jax.device_put`` copies a shard device to device only when the source array already
-    holds a shard with the exact index range the target device needs (or lives on one
-    device, which it slices there); otherwise (JAX 0.10's ``shard_sharded_device_array_slow_path``)
-    it goes through ``np.asarray`` of the whole array on the host. So a leaf whose source
-    shards do not cover the target's (the trainer's fsdp split vs the engine's tensor split)
-    is first replicated over its own devices by a jitted identity (XLA's all-gather, on
-    device), and the engine's shards are sliced from one replica on device. Host values
-    (numpy) are simply ``device_put``.
-    """
     leaves, treedef = jax.tree.flatten(params)
-    targets = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
-    assert len(targets) == len(leaves), "shardings do not match the params' structure"
+    is_target = lambda s: isinstance(s, jax.sharding.Sharding) or type(s).__name__ == "Format"  # noqa: E731
+    targets = jax.tree.leaves(shardings if formats is None else formats, is_leaf=is_target)
+    if len(targets) != len(leaves):
+        raise ValueError(f"serving_copy: {len(leaves)} params but {len(targets)} shardings (different structures)")
     if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
         raise ValueError("JaxEngine: params span other processes' devices; every process calls "
                          "asyncrl.engine.device_copy.local_copy on them and process 0 hands its copies to the engine")
-    gather = [i for i, (x, s) in enumerate(zip(leaves, targets)) if not _copies_directly(x, s)]
-    for i, whole in zip(gather, local_copy([leaves[i] for i in gather])):
-        leaves[i] = whole
-    moved = jax.device_put(leaves, targets)
-    return jax.tree.unflatten(treedef, moved)
+    casts = cast_flags(params, compute_dtype)
+    dtype = str(np.dtype(compute_dtype))
+    out: list[Any] = list(leaves)
+    sharded: dict[Any, list[int]] = {}  # source device assignment -> leaves laid out by one program there
+    for i, (x, target) in enumerate(zip(leaves, targets)):
+        if not casts[i] and _placed_as(x, target):
+            continue  # already as served
+        if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+            sharded.setdefault(_assignment(x.sharding), []).append(i)
+        else:  # host data or one device: upload or slice onto the target, then cast there
+            placed = jax.device_put(x, target)
+            out[i] = _layout_jit((_sharding(target),), (target,), (True,), dtype)([placed])[0] if casts[i] else placed
+    for indices in sharded.values():
+        for group in _byte_groups(indices, [leaves[i].nbytes for i in indices], group_bytes):
+            sources = tuple(leaves[i].sharding for i in group)
+            staging = tuple(_staging(leaves[i].sharding, targets[i]) for i in group)
+            flags = tuple(casts[i] for i in group)
+            staged = _layout_jit(sources, staging, flags, dtype)([leaves[i] for i in group])
+            for i, array in zip(group, staged):
+                out[i] = array if _placed_as(array, targets[i]) else jax.device_put(array, targets[i])
+            del staged
+    return jax.tree.unflatten(treedef, out)
 
 
-COPY_GROUP_BYTES = 128 << 20
-"""Bytes :func:`local_copy` replicates per program: what a device holds beyond its own shards while
-it runs (the model never is whole on every device at once)."""
+def _sharding(target: Any) -> Any:
+    """A target's sharding (a Format carries one)."""
+    return getattr(target, "sharding", target) if not isinstance(target, jax.sharding.Sharding) else target
+
+
+def _placed_as(x: Any, target: Any) -> bool:
+    """Whether ``x`` is a device array already on ``target``'s sharding: it is served as it is (in
+    its own memory layout: a wanted layout is worth a copy only where a copy is made anyway)."""
+    return isinstance(x, jax.Array) and x.sharding == _sharding(target)
+
+
+def _assignment(sharding: Any) -> tuple:
+    """The devices a jitted program over ``sharding`` runs on, in its order."""
+    return tuple(sharding._device_assignment)
+
+
+def _staging(source: Any, target: Any) -> Any:
+    """Where the copy program writes a leaf on the source's devices: the target sharding itself
+    when it spans the same devices in the same order; else the target's partition spec on a view
+    of the source devices shaped like the target's mesh (each shard the target needs is then held
+    whole by a source device), or replicated over the source when no such view exists."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    if _assignment(source) == _assignment(_sharding(target)):
+        return target  # (a Format: written in its layout at once)
+    target = _sharding(target)
+    devices = list(_assignment(source))  # the program's own order: a jit's shardings must agree on it
+    if isinstance(target, NamedSharding):
+        split = _spec_axes(target.spec)
+        sizes = [target.mesh.shape[a] if a in split else 1 for a in target.mesh.axis_names]
+        if len(devices) % math.prod(sizes) == 0:  # the target's split axes, the other devices as replicas of them
+            view = Mesh(np.array(devices, dtype=object).reshape([len(devices) // math.prod(sizes), *sizes]),
+                        ("replica", *target.mesh.axis_names))
+            return NamedSharding(view, target.spec)
+    return NamedSharding(Mesh(np.array(devices, dtype=object), ("source",)), PartitionSpec())
+
+
+def _spec_axes(spec: Any) -> set:
+    """The mesh axes a partition spec splits over."""
+    axes: set = set()
+    for entry in spec:
+        if entry is None:
+            continue
+        axes.update(entry if isinstance(entry, tuple) else (entry,))
+    return axes
+
+
+_LAYOUT_PROGRAMS: dict[Any, Any] = {}
+
+
+def _layout_jit(sources: tuple, staging: tuple, flags: tuple, dtype: str) -> Any:
+    """A jitted program laying a group of leaves (on ``sources``) out on ``staging`` (shardings, or
+    Formats with a memory layout), casting those
+    ``flags`` marks to ``dtype`` first, on the source layout, so that XLA moves the narrower
+    values (one program per group layout: it compiles once per parameter structure)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    key = (sources, staging, flags, dtype)
+    if key not in _LAYOUT_PROGRAMS:
+        def cast(leaves: list) -> list:
+            out = []
+            for x, source, flag in zip(leaves, sources, flags):
+                if flag:
+                    x = jax.lax.with_sharding_constraint(x.astype(dtype), source)
+                if isinstance(source, NamedSharding):  # gathered whole, then sliced: XLA's own way between unlike splits
+                    x = jax.lax.with_sharding_constraint(x, NamedSharding(source.mesh, PartitionSpec()))
+                out.append(x)
+            return out
+
+        _LAYOUT_PROGRAMS[key] = jax.jit(cast, out_shardings=list(staging))
+    return _LAYOUT_PROGRAMS[key]
 
 
 def local_copy(arrays: list, group_bytes: int = COPY_GROUP_BYTES) -> list:
@@ -70,22 +180,6 @@ def _byte_groups(items: list, sizes: list[int], budget: int) -> list[list]:
         groups[-1].append(item)
         size += nbytes
     return groups
-
-
-def _copies_directly(x: Any, target: Any) -> bool:
-    """True when ``device_put(x, target)`` needs no host round trip: ``x`` is not a device
-    array (host data is uploaded anyway), lives on one device, or holds every index range
-    ``target`` asks for; also when it cannot be regathered here (not a ``NamedSharding``)."""
-    if not isinstance(x, jax.Array) or len(x.sharding.device_set) == 1:
-        return True
-    if not isinstance(x.sharding, jax.sharding.NamedSharding):
-        return True
-
-    def ranges(sharding: Any) -> set:
-        return {tuple(sl.indices(n) for sl, n in zip(idx, x.shape))
-                for idx in sharding.addressable_devices_indices_map(x.shape).values()}
-
-    return ranges(target) <= ranges(x.sharding)
 
 
 _REPLICATORS: dict[Any, Any] = {}

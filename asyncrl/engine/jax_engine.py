@@ -69,10 +69,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from asyncrl.cluster.placement import slots_for_replicas
 from asyncrl.config import EngineConfig
 from asyncrl.engine.attention_buckets import attention_buckets
 from asyncrl.engine.constraints import TokenTrie, TriePool
-from asyncrl.engine.device_copy import COPY_GROUP_BYTES, local_copy, move_params
+from asyncrl.engine.device_copy import COPY_GROUP_BYTES, local_copy, serving_copy
 from asyncrl.engine.jax_programs import (
     PREFILL_ROWS,
     PrefillPlan,
@@ -87,15 +88,16 @@ from asyncrl.engine.jax_programs import (
     slot_state_shardings,
 )
 from asyncrl.engine.jax_scheduler import EngineScheduler, EngineStats, _Pending, _Update
+from asyncrl.engine.layouts import kv_cache_layout, serving_formats
 from asyncrl.engine.platform import resolve_inner_steps, resolve_sampler
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
-from asyncrl.model.attention import kernel_target_of
-from asyncrl.model.compute_copy import compute_copy
+from asyncrl.model.attention import KernelTarget, device_platform
+from asyncrl.model.compute_copy import needs_compute_copy
 from asyncrl.model.sharding import check_tensor_parallel, param_shardings
 from asyncrl.registry import register
 
-__all__ = ["COPY_GROUP_BYTES", "EngineStats", "JaxEngine", "compile_count", "local_copy", "move_params"]
+__all__ = ["COPY_GROUP_BYTES", "EngineStats", "JaxEngine", "compile_count", "local_copy", "serving_copy"]
 
 logger = logging.getLogger("asyncrl.engine")
 
@@ -107,14 +109,16 @@ class JaxEngine(EngineScheduler):
     Args:
         graphdef, params: from :func:`asyncrl.model.split_params` (params: a pure dict of
             arrays or an ``nnx.State``). Without ``mesh``, params already on devices keep
-            their shardings (the engine serves the trainer's own arrays: the colocated
-            default) and others go to the first device. Later ``update_weights`` params are
+            their shardings (the engine serves the trainer's own arrays: the placement of one
+            device) and others go to the first device. Later ``update_weights`` params are
             put on the same shardings.
         mesh: the engine's own device mesh (axes ``data``, ``fsdp``, ``tensor``: replicas x 1 x
             tensor-parallel degree; :func:`asyncrl.cluster.placement.engine_mesh` builds it). Params
             are placed on it by the model's partition rules, the KV cache is split by KV heads
             over ``tensor`` and by slots over the replicas (:func:`slot_state_shardings`), and
-            published params are moved onto it device to device (:func:`move_params`).
+            published params are laid out on it device to device (:func:`serving_copy`: the
+            engine keeps only that compute-dtype copy, made at the next chunk boundary after the
+            previous one is dropped).
         stop_token_ids: the default stop ids (the model's ``generation_config`` EOS ids),
             used by requests whose ``stop_token_ids`` is None.
         config: the ``engine`` config section (slots, KV capacity, chunk, buckets, ...).
@@ -148,31 +152,44 @@ class JaxEngine(EngineScheduler):
         """The slot state's shardings on the engine's own mesh (a static argument of the programs); None without one."""
         if mesh is not None:
             check_tensor_parallel(int(mesh.shape["tensor"]), nnx_cfg)
+            replicas = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+            if cfg.slots % replicas:
+                raise EngineRequestError(f"engine.slots = {cfg.slots} is not a multiple of the engine's {replicas} replicas "
+                                         f"(each decodes an equal share); use {slots_for_replicas(cfg.slots, replicas)}")
             self._shardings = param_shardings(nnx_cfg, params, mesh)
-            self._layout = slot_state_shardings(nnx_cfg, cfg.slots, mesh)
         elif (leaves := jax.tree.leaves(params)) and all(isinstance(x, jax.Array) for x in leaves):
             self._shardings = jax.tree.map(lambda x: x.sharding, params)
         else:
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             self._shardings = jax.tree.map(lambda _: device, params)
-        self._params = move_params(params, self._shardings)
-        self._serving = compute_copy(self._params, nnx_cfg.compute_dtype)  # what the programs run on
-        self._treedef: Any = jax.tree.structure(self._params)  # (jax's PyTreeDef is untyped for mypy)
-        self._avals = [(x.shape, x.dtype) for x in jax.tree.leaves(self._params)]
-        embed = self._params["embed_tokens"]["embedding"]
-        self.vocab_size = int(embed.shape[0])
+        self._treedef: Any = jax.tree.structure(params)  # (jax's PyTreeDef is untyped for mypy)
+        self._avals = [(np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)]
+        self.vocab_size = int(params["embed_tokens"]["embedding"].shape[0])
         self.default_stop_ids = tuple(int(t) for t in stop_token_ids)
         self.slots = cfg.slots
         self.capacity = cfg.kv_capacity
         self.chunk = cfg.decode_chunk
         self.buckets = tuple(sorted(b for b in set(cfg.prefill_buckets) if b <= cfg.kv_capacity))
         self.prefill_rows = min(PREFILL_ROWS, cfg.slots)
-        # the prefill's attention kernel: the platform's, run per device only where the engine's
-        # arrays are on one (a fused kernel over several devices needs a mesh to shard_map over)
-        self.kernel = kernel_target_of(embed)
+        # the attention kernels' target: the engine's mesh (fused kernels run per device in a
+        # shard_map over it), or its arrays' devices when it has none
+        first = jax.tree.leaves(self._shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))[0]
+        self.kernel = (KernelTarget(device_platform(mesh.devices.flat[0]), mesh=mesh) if mesh is not None
+                       else KernelTarget(device_platform(next(iter(first.device_set))), devices=len(first.device_set)))
         self.platform = self.kernel.platform
+        self.cache_layout = kv_cache_layout(self.platform)
+        if mesh is not None:
+            self._layout = slot_state_shardings(nnx_cfg, cfg.slots, mesh, self.cache_layout)
         self.sampler = resolve_sampler(cfg.sampler, self.platform)
         self.inner_steps = resolve_inner_steps(cfg.decode_inner_steps, self.platform)
+        self._formats = serving_formats(nnx_cfg, self._shardings, self._layout or self._state_shardings(), slots=cfg.slots,
+                                        capacity=cfg.kv_capacity, platform=self.platform,
+                                        decode=self._decode_options(cfg.kv_capacity), max_stop_ids=cfg.max_stop_ids,
+                                        layout=self._layout)
+        """The serving copy's memory layouts where the decode program wants others than row-major (TPUs), else None."""
+        self._params: Any = None
+        self._serving: Any = None
+        self._take(params)
         self.attention_buckets = attention_buckets(self.capacity, cfg.attention_buckets)
         if not self.buckets:
             raise EngineRequestError(f"engine.prefill_buckets {cfg.prefill_buckets}: none fits engine.kv_capacity = {cfg.kv_capacity}")
@@ -181,7 +198,9 @@ class JaxEngine(EngineScheduler):
         self._root_key = np.asarray(jax.random.PRNGKey(seed))
         self._version = int(version)
 
-        self._state = jax.device_put(init_slot_state(nnx_cfg, self.slots, self.capacity), self._state_shardings())
+        # made in place on its shardings (a whole cache on one device first could not fit there)
+        self._state = jax.jit(lambda: init_slot_state(nnx_cfg, self.slots, self.capacity, self.cache_layout),
+                              out_shardings=self._state_shardings())()
 
         # The per-slot controls (host numpy arrays, owned by the scheduler thread).
         self._controls: SlotControls = idle_controls(self.slots, cfg.max_stop_ids)
@@ -224,9 +243,25 @@ class JaxEngine(EngineScheduler):
 
     @property
     def served_params(self) -> Any:
-        """The params of :attr:`version` as placed on the engine's devices (read-only: ``asyncrl serve``
-        reuses the leaves a new version leaves unchanged instead of reading them again)."""
+        """The params of :attr:`version` in their own dtype (read-only: ``asyncrl serve`` reuses the
+        leaves a new version leaves unchanged instead of reading them again), or None where the
+        engine holds only its compute-dtype serving copy (a mesh of its own, weights stored wider
+        than they are computed in)."""
         return self._params
+
+    def _take(self, params: Any) -> None:
+        """Install ``params`` (the structure and dtypes of the served model's): the previous copy is
+        dropped first, then the serving copy is made (:func:`serving_copy`), so that a device never
+        holds two serving copies at once (scheduler thread, between two chunks; or the constructor)."""
+        self._params = self._serving = None
+        dtype = self.model_config.compute_dtype
+        if self.mesh is None:  # the given arrays (the trainer's, on one device), or host values put on a device
+            leaves = jax.tree.leaves(params)
+            placed = params if all(isinstance(x, jax.Array) for x in leaves) else jax.device_put(params, self._shardings)
+            self._params, self._serving = placed, serving_copy(placed, self._shardings, dtype, self._formats)
+        else:
+            self._serving = serving_copy(params, self._shardings, dtype, self._formats)
+            self._params = None if needs_compute_copy(params, dtype) else self._serving
 
     def generate(self, request: GenerationRequest) -> list[GenerationResponse]:
         return self.submit(request).result()
@@ -256,7 +291,7 @@ class JaxEngine(EngineScheduler):
         if avals != self._avals:
             bad = [i for i, (a, b) in enumerate(zip(avals, self._avals)) if a != b]
             raise ValueError(f"update_weights: {len(bad)} parameter(s) differ in shape or dtype from the served ones (first: leaf {bad[0]}: {avals[bad[0]]} vs {self._avals[bad[0]]})")
-        update = _Update(move_params(params, self._shardings), version, self.model_config.compute_dtype)
+        update = _Update(params, version)
         with self._cond:
             self._raise_if_unusable()
             if self._update is not None or version != self._version + 1:
@@ -332,7 +367,8 @@ class JaxEngine(EngineScheduler):
     def _decode_options(self, attend: int) -> dict[str, Any]:
         """The decode program's sampler, attended cache size (0: the whole cache, the same
         program as without attention buckets) and steps per loop iteration."""
-        return {"sampler": self.sampler, "attend": 0 if attend >= self.capacity else attend, "inner": self.inner_steps}
+        return {"sampler": self.sampler, "attend": 0 if attend >= self.capacity else attend, "inner": self.inner_steps,
+                "kernel": self.kernel}
 
     def metrics(self) -> dict[str, float]:
         """Cumulative figures since start (``engine/...``). ``decode_s`` (wall time of decode

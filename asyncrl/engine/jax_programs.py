@@ -45,7 +45,6 @@ the untruncated, unmasked logits (T = 1 for greedy). A slot under a trie constra
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 from typing import Any, NamedTuple, Optional
 
@@ -55,8 +54,15 @@ import numpy as np
 
 from asyncrl.engine.constraints import TrieTables, allowed_tokens, is_leaf_node, next_nodes
 from asyncrl.model.attention import KernelTarget, compiled_for
-from asyncrl.model.decode_attention import einsum_decode_attention
-from asyncrl.model.transformer import KVCache, LayerKV, forward, hidden_states, init_kv_cache, kv_cache_copy_rows
+from asyncrl.model.transformer import (
+    KVCache,
+    LayerKV,
+    forward,
+    hidden_states,
+    init_kv_cache,
+    kv_cache_copy_rows,
+    positions_slice,
+)
 
 _compiles: collections.Counter = collections.Counter()
 _compiles_lock = threading.Lock()
@@ -84,29 +90,30 @@ class SlotState(NamedTuple):
     keys: jax.Array  # uint32 [slots, 2]: each slot's sample key (before the token fold)
 
 
-def init_slot_state(cfg: Any, slots: int, capacity: int) -> SlotState:
-    """Empty slots for a :class:`~asyncrl.model.DecoderConfig`: no valid KV, zero keys."""
-    return SlotState(cache=init_kv_cache(cfg, slots, capacity), keys=jnp.zeros((slots, 2), jnp.uint32))
+def init_slot_state(cfg: Any, slots: int, capacity: int, layout: str = "bksd") -> SlotState:
+    """Empty slots for a :class:`~asyncrl.model.DecoderConfig`: no valid KV, zero keys; the cache in
+    ``layout`` (:func:`~asyncrl.engine.layouts.kv_cache_layout` of the engine's platform)."""
+    return SlotState(cache=init_kv_cache(cfg, slots, capacity, layout=layout), keys=jnp.zeros((slots, 2), jnp.uint32))
 
 
-def slot_state_shardings(cfg: Any, slots: int, mesh: Any) -> SlotState:
-    """How the slot state lies on an engine mesh (axes ``data``, ``fsdp``, ``tensor``): K/V
-    ``[slots, kv_heads, capacity, head_dim]`` split by KV heads over ``tensor`` (each device
-    holds the heads its attention computes) and by slots over ``data`` x ``fsdp`` (the
-    replicas decode different slots) when the slot count divides; the per-slot vectors
-    (``valid``, ``write_pos``, keys) follow the slots. A pytree of ``NamedSharding`` shaped
-    like :class:`SlotState` (hashable: it is a static argument of the programs)."""
+def slot_state_shardings(cfg: Any, slots: int, mesh: Any, layout: str = "bksd") -> SlotState:
+    """How the slot state lies on an engine mesh (axes ``data``, ``fsdp``, ``tensor``): each
+    layer's K/V (in ``layout``) split by KV heads over ``tensor`` (each device holds the heads its
+    attention computes) and by slots over ``data`` x ``fsdp`` (the replicas decode different
+    slots) when the slot count divides; the per-slot vectors (``valid``, ``write_pos``, keys)
+    follow the slots. A pytree of ``NamedSharding`` shaped like :class:`SlotState` (hashable: it
+    is a static argument of the programs)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     replicas = mesh.shape["data"] * mesh.shape["fsdp"]
     rows = ("data", "fsdp") if replicas > 1 and slots % replicas == 0 else None
     heads = "tensor" if mesh.shape["tensor"] > 1 and cfg.num_kv_heads % mesh.shape["tensor"] == 0 else None
-    kv: Any = NamedSharding(mesh, P(rows, heads, None, None))
+    kv: Any = NamedSharding(mesh, P(rows, heads, None, None) if layout == "bksd" else P(rows, None, heads, None))
     per_slot: Any = NamedSharding(mesh, P(rows))
     per_slot_row: Any = NamedSharding(mesh, P(rows, None))
     return SlotState(
-        cache=KVCache(layers=tuple(LayerKV(kv, kv) for _ in range(cfg.num_layers)), valid=per_slot_row,
+        cache=KVCache(layers=tuple(LayerKV(kv, kv, layout) for _ in range(cfg.num_layers)), valid=per_slot_row,
                       write_pos=per_slot),
         keys=per_slot_row,
     )
@@ -188,9 +195,12 @@ class PrefillPlan(NamedTuple):
 
 
 def _kernel(kernel: Optional[KernelTarget]) -> Any:
-    """:func:`compiled_for` the engine's devices (no change for None: this process's backend)."""
+    """:func:`compiled_for` the engine's devices: its mesh, or their platform and count (no change
+    for None: this process's backend)."""
     if kernel is None:
         return compiled_for()
+    if kernel.mesh is not None:
+        return compiled_for(mesh=kernel.mesh)
     return compiled_for(platform=kernel.platform, devices=kernel.devices)
 
 
@@ -201,7 +211,8 @@ def _prefill_insert(graphdef, params, state: SlotState, plan: PrefillPlan, root_
     whose fused attention kernel the prefill runs (None: this process's default backend)."""
     _count_trace("prefill_insert")
     cfg = graphdef_config(graphdef, params)
-    small = init_kv_cache(cfg, plan.prompt_ids.shape[0], plan.prompt_ids.shape[1], state.cache.layers[0].k.dtype)
+    small = init_kv_cache(cfg, plan.prompt_ids.shape[0], plan.prompt_ids.shape[1], state.cache.layers[0].k.dtype,
+                          state.cache.layout)
     with _kernel(kernel):
         _, small = hidden_states(graphdef, params, plan.prompt_ids, None, plan.prompt_mask, small, empty_cache=True)
     cache = kv_cache_copy_rows(state.cache, small, plan.src_rows, plan.dst_rows)
@@ -412,11 +423,12 @@ class _Chunk(NamedTuple):
 
 
 def cache_prefix(cache: KVCache, size: int) -> KVCache:
-    """The first ``size`` slots of every row of ``cache`` (K/V ``[B, kv_heads, size, D]``, ``valid``
+    """The first ``size`` slots of every row of ``cache`` (K/V holding ``size`` positions, ``valid``
     ``[B, size]``; write positions unchanged): a decode step on it attends over ``size`` slots
     instead of the whole capacity. Rows whose write position is ``>= size`` must be idle (their
     writes fall past the prefix and are dropped)."""
-    layers = tuple(LayerKV(layer.k[:, :, :size], layer.v[:, :, :size]) for layer in cache.layers)
+    part = positions_slice(cache.layout, size)
+    layers = tuple(LayerKV(layer.k[part], layer.v[part], layer.layout) for layer in cache.layers)
     return KVCache(layers, cache.valid[:, :size], cache.write_pos)
 
 
@@ -424,12 +436,13 @@ def cache_put_prefix(full: KVCache, prefix: KVCache) -> KVCache:
     """``full`` with its first ``prefix.capacity`` slots replaced by ``prefix`` (its write positions
     taken from ``prefix``): the inverse of :func:`cache_prefix` after the prefix was decoded into."""
     put = lambda whole, part: jax.lax.dynamic_update_slice(whole, part, (0,) * whole.ndim)
-    layers = tuple(LayerKV(put(w.k, p.k), put(w.v, p.v)) for w, p in zip(full.layers, prefix.layers))
+    layers = tuple(LayerKV(put(w.k, p.k), put(w.v, p.v), w.layout) for w, p in zip(full.layers, prefix.layers))
     return KVCache(layers, put(full.valid, prefix.valid), prefix.write_pos)
 
 
 def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, steps: int, filtered: bool, layout=None,
-                  tries=None, max_branch: int = 0, *, sampler: str = "inverse_cdf", attend: int = 0, inner: int = 1):
+                  tries=None, max_branch: int = 0, *, sampler: str = "inverse_cdf", attend: int = 0, inner: int = 1,
+                  kernel: Optional[KernelTarget] = None):
     """Decode up to ``steps`` tokens for every active slot: each step is the model's own
     KV-cache :func:`~asyncrl.model.transformer.forward` with ``T = 1`` (idle slots masked out).
 
@@ -449,6 +462,8 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
     GPU the host, which reads the loop's predicate, is in the loop once per ``inner`` tokens;
     a slot that finished idles at most ``inner - 1`` more steps before the chunk can end. Steps
     past ``steps`` (when ``inner`` does not divide it) run with every slot idle and emit nothing.
+    ``kernel`` (static): the engine's devices, as in :func:`_prefill_insert` (its mesh, when it has
+    one, runs the decode attention kernel per device).
     """
     _count_trace(("decode_chunk_topk_topp" if filtered else "decode_chunk") + ("_trie" if tries is not None else "")
                  + (f"_{sampler}" if sampler != "inverse_cdf" else "") + (f"_attend{attend}" if attend else ""))
@@ -523,9 +538,9 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
         refill = (free > free_at_start) & (free >= controls.refill_free)
         return (c.step < steps) & jnp.any(c.active) & ~refill
 
-    # On an engine mesh the programs' operands are split over devices, which the decode attention
-    # kernel is not: there the einsum path (layout is static, so each choice is its own program).
-    with contextlib.nullcontext() if layout is None else einsum_decode_attention():
+    # The engine's devices pick the decode attention's path (asyncrl.model.decode_attention): on a
+    # mesh the kernel runs per device in a shard_map.
+    with _kernel(kernel):
         out = jax.lax.while_loop(more, body, init)
     cache = cache_put_prefix(state.cache, out.cache) if bucketed else out.cache
     return (_constrain(SlotState(cache, state.keys), layout), out.tokens[:, :steps], out.logprobs[:, :steps],
@@ -533,8 +548,8 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
 
 
 prefill_insert_jit = jax.jit(_prefill_insert, static_argnums=(0, 5, 6), donate_argnums=2)
-decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 4, 5, 6, 8), static_argnames=("sampler", "attend", "inner"),
-                           donate_argnums=2)
+decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 4, 5, 6, 8),
+                           static_argnames=("sampler", "attend", "inner", "kernel"), donate_argnums=2)
 
 
 # --------------------------------------------------------------------------- beam search
@@ -551,12 +566,13 @@ class BeamResult(NamedTuple):
 
 def _beam_search(graphdef, params, prompt_ids, prompt_mask, last_token, stop_vocab, length_penalty, tries=None,
                  k: int = 1, max_new: int = 1, capacity: int = 2, max_branch: int = 0,
-                 kernel: Optional[KernelTarget] = None) -> BeamResult:
+                 kernel: Optional[KernelTarget] = None, cache_layout: str = "bksd") -> BeamResult:
     """Beam search of width ``k`` for one prompt: ``prompt_ids``/``prompt_mask`` [bucket] hold
     ``prompt[:-1]`` right-padded and ``last_token`` [] the last prompt token (fed by the first
     step, as in the engine's decode). ``stop_vocab`` bool [V]: the stop ids (free decoding);
     ``tries``: ``(trie pool tables, the constraint's root node)`` or None (unconstrained);
-    ``max_branch`` (static) the pool's widest node; ``kernel`` (static) as in :func:`_prefill_insert`.
+    ``max_branch`` (static) the pool's widest node; ``kernel`` (static) as in :func:`_prefill_insert`;
+    ``cache_layout`` (static) the beams' KV cache layout (the engine's).
 
     Each step extends the ``k`` live beams by every token (log-softmax of the masked logits,
     T = 1), keeps the ``2k`` best extensions, moves those that end (a stop id, a trie leaf, or
@@ -569,7 +585,7 @@ def _beam_search(graphdef, params, prompt_ids, prompt_mask, last_token, stop_voc
     cfg = graphdef_config(graphdef, params)
     vocab = params["embed_tokens"]["embedding"].shape[0]
     rows = jnp.arange(k)
-    cache = init_kv_cache(cfg, k, capacity)
+    cache = init_kv_cache(cfg, k, capacity, layout=cache_layout)
     ids = jnp.broadcast_to(prompt_ids[None], (k, prompt_ids.shape[0]))
     mask = jnp.broadcast_to(prompt_mask[None], ids.shape)
     with _kernel(kernel):  # the prompt's prefill: the engine's platform's attention kernel
@@ -636,4 +652,5 @@ def _beam_search(graphdef, params, prompt_ids, prompt_mask, last_token, stop_voc
     return jax.lax.while_loop(more, body, init).pool
 
 
-beam_search_jit = jax.jit(_beam_search, static_argnums=0, static_argnames=("k", "max_new", "capacity", "max_branch", "kernel"))
+beam_search_jit = jax.jit(_beam_search, static_argnums=0,
+                          static_argnames=("k", "max_new", "capacity", "max_branch", "kernel", "cache_layout"))

@@ -41,7 +41,6 @@ from asyncrl.engine.jax_programs import (
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
 from asyncrl.errors import EngineCrashed
 from asyncrl.model.attention import KernelTarget
-from asyncrl.model.compute_copy import compute_copy
 
 logger = logging.getLogger("asyncrl.engine")
 
@@ -92,9 +91,10 @@ class _Pending:
 
 
 class _Update:
-    def __init__(self, params: Any, version: int, compute_dtype: Any):
-        self.params = params
-        self.serving = compute_copy(params, compute_dtype)  # cast once here, not in every program call
+    """A published version waiting for the next chunk boundary, where the scheduler installs it."""
+
+    def __init__(self, params: Any, version: int):
+        self.params = params  # the publisher's arrays (never donated: the trainer keeps them)
         self.version = version
         self.requested = time.monotonic()
         self.done = threading.Event()
@@ -142,7 +142,8 @@ class EngineScheduler:
     prefill_rows: int
     vocab_size: int
     attention_buckets: tuple[int, ...]
-    kernel: KernelTarget  # the engine's devices (platform, count): pick the prefill's attention kernel
+    kernel: KernelTarget  # the engine's devices (its mesh, or platform and count): pick the attention kernels
+    cache_layout: str  # the KV cache's layout (asyncrl.engine.layouts.kv_cache_layout)
     _params: Any
     _serving: Any
     _version: int
@@ -168,6 +169,9 @@ class EngineScheduler:
         raise NotImplementedError  # JaxEngine's
 
     def _decode_options(self, attend: int) -> dict[str, Any]:
+        raise NotImplementedError  # JaxEngine's
+
+    def _take(self, params: Any) -> None:
         raise NotImplementedError  # JaxEngine's
 
 
@@ -202,7 +206,10 @@ class EngineScheduler:
             self._fail_all(EngineCrashed("the inference engine's thread died", tb))
 
     def _install(self, update: _Update) -> None:
-        self._params, self._serving = update.params, update.serving
+        # The old serving copy is dropped before the new one is made (JaxEngine._take): a publish
+        # holds one copy at its peak; the decode waits for the copy (its seconds: swap_latency_s).
+        self._take(update.params)
+        update.params = None
         self._version = update.version
         latency = time.monotonic() - update.requested
         self._stats.swaps += 1
@@ -325,7 +332,7 @@ class EngineScheduler:
         out = beam_search_jit(self.graphdef, self._serving, ids, np.arange(bucket) < context, np.int32(prompt[-1]), stop_vocab,
                               np.float32(request.length_penalty), tries, k=request.n, max_new=request.max_new_tokens,
                               capacity=bucket + request.max_new_tokens, max_branch=self._tries.max_branch if trie else 0,
-                              kernel=self.kernel)
+                              kernel=self.kernel, cache_layout=self.cache_layout)
         tokens, logprobs, lengths, scores = (np.asarray(x) for x in out)
         self._stats.beam_calls += 1
         self._stats.beam_s += time.monotonic() - started

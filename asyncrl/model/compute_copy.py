@@ -4,9 +4,10 @@ Where ``model.param_dtype`` (the trainer's master weights, float32 in the GSM8K 
 from ``model.compute_dtype`` (bfloat16 on GPUs), every matmul of the model casts its weight to
 the compute dtype first, in every call. Two places cast once instead:
 
-* the engine (issue 39), when weights are installed (at start and at each ``update_weights``):
-  its prefill and decode programs run on that copy (:func:`compute_copy`);
-* the train step (issue 40), once per optimizer update rather than once per micro-batch: each
+* the engine, when weights are installed (at start and at each ``update_weights``): its prefill
+  and decode programs run on that copy (:func:`compute_copy`, or
+  :func:`~asyncrl.engine.device_copy.serving_copy` where the copy also moves to the engine's layout);
+* the train step, once per optimizer update rather than once per micro-batch: each
   micro-batch's forward and backward run on the copy, and the gradient, taken with respect to
   the copy, is accumulated in float32 (:func:`cast_for_compute`, traceable). The cast's own
   gradient is a cast back, so the accumulated gradient is the same number.
@@ -42,6 +43,14 @@ def needs_compute_copy(params: Any, compute_dtype: Any) -> bool:
 def _cast_leaf(path: tuple, x: Any, compute_dtype: Any) -> bool:
     return (jnp.ndim(x) >= 2 and jnp.issubdtype(jnp.result_type(x), jnp.floating) and jnp.result_type(x) != compute_dtype
             and not is_router_weight(path))
+
+
+def cast_flags(params: Any, compute_dtype: Any) -> list[bool]:
+    """Per leaf of ``params`` (in ``jax.tree.leaves`` order): whether :func:`compute_copy` casts it."""
+    if not needs_compute_copy(params, compute_dtype):
+        return [False] * len(jax.tree.leaves(params))
+    compute_dtype = jnp.dtype(compute_dtype)
+    return [_cast_leaf(path, x, compute_dtype) for path, x in jax.tree_util.tree_leaves_with_path(params)]
 
 
 def cast_for_compute(params: Any, compute_dtype: Any) -> Any:

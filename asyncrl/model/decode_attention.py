@@ -20,10 +20,8 @@ have no attention-logit soft-capping (Gemma 3 has none; its final-logit cap is o
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from typing import Iterator, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,22 +29,6 @@ import jax.numpy as jnp
 _MASKED = -1e30  # as asyncrl.model.transformer's: finite, so fully masked rows never give NaN
 _GROUP_TILE = 16  # query heads per program, padded: the smallest dot tile Triton takes
 _BLOCK = 128  # cache slots per step of the kernel's loop (fewer when S is smaller)
-_KERNEL_ALLOWED = contextvars.ContextVar("asyncrl_decode_attention_kernel", default=True)
-
-
-@contextlib.contextmanager
-def einsum_decode_attention() -> Iterator[None]:
-    """Within (while a program is traced): :func:`decode_attention` takes the einsum path on every
-    platform. For programs whose operands are split over several devices (the engine on a mesh of
-    its own): XLA's partitioner does not split the kernel, it would gather the whole KV cache
-    around it in every layer. The caller's jit must key on the choice (a static argument)."""
-    token = _KERNEL_ALLOWED.set(False)
-    try:
-        yield
-    finally:
-        _KERNEL_ALLOWED.reset(token)
-
-
 def kernel_block(slots: int, head_dim: int = 64) -> Optional[int]:
     """Cache slots per step of the kernel's loop for a cache prefix of ``slots``: the largest power
     of two dividing it, at least 16 (a dot tile), at most 128 and at most ``8192 / head_dim`` (a
@@ -166,15 +148,22 @@ def pallas_decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k:
 
 
 def decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k: jax.Array, v: jax.Array,
-                     write_pos: jax.Array, mask: jax.Array, scale: Optional[float], reference):
+                     write_pos: jax.Array, mask: jax.Array, scale: Optional[float], reference, choice: str = "auto"):
     """One query token per row: ``q [B, 1, heads, D]`` and its ``k_new, v_new [B, 1, kv_heads, D]``
     written into a layer's cache ``k, v [B, kv_heads, S, D]`` at ``write_pos`` int32 [B] (dropped
     past ``S``), then attended under ``mask`` bool ``[B, 1, S]``. Returns ``(out [B, 1, heads, D], k, v)``.
     ``reference`` (same arguments and result) is the scatter-and-einsum path: the CPU's, TPUs', and
-    the kernel's reference; ``scale`` None is ``head_dim ** -0.5``. The Pallas kernel on CUDA
-    lowerings whose ``S`` has a :func:`kernel_block`, outside :func:`einsum_decode_attention`."""
+    the kernel's reference; ``scale`` None is ``head_dim ** -0.5``. ``choice`` is ``model.attention``:
+    ``xla`` and ``reference`` take the einsum path everywhere; otherwise the Pallas kernel runs on
+    CUDA lowerings whose ``S`` has a :func:`kernel_block`. Under a mesh
+    (:func:`~asyncrl.model.attention.compiled_for`: the engine's own) the kernel runs per device in a
+    ``shard_map``, rows over ``data x fsdp`` and KV heads (with their query heads) over ``tensor``:
+    XLA does not partition a Pallas call, it would gather the whole cache around it."""
+    from asyncrl.model.attention import current_target
+
     heads, d = q.shape[2], q.shape[3]
-    if not _KERNEL_ALLOWED.get() or kernel_block(k.shape[2], d) is None or heads % k.shape[1]:
+    kv_heads = k.shape[1]
+    if choice in ("xla", "reference") or kernel_block(k.shape[2], d) is None or heads % kv_heads:
         return reference(q, k_new, v_new, k, v, write_pos, mask)
     scale = d**-0.5 if scale is None else scale
 
@@ -182,4 +171,27 @@ def decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k: jax.Ar
         out, k, v = pallas_decode_attention(q[:, 0], k_new[:, 0], v_new[:, 0], k, v, write_pos, mask[:, 0], scale)
         return out[:, None], k, v
 
+    mesh = current_target().mesh
+    if mesh is not None and mesh.size > 1:
+        split = _split_specs(mesh, q.shape[0], heads, kv_heads)
+        if split is None:
+            return reference(q, k_new, v_new, k, v, write_pos, mask)
+        tokens, cache, rows, row_mask = split
+        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(tokens, tokens, tokens, cache, cache, rows, row_mask),
+                               out_specs=(tokens, cache, cache), check_vma=False)
     return jax.lax.platform_dependent(q, k_new, v_new, k, v, write_pos, mask, cuda=kernel, default=reference)
+
+
+def _split_specs(mesh, rows: int, heads: int, kv_heads: int):
+    """The kernel's ``shard_map`` specs on ``mesh``: (the new tokens' ``[B, 1, heads, D]``, the cache's
+    ``[B, kv_heads, S, D]``, the write positions' ``[B]``, the mask's ``[B, 1, S]``); None when the
+    rows or the heads do not split evenly (the einsum path then)."""
+    from jax.sharding import PartitionSpec as P
+
+    replicas = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+    tensor = mesh.shape.get("tensor", 1)
+    if rows % replicas or heads % tensor or kv_heads % tensor:
+        return None
+    row = ("data", "fsdp") if replicas > 1 else None
+    head = "tensor" if tensor > 1 else None
+    return P(row, None, head, None), P(row, head, None, None), P(row), P(row, None, None)

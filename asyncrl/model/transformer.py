@@ -20,10 +20,13 @@ their own rope base.
 
 KV cache (:class:`KVCache`)
 ---------------------------
-A fixed-capacity pytree: ``layers``, one :class:`LayerKV` per decoder layer with
-``k, v: [B, kv_heads, capacity, head_dim]`` (compute dtype; heads before slots, so a
-decode step's attention reads each head's keys as one contiguous ``[capacity, head_dim]``
-matrix, with no transposed copy of the cache), ``valid: bool [B, capacity]``
+A fixed-capacity pytree: ``layers``, one :class:`LayerKV` per decoder layer with ``k, v`` in
+the compute dtype and in one of two layouts, chosen per platform by the engine
+(:func:`asyncrl.engine.layouts.kv_cache_layout`; a layer's ``layout`` says which): ``bksd``, ``[B, kv_heads, capacity, head_dim]``
+(heads before slots: a decode step's attention reads each head's keys as one contiguous
+``[capacity, head_dim]`` matrix, which XLA's CPU dot and the GPU decode kernel want), or ``bskd``,
+``[B, capacity, kv_heads, head_dim]`` (positions before heads: a decode step writes one
+``[kv_heads, head_dim]`` tile per row, which XLA's TPU loop wants); ``valid: bool [B, capacity]``
 (which slots hold a real token) and ``write_pos: int32 [B]`` (the slot where each row's
 next token is written). The cache is per layer, not one stacked ``[layers, ...]`` array:
 each layer reads and updates its own arrays in place, so a decode step never slices and
@@ -57,6 +60,7 @@ clearing: the next prefill into it overwrites ``valid`` and ``write_pos`` whole
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -87,11 +91,18 @@ _MASKED = -1e30  # finite, so fully masked rows (pads) give uniform weights, nev
 # --------------------------------------------------------------------------- KV cache
 
 
-class LayerKV(NamedTuple):
-    """One decoder layer's keys and values in a :class:`KVCache`."""
+KV_LAYOUTS = ("bksd", "bskd")
+"""A layer's cache as ``[B, kv_heads, capacity, head_dim]`` or ``[B, capacity, kv_heads, head_dim]``."""
 
-    k: jax.Array  # [B, kv_heads, capacity, head_dim] (compute dtype)
-    v: jax.Array  # [B, kv_heads, capacity, head_dim]
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=["layout"])
+@dataclasses.dataclass(frozen=True)
+class LayerKV:
+    """One decoder layer's keys and values in a :class:`KVCache` (compute dtype)."""
+
+    k: jax.Array  # [B, kv_heads, capacity, head_dim] (bksd) or [B, capacity, kv_heads, head_dim] (bskd)
+    v: jax.Array  # as k
+    layout: str = "bksd"  # static: which of KV_LAYOUTS
 
 
 class KVCache(NamedTuple):
@@ -106,20 +117,40 @@ class KVCache(NamedTuple):
         return self.valid.shape[1]
 
     @property
+    def layout(self) -> str:
+        """The layers' layout (:data:`KV_LAYOUTS`)."""
+        return self.layers[0].layout if self.layers else "bksd"
+
+    @property
     def lengths(self) -> jax.Array:
         """int32 [B]: real tokens held per row (the next token's default position)."""
         return self.valid.sum(axis=1).astype(jnp.int32)
 
 
-def init_kv_cache(cfg: DecoderConfig, batch: int, capacity: int, dtype: Any = None) -> KVCache:
-    """An empty cache (every slot invalid, write positions 0) in the compute dtype."""
+def kv_shape(cfg: DecoderConfig, batch: int, capacity: int, layout: str = "bksd") -> tuple[int, int, int, int]:
+    """One layer's K (or V) shape in ``layout``."""
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"KV cache layout {layout!r}: one of {KV_LAYOUTS}")
+    if layout == "bksd":
+        return (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+    return (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+
+
+def init_kv_cache(cfg: DecoderConfig, batch: int, capacity: int, dtype: Any = None, layout: str = "bksd") -> KVCache:
+    """An empty cache (every slot invalid, write positions 0) in the compute dtype and ``layout``
+    (:data:`KV_LAYOUTS`)."""
     dtype = dtype or dtype_of(cfg.compute_dtype)
-    shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+    shape = kv_shape(cfg, batch, capacity, layout)
     return KVCache(
-        layers=tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)),
+        layers=tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), layout) for _ in range(cfg.num_layers)),
         valid=jnp.zeros((batch, capacity), bool),
         write_pos=jnp.zeros((batch,), jnp.int32),
     )
+
+
+def positions_slice(layout: str, stop: int) -> tuple:
+    """The index of a layer's K/V that takes its first ``stop`` positions, whole rows and heads."""
+    return (slice(None), slice(None), slice(0, stop)) if layout == "bksd" else (slice(None), slice(0, stop))
 
 
 def kv_cache_copy_rows(dst: KVCache, src: KVCache, src_rows: jax.Array, dst_rows: jax.Array) -> KVCache:
@@ -129,16 +160,19 @@ def kv_cache_copy_rows(dst: KVCache, src: KVCache, src_rows: jax.Array, dst_rows
     slots at ``[0, src.capacity)`` and invalid slots after. Copying one prefilled
     prompt into ``n`` sampling slots is ``src_rows = [0] * n``. Entries of ``dst_rows``
     ``>=`` the destination batch are skipped (a fixed-size ``n`` can carry unused entries).
-    Pure; jit it with ``donate_argnums=0`` to update in place.
+    Both caches have one layout. Pure; jit it with ``donate_argnums=0`` to update in place.
     """
     if src.capacity > dst.capacity:
         raise ValueError(f"source cache capacity {src.capacity} exceeds destination capacity {dst.capacity}")
+    if src.layout != dst.layout:
+        raise ValueError(f"KV cache layouts differ: source {src.layout}, destination {dst.layout}")
     c = src.capacity
+    where = (dst_rows, *positions_slice(dst.layout, c)[1:])
 
     def copy(d: jax.Array, s: jax.Array) -> jax.Array:
-        return d.at[dst_rows, :, :c].set(s[src_rows].astype(d.dtype), mode="drop")
+        return d.at[where].set(s[src_rows].astype(d.dtype), mode="drop")
 
-    layers = tuple(LayerKV(copy(d.k, s.k), copy(d.v, s.v)) for d, s in zip(dst.layers, src.layers))
+    layers = tuple(LayerKV(copy(d.k, s.k), copy(d.v, s.v), d.layout) for d, s in zip(dst.layers, src.layers))
     valid_rows = jnp.zeros((src_rows.shape[0], dst.capacity), bool).at[:, :c].set(src.valid[src_rows])
     valid = dst.valid.at[dst_rows].set(valid_rows, mode="drop")
     write_pos = dst.write_pos.at[dst_rows].set(src.write_pos[src_rows], mode="drop")
@@ -305,43 +339,45 @@ def cached_attention(q, k, v, mask, cache: LayerKV, write_idx, choice: str,
     themselves, by the fused kernel where there is one). Returns ``(out [B, T, heads, D], the updated
     LayerKV)``.
 
-    One new token (a decode step) attends straight on the ``[B, kv_heads, C, D]`` cache
-    (:func:`~asyncrl.model.decode_attention.decode_attention`: one Pallas kernel on GPUs, by einsum
-    elsewhere): batch and head dims lead and head_dim is minor, which is the layout XLA's batched
-    dot wants, so no transposed copy of the cache is made per step. Several new tokens (prefill
-    into a cache) go through ``model.attention``'s implementation (``choice``) on a transposed
-    view, once per call.
+    One new token (a decode step) attends straight on the cache in its layout: with ``bksd``
+    through :func:`~asyncrl.model.decode_attention.decode_attention` (one Pallas kernel on GPUs,
+    the einsum elsewhere: batch and head dims lead and head_dim is minor, the layout XLA's batched
+    dot wants), with ``bskd`` (TPUs) by the einsum over positions-first keys; no transposed copy of
+    the cache is made per step. Several new tokens (prefill into a cache) go through
+    ``model.attention``'s implementation (``choice``) on a transposed view, once per call.
     """
+    layout = cache.layout
     if isinstance(mask, SelfAttentionMask):  # an empty cache (prefill): the call's tokens attend among themselves
-        cache_k, cache_v = _scatter(k, v, cache.k, cache.v, write_idx)
+        cache_k, cache_v = _scatter(k, v, cache.k, cache.v, write_idx, layout)
         k, v = k.astype(cache.k.dtype).astype(q.dtype), v.astype(cache.v.dtype).astype(q.dtype)
-        return _attend(q, k, v, mask, choice, kv_spec="bskd", scale=scale), LayerKV(cache_k, cache_v)
-    if q.shape[1] == 1:  # a decode step: one kernel on GPUs (asyncrl.model.decode_attention), the einsum elsewhere
-        reference = functools.partial(_scatter_and_attend, choice=choice, scale=scale)
-        out, cache_k, cache_v = decode_attention(q, k, v, cache.k, cache.v, write_idx[:, 0], mask, scale, reference)
-        return out, LayerKV(cache_k, cache_v)
-    out, cache_k, cache_v = _scatter_and_attend(q, k, v, cache.k, cache.v, write_idx, mask, choice, scale)
-    return out, LayerKV(cache_k, cache_v)
+        return _attend(q, k, v, mask, choice, kv_spec="bskd", scale=scale), LayerKV(cache_k, cache_v, layout)
+    reference = functools.partial(_scatter_and_attend, choice=choice, scale=scale, layout=layout)
+    if q.shape[1] == 1 and layout == "bksd":  # a decode step: one kernel on GPUs (asyncrl.model.decode_attention)
+        out, cache_k, cache_v = decode_attention(q, k, v, cache.k, cache.v, write_idx[:, 0], mask, scale, reference, choice)
+        return out, LayerKV(cache_k, cache_v, layout)
+    out, cache_k, cache_v = reference(q, k, v, cache.k, cache.v, write_idx, mask)
+    return out, LayerKV(cache_k, cache_v, layout)
 
 
-def _scatter(k, v, cache_k, cache_v, write_idx) -> tuple[jax.Array, jax.Array]:
-    """The new ``k, v`` ``[B, T, kv_heads, D]`` written into the ``[B, kv_heads, C, D]`` caches at
+def _scatter(k, v, cache_k, cache_v, write_idx, layout: str = "bksd") -> tuple[jax.Array, jax.Array]:
+    """The new ``k, v`` ``[B, T, kv_heads, D]`` written into a layer's caches (``layout``) at
     ``write_idx`` (int32 [B, T], or [B] for one token; indices past the capacity are dropped)."""
     if write_idx.ndim == 1:
         write_idx = write_idx[:, None]
     rows = jnp.arange(write_idx.shape[0])[:, None]
-    # Advanced indices around the head slice: the indexed block is [B, T, kv_heads, D], as k is.
-    cache_k = cache_k.at[rows, :, write_idx].set(k.astype(cache_k.dtype), mode="drop")
-    cache_v = cache_v.at[rows, :, write_idx].set(v.astype(cache_v.dtype), mode="drop")
+    # bksd: advanced indices around the head slice, so the indexed block is [B, T, kv_heads, D], as k is.
+    where = (rows, slice(None), write_idx) if layout == "bksd" else (rows, write_idx)
+    cache_k = cache_k.at[where].set(k.astype(cache_k.dtype), mode="drop")
+    cache_v = cache_v.at[where].set(v.astype(cache_v.dtype), mode="drop")
     return cache_k, cache_v
 
 
 def _scatter_and_attend(q, k, v, cache_k, cache_v, write_idx, mask, choice: str = "reference",
-                        scale: Optional[float] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        scale: Optional[float] = None, layout: str = "bksd") -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`cached_attention` by XLA: the new ``k, v`` scattered into the cache (:func:`_scatter`),
     then attention over it. Returns ``(out, cache_k, cache_v)``."""
-    cache_k, cache_v = _scatter(k, v, cache_k, cache_v, write_idx)
-    out = _attend(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask, choice, kv_spec="bksd", scale=scale)
+    cache_k, cache_v = _scatter(k, v, cache_k, cache_v, write_idx, layout)
+    out = _attend(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask, choice, kv_spec=layout, scale=scale)
     return out, cache_k, cache_v
 
 

@@ -1,5 +1,7 @@
-"""``engine.slots: auto``: as many decode slots as the device's memory holds after the trainer;
-and ``model.remat_policy: auto`` chosen from the same memory (:func:`resolve_auto_remat`).
+"""The choices a run makes from its devices' memory at start: ``engine.tensor_parallel: auto``
+(:func:`resolve_auto_tensor_parallel`), ``engine.slots: auto`` (as many decode slots as the device's
+memory holds after the trainer), the slot count rounded to the engine's replicas
+(:func:`round_slots_to_replicas`), and ``model.remat_policy: auto`` (:func:`resolve_auto_remat`).
 
 The count comes from ``asyncrl plan``'s accounting (:func:`~asyncrl.run.plan_formulas.slots_for_budget`), so a
 run sized here and the plan printed for it agree. A plan's total is affine in the slots each
@@ -28,6 +30,13 @@ from typing import Any, Optional
 from asyncrl.config import Config
 from asyncrl.run.plan import AUTO_SLOTS_HEADROOM as HEADROOM
 from asyncrl.run.plan import GIB, slots_for_budget, with_slots
+from asyncrl.run.plan_formulas import (
+    plan_config,
+    plan_layout,
+    read_decoder_config,
+    tensor_parallel_degrees,
+    with_tensor_parallel,
+)
 
 log = logging.getLogger("asyncrl.run")
 
@@ -91,3 +100,59 @@ def resolve_auto_remat(cfg: Config) -> Config:
     if line is not None:
         log.info("%s", line)
     return chosen
+
+
+def resolve_auto_tensor_parallel(cfg: Config, model_cfg: Any = None) -> Config:
+    """``cfg`` with ``engine.tensor_parallel: auto`` replaced by the smallest degree (of those
+    :func:`~asyncrl.run.plan_formulas.tensor_parallel_degrees` allows: dividing the model's KV heads
+    and the engine's devices) whose plan fits this process's :func:`device_budget`, logged in one
+    line; a number is checked against the same budget and refused (a ConfigError naming the degrees
+    that fit) when it does not fit. ``cfg`` itself with ``engine.remote`` (servers place themselves)."""
+    if cfg.engine.remote is not None:
+        return cfg
+    import jax
+
+    from asyncrl.errors import ConfigError
+    from asyncrl.model.loading import resolve_model_dir
+
+    if model_cfg is None:
+        model_cfg = read_decoder_config(str(resolve_model_dir(cfg.model.path)))
+    devices, processes = jax.device_count(), jax.process_count()
+    degrees = tensor_parallel_degrees(cfg, model_cfg, devices, processes)
+    if degrees == [1] and cfg.engine.tensor_parallel == "auto":
+        log.info("engine.tensor_parallel: auto -> 1 (one engine device)")
+        return with_tensor_parallel(cfg, 1)
+    budget, source = device_budget(jax.local_devices()[0])
+    backend = jax.default_backend()
+    totals = {d: plan_config(with_tensor_parallel(cfg, d), devices, processes, model_cfg, backend).total_bytes
+              for d in degrees}
+    fitting = [d for d in degrees if totals[d] <= budget]
+    given = cfg.engine.tensor_parallel
+    if given != "auto":
+        if given in totals and totals[given] > budget:
+            fits = ", ".join(map(str, fitting)) if fitting else "none (use more devices or less memory: asyncrl plan)"
+            raise ConfigError([f"engine.tensor_parallel = {given}: the plan needs {totals[given] / GIB:.2f} GiB per device, "
+                               f"over the {budget / GIB:.2f} GiB budget ({source}); degrees that fit: {fits}"])
+        return cfg
+    chosen = fitting[0] if fitting else degrees[-1]
+    replicas = plan_layout(with_tensor_parallel(cfg, chosen), devices, processes).engine_replicas
+    verdict = "fits" if fitting else "does NOT fit at any degree"
+    log.info("engine.tensor_parallel: auto -> %d (%d replica(s); the plan %.2f GiB per device, %s %.2f GiB: %s)", chosen,
+             replicas, totals[chosen] / GIB, verdict, budget / GIB, source)
+    return with_tensor_parallel(cfg, chosen)
+
+
+def round_slots_to_replicas(cfg: Config, replicas: int) -> Config:
+    """``cfg`` with ``engine.slots`` moved to the nearest multiple of the engine's ``replicas``
+    (:func:`~asyncrl.cluster.placement.slots_for_replicas`; each replica decodes an equal share),
+    said in one line when it changes; ``cfg`` itself otherwise."""
+    from asyncrl.cluster.placement import slots_for_replicas
+
+    slots = cfg.engine.slots
+    if not isinstance(slots, int) or slots % replicas == 0:
+        return cfg
+    rounded = slots_for_replicas(slots, replicas)
+    log.info("engine.slots: %d -> %d (a multiple of the engine's %d replicas: each decodes an equal share)", slots,
+             rounded, replicas)
+    return with_slots(cfg, rounded)
+

@@ -124,18 +124,20 @@ def build_local_engine(cfg: Config, graphdef: Any, params: Any, stop_token_ids: 
                        placement: Any = None) -> Any:
     """An in-process :class:`~asyncrl.engine.jax_engine.JaxEngine` serving ``params`` on its
     placement (``placement``, a :class:`~asyncrl.cluster.placement.Placement`; None: resolved from
-    ``cfg`` now). The default placement (colocated, ``engine.tensor_parallel: 1``, one
-    process) serves the given arrays as they are (not copied); any other gets the engine's
-    own mesh on its devices (:func:`~asyncrl.cluster.placement.engine_mesh`) and a copy of
-    ``params`` placed there by the model's partition rules."""
+    ``cfg`` now). On one device it serves the given arrays as they are; on more, colocated or not,
+    it gets its own mesh on its devices (:func:`~asyncrl.cluster.placement.engine_mesh`) and a
+    serving copy of ``params`` laid out there, with ``engine.slots`` (``auto`` sized first) moved to
+    a multiple of its replicas."""
     from asyncrl.cluster.placement import engine_mesh, resolve_placement
     from asyncrl.engine.jax_engine import JaxEngine
     from asyncrl.engine.jax_programs import graphdef_config
-    from asyncrl.run.auto_slots import resolve_auto_slots
+    from asyncrl.run.auto_slots import resolve_auto_slots, round_slots_to_replicas
 
     cfg = resolve_auto_slots(cfg, graphdef_config(graphdef, params))  # engine.slots: auto, from the memory left
     placement = placement if placement is not None else resolve_placement(cfg)
     mesh = None if placement.shares_trainer_arrays else engine_mesh(placement)
+    if mesh is not None:
+        cfg = round_slots_to_replicas(cfg, placement.engine_replicas)
     return JaxEngine(graphdef, params, stop_token_ids=stop_token_ids, config=cfg.engine, seed=cfg.run.seed,
                      version=version, mesh=mesh)
 
@@ -148,8 +150,6 @@ def build_engine(cfg: Config, loaded: Any, graphdef: Any, params: Any, *, versio
     ``loaded`` is the :class:`~asyncrl.model.LoadedModel` (tokenizer, stop ids)."""
     remote = cfg.engine.remote
     if remote is None:
-        # With the default placement the engine serves the trainer's own (never donated) arrays:
-        # publishing copies nothing.
         return build_local_engine(cfg, graphdef, params, loaded.stop_token_ids, version=version, placement=placement)
     from asyncrl.engine.remote import RemoteEngine
 

@@ -225,6 +225,10 @@ class EngineArgs:
     sampler: str
     inner_steps: int = 1
     """Decode steps per iteration of a chunk's loop (``engine.decode_inner_steps`` on the platform)."""
+    kernel: Any = None
+    """The attention kernels' target (``JaxEngine.kernel``: the engine's mesh, or its devices' platform and count)."""
+    cache_layout: str = "bksd"
+    """The KV cache's layout (:func:`~asyncrl.engine.layouts.kv_cache_layout`)."""
 
 
 def engine_args(cfg: Config, model_cfg: Any, placement: Any, platform: str, mesh: Any = None) -> EngineArgs:
@@ -241,27 +245,39 @@ def engine_args(cfg: Config, model_cfg: Any, placement: Any, platform: str, mesh
     from asyncrl.cluster.mesh import build_mesh
     from asyncrl.cluster.placement import engine_mesh
     from asyncrl.engine.jax_programs import init_slot_state, slot_state_shardings
+    from asyncrl.engine.layouts import kv_cache_layout, serving_formats
     from asyncrl.engine.platform import resolve_inner_steps, resolve_sampler
+    from asyncrl.model.attention import KernelTarget
     from asyncrl.model.compute_copy import cast_for_compute
     from asyncrl.model.sharding import param_shardings
     from asyncrl.model.transformer import Decoder, split_params
 
     graphdef, shapes = split_params(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))
     slots = planned_slots(cfg)
-    state_shapes = jax.eval_shape(lambda: init_slot_state(model_cfg, slots, cfg.engine.kv_capacity))
+    cache_layout = kv_cache_layout(platform)
+    state_shapes = jax.eval_shape(lambda: init_slot_state(model_cfg, slots, cfg.engine.kv_capacity, cache_layout))
     if placement.shares_trainer_arrays:
         mesh = mesh if mesh is not None else build_mesh(cfg.mesh, devices=list(placement.trainer_devices))
         layout = None
         state_shardings: Any = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), state_shapes)
     else:
         mesh = engine_mesh(placement)
-        layout = slot_state_shardings(model_cfg, slots, mesh)
+        layout = slot_state_shardings(model_cfg, slots, mesh, cache_layout)
         state_shardings = layout
     shardings = param_shardings(model_cfg, shapes, mesh)
     params = _placed(shapes, shardings)
-    serving = _placed(jax.eval_shape(lambda p: cast_for_compute(p, model_cfg.compute_dtype), shapes), shardings)
-    return EngineArgs(graphdef, params, serving, _placed(state_shapes, state_shardings), layout, slots,
-                      resolve_sampler(cfg.engine.sampler, platform), resolve_inner_steps(cfg.engine.decode_inner_steps, platform))
+    kernel = KernelTarget(platform, mesh=mesh) if layout is not None else KernelTarget(platform, devices=mesh.size)
+    sampler = resolve_sampler(cfg.engine.sampler, platform)
+    inner = resolve_inner_steps(cfg.engine.decode_inner_steps, platform)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    formats = serving_formats(model_cfg, shardings, layout if layout is not None else replicated, slots=slots,
+                              capacity=cfg.engine.kv_capacity, platform=platform,
+                              decode={"sampler": sampler, "inner": inner, "kernel": kernel, "attend": 0},
+                              max_stop_ids=cfg.engine.max_stop_ids, layout=layout)
+    serving = _placed(jax.eval_shape(lambda p: cast_for_compute(p, model_cfg.compute_dtype), shapes),
+                      shardings if formats is None else formats)
+    return EngineArgs(graphdef, params, serving, _placed(state_shapes, state_shardings), layout, slots, sampler, inner,
+                      kernel, cache_layout)
 
 
 def _replicated_like(engine: EngineArgs, tree: Any) -> Any:
@@ -284,7 +300,8 @@ def lower_decode_chunk(cfg: Config, engine: EngineArgs, attend: int = 0) -> Any:
     controls = _replicated_like(engine, idle_controls(engine.slots, cfg.engine.max_stop_ids))
     attend = 0 if attend >= cfg.engine.kv_capacity else attend
     return decode_chunk_jit.lower(engine.graphdef, engine.serving, engine.state, controls, cfg.engine.decode_chunk, False,
-                                  engine.layout, sampler=engine.sampler, attend=attend, inner=engine.inner_steps)
+                                  engine.layout, sampler=engine.sampler, attend=attend, inner=engine.inner_steps,
+                                  kernel=engine.kernel)
 
 
 def lower_prefill(cfg: Config, engine: EngineArgs, bucket: int) -> Any:
@@ -295,7 +312,7 @@ def lower_prefill(cfg: Config, engine: EngineArgs, bucket: int) -> Any:
 
     plan = _replicated_like(engine, PrefillPlan.empty(min(PREFILL_ROWS, engine.slots), bucket, engine.slots))
     key = _replicated_like(engine, np.zeros(2, np.uint32))  # the engine's root key (uint32 [2])
-    return prefill_insert_jit.lower(engine.graphdef, engine.serving, engine.state, plan, key, engine.layout, _kernel(engine))
+    return prefill_insert_jit.lower(engine.graphdef, engine.serving, engine.state, plan, key, engine.layout, engine.kernel)
 
 
 def lower_beam_search(cfg: Config, engine: EngineArgs, bucket: int) -> Any:
@@ -311,17 +328,8 @@ def lower_beam_search(cfg: Config, engine: EngineArgs, bucket: int) -> Any:
     args = _replicated_like(engine, (np.zeros(bucket, np.int32), np.zeros(bucket, bool), np.int32(0), np.zeros(vocab, bool),
                                      np.float32(decoding.length_penalty)))
     return beam_search_jit.lower(engine.graphdef, engine.serving, *args, None, k=decoding.beam_width, max_new=max_new,
-                                 capacity=bucket + max_new, max_branch=0, kernel=_kernel(engine))
-
-
-def _kernel(engine: EngineArgs) -> Any:
-    """The engine's devices as the prefill's attention kernel sees them (``JaxEngine.kernel``):
-    their platform and count, the target's, not this CPU process's."""
-    import jax
-
-    from asyncrl.model.attention import kernel_target_of
-
-    return kernel_target_of(jax.tree.leaves(engine.serving)[0])
+                                 capacity=bucket + max_new, max_branch=0, kernel=engine.kernel,
+                                 cache_layout=engine.cache_layout)
 
 
 def lower_publish_cast(engine: EngineArgs, model_cfg: Any) -> Any:

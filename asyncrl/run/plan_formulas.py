@@ -499,6 +499,18 @@ def minimum_slots(cfg: Config) -> int:
     return max(cfg.rollout.group_size, beam)
 
 
+def with_tensor_parallel(cfg: Config, degree: int) -> Config:
+    """``cfg`` with ``engine.tensor_parallel = degree``."""
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"tensor_parallel": degree})})
+
+
+def tensor_parallel_degrees(cfg: Config, model_cfg: Any, devices: int, processes: int = 1) -> list[int]:
+    """The tensor-parallel degrees the engine of ``cfg`` can take on ``devices`` devices, smallest
+    first: those dividing its device count and the model's KV heads (whole heads per device)."""
+    engine_devices = plan_layout(with_tensor_parallel(cfg, 1), devices, processes).engine_devices
+    return [d for d in range(1, engine_devices + 1) if engine_devices % d == 0 and model_cfg.num_kv_heads % d == 0]
+
+
 def with_slots(cfg: Config, slots: int) -> Config:
     """``cfg`` with ``engine.slots = slots`` (stages inherit the top-level engine section)."""
     return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"slots": slots})})

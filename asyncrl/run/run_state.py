@@ -114,7 +114,7 @@ class Run:
                  guard: ShutdownGuard, hosts: Hosts, startup: StartupClock):
         from asyncrl.cluster.placement import check_tensor_parallel, resolve_placement
         from asyncrl.model import load_model
-        from asyncrl.run.auto_slots import resolve_auto_remat
+        from asyncrl.run.auto_slots import resolve_auto_remat, resolve_auto_tensor_parallel
         from asyncrl.run.metrics import ConsoleSink, JsonlSink, LogAppender
         from asyncrl.run.multihost import NoSink
         from asyncrl.trainer import build_mesh
@@ -125,12 +125,13 @@ class Run:
         agreements between processes (:class:`~asyncrl.run.multihost.Hosts`, already watching ``guard``)."""
         self.resumed = resumed
         """The :class:`~asyncrl.checkpoint.Checkpoint` this run continues, or None."""
-        self.placement = resolve_placement(cfg)
-        """The trainer's and the engine's devices (docs/scaling.md "Placement")."""
         self.given_cfg = cfg
         """The config as given: what a checkpoint saves and a resume compares, ``auto`` kept (as
         ``engine.slots: auto`` is), so a resume chooses again on its own devices."""
         cfg = self.cfg = resolve_auto_remat(cfg)  # model.remat_policy: auto, from the devices' memory
+        cfg = self.cfg = resolve_auto_tensor_parallel(cfg)  # engine.tensor_parallel: auto (a number: checked)
+        self.placement = resolve_placement(cfg)
+        """The trainer's and the engine's devices (docs/scaling.md "Placement")."""
         self.loaded = load_model(cfg.model)
         if cfg.engine.remote is None:
             check_tensor_parallel(cfg.engine.tensor_parallel, self.loaded.config)

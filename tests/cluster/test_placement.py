@@ -47,13 +47,16 @@ def error_of(config, devs, processes: int = 1) -> str:
 # ----------------------------------------------------------------------------- resolving (no devices needed)
 
 
-def test_default_is_colocated_on_the_trainer_arrays():
+def test_default_is_the_engine_mesh_on_the_trainer_devices():
     p = resolve_placement(cfg(), devices(8), process_count=1)
     assert p.trainer_devices == p.engine_devices == tuple(devices(8))
-    assert p.colocated and p.shares_trainer_arrays and p.engine_replicas == 8
-    # An explicit mesh smaller than the devices keeps today's behaviour: the first devices.
+    assert p.colocated and not p.shares_trainer_arrays and p.engine_replicas == 8 and p.tensor_parallel == 1
+    # An explicit mesh smaller than the devices: the first devices, the engine's mesh on them.
     p = resolve_placement(cfg(mesh={"data": 2}), devices(8), process_count=1)
-    assert p.trainer_devices == tuple(devices(2)) and p.shares_trainer_arrays
+    assert p.trainer_devices == p.engine_devices == tuple(devices(2)) and not p.shares_trainer_arrays
+    # One device: the engine serves the trainer's arrays as they are.
+    p = resolve_placement(cfg(), devices(1), process_count=1)
+    assert p.colocated and p.shares_trainer_arrays and p.engine_replicas == 1
 
 
 def test_split_ranges_and_fractions():
@@ -64,7 +67,7 @@ def test_split_ranges_and_fractions():
     q = resolve_placement(cfg(placement={"trainer": "0.0:0.5", "engine": "0.5:1.0"}, mesh={"fsdp": 2},
                               engine={"tensor_parallel": 2}), devices(8), process_count=1)
     assert q == p
-    # an engine inside the trainer's range shares its devices; tensor_parallel > 1 needs its own mesh
+    # an engine inside the trainer's range shares its devices, on its own mesh
     shared = resolve_placement(cfg(engine={"tensor_parallel": 2}), devices(8), process_count=1)
     assert shared.colocated and not shared.shares_trainer_arrays and shared.engine_replicas == 4
 
