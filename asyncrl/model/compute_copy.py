@@ -4,9 +4,9 @@ Where ``model.param_dtype`` (the trainer's master weights, float32 in the GSM8K 
 from ``model.compute_dtype`` (bfloat16 on GPUs), every matmul of the model casts its weight to
 the compute dtype first, in every call. Two places cast once instead:
 
-* the engine (issue 39), when weights are installed (at start and at each ``update_weights``):
+* the engine, when weights are installed (at start and at each ``update_weights``):
   its prefill and decode programs run on that copy (:func:`compute_copy`);
-* the train step (issue 40), once per optimizer update rather than once per micro-batch: each
+* the train step, once per optimizer update rather than once per micro-batch: each
   micro-batch's forward and backward run on the copy, and the gradient, taken with respect to
   the copy, is accumulated in float32 (:func:`cast_for_compute`, traceable). The cast's own
   gradient is a cast back, so the accumulated gradient is the same number.
