@@ -99,6 +99,12 @@ def test_a_history_line_put_back_is_caught(tmp_path):
     assert not (REPO_ROOT / "CHANGELOG.md") in _documentation()
 
 
+def test_the_performance_guide_stays_a_guide():
+    """docs/performance.md says how to measure, profile and plan; measured figures go to docs/benchmarks.md."""
+    lines = (REPO_ROOT / "docs" / "performance.md").read_text().count("\n")
+    assert lines <= 600, f"docs/performance.md has {lines} lines (at most 600): move results to docs/benchmarks.md"
+
+
 CITATION = re.compile(r'(?:(?<![`\w/])docs/(\w+)\.md|`docs/(\w+)\.md`),? \(?((?:"[^"\n]+"(?:, )?)+)')
 """``docs/<file>.md "Section"`` (also with a comma, in parentheses, or several sections): how the
 code and the docs cite a section. A path inside an inline code span (`` `docs/x.md "Section"` ``)
