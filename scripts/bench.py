@@ -7,7 +7,7 @@
     python scripts/bench.py batch     # validate-and-pack time of one batch (prepare_batch)
     python scripts/bench.py remote    # rollouts through asyncrl serve over HTTP against in-process
     python scripts/bench.py accel     # train-step FLOP utilisation, decode vs the memory floor (Qwen2.5-0.5B shape)
-    python scripts/bench.py gpu       # rollouts on a GPU: decode vs the memory floor, vs generate, the GSM8K loop (issue 39)
+    python scripts/bench.py gpu       # rollouts on a GPU: decode vs the memory floor, vs generate, the GSM8K loop
     python scripts/bench.py reward_model  # reward-model scores per second, on the device and through the scoring queue
     python scripts/bench.py plan      # asyncrl plan's trainer and engine memory against a real step's
     python scripts/bench.py agent     # the OpenAI-SDK agent path's cost per completion against a plain workflow

@@ -14,8 +14,8 @@ fixed pool of ``rollout.max_concurrent`` worker threads, each with one reused re
 thread, so a leak would raise the second half's range; evaluation still starts its own
 threads while it runs),
 and the run's own ``perf/host_rss_gb`` and ``perf/threads`` (in ``metrics.jsonl``) at the
-same two steps are quoted beside the outside measurement. The acceptance of issue 21 is
-RSS growth under 5% between step 200 and the end, and a constant thread count.
+same two steps are quoted beside the outside measurement. A soak passes with RSS growth under
+5% between step 200 and the end, and a constant thread count.
 
 Usage: PYTHONPATH=. python scripts/soak.py [--steps 2000] [--from-step 200] [--out runs/soak]
 Linux only (reads /proc).

@@ -438,7 +438,7 @@ AGENT_CHAIN = (
 STATIC_CHECKS = (Step("ruff check asyncrl workflows scripts tests"),)  # mypy: .ci/run (a minute cold; too slow here)
 
 # Chains in CHAINS that the default selection leaves to --runslow: over its time on the CI machine
-# (tests/README.md, the issue 44-47 session); each command still runs here, by name.
+# (tests/README.md); each command still runs here, by name.
 SLOW_BY_TIME = {"agents", "lora", "plan"}
 
 CHAINS = {"static": STATIC_CHECKS, "readme": README_CHAIN, "agents": AGENT_CHAIN, "lora": LORA_CHAIN, "plan": PLAN_CHAIN,

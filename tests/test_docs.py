@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import io
+import re
+import tokenize
+from pathlib import Path
+
 from asyncrl.config.docs import config_reference_markdown
 from tests.helpers import REPO_ROOT
 
@@ -41,19 +46,109 @@ def test_every_config_field_has_a_description():
     assert not missing, f"config fields without a docstring: {missing}"
 
 
-def test_design_sections_cited_in_the_code_exist():
-    """Docstrings cite docs/design.md by section; each cited section is a heading there."""
-    import re
+HISTORY = re.compile(r"\bissues? \d+|\bsessions? \d+|\bseed 00\d|\b(?:first|second|third|fourth) pass\b", re.I)
+"""How the project got here, which belongs in commit messages and CHANGELOG.md: an issue number, a
+numbered work session, a planning document's name ("seed 002") or a numbered pass of work."""
 
-    headings = set(re.findall(r"^#+ (.+)$", (REPO_ROOT / "docs" / "design.md").read_text(), re.M))
-    cited: dict[str, set[str]] = {}
-    for path in [*(REPO_ROOT / "asyncrl").rglob("*.py"), *(REPO_ROOT / "scripts").glob("*.py")]:
-        for group in re.findall(r'docs/design\.md ((?:"[^"\n]+"(?:, )?)+)', path.read_text()):
-            for section in re.findall(r'"([^"]+)"', group):
-                cited.setdefault(section, set()).add(path.name)
-    assert cited, "no citation found: the pattern is stale"
-    missing = {section: sorted(files) for section, files in cited.items() if section not in headings}
-    assert not missing, f"sections cited but not in docs/design.md: {missing}"
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """``(line, text)`` of what a file says to its readers: all of a Markdown file, a YAML file's
+    comments, a Python file's comments and string literals (docstrings, messages)."""
+    text = path.read_text()
+    if path.suffix == ".md":
+        return list(enumerate(text.splitlines(), 1))
+    if path.suffix in (".yaml", ".yml"):
+        return [(n, line[line.index("#"):]) for n, line in enumerate(text.splitlines(), 1) if "#" in line]
+    tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+    return [(tok.start[0], tok.string) for tok in tokens if tok.type in (tokenize.COMMENT, tokenize.STRING)]
+
+
+def history_lines(paths) -> list[str]:
+    """``path:line: text`` of every line of ``paths`` that tells the project's history (``HISTORY``)."""
+    found = []
+    for path in paths:
+        for line, text in _prose(path):
+            for offset, part in enumerate(text.splitlines()):
+                if HISTORY.search(part):
+                    found.append(f"{path}:{line + offset}: {part.strip()}")
+    return found
+
+
+def _documentation() -> list[Path]:
+    """The README, docs/, tests/README.md, the configs and the package's sources (and the scripts and
+    workflows users run); CHANGELOG.md is the history and is not among them."""
+    root = REPO_ROOT
+    return [root / "README.md", root / "tests" / "README.md", *sorted((root / "docs").rglob("*.md")),
+            *sorted((root / "configs").glob("*.yaml")),
+            *(path for folder in ("asyncrl", "scripts", "workflows") for path in sorted((root / folder).rglob("*.py")))]
+
+
+def test_the_docs_say_what_the_product_is_not_how_it_got_here():
+    found = history_lines(_documentation())
+    assert not found, "history belongs in CHANGELOG.md or the commit message:\n" + "\n".join(found)
+
+
+def test_a_history_line_put_back_is_caught(tmp_path):
+    (tmp_path / "guide.md").write_text("# Guide\n\nThe plan counts it since the third pass (issue 44).\n")
+    (tmp_path / "recipe.yaml").write_text("# Seed 002's job on a v6e-8\nmodel: {path: x}  # session 9\nname: issue 3\n")
+    (tmp_path / "module.py").write_text('"""Calibrated in the fourth pass."""\nx = "issue 12"  # fine here\nissue_7 = 1\n')
+    found = history_lines(sorted(tmp_path.iterdir()))
+    assert [f.split(": ", 1)[0].rsplit("/", 1)[1] for f in found] == [
+        "guide.md:3", "module.py:1", "module.py:2", "recipe.yaml:1", "recipe.yaml:2"], found
+    assert history_lines([tmp_path / "guide.md"]) == [f"{tmp_path / 'guide.md'}:3: The plan counts it since the third pass (issue 44)."]
+    assert not (REPO_ROOT / "CHANGELOG.md") in _documentation()
+
+
+def test_the_performance_guide_stays_a_guide():
+    """docs/performance.md says how to measure, profile and plan; measured figures go to docs/benchmarks.md."""
+    lines = (REPO_ROOT / "docs" / "performance.md").read_text().count("\n")
+    assert lines <= 600, f"docs/performance.md has {lines} lines (at most 600): move results to docs/benchmarks.md"
+
+
+CITATION = re.compile(r'(?:(?<![`\w/])docs/(\w+)\.md|`docs/(\w+)\.md`),? \(?((?:"[^"\n]+"(?:, )?)+)')
+"""``docs/<file>.md "Section"`` (also with a comma, in parentheses, or several sections): how the
+code and the docs cite a section. A path inside an inline code span (`` `docs/x.md "Section"` ``)
+is an example, not a citation."""
+
+
+def _headings(doc: Path) -> list[str]:
+    text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.S | re.M)
+    return re.findall(r"^#+ (.+)$", text, re.M)
+
+
+def _names(heading: str, cited: str) -> bool:
+    """A citation names a heading by its whole text or by the part before its colon or parenthesis."""
+    return heading == cited or heading.startswith((cited + ":", cited + " ("))
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces as ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def test_sections_cited_by_name_exist():
+    """Code and docs cite sections as ``docs/<file>.md "Section"`` and link them as ``file.md#anchor``;
+    each names a heading of that file."""
+    sources = [*(path for folder in ("asyncrl", "scripts", "workflows") for path in (REPO_ROOT / folder).rglob("*.py")),
+               REPO_ROOT / "README.md", REPO_ROOT / "tests" / "README.md", *(REPO_ROOT / "docs").rglob("*.md"),
+               *(REPO_ROOT / "configs").glob("*.yaml")]
+    missing, cited = [], 0
+    for path in sources:
+        text = path.read_text().replace('\\"', '"')  # a citation inside a Python string: \"Section\"
+        for match in CITATION.finditer(text):
+            doc = REPO_ROOT / "docs" / f"{match.group(1) or match.group(2)}.md"
+            for section in re.findall(r'"([^"]+)"', match.group(3)):
+                cited += 1
+                if not doc.is_file() or not any(_names(h, section) for h in _headings(doc)):
+                    missing.append(f"{path.relative_to(REPO_ROOT)}: {doc.name} \"{section}\"")
+        if path.suffix == ".md":
+            for name, anchor in re.findall(r"\]\((\w+)\.md#([\w-]+)\)", text):
+                cited += 1
+                doc = REPO_ROOT / "docs" / f"{name}.md"
+                if not doc.is_file() or anchor not in {_slug(h) for h in _headings(doc)}:
+                    missing.append(f"{path.relative_to(REPO_ROOT)}: {name}.md#{anchor}")
+    assert cited > 20, "hardly any citation found: the pattern is stale"
+    assert not missing, f"sections cited but not headings of the file cited: {missing}"
 
 
 def test_the_accelerator_extras_the_readme_names_install_jax_plugins():

@@ -132,8 +132,8 @@ def vocab_parallel_head(hidden: jax.Array, weight: jax.Array, vocab_dim: int, me
     log-softmax's per-position maxima and sums and the hidden states' cotangent. Returns
     ``(hidden, weight, constrain_logits)``. Why: the parameter layout splits the hidden
     dimension, and with rows split over the same devices (the layout splash attention's
-    ``shard_map`` pins) XLA formed the whole ``[V, H]`` float32 gradient on every device at each
-    lm-head chunk and all-reduced it (1.8 GiB per chip for Qwen3-1.7B; issue 46). Unchanged
+    ``shard_map`` pins) XLA would form the whole ``[V, H]`` float32 gradient on every device at each
+    lm-head chunk and all-reduce it (1.8 GiB per chip for Qwen3-1.7B on a v6e-8). Unchanged
     (identity) without a mesh or where the vocabulary does not divide."""
     unchanged = hidden, weight, lambda logits: logits
     if mesh is None or head_vocab_shards(mesh.shape, weight.shape[vocab_dim]) == 1:

@@ -5,7 +5,7 @@ jitted train step: about 1.6 GB for ``bench-40m`` at 32 x 80 tokens) with ``mall
 frees it when the execution ends. glibc serves a block that large with its own ``mmap`` and
 returns it with ``munmap``: every step maps fresh pages, and the kernel zero-fills each on its
 first touch. Measured with ``getrusage`` around ``Trainer.step``, alone and inside the loop
-alike: about 450,000 minor page faults per step, 1.7 GB of zeroing (docs/performance.md).
+alike: about 450,000 minor page faults per step, 1.7 GB of zeroing (docs/performance.md "Host memory on CPU").
 
 :func:`keep_freed_host_memory` tells glibc (``mallopt``) to serve every thread from one arena
 (``M_ARENA_MAX`` 1: a thread arena is at most 64 MB, so a larger block would be mapped
@@ -13,7 +13,7 @@ anyway), never to map blocks of their own (``M_MMAP_MAX`` 0) and never to give t
 heap back (``M_TRIM_THRESHOLD``): a freed scratch buffer stays mapped and the next step reuses
 its pages: the same step then takes 7,000 to 20,000 page faults. The price is memory: freed
 blocks stay in the heap, where fragmentation grows the peak (bench-40m's trainer process: 2.96
-GB without, 4.42 GB with; ``scripts/bench.py train`` shapes, whole-process A/B in docs/performance.md).
+GB without, 4.42 GB with; ``scripts/bench.py train`` shapes, whole-process A/B in docs/benchmarks.md).
 So it is opt-in: ``run.keep_host_memory: true``.
 
 It must run before JAX starts its thread pools (a thread keeps the arena it first allocated

@@ -1,5 +1,5 @@
 """``model.remat_policy: auto`` and ``model.logprob_chunk_size: auto`` chosen for a target by
-``asyncrl plan --target`` (issue 46): the cheapest setting whose XLA peak fits the device.
+``asyncrl plan --target``: the cheapest setting whose XLA peak fits the device.
 
 Cheapest means least recomputation: ``remat_policy: save_dots`` (the backward recomputes norms,
 rope, attention and activations) before ``full`` (the whole layer), and the largest lm-head
@@ -34,7 +34,7 @@ from asyncrl.config import Config
 SMALLEST_CHUNK = 32
 """The smallest lm-head chunk ``auto`` tries (positions)."""
 PLAN_TOLERANCE = 0.10
-"""How far the plan's formulas may be from XLA's figures (docs/performance.md's calibration table):
+"""How far the plan's formulas may be from XLA's figures (docs/benchmarks.md's calibration table):
 a candidate whose formula total exceeds the budget by more is not compiled."""
 
 

@@ -381,7 +381,7 @@ def _tpu_relaid_table(model_cfg: Any, mesh: Any, backend: str, trained_in_a_loop
     Not all of what XLA copies into that loop: it also relays the layers' kernels whose per-device
     minor dimension is 144 (``o_proj [1024, 144]``, ``down_proj [6912, 144]``) with their moments
     (604 MiB padded), and copies some aligned ones, while the plan's other lines are above XLA's
-    for that step by about as much (docs/performance.md, "the fourth pass"). Extrapolated, not
+    for that step by about as much (docs/performance.md "The formulas against XLA"). Extrapolated, not
     compiled: ``sgd`` (the table alone) and other vocabularies and widths."""
     from asyncrl.model.sharding import head_vocab_shards, partition_spec
 

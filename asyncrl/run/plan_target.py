@@ -298,7 +298,7 @@ def compile_and_print(config: str, overrides: Sequence[str], target_name: str, d
         from asyncrl.run.plan import _plan_auto_slots
 
         cfg = _plan_auto_slots(cfg, device_memory_bytes(target), count, hosts, target.platform)
-    from asyncrl.run.plan_auto import resolve_for_target  # model.remat_policy / logprob_chunk_size: auto (issue 46)
+    from asyncrl.run.plan_auto import resolve_for_target  # model.remat_policy / logprob_chunk_size: auto
     from asyncrl.run.plan_formulas import plan_config
 
     try:

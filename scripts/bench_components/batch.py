@@ -3,7 +3,7 @@
 Batch: 8 groups x 4 trajectories x ~96 tokens (32 prompt + up to 64 generated), the shape
 of the ``tiny`` reference runs. The per-trajectory schema check (run in rollout threads, not
 on the trainer's path) is timed too. The share is against the ~0.1 s tiny training step
-measured on this machine (../shared/README.md); the target is < 1 %.
+of a 2-core CPU; the target is < 1 %.
 
     python scripts/bench.py batch [--groups 8 --group-size 4 --reps 200]
 """

@@ -1,4 +1,4 @@
-"""Rollouts on a GPU against the memory floor (issue 39): one command, one JSON line per part.
+"""Rollouts on a GPU against the memory floor: one command, one JSON line per part.
 
     python scripts/bench.py gpu --model-config configs/models/qwen2.5-0.5b/config.json
     python scripts/bench.py gpu --quick          # a tiny shape of the same layout (CPU, seconds)

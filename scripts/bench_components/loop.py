@@ -15,7 +15,7 @@ Fields: ``shape`` (rows, length of the trained batch); per mode ``train_s`` (``p
 ``minflt``, ``nvcsw``, ``nivcsw``, ``user_s``, ``sys_s``; ``loop.other_threads_cpu_s`` (CPU of
 every thread but XLA's and the main one during a loop step: the engine, rollouts, rewards,
 trackers); ``loop_over_bench_train`` and ``loop_over_alone`` (ratios of ``train_s``) and
-``target`` (issue 32: the loop's train time at most 1.1 x ``bench.py train``'s step at the same
+``target`` (the loop's train time at most 1.1 x ``bench.py train``'s step at the same
 shape). Compare the page faults with ``run.keep_host_memory`` (``--keep-host-memory``).
 """
 

@@ -20,7 +20,7 @@ where an unpacked step sends only its completions' window through the lm head an
 every position.
 
 Usage: python scripts/bench.py pack [--models tiny] [--rows 64] [--batches 4] [--rounds 2]
-       [--bucket 64] [--data ../shared/data/gsm8k] [--prompt-tokens 0]
+       [--bucket 64] [--data $ASYNCRL_SHARED_DATA/gsm8k] [--prompt-tokens 0]
 """
 
 from __future__ import annotations

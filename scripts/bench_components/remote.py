@@ -13,7 +13,7 @@
   pause + load + continue + check on every server) with 1 and 2 servers, idle; ``write_weights_s``:
   the export alone.
 
-``--publish-only`` (issue 32's cheaper publish; one ``asyncrl serve`` subprocess, idle):
+``--publish-only`` (the cheaper publishes of docs/remote.md; one ``asyncrl serve`` subprocess, idle):
 
 * ``full_publish_s``: median wall time of ``update_weights`` (write every tensor in bfloat16, then
   pause + load + continue + check) with every tensor changed, as a full-weight run's publish;
@@ -23,7 +23,7 @@
   ``lora_bytes``; ``lora_first_publish_s``: the first one, which writes the base too.
 * ``*_write_s`` / ``*_server_load_s``: the two halves of each (the trainer's write; pause + the
   server's read and install + continue).
-* ``lora_over_full``: the ratio (issue 32's target: at most 0.1).
+* ``lora_over_full``: the ratio (target: at most 0.1).
 * ``server_bytes_read``: what the server read on the last full and LoRA loads (its
   ``/get_server_info``).
 

@@ -3,7 +3,7 @@ the train step compiled for a compile-only H100 runs cuDNN's flash attention wit
 mask operand, and for a v6e-8 splash attention (a Mosaic kernel), each with less XLA memory
 than ``model.attention: xla`` in the same run. Skipped unless jax's CUDA plugin / libtpu are
 importable (the aot venvs of tests/README.md: ``JAX_PLATFORMS=cpu ~/.cache/asyncrl-aot-cuda/bin/python -m pytest ...``).
-The recipes' own figures (the 0.5B recipe on h100, Qwen3-1.7B fsdp 8 on v6e-8) are docs/performance.md's."""
+The recipes' own figures (the 0.5B recipe on h100, Qwen3-1.7B fsdp 8 on v6e-8) are docs/benchmarks.md's."""
 
 from __future__ import annotations
 

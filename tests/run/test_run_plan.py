@@ -385,8 +385,8 @@ def test_the_packed_step_compiles_for_plan_xla(capsys):
 # --------------------------------------------------------------------------- against XLA for the targets
 
 # XLA's per-device peaks (arguments + outputs - aliased + temporaries) of the programs compiled for the
-# target on this CPU (jax 0.10.2, jax-cuda13-plugin 0.10.2, libtpu 0.0.42.1), docs/performance.md "The
-# formulas against XLA": (config, overrides, devices, backend, train step bytes, the largest decode chunk's
+# target on this CPU (jax 0.10.2, jax-cuda13-plugin 0.10.2, libtpu 0.0.42.1), docs/benchmarks.md "The
+# plan's formulas against XLA": (config, overrides, devices, backend, train step bytes, the largest decode chunk's
 # bytes: on the h100 the 512-position attention bucket's, as `asyncrl plan --target h100` prints it in GiB).
 XLA_PEAKS = [
     pytest.param("gsm8k_grpo_qwen2.5_0.5b.yaml", ["model.path=qwen2.5-0.5b-instruct"], 1, "gpu", 15319305794,
