@@ -38,7 +38,7 @@ from asyncrl.engine.jax_programs import (
     prefill_insert_jit,
     snapshot,
 )
-from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
+from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, RequestUsage, StopReason
 from asyncrl.errors import EngineCrashed
 from asyncrl.model.attention import KernelTarget
 
@@ -76,6 +76,7 @@ class _Pending:
         self.submitted = time.monotonic()
         self.deadline = deadline
         self.samples = [_Sample() for _ in range(request.n)]
+        self.usage = RequestUsage()  # this request's share of the engine's counters
 
     def response(self) -> list[GenerationResponse]:
         return [
@@ -85,6 +86,7 @@ class _Pending:
                 versions=np.asarray(s.versions, dtype=np.int32),
                 stop_reason=s.stop_reason or "aborted",
                 score=s.score,
+                usage=self.usage,
             )
             for s in self.samples
         ]
@@ -246,6 +248,7 @@ class EngineScheduler:
     def _finish(self, pending: _Pending) -> None:
         self._running.discard(pending)
         self._stats.requests += 1
+        pending.usage.requests += 1
         pending.future.set_result(pending.response())
 
     def _end_sample(self, pending: _Pending, j: int, reason: StopReason) -> None:
@@ -253,6 +256,7 @@ class EngineScheduler:
         sample.stop_reason = reason
         if reason == "aborted":
             self._stats.aborted += 1
+            pending.usage.samples_aborted += 1
         if sample.slot is not None:
             self._slot_owner[sample.slot] = None
             self._controls.active[sample.slot] = False
@@ -386,6 +390,7 @@ class EngineScheduler:
                 pending.samples[j].slot = slot
                 self._start_slot(slot, request, pending.stop_ids, int(prompt[-1]))
             self._stats.prefill_tokens += context
+            pending.usage.prefill_tokens += context
         self._stats.prefill_calls += 1
         self._state = prefill_insert_jit(self.graphdef, self._serving, self._state, plan, self._root_key, self._layout,
                                          self.kernel)
@@ -454,6 +459,7 @@ class EngineScheduler:
             owner = self._slot_owner[slot]
             assert owner is not None, f"active slot {slot} has no owner"
             pending, j = owner
+            pending.usage.decode_tokens += int(emitted[slot].sum())
             self._consume(pending, j, slot, tokens[slot], logprobs[slot], emitted[slot], version)
         finished = time.monotonic()
         self._freed = int(np.sum(active & ~c.active))

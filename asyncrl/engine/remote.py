@@ -60,7 +60,7 @@ from pydantic import ValidationError
 
 from asyncrl.config import RemoteEngineConfig
 from asyncrl.engine import sglang_protocol as sp
-from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, StopReason
+from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, RequestUsage, StopReason
 from asyncrl.engine.publish import ADAPTERS_DIR
 from asyncrl.engine.remote_server import RemoteEngineError, RemoteEngineStartupError, RemoteServer, ServerUnavailable
 from asyncrl.errors import EngineClosed, EngineRequestError
@@ -289,10 +289,14 @@ class RemoteEngine:
             out.update(server.metrics())
         return out
 
-    def _count(self, name: str, value: float = 1) -> None:
-        """Add ``value`` to the :class:`RemoteStats` field ``name`` (an unknown name is an error)."""
+    def _count(self, name: str, value: float = 1, usage: Optional[RequestUsage] = None) -> None:
+        """Add ``value`` to the :class:`RemoteStats` field ``name`` (an unknown name is an error), and
+        to the request's ``usage`` where the field is one of its counters."""
         with self._stats_lock:
             setattr(self._stats, name, getattr(self._stats, name) + value)
+        field = _USAGE_FIELDS.get(name)
+        if usage is not None and field is not None:
+            setattr(usage, field, getattr(usage, field) + int(value))
 
     def _check_servers(self) -> None:
         """Ask every server for its model and weights version; one try each, so an unreachable
@@ -424,6 +428,7 @@ class RemoteEngine:
     def _run(self, request: GenerationRequest) -> list[GenerationResponse]:
         deadline = None if request.timeout_s is None else time.monotonic() + request.timeout_s
         samples = [_Sample() for _ in range(request.n)]
+        usage = RequestUsage()
         server: Optional[RemoteServer] = None
         while True:
             todo = [i for i, s in enumerate(samples) if s.stop_reason is None]
@@ -434,28 +439,28 @@ class RemoteEngine:
             if deadline is not None and time.monotonic() > deadline:
                 for i in todo:
                     samples[i].stop_reason = "aborted"
-                    self._count("aborted", 1)
+                    self._count("aborted", 1, usage)
                 break
             server = self._acquire(server)
             try:
-                self._segment(server, request, samples, todo, deadline)
+                self._segment(server, request, samples, todo, deadline, usage)
             except ServerUnavailable as err:
                 self._mark_unhealthy(server, str(err))
                 self._count("retries", 1)
                 logger.warning("remote engine: resubmitting %d sample(s) elsewhere: %s", len(todo), err)
             finally:
                 self._release(server)
-        self._count("requests", 1)
+        self._count("requests", 1, usage)
         return [
             GenerationResponse(
                 output_ids=np.asarray(s.tokens, np.int32), logprobs=np.asarray(s.logprobs, np.float32),
-                versions=np.asarray(s.versions, np.int32), stop_reason=s.stop_reason or "aborted",
+                versions=np.asarray(s.versions, np.int32), stop_reason=s.stop_reason or "aborted", usage=usage,
             )
             for s in samples
         ]
 
     def _segment(self, server: RemoteServer, request: GenerationRequest, samples: list[_Sample], todo: list[int],
-                 deadline: Optional[float]) -> None:
+                 deadline: Optional[float], usage: RequestUsage) -> None:
         """One ``/generate`` call for the unfinished samples ``todo``; appends what came back."""
         adapter = self._adapter
         body = self._body(request, samples, todo, adapter)
@@ -475,7 +480,7 @@ class RemoteEngine:
             if adapter is None and self._ran_on_bare_base(item):
                 item = _discarded(item)  # no tokens, finish abort: resubmitted under the adapter
             version = self._segment_version(server, item, submitted_version) if adapter is None else adapter[1]
-            self._append(request, samples[i], item, version, server)
+            self._append(request, samples[i], item, version, server, usage)
 
     def _body(self, request: GenerationRequest, samples: list[_Sample], todo: list[int],
               adapter: Optional[tuple[str, int]] = None) -> sp.GenerateReqInput:
@@ -524,7 +529,8 @@ class RemoteEngine:
             )
         return version if self.settings.pause_mode == "abort" else submitted
 
-    def _append(self, request: GenerationRequest, sample: _Sample, item: sp.GenerateItem, version: int, server: RemoteServer) -> None:
+    def _append(self, request: GenerationRequest, sample: _Sample, item: sp.GenerateItem, version: int, server: RemoteServer,
+                usage: RequestUsage) -> None:
         meta = item.meta_info
         tokens = [int(t) for t in item.output_ids]
         logprobs = meta.output_token_logprobs
@@ -535,7 +541,7 @@ class RemoteEngine:
         sample.logprobs += [float(lp[0]) for lp in logprobs]
         sample.versions += [version] * len(tokens)
         server.record_tokens(len(tokens))
-        self._count("tokens", len(tokens))
+        self._count("tokens", len(tokens), usage)
         if _cut_at_stop_sequence(sample, request, start):
             return
         kind = meta.finish_reason.type if meta.finish_reason is not None else "abort"
@@ -545,9 +551,13 @@ class RemoteEngine:
             sample.stop_reason = "length"
         elif sample.segments >= self.settings.max_segments:
             sample.stop_reason = "aborted"
-            self._count("aborted", 1)
+            self._count("aborted", 1, usage)
         else:
             self._count("resubmits", 1)  # cut by a pause: resubmitted with its tokens so far
+
+
+_USAGE_FIELDS = {"requests": "requests", "aborted": "samples_aborted", "tokens": "decode_tokens"}
+"""The :class:`RemoteStats` fields a request's :class:`~asyncrl.engine.protocol.RequestUsage` mirrors."""
 
 
 def _discarded(item: sp.GenerateItem) -> sp.GenerateItem:

@@ -49,6 +49,10 @@ class EvalResult:
     ``eval/episode/<name>``, ``eval/n_prompts``, ``eval/skipped``, ``eval/aborted``, ``eval/version``, ``eval/time_s``."""
     rows: list[dict]
     """Per prompt: prompt, greedy completion, reward and components."""
+    engine_usage: dict[str, float] = dataclasses.field(default_factory=dict)
+    """What the eval's requests cost the engine, under its counter names (``engine/requests``,
+    ``engine/prefill_tokens``, ...: :class:`~asyncrl.engine.protocol.RequestUsage`); empty where the
+    engine does not count per request."""
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -87,6 +91,25 @@ class EvalEngine:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._greedy_cache: dict[tuple, Future] = {}
+        self._usage_lock = threading.Lock()  # apart: a callback may run inside submit, under self._lock
+        self.usage: dict[str, float] = {}
+        """The summed :class:`~asyncrl.engine.protocol.RequestUsage` of the requests sent to the engine (each once)."""
+
+    def _tally(self, done: Future) -> None:
+        """Add a finished engine request's usage (a callback of the engine's own future)."""
+        if done.exception() is not None:
+            return
+        responses = done.result()
+        usage = responses[0].usage if responses else None
+        if usage is not None:
+            with self._usage_lock:
+                for name, value in usage.counters().items():
+                    self.usage[name] = self.usage.get(name, 0.0) + value
+
+    def _send(self, request: GenerationRequest) -> Future:
+        future = self.engine.submit(request)
+        future.add_done_callback(self._tally)
+        return future
 
     @property
     def version(self) -> int:
@@ -109,7 +132,7 @@ class EvalEngine:
     def submit(self, request: GenerationRequest) -> "Future[list[GenerationResponse]]":
         rewritten = self.rewrite(request)
         if not self.greedy:
-            return self.engine.submit(rewritten)
+            return self._send(rewritten)
         key = (tuple(int(t) for t in rewritten.prompt_ids), rewritten.max_new_tokens, rewritten.min_new_tokens,
                None if rewritten.stop_token_ids is None else tuple(rewritten.stop_token_ids),
                tuple(tuple(seq) for seq in rewritten.stop_sequences),
@@ -117,7 +140,7 @@ class EvalEngine:
         with self._lock:
             inner = self._greedy_cache.get(key)
             if inner is None:
-                inner = self._greedy_cache[key] = self.engine.submit(rewritten)
+                inner = self._greedy_cache[key] = self._send(rewritten)
         outer: Future = Future()
 
         def repeat(done: Future) -> None:
@@ -349,7 +372,9 @@ def evaluate_workflow(engine: InferenceEngine, workflow: Any, samples: Sequence[
     if engine.version != version:
         raise EvalError(f"eval: weights were published during eval (version {version} -> {engine.version})")
     metrics["eval/time_s"] = time.perf_counter() - start
-    return EvalResult(metrics=metrics, rows=rows)
+    usage = {name: greedy.usage.get(name, 0.0) + sampling.usage.get(name, 0.0)
+             for name in {*greedy.usage, *sampling.usage}}
+    return EvalResult(metrics=metrics, rows=rows, engine_usage=usage)
 
 
 def _greedy_metrics(rows: list[dict], trajs: list, threshold: float) -> dict[str, float]:

@@ -174,6 +174,9 @@ class Run:
         self.engine_counter_base: dict[str, float] = dict(resumed.state.get("engine_counters", {})) if resumed else {}
         """The engine counters of the run before the resume: the new engine counts from zero."""
         self.engine_counters = dict(self.engine_counter_base)
+        self.eval_usage: dict[str, float] = {}
+        """The engine work of the evals since the last counter read (their requests' own usage): a
+        checkpoint adds it to the counters it keeps, since a resume does not redo those evals."""
         self.generated_before = self.engine_counter_base.get("engine/decode_tokens", 0.0)
         self.last_checkpoint: Optional[Path] = None
         self.last_checkpoint_version = -1
@@ -313,6 +316,7 @@ class Run:
         if self.engine is None:
             return {}  # a process other than 0: no engine, no metrics of its own in the logs
         engine_metrics = self.engine.metrics()
+        self.eval_usage = {}  # counted in the engine's own counters from here on
         for name in ENGINE_COUNTERS:
             if name in engine_metrics:
                 engine_metrics[name] += self.engine_counter_base.get(name, 0.0)
@@ -350,6 +354,8 @@ class Run:
         task = stage.task
         assert self.engine is not None, "eval runs on process 0, which holds the engine"
         result = evaluate_workflow(self.engine, stage.workflow, task.eval, stage.cfg, eval_metrics=task.eval_metrics)
+        for name, value in result.engine_usage.items():
+            self.eval_usage[name] = self.eval_usage.get(name, 0.0) + value
         self.final_eval = result.metrics
         tracker.scalars(result.metrics, reduce="last")
 
@@ -385,7 +391,9 @@ class Run:
             state = {
                 "format": RUN_STATE_FORMAT, "version": self.version, "stage_index": stage.index,
                 "stage_step": stage_step, "trainer": trainer.counters(), "final_eval": self.final_eval,
-                "engine_counters": self.engine_counters,
+                # As of the step's publish, plus the evals run since (a resume does not redo them).
+                "engine_counters": {name: value + self.eval_usage.get(name, 0.0)
+                                    for name, value in self.engine_counters.items()},
             }
             if self.hosts.multi:
                 state["process_count"] = self.hosts.count  # recorded; a resume may have another count

@@ -544,6 +544,37 @@ def test_sigint_then_resume_continues_every_engine_counter_exactly(sync_referenc
 # --------------------------------------------------------------------------- stages
 
 
+def test_resume_from_the_end_of_sft_continues_every_engine_counter(tmp_path):
+    """A seeded synchronous SFT-then-RL run with eval, resumed from the checkpoint that ends its SFT
+    stage, gives the uninterrupted run's rows to the bit, engine counters included: that
+    checkpoint's counters are read before the stage's last eval, whose requests a resume does
+    not redo, so it keeps their own usage too (they went missing from every later row)."""
+    stages = {
+        "stages": [
+            {"name": "sft", "type": "sft", "total_steps": 2},
+            {"name": "rl", "type": "rl", "total_steps": 2},
+        ],
+        "sft": {"batch_size": 8},
+        "eval": {"every_steps": 2, "max_prompts": 6},
+        "checkpoint": {"every_steps": 1, "keep": 10},
+    }
+    out = tmp_path / "staged"
+    config = write_config(tmp_path, out, **stages)
+    run_in_process(config)
+    want = read_rows(out)
+    sft_end = next(row for row in want if row["step"] == 2)
+    assert sft_end["stage"] == "sft" and "eval/reward" in sft_end
+    for path in checkpoints_root(out).iterdir():
+        if path.name > step_dir_name(2):
+            shutil.rmtree(path)
+    shutil.rmtree(out / "hf")
+    run_in_process(config, "checkpoint.resume=auto")
+    got = read_rows(out)
+    assert_rows_equal(got, want, also=frozenset(PROCESS_WIDE))
+    # Not vacuous: the evals' requests are among the counted ones (two RL steps alone make 8).
+    assert got[-1]["engine/requests"] > 8
+
+
 @pytest.mark.slow  # 15 s; staged resumes also run in test_resume_changes.py (extending a finished staged run)
 def test_resume_in_the_middle_of_sft_then_rl(tmp_path):
     """Resumes land in the right stage and position; the RL stage's KL reference (its start
