@@ -188,6 +188,73 @@ print("tensor-parallel engines match")
 """
 
 
+COLOCATED_CODE = """
+import io, sys
+import numpy as np, jax
+import jax._src.array as jax_array
+from asyncrl.config import EngineConfig, load_config
+from asyncrl.engine.jax_engine import JaxEngine
+from asyncrl.engine.protocol import GenerationRequest
+from asyncrl.model import load_model
+from asyncrl.model.sharding import shard_params
+from asyncrl.cluster.placement import engine_mesh, resolve_placement
+from asyncrl.run.loop import train
+from asyncrl.trainer import build_mesh
+assert jax.device_count() == 8
+lm = load_model("tiny:kv_heads=4,layers=1", with_tokenizer=False)  # 4 KV heads: tensor-parallel 2
+graphdef, params = lm.split()
+ENGINE = {"slots": 8, "kv_capacity": 48, "decode_chunk": 4, "prefill_buckets": [16]}
+def requests(greedy):
+    return [GenerationRequest(prompt_ids=[int(t) for t in np.random.default_rng(i).integers(6, 28, size=9)], n=2,
+                              greedy=greedy, temperature=1.0, max_new_tokens=12, stop_token_ids=[], sample_id=i)
+            for i in range(3)]
+def samples(engine):
+    return [(r.output_ids.tolist(), r.logprobs) for g in (True, False) for q in requests(g) for r in engine.generate(q)]
+def same(got, want, where):
+    assert [t for t, _ in got] == [t for t, _ in want], where  # greedy and sampled tokens, exactly
+    gap = max(float(np.max(np.abs(a - b))) for (_, a), (_, b) in zip(got, want))
+    assert gap < 1e-5, (where, gap)
+single = JaxEngine(graphdef, params, config=EngineConfig(**ENGINE))
+reference = samples(single)
+single.shutdown()
+host_reads = []
+real_value = jax_array.ArrayImpl._value
+# The default placement on 8 devices: the engine's own mesh over the trainer's devices.
+for tp, mesh_cfg in [(1, {"fsdp": 8}), (2, {"fsdp": 8}), (2, {"data": 4, "fsdp": 2})]:
+    cfg = load_config(data={"mesh": mesh_cfg, "engine": {**ENGINE, "tensor_parallel": tp}, "data": {"max_prompt_tokens": 16},
+                            "rollout": {"max_new_tokens": 16, "group_size": 2}})
+    placement = resolve_placement(cfg)
+    assert placement.colocated and not placement.shares_trainer_arrays and placement.engine_replicas == 8 // tp
+    trainer_params = shard_params(lm.config, params, build_mesh(cfg.mesh, devices=placement.trainer_devices))
+    engine = JaxEngine(graphdef, trainer_params, config=cfg.engine, mesh=engine_mesh(placement))
+    same(samples(engine), reference, (tp, mesh_cfg))
+    k = engine._state.cache.layers[0].k  # [slots, kv_heads, capacity, head_dim]: split by slots and KV heads
+    assert {s.data.shape for s in k.addressable_shards} == {(8 // (8 // tp), 4 // tp, 48, 16)}, (tp, k.sharding)
+    # A publish reshards the trainer's arrays device to device: nothing is read back to the host.
+    jax_array.ArrayImpl._value = property(lambda self: (host_reads.append(self.shape), real_value.fget(self))[1])
+    try:
+        engine.update_weights(trainer_params, 1)
+    finally:
+        jax_array.ArrayImpl._value = real_value
+    same(samples(engine), reference, (tp, mesh_cfg, "after a publish"))
+    engine.shutdown()
+assert host_reads == [], host_reads
+print("colocated engines match")
+out = sys.argv[1]
+BASE = ["stages=[]", "run.total_steps=3", "rollout.max_staleness=0", "eval.every_steps=0", "checkpoint.every_steps=0",
+        "logging.dump_every_steps=0", "rollout.batch_size=4", "model.path=tiny:kv_heads=4,layers=1", "engine.slots=32"]
+def rewards(name, *overrides):
+    cfg = load_config("configs/quickstart.yaml", [*BASE, f"run.output_dir={out}/{name}", *overrides])
+    rows = [h for h in train(cfg, console=io.StringIO()).history if "loss/total" in h]
+    assert len(rows) == 3 and all(r["perf/publish_time"] > 0 for r in rows)
+    return [r["reward/mean"] for r in rows]
+one = rewards("single", "placement.trainer=0:1")
+for name, overrides in [("colocated", ["mesh.fsdp=8"]), ("colocated-tp2", ["mesh.fsdp=8", "engine.tensor_parallel=2"])]:
+    assert rewards(name, *overrides) == one, name
+print("colocated runs match", one)
+"""
+
+
 LOOP_CODE = """
 import io, sys
 import jax
@@ -230,6 +297,17 @@ def _loop(out, steps: int, *layouts: str, engine_tensor_parallel: str = "") -> s
     proc = run_python(code, env={**EIGHT, "ENGINE_TENSOR_PARALLEL": engine_tensor_parallel}, timeout=280, args=args)
     assert "refused: engine.tensor_parallel = 4 does not divide the model's 2 KV heads" in proc.stdout
     return proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_colocated_engine_on_eight_devices_equals_one_device(tmp_path):
+    """The default placement on 8 devices gives the engine its own mesh over the trainer's devices
+    (8 replicas, or 4 replicas x tensor-parallel 2): the one-device engine's greedy and sampled
+    tokens exactly and its log-probs within 1e-5, before and after a publish that reads nothing
+    back to the host; the KV cache split by slots and KV heads; and a seeded synchronous run's
+    rewards equal the one-device run's."""
+    proc = run_python(COLOCATED_CODE, env=EIGHT, timeout=280, args=(str(tmp_path),))
+    assert "colocated engines match" in proc.stdout and "colocated runs match" in proc.stdout
 
 
 @pytest.fixture(scope="module")
