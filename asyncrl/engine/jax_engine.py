@@ -170,7 +170,9 @@ class JaxEngine(EngineScheduler):
         self.capacity = cfg.kv_capacity
         self.chunk = cfg.decode_chunk
         self.buckets = tuple(sorted(b for b in set(cfg.prefill_buckets) if b <= cfg.kv_capacity))
-        self.prefill_rows = min(PREFILL_ROWS, cfg.slots)
+        # PREFILL_ROWS prompts per replica and call: each replica prefills what one device alone would
+        replicas = 1 if mesh is None else int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+        self.prefill_rows = min(PREFILL_ROWS * replicas, cfg.slots)
         # the attention kernels' target: the engine's mesh (fused kernels run per device in a
         # shard_map over it), or its arrays' devices when it has none
         first = jax.tree.leaves(self._shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))[0]

@@ -213,12 +213,60 @@ def _prefill_insert(graphdef, params, state: SlotState, plan: PrefillPlan, root_
     cfg = graphdef_config(graphdef, params)
     small = init_kv_cache(cfg, plan.prompt_ids.shape[0], plan.prompt_ids.shape[1], state.cache.layers[0].k.dtype,
                           state.cache.layout)
+    if layout is not None:  # each replica prefills its own PREFILL_ROWS prompts, as one device does alone
+        rows = layout.cache.valid
+        small = _constrain(small, layout.cache)
+        plan = plan._replace(prompt_ids=jax.lax.with_sharding_constraint(plan.prompt_ids, rows),
+                             prompt_mask=jax.lax.with_sharding_constraint(plan.prompt_mask, rows))
     with _kernel(kernel):
         _, small = hidden_states(graphdef, params, plan.prompt_ids, None, plan.prompt_mask, small, empty_cache=True)
-    cache = kv_cache_copy_rows(state.cache, small, plan.src_rows, plan.dst_rows)
     new_keys = jax.vmap(_slot_key, in_axes=(None, 0, 0, 0))(root_key, plan.sample_id, plan.key_index, plan.turn)
-    keys = state.keys.at[plan.dst_rows].set(new_keys, mode="drop")
-    return _constrain(SlotState(cache, keys), layout)
+    if layout is None:
+        cache = kv_cache_copy_rows(state.cache, small, plan.src_rows, plan.dst_rows)
+        return SlotState(cache, state.keys.at[plan.dst_rows].set(new_keys, mode="drop"))
+    return _insert_on_replicas(state, small, plan.src_rows, plan.dst_rows, new_keys, layout)
+
+
+def _insert_on_replicas(state: SlotState, small: KVCache, src_rows, dst_rows, new_keys, layout: SlotState) -> SlotState:
+    """:func:`kv_cache_copy_rows` (and the slots' new keys) on an engine mesh, per device in a
+    ``shard_map``: each replica writes the destination rows it holds, from the prefilled rows
+    gathered whole (a few prompts), with the destinations shifted to its own rows (the others
+    dropped). A scatter into the slot-split state by global rows is what XLA's partitioner
+    otherwise makes of it: the whole cache gathered on every device at every prefill."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = layout.cache.valid.mesh
+    row_axes = layout.cache.valid.spec[0]
+    replicas = 1
+    for axis in (row_axes if isinstance(row_axes, tuple) else (row_axes,) if row_axes else ()):
+        replicas *= mesh.shape[axis]
+    local = state.cache.valid.shape[0] // replicas
+    whole_rows = lambda spec: P(None, *spec[1:])  # noqa: E731 - the same split but for the rows
+    state_specs = jax.tree.map(lambda sharding: sharding.spec, layout)
+    small_specs = jax.tree.map(lambda spec: whole_rows(spec), state_specs.cache,
+                               is_leaf=lambda x: isinstance(x, P))
+    small = jax.lax.with_sharding_constraint(small, jax.tree.map(lambda spec: NamedSharding(mesh, spec), small_specs,
+                                                                 is_leaf=lambda x: isinstance(x, P)))
+
+    def insert(state: SlotState, small: KVCache, src_rows, dst_rows, new_keys) -> SlotState:
+        first = _replica_index(mesh, row_axes) * local
+        mine = (dst_rows >= first) & (dst_rows < first + local)
+        dst = jnp.where(mine, dst_rows - first, local)  # local rows; others past the end: dropped
+        cache = kv_cache_copy_rows(state.cache, small, src_rows, dst)
+        return SlotState(cache, state.keys.at[dst].set(new_keys, mode="drop"))
+
+    return jax.shard_map(insert, mesh=mesh, in_specs=(state_specs, small_specs, P(), P(), P()), out_specs=state_specs,
+                         check_vma=False)(state, small, src_rows, dst_rows, new_keys)
+
+
+def _replica_index(mesh: Any, row_axes: Any) -> jax.Array:
+    """Inside a ``shard_map``: this device's index along the mesh's row axes (major first)."""
+    axes = row_axes if isinstance(row_axes, tuple) else (row_axes,) if row_axes else ()
+    index = jnp.int32(0)
+    for axis in axes:
+        index = index * mesh.shape[axis] + jax.lax.axis_index(axis)
+    return index
 
 
 def _slot_key(root_key, sample_id, key_index, turn):
@@ -227,7 +275,8 @@ def _slot_key(root_key, sample_id, key_index, turn):
 
 
 PREFILL_ROWS = 2
-"""Prompts per prefill call (fewer are padded with empty rows, more take several calls). One
+"""Prompts per prefill call and device (fewer are padded with empty rows, more take several
+calls; an engine of several replicas prefills this many on each of them at once). One
 fixed row count keeps a prompt's KV and so its log-probs bitwise the same whatever is
 prefilled beside it: XLA:CPU's results for a row change in the last bits with the row count of
 the call (up to 7e-7 in the hidden states), never with the other rows' contents. Two because
