@@ -367,6 +367,26 @@ class RemoteEngineConfig(Section):
         return self
 
 
+class PrefixCacheConfig(Section):
+    """Prefix reuse in the in-process engine and ``asyncrl serve`` (docs/agents.md "Prefix reuse"): the KV of finished samples stays in their slots until the slots are needed, and a request whose prompt begins with KV a slot holds computes only the rest."""
+
+    enabled: bool = True
+    """Reuse kept prefixes; false: every request prefills its whole prompt (bit for bit the engine without reuse)."""
+    min_tokens: int = Field(default=64, ge=1)
+    """The shortest part of a prompt worth reusing; a prompt whose whole context a slot holds (a group's requests) is always reused. Below it the prompt is prefilled whole, so prompts that share only a chat template's system part keep their own prefill."""
+    across_versions: bool = False
+    """Also reuse KV computed with older weights (after a publish); the tokens a request then generates carry the oldest version among the KV they attend to, so staleness accounting stays exact. False: a publish makes every kept prefix stale, as SGLang's cache flush at a weight update does."""
+    extend_buckets: list[int] = Field(default_factory=lambda: [32, 128])
+    """Token counts the prefill of a prompt's rest (after its reused prefix) is compiled for, besides ``engine.prefill_buckets``; a rest uses the smallest that holds it."""
+
+    @field_validator("extend_buckets")
+    @classmethod
+    def _check_buckets(cls, value: list[int]) -> list[int]:
+        if not value or min(value) < 1:
+            raise ValueError(f"engine.prefix_cache.extend_buckets: at least one bucket, all >= 1 (given {value})")
+        return value
+
+
 class EngineConfig(Section):
     """The JAX inference engine: batch slots, KV cache, and the shapes it compiles for."""
 
@@ -390,6 +410,8 @@ class EngineConfig(Section):
     """Size classes of the KV cache a decode chunk attends over: the capacity halved ``attention_buckets - 1`` times (multiples of 16); each chunk attends over the smallest class that holds its active slots' contexts, one compiled decode program per class. 1: always the whole ``kv_capacity``."""
     decode_inner_steps: Union[int, Literal["auto"]] = "auto"
     """Decode steps per iteration of a chunk's device loop (unrolled in the compiled program): the chunk's early exit (a slot finished and a refill fits) is tested once every this many steps, so a finished slot idles at most this many steps minus one before it can be refilled, and the program is about this many times larger to compile. On a GPU the host reads the loop's exit test, so it is in the loop once per this many tokens. ``auto``: 8 on GPUs, 1 on the CPU and TPUs (their loops run without the host)."""
+    prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
+    """Reuse of kept prompt prefixes (KV computed once for a group's trajectories, an episode's turns and an agent's calls)."""
     remote: Optional[RemoteEngineConfig] = None
     """Generate on inference servers instead of in-process (the fields above then apply to ``asyncrl serve`` only); null: the in-process JAX engine."""
 

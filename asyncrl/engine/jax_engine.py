@@ -90,6 +90,8 @@ from asyncrl.engine.jax_programs import (
 from asyncrl.engine.jax_scheduler import EngineScheduler, EngineStats, _Pending, _Update
 from asyncrl.engine.layouts import kv_cache_layout, serving_formats
 from asyncrl.engine.platform import resolve_inner_steps, resolve_sampler
+from asyncrl.engine.prefix_cache import PrefixStore
+from asyncrl.engine.prefix_programs import CopyPlan, ExtendPlan, copy_prefix_jit, extend_jit
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
 from asyncrl.model.attention import KernelTarget, device_platform
@@ -193,6 +195,11 @@ class JaxEngine(EngineScheduler):
         self._serving: Any = None
         self._take(params)
         self.attention_buckets = attention_buckets(self.capacity, cfg.attention_buckets)
+        reuse = cfg.prefix_cache
+        self.extend_buckets = tuple(sorted({b for b in [*reuse.extend_buckets, *self.buckets] if b <= cfg.kv_capacity}))
+        self._prefixes = (PrefixStore(cfg.slots, cfg.kv_capacity, replicas, reuse.min_tokens, reuse.across_versions)
+                          if reuse.enabled else None)
+        self._version_floor = [None] * cfg.slots
         if not self.buckets:
             raise EngineRequestError(f"engine.prefill_buckets {cfg.prefill_buckets}: none fits engine.kv_capacity = {cfg.kv_capacity}")
         self._check_stop_ids(self.default_stop_ids, "stop_token_ids (the model's default)")
@@ -353,11 +360,18 @@ class JaxEngine(EngineScheduler):
         return self._crash
 
     def warmup(self) -> int:
-        """Compile every program (each prefill bucket, both decode variants per attention bucket); returns the compile count."""
+        """Compile every program (each prefill bucket, both decode variants per attention bucket, and
+        with a prefix cache its copy and each extension bucket); returns the compile count."""
         for bucket in self.buckets:
             plan = PrefillPlan.empty(self.prefill_rows, bucket, self.slots)  # no destination: the state is unchanged
             self._state = prefill_insert_jit(self.graphdef, self._serving, self._state, plan, self._root_key, self._layout,
                                              self.kernel)
+        if self._prefixes is not None:  # no destination rows either: nothing changes
+            for cross in sorted({False, self._layout is not None and self._prefixes.replicas > 1}):
+                self._state = copy_prefix_jit(self._state, CopyPlan.empty(self.slots), self._root_key, self._layout, cross)
+            for bucket in self.extend_buckets:
+                self._state = extend_jit(self.graphdef, self._serving, self._state,
+                                         ExtendPlan.empty(self.prefill_rows, bucket, self.slots), self._layout, self.kernel)
         idle = idle_controls(self.slots, self.config.max_stop_ids)
         for filtered in (False, True):
             for attend in self.attention_buckets:
@@ -390,6 +404,9 @@ class JaxEngine(EngineScheduler):
             "engine/queue_wait_s": s.queue_wait_s / s.admitted if s.admitted else 0.0,
             "engine/queue_wait_max_s": float(s.queue_wait_max_s),
             "engine/prefill_tokens": float(s.prefill_tokens),
+            "engine/prefix_hit_tokens": float(s.prefix_hit_tokens),
+            "engine/prefix_hit_rate": (s.prefix_hit_tokens / (s.prefix_hit_tokens + s.prefill_tokens)
+                                       if s.prefix_hit_tokens + s.prefill_tokens else 0.0),
             "engine/prefill_s": float(s.prefill_s),
             "engine/prefill_tokens_per_s": s.prefill_tokens / s.prefill_s if s.prefill_s else 0.0,
             "engine/decode_tokens": float(s.decode_tokens),

@@ -74,7 +74,7 @@ def compile_count() -> int:
         return sum(_compiles.values())
 
 
-def _count_trace(name: str) -> None:
+def count_trace(name: str) -> None:
     # Runs only while jax traces (i.e. on a cache miss, right before compiling).
     with _compiles_lock:
         _compiles[name] += 1
@@ -119,7 +119,7 @@ def slot_state_shardings(cfg: Any, slots: int, mesh: Any, layout: str = "bksd") 
     )
 
 
-def _constrain(state: SlotState, layout: Any) -> SlotState:
+def constrain_state(state: SlotState, layout: Any) -> SlotState:
     """``state`` pinned to ``layout`` (:func:`slot_state_shardings`), so every call returns the
     state on the shardings it was given (donation reuses the buffers, no recompiles); with
     ``layout`` None (the engine on the trainer's arrays) the program is left to XLA as before."""
@@ -194,7 +194,7 @@ class PrefillPlan(NamedTuple):
                    np.full((slots,), slots, np.int32), *(np.zeros((slots,), np.uint32) for _ in range(3)))
 
 
-def _kernel(kernel: Optional[KernelTarget]) -> Any:
+def kernel_context(kernel: Optional[KernelTarget]) -> Any:
     """:func:`compiled_for` the engine's devices: its mesh, or their platform and count (no change
     for None: this process's backend)."""
     if kernel is None:
@@ -209,18 +209,18 @@ def _prefill_insert(graphdef, params, state: SlotState, plan: PrefillPlan, root_
     ``layout`` (static): the state's shardings on an engine mesh, or None. ``kernel`` (static): the
     engine's devices as a :class:`~asyncrl.model.attention.KernelTarget` (platform and count),
     whose fused attention kernel the prefill runs (None: this process's default backend)."""
-    _count_trace("prefill_insert")
+    count_trace("prefill_insert")
     cfg = graphdef_config(graphdef, params)
     small = init_kv_cache(cfg, plan.prompt_ids.shape[0], plan.prompt_ids.shape[1], state.cache.layers[0].k.dtype,
                           state.cache.layout)
     if layout is not None:  # each replica prefills its own PREFILL_ROWS prompts, as one device does alone
         rows = layout.cache.valid
-        small = _constrain(small, layout.cache)
+        small = constrain_state(small, layout.cache)
         plan = plan._replace(prompt_ids=jax.lax.with_sharding_constraint(plan.prompt_ids, rows),
                              prompt_mask=jax.lax.with_sharding_constraint(plan.prompt_mask, rows))
-    with _kernel(kernel):
+    with kernel_context(kernel):
         _, small = hidden_states(graphdef, params, plan.prompt_ids, None, plan.prompt_mask, small, empty_cache=True)
-    new_keys = jax.vmap(_slot_key, in_axes=(None, 0, 0, 0))(root_key, plan.sample_id, plan.key_index, plan.turn)
+    new_keys = jax.vmap(slot_key, in_axes=(None, 0, 0, 0))(root_key, plan.sample_id, plan.key_index, plan.turn)
     if layout is None:
         cache = kv_cache_copy_rows(state.cache, small, plan.src_rows, plan.dst_rows)
         return SlotState(cache, state.keys.at[plan.dst_rows].set(new_keys, mode="drop"))
@@ -250,7 +250,7 @@ def _insert_on_replicas(state: SlotState, small: KVCache, src_rows, dst_rows, ne
                                                                  is_leaf=lambda x: isinstance(x, P)))
 
     def insert(state: SlotState, small: KVCache, src_rows, dst_rows, new_keys) -> SlotState:
-        first = _replica_index(mesh, row_axes) * local
+        first = replica_index(mesh, row_axes) * local
         mine = (dst_rows >= first) & (dst_rows < first + local)
         dst = jnp.where(mine, dst_rows - first, local)  # local rows; others past the end: dropped
         cache = kv_cache_copy_rows(state.cache, small, src_rows, dst)
@@ -260,7 +260,7 @@ def _insert_on_replicas(state: SlotState, small: KVCache, src_rows, dst_rows, ne
                          check_vma=False)(state, small, src_rows, dst_rows, new_keys)
 
 
-def _replica_index(mesh: Any, row_axes: Any) -> jax.Array:
+def replica_index(mesh: Any, row_axes: Any) -> jax.Array:
     """Inside a ``shard_map``: this device's index along the mesh's row axes (major first)."""
     axes = row_axes if isinstance(row_axes, tuple) else (row_axes,) if row_axes else ()
     index = jnp.int32(0)
@@ -269,7 +269,7 @@ def _replica_index(mesh: Any, row_axes: Any) -> jax.Array:
     return index
 
 
-def _slot_key(root_key, sample_id, key_index, turn):
+def slot_key(root_key, sample_id, key_index, turn):
     """``fold_in(fold_in(fold_in(root_key, sample_id), key_index), turn)`` (uint32 [2])."""
     return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(root_key, sample_id), key_index), turn)
 
@@ -514,7 +514,7 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
     ``kernel`` (static): the engine's devices, as in :func:`_prefill_insert` (its mesh, when it has
     one, runs the decode attention kernel per device).
     """
-    _count_trace(("decode_chunk_topk_topp" if filtered else "decode_chunk") + ("_trie" if tries is not None else "")
+    count_trace(("decode_chunk_topk_topp" if filtered else "decode_chunk") + ("_trie" if tries is not None else "")
                  + (f"_{sampler}" if sampler != "inverse_cdf" else "") + (f"_attend{attend}" if attend else ""))
     slots = controls.active.shape[0]
     vocab = params["embed_tokens"]["embedding"].shape[0]
@@ -589,10 +589,10 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
 
     # The engine's devices pick the decode attention's path (asyncrl.model.decode_attention): on a
     # mesh the kernel runs per device in a shard_map.
-    with _kernel(kernel):
+    with kernel_context(kernel):
         out = jax.lax.while_loop(more, body, init)
     cache = cache_put_prefix(state.cache, out.cache) if bucketed else out.cache
-    return (_constrain(SlotState(cache, state.keys), layout), out.tokens[:, :steps], out.logprobs[:, :steps],
+    return (constrain_state(SlotState(cache, state.keys), layout), out.tokens[:, :steps], out.logprobs[:, :steps],
             out.emitted[:, :steps])
 
 
@@ -630,14 +630,14 @@ def _beam_search(graphdef, params, prompt_ids, prompt_mask, last_token, stop_voc
     ``k`` best that do not end. It stops when no live beam is left. With ``2k`` >= all
     extensions of ``k`` beams that hold every prefix (small vocabulary or trie) this is exhaustive.
     """
-    _count_trace("beam_search")
+    count_trace("beam_search")
     cfg = graphdef_config(graphdef, params)
     vocab = params["embed_tokens"]["embedding"].shape[0]
     rows = jnp.arange(k)
     cache = init_kv_cache(cfg, k, capacity, layout=cache_layout)
     ids = jnp.broadcast_to(prompt_ids[None], (k, prompt_ids.shape[0]))
     mask = jnp.broadcast_to(prompt_mask[None], ids.shape)
-    with _kernel(kernel):  # the prompt's prefill: the engine's platform's attention kernel
+    with kernel_context(kernel):  # the prompt's prefill: the engine's platform's attention kernel
         _, cache = hidden_states(graphdef, params, ids, None, mask, cache, empty_cache=True)
     table, root = (None, None) if tries is None else tries
 

@@ -38,6 +38,8 @@ from asyncrl.engine.jax_programs import (
     prefill_insert_jit,
     snapshot,
 )
+from asyncrl.engine.prefix_cache import Admission, AdmissionRound, PrefixStore
+from asyncrl.engine.prefix_programs import COPY_ROWS, CopyPlan, ExtendPlan, copy_prefix_jit, extend_jit
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, RequestUsage, StopReason
 from asyncrl.errors import EngineCrashed
 from asyncrl.model.attention import KernelTarget
@@ -115,7 +117,8 @@ class EngineStats:
     queue_wait_s: float = 0.0  # summed wait from submit to admission
     queue_wait_max_s: float = 0.0
     prefill_calls: int = 0  # prefill-insert program calls
-    prefill_tokens: int = 0  # prompt tokens prefilled
+    prefill_tokens: int = 0  # prompt tokens prefilled (computed: a reused prefix's are not)
+    prefix_hit_tokens: int = 0  # prompt tokens whose KV was reused from a kept prefix
     prefill_s: float = 0.0
     decode_steps: int = 0  # decode steps (every slot advances one token per step)
     decode_tokens: int = 0  # tokens emitted by decode steps
@@ -128,6 +131,11 @@ class EngineStats:
     swaps: int = 0  # weight versions installed
     swap_s: float = 0.0  # summed install latency (publish to installed)
     swap_max_s: float = 0.0
+
+
+def _key_parts(request: GenerationRequest, j: int) -> tuple[int, int, int]:
+    """``(sample_id, turn, index_in_group + j)`` of sample ``j``'s key, as uint32 values."""
+    return request.sample_id % 2**32, request.turn % 2**32, (request.index_in_group + j) % 2**32
 
 
 class EngineScheduler:
@@ -154,6 +162,9 @@ class EngineScheduler:
     _state: Any
     _controls: SlotControls
     _slot_owner: list[Optional[tuple[_Pending, int]]]
+    _prefixes: Optional[PrefixStore]  # what each slot's KV holds (engine.prefix_cache), or None: no reuse
+    _version_floor: list[Optional[int]]  # per slot: the oldest weights version its reused prefix was computed with
+    extend_buckets: tuple[int, ...]  # token counts the extension after a kept prefix is compiled for
     _tries: TriePool
     _trie_tables: Any
     _cond: threading.Condition
@@ -260,6 +271,8 @@ class EngineScheduler:
         if sample.slot is not None:
             self._slot_owner[sample.slot] = None
             self._controls.active[sample.slot] = False
+            if self._prefixes is not None:
+                self._prefixes.keep(sample.slot)
             sample.slot = None
         if all(s.stop_reason is not None for s in pending.samples):
             self._finish(pending)
@@ -283,15 +296,18 @@ class EngineScheduler:
         """Move waiting requests (in order) into free slots while the next one fits, and prefill
         them, ``PREFILL_ROWS`` prompts of one bucket per program call, so the weights are read
         once per call rather than once per request. Requests that arrive while the calls are
-        dispatched are taken too (clients of a burst submit a moment apart)."""
+        dispatched are taken too (clients of a burst submit a moment apart). With
+        ``engine.prefix_cache`` a request that begins with KV a slot holds starts from it
+        (:meth:`_reuse`)."""
         self._run_beams()
         started = time.monotonic()
         any_admitted = False
         while admitted := self._take_waiting():
             any_admitted = True
             taken_at = time.monotonic()  # a request taken on a later pass may have arrived after `started`
+            fresh = [(pending, list(admission.slots)) for pending, admission in admitted if admission.fresh]
             by_bucket: dict[int, list[tuple[_Pending, list[int]]]] = {}
-            for pending, rows in admitted:
+            for pending, rows in fresh:
                 context = len(pending.request.prompt_ids) - 1  # the last prompt token is fed by the first decode step
                 bucket = next(b for b in self.buckets if b >= max(context, 1))
                 by_bucket.setdefault(bucket, []).append((pending, rows))
@@ -299,6 +315,9 @@ class EngineScheduler:
                 group = by_bucket[bucket]
                 for first in range(0, len(group), self.prefill_rows):
                     self._prefill(bucket, group[first : first + self.prefill_rows], taken_at)
+            reusing = [(pending, admission) for pending, admission in admitted if not admission.fresh]
+            if reusing:
+                self._reuse(reusing, taken_at)
         if any_admitted:
             # Prefills run asynchronously: wait for them here so that their device time counts
             # as prefill_s, not as the next chunk's decode_s (engine/decode_ms_per_step).
@@ -351,18 +370,29 @@ class EngineScheduler:
                 sample.stop_reason = "eos" if n and sample.tokens[-1] in pending.stop_set else "length"
         self._finish(pending)
 
-    def _take_waiting(self) -> list[tuple[_Pending, list[int]]]:
+    def _take_waiting(self) -> list[tuple[_Pending, Admission]]:
         """Pop waiting requests in order while the next one fits in the free slots; each with
-        the slots it will fill (not yet owned: :meth:`_prefill` takes them)."""
-        admitted: list[tuple[_Pending, list[int]]] = []
+        where it goes (:class:`~asyncrl.engine.prefix_cache.Admission`: its slots, not yet owned,
+        and with a prefix cache the kept prefix it starts from)."""
+        admitted: list[tuple[_Pending, Admission]] = []
         free = self._free_slots()
+        round_ = AdmissionRound(self._prefixes, free, self._version) if self._prefixes is not None else None
         with self._cond:
-            while self._waiting and self._waiting[0].request.n <= len(free) and not self._waiting[0].request.beam:
+            while self._waiting and not self._waiting[0].request.beam:
+                request = self._waiting[0].request
+                if round_ is None:
+                    if request.n > len(free):
+                        break
+                    admission = Admission(tuple(free[: request.n]))
+                    free = free[request.n:]
+                else:
+                    taken = round_.take(np.asarray(request.prompt_ids[:-1], np.int32), request.n)
+                    if taken is None:
+                        break
+                    admission = taken
                 pending = self._waiting.popleft()
                 self._running.add(pending)
-                n = pending.request.n
-                admitted.append((pending, free[:n]))
-                free = free[n:]
+                admitted.append((pending, admission))
         return admitted
 
     def _prefill(self, bucket: int, group: list[tuple[_Pending, list[int]]], admitted_at: float) -> None:
@@ -373,27 +403,105 @@ class EngineScheduler:
         k = 0  # destinations filled so far
         for row, (pending, slots) in enumerate(group):
             request = pending.request
-            wait = admitted_at - pending.submitted
-            self._stats.admitted += 1
-            self._stats.queue_wait_s += wait
-            self._stats.queue_wait_max_s = max(self._stats.queue_wait_max_s, wait)
+            self._note_admitted(pending, admitted_at)
             prompt = np.asarray(request.prompt_ids, np.int32)
             context = len(prompt) - 1
             plan.prompt_ids[row, :context] = prompt[:context]
             plan.prompt_mask[row, :context] = True
             for j, slot in enumerate(slots):
                 plan.src_rows[k], plan.dst_rows[k] = row, slot
-                plan.sample_id[k], plan.turn[k] = request.sample_id % 2**32, request.turn % 2**32
-                plan.key_index[k] = (request.index_in_group + j) % 2**32
+                plan.sample_id[k], plan.turn[k], plan.key_index[k] = _key_parts(request, j)
                 k += 1
-                self._slot_owner[slot] = (pending, j)
-                pending.samples[j].slot = slot
-                self._start_slot(slot, request, pending.stop_ids, int(prompt[-1]))
+                self._own(pending, j, slot)
             self._stats.prefill_tokens += context
             pending.usage.prefill_tokens += context
         self._stats.prefill_calls += 1
         self._state = prefill_insert_jit(self.graphdef, self._serving, self._state, plan, self._root_key, self._layout,
                                          self.kernel)
+
+    def _note_admitted(self, pending: _Pending, admitted_at: float) -> None:
+        wait = admitted_at - pending.submitted
+        self._stats.admitted += 1
+        self._stats.queue_wait_s += wait
+        self._stats.queue_wait_max_s = max(self._stats.queue_wait_max_s, wait)
+
+    def _own(self, pending: _Pending, j: int, slot: int, floor: Optional[int] = None) -> None:
+        """Slot ``slot`` runs sample ``j`` of ``pending`` (its context prefilled: the first decode step
+        feeds the last prompt token); ``floor``: the oldest weights version of a reused prefix its
+        tokens attend to, when older than the served one (``engine.prefix_cache.across_versions``)."""
+        self._slot_owner[slot] = (pending, j)
+        pending.samples[j].slot = slot
+        self._version_floor[slot] = floor
+        self._start_slot(slot, pending.request, pending.stop_ids, int(pending.request.prompt_ids[-1]))
+
+    def _reuse(self, admitted: list[tuple[_Pending, Admission]], admitted_at: float) -> None:
+        """Start requests from kept prefixes (:mod:`asyncrl.engine.prefix_cache`): each takes its
+        source's first positions into its first slot (a copy, or in place), prefills the rest of its
+        context after them there, then copies the whole context to its other slots
+        (:mod:`asyncrl.engine.prefix_programs`)."""
+        store = self._prefixes
+        assert store is not None
+        first_copies, extends, later_copies = [], [], []
+        for pending, admission in admitted:
+            request = pending.request
+            self._note_admitted(pending, admitted_at)
+            context = np.asarray(request.prompt_ids[:-1], np.int32)
+            first, length = admission.slots[0], admission.length
+            first_copies.append((admission.source, first, length, request, 0))
+            if length < len(context):
+                extends.append((first, context[length:]))
+            for j, slot in enumerate(admission.slots[1:], start=1):
+                later_copies.append((first, slot, len(context), request, j))
+            floor = store.version_floor(first, length) if store.across_versions else None
+            floor = floor if floor is not None and floor < self._version else None
+            for j, slot in enumerate(admission.slots):
+                self._own(pending, j, slot, floor)
+            self._stats.prefill_tokens += len(context) - length
+            self._stats.prefix_hit_tokens += length
+            pending.usage.prefill_tokens += len(context) - length
+            pending.usage.prefix_hit_tokens += length
+        self._copy(first_copies)
+        self._extend(extends)
+        self._copy(later_copies)
+
+    def _copy(self, copies: list) -> None:
+        """Copy-prefix calls for ``(source, destination, length, request, sample index)`` entries."""
+        store = self._prefixes
+        assert store is not None
+        for first in range(0, len(copies), COPY_ROWS):
+            plan = CopyPlan.empty(self.slots)
+            cross = False
+            for k, (src, dst, length, request, j) in enumerate(copies[first : first + COPY_ROWS]):
+                plan.src_rows[k], plan.dst_rows[k], plan.lengths[k] = src, dst, length
+                plan.sample_id[k], plan.turn[k], plan.key_index[k] = _key_parts(request, j)
+                cross = cross or store.replica_of(src) != store.replica_of(dst)
+            self._stats.prefill_calls += 1
+            self._state = copy_prefix_jit(self._state, plan, self._root_key, self._layout, cross and self._layout is not None)
+
+    def _extend(self, extends: list[tuple[int, np.ndarray]]) -> None:
+        """Extend calls for ``(slot, tokens after its kept prefix)`` entries: by bucket, each replica's
+        rows from its own slots (``prefill_rows`` per call, as fresh prefills)."""
+        store = self._prefixes
+        assert store is not None
+        per_replica = self.prefill_rows // store.replicas
+        by_bucket: dict[int, list[list[tuple[int, np.ndarray]]]] = {}
+        for slot, tokens in extends:
+            bucket = next(b for b in self.extend_buckets if b >= len(tokens))
+            by_bucket.setdefault(bucket, [[] for _ in range(store.replicas)])[store.replica_of(slot)].append((slot, tokens))
+        for bucket, queues in sorted(by_bucket.items()):
+            while any(queues):
+                plan = ExtendPlan.empty(self.prefill_rows, bucket, self.slots)
+                for replica, queue in enumerate(queues):
+                    for k in range(per_replica):
+                        if not queue:
+                            break
+                        slot, tokens = queue.pop(0)
+                        row = replica * per_replica + k
+                        plan.rows[row] = slot
+                        plan.token_ids[row, : len(tokens)] = tokens
+                        plan.token_mask[row, : len(tokens)] = True
+                self._stats.prefill_calls += 1
+                self._state = extend_jit(self.graphdef, self._serving, self._state, plan, self._layout, self.kernel)
 
     def _start_slot(self, slot: int, request: GenerationRequest, stop_ids: tuple[int, ...], last_token: int) -> None:
         """Set a freshly prefilled slot's controls from its request."""
@@ -460,7 +568,11 @@ class EngineScheduler:
             assert owner is not None, f"active slot {slot} has no owner"
             pending, j = owner
             pending.usage.decode_tokens += int(emitted[slot].sum())
+            sample, fed = pending.samples[j], int(c.last_token[slot])
+            before = len(sample.tokens)
             self._consume(pending, j, slot, tokens[slot], logprobs[slot], emitted[slot], version)
+            if self._prefixes is not None and len(sample.tokens) > before:  # its steps fed its last token, then its new ones but the newest
+                self._prefixes.fed(slot, [fed, *sample.tokens[before:-1]], version)
         finished = time.monotonic()
         self._freed = int(np.sum(active & ~c.active))
         self._step_s = (finished - started) / max(steps, 1)
@@ -492,6 +604,9 @@ class EngineScheduler:
         request = pending.request
         sample = pending.samples[j]
         trie = request.constraint
+        floor = self._version_floor[slot]
+        if floor is not None:  # it attends to a kept prefix of older weights (engine.prefix_cache.across_versions)
+            version = min(version, floor)
         for t in np.flatnonzero(emitted):
             token = int(tokens[t])
             sample.tokens.append(token)

@@ -110,19 +110,21 @@ class GenerationRequest:
 class RequestUsage:
     """What one request cost the engine, in the units of its cumulative counters
     (``engine/requests``, ``engine/samples_aborted``, ``engine/prefill_tokens``,
-    ``engine/decode_tokens``): the request's own share of them, so that a caller can account for
+    ``engine/prefix_hit_tokens``, ``engine/decode_tokens``): the request's own share of them, so that a caller can account for
     its requests apart from others that ran beside them (eval's, which a resumed run does not redo,
     asyncrl/run/run_state.py). Filled in as the engine works; final once the request is done."""
 
     requests: int = 0
     samples_aborted: int = 0
     prefill_tokens: int = 0
+    prefix_hit_tokens: int = 0
     decode_tokens: int = 0
 
     def counters(self) -> dict[str, float]:
         """This usage under the engine's counter names."""
         return {"engine/requests": float(self.requests), "engine/samples_aborted": float(self.samples_aborted),
-                "engine/prefill_tokens": float(self.prefill_tokens), "engine/decode_tokens": float(self.decode_tokens)}
+                "engine/prefill_tokens": float(self.prefill_tokens), "engine/prefix_hit_tokens": float(self.prefix_hit_tokens),
+                "engine/decode_tokens": float(self.decode_tokens)}
 
 
 @dataclasses.dataclass(frozen=True)

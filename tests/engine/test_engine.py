@@ -203,9 +203,13 @@ def test_compile_count_constant_on_second_pass(engine):
     assert engine.metrics()["engine/compiles"] == after_first
 
 
-def test_requests_admitted_together_are_prefilled_together(engine):
+def test_requests_admitted_together_are_prefilled_together(tiny_split):
     """Requests waiting at one chunk boundary are prefilled two prompts of one bucket per call,
-    and each draws exactly the tokens and log-probs (bitwise) it draws when prefilled alone."""
+    and each draws exactly the tokens and log-probs (bitwise) it draws when prefilled alone
+    (prefix reuse off: with it the second round would copy the first round's kept prompts)."""
+    lm, graphdef, params = tiny_split
+    cfg = CFG.model_copy(update={"prefix_cache": CFG.prefix_cache.model_copy(update={"enabled": False})})
+    engine = JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=cfg, seed=1)
     requests = [
         GenerationRequest(prompt_ids=prompt_of(400 + i, 3 + 4 * i), n=1 + i % 2, temperature=1.0, max_new_tokens=12,
                           stop_token_ids=[], sample_id=500 + i, index_in_group=i)
@@ -221,6 +225,7 @@ def test_requests_admitted_together_are_prefilled_together(engine):
         for a, b in zip(a_samples, b_samples):
             np.testing.assert_array_equal(a.output_ids, b.output_ids)
             np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    engine.shutdown()
 
 
 # --------------------------------------------------------------------------- weights
