@@ -441,12 +441,13 @@ class EngineScheduler:
         (:mod:`asyncrl.engine.prefix_programs`)."""
         store = self._prefixes
         assert store is not None
-        first_copies, extends, later_copies = [], [], []
+        stages: dict[int, tuple[list, list, list]] = {}  # stage -> (first copies, extensions, copies to other slots)
         for pending, admission in admitted:
             request = pending.request
             self._note_admitted(pending, admitted_at)
             context = np.asarray(request.prompt_ids[:-1], np.int32)
             first, length = admission.slots[0], admission.length
+            first_copies, extends, later_copies = stages.setdefault(admission.stage, ([], [], []))
             first_copies.append((admission.source, first, length, request, 0))
             if length < len(context):
                 extends.append((first, context[length:]))
@@ -460,9 +461,11 @@ class EngineScheduler:
             self._stats.prefix_hit_tokens += length
             pending.usage.prefill_tokens += len(context) - length
             pending.usage.prefix_hit_tokens += length
-        self._copy(first_copies)
-        self._extend(extends)
-        self._copy(later_copies)
+        for stage in sorted(stages):  # a stage's sources are complete once the stages before it ran
+            first_copies, extends, later_copies = stages[stage]
+            self._copy(first_copies)
+            self._extend(extends)
+            self._copy(later_copies)
 
     def _copy(self, copies: list) -> None:
         """Copy-prefix calls for ``(source, destination, length, request, sample index)`` entries."""

@@ -158,6 +158,8 @@ class Admission:
     slots: tuple[int, ...]
     source: Optional[int] = None
     length: int = 0
+    stage: int = 0
+    """When it runs in its round: after the requests of earlier stages (its source is one of them)."""
 
     @property
     def fresh(self) -> bool:
@@ -165,13 +167,13 @@ class Admission:
 
 
 class AdmissionRound:
-    """The requests admitted together between two decode chunks. Fresh prefills run first, then
-    the copies from kept prefixes, the extensions and the copies to a request's other slots
-    (:meth:`~asyncrl.engine.jax_engine.JaxEngine._admit`), so within a round:
+    """The requests admitted together between two decode chunks. Fresh prefills run first; then,
+    stage by stage, the copies from kept prefixes, the extensions and the copies to a request's
+    other slots (:meth:`~asyncrl.engine.jax_scheduler.EngineScheduler._reuse`), so within a round:
 
-    * a request may start from a fresh request of the same round (its slots hold that context
-      once the fresh prefills ran), or from one that reuses a whole kept context in place, but not
-      from another reusing one (built later in the round);
+    * a request may start from any slot, one that another request of the round fills included:
+      from a fresh one (complete once the fresh prefills ran) in the first stage, from a reusing
+      one in the stage after that one's;
     * a slot read by a copy is never a destination of the round (a fresh prefill would overwrite
       it first); such a request waits for the next round rather than go without a slot.
     """
@@ -180,14 +182,14 @@ class AdmissionRound:
         self.store, self.version = store, version
         self.free = list(free)
         self.protected: set[int] = set()  # sources of this round's copies
-        self.building: set[int] = set()  # slots of this round's reusing requests: no source before the round ends
+        self.ready_after: dict[int, int] = {}  # a slot this round fills -> the stage after which it is complete (-1: before any)
 
     def take(self, context: np.ndarray, n: int) -> Optional[Admission]:
         """Plan a request of ``n`` samples whose context (its prompt but the last token) is
         ``context``; None when it does not fit in the slots left (it waits for the next round).
         Records in the store what its slots will hold."""
         store = self.store
-        match = store.match(context, self.version, exclude=sorted(self.building))
+        match = store.match(context, self.version)
         admission = None
         if match is not None:
             src, length = match.slot, match.length
@@ -198,7 +200,7 @@ class AdmissionRound:
             else:
                 slots = store.destinations(n, self.free, self.protected | {src}, replica)
             if len(slots) == n:
-                admission = Admission(tuple(slots), src, length)
+                admission = Admission(tuple(slots), src, length, self.ready_after.get(src, -1) + 1)
         if admission is None:  # no reuse, or no room for it: a fresh prefill if that fits
             slots = store.destinations(n, self.free, self.protected)
             if len(slots) < n:
@@ -210,14 +212,16 @@ class AdmissionRound:
         if admission.fresh:
             for slot in admission.slots:
                 store.start(slot, context, self.version)
-        else:
-            self.protected.add(admission.source)  # type: ignore[arg-type]
-            # A whole context reused in place is complete from the round's start (its copy keeps what
-            # it holds): later requests of the round may start from it; other slots fill in later.
-            whole_in_place = admission.source == first and admission.length == len(context)
-            self.building.update(admission.slots[1:] if whole_in_place else admission.slots)
-            store.copy(admission.source, first, admission.length)  # type: ignore[arg-type]
-            store.start(first, context, self.version, start=admission.length)
-            for slot in admission.slots[1:]:
-                store.copy(first, slot, len(context))
+                self.ready_after[slot] = -1
+            return admission
+        self.protected.add(admission.source)  # type: ignore[arg-type]
+        store.copy(admission.source, first, admission.length)  # type: ignore[arg-type]
+        store.start(first, context, self.version, start=admission.length)
+        for slot in admission.slots[1:]:
+            store.copy(first, slot, len(context))
+        # A whole context reused in place is complete from the round's start (its copy keeps what it
+        # holds); the others once their stage has run.
+        whole_in_place = admission.source == first and admission.length == len(context)
+        for slot in admission.slots:
+            self.ready_after[slot] = -1 if whole_in_place and slot == first else admission.stage
         return admission

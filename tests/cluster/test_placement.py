@@ -203,31 +203,45 @@ from asyncrl.trainer import build_mesh
 assert jax.device_count() == 8
 lm = load_model("tiny:kv_heads=4,layers=1", with_tokenizer=False)  # 4 KV heads: tensor-parallel 2
 graphdef, params = lm.split()
-ENGINE = {"slots": 8, "kv_capacity": 48, "decode_chunk": 4, "prefill_buckets": [16]}
+ENGINE = {"slots": 8, "kv_capacity": 48, "decode_chunk": 4, "prefill_buckets": [16, 32]}
 def requests(greedy):
     return [GenerationRequest(prompt_ids=[int(t) for t in np.random.default_rng(i).integers(6, 28, size=9)], n=2,
                               greedy=greedy, temperature=1.0, max_new_tokens=12, stop_token_ids=[], sample_id=i)
             for i in range(3)]
+def turns(engine, greedy):
+    # An episode's turns (each prompt extends the last), then a group of n = 1 requests on the last:
+    # with prefix reuse (on by default) they copy kept prefixes between slots, across replicas too.
+    out, prompt = [], requests(greedy)[0].prompt_ids
+    for turn in range(3):
+        (r,) = engine.generate(GenerationRequest(prompt_ids=prompt, greedy=greedy, temperature=1.0, max_new_tokens=6,
+                                                 stop_token_ids=[], sample_id=9, turn=turn))
+        out.append(r)
+        prompt = prompt + r.output_ids.tolist() + [7, 8]
+    group = [engine.submit(GenerationRequest(prompt_ids=prompt, greedy=greedy, temperature=1.0, max_new_tokens=6,
+                                             stop_token_ids=[], sample_id=10, index_in_group=i)) for i in range(6)]
+    return out + [f.result()[0] for f in group]
 def samples(engine):
-    return [(r.output_ids.tolist(), r.logprobs) for g in (True, False) for q in requests(g) for r in engine.generate(q)]
+    plain = [r for g in (True, False) for q in requests(g) for r in engine.generate(q)]
+    return [(r.output_ids.tolist(), r.logprobs) for r in plain + turns(engine, True) + turns(engine, False)]
 def same(got, want, where):
     assert [t for t, _ in got] == [t for t, _ in want], where  # greedy and sampled tokens, exactly
     gap = max(float(np.max(np.abs(a - b))) for (_, a), (_, b) in zip(got, want))
     assert gap < 1e-5, (where, gap)
-single = JaxEngine(graphdef, params, config=EngineConfig(**ENGINE))
-reference = samples(single)
+single = JaxEngine(graphdef, params, config=EngineConfig(**ENGINE, prefix_cache={"enabled": False}))
+reference = samples(single)  # one device, every prompt prefilled whole
 single.shutdown()
 host_reads = []
 real_value = jax_array.ArrayImpl._value
 # The default placement on 8 devices: the engine's own mesh over the trainer's devices.
 for tp, mesh_cfg in [(1, {"fsdp": 8}), (2, {"fsdp": 8}), (2, {"data": 4, "fsdp": 2})]:
-    cfg = load_config(data={"mesh": mesh_cfg, "engine": {**ENGINE, "tensor_parallel": tp}, "data": {"max_prompt_tokens": 16},
-                            "rollout": {"max_new_tokens": 16, "group_size": 2}})
+    cfg = load_config(data={"mesh": mesh_cfg, "engine": {**ENGINE, "tensor_parallel": tp, "prefix_cache": {"min_tokens": 4}},
+                            "data": {"max_prompt_tokens": 16}, "rollout": {"max_new_tokens": 16, "group_size": 2}})
     placement = resolve_placement(cfg)
     assert placement.colocated and not placement.shares_trainer_arrays and placement.engine_replicas == 8 // tp
     trainer_params = shard_params(lm.config, params, build_mesh(cfg.mesh, devices=placement.trainer_devices))
     engine = JaxEngine(graphdef, trainer_params, config=cfg.engine, mesh=engine_mesh(placement))
     same(samples(engine), reference, (tp, mesh_cfg))
+    assert engine.metrics()["engine/prefix_hit_tokens"] > 0, "no prefix was reused"
     k = engine._state.cache.layers[0].k  # [slots, kv_heads, capacity, head_dim]: split by slots and KV heads
     assert {s.data.shape for s in k.addressable_shards} == {(8 // (8 // tp), 4 // tp, 48, 16)}, (tp, k.sharding)
     # A publish reshards the trainer's arrays device to device: nothing is read back to the host.
