@@ -3,8 +3,8 @@ controls, and the jitted programs that prefill and decode (module-level jits, sh
 engine with the same model shapes).
 
 The model is run only through its own forward (:mod:`asyncrl.model.transformer`: the
-KV-cache protocol, :class:`~asyncrl.model.transformer.KVCache` and
-:func:`~asyncrl.model.transformer.kv_cache_copy_rows`); this module adds scheduling state
+KV-cache protocol, :class:`~asyncrl.model.kv_cache.KVCache` and
+:func:`~asyncrl.model.kv_cache.kv_cache_copy_rows`); this module adds scheduling state
 and sampling, nothing of the network.
 
 Compiled programs
@@ -54,15 +54,8 @@ import numpy as np
 
 from asyncrl.engine.constraints import TrieTables, allowed_tokens, is_leaf_node, next_nodes
 from asyncrl.model.attention import KernelTarget, compiled_for
-from asyncrl.model.transformer import (
-    KVCache,
-    LayerKV,
-    forward,
-    hidden_states,
-    init_kv_cache,
-    kv_cache_copy_rows,
-    positions_slice,
-)
+from asyncrl.model.kv_cache import KVCache, LayerKV, init_kv_cache, kv_cache_copy_rows, positions_slice
+from asyncrl.model.transformer import forward, hidden_states
 
 _compiles: collections.Counter = collections.Counter()
 _compiles_lock = threading.Lock()

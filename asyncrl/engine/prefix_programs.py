@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.engine.jax_programs import SlotState, constrain_state, count_trace, kernel_context, replica_index, slot_key
-from asyncrl.model.transformer import KVCache, LayerKV, hidden_states
+from asyncrl.model.kv_cache import KVCache, LayerKV
+from asyncrl.model.transformer import hidden_states
 
 COPY_ROWS = 8
 """Copies per call (fewer are padded with entries that write nothing, more take several calls)."""

@@ -53,21 +53,11 @@ set), ``tiny-qwen3`` (on disk, cached: Qwen3-shaped with a BPE tokenizer trained
 
 from asyncrl.model.config import DecoderConfig, from_hf_config, to_hf_config
 from asyncrl.model.hf import LoadedModel, export_hf
+from asyncrl.model.kv_cache import KVCache, init_kv_cache, kv_cache_clear_rows, kv_cache_copy_rows
 from asyncrl.model.loading import load_model
 from asyncrl.model.logprobs import per_token_logprobs, per_token_logprobs_jit, token_logprobs_from_logits
 from asyncrl.model.tiny import TINY_ALPHABET, bench_40m_config, build_tiny_tokenizer, ensure_tiny
-from asyncrl.model.transformer import (
-    Decoder,
-    KVCache,
-    forward,
-    forward_jit,
-    hidden_states,
-    init_decoder,
-    init_kv_cache,
-    kv_cache_clear_rows,
-    kv_cache_copy_rows,
-    split_params,
-)
+from asyncrl.model.transformer import Decoder, forward, forward_jit, hidden_states, init_decoder, split_params
 
 __all__ = [
     "DecoderConfig",

@@ -47,9 +47,12 @@ import jax
 import jax.numpy as jnp
 
 from asyncrl.model.blocks import sliding_window_mask
+from asyncrl.model.decode_attention import kernel_block, pallas_decode_attention
+from asyncrl.model.kv_cache import LayerKV
 
 log = logging.getLogger(__name__)
 
+_MASKED = -1e30  # finite, so fully masked rows (pads) give uniform weights, never NaN
 _SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _SPLASH_BLOCK = 128  # the splash kernel's lane width: sequence blocks are multiples of it
 _CUDNN_MAX_HEAD_DIM = 128  # cuDNN flash attention's head_dim limit before Hopper (256 from Hopper on)
@@ -168,11 +171,18 @@ def _fallback(why: str) -> str:
 
 
 def attention_kernel(choice: str, dtype: Any, head_dim: int, *, packed: bool = False, window: Optional[int] = None,
-                     target: Optional[KernelTarget] = None) -> str:
-    """The kernel of ``model.attention`` (``choice``) for ``dtype`` activations: ``reference``,
-    ``xla``, ``cudnn`` or ``splash``. ``auto``: cuDNN on CUDA GPUs with bfloat16/float16 compute,
-    splash on TPUs, XLA's on the CPU (and wherever the kernel cannot take the model: one log line
-    says why). An explicit ``cudnn`` or ``splash`` is checked, not second-guessed."""
+                     target: Optional[KernelTarget] = None, decode: bool = False) -> str:
+    """The one switch: the kernel of ``model.attention`` (``choice``) for ``dtype`` activations on the
+    platform compiled for. Several new tokens: ``reference``, ``xla``, ``cudnn`` or ``splash``;
+    ``auto`` is cuDNN on CUDA GPUs with bfloat16/float16 compute, splash on TPUs, XLA's on the CPU
+    (and wherever the kernel cannot take the model: one log line says why); an explicit ``cudnn``
+    or ``splash`` is checked, not second-guessed. One new token over a cache (``decode``):
+    ``pallas`` (the GPU decode kernel, :mod:`asyncrl.model.decode_attention`, on CUDA lowerings; the
+    einsum path on others) unless ``choice`` is ``xla`` or ``reference``, which decode by einsum
+    everywhere (``einsum``). TPUs decode by einsum over their positions-first cache: a paged
+    kernel (``ragged_paged_attention``) needs a paged cache the engine does not keep."""
+    if decode:
+        return "einsum" if choice in ("xla", "reference") else "pallas"
     target = target or current_target()
     dtype = jnp.dtype(dtype)
     if choice == "cudnn" and dtype not in _SIXTEEN_BIT:
@@ -314,3 +324,155 @@ def row_shards_divide(mesh: Any, rows: int) -> bool:
     for axis in _ROW_AXES:
         shards *= mesh.shape.get(axis, 1)
     return rows % shards == 0
+
+
+# --------------------------------------------------------------------------- attention, over a cache or not
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention by einsum: ``q [B, T, heads, D]``, ``k, v [B, S, kv_heads, D]``,
+    ``mask`` bool ``[B, T, S]`` -> ``[B, T, heads, D]``. Scores and softmax in float32; a fully
+    masked query row gets uniform weights (never NaN). The path of one-token calls without a
+    cache and of ``model.attention: reference``; cached decoding uses :func:`cached_attention`."""
+    return einsum_attention(q, k, v, mask, kv_spec="bskd")
+
+
+def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, kv_spec: str,
+                      scale: Optional[float] = None) -> jax.Array:
+    """Grouped-query attention by einsum with keys and values laid out as ``kv_spec`` says:
+    ``bskd`` (``[B, S, kv_heads, D]``) or ``bksd`` (the cache's ``[B, kv_heads, S, D]``); the
+    same float32 scores and softmax, in the same order, either way. Scores scale by ``scale``
+    (None: ``head_dim ** -0.5``)."""
+    b, t, heads, d = q.shape
+    kv_heads = k.shape[kv_spec.index("k")]
+    q = q.reshape(b, t, kv_heads, heads // kv_heads, d)
+    scores = jnp.einsum(f"btkgd,{kv_spec}->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (d**-0.5 if scale is None else scale)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum(f"bkgts,{kv_spec}->btkgd", probs, v).reshape(b, t, heads, d)
+
+
+def cached_attention(q, k, v, mask, cache: LayerKV, write_idx, choice: str,
+                     scale: Optional[float] = None) -> tuple[jax.Array, LayerKV]:
+    """Attention of ``q [B, T, heads, D]`` over a layer's cache after writing the new ``k, v``
+    ``[B, T, kv_heads, D]`` into it at ``write_idx`` int32 [B, T] (indices past the capacity are
+    dropped); ``mask`` bool [B, T, capacity], or a :class:`~asyncrl.model.attention.SelfAttentionMask`
+    when the cache was empty before the call (a prefill: the new tokens attend only among
+    themselves, by the fused kernel where there is one). Returns ``(out [B, T, heads, D], the updated
+    LayerKV)``.
+
+    One new token (a decode step) attends straight on the cache in its layout: by the GPU decode
+    kernel where :func:`attention_kernel` picks it (``bksd``, :func:`_decode_kernel`), else by
+    :func:`einsum_attention` (``bksd``: batch and head dims lead and head_dim is minor, the layout
+    XLA's batched dot wants; ``bskd`` on TPUs: positions-first keys); no transposed copy of the cache
+    is made per step. Several new tokens (prefill into a cache) go through
+    ``model.attention``'s implementation (``choice``) on a transposed view, once per call.
+    """
+    layout = cache.layout
+    if isinstance(mask, SelfAttentionMask):  # an empty cache (prefill): the call's tokens attend among themselves
+        cache_k, cache_v = _scatter(k, v, cache.k, cache.v, write_idx, layout)
+        k, v = k.astype(cache.k.dtype).astype(q.dtype), v.astype(cache.v.dtype).astype(q.dtype)
+        return attend(q, k, v, mask, choice, kv_spec="bskd", scale=scale), LayerKV(cache_k, cache_v, layout)
+    reference = functools.partial(_scatter_and_attend, choice=choice, scale=scale, layout=layout)
+    if q.shape[1] == 1 and layout == "bksd" and attention_kernel(choice, q.dtype, q.shape[-1], decode=True) == "pallas":
+        out, cache_k, cache_v = _decode_kernel(q, k, v, cache.k, cache.v, write_idx[:, 0], mask, scale, reference)
+        return out, LayerKV(cache_k, cache_v, layout)
+    out, cache_k, cache_v = reference(q, k, v, cache.k, cache.v, write_idx, mask)
+    return out, LayerKV(cache_k, cache_v, layout)
+
+
+def _scatter(k, v, cache_k, cache_v, write_idx, layout: str = "bksd") -> tuple[jax.Array, jax.Array]:
+    """The new ``k, v`` ``[B, T, kv_heads, D]`` written into a layer's caches (``layout``) at
+    ``write_idx`` (int32 [B, T], or [B] for one token; indices past the capacity are dropped)."""
+    if write_idx.ndim == 1:
+        write_idx = write_idx[:, None]
+    rows = jnp.arange(write_idx.shape[0])[:, None]
+    # bksd: advanced indices around the head slice, so the indexed block is [B, T, kv_heads, D], as k is.
+    where = (rows, slice(None), write_idx) if layout == "bksd" else (rows, write_idx)
+    cache_k = cache_k.at[where].set(k.astype(cache_k.dtype), mode="drop")
+    cache_v = cache_v.at[where].set(v.astype(cache_v.dtype), mode="drop")
+    return cache_k, cache_v
+
+
+def _scatter_and_attend(q, k, v, cache_k, cache_v, write_idx, mask, choice: str = "reference",
+                        scale: Optional[float] = None, layout: str = "bksd") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`cached_attention` by XLA: the new ``k, v`` scattered into the cache (:func:`_scatter`),
+    then attention over it. Returns ``(out, cache_k, cache_v)``."""
+    cache_k, cache_v = _scatter(k, v, cache_k, cache_v, write_idx, layout)
+    out = attend(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask, choice, kv_spec=layout, scale=scale)
+    return out, cache_k, cache_v
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, choice: str, kv_spec: str,
+            scale: Optional[float] = None) -> jax.Array:
+    """Attention by ``model.attention``'s kernel (``choice``) for several query tokens, by einsum
+    (:func:`einsum_attention`) for one; ``k, v`` laid out as ``kv_spec`` says (``bskd``, or the
+    cache's ``bksd``, which ``jax.nn.dot_product_attention`` gets transposed). ``mask``: a
+    :class:`~asyncrl.model.attention.SelfAttentionMask` (attention among the call's own tokens,
+    ``bskd``), which the fused kernels take as their own mask structure, or a bool ``[B, T, S]``
+    over a cache (the einsum and XLA paths)."""
+    if q.shape[1] == 1:
+        return einsum_attention(q, k, v, mask.dense() if isinstance(mask, SelfAttentionMask) else mask, kv_spec, scale)
+    target = current_target()
+    implementation = attention_kernel(choice, q.dtype, q.shape[-1], target=target)
+    if isinstance(mask, SelfAttentionMask):
+        if implementation == "cudnn":
+            return cudnn_attention(q, k, v, mask, scale, mesh=target.mesh)
+        if implementation == "splash" and row_shards_divide(target.mesh, q.shape[0]):
+            return splash_attention(q, k, v, mask, scale, mesh=target.mesh, interpret=target.platform != "tpu")
+        mask = mask.dense()
+    if implementation == "reference":
+        return einsum_attention(q, k, v, mask, kv_spec, scale)
+    if kv_spec == "bksd":
+        k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
+    # Over a cache (a dense mask) splash has no form; cuDNN takes the mask as its bias.
+    kernel: Any = "cudnn" if implementation == "cudnn" else "xla"
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=kernel)
+
+
+def _decode_kernel(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k: jax.Array, v: jax.Array,
+                   write_pos: jax.Array, mask: jax.Array, scale: Optional[float], reference: Any):
+    """One query token per row: ``q [B, 1, heads, D]`` and its ``k_new, v_new [B, 1, kv_heads, D]``
+    written into a layer's cache ``k, v [B, kv_heads, S, D]`` at ``write_pos`` int32 [B] (dropped
+    past ``S``), then attended under ``mask`` bool ``[B, 1, S]``. Returns ``(out [B, 1, heads, D], k, v)``.
+    ``reference`` (same arguments and result) is the scatter-and-einsum path, which other lowerings
+    than CUDA's take (``jax.lax.platform_dependent`` picks when the program is lowered, so a program
+    compiled for an H100 on a CPU-only machine gets the kernel); ``scale`` None is
+    ``head_dim ** -0.5``. Under a mesh (:func:`compiled_for`: the engine's own) the kernel runs per
+    device in a ``shard_map``, rows over ``data x fsdp`` and KV heads (with their query heads) over
+    ``tensor``: XLA does not partition a Pallas call, it would gather the whole cache around it."""
+    heads, d = q.shape[2], q.shape[3]
+    kv_heads = k.shape[1]
+    if kernel_block(k.shape[2], d) is None or heads % kv_heads:  # a shape the kernel does not take
+        return reference(q, k_new, v_new, k, v, write_pos, mask)
+    scale = d**-0.5 if scale is None else scale
+
+    def kernel(q, k_new, v_new, k, v, write_pos, mask):
+        out, k, v = pallas_decode_attention(q[:, 0], k_new[:, 0], v_new[:, 0], k, v, write_pos, mask[:, 0], scale)
+        return out[:, None], k, v
+
+    mesh = current_target().mesh
+    if mesh is not None and mesh.size > 1:
+        split = _split_specs(mesh, q.shape[0], heads, kv_heads)
+        if split is None:
+            return reference(q, k_new, v_new, k, v, write_pos, mask)
+        tokens, cache, rows, row_mask = split
+        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(tokens, tokens, tokens, cache, cache, rows, row_mask),
+                               out_specs=(tokens, cache, cache), check_vma=False)
+    return jax.lax.platform_dependent(q, k_new, v_new, k, v, write_pos, mask, cuda=kernel, default=reference)
+
+
+def _split_specs(mesh, rows: int, heads: int, kv_heads: int):
+    """The kernel's ``shard_map`` specs on ``mesh``: (the new tokens' ``[B, 1, heads, D]``, the cache's
+    ``[B, kv_heads, S, D]``, the write positions' ``[B]``, the mask's ``[B, 1, S]``); None when the
+    rows or the heads do not split evenly (the einsum path then)."""
+    from jax.sharding import PartitionSpec as P
+
+    replicas = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+    tensor = mesh.shape.get("tensor", 1)
+    if rows % replicas or heads % tensor or kv_heads % tensor:
+        return None
+    row = ("data", "fsdp") if replicas > 1 else None
+    head = "tensor" if tensor > 1 else None
+    return P(row, None, head, None), P(row, head, None, None), P(row), P(row, None, None)

@@ -1,12 +1,10 @@
-"""Attention of one new token per row over a filled KV cache (a decode step), in one kernel on GPUs.
+"""The GPU decode-attention kernel: one new token per row over a filled KV cache (a decode step).
 
-:func:`decode_attention` is the one entry: on a CUDA lowering it is a Pallas kernel
-(:func:`pallas_decode_attention`, lowered through Triton) that computes the scores, the softmax and
-the weighted values of one query token in one kernel, instead of XLA's five (the scores GEMM, two
-softmax reductions, the normalisation, the values GEMM); on every other platform, and for shapes
-the kernel does not take, the einsum path (:func:`asyncrl.model.transformer._einsum_attention`), which
-stays the reference. ``jax.lax.platform_dependent`` picks the path when the program is lowered, so a
-program compiled for an H100 on a CPU-only machine (``asyncrl plan --target``) gets the kernel.
+:func:`pallas_decode_attention` (Pallas, lowered through Triton) computes the scores, the softmax
+and the weighted values of one query token in one kernel, instead of XLA's five (the scores GEMM,
+two softmax reductions, the normalisation, the values GEMM). When it runs is decided in one place,
+:func:`asyncrl.model.attention.cached_attention` (on CUDA lowerings, for the shapes it takes; the
+einsum path, :func:`asyncrl.model.attention.einsum_attention`, everywhere else and as its reference).
 
 The kernel runs one program per (row, KV head): the query heads of the group (padded to 16, the
 smallest ``tl.dot`` tile) against the row's keys and values in blocks of up to 128 cache slots, with
@@ -26,7 +24,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-_MASKED = -1e30  # as asyncrl.model.transformer's: finite, so fully masked rows never give NaN
+_MASKED = -1e30  # as asyncrl.model.attention's: finite, so fully masked rows never give NaN
 _GROUP_TILE = 16  # query heads per program, padded: the smallest dot tile Triton takes
 _BLOCK = 128  # cache slots per step of the kernel's loop (fewer when S is smaller)
 def kernel_block(slots: int, head_dim: int = 64) -> Optional[int]:
@@ -145,53 +143,3 @@ def pallas_decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k:
     )(new, new, new, write_pos[:, None].astype(jnp.int32), new_valid[:, None].astype(jnp.int32), k, v,
       mask.astype(jnp.int32))
     return out.reshape(b, heads, d), k, v
-
-
-def decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k: jax.Array, v: jax.Array,
-                     write_pos: jax.Array, mask: jax.Array, scale: Optional[float], reference, choice: str = "auto"):
-    """One query token per row: ``q [B, 1, heads, D]`` and its ``k_new, v_new [B, 1, kv_heads, D]``
-    written into a layer's cache ``k, v [B, kv_heads, S, D]`` at ``write_pos`` int32 [B] (dropped
-    past ``S``), then attended under ``mask`` bool ``[B, 1, S]``. Returns ``(out [B, 1, heads, D], k, v)``.
-    ``reference`` (same arguments and result) is the scatter-and-einsum path: the CPU's, TPUs', and
-    the kernel's reference; ``scale`` None is ``head_dim ** -0.5``. ``choice`` is ``model.attention``:
-    ``xla`` and ``reference`` take the einsum path everywhere; otherwise the Pallas kernel runs on
-    CUDA lowerings whose ``S`` has a :func:`kernel_block`. Under a mesh
-    (:func:`~asyncrl.model.attention.compiled_for`: the engine's own) the kernel runs per device in a
-    ``shard_map``, rows over ``data x fsdp`` and KV heads (with their query heads) over ``tensor``:
-    XLA does not partition a Pallas call, it would gather the whole cache around it."""
-    from asyncrl.model.attention import current_target
-
-    heads, d = q.shape[2], q.shape[3]
-    kv_heads = k.shape[1]
-    if choice in ("xla", "reference") or kernel_block(k.shape[2], d) is None or heads % kv_heads:
-        return reference(q, k_new, v_new, k, v, write_pos, mask)
-    scale = d**-0.5 if scale is None else scale
-
-    def kernel(q, k_new, v_new, k, v, write_pos, mask):
-        out, k, v = pallas_decode_attention(q[:, 0], k_new[:, 0], v_new[:, 0], k, v, write_pos, mask[:, 0], scale)
-        return out[:, None], k, v
-
-    mesh = current_target().mesh
-    if mesh is not None and mesh.size > 1:
-        split = _split_specs(mesh, q.shape[0], heads, kv_heads)
-        if split is None:
-            return reference(q, k_new, v_new, k, v, write_pos, mask)
-        tokens, cache, rows, row_mask = split
-        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(tokens, tokens, tokens, cache, cache, rows, row_mask),
-                               out_specs=(tokens, cache, cache), check_vma=False)
-    return jax.lax.platform_dependent(q, k_new, v_new, k, v, write_pos, mask, cuda=kernel, default=reference)
-
-
-def _split_specs(mesh, rows: int, heads: int, kv_heads: int):
-    """The kernel's ``shard_map`` specs on ``mesh``: (the new tokens' ``[B, 1, heads, D]``, the cache's
-    ``[B, kv_heads, S, D]``, the write positions' ``[B]``, the mask's ``[B, 1, S]``); None when the
-    rows or the heads do not split evenly (the einsum path then)."""
-    from jax.sharding import PartitionSpec as P
-
-    replicas = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
-    tensor = mesh.shape.get("tensor", 1)
-    if rows % replicas or heads % tensor or kv_heads % tensor:
-        return None
-    row = ("data", "fsdp") if replicas > 1 else None
-    head = "tensor" if tensor > 1 else None
-    return P(row, None, head, None), P(row, head, None, None), P(row), P(row, None, None)

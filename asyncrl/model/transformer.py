@@ -18,173 +18,30 @@ Gemma 3's sliding-window layers narrow that mask to the last ``sliding_window`` 
 (:func:`sliding_window_mask`, the one rule for training, scoring, prefill and decoding) and use
 their own rope base.
 
-KV cache (:class:`KVCache`)
----------------------------
-A fixed-capacity pytree: ``layers``, one :class:`LayerKV` per decoder layer with ``k, v`` in
-the compute dtype and in one of two layouts, chosen per platform by the engine
-(:func:`asyncrl.engine.layouts.kv_cache_layout`; a layer's ``layout`` says which): ``bksd``, ``[B, kv_heads, capacity, head_dim]``
-(heads before slots: a decode step's attention reads each head's keys as one contiguous
-``[capacity, head_dim]`` matrix, which XLA's CPU dot and the GPU decode kernel want), or ``bskd``,
-``[B, capacity, kv_heads, head_dim]`` (positions before heads: a decode step writes one
-``[kv_heads, head_dim]`` tile per row, which XLA's TPU loop wants); ``valid: bool [B, capacity]``
-(which slots hold a real token) and ``write_pos: int32 [B]`` (the slot where each row's
-next token is written). The cache is per layer, not one stacked ``[layers, ...]`` array:
-each layer reads and updates its own arrays in place, so a decode step never slices and
-re-stacks (copies) the whole cache. A call with ``T`` new tokens writes row ``b``'s
-token ``t`` into slot ``write_pos[b] + t`` (slots past the capacity are dropped: the
-caller keeps rows within capacity), marks it valid iff ``attention_mask[b, t]``, and lets
-it attend to the valid slots ``<= write_pos[b] + t``. Afterwards ``write_pos[b]`` moves
-one past row ``b``'s last real token of the call (it stays put when the row had none). So:
-
-* a left-padded prompt ``[pad pad a b c]`` fills slots 0..4 (0, 1 invalid) and the
-  next token goes to slot 5; a right-padded one ``[a b c pad pad]`` fills 0..4 (3, 4
-  invalid) and the next token overwrites slot 3;
-* a row whose mask is all false in a call (an idle engine slot) keeps its valid slots
-  and write position (K/V at and after ``write_pos`` may be overwritten, but those
-  slots are invalid: every valid slot lies before ``write_pos``);
-* positions default to the number of valid slots before the call plus the running
-  count of real tokens in the call (``cumsum(mask) - 1``), so pads never shift the
-  rotary positions; pass ``positions`` only to override.
-
-The continuous-batching engine (:mod:`asyncrl.engine.jax_programs`) keeps one cache of
-``num_slots`` rows and decodes all slots together through :func:`forward` with ``T = 1``
-(``attention_mask[b, 0] = False`` for idle slots). To start requests it prefills their
-prompts into a small cache (one row per request, capacity = the prompts' bucket) with
-:func:`forward` and copies each row into its request's free slots with
-:func:`kv_cache_copy_rows` (``src_rows = [0] * n`` for one request with ``n`` samples):
-the slots get the prefix KV, the same ``valid`` and
-``write_pos``, and everything past the prefix marked invalid. A finished slot needs no
-clearing: the next prefill into it overwrites ``valid`` and ``write_pos`` whole
-(:func:`kv_cache_clear_rows` empties rows for callers that reuse them otherwise).
+KV cache: :mod:`asyncrl.model.kv_cache` (:class:`~asyncrl.model.kv_cache.KVCache`, its slot
+protocol, the layouts). Attention, its kernels and the choice among them:
+:mod:`asyncrl.model.attention` (:func:`~asyncrl.model.attention.cached_attention`,
+:func:`~asyncrl.model.attention.attend`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import itertools
 import math
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from asyncrl.model.attention import (
-    SelfAttentionMask,
-    attention_kernel,
-    cudnn_attention,
-    current_target,
-    row_shards_divide,
-    splash_attention,
-)
+from asyncrl.model.attention import SelfAttentionMask, attend, cached_attention, current_target
 from asyncrl.model.blocks import ACTIVATIONS, dtype_of, linear, normal_init, sliding_window_mask, softcap
 from asyncrl.model.config import DecoderConfig
-from asyncrl.model.decode_attention import decode_attention
+from asyncrl.model.kv_cache import KVCache, LayerKV
 from asyncrl.model.sharding import vocab_parallel_head
-
-_MASKED = -1e30  # finite, so fully masked rows (pads) give uniform weights, never NaN
-
-
-# --------------------------------------------------------------------------- KV cache
-
-
-KV_LAYOUTS = ("bksd", "bskd")
-"""A layer's cache as ``[B, kv_heads, capacity, head_dim]`` or ``[B, capacity, kv_heads, head_dim]``."""
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=["layout"])
-@dataclasses.dataclass(frozen=True)
-class LayerKV:
-    """One decoder layer's keys and values in a :class:`KVCache` (compute dtype)."""
-
-    k: jax.Array  # [B, kv_heads, capacity, head_dim] (bksd) or [B, capacity, kv_heads, head_dim] (bskd)
-    v: jax.Array  # as k
-    layout: str = "bksd"  # static: which of KV_LAYOUTS
-
-
-class KVCache(NamedTuple):
-    """Fixed-capacity KV cache (a pytree); see the module docstring for the protocol."""
-
-    layers: tuple[LayerKV, ...]  # one per decoder layer
-    valid: jax.Array  # bool [B, capacity]: slot holds a real token
-    write_pos: jax.Array  # int32 [B]: slot of the row's next token
-
-    @property
-    def capacity(self) -> int:
-        return self.valid.shape[1]
-
-    @property
-    def layout(self) -> str:
-        """The layers' layout (:data:`KV_LAYOUTS`)."""
-        return self.layers[0].layout if self.layers else "bksd"
-
-    @property
-    def lengths(self) -> jax.Array:
-        """int32 [B]: real tokens held per row (the next token's default position)."""
-        return self.valid.sum(axis=1).astype(jnp.int32)
-
-
-def kv_shape(cfg: DecoderConfig, batch: int, capacity: int, layout: str = "bksd") -> tuple[int, int, int, int]:
-    """One layer's K (or V) shape in ``layout``."""
-    if layout not in KV_LAYOUTS:
-        raise ValueError(f"KV cache layout {layout!r}: one of {KV_LAYOUTS}")
-    if layout == "bksd":
-        return (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
-    return (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
-
-
-def init_kv_cache(cfg: DecoderConfig, batch: int, capacity: int, dtype: Any = None, layout: str = "bksd") -> KVCache:
-    """An empty cache (every slot invalid, write positions 0) in the compute dtype and ``layout``
-    (:data:`KV_LAYOUTS`)."""
-    dtype = dtype or dtype_of(cfg.compute_dtype)
-    shape = kv_shape(cfg, batch, capacity, layout)
-    return KVCache(
-        layers=tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), layout) for _ in range(cfg.num_layers)),
-        valid=jnp.zeros((batch, capacity), bool),
-        write_pos=jnp.zeros((batch,), jnp.int32),
-    )
-
-
-def positions_slice(layout: str, stop: int) -> tuple:
-    """The index of a layer's K/V that takes its first ``stop`` positions, whole rows and heads."""
-    return (slice(None), slice(None), slice(0, stop)) if layout == "bksd" else (slice(None), slice(0, stop))
-
-
-def kv_cache_copy_rows(dst: KVCache, src: KVCache, src_rows: jax.Array, dst_rows: jax.Array) -> KVCache:
-    """Copy rows ``src_rows`` of ``src`` into rows ``dst_rows`` of ``dst`` (int32 [n] each).
-
-    ``src``'s capacity may be smaller than ``dst``'s: the copied rows get the source
-    slots at ``[0, src.capacity)`` and invalid slots after. Copying one prefilled
-    prompt into ``n`` sampling slots is ``src_rows = [0] * n``. Entries of ``dst_rows``
-    ``>=`` the destination batch are skipped (a fixed-size ``n`` can carry unused entries).
-    Both caches have one layout. Pure; jit it with ``donate_argnums=0`` to update in place.
-    """
-    if src.capacity > dst.capacity:
-        raise ValueError(f"source cache capacity {src.capacity} exceeds destination capacity {dst.capacity}")
-    if src.layout != dst.layout:
-        raise ValueError(f"KV cache layouts differ: source {src.layout}, destination {dst.layout}")
-    c = src.capacity
-    where = (dst_rows, *positions_slice(dst.layout, c)[1:])
-
-    def copy(d: jax.Array, s: jax.Array) -> jax.Array:
-        return d.at[where].set(s[src_rows].astype(d.dtype), mode="drop")
-
-    layers = tuple(LayerKV(copy(d.k, s.k), copy(d.v, s.v), d.layout) for d, s in zip(dst.layers, src.layers))
-    valid_rows = jnp.zeros((src_rows.shape[0], dst.capacity), bool).at[:, :c].set(src.valid[src_rows])
-    valid = dst.valid.at[dst_rows].set(valid_rows, mode="drop")
-    write_pos = dst.write_pos.at[dst_rows].set(src.write_pos[src_rows], mode="drop")
-    return KVCache(layers, valid, write_pos)
-
-
-def kv_cache_clear_rows(cache: KVCache, rows: jax.Array) -> KVCache:
-    """Mark rows (bool [B]) empty: every slot invalid, write position 0. K/V are left as is."""
-    valid = jnp.where(rows[:, None], False, cache.valid)
-    write_pos = jnp.where(rows, 0, cache.write_pos).astype(jnp.int32)
-    return KVCache(cache.layers, valid, write_pos)
-
 
 # --------------------------------------------------------------------------- rotary
 
@@ -293,119 +150,9 @@ class Attention(nnx.Module):
         if cache is not None:
             out, new_cache = cached_attention(q, k, v, mask, cache, write_idx, cfg.attention, scale)
             return _dense(self.o_proj, out.reshape(b, t, cfg.num_heads * cfg.head_dim)), new_cache
-        out = _attend(q, k, v, mask, cfg.attention, kv_spec="bskd", scale=scale)
+        out = attend(q, k, v, mask, cfg.attention, kv_spec="bskd", scale=scale)
         out = out.reshape(b, t, cfg.num_heads * cfg.head_dim)
         return _dense(self.o_proj, out), None
-
-
-def attention_implementation(choice: str, dtype: Any, head_dim: int = 64, **kwargs: Any) -> str:
-    """The attention path of ``model.attention`` (``choice``) for ``dtype`` activations on the platform
-    the program is compiled for: ``reference`` (:func:`reference_attention`), ``xla``, ``cudnn`` or
-    ``splash`` (:func:`asyncrl.model.attention.attention_kernel`; ``auto``: cuDNN on GPUs, splash on
-    TPUs, XLA's on the CPU)."""
-    return attention_kernel(choice, dtype, head_dim, **kwargs)
-
-
-def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention by einsum: ``q [B, T, heads, D]``, ``k, v [B, S, kv_heads, D]``,
-    ``mask`` bool ``[B, T, S]`` -> ``[B, T, heads, D]``. Scores and softmax in float32; a fully
-    masked query row gets uniform weights (never NaN). The path of one-token calls without a
-    cache and of ``model.attention: reference``; cached decoding uses :func:`cached_attention`."""
-    return _einsum_attention(q, k, v, mask, kv_spec="bskd")
-
-
-def _einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, kv_spec: str,
-                      scale: Optional[float] = None) -> jax.Array:
-    """Grouped-query attention by einsum with keys and values laid out as ``kv_spec`` says:
-    ``bskd`` (``[B, S, kv_heads, D]``) or ``bksd`` (the cache's ``[B, kv_heads, S, D]``); the
-    same float32 scores and softmax, in the same order, either way. Scores scale by ``scale``
-    (None: ``head_dim ** -0.5``)."""
-    b, t, heads, d = q.shape
-    kv_heads = k.shape[kv_spec.index("k")]
-    q = q.reshape(b, t, kv_heads, heads // kv_heads, d)
-    scores = jnp.einsum(f"btkgd,{kv_spec}->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (d**-0.5 if scale is None else scale)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum(f"bkgts,{kv_spec}->btkgd", probs, v).reshape(b, t, heads, d)
-
-
-def cached_attention(q, k, v, mask, cache: LayerKV, write_idx, choice: str,
-                     scale: Optional[float] = None) -> tuple[jax.Array, LayerKV]:
-    """Attention of ``q [B, T, heads, D]`` over a layer's cache after writing the new ``k, v``
-    ``[B, T, kv_heads, D]`` into it at ``write_idx`` int32 [B, T] (indices past the capacity are
-    dropped); ``mask`` bool [B, T, capacity], or a :class:`~asyncrl.model.attention.SelfAttentionMask`
-    when the cache was empty before the call (a prefill: the new tokens attend only among
-    themselves, by the fused kernel where there is one). Returns ``(out [B, T, heads, D], the updated
-    LayerKV)``.
-
-    One new token (a decode step) attends straight on the cache in its layout: with ``bksd``
-    through :func:`~asyncrl.model.decode_attention.decode_attention` (one Pallas kernel on GPUs,
-    the einsum elsewhere: batch and head dims lead and head_dim is minor, the layout XLA's batched
-    dot wants), with ``bskd`` (TPUs) by the einsum over positions-first keys; no transposed copy of
-    the cache is made per step. Several new tokens (prefill into a cache) go through
-    ``model.attention``'s implementation (``choice``) on a transposed view, once per call.
-    """
-    layout = cache.layout
-    if isinstance(mask, SelfAttentionMask):  # an empty cache (prefill): the call's tokens attend among themselves
-        cache_k, cache_v = _scatter(k, v, cache.k, cache.v, write_idx, layout)
-        k, v = k.astype(cache.k.dtype).astype(q.dtype), v.astype(cache.v.dtype).astype(q.dtype)
-        return _attend(q, k, v, mask, choice, kv_spec="bskd", scale=scale), LayerKV(cache_k, cache_v, layout)
-    reference = functools.partial(_scatter_and_attend, choice=choice, scale=scale, layout=layout)
-    if q.shape[1] == 1 and layout == "bksd":  # a decode step: one kernel on GPUs (asyncrl.model.decode_attention)
-        out, cache_k, cache_v = decode_attention(q, k, v, cache.k, cache.v, write_idx[:, 0], mask, scale, reference, choice)
-        return out, LayerKV(cache_k, cache_v, layout)
-    out, cache_k, cache_v = reference(q, k, v, cache.k, cache.v, write_idx, mask)
-    return out, LayerKV(cache_k, cache_v, layout)
-
-
-def _scatter(k, v, cache_k, cache_v, write_idx, layout: str = "bksd") -> tuple[jax.Array, jax.Array]:
-    """The new ``k, v`` ``[B, T, kv_heads, D]`` written into a layer's caches (``layout``) at
-    ``write_idx`` (int32 [B, T], or [B] for one token; indices past the capacity are dropped)."""
-    if write_idx.ndim == 1:
-        write_idx = write_idx[:, None]
-    rows = jnp.arange(write_idx.shape[0])[:, None]
-    # bksd: advanced indices around the head slice, so the indexed block is [B, T, kv_heads, D], as k is.
-    where = (rows, slice(None), write_idx) if layout == "bksd" else (rows, write_idx)
-    cache_k = cache_k.at[where].set(k.astype(cache_k.dtype), mode="drop")
-    cache_v = cache_v.at[where].set(v.astype(cache_v.dtype), mode="drop")
-    return cache_k, cache_v
-
-
-def _scatter_and_attend(q, k, v, cache_k, cache_v, write_idx, mask, choice: str = "reference",
-                        scale: Optional[float] = None, layout: str = "bksd") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """:func:`cached_attention` by XLA: the new ``k, v`` scattered into the cache (:func:`_scatter`),
-    then attention over it. Returns ``(out, cache_k, cache_v)``."""
-    cache_k, cache_v = _scatter(k, v, cache_k, cache_v, write_idx, layout)
-    out = _attend(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask, choice, kv_spec=layout, scale=scale)
-    return out, cache_k, cache_v
-
-
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, choice: str, kv_spec: str,
-            scale: Optional[float] = None) -> jax.Array:
-    """Attention by ``model.attention``'s kernel (``choice``) for several query tokens, by einsum
-    (:func:`_einsum_attention`) for one; ``k, v`` laid out as ``kv_spec`` says (``bskd``, or the
-    cache's ``bksd``, which ``jax.nn.dot_product_attention`` gets transposed). ``mask``: a
-    :class:`~asyncrl.model.attention.SelfAttentionMask` (attention among the call's own tokens,
-    ``bskd``), which the fused kernels take as their own mask structure, or a bool ``[B, T, S]``
-    over a cache (the einsum and XLA paths)."""
-    if q.shape[1] == 1:
-        return _einsum_attention(q, k, v, mask.dense() if isinstance(mask, SelfAttentionMask) else mask, kv_spec, scale)
-    target = current_target()
-    implementation = attention_implementation(choice, q.dtype, q.shape[-1], target=target)
-    if isinstance(mask, SelfAttentionMask):
-        if implementation == "cudnn":
-            return cudnn_attention(q, k, v, mask, scale, mesh=target.mesh)
-        if implementation == "splash" and row_shards_divide(target.mesh, q.shape[0]):
-            return splash_attention(q, k, v, mask, scale, mesh=target.mesh, interpret=target.platform != "tpu")
-        mask = mask.dense()
-    if implementation == "reference":
-        return _einsum_attention(q, k, v, mask, kv_spec, scale)
-    if kv_spec == "bksd":
-        k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
-    # Over a cache (a dense mask) splash has no form; cuDNN takes the mask as its bias.
-    kernel: Any = "cudnn" if implementation == "cudnn" else "xla"
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=kernel)
 
 
 class MLP(nnx.Module):
@@ -556,7 +303,7 @@ class Decoder(nnx.Module):
         a segment and positions restart at 0 in each (:func:`segment_positions`). ``unrolled``:
         never :func:`scanned_layers` (for callers that capture what layers sow: a ``lax.scan``
         body's intermediates do not reach the caller). ``empty_cache`` (static): ``kv_cache`` holds
-        no token yet (:func:`init_kv_cache`; a prefill), so the call's tokens attend only among
+        no token yet (:func:`~asyncrl.model.kv_cache.init_kv_cache`; a prefill), so the call's tokens attend only among
         themselves, with the fused kernel's mask structure, and are written into the cache.
 
         Without a cache (or with ``empty_cache``) attention takes the mask as structure
@@ -703,7 +450,7 @@ def forward(
 def hidden_states(graphdef, params, input_ids, positions=None, attention_mask=None, kv_cache=None, *,
                   empty_cache: bool = False):
     """Like :func:`forward`, but returns final hidden states instead of logits. ``empty_cache``
-    (static): ``kv_cache`` is fresh from :func:`init_kv_cache` (a prefill; :meth:`Decoder.hidden_states`)."""
+    (static): ``kv_cache`` is fresh from :func:`~asyncrl.model.kv_cache.init_kv_cache` (a prefill; :meth:`Decoder.hidden_states`)."""
     model = nnx.merge(graphdef, params)
     return model.hidden_states(input_ids, positions, attention_mask, kv_cache, empty_cache=empty_cache)
 

@@ -18,10 +18,16 @@ import pytest
 
 from asyncrl.model import attention as attention_module
 from asyncrl.model import init_decoder, split_params
-from asyncrl.model.attention import KernelTarget, SelfAttentionMask, attention_kernel, compiled_for, current_target
+from asyncrl.model.attention import (
+    KernelTarget,
+    SelfAttentionMask,
+    attention_kernel,
+    compiled_for,
+    current_target,
+    einsum_attention,
+)
 from asyncrl.model.logprobs import per_token_logprobs
 from asyncrl.model.tiny import TinySpec, tiny_decoder_config
-from asyncrl.model.transformer import _einsum_attention
 
 
 def masks() -> tuple[np.ndarray, np.ndarray]:
@@ -84,7 +90,7 @@ def test_cudnn_lengths_form_gives_the_reference_attention(monkeypatch, window):
     q, k, v = (x[:2] for x in qkv())
     mask = SelfAttentionMask(jnp.asarray(valid), None, window)
     got = attention_module.cudnn_attention(q, k, v, mask, scale=0.3)
-    want = _einsum_attention(q, k, v, mask.dense(), "bskd", 0.3)
+    want = einsum_attention(q, k, v, mask.dense(), "bskd", 0.3)
     assert calls == [("cudnn", True, True)]  # the lengths form: no mask operand
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=1e-5)
 
@@ -94,7 +100,7 @@ def splash_and_reference(q, k, v, valid, segments, window):
     """Splash attention (interpret mode) and the einsum reference on one mask: causal, padding,
     packed segments and a sliding window at once (one compile)."""
     mask = SelfAttentionMask(valid, segments, window)
-    return attention_module.splash_attention(q, k, v, mask, 0.25, interpret=True), _einsum_attention(
+    return attention_module.splash_attention(q, k, v, mask, 0.25, interpret=True), einsum_attention(
         q, k, v, mask.dense(), "bskd", 0.25)
 
 

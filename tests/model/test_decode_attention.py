@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from asyncrl.model.attention import _decode_kernel, _scatter_and_attend
 from asyncrl.model.blocks import sliding_window_mask
-from asyncrl.model.decode_attention import decode_attention, kernel_block, pallas_decode_attention
-from asyncrl.model.transformer import _scatter_and_attend
+from asyncrl.model.decode_attention import kernel_block, pallas_decode_attention
 
 
 def _inputs(rows, heads, kv_heads, slots, dim, dtype, seed=0, window=None):
@@ -73,10 +73,10 @@ def test_kernel_blocks_and_platform_choice():
     assert kernel_block(1024, head_dim=256) == 32  # Gemma 3: a smaller block of its wider heads
     assert kernel_block(40) is None  # no block of 16 or more: the einsum path
     reference = functools.partial(_scatter_and_attend, scale=0.25)
-    # On the CPU decode_attention is the scatter-and-einsum path itself (bitwise), whatever the shape.
+    # On the CPU the kernel's entry is the scatter-and-einsum path itself (bitwise).
     for slots in (40, 48):
         q, k_new, v_new, k, v, write, mask = _inputs(2, 4, 2, slots, 16, jnp.float32)
-        got = jax.jit(lambda *a: decode_attention(*a[:6], a[6], 0.25, reference))(q, k_new, v_new, k, v, write, mask)
+        got = jax.jit(lambda *a: _decode_kernel(*a[:6], a[6], 0.25, reference))(q, k_new, v_new, k, v, write, mask)
         want = jax.jit(reference)(q, k_new, v_new, k, v, write, mask)
         for a, b in zip(got, want):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

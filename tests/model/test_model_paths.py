@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncrl.model import init_decoder, init_kv_cache, split_params
+from asyncrl.model.attention import attention_kernel
 from asyncrl.model.loading import auto_compute_dtype
 from asyncrl.model.logprobs import auto_chunk_size, per_token_logprobs_jit
 from asyncrl.model.tiny import TinySpec, tiny_decoder_config
-from asyncrl.model.transformer import attention_implementation, forward
+from asyncrl.model.transformer import forward
 
 SEQ = 12
 
@@ -48,7 +49,7 @@ def params_cfg(graphdef, params):
 
 def test_dot_product_attention_equals_the_reference_path():
     base = tiny_decoder_config(TinySpec(layers=1))  # 4 query heads on 2 kv heads (GQA)
-    assert base.num_kv_heads < base.num_heads and attention_implementation("auto", jnp.float32) == "xla"
+    assert base.num_kv_heads < base.num_heads and attention_kernel("auto", jnp.float32, 64) == "xla"
     out = {}
     for attention in ("reference", "xla"):
         graphdef, params = split_params(init_decoder(base.replace(attention=attention), seed=3))

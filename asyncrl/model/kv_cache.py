@@ -1,0 +1,146 @@
+"""The decoder's KV cache: a fixed-capacity pytree of every layer's keys and values, and the
+functions that move rows of it (the slot protocol the engine's continuous batching builds on).
+
+A fixed-capacity pytree: ``layers``, one :class:`LayerKV` per decoder layer with ``k, v`` in
+the compute dtype and in one of two layouts, chosen per platform by the engine
+(:func:`asyncrl.engine.layouts.kv_cache_layout`; a layer's ``layout`` says which): ``bksd``, ``[B, kv_heads, capacity, head_dim]``
+(heads before slots: a decode step's attention reads each head's keys as one contiguous
+``[capacity, head_dim]`` matrix, which XLA's CPU dot and the GPU decode kernel want), or ``bskd``,
+``[B, capacity, kv_heads, head_dim]`` (positions before heads: a decode step writes one
+``[kv_heads, head_dim]`` tile per row, which XLA's TPU loop wants); ``valid: bool [B, capacity]``
+(which slots hold a real token) and ``write_pos: int32 [B]`` (the slot where each row's
+next token is written). The cache is per layer, not one stacked ``[layers, ...]`` array:
+each layer reads and updates its own arrays in place, so a decode step never slices and
+re-stacks (copies) the whole cache. A call with ``T`` new tokens writes row ``b``'s
+token ``t`` into slot ``write_pos[b] + t`` (slots past the capacity are dropped: the
+caller keeps rows within capacity), marks it valid iff ``attention_mask[b, t]``, and lets
+it attend to the valid slots ``<= write_pos[b] + t``. Afterwards ``write_pos[b]`` moves
+one past row ``b``'s last real token of the call (it stays put when the row had none). So:
+
+* a left-padded prompt ``[pad pad a b c]`` fills slots 0..4 (0, 1 invalid) and the
+  next token goes to slot 5; a right-padded one ``[a b c pad pad]`` fills 0..4 (3, 4
+  invalid) and the next token overwrites slot 3;
+* a row whose mask is all false in a call (an idle engine slot) keeps its valid slots
+  and write position (K/V at and after ``write_pos`` may be overwritten, but those
+  slots are invalid: every valid slot lies before ``write_pos``);
+* positions default to the number of valid slots before the call plus the running
+  count of real tokens in the call (``cumsum(mask) - 1``), so pads never shift the
+  rotary positions; pass ``positions`` only to override.
+
+The continuous-batching engine (:mod:`asyncrl.engine.jax_programs`) keeps one cache of
+``num_slots`` rows and decodes all slots together through :func:`~asyncrl.model.transformer.forward` with ``T = 1``
+(``attention_mask[b, 0] = False`` for idle slots). To start requests it prefills their
+prompts into a small cache (one row per request, capacity = the prompts' bucket) with
+:func:`~asyncrl.model.transformer.forward` and copies each row into its request's free slots with
+:func:`kv_cache_copy_rows` (``src_rows = [0] * n`` for one request with ``n`` samples):
+the slots get the prefix KV, the same ``valid`` and
+``write_pos``, and everything past the prefix marked invalid. A finished slot needs no
+clearing: the next prefill into it overwrites ``valid`` and ``write_pos`` whole
+(:func:`kv_cache_clear_rows` empties rows for callers that reuse them otherwise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from asyncrl.model.blocks import dtype_of
+from asyncrl.model.config import DecoderConfig
+
+KV_LAYOUTS = ("bksd", "bskd")
+"""A layer's cache as ``[B, kv_heads, capacity, head_dim]`` or ``[B, capacity, kv_heads, head_dim]``."""
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=["layout"])
+@dataclasses.dataclass(frozen=True)
+class LayerKV:
+    """One decoder layer's keys and values in a :class:`KVCache` (compute dtype)."""
+
+    k: jax.Array  # [B, kv_heads, capacity, head_dim] (bksd) or [B, capacity, kv_heads, head_dim] (bskd)
+    v: jax.Array  # as k
+    layout: str = "bksd"  # static: which of KV_LAYOUTS
+
+
+class KVCache(NamedTuple):
+    """Fixed-capacity KV cache (a pytree); see the module docstring for the protocol."""
+
+    layers: tuple[LayerKV, ...]  # one per decoder layer
+    valid: jax.Array  # bool [B, capacity]: slot holds a real token
+    write_pos: jax.Array  # int32 [B]: slot of the row's next token
+
+    @property
+    def capacity(self) -> int:
+        return self.valid.shape[1]
+
+    @property
+    def layout(self) -> str:
+        """The layers' layout (:data:`KV_LAYOUTS`)."""
+        return self.layers[0].layout if self.layers else "bksd"
+
+    @property
+    def lengths(self) -> jax.Array:
+        """int32 [B]: real tokens held per row (the next token's default position)."""
+        return self.valid.sum(axis=1).astype(jnp.int32)
+
+
+def kv_shape(cfg: DecoderConfig, batch: int, capacity: int, layout: str = "bksd") -> tuple[int, int, int, int]:
+    """One layer's K (or V) shape in ``layout``."""
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"KV cache layout {layout!r}: one of {KV_LAYOUTS}")
+    if layout == "bksd":
+        return (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+    return (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+
+
+def init_kv_cache(cfg: DecoderConfig, batch: int, capacity: int, dtype: Any = None, layout: str = "bksd") -> KVCache:
+    """An empty cache (every slot invalid, write positions 0) in the compute dtype and ``layout``
+    (:data:`KV_LAYOUTS`)."""
+    dtype = dtype or dtype_of(cfg.compute_dtype)
+    shape = kv_shape(cfg, batch, capacity, layout)
+    return KVCache(
+        layers=tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), layout) for _ in range(cfg.num_layers)),
+        valid=jnp.zeros((batch, capacity), bool),
+        write_pos=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+def positions_slice(layout: str, stop: int) -> tuple:
+    """The index of a layer's K/V that takes its first ``stop`` positions, whole rows and heads."""
+    return (slice(None), slice(None), slice(0, stop)) if layout == "bksd" else (slice(None), slice(0, stop))
+
+
+def kv_cache_copy_rows(dst: KVCache, src: KVCache, src_rows: jax.Array, dst_rows: jax.Array) -> KVCache:
+    """Copy rows ``src_rows`` of ``src`` into rows ``dst_rows`` of ``dst`` (int32 [n] each).
+
+    ``src``'s capacity may be smaller than ``dst``'s: the copied rows get the source
+    slots at ``[0, src.capacity)`` and invalid slots after. Copying one prefilled
+    prompt into ``n`` sampling slots is ``src_rows = [0] * n``. Entries of ``dst_rows``
+    ``>=`` the destination batch are skipped (a fixed-size ``n`` can carry unused entries).
+    Both caches have one layout. Pure; jit it with ``donate_argnums=0`` to update in place.
+    """
+    if src.capacity > dst.capacity:
+        raise ValueError(f"source cache capacity {src.capacity} exceeds destination capacity {dst.capacity}")
+    if src.layout != dst.layout:
+        raise ValueError(f"KV cache layouts differ: source {src.layout}, destination {dst.layout}")
+    c = src.capacity
+    where = (dst_rows, *positions_slice(dst.layout, c)[1:])
+
+    def copy(d: jax.Array, s: jax.Array) -> jax.Array:
+        return d.at[where].set(s[src_rows].astype(d.dtype), mode="drop")
+
+    layers = tuple(LayerKV(copy(d.k, s.k), copy(d.v, s.v), d.layout) for d, s in zip(dst.layers, src.layers))
+    valid_rows = jnp.zeros((src_rows.shape[0], dst.capacity), bool).at[:, :c].set(src.valid[src_rows])
+    valid = dst.valid.at[dst_rows].set(valid_rows, mode="drop")
+    write_pos = dst.write_pos.at[dst_rows].set(src.write_pos[src_rows], mode="drop")
+    return KVCache(layers, valid, write_pos)
+
+
+def kv_cache_clear_rows(cache: KVCache, rows: jax.Array) -> KVCache:
+    """Mark rows (bool [B]) empty: every slot invalid, write position 0. K/V are left as is."""
+    valid = jnp.where(rows[:, None], False, cache.valid)
+    write_pos = jnp.where(rows, 0, cache.write_pos).astype(jnp.int32)
+    return KVCache(cache.layers, valid, write_pos)
