@@ -51,7 +51,7 @@ of the masked distribution the token was drawn from. Each running trie is in one
 tables (:class:`~asyncrl.engine.constraints.TriePool`) and each slot carries its node, so
 constrained and free requests share a batch. A beam-search request (``beam=True``) takes no
 slots: the scheduler runs it as one program call between two chunks
-(:func:`~asyncrl.engine.jax_programs._beam_search`), so running samples wait that long.
+(:func:`~asyncrl.engine.beam_search._beam_search`), so running samples wait that long.
 Stop ids end a sample on device; stop sequences are matched on the host after each chunk
 (tokens a slot drew past the match are discarded).
 """
@@ -87,12 +87,13 @@ from asyncrl.engine.jax_programs import (
     prefill_insert_jit,
     slot_state_shardings,
 )
-from asyncrl.engine.jax_scheduler import EngineScheduler, EngineStats, _Pending, _Update
+from asyncrl.engine.jax_scheduler import EngineScheduler
 from asyncrl.engine.layouts import kv_cache_layout, serving_formats
 from asyncrl.engine.platform import resolve_inner_steps, resolve_sampler
 from asyncrl.engine.prefix_cache import PrefixStore
 from asyncrl.engine.prefix_programs import CopyPlan, ExtendPlan, copy_prefix_jit, extend_jit
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse
+from asyncrl.engine.requests import EngineStats, Pending, Update
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
 from asyncrl.model.attention import KernelTarget, device_platform
 from asyncrl.model.compute_copy import needs_compute_copy
@@ -213,14 +214,14 @@ class JaxEngine(EngineScheduler):
 
         # The per-slot controls (host numpy arrays, owned by the scheduler thread).
         self._controls: SlotControls = idle_controls(self.slots, cfg.max_stop_ids)
-        self._slot_owner: list[Optional[tuple[_Pending, int]]] = [None] * self.slots
+        self._slot_owner: list[Optional[tuple[Pending, int]]] = [None] * self.slots
         self._tries = TriePool()  # the tries of the constrained requests admitted (scheduler thread)
         self._trie_tables: Any = None  # self._tries.tables on the device
 
         self._cond = threading.Condition()
-        self._waiting: collections.deque[_Pending] = collections.deque()
-        self._running: set[_Pending] = set()
-        self._update: Optional[_Update] = None
+        self._waiting: collections.deque[Pending] = collections.deque()
+        self._running: set[Pending] = set()
+        self._update: Optional[Update] = None
         self._aborts: list[threading.Event] = []
         self._closed = False
         self._crash: Optional[str] = None
@@ -278,7 +279,7 @@ class JaxEngine(EngineScheduler):
     def submit(self, request: GenerationRequest) -> "Future[list[GenerationResponse]]":
         stop_ids = self._validate(request)
         timeout = request.timeout_s if request.timeout_s is not None else self.config.request_timeout_s
-        pending = _Pending(request, stop_ids, None if timeout is None else time.monotonic() + timeout)
+        pending = Pending(request, stop_ids, None if timeout is None else time.monotonic() + timeout)
         with self._cond:
             self._raise_if_unusable()
             self._waiting.append(pending)
@@ -300,7 +301,7 @@ class JaxEngine(EngineScheduler):
         if avals != self._avals:
             bad = [i for i, (a, b) in enumerate(zip(avals, self._avals)) if a != b]
             raise ValueError(f"update_weights: {len(bad)} parameter(s) differ in shape or dtype from the served ones (first: leaf {bad[0]}: {avals[bad[0]]} vs {self._avals[bad[0]]})")
-        update = _Update(params, version)
+        update = Update(params, version)
         with self._cond:
             self._raise_if_unusable()
             if self._update is not None or version != self._version + 1:

@@ -15,12 +15,10 @@ side, declared below).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 import time
 import traceback
-from concurrent.futures import Future
 from typing import Any, Optional
 
 import jax
@@ -28,19 +26,20 @@ import numpy as np
 
 from asyncrl.config import EngineConfig
 from asyncrl.engine.attention_buckets import chunk_bucket
+from asyncrl.engine.beam_search import beam_search_jit
 from asyncrl.engine.constraints import TokenTrie, TriePool
 from asyncrl.engine.jax_programs import (
     PrefillPlan,
     SlotControls,
     SlotState,
-    beam_search_jit,
     decode_chunk_jit,
     prefill_insert_jit,
     snapshot,
 )
 from asyncrl.engine.prefix_cache import Admission, AdmissionRound, PrefixStore
 from asyncrl.engine.prefix_programs import COPY_ROWS, CopyPlan, ExtendPlan, copy_prefix_jit, extend_jit
-from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, RequestUsage, StopReason
+from asyncrl.engine.protocol import GenerationRequest, StopReason
+from asyncrl.engine.requests import EngineStats, Pending, Update, key_parts
 from asyncrl.errors import EngineCrashed
 from asyncrl.model.attention import KernelTarget
 
@@ -49,94 +48,6 @@ logger = logging.getLogger("asyncrl.engine")
 PAIRED_REFILL_MIN_SLOTS = 8
 """From this many slots a chunk ends early only once ``prefill_rows`` slots are free, so refills
 are prefilled together; with fewer, one idle slot is too large a share to keep waiting."""
-
-# --------------------------------------------------------------------------- host bookkeeping
-
-
-class _Sample:
-    __slots__ = ("tokens", "logprobs", "versions", "stop_reason", "slot", "node", "score")
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-        self.stop_reason: Optional[StopReason] = None
-        self.slot: Optional[int] = None
-        self.node = 0  # the trie node after the tokens so far (constrained requests only)
-        self.score: Optional[float] = None  # beam search's ranking score
-
-
-class _Pending:
-    """A submitted request and its progress."""
-
-    def __init__(self, request: GenerationRequest, stop_ids: tuple[int, ...], deadline: Optional[float]):
-        self.request = request
-        self.stop_ids = stop_ids
-        self.stop_set = frozenset(stop_ids)
-        self.stop_sequences = [list(map(int, s)) for s in request.stop_sequences if len(s) > 0]
-        self.future: Future = Future()
-        self.submitted = time.monotonic()
-        self.deadline = deadline
-        self.samples = [_Sample() for _ in range(request.n)]
-        self.usage = RequestUsage()  # this request's share of the engine's counters
-
-    def response(self) -> list[GenerationResponse]:
-        return [
-            GenerationResponse(
-                output_ids=np.asarray(s.tokens, dtype=np.int32),
-                logprobs=np.asarray(s.logprobs, dtype=np.float32),
-                versions=np.asarray(s.versions, dtype=np.int32),
-                stop_reason=s.stop_reason or "aborted",
-                score=s.score,
-                usage=self.usage,
-            )
-            for s in self.samples
-        ]
-
-
-class _Update:
-    """A published version waiting for the next chunk boundary, where the scheduler installs it."""
-
-    def __init__(self, params: Any, version: int):
-        self.params = params  # the publisher's arrays (never donated: the trainer keeps them)
-        self.version = version
-        self.requested = time.monotonic()
-        self.done = threading.Event()
-        self.error: Optional[BaseException] = None
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """The cumulative figures behind :meth:`JaxEngine.metrics`, updated by the scheduler thread
-    (``requests`` and ``aborted`` also by callers, under the engine's condition). Fields, not
-    string keys, so a misspelt counter is an error instead of a new key."""
-
-    requests: int = 0  # generate/submit calls accepted
-    aborted: int = 0  # samples ended by abort (timeout or cancel)
-    admitted: int = 0  # requests given slots
-    queue_wait_s: float = 0.0  # summed wait from submit to admission
-    queue_wait_max_s: float = 0.0
-    prefill_calls: int = 0  # prefill-insert program calls
-    prefill_tokens: int = 0  # prompt tokens prefilled (computed: a reused prefix's are not)
-    prefix_hit_tokens: int = 0  # prompt tokens whose KV was reused from a kept prefix
-    prefill_s: float = 0.0
-    decode_steps: int = 0  # decode steps (every slot advances one token per step)
-    decode_tokens: int = 0  # tokens emitted by decode steps
-    decode_s: float = 0.0  # wall time of decode chunks = decode_wait_s + decode_host_s
-    decode_wait_s: float = 0.0  # blocked on a chunk's results (device time not hidden by host work)
-    decode_host_s: float = 0.0  # dispatch, control upload and per-slot bookkeeping
-    refill_wait_s: float = 0.0  # after chunks that freed slots, waiting for callers to submit again
-    beam_calls: int = 0  # beam-search requests run
-    beam_s: float = 0.0  # their wall time
-    swaps: int = 0  # weight versions installed
-    swap_s: float = 0.0  # summed install latency (publish to installed)
-    swap_max_s: float = 0.0
-
-
-def _key_parts(request: GenerationRequest, j: int) -> tuple[int, int, int]:
-    """``(sample_id, turn, index_in_group + j)`` of sample ``j``'s key, as uint32 values."""
-    return request.sample_id % 2**32, request.turn % 2**32, (request.index_in_group + j) % 2**32
-
 
 class EngineScheduler:
     """The scheduler thread's methods of :class:`~asyncrl.engine.jax_engine.JaxEngine`."""
@@ -161,16 +72,16 @@ class EngineScheduler:
     _root_key: Any
     _state: Any
     _controls: SlotControls
-    _slot_owner: list[Optional[tuple[_Pending, int]]]
+    _slot_owner: list[Optional[tuple[Pending, int]]]
     _prefixes: Optional[PrefixStore]  # what each slot's KV holds (engine.prefix_cache), or None: no reuse
     _version_floor: list[Optional[int]]  # per slot: the oldest weights version its reused prefix was computed with
     extend_buckets: tuple[int, ...]  # token counts the extension after a kept prefix is compiled for
     _tries: TriePool
     _trie_tables: Any
     _cond: threading.Condition
-    _waiting: collections.deque[_Pending]
-    _running: set[_Pending]
-    _update: Optional[_Update]
+    _waiting: collections.deque[Pending]
+    _running: set[Pending]
+    _update: Optional[Update]
     _aborts: list[threading.Event]
     _closed: bool
     _crash: Optional[str]
@@ -218,7 +129,7 @@ class EngineScheduler:
                 update.done.set()
             self._fail_all(EngineCrashed("the inference engine's thread died", tb))
 
-    def _install(self, update: _Update) -> None:
+    def _install(self, update: Update) -> None:
         # The old serving copy is dropped before the new one is made (JaxEngine._take): a publish
         # holds one copy at its peak; the decode waits for the copy (its seconds: swap_latency_s).
         self._take(update.params)
@@ -256,13 +167,13 @@ class EngineScheduler:
     def _free_slots(self) -> list[int]:
         return [i for i, owner in enumerate(self._slot_owner) if owner is None]
 
-    def _finish(self, pending: _Pending) -> None:
+    def _finish(self, pending: Pending) -> None:
         self._running.discard(pending)
         self._stats.requests += 1
         pending.usage.requests += 1
         pending.future.set_result(pending.response())
 
-    def _end_sample(self, pending: _Pending, j: int, reason: StopReason) -> None:
+    def _end_sample(self, pending: Pending, j: int, reason: StopReason) -> None:
         sample = pending.samples[j]
         sample.stop_reason = reason
         if reason == "aborted":
@@ -306,7 +217,7 @@ class EngineScheduler:
             any_admitted = True
             taken_at = time.monotonic()  # a request taken on a later pass may have arrived after `started`
             fresh = [(pending, list(admission.slots)) for pending, admission in admitted if admission.fresh]
-            by_bucket: dict[int, list[tuple[_Pending, list[int]]]] = {}
+            by_bucket: dict[int, list[tuple[Pending, list[int]]]] = {}
             for pending, rows in fresh:
                 context = len(pending.request.prompt_ids) - 1  # the last prompt token is fed by the first decode step
                 bucket = next(b for b in self.buckets if b >= max(context, 1))
@@ -335,8 +246,8 @@ class EngineScheduler:
         for pending in beams:
             self._beam(pending)
 
-    def _beam(self, pending: _Pending) -> None:
-        """Beam search for ``pending`` (:func:`~asyncrl.engine.jax_programs._beam_search`); the
+    def _beam(self, pending: Pending) -> None:
+        """Beam search for ``pending`` (:func:`~asyncrl.engine.beam_search._beam_search`); the
         ``n`` best beams become its samples, best first."""
         request = pending.request
         prompt = np.asarray(request.prompt_ids, np.int32)
@@ -370,11 +281,11 @@ class EngineScheduler:
                 sample.stop_reason = "eos" if n and sample.tokens[-1] in pending.stop_set else "length"
         self._finish(pending)
 
-    def _take_waiting(self) -> list[tuple[_Pending, Admission]]:
+    def _take_waiting(self) -> list[tuple[Pending, Admission]]:
         """Pop waiting requests in order while the next one fits in the free slots; each with
         where it goes (:class:`~asyncrl.engine.prefix_cache.Admission`: its slots, not yet owned,
         and with a prefix cache the kept prefix it starts from)."""
-        admitted: list[tuple[_Pending, Admission]] = []
+        admitted: list[tuple[Pending, Admission]] = []
         free = self._free_slots()
         round_ = AdmissionRound(self._prefixes, free, self._version) if self._prefixes is not None else None
         with self._cond:
@@ -395,7 +306,7 @@ class EngineScheduler:
                 admitted.append((pending, admission))
         return admitted
 
-    def _prefill(self, bucket: int, group: list[tuple[_Pending, list[int]]], admitted_at: float) -> None:
+    def _prefill(self, bucket: int, group: list[tuple[Pending, list[int]]], admitted_at: float) -> None:
         """Prefill ``group`` (up to ``prefill_rows`` requests and their slots, prompts of ``bucket``
         tokens at most) in one call: prompt row ``r`` is request ``r``'s ``prompt[:-1]``,
         right-padded; rows past the group are all padding."""
@@ -410,7 +321,7 @@ class EngineScheduler:
             plan.prompt_mask[row, :context] = True
             for j, slot in enumerate(slots):
                 plan.src_rows[k], plan.dst_rows[k] = row, slot
-                plan.sample_id[k], plan.turn[k], plan.key_index[k] = _key_parts(request, j)
+                plan.sample_id[k], plan.turn[k], plan.key_index[k] = key_parts(request, j)
                 k += 1
                 self._own(pending, j, slot)
             self._stats.prefill_tokens += context
@@ -419,13 +330,13 @@ class EngineScheduler:
         self._state = prefill_insert_jit(self.graphdef, self._serving, self._state, plan, self._root_key, self._layout,
                                          self.kernel)
 
-    def _note_admitted(self, pending: _Pending, admitted_at: float) -> None:
+    def _note_admitted(self, pending: Pending, admitted_at: float) -> None:
         wait = admitted_at - pending.submitted
         self._stats.admitted += 1
         self._stats.queue_wait_s += wait
         self._stats.queue_wait_max_s = max(self._stats.queue_wait_max_s, wait)
 
-    def _own(self, pending: _Pending, j: int, slot: int, floor: Optional[int] = None) -> None:
+    def _own(self, pending: Pending, j: int, slot: int, floor: Optional[int] = None) -> None:
         """Slot ``slot`` runs sample ``j`` of ``pending`` (its context prefilled: the first decode step
         feeds the last prompt token); ``floor``: the oldest weights version of a reused prefix its
         tokens attend to, when older than the served one (``engine.prefix_cache.across_versions``)."""
@@ -434,7 +345,7 @@ class EngineScheduler:
         self._version_floor[slot] = floor
         self._start_slot(slot, pending.request, pending.stop_ids, int(pending.request.prompt_ids[-1]))
 
-    def _reuse(self, admitted: list[tuple[_Pending, Admission]], admitted_at: float) -> None:
+    def _reuse(self, admitted: list[tuple[Pending, Admission]], admitted_at: float) -> None:
         """Start requests from kept prefixes (:mod:`asyncrl.engine.prefix_cache`): each takes its
         source's first positions into its first slot (a copy, or in place), prefills the rest of its
         context after them there, then copies the whole context to its other slots
@@ -476,7 +387,7 @@ class EngineScheduler:
             cross = False
             for k, (src, dst, length, request, j) in enumerate(copies[first : first + COPY_ROWS]):
                 plan.src_rows[k], plan.dst_rows[k], plan.lengths[k] = src, dst, length
-                plan.sample_id[k], plan.turn[k], plan.key_index[k] = _key_parts(request, j)
+                plan.sample_id[k], plan.turn[k], plan.key_index[k] = key_parts(request, j)
                 cross = cross or store.replica_of(src) != store.replica_of(dst)
             self._stats.prefill_calls += 1
             self._state = copy_prefix_jit(self._state, plan, self._root_key, self._layout, cross and self._layout is not None)
@@ -602,7 +513,7 @@ class EngineScheduler:
                 self._cond.wait(left)
         self._stats.refill_wait_s += time.monotonic() - started
 
-    def _consume(self, pending: _Pending, j: int, slot: int, tokens, logprobs, emitted, version: int) -> None:
+    def _consume(self, pending: Pending, j: int, slot: int, tokens, logprobs, emitted, version: int) -> None:
         """Append one slot's chunk output to its sample and end the sample when it stopped."""
         request = pending.request
         sample = pending.samples[j]

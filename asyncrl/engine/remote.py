@@ -1,5 +1,9 @@
 """RemoteEngine: the InferenceEngine protocol over inference servers speaking SGLang's native HTTP API.
 
+(Past 600 lines as one class on purpose: its scheduling, health rotation, publish and segment
+bookkeeping share one server list, one lock and one set of counters; one server's HTTP client,
+retries and health are apart, in :mod:`asyncrl.engine.remote_server`.)
+
 The servers are SGLang (GPUs), SGLang-Jax (TPUs) or ``asyncrl serve``; docs/remote.md tells how to
 start them. Token ids go in and come out (nothing is re-tokenised); the wire format is
 :mod:`asyncrl.engine.sglang_protocol`, and every answer is validated against it.

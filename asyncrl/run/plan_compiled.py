@@ -320,7 +320,7 @@ def lower_beam_search(cfg: Config, engine: EngineArgs, bucket: int) -> Any:
     new tokens) for a prompt of ``bucket`` tokens, as the engine calls it for eval's beams."""
     import numpy as np
 
-    from asyncrl.engine.jax_programs import beam_search_jit
+    from asyncrl.engine.beam_search import beam_search_jit
 
     decoding = cfg.eval.decoding
     max_new = cfg.rollout.max_new_tokens
