@@ -348,7 +348,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "plan":
         if args.target is not None:
-            from asyncrl.run.plan_target import run_plan_target
+            from asyncrl.plan.target import run_plan_target
 
             for given, option in ((args.xla, "--xla"), (args.device_memory is not None, "--device-memory"),
                                   (args.backend is not None, "--backend")):
@@ -358,7 +358,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                                    as_json=args.json, keep_dump=args.dump)
         if args.json or args.dump:
             raise ConfigError(f"{'--json' if args.json else '--dump'}: only with --target NAME")
-        from asyncrl.run.plan import run_plan
+        from asyncrl.plan.command import run_plan
 
         return run_plan(args.config, overrides, devices=1 if args.devices is None else args.devices,
                         processes=1 if args.processes is None else args.processes,

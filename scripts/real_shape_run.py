@@ -148,7 +148,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         parser.error(f"--data {args.data}: needs train.jsonl and test.jsonl (GSM8K)")
 
     from asyncrl.config import load_config
-    from asyncrl.run.plan import plan_config, read_decoder_config
+    from asyncrl.plan.formulas import plan_config, read_decoder_config
 
     result: dict[str, Any] = {"config": str(CONFIG.relative_to(REPO_ROOT)), "overrides": [*OVERRIDES, *args.overrides]}
     model_dir, run_dir = out / "model", out / "run"

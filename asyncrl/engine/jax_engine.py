@@ -201,6 +201,7 @@ class JaxEngine(EngineScheduler):
         self._prefixes = (PrefixStore(cfg.slots, cfg.kv_capacity, replicas, reuse.min_tokens, reuse.across_versions)
                           if reuse.enabled else None)
         self._version_floor = [None] * cfg.slots
+        self._flush = False  # flush_prefixes asked: done by the scheduler thread, which owns the store
         if not self.buckets:
             raise EngineRequestError(f"engine.prefill_buckets {cfg.prefill_buckets}: none fits engine.kv_capacity = {cfg.kv_capacity}")
         self._check_stop_ids(self.default_stop_ids, "stop_token_ids (the model's default)")
@@ -316,6 +317,13 @@ class JaxEngine(EngineScheduler):
             raise update.error
         if not update.done.is_set():
             self._raise_if_unusable()
+
+    def flush_prefixes(self) -> None:
+        """Forget every kept prefix (``asyncrl serve``'s ``/flush_cache``): requests admitted from
+        the next chunk boundary on prefill whole prompts, until their own KV is kept again."""
+        with self._cond:
+            self._flush = True
+            self._cond.notify_all()
 
     def abort_all(self, timeout: float = 60.0) -> None:
         """End every waiting and running sample at the next chunk boundary, keeping the tokens it

@@ -75,6 +75,7 @@ class EngineScheduler:
     _slot_owner: list[Optional[tuple[Pending, int]]]
     _prefixes: Optional[PrefixStore]  # what each slot's KV holds (engine.prefix_cache), or None: no reuse
     _version_floor: list[Optional[int]]  # per slot: the oldest weights version its reused prefix was computed with
+    _flush: bool  # flush_prefixes was asked
     extend_buckets: tuple[int, ...]  # token counts the extension after a kept prefix is compiled for
     _tries: TriePool
     _trie_tables: Any
@@ -109,6 +110,9 @@ class EngineScheduler:
                         return
                     update, self._update = self._update, None
                     aborts, self._aborts = self._aborts, []
+                    flush, self._flush = self._flush, False
+                if flush and self._prefixes is not None:
+                    self._prefixes.forget()
                 if aborts:
                     self._abort_now(aborts)
                 if update is not None:

@@ -143,6 +143,12 @@ class PrefixStore:
         self.versions[slot, start:end] = version
         self.lengths[slot] = end
 
+    def forget(self) -> None:
+        """Nothing kept is reusable any more (``/flush_cache``); running slots keep what they hold."""
+        kept = self.state == KEPT
+        self.state[kept] = EMPTY
+        self.lengths[kept] = 0
+
     def keep(self, slot: int) -> None:
         """``slot``'s sample ended: its KV is kept until the slot is taken again."""
         self.state[slot] = KEPT

@@ -78,13 +78,17 @@ def _copy_prefix(state: SlotState, plan: CopyPlan, root_key, layout=None, cross:
 
     def per_device(state: SlotState, src_rows, dst_rows, lengths, keys) -> SlotState:
         first = replica_index(mesh, row_axes) * local
-        if cross:  # every device gets every source row: its own rows where it holds them, summed over the replicas
-            mine = (src_rows >= first) & (src_rows < first + local)
-            picked = jax.tree.map(lambda x: _masked_rows(x, jnp.where(mine, src_rows - first, 0), mine), state)
-            summed = jax.lax.psum(jax.tree.map(lambda x: x.astype(jnp.int8) if x.dtype == bool else x, picked), row_axes)
-            sources = jax.tree.map(lambda x, like: x.astype(bool) if like.dtype == bool else x, summed, picked)
-            return _copy_rows(state, None, dst_rows, lengths, keys, first, local, sources)
-        return _copy_rows(state, src_rows - first, dst_rows, lengths, keys, first, local)
+
+        def gather(state: SlotState, i) -> SlotState:  # the source row from the replica that holds it, summed over all
+            mine = (src_rows[i] >= first) & (src_rows[i] < first + local)
+            row = jax.tree.map(lambda x: jnp.where(mine, x[jnp.clip(src_rows[i] - first, 0, local - 1)], jnp.zeros((), x.dtype)),
+                               state)
+            summed = jax.lax.psum(jax.tree.map(lambda x: x.astype(jnp.int8) if x.dtype == bool else x, row), row_axes)
+            return jax.tree.map(lambda x, like: x.astype(bool) if like.dtype == bool else x, summed, row)
+
+        if cross:  # a source may lie on another replica than its destination
+            return _copy_rows(state, None, dst_rows, lengths, keys, first, local, gather)
+        return _copy_rows(state, jnp.clip(src_rows - first, 0, local - 1), dst_rows, lengths, keys, first, local)
 
     return jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P(), P(), P(), P()), out_specs=specs,
                          check_vma=False)(state, plan.src_rows, plan.dst_rows, plan.lengths, keys)
@@ -98,27 +102,26 @@ def _replicas(mesh: Any, row_axes: Any) -> int:
     return count
 
 
-def _masked_rows(x: jax.Array, rows: jax.Array, keep: jax.Array) -> jax.Array:
-    """``x[rows]`` with the rows where ``keep`` is false zeroed (booleans: false)."""
-    picked = x[rows]
-    shaped = keep.reshape(keep.shape + (1,) * (picked.ndim - 1))
-    return jnp.where(shaped, picked, jnp.zeros((), picked.dtype))
-
-
 def _copy_rows(state: SlotState, src_rows: Optional[jax.Array], dst_rows: jax.Array, lengths: jax.Array, keys: jax.Array,
-               first, local: int, sources: Optional[SlotState] = None) -> SlotState:
-    """The copies on the rows ``[first, first + local)`` of ``state`` (all of it on one device):
-    ``sources`` (the source rows, one per entry) or ``state``'s own rows ``src_rows`` (local indices)."""
-    if sources is None:
-        sources = jax.tree.map(lambda x: x[src_rows], state)
-    mine = (dst_rows >= first) & (dst_rows < first + local)
-    dst = jnp.where(mine, dst_rows - first, local)  # others past the end: dropped
+               first, local: int, gather: Optional[Any] = None) -> SlotState:
+    """The copies on the rows ``[first, first + local)`` of ``state`` (all of it on one device), one
+    entry after the other (a device holds one copied row beside the state, not all of them): each
+    source row is ``state``'s own row ``src_rows[i]`` (local indices), or ``gather(state, i)``
+    (the row from whichever replica holds it)."""
     capacity = state.cache.capacity
-    valid = sources.cache.valid & (jnp.arange(capacity)[None, :] < lengths[:, None])
-    put = lambda whole, rows: whole.at[dst].set(rows, mode="drop")  # noqa: E731
-    layers = tuple(LayerKV(put(d.k, s.k), put(d.v, s.v), d.layout) for d, s in zip(state.cache.layers, sources.cache.layers))
-    cache = KVCache(layers, put(state.cache.valid, valid), put(state.cache.write_pos, lengths.astype(jnp.int32)))
-    return SlotState(cache, put(state.keys, keys))
+    positions = jnp.arange(capacity)
+
+    def one(i, state: SlotState) -> SlotState:
+        row = gather(state, i) if gather is not None else jax.tree.map(lambda x: x[src_rows[i]], state)
+        dst = dst_rows[i] - first
+        at = jnp.where((dst >= 0) & (dst < local), dst, local)  # another replica's row (or an unused entry): dropped
+        put = lambda whole, value: whole.at[at].set(value, mode="drop")  # noqa: E731
+        valid = row.cache.valid & (positions < lengths[i])
+        layers = tuple(LayerKV(put(d.k, s.k), put(d.v, s.v), d.layout) for d, s in zip(state.cache.layers, row.cache.layers))
+        cache = KVCache(layers, put(state.cache.valid, valid), put(state.cache.write_pos, lengths[i].astype(jnp.int32)))
+        return SlotState(cache, put(state.keys, keys[i]))
+
+    return jax.lax.fori_loop(0, dst_rows.shape[0], one, state)
 
 
 def _extend(graphdef, params, state: SlotState, plan: ExtendPlan, layout=None, kernel=None) -> SlotState:

@@ -49,7 +49,7 @@ RUN_AUTO = {"remat_policy": "full", "logprob_chunk_size": None}
 them: the memory-safe policy and the chunk chosen under ``logprob_chunk_budget_mb``. A training run
 first chooses the policy from its devices' memory (:func:`asyncrl.run.auto_slots.resolve_auto_remat`:
 ``full`` on a CPU) and keeps this chunk; ``asyncrl plan --target`` chooses both per target from
-XLA's figures (:mod:`asyncrl.run.plan_auto`)."""
+XLA's figures (:mod:`asyncrl.plan.auto`)."""
 
 
 def resolve_run_auto(runtime: dict[str, Any]) -> dict[str, Any]:

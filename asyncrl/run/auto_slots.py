@@ -3,13 +3,13 @@
 memory holds after the trainer), the slot count rounded to the engine's replicas
 (:func:`round_slots_to_replicas`), and ``model.remat_policy: auto`` (:func:`resolve_auto_remat`).
 
-The count comes from ``asyncrl plan``'s accounting (:func:`~asyncrl.run.plan_formulas.slots_for_budget`), so a
+The count comes from ``asyncrl plan``'s accounting (:func:`~asyncrl.plan.formulas.slots_for_budget`), so a
 run sized here and the plan printed for it agree. A plan's total is affine in the slots each
 engine replica holds (the KV cache and one decode step's logits per slot; every other line is
 fixed), so two plans give the fixed bytes and the bytes per slot, and the count is the largest
 that fits the budget, within:
 
-* at least :func:`~asyncrl.run.plan_formulas.minimum_slots` (a group's samples decode together; a beam needs its width);
+* at least :func:`~asyncrl.plan.formulas.minimum_slots` (a group's samples decode together; a beam needs its width);
 * at most ``rollout.max_concurrent x rollout.group_size`` (more slots than samples in flight
   never fill);
 * a multiple of 8 from 8 up (tile-friendly batch rows on accelerators), of the engine replicas.
@@ -28,13 +28,15 @@ import os
 from typing import Any, Optional
 
 from asyncrl.config import Config
-from asyncrl.run.plan import AUTO_SLOTS_HEADROOM as HEADROOM
-from asyncrl.run.plan import GIB, slots_for_budget, with_slots
-from asyncrl.run.plan_formulas import (
+from asyncrl.plan.formulas import AUTO_SLOTS_HEADROOM as HEADROOM
+from asyncrl.plan.formulas import (
+    GIB,
     plan_config,
     plan_layout,
     read_decoder_config,
+    slots_for_budget,
     tensor_parallel_degrees,
+    with_slots,
     with_tensor_parallel,
 )
 
@@ -78,7 +80,7 @@ def resolve_auto_slots(cfg: Config, model_cfg: Any) -> Config:
 
 def resolve_auto_remat(cfg: Config) -> Config:
     """``cfg`` with ``model.remat_policy: auto`` (with ``model.remat``) chosen for this process's
-    devices (:func:`~asyncrl.run.plan_auto.choose_remat_for_run` on the first local device's
+    devices (:func:`~asyncrl.plan.auto.choose_remat_for_run` on the first local device's
     :func:`device_bytes_limit`), logged in one line; ``cfg`` itself otherwise. Runs before the
     model is loaded (the policy is part of the model): the plan reads ``model.path``'s
     ``config.json``, fetched first where it is a hub id."""
@@ -86,13 +88,13 @@ def resolve_auto_remat(cfg: Config) -> Config:
         return cfg
     import jax
 
-    from asyncrl.run.plan_auto import choose_remat_for_run
+    from asyncrl.plan.auto import choose_remat_for_run
 
     backend = jax.default_backend()
     model_cfg = None
     if backend != "cpu":  # the CPU takes full without a plan: nothing to read
         from asyncrl.model.loading import resolve_model_dir
-        from asyncrl.run.plan_formulas import read_decoder_config
+        from asyncrl.plan.formulas import read_decoder_config
 
         model_cfg = read_decoder_config(str(resolve_model_dir(cfg.model.path)))
     chosen, line = choose_remat_for_run(cfg, device_bytes_limit(jax.local_devices()[0]), backend, jax.device_count(),
@@ -104,7 +106,7 @@ def resolve_auto_remat(cfg: Config) -> Config:
 
 def resolve_auto_tensor_parallel(cfg: Config, model_cfg: Any = None) -> Config:
     """``cfg`` with ``engine.tensor_parallel: auto`` replaced by the smallest degree (of those
-    :func:`~asyncrl.run.plan_formulas.tensor_parallel_degrees` allows: dividing the model's KV heads
+    :func:`~asyncrl.plan.formulas.tensor_parallel_degrees` allows: dividing the model's KV heads
     and the engine's devices) whose plan fits this process's :func:`device_budget`, logged in one
     line; a number is checked against the same budget and refused (a ConfigError naming the degrees
     that fit) when it does not fit. ``cfg`` itself with ``engine.remote`` (servers place themselves)."""

@@ -258,8 +258,8 @@ def part_loop(cfg: Any, dtype: str, args: argparse.Namespace, work: Path) -> dic
     from runlib import read_metrics
 
     from asyncrl.config import load_config
+    from asyncrl.plan.formulas import plan_config
     from asyncrl.run.loop import train
-    from asyncrl.run.plan import plan_config
     from asyncrl.trainer import Trainer
 
     model_dir = write_model_dir(cfg, work / "model", 512 if args.quick else 8192, args.data / "train.jsonl")

@@ -36,7 +36,7 @@ def measure_trainer(cfg: Any, graphdef: Any, params: Any) -> dict:
 
     trainer = Trainer(cfg, graphdef, params)
     rows = cfg.rollout.batch_size * cfg.rollout.group_size
-    from asyncrl.run.plan import batch_shape
+    from asyncrl.plan.activations import batch_shape
 
     _, length, window = batch_shape(cfg, sft=False)
     data = random_train_batch(rows, length, trainer.model_cfg.vocab_size, length - window, cfg.rollout.group_size)
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from asyncrl.config import load_config
     from asyncrl.model import bench_40m_config, init_decoder, split_params
-    from asyncrl.run.plan import plan_config, read_decoder_config, stage_decoder_config
+    from asyncrl.plan.formulas import plan_config, read_decoder_config, stage_decoder_config
 
     cfg = load_config(data={"model": {"path": "tiny" if args.model == "bench-40m" else args.model}}, overrides=args.overrides)
     model_cfg = bench_40m_config() if args.model == "bench-40m" else read_decoder_config(args.model)

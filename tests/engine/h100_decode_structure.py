@@ -3,12 +3,12 @@ process of its own: XLA reads ``XLA_FLAGS``, the dump folder and the command-buf
 
     JAX_PLATFORMS=cpu python -m tests.engine.h100_decode_structure LAYERS INNER
 
-prints :class:`asyncrl.run.thunk_sequence.DecodeStructure` as a JSON line (kernels per step, per
+prints :class:`asyncrl.plan.thunk_sequence.DecodeStructure` as a JSON line (kernels per step, per
 layer and outside the layers, steps per loop iteration, whether the body and the loop are inside
 command buffers, host round trips per token). The model is Qwen2.5-0.5B's shape
 (configs/models/qwen2.5-0.5b) with ``LAYERS`` layers, bf16 compute, 128 slots, a 1024-slot cache,
 16-step chunks (the 0.5B recipe's engine) and ``INNER`` steps per loop iteration, Gumbel sampling
-(the GPU's), on the ``h100`` target of ``asyncrl plan --target`` (asyncrl/run/targets.py). Used by
+(the GPU's), on the ``h100`` target of ``asyncrl plan --target`` (asyncrl/plan/targets.py). Used by
 test_decode_compiled_h100.py when the CUDA plugin is importable (the aot venv, tests/README.md)."""
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ def main(layers: int, inner: int) -> dict:
     from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls, init_slot_state
     from asyncrl.model.compute_copy import compute_copy
     from asyncrl.model.transformer import Decoder, split_params
-    from asyncrl.run.plan import read_decoder_config
-    from asyncrl.run.targets import get_target, target_devices
-    from asyncrl.run.thunk_sequence import decode_structure
+    from asyncrl.plan.formulas import read_decoder_config
+    from asyncrl.plan.targets import get_target, target_devices
+    from asyncrl.plan.thunk_sequence import decode_structure
 
     (device,) = target_devices(get_target("h100"), 1)
     on_device = jax.sharding.SingleDeviceSharding(device)

@@ -2,7 +2,7 @@
 plugin is importable (the aot venv: ``JAX_PLATFORMS=cpu ~/.cache/asyncrl-aot-cuda/bin/python -m pytest
 tests/engine/test_decode_compiled_h100.py``; the CI venv skips it). Qwen2.5-0.5B's layers (3 of
 them), 128 slots, a 1024-slot cache, 16-step chunks and the GPU's 8 steps per loop iteration, read
-by ``asyncrl plan --target``'s own parser (asyncrl/run/thunk_sequence.py): at most 10 kernels per
+by ``asyncrl plan --target``'s own parser (asyncrl/plan/thunk_sequence.py): at most 10 kernels per
 layer and at most 15 outside the layers per step, and the loop's body one command buffer of 8 steps (one host
 round trip per 8 tokens)."""
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.engine.platform import GPU_INNER_STEPS
-from asyncrl.run.targets import plugin_installed
+from asyncrl.plan.targets import plugin_installed
 
 pytestmark = [pytest.mark.skipif(not plugin_installed("gpu"), reason="needs the CUDA plugin (compile-only H100)"),
               pytest.mark.timeout(900)]
@@ -53,7 +53,7 @@ import functools, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from asyncrl.model.attention import _decode_kernel, _scatter_and_attend, attention_kernel, compiled_for
-from asyncrl.run.targets import get_target, target_devices
+from asyncrl.plan.targets import get_target, target_devices
 devices = target_devices(get_target("h100"), 2)
 mesh = jax.sharding.Mesh(np.array(devices).reshape(1, 1, 2), ("data", "fsdp", "tensor"))
 spec = lambda *s: NamedSharding(mesh, P(*s))

@@ -13,8 +13,8 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.model.tiny import TinySpec, tiny_decoder_config
-from asyncrl.run.plan_compiled import CompiledMemory, lower_train_step
-from asyncrl.run.targets import get_target, plugin_installed, target_devices
+from asyncrl.plan.compiled import CompiledMemory, lower_train_step
+from asyncrl.plan.targets import get_target, plugin_installed, target_devices
 
 LENGTH = 256  # distinct from every model dimension, so a [T, T] operand is recognisable
 

@@ -75,7 +75,8 @@ def test_auto_scans_on_accelerators_and_not_on_cpu():
 
 
 def test_plan_counts_the_stacked_copy_only_when_scanning():
-    from asyncrl.run.plan import layer_share, plan_config
+    from asyncrl.plan.activations import layer_share
+    from asyncrl.plan.formulas import plan_config
 
     cfg = load_config(data={"model": {"compute_dtype": "float32"}})
     model_cfg = _config(4)
@@ -115,7 +116,7 @@ def test_a_run_of_one_layer_keeps_its_remat_and_only_runs_of_two_or_more_are_sta
     scan: its remat needs JAX's optimization barrier, else XLA merges the recompute with the forward
     and keeps the whole layer's activations (seen in XLA's buffer assignment for an L4). The plan
     stacks only the layers in runs of two or more."""
-    from asyncrl.run.plan_activations import stacked_layers
+    from asyncrl.plan.activations import stacked_layers
 
     cfg = _config(3, remat=True, scan_layers=True).replace(
         layer_types=("sliding_attention", "sliding_attention", "full_attention"), sliding_window=4)

@@ -10,9 +10,9 @@ import pytest
 from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.errors import ConfigError
+from asyncrl.plan.formulas import AUTO_SLOTS_HEADROOM as HEADROOM
+from asyncrl.plan.formulas import GIB, minimum_slots, plan_config, slots_for_budget, with_slots
 from asyncrl.run.auto_slots import resolve_auto_slots
-from asyncrl.run.plan import AUTO_SLOTS_HEADROOM as HEADROOM
-from asyncrl.run.plan import GIB, minimum_slots, plan_config, slots_for_budget, with_slots
 from tests.helpers import REPO_ROOT
 
 RECIPE = REPO_ROOT / "configs" / "gsm8k_grpo_qwen2.5_0.5b.yaml"

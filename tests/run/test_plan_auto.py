@@ -8,7 +8,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.errors import ConfigError
 from asyncrl.model.loading import runtime_options
-from asyncrl.run.plan_auto import auto_candidates, choose_auto
+from asyncrl.plan.auto import auto_candidates, choose_auto
 
 
 def test_auto_is_the_memory_safe_default_in_a_run_and_explicit_values_stay():
@@ -59,8 +59,8 @@ def test_choose_compiles_only_where_the_formulas_cannot_tell():
 def test_plan_target_states_the_choice_and_explicit_values_win():
     """On the cpu target (this process's CPU; its memory is the host's) the cheapest candidate is
     clear from the formulas: no compile. An explicit value is kept as given."""
-    from asyncrl.run.plan_auto import resolve_for_target
-    from asyncrl.run.targets import get_target
+    from asyncrl.plan.auto import resolve_for_target
+    from asyncrl.plan.targets import get_target
 
     small = ["stages=[]", "rollout.batch_size=2", "engine.slots=16", "model.remat=true"]
     cfg = load_config("configs/quickstart.yaml", small)
@@ -75,8 +75,8 @@ def test_plan_target_states_the_choice_and_explicit_values_win():
 
 def test_a_run_chooses_save_dots_only_where_the_formulas_clear_it_and_full_on_a_cpu():
     """The run's choice from its device's bytes (no device here: the bytes are given; no compile)."""
-    from asyncrl.run.plan_auto import PLAN_TOLERANCE, apply_sets, choose_remat_for_run
-    from asyncrl.run.plan_formulas import plan_config
+    from asyncrl.plan.auto import PLAN_TOLERANCE, apply_sets, choose_remat_for_run
+    from asyncrl.plan.formulas import plan_config
 
     cfg = load_config(data={"model": {"remat": True}, "engine": {"slots": 16}})
     total = {policy: plan_config(apply_sets(cfg, [f"model.remat_policy={policy}"]), backend="gpu").total_bytes

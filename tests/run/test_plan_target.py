@@ -18,8 +18,8 @@ import sys
 import pytest
 
 from asyncrl.cli import main
-from asyncrl.run.targets import plugin_installed
-from asyncrl.run.thunk_sequence import decode_structure, layer_period, parse_thunks
+from asyncrl.plan.targets import plugin_installed
+from asyncrl.plan.thunk_sequence import decode_structure, layer_period, parse_thunks
 from tests.helpers import REPO_ROOT, subprocess_env
 
 DUMPS = REPO_ROOT / "tests" / "fixtures" / "thunk_sequences"
@@ -144,9 +144,9 @@ def test_a_measuring_compile_the_target_rejects_is_one_line(monkeypatch):
     """``auto``'s measuring compiles (plan_auto.run_peak) fail like the report's own: one line
     naming what compiled and the compiler's first line (seen: libtpu refusing host 0's 4 chips of
     a v6e-32 engine), not a traceback."""
-    import asyncrl.run.plan_auto as plan_auto
+    import asyncrl.plan.auto as plan_auto
     from asyncrl.errors import ConfigError
-    from asyncrl.run.plan_target import compile_and_print
+    from asyncrl.plan.target import compile_and_print
 
     def rejected(*args, **kwargs):
         raise RuntimeError("INTERNAL: RET_CHECK failure device_id < kMaxDeviceCount\nError encountered while compiling ...")
@@ -167,8 +167,8 @@ def test_lora_train_step_compiles_with_its_frozen_base():
     import jax
 
     from asyncrl.config import load_config
-    from asyncrl.run.plan_compiled import compile_lowered, lower_train_step
-    from asyncrl.run.plan_formulas import stage_decoder_config
+    from asyncrl.plan.compiled import compile_lowered, lower_train_step
+    from asyncrl.plan.formulas import stage_decoder_config
 
     overrides = ["stages=[]", "rollout.batch_size=2"]
     memory = {}

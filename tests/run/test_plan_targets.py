@@ -1,4 +1,4 @@
-"""``asyncrl plan --target``'s table (asyncrl/run/targets.py): every target described, the
+"""``asyncrl plan --target``'s table (asyncrl/plan/targets.py): every target described, the
 compile-only devices of the cpu target, and the one-line errors (unknown target, plugin not
 installed, a device count a target cannot have). GPU and TPU devices are made only where their
 plugin is importable (the aot venvs of tests/README.md)."""
@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.errors import ConfigError
-from asyncrl.run import targets
-from asyncrl.run.targets import (
+from asyncrl.plan.targets import (
     device_memory_bytes,
     get_target,
     gpu_topology_name,
@@ -19,6 +18,7 @@ from asyncrl.run.targets import (
     target_names,
     target_topology,
 )
+from asyncrl.run import targets
 
 GIB = 2**30
 GPUS = ("h100", "h200", "a100-80gb", "l4")

@@ -15,15 +15,8 @@ from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.errors import ConfigError, ModelError
 from asyncrl.model.tiny import parse_tiny_spec, tiny_decoder_config
-from asyncrl.run.plan import (
-    GIB,
-    abstract_params,
-    activation_bytes,
-    params_per_device,
-    plan_config,
-    plan_layout,
-    read_decoder_config,
-)
+from asyncrl.plan.activations import activation_bytes
+from asyncrl.plan.formulas import GIB, abstract_params, params_per_device, plan_config, plan_layout, read_decoder_config
 from tests.helpers import REPO_ROOT
 
 CONFIGS = REPO_ROOT / "configs"

@@ -5,7 +5,7 @@ target description (a ``GpuTargetConfig`` in protobuf text form: compute capabil
 memory, bandwidth), libtpu makes compile-only TPU chips from a topology name (``v6e:2x4``), and
 ``jax.jit(f).lower(abstract arguments sharded over them).compile()`` then runs XLA's real GPU or
 TPU pipeline on this CPU (nothing is allocated). The targets are a table shipped as data,
-``asyncrl/run/target_specs/``: ``targets.yaml`` (name, platform, libtpu topology, chips, hosts,
+``asyncrl/plan/target_specs/``: ``targets.yaml`` (name, platform, libtpu topology, chips, hosts,
 memory per chip; sources in its comments) and one description file per GPU (``h100.txtpb``...,
 each with the source of its figures). ``cpu`` is this machine's CPU with forced host devices
 (``--xla_force_host_platform_device_count``), so the whole machinery runs in every test.

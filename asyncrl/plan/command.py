@@ -1,13 +1,13 @@
 """``asyncrl plan``: what a config needs on each device, before the hardware is rented.
 
-The command (:func:`run_plan`) prints the per-device table of :func:`~asyncrl.run.plan_formulas.plan_config`
-(the analytic model: :mod:`asyncrl.run.plan_formulas` says what is counted), and, when a
+The command (:func:`run_plan`) prints the per-device table of :func:`~asyncrl.plan.formulas.plan_config`
+(the analytic model: :mod:`asyncrl.plan.formulas` says what is counted), and, when a
 ``--device-memory`` is given and the total does not fit, :func:`suggest` tries the changes a user
 would make (more micro-batches, remat, a larger fsdp axis, fewer slots, a shorter kv_capacity,
 LoRA) one at a time and then together, each with its new total.
 
 ``--xla`` adds XLA's figures for the real jitted programs compiled on this machine
-(:mod:`asyncrl.run.plan_compiled`). The formulas' public names stay importable from here.
+(:mod:`asyncrl.plan.compiled`). The formulas' public names stay importable from here.
 """
 
 from __future__ import annotations
@@ -17,36 +17,15 @@ from typing import Any, Optional, Sequence
 
 from asyncrl.config import Config, load_config
 from asyncrl.errors import ConfigError
-from asyncrl.run.plan_activations import (  # noqa: F401 - re-exported
-    DTYPE_BYTES,
-    Activations,
-    activation_bytes,
-    batch_shape,
-    layer_share,
-    mlp_activation_bytes,
-    saved_mlp_dots_bytes,
-)
-from asyncrl.run.plan_compiled import (  # noqa: F401 - re-exported
-    CompiledMemory,
-    can_compile_here,
-    compiled_decode_chunk,
-    compiled_train_step,
-)
-from asyncrl.run.plan_formulas import (  # noqa: F401 - re-exported
+from asyncrl.plan.compiled import CompiledMemory, can_compile_here, compiled_decode_chunk, compiled_train_step
+from asyncrl.plan.formulas import (
     AUTO_SLOTS_HEADROOM,
-    AUTO_SLOTS_ROUND_TO,
     GIB,
     Layout,
-    Line,
     MemoryPlan,
-    StandInDevice,
-    abstract_params,
-    engine_base_bytes,
     minimum_slots,
-    params_per_device,
     plan_config,
     plan_layout,
-    plan_stage,
     planned_slots,
     read_decoder_config,
     slots_for_budget,

@@ -4,7 +4,7 @@ and the per-device bytes of ``compiled.memory_analysis()``.
 
 Each ``lower_*`` function returns the ``Lowered`` of one program on given devices (this
 machine's for ``asyncrl plan --xla``; compile-only GPUs or TPUs for ``--target``,
-:mod:`asyncrl.run.targets`), laid out as the run lays it out: the trainer's mesh over
+:mod:`asyncrl.plan.targets`), laid out as the run lays it out: the trainer's mesh over
 ``placement.trainer_devices`` and the engine on the trainer's arrays (the default) or on its own
 mesh (:func:`~asyncrl.cluster.placement.engine_mesh`, split placement):
 
@@ -28,8 +28,8 @@ from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 from asyncrl.config import Config
-from asyncrl.run.plan_activations import batch_shape
-from asyncrl.run.plan_formulas import Layout, planned_slots
+from asyncrl.plan.activations import batch_shape
+from asyncrl.plan.formulas import Layout, planned_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +194,7 @@ def compiled_train_step(cfg: Config, model_cfg: Any, layout: Layout, sft: bool =
                         devices: Optional[Sequence[Any]] = None) -> CompiledMemory:
     """XLA's memory analysis of the real jitted train step (:func:`asyncrl.trainer.step.train_step`)
     lowered on abstract arguments for one step of ``cfg`` at the plan's batch shape
-    (:func:`~asyncrl.run.plan_formulas.batch_shape`, rows padded to the trainer's multiple) on
+    (:func:`~asyncrl.plan.formulas.batch_shape`, rows padded to the trainer's multiple) on
     ``devices`` (default: the local ones) arranged as ``layout``."""
     import jax
 
@@ -360,7 +360,7 @@ def compiled_decode_chunk(cfg: Config, model_cfg: Any) -> CompiledMemory:
 def train_shape(cfg: Config, sft: bool, row_shards: int, hosts: int) -> tuple[int, int, int]:
     """``(global rows, L, window)`` of the stage's first train step: the precompile's prediction
     (:func:`~asyncrl.trainer.precompile.expected_first_shape`, per host, times the hosts); with
-    ``rollout.pack`` (and for SFT) the plan's worst case (:func:`~asyncrl.run.plan_formulas.batch_shape`),
+    ``rollout.pack`` (and for SFT) the plan's worst case (:func:`~asyncrl.plan.formulas.batch_shape`),
     rows padded to the trainer's multiple."""
     mini = 1 if sft else cfg.algo.mini_batches
     multiple = row_shards * mini * cfg.optim.micro_batches

@@ -17,7 +17,7 @@ stays what :data:`asyncrl.model.loading.RUN_AUTO` says (the chunk under
 ``model.logprob_chunk_budget_mb``).
 
 Compiles are the cost (tens of seconds to minutes each here), so the calibrated formulas
-(:mod:`asyncrl.run.plan_formulas`, within :data:`PLAN_TOLERANCE` of XLA on the shipped configs)
+(:mod:`asyncrl.plan.formulas`, within :data:`PLAN_TOLERANCE` of XLA on the shipped configs)
 decide where they are clear (a candidate over the budget by more than the tolerance cannot fit,
 one under it by more fits) and XLA's peak decides in between, at most ``max_compiles`` compiles;
 when none fits, the least-memory candidate is returned as not fitting. The report that follows
@@ -131,9 +131,9 @@ def run_peak(cfg: Config, target: Any, devices: int, hosts: int) -> int:
     less the trainer's parameter arrays when the engine serves them as they are (both programs
     read them: one copy on the device)."""
     from asyncrl.cluster.placement import resolve_placement
-    from asyncrl.run.plan_compiled import compile_lowered, engine_args, lower_decode_chunk, lower_train_step, train_shape
-    from asyncrl.run.plan_formulas import abstract_params, plan_layout, plan_stage, stage_decoder_config
-    from asyncrl.run.targets import target_devices
+    from asyncrl.plan.compiled import compile_lowered, engine_args, lower_decode_chunk, lower_train_step, train_shape
+    from asyncrl.plan.formulas import abstract_params, plan_layout, plan_stage, stage_decoder_config
+    from asyncrl.plan.targets import target_devices
 
     found = target_devices(target, devices, hosts)
     peak = 0
@@ -162,9 +162,9 @@ def resolve_for_target(config: Optional[str], overrides: Sequence[str], cfg: Con
     (:func:`choose_auto` on :func:`run_peak` against the target's memory per device), and the
     line ``asyncrl plan --target`` prints about the choice (None when nothing was ``auto``)."""
     from asyncrl.config import load_config
-    from asyncrl.run.plan_activations import batch_shape
-    from asyncrl.run.plan_formulas import plan_config
-    from asyncrl.run.targets import device_memory_bytes
+    from asyncrl.plan.activations import batch_shape
+    from asyncrl.plan.formulas import plan_config
+    from asyncrl.plan.targets import device_memory_bytes
 
     window = max(batch_shape(flat, stage.type == "sft")[2] for stage, flat in cfg.stage_configs())
     candidates = auto_candidates(cfg, window)
@@ -181,7 +181,7 @@ def resolve_for_target(config: Optional[str], overrides: Sequence[str], cfg: Con
 
 def _same_slots(new: Config, planned: Config) -> Config:
     """``new`` with ``planned``'s engine slots (``engine.slots: auto`` is sized before the choice)."""
-    from asyncrl.run.plan_formulas import with_slots
+    from asyncrl.plan.formulas import with_slots
 
     slots = planned.engine.slots
     return with_slots(new, slots) if isinstance(slots, int) and new.engine.slots != slots else new
@@ -219,7 +219,7 @@ def choose_remat_for_run(cfg: Config, device_bytes: Optional[int], backend: str,
     is no budget to choose against, and its compiler keeps most activations under either
     policy (docs/performance.md "Memory before hardware")."""
     from asyncrl.errors import ConfigError
-    from asyncrl.run.plan_formulas import AUTO_SLOTS_HEADROOM, GIB, plan_config, slots_for_budget, with_slots
+    from asyncrl.plan.formulas import AUTO_SLOTS_HEADROOM, GIB, plan_config, slots_for_budget, with_slots
 
     if not (cfg.model.remat and cfg.model.remat_policy == "auto"):
         return cfg, None

@@ -1,5 +1,5 @@
 """What one device holds for a train step's backward pass, per micro-batch: the activation
-formulas of ``asyncrl plan`` (:mod:`asyncrl.run.plan_formulas` adds them to the parameters,
+formulas of ``asyncrl plan`` (:mod:`asyncrl.plan.formulas` adds them to the parameters,
 gradients, optimizer state and the engine's share).
 
 The copies XLA keeps differ by backend (attention scores, the lm head's logits:

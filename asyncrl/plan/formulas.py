@@ -1,4 +1,4 @@
-"""The memory formulas of ``asyncrl plan`` (:mod:`asyncrl.run.plan`): what a config needs on each
+"""The memory formulas of ``asyncrl plan`` (:mod:`asyncrl.plan.command`): what a config needs on each
 device, counted from the run config and the model's ``config.json`` alone.
 
 No weights are read, nothing is allocated, no accelerator is needed. :func:`plan_config` lays the
@@ -14,7 +14,7 @@ trainer
     compute-dtype copy of the weights), AdamW's two moments, the frozen reference model when
     ``algo.kl_coef > 0``, LoRA's frozen base, the step's compute-dtype copy of the weights and,
     with ``model.scan_layers``, its stacked ``[layers, ...]`` copy, and the activations of one
-    micro-batch (:func:`~asyncrl.run.plan_activations.activation_bytes`: per layer what the backward pass keeps, or with
+    micro-batch (:func:`~asyncrl.plan.activations.activation_bytes`: per layer what the backward pass keeps, or with
     ``model.remat`` each layer's input plus the larger of one layer recomputed and the lm head's
     logits over the trained window, chunked by ``model.logprob_chunk_size`` or the automatic
     budget: the two are never alive together);
@@ -29,7 +29,7 @@ engine
     cast at each publish; measured on the Qwen2.5-0.5B shape).
 
 The copies XLA keeps differ by backend (attention scores, the lm head's logits, a decode step's
-logits: :mod:`asyncrl.run.plan_activations`, :func:`decode_logit_copies`), so
+logits: :mod:`asyncrl.plan.activations`, :func:`decode_logit_copies`), so
 the plan is for a backend (``--backend``; ``asyncrl plan --target`` plans for the target's). The
 GPU and TPU figures are calibrated against XLA's own memory analysis of the compiled programs
 (docs/performance.md "The formulas against XLA").
@@ -50,14 +50,7 @@ from typing import Any, Optional
 
 from asyncrl.config import Config
 from asyncrl.errors import ConfigError, ModelError
-from asyncrl.run.plan_activations import (
-    DTYPE_BYTES,
-    activation_bytes,
-    batch_shape,
-    param_count,
-    stacked_layers,
-    stacked_share,
-)
+from asyncrl.plan.activations import DTYPE_BYTES, activation_bytes, batch_shape, param_count, stacked_layers, stacked_share
 
 GIB = 2**30
 CPU_DECODE_LOGIT_COPIES = 3

@@ -6,7 +6,7 @@ devices need ``JAX_PLATFORMS=cpu``, and XLA reads its flags (the GPU dump, the e
 command-buffer flags of :mod:`asyncrl.engine.platform`, forced host devices for ``cpu``) once,
 when the backend starts. Nothing is allocated and nothing is downloaded. In that process
 (:func:`target_reports`), for each stage of CONFIG and on the config's mesh laid over the
-target's devices (:mod:`asyncrl.run.targets`; the engine on the trainer's arrays or, with split
+target's devices (:mod:`asyncrl.plan.targets`; the engine on the trainer's arrays or, with split
 placement, on its own mesh):
 
 * ``train_step`` at the predicted first batch shape (:func:`~asyncrl.trainer.precompile.expected_first_shape`;
@@ -17,9 +17,9 @@ placement, on its own mesh):
   at each publish, where ``model.compute_dtype`` differs from ``model.param_dtype``).
 
 Per program it prints XLA's per-device arguments, outputs, aliased and temporary bytes and the
-peak they add up to, the plan's estimate of the same program (:mod:`asyncrl.run.plan_formulas`),
+peak they add up to, the plan's estimate of the same program (:mod:`asyncrl.plan.formulas`),
 the verdict against the target's memory and the compile seconds here; for a GPU decode chunk the
-launch structure read from XLA's thunk sequence dump (:mod:`asyncrl.run.thunk_sequence`).
+launch structure read from XLA's thunk sequence dump (:mod:`asyncrl.plan.thunk_sequence`).
 ``--json``: one object per line and program (:meth:`ProgramReport.as_json`).
 """
 
@@ -36,8 +36,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 from asyncrl.config import Config, load_config
 from asyncrl.errors import ConfigError
-from asyncrl.run.plan_activations import DTYPE_BYTES
-from asyncrl.run.plan_compiled import (
+from asyncrl.plan.activations import DTYPE_BYTES
+from asyncrl.plan.compiled import (
     CompiledMemory,
     compile_lowered,
     engine_args,
@@ -48,7 +48,7 @@ from asyncrl.run.plan_compiled import (
     lower_train_step,
     train_shape,
 )
-from asyncrl.run.plan_formulas import (
+from asyncrl.plan.formulas import (
     GIB,
     MemoryPlan,
     abstract_params,
@@ -58,7 +58,7 @@ from asyncrl.run.plan_formulas import (
     plan_stage,
     stage_decoder_config,
 )
-from asyncrl.run.targets import (
+from asyncrl.plan.targets import (
     Target,
     check_plugin,
     device_memory_bytes,
@@ -67,7 +67,7 @@ from asyncrl.run.targets import (
     target_env,
     target_topology,
 )
-from asyncrl.run.thunk_sequence import DecodeStructure, decode_structure
+from asyncrl.plan.thunk_sequence import DecodeStructure, decode_structure
 
 CHILD_ENV = "ASYNCRL_PLAN_TARGET_CHILD"
 """Set in the compiling process :func:`run_plan_target` starts (its value: the dump directory, or
@@ -164,7 +164,7 @@ def _plan_mesh(plan: MemoryPlan) -> Any:
 
 def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_dir: Optional[Path] = None) -> Iterator[ProgramReport]:
     """Compile every program of every stage of ``cfg`` for ``target`` (``devices`` over ``hosts``),
-    yielding each report as it is done. Run where :func:`~asyncrl.run.targets.target_env` set
+    yielding each report as it is done. Run where :func:`~asyncrl.plan.targets.target_env` set
     the environment (the compiling process); ``dump_dir``: XLA's dump directory (GPU targets),
     read after each decode chunk's compile."""
     from asyncrl.cluster.placement import resolve_placement
@@ -295,11 +295,11 @@ def compile_and_print(config: str, overrides: Sequence[str], target_name: str, d
     target = get_target(target_name)
     count, hosts = target_topology(target, devices, processes)
     if cfg.engine.slots == "auto":
-        from asyncrl.run.plan import _plan_auto_slots
+        from asyncrl.plan.command import _plan_auto_slots
 
         cfg = _plan_auto_slots(cfg, device_memory_bytes(target), count, hosts, target.platform)
-    from asyncrl.run.plan_auto import resolve_for_target  # model.remat_policy / logprob_chunk_size: auto
-    from asyncrl.run.plan_formulas import plan_config
+    from asyncrl.plan.auto import resolve_for_target
+    from asyncrl.plan.formulas import plan_config
 
     try:
         cfg, auto_line = resolve_for_target(config, overrides, cfg, target, count, hosts)
@@ -328,7 +328,7 @@ def run_plan_target(config: str, overrides: Sequence[str], target_name: str, dev
                     processes: Optional[int] = None, as_json: bool = False, keep_dump: Optional[str] = None) -> int:
     """``asyncrl plan CONFIG --target NAME``: checks what it can here (the target, its plugin, the
     device count), then compiles in a process of its own with the target's environment
-    (:func:`~asyncrl.run.targets.target_env`; on GPUs also XLA's dump and the engine's
+    (:func:`~asyncrl.plan.targets.target_env`; on GPUs also XLA's dump and the engine's
     command-buffer flags) and passes its output and exit status on. ``keep_dump``: a directory
     for XLA's dump (default: a temporary one, removed)."""
     if os.environ.get(CHILD_ENV):
