@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("agents", ("asyncrl.agent", "asyncrl.engine.serve")),
     ("trainer", ("asyncrl.trainer",)),
     ("checkpoint", ("asyncrl.checkpoint",)),
+    ("plan", ("asyncrl.plan",)),
     ("run", ("asyncrl.run",)),
     ("workflows", ("workflows",)),
     ("entry points", ("asyncrl.cli", "asyncrl.__main__")),

@@ -18,7 +18,7 @@ from asyncrl.plan.targets import (
     target_names,
     target_topology,
 )
-from asyncrl.run import targets
+from asyncrl.plan import targets
 
 GIB = 2**30
 GPUS = ("h100", "h200", "a100-80gb", "l4")
