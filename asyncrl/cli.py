@@ -148,7 +148,11 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
                       "XLA's per-device memory per program beside the plan's, the verdict and the compile seconds (GPU "
                       "decode: kernels per step, host round trips per token); needs jax's CUDA plugin or libtpu installed "
                       "(docs/performance.md \"Compiled for the target\")")
-    plan.add_argument("--json", action="store_true", help="with --target: one JSON object per line and program")
+    plan.add_argument("--json", action="store_true", help="one JSON object per line: with --target one per program, each "
+                      "stage's device total last; without, the device total (\"program\": \"device_total\")")
+    plan.add_argument("--program", action="append", default=[], metavar="NAME", dest="programs",
+                      help="with --target or --xla: compile only this program (repeatable): train_step, critic_step, "
+                      "prefill, decode_chunk, beam_search, publish")
     plan.add_argument("--dump", default=None, metavar="DIR",
                       help="with --target on a GPU: keep XLA's dump of the decode chunks (thunk sequences) in DIR")
 
@@ -347,6 +351,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         sys.stdout.write(dump_config(cfg))
         return 0
     if args.command == "plan":
+        from asyncrl.plan.programs import PROGRAMS
+
+        unknown = [p for p in args.programs if p not in PROGRAMS]
+        if unknown:
+            raise ConfigError(f"--program {unknown[0]}: no such program; known: {', '.join(PROGRAMS)}")
         if args.target is not None:
             from asyncrl.plan.target import run_plan_target
 
@@ -355,14 +364,17 @@ def _dispatch(args: argparse.Namespace) -> int:
                 if given:
                     raise ConfigError(f"{option}: not with --target (the target gives the devices, their memory and backend)")
             return run_plan_target(args.config, overrides, args.target, devices=args.devices, processes=args.processes,
-                                   as_json=args.json, keep_dump=args.dump)
-        if args.json or args.dump:
-            raise ConfigError(f"{'--json' if args.json else '--dump'}: only with --target NAME")
+                                   as_json=args.json, keep_dump=args.dump, programs=args.programs)
+        if args.dump:
+            raise ConfigError("--dump: only with --target NAME")
+        if args.programs and not args.xla:
+            raise ConfigError("--program: only with --target NAME or --xla (it names programs to compile)")
         from asyncrl.plan.command import run_plan
 
         return run_plan(args.config, overrides, devices=1 if args.devices is None else args.devices,
                         processes=1 if args.processes is None else args.processes,
-                        device_memory_gb=args.device_memory, backend=args.backend, xla=args.xla)
+                        device_memory_gb=args.device_memory, backend=args.backend, xla=args.xla, as_json=args.json,
+                        programs=args.programs)
     # Other libraries (jax, transformers) speak at WARNING and up; asyncrl at logging.level.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("asyncrl").setLevel(cfg.logging.level)

@@ -22,17 +22,61 @@ holds one serving copy plus one group's staging at its peak.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["COPY_GROUP_BYTES", "local_copy", "serving_copy"]
+__all__ = ["COPY_GROUP_BYTES", "PublishGroup", "local_copy", "publish_groups", "serving_copy"]
 
 COPY_GROUP_BYTES = 128 << 20
 """Bytes one copy program handles: what a device holds beyond its own shards while a publish or
 :func:`local_copy` runs (the model never is whole on every device at once)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishGroup:
+    """Leaves laid out by one program of a publish (:func:`publish_groups`)."""
+
+    indices: tuple[int, ...]
+    """The leaves' positions in ``jax.tree.leaves`` order."""
+    program: Any
+    """The jitted cast-and-layout program (takes the leaves as a list)."""
+
+
+def publish_groups(params: Any, shardings: Any, compute_dtype: Any, formats: Any = None,
+                   group_bytes: int = COPY_GROUP_BYTES) -> tuple[list[Any], list[bool], list[PublishGroup]]:
+    """How :func:`serving_copy` lays out ``params`` (arrays or ``jax.ShapeDtypeStruct`` with
+    shardings, so the plan can compile the same programs): ``(targets, casts, groups)``, per leaf its
+    target sharding (or Format) and whether it is cast; and the groups of sharded leaves, each laid
+    out by one program on its source devices. Leaves already in their dtype and sharding are in no
+    group and not cast; host leaves and one-device leaves neither (they are uploaded or sliced)."""
+    from asyncrl.model.compute_copy import cast_flags
+
+    leaves = jax.tree.leaves(params)
+    is_target = lambda s: isinstance(s, jax.sharding.Sharding) or type(s).__name__ == "Format"  # noqa: E731
+    targets = jax.tree.leaves(shardings if formats is None else formats, is_leaf=is_target)
+    if len(targets) != len(leaves):
+        raise ValueError(f"serving_copy: {len(leaves)} params but {len(targets)} shardings (different structures)")
+    casts = cast_flags(params, compute_dtype)
+    dtype = str(np.dtype(compute_dtype))
+    sharded: dict[Any, list[int]] = {}  # source device assignment -> leaves laid out by one program there
+    for i, (x, target) in enumerate(zip(leaves, targets)):
+        source = getattr(x, "sharding", None)
+        if source is None or len(source.device_set) == 1 or (not casts[i] and source == _sharding(target)):
+            continue
+        sharded.setdefault(_assignment(source), []).append(i)
+    groups = []
+    for indices in sharded.values():
+        sizes = [int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize for i in indices]
+        for group in _byte_groups(indices, sizes, group_bytes):
+            sources = tuple(leaves[i].sharding for i in group)
+            staging = tuple(_staging(leaves[i].sharding, targets[i]) for i in group)
+            flags = tuple(casts[i] for i in group)
+            groups.append(PublishGroup(tuple(group), _layout_jit(sources, staging, flags, dtype)))
+    return targets, casts, groups
 
 
 def serving_copy(params: Any, shardings: Any, compute_dtype: Any, formats: Any = None,
@@ -43,37 +87,24 @@ def serving_copy(params: Any, shardings: Any, compute_dtype: Any, formats: Any =
     and in its memory layout in ``formats`` (``jax.experimental.layout.Format`` leaves, or None:
     row-major; :func:`~asyncrl.engine.layouts.serving_formats`). New arrays throughout, except
     leaves already in their dtype and sharding: those are served as they are, never copied."""
-    from asyncrl.model.compute_copy import cast_flags
-
     leaves, treedef = jax.tree.flatten(params)
-    is_target = lambda s: isinstance(s, jax.sharding.Sharding) or type(s).__name__ == "Format"  # noqa: E731
-    targets = jax.tree.leaves(shardings if formats is None else formats, is_leaf=is_target)
-    if len(targets) != len(leaves):
-        raise ValueError(f"serving_copy: {len(leaves)} params but {len(targets)} shardings (different structures)")
     if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
         raise ValueError("JaxEngine: params span other processes' devices; every process calls "
                          "asyncrl.engine.device_copy.local_copy on them and process 0 hands its copies to the engine")
-    casts = cast_flags(params, compute_dtype)
+    targets, casts, groups = publish_groups(params, shardings, compute_dtype, formats, group_bytes)
     dtype = str(np.dtype(compute_dtype))
+    grouped = {i for group in groups for i in group.indices}
     out: list[Any] = list(leaves)
-    sharded: dict[Any, list[int]] = {}  # source device assignment -> leaves laid out by one program there
     for i, (x, target) in enumerate(zip(leaves, targets)):
-        if not casts[i] and _placed_as(x, target):
-            continue  # already as served
-        if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
-            sharded.setdefault(_assignment(x.sharding), []).append(i)
-        else:  # host data or one device: upload or slice onto the target, then cast there
-            placed = jax.device_put(x, target)
-            out[i] = _layout_jit((_sharding(target),), (target,), (True,), dtype)([placed])[0] if casts[i] else placed
-    for indices in sharded.values():
-        for group in _byte_groups(indices, [leaves[i].nbytes for i in indices], group_bytes):
-            sources = tuple(leaves[i].sharding for i in group)
-            staging = tuple(_staging(leaves[i].sharding, targets[i]) for i in group)
-            flags = tuple(casts[i] for i in group)
-            staged = _layout_jit(sources, staging, flags, dtype)([leaves[i] for i in group])
-            for i, array in zip(group, staged):
-                out[i] = array if _placed_as(array, targets[i]) else jax.device_put(array, targets[i])
-            del staged
+        if i in grouped or (not casts[i] and _placed_as(x, target)):
+            continue
+        placed = jax.device_put(x, target)  # host data or one device: upload or slice onto the target, then cast there
+        out[i] = _layout_jit((_sharding(target),), (target,), (True,), dtype)([placed])[0] if casts[i] else placed
+    for group in groups:
+        staged = group.program([leaves[i] for i in group.indices])
+        for i, array in zip(group.indices, staged):
+            out[i] = array if _placed_as(array, targets[i]) else jax.device_put(array, targets[i])
+        del staged
     return jax.tree.unflatten(treedef, out)
 
 

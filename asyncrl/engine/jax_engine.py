@@ -75,7 +75,6 @@ from asyncrl.engine.attention_buckets import attention_buckets
 from asyncrl.engine.constraints import TokenTrie, TriePool
 from asyncrl.engine.device_copy import COPY_GROUP_BYTES, local_copy, serving_copy
 from asyncrl.engine.jax_programs import (
-    PREFILL_ROWS,
     PrefillPlan,
     SlotControls,
     SlotState,
@@ -85,6 +84,7 @@ from asyncrl.engine.jax_programs import (
     idle_controls,
     init_slot_state,
     prefill_insert_jit,
+    prefill_rows,
     slot_state_shardings,
 )
 from asyncrl.engine.jax_scheduler import EngineScheduler
@@ -175,7 +175,7 @@ class JaxEngine(EngineScheduler):
         self.buckets = tuple(sorted(b for b in set(cfg.prefill_buckets) if b <= cfg.kv_capacity))
         # PREFILL_ROWS prompts per replica and call: each replica prefills what one device alone would
         replicas = 1 if mesh is None else int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
-        self.prefill_rows = min(PREFILL_ROWS * replicas, cfg.slots)
+        self.prefill_rows = prefill_rows(cfg.slots, replicas)
         # the attention kernels' target: the engine's mesh (fused kernels run per device in a
         # shard_map over it), or its arrays' devices when it has none
         first = jax.tree.leaves(self._shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))[0]

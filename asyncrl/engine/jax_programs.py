@@ -277,6 +277,12 @@ a short prompt's prefill mostly reads the weights: two cost about what one costs
 for 32-token prompts on bench-40m, where four cost 134 ms), and refills come in pairs."""
 
 
+def prefill_rows(slots: int, replicas: int) -> int:
+    """Prompts one prefill call takes: :data:`PREFILL_ROWS` per engine replica (each prefills what
+    one device alone would), at most the slots."""
+    return min(PREFILL_ROWS * replicas, slots)
+
+
 def graphdef_config(graphdef: Any, params: Any) -> Any:
     """The :class:`~asyncrl.model.DecoderConfig` the graphdef was built with (None if it has none)."""
     from flax import nnx

@@ -126,32 +126,31 @@ def choose_auto(candidates: Sequence[tuple[str, ...]], budget: int, estimate: Ca
 
 def run_peak(cfg: Config, target: Any, devices: int, hosts: int) -> int:
     """XLA's per-device peak of ``cfg`` on ``target`` (run where the target's compile-only devices
-    are: the ``--target`` process): over the stages, the train step's at its first batch shape,
-    plus, where the engine shares the trainer's devices, its decode chunk's over the whole cache,
-    less the trainer's parameter arrays when the engine serves them as they are (both programs
-    read them: one copy on the device)."""
+    are: the ``--target`` process): over the stages (:func:`~asyncrl.plan.programs.stage_programs`),
+    the train step's at its first batch shape, or where the engine shares the trainer's devices the
+    device total of it and the decode chunk over the whole cache
+    (:func:`~asyncrl.plan.command.xla_device_total`)."""
     from asyncrl.cluster.placement import resolve_placement
+    from asyncrl.plan.command import xla_device_total
     from asyncrl.plan.compiled import compile_lowered, engine_args, lower_decode_chunk, lower_train_step, train_shape
     from asyncrl.plan.formulas import abstract_params, plan_layout, plan_stage, stage_decoder_config
+    from asyncrl.plan.programs import stage_programs
     from asyncrl.plan.targets import target_devices
 
     found = target_devices(target, devices, hosts)
     peak = 0
-    sft_only = all(stage.type == "sft" for stage, _ in cfg.stage_configs())  # its engine serves the greedy eval
-    for stage, flat in cfg.stage_configs():
-        sft = stage.type == "sft"
+    for stage in stage_programs(cfg):
+        flat, sft = stage.flat, stage.sft
         layout = plan_layout(flat, devices, hosts)
         model_cfg = stage_decoder_config(flat, backend=target.platform)
         placement = resolve_placement(flat, found, hosts)
-        lowered = lower_train_step(flat, model_cfg, placement.trainer_devices, train_shape(flat, sft, layout.row_shards, hosts), sft)
-        total = compile_lowered(lowered)[0].peak
-        if (not sft or sft_only) and flat.engine.remote is None and layout.colocated:
+        trainer = compile_lowered(lower_train_step(flat, model_cfg, placement.trainer_devices,
+                                                   train_shape(flat, sft, layout.row_shards, hosts), sft))[0]
+        total = trainer.peak
+        if stage.engine and layout.colocated:
             decode = compile_lowered(lower_decode_chunk(flat, engine_args(flat, model_cfg, placement, target.platform)))[0]
-            plan = plan_stage(flat, model_cfg, layout, abstract_params(model_cfg), sft, stage.name, target.platform)
-            shared = {line.name: line.bytes for line in plan.lines if line.part == "engine"}
-            reads_trainer_arrays = layout.shares_trainer_arrays and "cast weights" not in shared and flat.model.lora is None
-            total += decode.peak - (next(line.bytes for line in plan.lines if line.name == "parameters")
-                                    if reads_trainer_arrays else 0)
+            plan = plan_stage(flat, model_cfg, layout, abstract_params(model_cfg), sft, stage.stage.name, target.platform)
+            total = xla_device_total(plan, {"trainer": trainer, "engine": decode}) or total
         peak = max(peak, total)
     return peak
 

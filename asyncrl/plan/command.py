@@ -23,6 +23,7 @@ from asyncrl.plan.formulas import (
     GIB,
     Layout,
     MemoryPlan,
+    choose_tensor_parallel,
     minimum_slots,
     plan_config,
     plan_layout,
@@ -31,6 +32,7 @@ from asyncrl.plan.formulas import (
     slots_for_budget,
     stage_decoder_config,
     with_slots,
+    with_tensor_parallel,
 )
 
 
@@ -144,6 +146,47 @@ def gib(n: int) -> str:
     return f"{n / GIB:.2f}"
 
 
+def xla_device_total(plan: MemoryPlan, xla: dict[str, CompiledMemory]) -> Optional[int]:
+    """XLA's device total from the compiled train step (``trainer``) and decode chunk (``engine``):
+    each side's arguments (its resident state) and the larger of their transients (peak minus
+    arguments), colocated; the larger side's peak, split. None without both programs."""
+    trainer, engine = xla.get("trainer"), xla.get("engine")
+    if trainer is None or engine is None:
+        return None
+    if not plan.layout.colocated:
+        return max(trainer.peak, engine.peak)
+    # One device serving the trainer's own arrays: both programs' arguments hold them once.
+    shared = (sum(line.bytes for line in plan.lines if line.part == "trainer" and line.resident and line.name == "parameters")
+              if plan.layout.shares_trainer_arrays and not plan.resident_bytes("engine") - _kv_bytes(plan) else 0)
+    transient = max(trainer.peak - trainer.arguments, engine.peak - engine.arguments)
+    return trainer.arguments + engine.arguments - shared + transient
+
+
+def _kv_bytes(plan: MemoryPlan) -> int:
+    return sum(line.bytes for line in plan.lines if line.part == "engine" and line.name == "KV cache")
+
+
+def device_total_json(plan: MemoryPlan, device_memory: Optional[int], xla: Optional[dict[str, CompiledMemory]] = None,
+                      gb_per_s: Optional[float] = None) -> dict[str, Any]:
+    """The ``"program": "device_total"`` object of ``--json``: the plan's device total (and XLA's,
+    where both programs were compiled), with the verdict against ``device_memory``."""
+    compiled = xla_device_total(plan, xla or {})
+    figure = compiled if compiled is not None else plan.total_bytes
+    out: dict[str, Any] = {
+        "program": "device_total", "stage": plan.stage, "plan_bytes": plan.total_bytes,
+        "plan_trainer_resident_bytes": plan.resident_bytes("trainer"), "plan_engine_resident_bytes": plan.resident_bytes("engine"),
+        "plan_trainer_temporary_bytes": plan.temporary_bytes("trainer"), "plan_engine_temporary_bytes": plan.temporary_bytes("engine"),
+        "plan_publish_bytes": plan.publish_bytes, "colocated": plan.layout.colocated,
+        "device_memory_bytes": device_memory, "fits": None if device_memory is None else figure <= device_memory,
+    }
+    if compiled is not None:
+        out["xla_peak_bytes"] = compiled
+    seconds = plan.publish_seconds(gb_per_s)
+    if seconds is not None:
+        out["plan_publish_s"] = round(seconds, 4)
+    return out
+
+
 def format_plan(plan: MemoryPlan, device_memory: Optional[int] = None, model_name: str = "",
                 xla: Optional[dict[str, CompiledMemory]] = None) -> str:
     """The table ``asyncrl plan`` prints: GiB per device (MiB when the total is under 1 GiB);
@@ -153,21 +196,33 @@ def format_plan(plan: MemoryPlan, device_memory: Optional[int] = None, model_nam
     fmt = lambda n: f"{n / scale:.2f}"  # noqa: E731
     head = (f"asyncrl plan: {model_name} ({plan.params / 1e6:.1f}M parameters), stage {plan.stage!r}, {lay.devices} "
             f"device(s) in {lay.processes} process(es); trainer mesh (data, fsdp, tensor) = {lay.mesh}, engine on "
-            f"{lay.engine_devices} device(s)" + (" shared with the trainer" if lay.colocated else " of its own"))
+            f"{lay.engine_devices} device(s)" + (" shared with the trainer" if lay.colocated else " of its own")
+            + ("" if lay.shares_trainer_arrays else f" ({lay.engine_replicas} replica(s) x tensor_parallel "
+                                                     f"{lay.tensor_parallel})"))
     width = max(len(line.name) for line in plan.lines) + 2
     col = f"{unit}/device"
     rows = [head, "", f"{'part':<8} {'item':<{width}} {col:>10}  note"]
     for line in plan.lines:
-        rows.append(f"{line.part:<8} {line.name:<{width}} {fmt(line.bytes):>10}  {line.note}")
+        kind = "resident" if line.resident else f"in {line.program}"
+        rows.append(f"{line.part:<8} {line.name:<{width}} {fmt(line.bytes):>10}  [{kind}] {line.note}")
     rows.append("")
     for part in ("trainer", "engine"):
         compiled = (xla or {}).get(part)
-        note = f"XLA, compiled here: {fmt(compiled.peak)} (arguments + outputs - donated + temporaries)" if compiled else ""
+        note = (f"resident {fmt(plan.resident_bytes(part))} + temporaries {fmt(plan.temporary_bytes(part))}"
+                + (f"; XLA, compiled here: {fmt(compiled.peak)} (arguments + outputs - donated + temporaries)" if compiled else ""))
         rows.append(f"{part:<8} {'total':<{width}} {fmt(plan.part_bytes(part)):>10}  {note}")
-    where = "trainer + engine on one device" if lay.colocated else "the larger of trainer and engine devices"
+    where = ("both sides' resident state + the larger temporaries (one device holds both)" if lay.colocated
+             else "the larger of the trainer's and the engine's devices")
+    compiled_total = xla_device_total(plan, xla or {})
+    if compiled_total is not None:
+        where += f"; XLA: {fmt(compiled_total)}"
     rows.append(f"{'device':<8} {'total':<{width}} {fmt(plan.total_bytes):>10}  {where}")
+    if plan.publish_bytes:
+        rows.append(f"{'':<8} {'publish':<{width}} {fmt(plan.publish_bytes):>10}  received per engine device at each publish "
+                    "(device to device; asyncrl plan --target gives the seconds at the target's interconnect)")
     if device_memory is not None:
-        verdict = "fits" if plan.total_bytes <= device_memory else "does NOT fit"
+        figure = compiled_total if compiled_total is not None else plan.total_bytes
+        verdict = "fits" if figure <= device_memory else "does NOT fit"
         rows.append(f"{'':<8} {'device memory':<{width}} {fmt(device_memory):>10}  {verdict}")
     return "\n".join(row.rstrip() for row in rows) + "\n"
 
@@ -190,17 +245,20 @@ def format_suggestions(suggestions: Sequence[Suggestion], device_memory: int) ->
 
 
 def run_plan(config: str, overrides: Sequence[str] = (), devices: int = 1, processes: int = 1,
-             device_memory_gb: Optional[float] = None, backend: Optional[str] = None, xla: bool = False) -> int:
+             device_memory_gb: Optional[float] = None, backend: Optional[str] = None, xla: bool = False,
+             as_json: bool = False, programs: Sequence[str] = ()) -> int:
     """``asyncrl plan``: print the table (and, when it does not fit ``device_memory_gb``, the
-    suggestions); 0 when it fits or no device memory is given, 1 when it does not."""
+    suggestions), or with ``as_json`` the ``device_total`` object; 0 when it fits or no device memory
+    is given, 1 when it does not. ``programs``: with ``xla``, compile only these (``train_step``,
+    ``decode_chunk``)."""
+    import json
     import sys
 
     if device_memory_gb is not None and not device_memory_gb > 0:
         raise ConfigError(f"--device-memory {device_memory_gb}: give the memory of one device in GB (GiB), > 0")
     cfg = load_config(config, overrides)
     device_memory = None if device_memory_gb is None else int(device_memory_gb * GIB)
-    if cfg.engine.slots == "auto":
-        cfg = _plan_auto_slots(cfg, device_memory, devices, processes, backend)
+    cfg = plan_auto_choices(cfg, device_memory, devices, processes, backend)
     plan = plan_config(cfg, devices, processes, backend=backend)
     compiled: dict[str, CompiledMemory] = {}
     if xla:
@@ -211,15 +269,48 @@ def run_plan(config: str, overrides: Sequence[str] = (), devices: int = 1, proce
         else:
             decoder = stage_decoder_config(stage_cfg, backend=backend)
             sft = stage.type == "sft"
-            compiled["trainer"] = compiled_train_step(stage_cfg, decoder, plan.layout, sft)
-            if not sft and stage_cfg.engine.remote is None:
-                compiled["engine"] = compiled_decode_chunk(stage_cfg, decoder)
-    sys.stdout.write(format_plan(plan, device_memory, cfg.model.path, compiled))
-    if device_memory is None or plan.total_bytes <= device_memory:
+            if not programs or "train_step" in programs:
+                compiled["trainer"] = compiled_train_step(stage_cfg, decoder, plan.layout, sft)
+            if not sft and stage_cfg.engine.remote is None and (not programs or "decode_chunk" in programs):
+                compiled["engine"] = compiled_decode_chunk(stage_cfg, decoder, plan.layout)
+    if as_json:
+        print(json.dumps(device_total_json(plan, device_memory, compiled)))
+    else:
+        sys.stdout.write(format_plan(plan, device_memory, cfg.model.path, compiled))
+    figure = xla_device_total(plan, compiled) or plan.total_bytes
+    if device_memory is None or figure <= device_memory:
         return 0
-    sys.stdout.write(format_suggestions(suggest(config, overrides, device_memory, devices, processes, backend=backend),
-                                        device_memory))
+    if not as_json:
+        sys.stdout.write(format_suggestions(suggest(config, overrides, device_memory, devices, processes, backend=backend),
+                                            device_memory))
     return 1
+
+
+def plan_auto_choices(cfg: Config, device_memory: Optional[int], devices: int, processes: int,
+                      backend: Optional[str]) -> Config:
+    """``cfg`` with ``engine.tensor_parallel: auto`` and ``engine.slots: auto`` chosen for
+    ``device_memory`` bytes per device as a run chooses them at start (stderr says what)."""
+    if cfg.engine.tensor_parallel == "auto" and cfg.engine.remote is None:
+        cfg = _plan_auto_tensor_parallel(cfg, device_memory, devices, processes, backend)
+    if cfg.engine.slots == "auto":
+        cfg = _plan_auto_slots(cfg, device_memory, devices, processes, backend)
+    return cfg
+
+
+def _plan_auto_tensor_parallel(cfg: Config, device_memory: Optional[int], devices: int, processes: int,
+                               backend: Optional[str]) -> Config:
+    """``engine.tensor_parallel: auto`` chosen as a run chooses it (stderr says the degree)."""
+    import sys
+
+    budget = None if device_memory is None else int(AUTO_SLOTS_HEADROOM * device_memory)
+    degree, totals = choose_tensor_parallel(cfg, budget, devices, processes, backend=backend)
+    why = ("the smallest, without a device memory to size it against" if budget is None else
+           f"the plan {totals[degree] / GIB:.2f} GiB per device, {'within' if totals[degree] <= budget else 'over (none fits)'} "
+           f"{AUTO_SLOTS_HEADROOM:.0%} of the device's {device_memory / GIB:.2f} GiB")
+    if len(totals) > 1 or budget is not None:
+        print(f"asyncrl plan: engine.tensor_parallel: auto -> {degree} ({why}; degrees "
+              f"{', '.join(f'{d}: {t / GIB:.2f} GiB' for d, t in totals.items())})", file=sys.stderr)
+    return with_tensor_parallel(cfg, degree)
 
 
 def _plan_auto_slots(cfg: Config, device_memory: Optional[int], devices: int, processes: int,

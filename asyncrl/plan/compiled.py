@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 from asyncrl.config import Config
@@ -42,9 +41,9 @@ class CompiledMemory:
     temporaries: int
     reported_peak: int = 0
     """XLA's own peak (``peak_memory_in_bytes``, from its buffers' live ranges; 0 where the backend
-    gives none). libtpu's temporaries hold more than its buffer assignment does (1.07 GiB for seed
-    002's step on a v6e-8: 6.42 GiB by :attr:`peak`, 5.19 by this), so both are reported; the
-    verdict keeps the larger, :attr:`peak`."""
+    gives none). libtpu's temporaries hold more than its buffer assignment does (1.07 GiB for the
+    Qwen3-1.7B GSM8K step on a v6e-8: 6.42 GiB by :attr:`peak`, 5.19 by this), so both are
+    reported; the verdict keeps the larger, :attr:`peak`."""
 
     @property
     def peak(self) -> int:
@@ -229,6 +228,8 @@ class EngineArgs:
     """The attention kernels' target (``JaxEngine.kernel``: the engine's mesh, or its devices' platform and count)."""
     cache_layout: str = "bksd"
     """The KV cache's layout (:func:`~asyncrl.engine.layouts.kv_cache_layout`)."""
+    replicas: int = 1
+    """The engine's replicas (each prefills its own prompts and decodes its share of the slots)."""
 
 
 def engine_args(cfg: Config, model_cfg: Any, placement: Any, platform: str, mesh: Any = None) -> EngineArgs:
@@ -243,7 +244,7 @@ def engine_args(cfg: Config, model_cfg: Any, placement: Any, platform: str, mesh
     from jax.sharding import NamedSharding, PartitionSpec
 
     from asyncrl.cluster.mesh import build_mesh
-    from asyncrl.cluster.placement import engine_mesh
+    from asyncrl.cluster.placement import engine_mesh, slots_for_replicas
     from asyncrl.engine.jax_programs import init_slot_state, slot_state_shardings
     from asyncrl.engine.layouts import kv_cache_layout, serving_formats
     from asyncrl.engine.platform import resolve_inner_steps, resolve_sampler
@@ -254,6 +255,8 @@ def engine_args(cfg: Config, model_cfg: Any, placement: Any, platform: str, mesh
 
     graphdef, shapes = split_params(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))
     slots = planned_slots(cfg)
+    if not placement.shares_trainer_arrays:  # a multiple of the replicas, as the run rounds it
+        slots = slots_for_replicas(slots, placement.engine_replicas)
     cache_layout = kv_cache_layout(platform)
     state_shapes = jax.eval_shape(lambda: init_slot_state(model_cfg, slots, cfg.engine.kv_capacity, cache_layout))
     if placement.shares_trainer_arrays:
@@ -277,7 +280,7 @@ def engine_args(cfg: Config, model_cfg: Any, placement: Any, platform: str, mesh
     serving = _placed(jax.eval_shape(lambda p: cast_for_compute(p, model_cfg.compute_dtype), shapes),
                       shardings if formats is None else formats)
     return EngineArgs(graphdef, params, serving, _placed(state_shapes, state_shardings), layout, slots, sampler, inner,
-                      kernel, cache_layout)
+                      kernel, cache_layout, 1 if layout is None else placement.engine_replicas)
 
 
 def _replicated_like(engine: EngineArgs, tree: Any) -> Any:
@@ -305,12 +308,12 @@ def lower_decode_chunk(cfg: Config, engine: EngineArgs, attend: int = 0) -> Any:
 
 
 def lower_prefill(cfg: Config, engine: EngineArgs, bucket: int) -> Any:
-    """The ``Lowered`` of the engine's prefill-insert of one prompt bucket (``PREFILL_ROWS`` prompts)."""
+    """The ``Lowered`` of the engine's prefill-insert of one prompt bucket (``prefill_rows`` prompts)."""
     import numpy as np
 
-    from asyncrl.engine.jax_programs import PREFILL_ROWS, PrefillPlan, prefill_insert_jit
+    from asyncrl.engine.jax_programs import PrefillPlan, prefill_insert_jit, prefill_rows
 
-    plan = _replicated_like(engine, PrefillPlan.empty(min(PREFILL_ROWS, engine.slots), bucket, engine.slots))
+    plan = _replicated_like(engine, PrefillPlan.empty(prefill_rows(engine.slots, engine.replicas), bucket, engine.slots))
     key = _replicated_like(engine, np.zeros(2, np.uint32))  # the engine's root key (uint32 [2])
     return prefill_insert_jit.lower(engine.graphdef, engine.serving, engine.state, plan, key, engine.layout, engine.kernel)
 
@@ -332,28 +335,47 @@ def lower_beam_search(cfg: Config, engine: EngineArgs, bucket: int) -> Any:
                                  cache_layout=engine.cache_layout)
 
 
-def lower_publish_cast(engine: EngineArgs, model_cfg: Any) -> Any:
-    """The ``Lowered`` of the cast a publish makes of the engine's weights into its serving copy
-    (:func:`~asyncrl.model.compute_copy.compute_copy`'s jitted cast), on the engine's shardings."""
-    from asyncrl.model.compute_copy import _cast
-
-    return _cast.lower(engine.params, model_cfg.compute_dtype)
-
-
-def compiled_decode_chunk(cfg: Config, model_cfg: Any) -> CompiledMemory:
-    """XLA's memory analysis of the engine's decode program (``decode_chunk``) for ``engine.slots`` x
-    ``engine.kv_capacity`` on one local device, on abstract arguments (the serving copy of the
-    weights, the sampler of this machine's platform)."""
+def lower_publish(cfg: Config, model_cfg: Any, placement: Any, engine: EngineArgs) -> Optional[tuple[Any, str]]:
+    """The ``Lowered`` of a publish's largest program (the group of leaves one program lays out:
+    :func:`~asyncrl.engine.device_copy.publish_groups`, from the trainer's shardings onto the
+    engine's serving copy) and what it holds; None where a publish runs none (one device: the
+    engine serves the trainer's arrays, a cast at most)."""
     import jax
     import numpy as np
-    from jax.sharding import Mesh
 
-    from asyncrl.model.sharding import MESH_AXES
+    from asyncrl.cluster.mesh import build_mesh
+    from asyncrl.engine.device_copy import publish_groups
+    from asyncrl.model.sharding import param_shardings
 
-    one = jax.devices()[:1]
-    placement = SimpleNamespace(shares_trainer_arrays=True, trainer_devices=tuple(one))
-    mesh = Mesh(np.array(one, dtype=object).reshape(1, 1, 1), MESH_AXES)
-    engine = engine_args(cfg, model_cfg, placement, one[0].platform, mesh=mesh)
+    if placement.shares_trainer_arrays:
+        return None
+    trainer_mesh = build_mesh(cfg.mesh, devices=list(placement.trainer_devices))
+    trained = _placed(engine.params, param_shardings(model_cfg, engine.params, trainer_mesh))
+    serving = jax.tree.map(lambda x: getattr(x, "format", None) or x.sharding, engine.serving)
+    shardings = jax.tree.map(lambda x: x.sharding, engine.serving)
+    formats = serving if any(getattr(x, "format", None) is not None for x in jax.tree.leaves(engine.serving)) else None
+    _, _, groups = publish_groups(trained, shardings, model_cfg.compute_dtype, formats)
+    if not groups:
+        return None
+    leaves = jax.tree.leaves(trained)
+    size = lambda group: sum(int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize for i in group.indices)  # noqa: E731
+    group = max(groups, key=size)
+    what = f"the largest of {len(groups)} layout programs: {len(group.indices)} leaves, {size(group) / 2**20:.0f} MiB as trained"
+    return group.program.lower([leaves[i] for i in group.indices]), what
+
+
+def compiled_decode_chunk(cfg: Config, model_cfg: Any, layout: Any = None) -> CompiledMemory:
+    """XLA's memory analysis of the engine's decode program (``decode_chunk``) for ``engine.slots`` x
+    ``engine.kv_capacity``, on abstract arguments (the serving copy, the sampler of this machine's
+    platform), placed as the run places it on this machine's first ``layout.devices`` devices
+    (None: one)."""
+    import jax
+
+    from asyncrl.cluster.placement import resolve_placement
+
+    devices = jax.devices()[: layout.devices if layout is not None else 1]
+    placement = resolve_placement(cfg, devices, 1)
+    engine = engine_args(cfg, model_cfg, placement, devices[0].platform)
     return _compiled_memory(lower_decode_chunk(cfg, engine))
 
 

@@ -112,6 +112,10 @@ class Line:
     name: str
     bytes: int
     note: str = ""
+    resident: bool = False
+    """Held from one step to the next (weights, optimizer state, the KV cache); else a temporary of ``program``."""
+    program: str = ""
+    """The program whose temporary it is: ``train_step``; ``decode_chunk``, ``publish``, ``prefix_reuse`` (the engine's)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,15 +128,40 @@ class MemoryPlan:
     """The stage planned (the one needing the most memory)."""
     params: int
     """The model's parameter count."""
+    publish_bytes: int = 0
+    """What one engine device receives in a publish (the serving copy's bytes it does not hold: the
+    trainer's shards gathered in the compute dtype); 0 where the engine serves the trainer's arrays."""
+
+    def publish_seconds(self, gb_per_s: Optional[float]) -> Optional[float]:
+        """:attr:`publish_bytes` at ``gb_per_s`` (a device's interconnect, one direction), or None."""
+        return self.publish_bytes / (gb_per_s * 1e9) if gb_per_s else None
 
     def part_bytes(self, part: str) -> int:
-        return sum(line.bytes for line in self.lines if line.part == part)
+        """What ``part`` holds at its peak: its resident state and its largest program's temporaries."""
+        return self.resident_bytes(part) + self.temporary_bytes(part)
+
+    def resident_bytes(self, part: str) -> int:
+        return sum(line.bytes for line in self.lines if line.part == part and line.resident)
+
+    def program_bytes(self, program: str) -> int:
+        """The temporaries of one program (``train_step``, ``decode_chunk``, ``publish``, ``prefix_reuse``)."""
+        return sum(line.bytes for line in self.lines if not line.resident and line.program == program)
+
+    def temporary_bytes(self, part: str) -> int:
+        """The largest of ``part``'s programs' temporaries (they never run at once)."""
+        programs = {line.program for line in self.lines if line.part == part and not line.resident}
+        return max((self.program_bytes(program) for program in programs), default=0)
 
     @property
     def total_bytes(self) -> int:
-        """The most any one device holds: trainer + engine where they share devices."""
-        trainer, engine = self.part_bytes("trainer"), self.part_bytes("engine")
-        return trainer + engine if self.layout.colocated else max(trainer, engine)
+        """The device total: the most any one device holds. Colocated: the trainer's and the engine's
+        resident state and the larger of their temporaries (the train step and the engine's programs
+        take turns on the devices: a step trains, then publishes, then the engine decodes); split:
+        the larger of the two sides."""
+        if self.layout.colocated:
+            return (self.resident_bytes("trainer") + self.resident_bytes("engine")
+                    + max(self.temporary_bytes("trainer"), self.temporary_bytes("engine")))
+        return max(self.part_bytes("trainer"), self.part_bytes("engine"))
 
 
 # --------------------------------------------------------------------------- the model's config.json
@@ -282,9 +311,9 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     base, adapters = params_per_device(model_cfg, params, mesh, lora)
     trained = adapters if lora is not None else base
     lines = []
-    add = lambda *args: lines.append(Line(*args))  # noqa: E731
+    add = lambda *args, resident=False: lines.append(Line(*args, resident=resident, program="train_step"))  # noqa: E731
     what = "LoRA adapters" if lora is not None else "parameters"
-    add("trainer", what, trained * p_bytes, f"{model_cfg.param_dtype}, mesh (data, fsdp, tensor) = {layout.mesh}")
+    add("trainer", what, trained * p_bytes, f"{model_cfg.param_dtype}, mesh (data, fsdp, tensor) = {layout.mesh}", resident=True)
     add("trainer", "new " + what, trained * p_bytes, "the step's output (parameters are not donated)")
     # The micro-batches differentiate the step's compute-dtype copy of the weights when it has one
     # (asyncrl/model/compute_copy.py): their gradients are in the compute dtype, the sum in float32.
@@ -303,9 +332,10 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     else:
         add("trainer", "gradients", trained * (4 + g_bytes), "float32 accumulator + " + g_note)
     adam = cfg.optim.optimizer == "adamw"
-    add("trainer", "optimizer state", 2 * trained * p_bytes if adam else 0, "AdamW mu, nu" if adam else "sgd: none")
+    add("trainer", "optimizer state", 2 * trained * p_bytes if adam else 0, "AdamW mu, nu" if adam else "sgd: none",
+        resident=True)
     if lora is not None:
-        add("trainer", "frozen base", base * p_bytes, f"LoRA rank {lora.rank}")
+        add("trainer", "frozen base", base * p_bytes, f"LoRA rank {lora.rank}", resident=True)
     relaid = _tpu_relaid_table(model_cfg, mesh, backend, lora is None and updates > 1)
     if relaid:
         copies = 3 if adam else 1
@@ -316,7 +346,7 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
         add("trainer", "cast weights", base * c_bytes, f"{model_cfg.param_dtype} weights as {model_cfg.compute_dtype}")
     algo = None if sft else AlgoParams.from_config(cfg)
     if algo is not None and algo.needs_reference:
-        add("trainer", "reference model", trained * p_bytes, "algo.kl_coef > 0")
+        add("trainer", "reference model", trained * p_bytes, "algo.kl_coef > 0", resident=True)
 
     rows, length, window = batch_shape(cfg, sft)
     shards = layout.row_shards
@@ -352,10 +382,26 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
             f"model.scan_layers: a [layers, ...] copy of the weights of the {len(stacked)} layers in scans "
             f"({model_cfg.compute_dtype})")
 
+    publish = 0
     if cfg.engine.remote is None:  # an SFT stage holds the engine too (its greedy eval; made at the run's start)
         lines.extend(_engine_lines(cfg, model_cfg, layout, params, base, adapters, p_bytes, c_bytes, backend))
+        publish = _publish_bytes(model_cfg, params, layout, base, c_bytes)
     n_params = param_count(params)
-    return MemoryPlan(tuple(lines), layout, stage, n_params)
+    return MemoryPlan(tuple(lines), layout, stage, n_params, publish)
+
+
+def _publish_bytes(model_cfg: Any, params: dict, layout: Layout, trainer_base: int, c_bytes: int) -> int:
+    """What one engine device receives in a publish (:attr:`MemoryPlan.publish_bytes`): on the
+    trainer's devices, every leaf gathered whole in the compute dtype but the device's own shard
+    (:func:`~asyncrl.engine.device_copy.serving_copy` gathers before it splits for tensor
+    parallelism); on devices of its own, its serving shard."""
+    if layout.shares_trainer_arrays:
+        return 0
+    whole = param_count(params) * c_bytes
+    if layout.colocated:
+        return whole - trainer_base * c_bytes
+    engine_base, _ = params_per_device(model_cfg, params, _mesh_view(layout.engine_replicas, 1, layout.tensor_parallel))
+    return engine_base * c_bytes
 
 
 TPU_LANES = 128
@@ -391,54 +437,80 @@ def _tpu_relaid_table(model_cfg: Any, mesh: Any, backend: str, trained_in_a_loop
 
 def _engine_lines(cfg: Config, model_cfg: Any, layout: Layout, params: dict, base: int, adapters: int,
                   p_bytes: int, c_bytes: int, backend: str) -> list[Line]:
+    """The engine's lines on ``layout``: on one device the trainer's arrays it serves (its cast copy
+    where the compute dtype differs), else its serving copy on its own mesh (``replicas x
+    tensor_parallel`` over its devices, the trainer's or its own); its KV cache split by slots over
+    the replicas and by KV heads over ``tensor``; the temporaries of its programs (one at a time)."""
+    from asyncrl.cluster.placement import slots_for_replicas
+    from asyncrl.engine.device_copy import COPY_GROUP_BYTES
+    from asyncrl.engine.jax_programs import PREFILL_ROWS  # per replica: the rows each device prefills
+
     engine = cfg.engine
     tp, replicas = layout.tensor_parallel, layout.engine_replicas
-    if layout.shares_trainer_arrays:  # no engine mesh: every trainer device holds the whole slot state
-        replicas = 1  # (asyncrl/engine/jax_engine.py, JaxEngine._state_shardings)
-    if layout.shares_trainer_arrays:
-        weights = base * p_bytes if cfg.model.lora is not None else 0
-        note = "LoRA merged for publishing" if cfg.model.lora is not None else "serves the trainer's arrays"
+    lora = cfg.model.lora is not None
+    lines: list[Line] = []
+    if layout.shares_trainer_arrays:  # one device: the engine serves the trainer's arrays
+        replicas = 1
+        if lora:
+            lines.append(Line("engine", "weights", base * p_bytes, "LoRA merged for publishing", resident=True))
+        if c_bytes != p_bytes:
+            lines.append(Line("engine", "serving copy", base * c_bytes,
+                              f"the weights in {model_cfg.compute_dtype}, cast at each publish", resident=True))
+        serving = 0
     else:
         engine_base, _ = params_per_device(model_cfg, params, _mesh_view(replicas, 1, tp))
-        weights, note = engine_base * p_bytes, f"own copy, {replicas} replica(s) x tensor_parallel {tp}"
-    slots = -(-planned_slots(cfg) // replicas)
+        serving = engine_base * c_bytes
+        lines.append(Line("engine", "serving copy", serving, f"the weights in {model_cfg.compute_dtype} on the engine's mesh: "
+                          f"{replicas} replica(s) x tensor_parallel {tp}", resident=True))
+    slots = slots_for_replicas(planned_slots(cfg), replicas) // replicas
     kv_heads = model_cfg.num_kv_heads // tp
-    kv = slots * engine.kv_capacity * model_cfg.num_layers * 2 * kv_heads * model_cfg.head_dim * c_bytes
-    kv += slots * engine.kv_capacity  # the valid mask
+    per_slot = engine.kv_capacity * model_cfg.num_layers * 2 * kv_heads * model_cfg.head_dim * c_bytes
+    kv = slots * (per_slot + engine.kv_capacity)  # + the valid mask
     vocab = model_cfg.vocab_size // tp if model_cfg.vocab_size % tp == 0 else model_cfg.vocab_size
-    cast = [Line("engine", "cast weights", engine_base_bytes(model_cfg, params, layout, base) * c_bytes // p_bytes,
-                 f"serving copy in {model_cfg.compute_dtype}, cast at each publish")] if c_bytes != p_bytes else []
-    return cast + [
-        Line("engine", "weights", weights, note),
+    lines += [
         Line("engine", "KV cache", kv, f"{slots} slots x {engine.kv_capacity} tokens x {model_cfg.num_layers} layers x 2 x "
-                                         f"{kv_heads} KV heads x {model_cfg.head_dim} x {c_bytes} B"),
+                                         f"{kv_heads} KV heads x {model_cfg.head_dim} x {c_bytes} B"
+             + ("; kept prefixes live in free slots" if engine.prefix_cache.enabled else ""), resident=True),
         # The chunk's stop-id mask (bool [slots, vocab], asyncrl/engine/jax_programs.py) is carried through its loop.
         Line("engine", "decode step", decode_logit_copies(backend) * slots * vocab * 4 + slots * model_cfg.vocab_size,
-             "float32 logits of one step, the slots' stop-id mask"),
-        _decode_cache_copy(engine, kv, backend, kv_heads),
+             "float32 logits of one step, the slots' stop-id mask", program="decode_chunk"),
+        _decode_cache_copy(engine, kv),
     ]
+    if serving and tp > 1:  # a publish gathers each group of leaves whole on every device, then keeps its shards
+        largest = max(int(math.prod(x.shape)) for x in _leaves(params)) * c_bytes
+        lines.append(Line("engine", "publish staging", min(max(COPY_GROUP_BYTES, largest), serving * tp),
+                          "one group of published leaves gathered whole before its tensor-parallel split (the "
+                          f"largest leaf, or {COPY_GROUP_BYTES >> 20} MiB of them)", program="publish"))
+    if lora and not layout.shares_trainer_arrays:
+        lines.append(Line("engine", "merged LoRA weights", base * p_bytes, "the adapters merged into the base for a publish",
+                          program="publish"))
+    if engine.prefix_cache.enabled:
+        rows = min(PREFILL_ROWS, slots)
+        lines.append(Line("engine", "prefix extension", rows * (per_slot + engine.kv_capacity),
+                          f"{rows} slots' cache rows gathered to prefill after their kept prefixes", program="prefix_reuse"))
+    return lines
 
 
-def _decode_cache_copy(engine: Any, kv: int, backend: str, kv_heads: int) -> Line:
-    """What the decode chunk holds of the cache as temporaries, at its largest: on TPUs, with more
-    than one KV head per device, a copy of the whole cache (XLA's TPU layout for the decode loop
-    orders each layer's ``[slots, kv_heads, T, head_dim]`` cache with the positions before the
-    heads, ``{3,1,2,0}``, and copies the row-major arguments in and out: 14.1 GiB for a 14.0 GiB
-    cache of 8 KV heads on a v6e-8; with one KV head the two layouts are the same bytes and there
-    is no copy: Gemma 3 1B on a v5e-8); elsewhere, with ``engine.attention_buckets`` > 1, the prefix
-    a bucketed chunk takes before its loop and puts back after it, at the largest bucket below the
-    capacity (0.75 GiB at 512 of 1,024 positions of the 0.5B recipe on an H100)."""
+def _leaves(tree: Any) -> list:
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def _decode_cache_copy(engine: Any, kv: int) -> Line:
+    """What the decode chunk holds of the cache as temporaries, at its largest: with
+    ``engine.attention_buckets`` > 1, the prefix a bucketed chunk takes before its loop and puts
+    back after it, at the largest bucket below the capacity (0.75 GiB at 512 of 1,024 positions of
+    the 0.5B recipe on an H100). A chunk over the whole cache holds no copy of it on any platform
+    (the cache lies in each platform's layout: :mod:`asyncrl.engine.layouts`)."""
     from asyncrl.engine.attention_buckets import attention_buckets
 
-    if backend == "tpu":
-        if kv_heads == 1:
-            return Line("engine", "decode cache copy", 0, "one KV head: XLA's TPU decode loop keeps the cache's layout")
-        return Line("engine", "decode cache copy", kv, "XLA's TPU decode loop relays the cache out (positions before heads)")
     sizes = attention_buckets(engine.kv_capacity, engine.attention_buckets)
     if len(sizes) < 2:
-        return Line("engine", "decode cache copy", 0, "one attention bucket: no prefix copy")
+        return Line("engine", "decode cache copy", 0, "one attention bucket: no prefix copy", program="decode_chunk")
     return Line("engine", "decode cache copy", kv * sizes[-2] // engine.kv_capacity,
-                f"the prefix of the {sizes[-2]}-position attention bucket, taken and put back around the loop")
+                f"the prefix of the {sizes[-2]}-position attention bucket, taken and put back around the loop",
+                program="decode_chunk")
 
 
 def planned_slots(cfg: Config) -> int:
@@ -502,6 +574,22 @@ def tensor_parallel_degrees(cfg: Config, model_cfg: Any, devices: int, processes
     first: those dividing its device count and the model's KV heads (whole heads per device)."""
     engine_devices = plan_layout(with_tensor_parallel(cfg, 1), devices, processes).engine_devices
     return [d for d in range(1, engine_devices + 1) if engine_devices % d == 0 and model_cfg.num_kv_heads % d == 0]
+
+
+def choose_tensor_parallel(cfg: Config, budget: Optional[int], devices: int = 1, processes: int = 1, model_cfg: Any = None,
+                           backend: Optional[str] = None) -> tuple[int, dict[int, int]]:
+    """``engine.tensor_parallel: auto``'s degree: the smallest of :func:`tensor_parallel_degrees`
+    whose plan fits ``budget`` bytes per device (None: no budget, the smallest), else the largest
+    (the least memory); with each degree's device total. ``engine.slots: auto`` is planned at its
+    minimum here (it is sized after, in what the chosen degree leaves)."""
+    if model_cfg is None:
+        model_cfg = stage_decoder_config(cfg, backend=backend)
+    degrees = tensor_parallel_degrees(cfg, model_cfg, devices, processes)
+    totals = {d: plan_config(with_tensor_parallel(cfg, d), devices, processes, model_cfg, backend).total_bytes for d in degrees}
+    if budget is None:
+        return degrees[0], totals
+    fitting = [d for d in degrees if totals[d] <= budget]
+    return (fitting[0] if fitting else degrees[-1]), totals
 
 
 def with_slots(cfg: Config, slots: int) -> Config:

@@ -13,8 +13,11 @@ placement, on its own mesh):
   with ``rollout.pack`` the packed worst case, every sequence in a row of its own); with
   ``algo.estimator: gae`` the same one program also runs the critic and is reported as ``critic_step``;
 * the engine's ``prefill`` at each prompt bucket, its ``decode_chunk`` at each attention bucket,
-  ``beam_search`` when eval decodes with beams, and ``publish_cast`` (the serving copy's cast
-  at each publish, where ``model.compute_dtype`` differs from ``model.param_dtype``).
+  ``beam_search`` when eval decodes with beams, and ``publish`` (the largest of the programs that
+  lay the trainer's arrays out as the engine's serving copy at each publish, with the seconds the
+  plan gives it at the target's interconnect), on the engine's own mesh over its devices;
+* ``device_total``: the trainer's and the engine's resident state (their programs' arguments) and
+  the larger transient, as one device holds them (``--program NAME``, repeatable: only those).
 
 Per program it prints XLA's per-device arguments, outputs, aliased and temporary bytes and the
 peak they add up to, the plan's estimate of the same program (:mod:`asyncrl.plan.formulas`),
@@ -44,7 +47,7 @@ from asyncrl.plan.compiled import (
     lower_beam_search,
     lower_decode_chunk,
     lower_prefill,
-    lower_publish_cast,
+    lower_publish,
     lower_train_step,
     train_shape,
 )
@@ -52,12 +55,11 @@ from asyncrl.plan.formulas import (
     GIB,
     MemoryPlan,
     abstract_params,
-    engine_base_bytes,
-    params_per_device,
     plan_layout,
     plan_stage,
     stage_decoder_config,
 )
+from asyncrl.plan.programs import stage_programs
 from asyncrl.plan.targets import (
     Target,
     check_plugin,
@@ -80,7 +82,8 @@ class ProgramReport:
     """One compiled program of one stage."""
 
     program: str
-    """``train_step``, ``critic_step``, ``prefill``, ``decode_chunk``, ``beam_search`` or ``publish_cast``."""
+    """``train_step``, ``critic_step``, ``prefill``, ``decode_chunk``, ``beam_search``, ``publish``, or
+    ``device_total`` (a stage's resident state and its largest transient: :func:`_device_total`)."""
     stage: str
     detail: str
     """What distinguishes it among its kind: the batch shape, the bucket."""
@@ -128,90 +131,107 @@ def _line(plan: MemoryPlan, part: str, name: str) -> int:
 def plan_bytes_for(program: str, plan: MemoryPlan, cfg: Config, model_cfg: Any, beam_capacity: int = 0) -> Optional[int]:
     """The plan's estimate of one program's per-device peak: the trainer's total for the train
     step (the plan does not count a critic: ``critic_step`` gets the same figure), the engine's
-    total (weights, KV cache, one step's logits) for prefill and decode, the engine's weights and
-    a ``beam_width x beam_capacity`` cache for a beam search, the engine's weights and their
-    cast copy for the publish cast. Where the engine serves the trainer's own arrays the weights
-    it reads are the trainer's parameters (the plan's table counts them once, as the trainer's)."""
+    resident state and its decode temporaries for prefill and decode, the engine's weights and a
+    ``beam_width x beam_capacity`` cache for a beam search. Where the engine serves the trainer's
+    own arrays the weights it reads are the trainer's parameters (the plan's table counts them
+    once, as the trainer's)."""
     if program in ("train_step", "critic_step"):
         return plan.part_bytes("trainer")
     # The weights an engine program reads: its serving copy, its own weights, or (serving the
     # trainer's arrays in their own dtype) the trainer's parameters, which the plan counts there.
-    shared = 0 if _line(plan, "engine", "cast weights") or _line(plan, "engine", "weights") else \
-        _line(plan, "trainer", "parameters")
+    weights = _line(plan, "engine", "serving copy") + _line(plan, "engine", "weights")
+    shared = 0 if weights else _line(plan, "trainer", "parameters")
     if program in ("prefill", "decode_chunk"):
-        return plan.part_bytes("engine") + shared
-    weights = _line(plan, "engine", "weights") + _line(plan, "engine", "cast weights") + shared
+        return plan.resident_bytes("engine") + plan.program_bytes("decode_chunk") + shared
     if program == "beam_search":
         c = DTYPE_BYTES[model_cfg.compute_dtype]
         kv_heads = model_cfg.num_kv_heads // max(plan.layout.tensor_parallel, 1)
         width = cfg.eval.decoding.beam_width
-        return weights + width * beam_capacity * (model_cfg.num_layers * 2 * kv_heads * model_cfg.head_dim * c + 1)
-    if program == "publish_cast":
-        base, _ = params_per_device(model_cfg, abstract_params(model_cfg), _plan_mesh(plan))
-        return engine_base_bytes(model_cfg, abstract_params(model_cfg), plan.layout, base) + _line(plan, "engine", "cast weights")
+        return weights + shared + width * beam_capacity * (model_cfg.num_layers * 2 * kv_heads * model_cfg.head_dim * c + 1)
     return None
-
-
-def _plan_mesh(plan: MemoryPlan) -> Any:
-    from types import SimpleNamespace
-
-    data, fsdp, tensor = plan.layout.mesh
-    return SimpleNamespace(shape={"data": data, "fsdp": fsdp, "tensor": tensor})
 
 
 # --------------------------------------------------------------------------- what is compiled
 
 
-def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_dir: Optional[Path] = None) -> Iterator[ProgramReport]:
-    """Compile every program of every stage of ``cfg`` for ``target`` (``devices`` over ``hosts``),
-    yielding each report as it is done. Run where :func:`~asyncrl.plan.targets.target_env` set
-    the environment (the compiling process); ``dump_dir``: XLA's dump directory (GPU targets),
-    read after each decode chunk's compile."""
+def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_dir: Optional[Path] = None,
+                   programs: Sequence[str] = ()) -> Iterator[ProgramReport]:
+    """Compile every program of every stage of ``cfg`` for ``target`` (``devices`` over ``hosts``;
+    ``programs``: only these), yielding each report as it is done, then per stage the device total
+    (``device_total``: XLA's figures of the stage's resident state and its programs' transients, as
+    :func:`~asyncrl.plan.command.xla_device_total` adds them, where the train step and a decode
+    chunk were compiled). Run where :func:`~asyncrl.plan.targets.target_env` set the environment
+    (the compiling process); ``dump_dir``: XLA's dump directory (GPU targets), read after each
+    decode chunk's compile."""
     from asyncrl.cluster.placement import resolve_placement
     from asyncrl.engine.attention_buckets import attention_buckets
-    from asyncrl.model.compute_copy import needs_compute_copy
 
     found = target_devices(target, devices, hosts)
     memory = device_memory_bytes(target)
-    sft_only = all(stage.type == "sft" for stage, _ in cfg.stage_configs())
-    for stage, flat in cfg.stage_configs():
-        sft = stage.type == "sft"
+    wanted = lambda program: not programs or program in programs  # noqa: E731
+    for stage in stage_programs(cfg):
+        flat, sft = stage.flat, stage.sft
         layout = _layout(flat, target, devices, hosts)
         model_cfg = stage_decoder_config(flat, backend=target.platform)
-        plan = plan_stage(flat, model_cfg, layout, abstract_params(model_cfg), sft, stage.name, target.platform)
+        plan = plan_stage(flat, model_cfg, layout, abstract_params(model_cfg), sft, stage.stage.name, target.platform)
         placement = resolve_placement(flat, found, hosts)
-        report = _reporter(stage.name, target, devices, memory)
-
-        shape = train_shape(flat, sft, layout.row_shards, hosts)
-        critic = not sft and flat.algo.estimator == "gae"
-        program = "critic_step" if critic else "train_step"
-        rows, length, window = shape
-        lowered = _lower(program, target, lower_train_step, flat, model_cfg, placement.trainer_devices, shape, sft)
-        yield report(program, f"{rows} x {length} rows, window {window}" + (", packed worst case" if flat.rollout.pack else ""),
-                     lowered, plan_bytes_for(program, plan, flat, model_cfg))
-        if flat.engine.remote is not None or (sft and not sft_only):
-            continue  # one engine serves every stage (the run's engine section): its programs once
+        report = _reporter(stage.stage.name, target, devices, memory)
+        compiled: dict[str, Any] = {}
+        if wanted(stage.train):
+            shape = train_shape(flat, sft, layout.row_shards, hosts)
+            rows, length, window = shape
+            lowered = _lower(stage.train, target, lower_train_step, flat, model_cfg, placement.trainer_devices, shape, sft)
+            done = report(stage.train, f"{rows} x {length} rows, window {window}" + (", packed worst case" if flat.rollout.pack
+                                                                                     else ""),
+                          lowered, plan_bytes_for(stage.train, plan, flat, model_cfg))
+            compiled["trainer"] = done.memory
+            yield done
+        if not stage.engine:
+            continue
         engine = engine_args(flat, model_cfg, placement, target.platform)
         buckets = sorted(b for b in set(flat.engine.prefill_buckets) if b <= flat.engine.kv_capacity)
-        for bucket in buckets:
-            lowered = _lower("prefill", target, lower_prefill, flat, engine, bucket)
-            yield report("prefill", f"bucket {bucket}", lowered, plan_bytes_for("prefill", plan, flat, model_cfg))
-        for attend in attention_buckets(flat.engine.kv_capacity, flat.engine.attention_buckets):
-            before = _dumped(dump_dir)
-            lowered = _lower("decode_chunk", target, lower_decode_chunk, flat, engine, attend)
-            done = report("decode_chunk", f"{engine.slots} slots x {attend} cache positions, {flat.engine.decode_chunk} steps, "
-                          f"{engine.sampler}", lowered, plan_bytes_for("decode_chunk", plan, flat, model_cfg))
-            yield dataclasses.replace(done, decode=_decode_structure(dump_dir, before, model_cfg.num_layers))
-        if flat.eval.decoding.strategy == "beam":
+        if wanted("prefill"):
+            for bucket in buckets:
+                lowered = _lower("prefill", target, lower_prefill, flat, engine, bucket)
+                yield report("prefill", f"bucket {bucket}", lowered, plan_bytes_for("prefill", plan, flat, model_cfg))
+        if wanted("decode_chunk"):
+            for attend in attention_buckets(flat.engine.kv_capacity, flat.engine.attention_buckets):
+                before = _dumped(dump_dir)
+                lowered = _lower("decode_chunk", target, lower_decode_chunk, flat, engine, attend)
+                done = report("decode_chunk", f"{engine.slots} slots x {attend} cache positions, {flat.engine.decode_chunk} "
+                              f"steps, {engine.sampler}", lowered, plan_bytes_for("decode_chunk", plan, flat, model_cfg))
+                compiled["engine"] = max(compiled.get("engine", done.memory), done.memory, key=lambda m: m.peak)
+                yield dataclasses.replace(done, decode=_decode_structure(dump_dir, before, model_cfg.num_layers))
+        if flat.eval.decoding.strategy == "beam" and wanted("beam_search"):
             bucket = buckets[-1]
             capacity = bucket + flat.rollout.max_new_tokens
             lowered = _lower("beam_search", target, lower_beam_search, flat, engine, bucket)
             yield report("beam_search", f"width {flat.eval.decoding.beam_width}, prompt bucket {bucket}", lowered,
                          plan_bytes_for("beam_search", plan, flat, model_cfg, capacity))
-        if needs_compute_copy(abstract_params(model_cfg), model_cfg.compute_dtype):
-            lowered = _lower("publish_cast", target, lower_publish_cast, engine, model_cfg)
-            yield report("publish_cast", f"{model_cfg.param_dtype} -> {model_cfg.compute_dtype}", lowered,
-                         plan_bytes_for("publish_cast", plan, flat, model_cfg))
+        publish = lower_publish(flat, model_cfg, placement, engine) if wanted("publish") else None
+        if publish is not None:
+            lowered, what = publish
+            done = report("publish", what, lowered, None)
+            seconds = plan.publish_seconds(target.interconnect_gb_s)
+            yield dataclasses.replace(done, detail=done.detail + (f"; {plan.publish_bytes / GIB:.2f} GiB received per engine "
+                                                                  f"device, ~{seconds:.2f} s at {target.interconnect_gb_s:g} "
+                                                                  "GB/s" if seconds is not None else ""))
+        if "trainer" in compiled and "engine" in compiled:
+            yield _device_total(stage.stage.name, target, devices, memory, plan, compiled)
+
+
+def _device_total(stage: str, target: Target, devices: int, memory: int, plan: MemoryPlan, compiled: dict[str, Any]) -> ProgramReport:
+    """The stage's device total as a report row: XLA's figures of its resident state (the train step's
+    and the decode chunk's arguments) and its largest transient, beside the plan's total."""
+    from asyncrl.plan.command import xla_device_total
+
+    total = xla_device_total(plan, compiled)
+    assert total is not None
+    resident = compiled["trainer"].arguments + compiled["engine"].arguments
+    figures = CompiledMemory(arguments=resident, outputs=0, aliased=0, temporaries=total - resident)
+    what = ("trainer's and engine's resident state + the larger transient" if plan.layout.colocated
+            else "the larger of the trainer's and the engine's devices")
+    return ProgramReport("device_total", stage, what, target.name, devices, figures, plan.total_bytes, 0.0, memory)
 
 
 def _layout(cfg: Config, target: Target, devices: int, hosts: int) -> Any:
@@ -288,16 +308,16 @@ def report_header(cfg: Config, target: Target, devices: int, hosts: int, unit: s
 
 
 def compile_and_print(config: str, overrides: Sequence[str], target_name: str, devices: Optional[int],
-                      processes: Optional[int], as_json: bool, dump_dir: Optional[Path]) -> int:
-    """The compiling process's work: every program compiled, a row (or JSON line) each as it is
-    done; 0 when every program fits the target's memory, 1 otherwise."""
+                      processes: Optional[int], as_json: bool, dump_dir: Optional[Path], programs: Sequence[str] = ()) -> int:
+    """The compiling process's work: every program compiled (``programs``: only these), a row (or
+    JSON line) each as it is done; 0 when every program and the device total fit the target's
+    memory, 1 otherwise."""
+    from asyncrl.plan.command import plan_auto_choices
+
     cfg = load_config(config, overrides)
     target = get_target(target_name)
     count, hosts = target_topology(target, devices, processes)
-    if cfg.engine.slots == "auto":
-        from asyncrl.plan.command import _plan_auto_slots
-
-        cfg = _plan_auto_slots(cfg, device_memory_bytes(target), count, hosts, target.platform)
+    cfg = plan_auto_choices(cfg, device_memory_bytes(target), count, hosts, target.platform)
     from asyncrl.plan.auto import resolve_for_target
     from asyncrl.plan.formulas import plan_config
 
@@ -315,7 +335,7 @@ def compile_and_print(config: str, overrides: Sequence[str], target_name: str, d
     if not as_json:
         print(report_header(cfg, target, count, hosts, unit), flush=True)
     fits = True
-    for report in target_reports(cfg, target, count, hosts, dump_dir):
+    for report in target_reports(cfg, target, count, hosts, dump_dir, programs):
         fits = fits and report.fits
         print(json.dumps(report.as_json()) if as_json else format_report(report, scale), flush=True)
     return 0 if fits else 1
@@ -325,7 +345,8 @@ def compile_and_print(config: str, overrides: Sequence[str], target_name: str, d
 
 
 def run_plan_target(config: str, overrides: Sequence[str], target_name: str, devices: Optional[int] = None,
-                    processes: Optional[int] = None, as_json: bool = False, keep_dump: Optional[str] = None) -> int:
+                    processes: Optional[int] = None, as_json: bool = False, keep_dump: Optional[str] = None,
+                    programs: Sequence[str] = ()) -> int:
     """``asyncrl plan CONFIG --target NAME``: checks what it can here (the target, its plugin, the
     device count), then compiles in a process of its own with the target's environment
     (:func:`~asyncrl.plan.targets.target_env`; on GPUs also XLA's dump and the engine's
@@ -334,7 +355,7 @@ def run_plan_target(config: str, overrides: Sequence[str], target_name: str, dev
     if os.environ.get(CHILD_ENV):
         given = os.environ[CHILD_ENV]
         return compile_and_print(config, overrides, target_name, devices, processes, as_json,
-                                 None if given == "-" else Path(given))
+                                 None if given == "-" else Path(given), programs)
     target = get_target(target_name)
     count, hosts = target_topology(target, devices, processes)
     check_plugin(target)
@@ -351,7 +372,8 @@ def run_plan_target(config: str, overrides: Sequence[str], target_name: str, dev
             env["XLA_FLAGS"] = merge_xla_flags(env.get("XLA_FLAGS", ""), flags)
         env[CHILD_ENV] = str(dump) if target.platform == "gpu" else "-"
         argv = [sys.executable, "-m", "asyncrl.cli", "plan", config, *(a for o in overrides for a in ("--set", o)),
-                "--target", target.name, "--devices", str(count), "--processes", str(hosts), *(["--json"] if as_json else [])]
+                "--target", target.name, "--devices", str(count), "--processes", str(hosts), *(["--json"] if as_json else []),
+                *(a for p in programs for a in ("--program", p))]
         return _run_forwarding(argv, env)
 
 

@@ -76,6 +76,9 @@ class Target:
     """TPU: hosts (processes) of the slice."""
     memory_gib: Optional[float] = None
     """TPU: HBM per chip."""
+    interconnect_gb_s: Optional[float] = None
+    """What one device receives per second from the others (GB/s: its NVLink, ICI links or PCIe, one
+    direction): the plan's publish seconds."""
 
 
 @functools.lru_cache(maxsize=1)

@@ -31,7 +31,7 @@ from asyncrl.config import Config
 from asyncrl.plan.formulas import AUTO_SLOTS_HEADROOM as HEADROOM
 from asyncrl.plan.formulas import (
     GIB,
-    plan_config,
+    choose_tensor_parallel,
     plan_layout,
     read_decoder_config,
     slots_for_budget,
@@ -125,9 +125,7 @@ def resolve_auto_tensor_parallel(cfg: Config, model_cfg: Any = None) -> Config:
         log.info("engine.tensor_parallel: auto -> 1 (one engine device)")
         return with_tensor_parallel(cfg, 1)
     budget, source = device_budget(jax.local_devices()[0])
-    backend = jax.default_backend()
-    totals = {d: plan_config(with_tensor_parallel(cfg, d), devices, processes, model_cfg, backend).total_bytes
-              for d in degrees}
+    chosen, totals = choose_tensor_parallel(cfg, budget, devices, processes, model_cfg, jax.default_backend())
     fitting = [d for d in degrees if totals[d] <= budget]
     given = cfg.engine.tensor_parallel
     if given != "auto":
@@ -136,7 +134,6 @@ def resolve_auto_tensor_parallel(cfg: Config, model_cfg: Any = None) -> Config:
             raise ConfigError([f"engine.tensor_parallel = {given}: the plan needs {totals[given] / GIB:.2f} GiB per device, "
                                f"over the {budget / GIB:.2f} GiB budget ({source}); degrees that fit: {fits}"])
         return cfg
-    chosen = fitting[0] if fitting else degrees[-1]
     replicas = plan_layout(with_tensor_parallel(cfg, chosen), devices, processes).engine_replicas
     verdict = "fits" if fitting else "does NOT fit at any degree"
     log.info("engine.tensor_parallel: auto -> %d (%d replica(s); the plan %.2f GiB per device, %s %.2f GiB: %s)", chosen,

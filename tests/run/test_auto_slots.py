@@ -29,7 +29,7 @@ def total(cfg, slots: int) -> int:
 
 def test_auto_slots_is_the_most_that_fit_a_planned_budget():
     cfg = recipe()
-    budget = 24 * GIB
+    budget = 18 * GIB
     slots = slots_for_budget(cfg, budget, backend="gpu")
     assert slots % 8 == 0 and minimum_slots(cfg) <= slots < cfg.rollout.max_concurrent * cfg.rollout.group_size
     assert total(cfg, slots) <= budget < total(cfg, slots + 8)

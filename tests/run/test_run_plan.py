@@ -41,10 +41,14 @@ def test_tiny_parameters_optimizer_and_kv_cache_by_hand():
     assert got["parameters"] == got["new parameters"] == 4 * TINY_PARAMS
     assert got["gradients"] == 8 * TINY_PARAMS  # float32 accumulator + one micro-batch's float32 gradients
     assert got["optimizer state"] == 8 * TINY_PARAMS  # AdamW: mu and nu in float32
-    assert got["weights"] == 0  # the default placement serves the trainer's own arrays
+    assert "weights" not in got and "serving copy" not in got  # one device: the engine serves the trainer's own arrays
     assert got["KV cache"] == 8 * 288 * LAYERS * 2 * KV * D * 4 + 8 * 288  # + the valid mask
     assert got["decode step"] == 3 * 8 * V * 4 + 8 * V  # + the bool stop-id mask
-    assert plan.layout.colocated and plan.total_bytes == plan.part_bytes("trainer") + plan.part_bytes("engine")
+    assert got["prefix extension"] == 2 * (288 * LAYERS * 2 * KV * D * 4 + 288)  # two slots' rows, gathered
+    # One device holds both sides' resident state and the larger of their temporaries (they take turns).
+    resident = got["parameters"] + got["optimizer state"] + got["KV cache"]
+    train = got["new parameters"] + got["gradients"] + got["activations"] + got["lm head"] + got["batch"]
+    assert plan.layout.colocated and plan.total_bytes == resident + max(train, got["decode step"], got["prefix extension"])
 
 
 def test_activation_formula_by_hand():
@@ -116,7 +120,7 @@ def test_reference_model_only_with_kl_and_own_engine_copy_on_its_devices():
     plan = plan_config(cfg, devices=4)
     got = _lines(plan)
     assert got["reference model"] == 4 * TINY_PARAMS
-    assert got["weights"] == 4 * TINY_PARAMS and not plan.layout.colocated  # two replicas, each a whole copy
+    assert got["serving copy"] == 4 * TINY_PARAMS and not plan.layout.colocated  # two replicas, each a whole copy
     assert plan.total_bytes == max(plan.part_bytes("trainer"), plan.part_bytes("engine"))
     assert "reference model" not in _lines(plan_config(load_config(data={})))
 
@@ -407,17 +411,21 @@ XLA_PEAKS = [
 ]
 
 
-def test_the_tpu_decode_copies_the_cache_only_with_several_kv_heads():
-    """XLA's TPU decode loop lays each layer's cache out with positions before KV heads and copies the
-    row-major arguments in and out; with one KV head (Gemma 3 1B) both layouts are the same bytes."""
-    gemma = plan_config(load_config(CONFIGS / "gsm8k_grpo_gemma3_1b.yaml", [
-        f"model.path={MODELS}/gemma-3-1b-it", "model.lora=null", "model.param_dtype=float32", "mesh.fsdp=8"]), 8, backend="tpu")
-    qwen = plan_config(load_config(CONFIGS / "gsm8k_grpo.yaml", [f"model.path={MODELS}/qwen3-1.7b", "mesh.fsdp=8"]), 8,
-                       backend="tpu")
-    assert _lines(gemma)["decode cache copy"] == 0
-    assert _lines(qwen)["decode cache copy"] == _lines(qwen)["KV cache"]
-    # XLA's decode chunk of the Gemma 3 1B TPU variant for a v5e-8: arguments 3.48 + temporaries 0.32 GiB
-    assert 0.9 <= gemma.part_bytes("engine") / 4084508160 <= 1.1
+def test_the_colocated_engine_has_its_own_mesh_and_no_cache_copy():
+    """On the trainer's 8 chips the engine keeps one bf16 serving copy per replica and an eighth of the
+    KV cache per chip (slots split over 8 replicas); the decode chunk over the whole cache holds no
+    copy of it on TPUs (the cache in their positions-first layout); a tensor-parallel degree splits
+    the copy and the KV heads."""
+    sets = [f"model.path={MODELS}/qwen3-1.7b", "mesh.fsdp=8", "engine.slots=128"]
+    plan = plan_config(load_config(CONFIGS / "gsm8k_grpo.yaml", sets), 8, backend="tpu")
+    got = _lines(plan)
+    assert plan.layout.engine_replicas == 8 and not plan.layout.shares_trainer_arrays
+    assert got["decode cache copy"] == 0
+    assert 3.1 * GIB < got["serving copy"] < 3.3 * GIB  # 1.72B parameters in bfloat16 on every chip
+    assert got["KV cache"] == 16 * (1024 * 28 * 2 * 8 * 128 * 2 + 1024)  # 128 slots / 8 replicas
+    tp2 = _lines(plan_config(load_config(CONFIGS / "gsm8k_grpo.yaml", [*sets, "engine.tensor_parallel=2"]), 8, backend="tpu"))
+    assert tp2["KV cache"] == 32 * (1024 * 28 * 2 * 4 * 128 * 2 + 1024)  # 4 replicas, 4 KV heads each
+    assert tp2["serving copy"] < 0.55 * got["serving copy"]  # halved, but the replicated norms and biases
 
 
 def test_the_tpu_update_loop_pads_an_embedding_split_off_the_lanes():
