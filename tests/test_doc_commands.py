@@ -463,6 +463,10 @@ NOT_RUNNABLE_HERE = {
     "~/.cache/asyncrl-aot-tpu/bin/pip install -e '.[tpu]'": _AOT_PLUGIN,
     "~/.cache/asyncrl-aot-tpu/bin/python -m asyncrl.cli plan configs/gsm8k_grpo.yaml --set "
     "model.path=configs/models/qwen3-1.7b --set mesh.fsdp=8 --target v6e-8": _AOT_PLUGIN,
+    "~/.cache/asyncrl-aot-cuda/bin/python -m asyncrl.cli plan configs/gsm8k_grpo.yaml --set "
+    "model.path=configs/models/qwen3-1.7b --set mesh.fsdp=8 --target h100 --devices 8": _AOT_PLUGIN,
+    "~/.cache/asyncrl-aot-cuda/bin/python -m asyncrl.cli plan configs/gsm8k_grpo.yaml --set "
+    "model.path=configs/models/qwen3-8b --set mesh.fsdp=8 --target h100 --devices 8": _AOT_PLUGIN,
     "python -m sglang.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct --host 0.0.0.0 --port 30000 "
     "--skip-tokenizer-init --weight-version 0 --api-key $ASYNCRL_API_KEY":
         "SGLang needs a GPU and is not a dependency; tests/engine/test_remote.py runs the same protocol against asyncrl serve",
