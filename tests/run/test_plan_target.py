@@ -81,15 +81,23 @@ def _plan_json(*args: str) -> list[dict]:
 @pytest.mark.timeout(600)  # a process of its own and three compiles: 15-20 s on a quiet machine, minutes under load
 def test_cpu_target_reports_every_program_as_json():
     """The one test of the whole path: a process of its own compiles the train step, the prefill
-    bucket and the decode chunk of a tiny config for the cpu target, one JSON line each."""
+    bucket and the decode chunk of a tiny config for the cpu target, one JSON line each, then the
+    stage's device total (both sides' resident state and the larger transient)."""
     rows = _plan_json("--target", "cpu", "--devices", "2")
-    assert [r["program"] for r in rows] == ["train_step", "prefill", "decode_chunk"]
+    assert [r["program"] for r in rows] == ["train_step", "prefill", "decode_chunk", "device_total"]
+    *rows, total = rows
     for r in rows:
         assert r["stage"] == "rl" and r["target"] == "cpu" and r["devices"] == 2 and r["fits"] and r["compile_s"] > 0
         assert r["xla_peak_bytes"] == r["xla_argument_bytes"] + r["xla_output_bytes"] - r["xla_alias_bytes"] + r["xla_temp_bytes"]
         assert r["xla_argument_bytes"] > 0 and r["plan_bytes"] > 0
         assert 0 < r["xla_reported_peak_bytes"] <= r["xla_peak_bytes"] + r["xla_alias_bytes"]  # XLA's own, by live ranges
     assert rows[0]["detail"] == "16 x 24 rows, window 24" and "kernels_per_step" not in rows[2]  # no thunk dump on the CPU
+    # Colocated: the train step's and the engine's arguments are resident together, and the
+    # larger of the programs' transients (what each adds to its arguments) comes on top of them.
+    assert total["stage"] == "rl" and total["fits"] and total["plan_bytes"] > 0
+    assert total["xla_temp_bytes"] == max(r["xla_peak_bytes"] - r["xla_argument_bytes"] for r in rows)
+    assert total["xla_argument_bytes"] > max(r["xla_argument_bytes"] for r in rows)
+    assert total["xla_peak_bytes"] == total["xla_argument_bytes"] + total["xla_temp_bytes"]
 
 
 @pytest.mark.skipif(not plugin_installed("gpu"), reason="jax's CUDA plugin is not installed (tests/README.md: the aot venv)")
