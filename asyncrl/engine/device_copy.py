@@ -12,8 +12,10 @@ on the source's own devices, then moved to the engine's devices when they are ot
 * the engine on devices of its own (split): the program lays the group out on a view of the
   trainer's devices shaped like the engine's layout, so every shard the engine needs is held
   whole by some trainer device, and ``jax.device_put`` copies each shard device to device;
-* host arrays, or arrays on one device (a multi-process run's :func:`local_copy`): uploaded or
-  sliced straight onto the engine's sharding, then cast there.
+* the engine on the trainer's one device: the program casts the leaves the model computes in
+  another dtype, the others are served as they are;
+* host arrays, or one device's whole arrays for an engine on others (a multi-process run's
+  :func:`local_copy`): uploaded or sliced straight onto the engine's sharding, then cast there.
 
 No leaf passes through host memory, and the engine drops its previous copy before it makes the
 new one (:class:`~asyncrl.engine.jax_engine.JaxEngine` installs versions that way), so a publish
@@ -52,7 +54,8 @@ def publish_groups(params: Any, shardings: Any, compute_dtype: Any, formats: Any
     shardings, so the plan can compile the same programs): ``(targets, casts, groups)``, per leaf its
     target sharding (or Format) and whether it is cast; and the groups of sharded leaves, each laid
     out by one program on its source devices. Leaves already in their dtype and sharding are in no
-    group and not cast; host leaves and one-device leaves neither (they are uploaded or sliced)."""
+    group and not cast; host leaves neither, nor one device's leaves for an engine on other devices
+    (they are uploaded or sliced)."""
     from asyncrl.model.compute_copy import cast_flags
 
     leaves = jax.tree.leaves(params)
@@ -65,8 +68,10 @@ def publish_groups(params: Any, shardings: Any, compute_dtype: Any, formats: Any
     sharded: dict[Any, list[int]] = {}  # source device assignment -> leaves laid out by one program there
     for i, (x, target) in enumerate(zip(leaves, targets)):
         source = getattr(x, "sharding", None)
-        if source is None or len(source.device_set) == 1 or (not casts[i] and source == _sharding(target)):
+        if source is None or (not casts[i] and source == _sharding(target)):
             continue
+        if len(source.device_set) == 1 and _assignment(source) != _assignment(_sharding(target)):
+            continue  # one device's whole array for a mesh (a multi-process publish): sliced onto it, then cast
         sharded.setdefault(_assignment(source), []).append(i)
     groups = []
     for indices in sharded.values():

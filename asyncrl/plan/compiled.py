@@ -5,15 +5,15 @@ and the per-device bytes of ``compiled.memory_analysis()``.
 Each ``lower_*`` function returns the ``Lowered`` of one program on given devices (this
 machine's for ``asyncrl plan --xla``; compile-only GPUs or TPUs for ``--target``,
 :mod:`asyncrl.plan.targets`), laid out as the run lays it out: the trainer's mesh over
-``placement.trainer_devices`` and the engine on the trainer's arrays (the default) or on its own
-mesh (:func:`~asyncrl.cluster.placement.engine_mesh`, split placement):
+``placement.trainer_devices``, and the engine on the trainer's arrays (one device) or on its own
+mesh (:func:`~asyncrl.cluster.placement.engine_mesh`, more than one):
 
 * :func:`lower_train_step`: :func:`asyncrl.trainer.step.train_step` at a batch shape (with a
   critic for ``algo.estimator: gae``: the same one program then also runs the critic);
 * :func:`lower_prefill`, :func:`lower_decode_chunk`, :func:`lower_beam_search`: the engine's
   programs (:mod:`asyncrl.engine.jax_programs`) on its serving copy of the weights;
-* :func:`lower_publish_cast`: the cast of published weights to the serving copy
-  (:func:`asyncrl.model.compute_copy.compute_copy`).
+* :func:`lower_publish`: the largest program of a publish, laying the trainer's arrays out as the
+  engine's serving copy (:func:`asyncrl.engine.device_copy.serving_copy`).
 
 :func:`compiled_train_step` and :func:`compiled_decode_chunk` are ``asyncrl plan --xla``'s (this
 machine's devices); their figures are this backend's (XLA on CPU plans buffers differently from
@@ -338,8 +338,9 @@ def lower_beam_search(cfg: Config, engine: EngineArgs, bucket: int) -> Any:
 def lower_publish(cfg: Config, model_cfg: Any, placement: Any, engine: EngineArgs) -> Optional[tuple[Any, str]]:
     """The ``Lowered`` of a publish's largest program (the group of leaves one program lays out:
     :func:`~asyncrl.engine.device_copy.publish_groups`, from the trainer's shardings onto the
-    engine's serving copy) and what it holds; None where a publish runs none (one device: the
-    engine serves the trainer's arrays, a cast at most)."""
+    engine's serving copy; on one device the cast to the compute dtype) and what it holds; None
+    where a publish runs none (one device, weights stored in the compute dtype: the engine serves
+    the trainer's arrays)."""
     import jax
     import numpy as np
 
@@ -347,8 +348,6 @@ def lower_publish(cfg: Config, model_cfg: Any, placement: Any, engine: EngineArg
     from asyncrl.engine.device_copy import publish_groups
     from asyncrl.model.sharding import param_shardings
 
-    if placement.shares_trainer_arrays:
-        return None
     trainer_mesh = build_mesh(cfg.mesh, devices=list(placement.trainer_devices))
     trained = _placed(engine.params, param_shardings(model_cfg, engine.params, trainer_mesh))
     serving = jax.tree.map(lambda x: getattr(x, "format", None) or x.sharding, engine.serving)

@@ -106,7 +106,7 @@ def test_h100_target_compiles_and_reads_the_decode_structure():
     """With bfloat16 compute (the GPU default): the publish cast too; the decode chunk's launch
     structure from XLA's dump, compiled with the engine's command-buffer flags."""
     rows = _plan_json("--target", "h100", "--set", "model.param_dtype=float32")
-    assert [r["program"] for r in rows] == ["train_step", "prefill", "decode_chunk", "publish_cast"]
+    assert [r["program"] for r in rows] == ["train_step", "prefill", "decode_chunk", "publish", "device_total"]
     decode = rows[2]
     assert decode["kernels_per_step"] == decode["kernels_per_layer"] * 2 + decode["kernels_outside_layers"], decode
     # engine.decode_inner_steps: auto is 8 steps per loop iteration on GPUs, so one host round trip per 8 tokens
@@ -121,7 +121,7 @@ def test_eight_h100s_with_fsdp_compile_the_cudnn_train_step():
     them under fsdp: the train step of every multi-GPU fsdp run was rejected before q, k and v were
     laid out alike (asyncrl/model/attention.py)."""
     rows = _plan_json("--target", "h100", "--devices", "8", "--set", "mesh.fsdp=8", "--set", "model.param_dtype=float32")
-    assert [r["program"] for r in rows] == ["train_step", "prefill", "decode_chunk", "publish_cast"]
+    assert [r["program"] for r in rows] == ["train_step", "prefill", "decode_chunk", "publish", "device_total"]
     assert all(r["devices"] == 8 and r["fits"] for r in rows)
 
 
@@ -129,7 +129,7 @@ def test_eight_h100s_with_fsdp_compile_the_cudnn_train_step():
 @pytest.mark.timeout(900)
 def test_v6e_8_target_compiles_on_the_config_mesh():
     rows = _plan_json("--target", "v6e-8", "--set", "mesh.fsdp=8")
-    assert [r["program"] for r in rows] == ["train_step", "prefill", "decode_chunk", "publish_cast"]
+    assert [r["program"] for r in rows] == ["train_step", "prefill", "decode_chunk", "publish", "device_total"]
     assert all(r["devices"] == 8 and r["fits"] and r["xla_peak_bytes"] > 0 for r in rows)
     assert "kernels_per_step" not in rows[2]  # thunk sequences are XLA:GPU's
 
@@ -139,13 +139,34 @@ def test_v6e_8_target_compiles_on_the_config_mesh():
     (["--target", "v6e-8", "--devices", "4"], "--target v6e-8 is 8 chips on 1 host(s); --devices/--processes cannot change"),
     (["--target", "cpu", "--devices", "3"], "--target cpu (3 devices): placement.trainer: mesh.fsdp x mesh.tensor = 2 x 1 does not divide the 3"),
     (["--target", "cpu", "--xla"], "--xla: not with --target"),
-    (["--json"], "--json: only with --target NAME"),
+    (["--target", "cpu", "--program", "decode"],
+     "--program decode: no such program; known: train_step, critic_step, prefill, decode_chunk, beam_search, publish"),
+    (["--program", "decode_chunk"], "--program: only with --target NAME or --xla"),
 ])
 def test_one_line_errors_before_any_compile(args, message, capsys):
     extra = ["--set", "mesh.fsdp=2"] if "3" in args else []
     assert main(["plan", "configs/quickstart.yaml", *SMALL, *extra, *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 2  # "asyncrl: config error:" and the line
+
+
+@pytest.mark.timeout(600)
+def test_program_compiles_only_the_programs_named():
+    rows = _plan_json("--target", "cpu", "--program", "decode_chunk", "--program", "prefill")
+    assert [r["program"] for r in rows] == ["prefill", "decode_chunk"]  # no train step: no device total either
+
+
+def test_json_without_a_target_is_the_device_total_of_each_stage(capsys):
+    """``--json`` without ``--target``: the formulas' device total, one object per stage, each
+    side's resident and temporary bytes adding up to it (colocated: both residents, the larger
+    temporary)."""
+    assert main(["plan", "configs/quickstart.yaml", *SMALL, "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["program"], r["stage"]) for r in rows] == [("device_total", "rl")]
+    total = rows[0]
+    assert total["colocated"] and total["fits"] is None  # no target: no memory to fit
+    assert total["plan_bytes"] == (total["plan_trainer_resident_bytes"] + total["plan_engine_resident_bytes"]
+                                   + max(total["plan_trainer_temporary_bytes"], total["plan_engine_temporary_bytes"]))
 
 
 def test_a_measuring_compile_the_target_rejects_is_one_line(monkeypatch):

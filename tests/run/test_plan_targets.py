@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.errors import ConfigError
+from asyncrl.plan import targets
 from asyncrl.plan.targets import (
     device_memory_bytes,
     get_target,
@@ -18,7 +19,6 @@ from asyncrl.plan.targets import (
     target_names,
     target_topology,
 )
-from asyncrl.plan import targets
 
 GIB = 2**30
 GPUS = ("h100", "h200", "a100-80gb", "l4")
