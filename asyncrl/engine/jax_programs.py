@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +74,9 @@ def count_trace(name: str) -> None:
 
 
 # --------------------------------------------------------------------------- state and controls
+
+
+_State = TypeVar("_State")  # the slot state, or its KV cache alone
 
 
 class SlotState(NamedTuple):
@@ -112,7 +115,7 @@ def slot_state_shardings(cfg: Any, slots: int, mesh: Any, layout: str = "bksd") 
     )
 
 
-def constrain_state(state: SlotState, layout: Any) -> SlotState:
+def constrain_state(state: _State, layout: Any) -> _State:
     """``state`` pinned to ``layout`` (:func:`slot_state_shardings`), so every call returns the
     state on the shardings it was given (donation reuses the buffers, no recompiles); with
     ``layout`` None (the engine on the trainer's arrays) the program is left to XLA as before."""
@@ -220,7 +223,7 @@ def _prefill_insert(graphdef, params, state: SlotState, plan: PrefillPlan, root_
     return _insert_on_replicas(state, small, plan.src_rows, plan.dst_rows, new_keys, layout)
 
 
-def _insert_on_replicas(state: SlotState, small: KVCache, src_rows, dst_rows, new_keys, layout: SlotState) -> SlotState:
+def _insert_on_replicas(state: SlotState, small: KVCache, src_rows, dst_rows, new_keys, layout: Any) -> SlotState:
     """:func:`kv_cache_copy_rows` (and the slots' new keys) on an engine mesh, per device in a
     ``shard_map``: each replica writes the destination rows it holds, from the prefilled rows
     gathered whole (a few prompts), with the destinations shifted to its own rows (the others

@@ -112,7 +112,11 @@ def _copy_rows(state: SlotState, src_rows: Optional[jax.Array], dst_rows: jax.Ar
     positions = jnp.arange(capacity)
 
     def one(i, state: SlotState) -> SlotState:
-        row = gather(state, i) if gather is not None else jax.tree.map(lambda x: x[src_rows[i]], state)
+        if gather is not None:
+            row = gather(state, i)
+        else:
+            assert src_rows is not None  # rows of this device's own state
+            row = jax.tree.map(lambda x: x[src_rows[i]], state)
         dst = dst_rows[i] - first
         at = jnp.where((dst >= 0) & (dst < local), dst, local)  # another replica's row (or an unused entry): dropped
         put = lambda whole, value: whole.at[at].set(value, mode="drop")  # noqa: E731

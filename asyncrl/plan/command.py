@@ -304,7 +304,7 @@ def _plan_auto_tensor_parallel(cfg: Config, device_memory: Optional[int], device
 
     budget = None if device_memory is None else int(AUTO_SLOTS_HEADROOM * device_memory)
     degree, totals = choose_tensor_parallel(cfg, budget, devices, processes, backend=backend)
-    why = ("the smallest, without a device memory to size it against" if budget is None else
+    why = ("the smallest, without a device memory to size it against" if budget is None or device_memory is None else
            f"the plan {totals[degree] / GIB:.2f} GiB per device, {'within' if totals[degree] <= budget else 'over (none fits)'} "
            f"{AUTO_SLOTS_HEADROOM:.0%} of the device's {device_memory / GIB:.2f} GiB")
     if len(totals) > 1 or budget is not None:

@@ -311,7 +311,9 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     base, adapters = params_per_device(model_cfg, params, mesh, lora)
     trained = adapters if lora is not None else base
     lines = []
-    add = lambda *args, resident=False: lines.append(Line(*args, resident=resident, program="train_step"))  # noqa: E731
+    def add(part: str, name: str, nbytes: int, note: str = "", *, resident: bool = False) -> None:
+        lines.append(Line(part, name, nbytes, note, resident=resident, program="train_step"))
+
     what = "LoRA adapters" if lora is not None else "parameters"
     add("trainer", what, trained * p_bytes, f"{model_cfg.param_dtype}, mesh (data, fsdp, tensor) = {layout.mesh}", resident=True)
     add("trainer", "new " + what, trained * p_bytes, "the step's output (parameters are not donated)")

@@ -133,7 +133,7 @@ class Run:
         self.placement = resolve_placement(cfg)
         """The trainer's and the engine's devices (docs/scaling.md "Placement")."""
         self.loaded = load_model(cfg.model)
-        if cfg.engine.remote is None:
+        if cfg.engine.remote is None and cfg.engine.tensor_parallel != "auto":  # (auto is resolved above)
             check_tensor_parallel(cfg.engine.tensor_parallel, self.loaded.config)
         self.graphdef, self.params = self.loaded.split()
         # With model.lora the trainer trains adapters on the frozen base; self.graphdef stays

@@ -87,7 +87,7 @@ ENGINE = dict(slots=8, kv_capacity=160, decode_chunk=4, prefill_buckets=[16, 64,
 
 def make_engine(tiny_split, reuse: bool, **prefix) -> JaxEngine:
     _, graphdef, params = tiny_split
-    cfg = EngineConfig(**ENGINE, prefix_cache={"enabled": reuse, "min_tokens": 8, **prefix})
+    cfg = EngineConfig.model_validate({**ENGINE, "prefix_cache": {"enabled": reuse, "min_tokens": 8, **prefix}})
     return JaxEngine(graphdef, params, config=cfg, seed=1)
 
 
