@@ -42,6 +42,7 @@ from asyncrl.config.sections import (
     ModelConfig,
     OptimConfig,
     PlacementConfig,
+    PrefixCacheConfig,
     RemoteEngineConfig,
     RewardSpec,
     RolloutConfig,
@@ -206,6 +207,19 @@ class Config(Section):
         if engine.remote is not None and engine.remote.publish_adapters and self.mesh.distributed.enabled:
             problems.append("engine.remote.publish_adapters: one-process runs only (the adapters are written by one "
                             "process); with mesh.distributed.enabled drop publish_adapters (the merged model is published)")
+        reuse = engine.prefix_cache
+        if engine.remote is not None and reuse.enabled and reuse.across_versions:
+            problems.append(
+                "engine.prefix_cache.across_versions: cannot be honoured with engine.remote set (the servers keep their "
+                "own cache, SGLang's flushed at each weight update, and a server's tokens must carry a version it "
+                "served since the request was sent); set across_versions: false"
+            )
+        too_long = [b for b in reuse.extend_buckets if b > engine.kv_capacity]
+        if too_long and reuse.extend_buckets != PrefixCacheConfig().extend_buckets:  # the default's are left out
+            problems.append(
+                f"engine.prefix_cache.extend_buckets: {too_long} exceed engine.kv_capacity ({engine.kv_capacity}); "
+                "the rest of a prompt after a reused prefix is never longer, so drop them"
+            )
         rollout_decoding, eval_decoding = self.rollout.decoding, self.eval.decoding
         if rollout_decoding.strategy != "sample":
             problems.append(
