@@ -214,6 +214,12 @@ class Config(Section):
                 "own cache, SGLang's flushed at each weight update, and a server's tokens must carry a version it "
                 "served since the request was sent); set across_versions: false"
             )
+        if reuse.enabled and reuse.across_versions and self.rollout.max_staleness == 0:
+            problems.append(
+                "engine.prefix_cache.across_versions: with rollout.max_staleness 0 a sample that reuses KV of older "
+                "weights carries their version and is dropped as stale; set rollout.max_staleness >= 1 or "
+                "across_versions: false"
+            )
         too_long = [b for b in reuse.extend_buckets if b > engine.kv_capacity]
         if too_long and reuse.extend_buckets != PrefixCacheConfig().extend_buckets:  # the default's are left out
             problems.append(

@@ -31,6 +31,12 @@ def test_reuse_across_versions_is_refused_with_remote_servers():
     load_config(QUICKSTART, ["engine.prefix_cache.across_versions=true"])  # the in-process engine honours it
 
 
+def test_reuse_across_versions_needs_staleness():
+    (line,) = problems("engine.prefix_cache.across_versions=true", "rollout.max_staleness=0")
+    assert line.startswith("engine.prefix_cache.across_versions: with rollout.max_staleness 0 a sample that reuses")
+    assert line.endswith("set rollout.max_staleness >= 1 or across_versions: false")
+
+
 def test_extension_buckets_must_fit_the_capacity():
     (line,) = problems("engine.prefix_cache.extend_buckets=[16, 64]")
     assert line == ("engine.prefix_cache.extend_buckets: [64] exceed engine.kv_capacity (32); the rest of a prompt "
