@@ -541,6 +541,65 @@ def test_sigint_then_resume_continues_every_engine_counter_exactly(sync_referenc
     assert all(name in got[-1] for name in ENGINE_COUNTERS if not timing_dependent(name))  # not vacuous
 
 
+# --------------------------------------------------------------------------- prefix reuse
+
+MULTI_TURN: dict[str, Any] = {  # the calculator tool workflow on `tiny`, its tags in the character vocabulary
+    "data": {"dataset": {"target": "add", "kwargs": {"train_size": 64, "eval_size": 4, "min_digits": 1, "max_digits": 2}},
+             "max_prompt_tokens": 16},
+    "workflow": {"target": "multi_turn", "kwargs": {"system_prompt": None, "call_open": "C", "call_close": "=",
+                                                     "result_template": "{result}\n", "error_template": "S\n"}},
+    "rewards": [{"fn": "positional_match"}],
+    "rollout": {"batch_size": 2, "group_size": 4, "max_new_tokens": 16, "length_bucket": 32, "max_concurrent": 4},
+    # min_tokens 4: a turn extends the kept KV of the turn before (the default 64 exceeds these contexts)
+    "engine": {"kv_capacity": 32, "prefill_buckets": [16, 31], "prefix_cache": {"min_tokens": 4}},
+    "logging": {"dump_every_steps": 1, "dump_groups": 2},
+}
+
+
+def test_resume_with_prefix_reuse_reproduces_the_run_bit_for_bit(tmp_path):
+    """A seeded synchronous multi-turn run with prefix reuse on (a group's requests copy one
+    prefill, a turn extends the KV its trajectory's last turn kept), resumed from its step-2
+    checkpoint. Kept prefixes are not saved: the resumed engine starts with none, which is what
+    the uninterrupted engine has at every step's start, since the publish that ends a step makes
+    every kept prefix stale (``across_versions: false``). So the resumed run reuses what the
+    uninterrupted run reused, and its trajectories, metrics and weights are the same bits.
+
+    Left out of the row comparison: ``engine/decode_tokens`` (the tokens a slot decodes past a stop
+    sequence to the end of its chunk count too, and where a chunk ends depends on when the request
+    was admitted: two uninterrupted runs differ there, with reuse off as well), the workflow's own
+    counters (``rollout/workflow/*``: this process's episodes) and the reuse counters, which this
+    process's engine counts (compared step by step below)."""
+    out = tmp_path / "reuse"
+    config = write_config(tmp_path, out, **MULTI_TURN)
+    run_in_process(config)
+    want = read_rows(out)
+    want_dumps = (out / "trajectories.jsonl").read_text()
+    want_params = {k: v.copy() for k, v in load_checkpoint(checkpoints_root(out) / step_dir_name(4)).arrays["params"].items()}
+    # Not vacuous: turns were extended and the reuse counted.
+    assert want[-1]["rollout/workflow/tool_calls"] > 0 and all(row["engine/prefix_hit_tokens"] > 0 for row in want)
+    k = 2
+    for path in checkpoints_root(out).iterdir():
+        if path.name > step_dir_name(k):
+            shutil.rmtree(path)
+    shutil.rmtree(out / "hf")
+    run_in_process(config, "checkpoint.resume=auto")
+
+    got = read_rows(out)
+    reuse = {"engine/prefix_hit_tokens", "engine/prefix_hit_rate"}
+    unsaved = {"engine/decode_tokens", *reuse, *(name for name in want[-1] if name.startswith("rollout/workflow/"))}
+    assert_rows_equal(got, want, also=frozenset(PROCESS_WIDE | unsaved))
+    assert (out / "trajectories.jsonl").read_text() == want_dumps  # every step's groups: prompts, completions, rewards, versions
+    got_params = load_checkpoint(checkpoints_root(out) / step_dir_name(4)).arrays["params"]
+    assert got_params.keys() == want_params.keys()
+    for key, value in want_params.items():
+        assert value.tobytes() == got_params[key].tobytes(), key
+    # The same prefixes reused at every resumed step (the resumed engine counts from zero).
+    hits = [row["engine/prefix_hit_tokens"] for row in want]
+    per_step = [b - a for a, b in zip([0.0, *hits], hits)]
+    resumed = [row["engine/prefix_hit_tokens"] for row in got[k:]]
+    assert [b - a for a, b in zip([0.0, *resumed], resumed)] == per_step[k:]
+
+
 # --------------------------------------------------------------------------- stages
 
 
