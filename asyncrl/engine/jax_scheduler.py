@@ -480,12 +480,10 @@ class EngineScheduler:
         ready = time.monotonic()
         steps = int(emitted.any(axis=0).sum())
         self._stats.decode_steps += steps
-        self._stats.decode_tokens += int(emitted.sum())
         for slot in map(int, np.flatnonzero(active)):
             owner = self._slot_owner[slot]
             assert owner is not None, f"active slot {slot} has no owner"
             pending, j = owner
-            pending.usage.decode_tokens += int(emitted[slot].sum())
             sample, fed = pending.samples[j], int(c.last_token[slot])
             before = len(sample.tokens)
             self._consume(pending, j, slot, tokens[slot], logprobs[slot], emitted[slot], version)
@@ -530,6 +528,11 @@ class EngineScheduler:
             sample.tokens.append(token)
             sample.logprobs.append(float(logprobs[t]))
             sample.versions.append(version)
+            # Counted as kept: a stop sequence is found here, on the host, so the tokens the device
+            # decoded after it in the chunk (as many as the chunk's timing allows) are not counted,
+            # and the counters are the same in every run of the same requests.
+            self._stats.decode_tokens += 1
+            pending.usage.decode_tokens += 1
             index = len(sample.tokens) - 1
             if trie is not None:  # the device followed the same trie: the token is allowed
                 sample.node = trie.child(sample.node, token)

@@ -84,7 +84,7 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # prompt tokens whose KV was reused from a kept prefix
     prefill_s: float = 0.0
     decode_steps: int = 0  # decode steps (every slot advances one token per step)
-    decode_tokens: int = 0  # tokens emitted by decode steps
+    decode_tokens: int = 0  # tokens the samples kept from decode steps (none past a stop)
     decode_s: float = 0.0  # wall time of decode chunks = decode_wait_s + decode_host_s
     decode_wait_s: float = 0.0  # blocked on a chunk's results (device time not hidden by host work)
     decode_host_s: float = 0.0  # dispatch, control upload and per-slot bookkeeping

@@ -63,8 +63,8 @@ class RunEngine(InferenceEngine, Protocol):
         ...
 
 
-ENGINE_COUNTERS = ("engine/requests", "engine/samples_aborted", "engine/prefill_tokens", "engine/decode_tokens",
-                   "engine/decode_steps", "engine/swaps")
+ENGINE_COUNTERS = ("engine/requests", "engine/samples_aborted", "engine/prefill_tokens", "engine/prefix_hit_tokens",
+                   "engine/decode_tokens", "engine/decode_steps", "engine/swaps")
 """Cumulative engine counters: saved in checkpoints and continued by a resumed run, so its
 curves go on from where they were (the resumed process's engine counts from zero)."""
 
@@ -321,6 +321,9 @@ class Run:
             if name in engine_metrics:
                 engine_metrics[name] += self.engine_counter_base.get(name, 0.0)
                 self.engine_counters[name] = engine_metrics[name]
+        if "engine/prefix_hit_rate" in engine_metrics:  # the run's share, from the continued counters
+            hit, computed = engine_metrics.get("engine/prefix_hit_tokens", 0.0), engine_metrics.get("engine/prefill_tokens", 0.0)
+            engine_metrics["engine/prefix_hit_rate"] = hit / (hit + computed) if hit + computed else 0.0
         return engine_metrics
 
     def step_metrics(self, got: PreparedBatch, train_metrics: dict[str, float], engine_metrics: dict[str, float],
