@@ -169,7 +169,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from asyncrl.engine.serve import serve
+    from asyncrl.serve.server import serve
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve(args.model, host=args.host, port=args.port, weights_root=args.weights_root, api_key=args.api_key,

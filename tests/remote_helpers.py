@@ -116,8 +116,9 @@ class InProcessServer:
     def __init__(self, loaded: Any, cfg: Any, weights_root: Path, api_key: Optional[str] = API_KEY):
         import uvicorn
 
-        from asyncrl.engine.serve import ServeState, build_app
         from asyncrl.run.build import build_local_engine
+        from asyncrl.serve.app import build_app
+        from asyncrl.serve.state import ServeState
 
         graphdef, params = loaded.split()
         engine = build_local_engine(cfg, graphdef, params, loaded.stop_token_ids)

@@ -23,12 +23,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cluster", ("asyncrl.cluster",)),
     ("engines", ("asyncrl.engine",)),
     ("rollout", ("asyncrl.rollout",)),
-    # `asyncrl serve` (engine/serve.py) sits with the agents: it answers their OpenAI routes too.
-    ("agents", ("asyncrl.agent", "asyncrl.engine.serve")),
+    ("agents", ("asyncrl.agent",)),
     ("trainer", ("asyncrl.trainer",)),
     ("checkpoint", ("asyncrl.checkpoint",)),
     ("plan", ("asyncrl.plan",)),
     ("run", ("asyncrl.run",)),
+    ("serve", ("asyncrl.serve",)),
     ("workflows", ("workflows",)),
     ("entry points", ("asyncrl.cli", "asyncrl.__main__")),
 )

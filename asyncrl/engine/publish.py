@@ -29,7 +29,7 @@ dtype, and the writes are parallel.
 the index records them under ``metadata.tensor_sha256`` (each process leaves its hashes in a
 ``.hashes-{process}.json`` beside its file; process 0 merges them into the index). ``asyncrl serve``
 reads only the tensors whose hash differs from what it serves (frozen LoRA base, embeddings of a
-layer-frozen run, anything unchanged): :class:`~asyncrl.engine.serve.ServeState`. Hashing is part of
+layer-frozen run, anything unchanged): :class:`~asyncrl.serve.state.ServeState`. Hashing is part of
 the publish (sha256 of bench-40m's 83 MB in bfloat16: 0.06 s on one core of a 2-core EPYC) and needs no state
 carried between publishes.
 

@@ -92,6 +92,8 @@ class RemoteStats:
     requests: int = 0  # generate/submit calls accepted
     aborted: int = 0  # samples ended by abort
     tokens: int = 0  # tokens the servers returned
+    prefill_tokens: int = 0  # prompt tokens the servers computed (meta_info: prompt_tokens - cached_tokens)
+    prefix_hit_tokens: int = 0  # prompt tokens the servers took from their prefix caches (cached_tokens)
     retries: int = 0  # requests retried after a failed try
     resubmits: int = 0  # samples cut by a pause and resubmitted with their tokens so far
     swaps: int = 0  # weight versions loaded by the servers
@@ -283,6 +285,10 @@ class RemoteEngine:
             "engine/requests": float(s.requests),
             "engine/samples_aborted": float(s.aborted),
             "engine/decode_tokens": float(s.tokens),
+            "engine/prefill_tokens": float(s.prefill_tokens),
+            "engine/prefix_hit_tokens": float(s.prefix_hit_tokens),
+            "engine/prefix_hit_rate": (s.prefix_hit_tokens / (s.prefix_hit_tokens + s.prefill_tokens)
+                                       if s.prefix_hit_tokens + s.prefill_tokens else 0.0),
             "engine/retries": float(s.retries),
             "engine/resubmits": float(s.resubmits),
             "engine/swaps": float(s.swaps),
@@ -546,6 +552,9 @@ class RemoteEngine:
         sample.versions += [version] * len(tokens)
         server.record_tokens(len(tokens))
         self._count("tokens", len(tokens), usage)
+        cached = min(meta.cached_tokens, meta.prompt_tokens)
+        self._count("prefill_tokens", meta.prompt_tokens - cached, usage)
+        self._count("prefix_hit_tokens", cached, usage)
         if _cut_at_stop_sequence(sample, request, start):
             return
         kind = meta.finish_reason.type if meta.finish_reason is not None else "abort"
@@ -560,7 +569,8 @@ class RemoteEngine:
             self._count("resubmits", 1)  # cut by a pause: resubmitted with its tokens so far
 
 
-_USAGE_FIELDS = {"requests": "requests", "aborted": "samples_aborted", "tokens": "decode_tokens"}
+_USAGE_FIELDS = {"requests": "requests", "aborted": "samples_aborted", "tokens": "decode_tokens",
+                 "prefill_tokens": "prefill_tokens", "prefix_hit_tokens": "prefix_hit_tokens"}
 """The :class:`RemoteStats` fields a request's :class:`~asyncrl.engine.protocol.RequestUsage` mirrors."""
 
 

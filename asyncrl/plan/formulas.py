@@ -606,9 +606,11 @@ def slots_for_budget(cfg: Config, budget: int, devices: int = 1, processes: int 
     replicas = max(plan_layout(cfg, devices, processes).engine_replicas, 1)
     total = lambda per_replica: plan_config(with_slots(cfg, per_replica * replicas), devices, processes, model_cfg,
                                             backend).total_bytes
-    one, two = total(1), total(2)
-    per_slot, fixed = two - one, 2 * one - two
     least = minimum_slots(cfg)
+    # The plan is linear in the slots: two valid counts (at least the run's minimum) give its line.
+    low = -(-least // replicas)
+    at_low, at_high = total(low), total(low + 1)
+    per_slot, fixed = at_high - at_low, at_low - low * (at_high - at_low)
     most = max(cfg.rollout.max_concurrent * cfg.rollout.group_size, least)
     fitting = (budget - fixed) // per_slot * replicas if per_slot > 0 else most
     slots = min(fitting, most)

@@ -10,7 +10,8 @@ import time
 import openai
 import pytest
 
-from asyncrl.engine.serve import ServeState, build_app
+from asyncrl.serve.app import build_app
+from asyncrl.serve.state import ServeState
 from tests.agent_fakes import qwen_char_tokenizer, text_engine
 from tests.remote_helpers import free_port
 

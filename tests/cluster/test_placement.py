@@ -175,7 +175,7 @@ for tp in [int(t) for t in os.environ["ENGINE_TENSOR_PARALLEL"].split(",")]:
 assert host_reads == [], host_reads
 # asyncrl serve with a run config serves on its placement.engine with its tensor_parallel.
 import tempfile, yaml
-from asyncrl.engine.serve import build_state
+from asyncrl.serve.server import build_state
 with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
     yaml.safe_dump({"model": {"path": "tiny:kv_heads=4,layers=1"}, "engine": {**ENGINE, "tensor_parallel": 2},
                     "placement": {"engine": "6:8"}, "data": {"max_prompt_tokens": 16},

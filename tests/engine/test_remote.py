@@ -111,6 +111,36 @@ def test_every_endpoint_speaks_sglang_protocol(two, model):
     assert missing.status_code == 400 and not missing.json()["success"] and "missing" in missing.json()["message"]
 
 
+def test_the_servers_prefix_cache_is_reported_and_flushed(two, model):
+    """``asyncrl serve`` runs the engine's prefix reuse: a prompt whose context a finished sample's
+    slot holds is not computed again (``meta_info.cached_tokens``, as SGLang reports its radix
+    cache's), ``/flush_cache`` forgets it, and a RemoteEngine counts what the servers computed and
+    reused (engine/prefill_tokens, engine/prefix_hit_tokens)."""
+    tmp, (server, _) = two
+    _, loaded = model
+    prompt = [int(t) for t in np.random.default_rng(54).integers(5, 28, size=20)]
+    one = sp.GenerateReqInput(input_ids=prompt, sampling_params=sp.SamplingParams(max_new_tokens=2, temperature=0))
+
+    def cached() -> int:
+        answer = httpx.post(f"{server.url}/generate", json=one.model_dump(exclude_none=True), headers=AUTH, timeout=60)
+        return sp.GenerateItem.model_validate(answer.json()).meta_info.cached_tokens
+
+    assert cached() == 0
+    assert cached() == len(prompt) - 1  # the whole context (the last prompt token is the first decode step's)
+    assert httpx.post(f"{server.url}/flush_cache", headers=AUTH).text == "Cache flushed."
+    assert cached() == 0
+
+    engine = remote_engine(tmp, [server], loaded)
+    try:
+        request = GenerationRequest(prompt_ids=prompt, max_new_tokens=2, greedy=True)
+        engine.generate(request)  # the server still holds the context from the last answer above
+        metrics = engine.metrics()
+        assert metrics["engine/prefix_hit_tokens"] == len(prompt) - 1 and metrics["engine/prefill_tokens"] == 1
+        assert metrics["engine/prefix_hit_rate"] == (len(prompt) - 1) / len(prompt)
+    finally:
+        engine.shutdown()
+
+
 # --------------------------------------------------------------------------- exactness
 
 

@@ -43,6 +43,15 @@ def test_auto_slots_bounds_and_a_budget_too_small():
     assert load_config(data={"engine": {"slots": "auto"}, "rollout": {"group_size": 64}}).engine.slots == "auto"
 
 
+def test_auto_slots_of_a_staged_config_measures_only_valid_slot_counts():
+    """Each stage of a staged config is validated again when planned (engine.slots at least
+    rollout.group_size): the line through the plan is measured at counts the run accepts."""
+    cfg = load_config(str(REPO_ROOT / "configs" / "quickstart.yaml"), ["engine.slots=auto"])
+    assert cfg.stages and cfg.rollout.group_size == 8
+    slots = slots_for_budget(cfg, 10_000 * GIB)
+    assert slots == cfg.rollout.max_concurrent * cfg.rollout.group_size
+
+
 def test_plan_sizes_auto_slots_for_the_device_memory(capsys):
     argv = ["plan", str(RECIPE), "--set", f"model.path={QWEN}", "--set", "engine.slots=auto", "--backend", "gpu"]
     assert main([*argv, "--device-memory", "24"]) == 0

@@ -1,64 +1,21 @@
-"""``asyncrl serve``: the in-process JaxEngine behind SGLang's native HTTP API (the RL subset).
-
-So users without SGLang can run rollout servers on other hosts, and the tests exercise
-:class:`~asyncrl.engine.remote.RemoteEngine` against real servers. Requests and answers are the
-models of :mod:`asyncrl.engine.sglang_protocol`; the stack is Starlette on uvicorn.
-
-Semantics that matter for exact per-token versions:
-
-* ``/pause_generation`` (mode ``abort``) ends every in-flight request at once with the tokens it
-  has (finish type ``abort``) and holds new ``/generate`` requests until ``/continue_generation``.
-  ``retract`` and ``in_place`` are refused (400): the JaxEngine cannot park requests.
-* ``/update_weights_from_disk`` always runs with generation paused (it pauses and aborts itself
-  when the caller did not), so every answer's tokens come from one set of weights, named by its
-  ``meta_info.weight_version``. It loads only directories under ``--weights-root`` (403 otherwise;
-  no root: updates are refused).
-* ``/update_weights_from_disk`` re-reads only what changed: a publish's index carries each
-  tensor's sha256 (``metadata.tensor_sha256``, :mod:`asyncrl.engine.publish`); a tensor whose hash
-  equals that of the tensor this server loaded last is kept as it is on the device (a LoRA run's
-  frozen base, embeddings, norms that did not move), the others are read. An index without hashes
-  (a plain HF checkpoint) is read whole. ``/get_server_info`` reports ``serve/tensors_read``,
-  ``serve/bytes_read`` and ``serve/tensors_kept`` of the last load. (A tied ``lm_head`` is not a
-  tensor of its own: it is read once, as the embedding.)
-* LoRA (SGLang's ``/load_lora_adapter``, ``/unload_lora_adapter`` and ``/generate``'s ``lora_path``;
-  see :mod:`asyncrl.engine.sglang_protocol`): a PEFT adapter directory under ``--weights-root`` is
-  checked against the model (every tensor names a linear layer, has its A/B partner and the
-  shape of ``r``; else 400 naming the tensor) and applied to the base weights, ``W + (alpha / r) *
-  A @ B``; the engine then serves the merged weights. Unlike SGLang, asyncrl serve applies one
-  adapter at a time: a request naming the active adapter runs; one naming an adapter loaded
-  earlier and since replaced comes back at once with no tokens and finish type ``abort`` (the
-  remote engine resubmits it under the new adapter, as after a pause), and so does one naming no
-  adapter while one is applied (asyncrl serve holds no separate base to run it on); one naming an
-  unknown adapter is refused (400). ``/update_weights_from_disk`` replaces the base and drops every
-  adapter.
-* ``--api-key``: every endpoint needs ``Authorization: Bearer KEY`` (401 otherwise).
-* ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``: the OpenAI-compatible API of
-  :mod:`asyncrl.agent.api` over the same engine (the model directory's tokenizer and chat
-  template; no streaming), held while paused like ``/generate``. See docs/agents.md.
-* SIGTERM: uvicorn stops accepting, finishes in-flight answers (up to 10 s), then the engine stops.
-"""
+"""The state behind ``asyncrl serve``'s routes (:mod:`asyncrl.serve`): the engine, its weights
+labels and adapters, the pause gate, and what each SGLang route does with them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import itertools
 import json
-import logging
-import os
-import signal
 from pathlib import Path
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncIterator, Optional
 
 from pydantic import ValidationError
 
 from asyncrl.engine import sglang_protocol as sp
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse
-from asyncrl.errors import AsyncRLError, ConfigError, EngineRequestError
-
-logger = logging.getLogger("asyncrl.engine.serve")
+from asyncrl.errors import AsyncRLError, EngineRequestError
 
 
 class HTTPError(Exception):
@@ -181,7 +138,9 @@ class ServeState:
         except ValueError as err:
             raise HTTPError(400, f"/generate: {err}") from None
 
-    def item(self, response: Optional[GenerationResponse], prompt_len: int, with_logprobs: bool) -> dict:
+    def item(self, response: Optional[GenerationResponse], prompt_len: int, with_logprobs: bool, cached: int = 0) -> dict:
+        """One answer item; ``cached``: the prompt tokens the engine did not compute for it
+        (``meta_info.cached_tokens``, as SGLang reports its radix cache's)."""
         rid = f"asyncrl-{next(self.rids)}"
         if response is None:
             tokens, logprobs, label = [], [], self.label
@@ -201,7 +160,7 @@ class ServeState:
             else:
                 finish = sp.FinishReason(type="stop", matched=tokens[-1])
         meta = sp.MetaInfo(
-            id=rid, finish_reason=finish, prompt_tokens=prompt_len, completion_tokens=len(tokens),
+            id=rid, finish_reason=finish, prompt_tokens=prompt_len, completion_tokens=len(tokens), cached_tokens=cached,
             weight_version=label,
             output_token_logprobs=[(lp, t, None) for lp, t in zip(logprobs, tokens)] if with_logprobs else None,
         )
@@ -223,8 +182,13 @@ class ServeState:
         out = []
         for (req, count), fut in zip(requests, futures):
             responses = [None] * count if fut is None else await fut
-            for response in responses:
-                out.append(self.item(response, len(req.prompt_ids) if req is not None else 0, with_logprobs))
+            prompt_len = len(req.prompt_ids) if req is not None else 0
+            for k, response in enumerate(responses):
+                # The engine computes a request's context once (less what it reused: its usage);
+                # its other samples copy the first's (engine/prefix_hit_tokens: docs/agents.md).
+                hit = response.usage.prefix_hit_tokens if response is not None and response.usage is not None else 0
+                cached = hit if k == 0 else max(prompt_len - 1, 0)
+                out.append(self.item(response, prompt_len, with_logprobs, cached if response is not None else 0))
         return out if body.is_batch or len(out) != 1 else out[0]
 
     # ------------------------------------------------------------------ control
@@ -395,219 +359,3 @@ class ServeState:
 
 
 # --------------------------------------------------------------------------- the app
-
-
-def build_app(state: ServeState) -> Any:
-    """The Starlette app: every route authorised, parsed against the protocol models, errors as one line."""
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response
-    from starlette.routing import Route
-
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
-
-    def authorised(request: Request) -> bool:
-        if state.api_key is None:
-            return True
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode())
-
-    async def parse(request: Request, model: Any, what: str) -> Any:
-        raw = await request.body()
-        try:
-            data = json.loads(raw) if raw.strip() else {}
-        except json.JSONDecodeError as err:
-            raise HTTPError(400, f"{what}: the body is not JSON ({err})") from None
-        try:
-            return model.model_validate(data)
-        except ValidationError as err:
-            raise HTTPError(400, validation_message(err, what)) from None
-
-    def endpoint(handler: Any) -> Any:
-        async def wrapped(request: Request) -> Response:
-            if not authorised(request):
-                return error(401, f"{request.url.path}: missing or wrong API key (send Authorization: Bearer KEY)")
-            try:
-                result = await handler(request)
-            except HTTPError as err:
-                return error(err.status, err.message)
-            if isinstance(result, Response):
-                return result
-            status = 400 if isinstance(result, dict) and result.get("success") is False else 200
-            return JSONResponse(result, status_code=status)
-
-        return wrapped
-
-    routes = [Route(path, endpoint(handler), methods=methods) for path, (handler, methods) in _handlers(state, parse).items()]
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Any) -> Any:
-        state.loop_objects()
-        yield
-
-    return Starlette(routes=routes, lifespan=lifespan)
-
-
-def _handlers(state: ServeState, parse: Any) -> dict[str, tuple[Any, list[str]]]:
-    """``path -> (handler(request), methods)`` of the SGLang API subset."""
-    from starlette.requests import Request
-    from starlette.responses import Response
-
-    async def generate(request: Request) -> Any:
-        return await state.generate(await parse(request, sp.GenerateReqInput, "/generate"))
-
-    async def pause(request: Request) -> Any:
-        body = await parse(request, sp.PauseGenerationReqInput, "/pause_generation")
-        if body.mode != "abort":
-            raise HTTPError(400, f"/pause_generation: mode {body.mode!r} is not supported by asyncrl serve (only 'abort': "
-                                 "the JaxEngine cannot park requests); set engine.remote.pause_mode: abort")
-        await state.pause()
-        return {"success": True, "message": "paused"}
-
-    async def resume(request: Request) -> Any:
-        await parse(request, sp.ContinueGenerationReqInput, "/continue_generation")
-        state.resume()
-        return {"success": True, "message": "continued"}
-
-    async def update(request: Request) -> Any:
-        return await state.update(await parse(request, sp.UpdateWeightFromDiskReqInput, "/update_weights_from_disk"))
-
-    async def load_lora(request: Request) -> Any:
-        return await state.load_adapter(await parse(request, sp.LoadLoRAAdapterReqInput, "/load_lora_adapter"))
-
-    async def unload_lora(request: Request) -> Any:
-        return await state.unload_adapter(await parse(request, sp.UnloadLoRAAdapterReqInput, "/unload_lora_adapter"))
-
-    async def abort(request: Request) -> Any:
-        body = await parse(request, sp.AbortReq, "/abort_request")
-        if not body.abort_all:
-            raise HTTPError(400, "/abort_request: asyncrl serve aborts all requests only (send abort_all: true)")
-        await asyncio.to_thread(state.engine.abort_all)
-        return {"success": True}
-
-    async def flush_cache(request: Request) -> Any:
-        return Response("Cache flushed (asyncrl serve keeps no prefix cache).", media_type="text/plain")
-
-    async def health(request: Request) -> Any:
-        if state.engine.crashed is not None:
-            raise HTTPError(503, "/health: the engine's thread died")
-        return Response(status_code=200)
-
-    async def model_info(request: Request) -> Any:
-        return sp.ModelInfo(model_path=state.model_path, tokenizer_path=state.model_path, is_generation=True,
-                            weight_version=state.label).model_dump()
-
-    async def server_info(request: Request) -> Any:
-        return {"weight_version": state.label, "paused": state.paused, "lora_adapters": sorted(state.adapters),
-                "active_lora_adapter": state.active_adapter, **state.load_figures, **state.engine.metrics()}
-
-    async def openai_route(request: Request) -> Any:
-        from starlette.responses import JSONResponse
-
-        from asyncrl.agent.api import ApiError
-
-        if state.openai is None:
-            raise HTTPError(404, f"{request.url.path}: the model directory has no tokenizer, so asyncrl serve has no OpenAI routes")
-        raw = await request.body()
-        try:
-            body = json.loads(raw) if raw.strip() else None
-            prepared = state.openai.prepare(request.method, request.url.path[len("/v1"):], body, None)
-        except json.JSONDecodeError as err:
-            raise HTTPError(400, f"{request.url.path}: the body is not JSON ({err})") from None
-        except ApiError as err:
-            return JSONResponse(err.body(), status_code=err.status)
-        if prepared.request is None:
-            return prepared.finish([])
-        while state.paused:  # held while paused, like /generate
-            await state.resumed.wait()
-        try:
-            responses = await asyncio.wrap_future(state.engine.submit(prepared.request))
-        except EngineRequestError as err:
-            raise HTTPError(400, f"{request.url.path}: {err}") from None
-        return prepared.finish(responses)
-
-    return {
-        "/v1/chat/completions": (openai_route, ["POST"]),
-        "/v1/completions": (openai_route, ["POST"]),
-        "/v1/models": (openai_route, ["GET"]),
-        "/generate": (generate, ["POST"]),
-        "/pause_generation": (pause, ["POST"]),
-        "/continue_generation": (resume, ["POST"]),
-        "/update_weights_from_disk": (update, ["POST"]),
-        "/load_lora_adapter": (load_lora, ["POST"]),
-        "/unload_lora_adapter": (unload_lora, ["POST"]),
-        "/abort_request": (abort, ["POST"]),
-        "/flush_cache": (flush_cache, ["GET", "POST"]),
-        "/health": (health, ["GET"]),
-        "/get_model_info": (model_info, ["GET"]),
-        "/get_server_info": (server_info, ["GET"]),
-    }
-
-
-def build_state(model_or_config: str, *, weights_root: Optional[str], api_key: Optional[str], seed: Optional[int],
-                weight_version: str, overrides: Sequence[str] = ()) -> ServeState:
-    """Load the model (a model path, ``tiny[:...]``, or a YAML run config whose ``model``, ``engine``,
-    ``placement.engine`` and ``run.seed`` are used) and start its JaxEngine."""
-    from asyncrl.config import EngineConfig, load_config
-    from asyncrl.engine.jax_engine import JaxEngine
-    from asyncrl.model import load_model
-
-    mesh = None
-    if model_or_config.endswith((".yaml", ".yml")):
-        cfg = load_config(model_or_config, overrides)
-        if cfg.engine.tensor_parallel > 1 or cfg.placement.engine is not None:
-            from asyncrl.cluster.placement import engine_mesh, resolve_placement
-
-            mesh = engine_mesh(resolve_placement(cfg))  # the config's engine devices (docs/scaling.md)
-        loaded, engine_cfg, run_seed = load_model(cfg.model, with_tokenizer=False), cfg.engine, cfg.run.seed
-    else:
-        if overrides:
-            raise ConfigError(f"asyncrl serve: --set needs a YAML config, not the model {model_or_config!r}")
-        loaded, engine_cfg, run_seed = load_model(model_or_config, with_tokenizer=False), EngineConfig(), 0
-    graphdef, params = loaded.split()
-    engine = JaxEngine(graphdef, params, stop_token_ids=loaded.stop_token_ids, config=engine_cfg,
-                       seed=run_seed if seed is None else seed, mesh=mesh)
-    root = Path(weights_root) if weights_root else None
-    from asyncrl.agent.api import Limits
-
-    limits = Limits(max_new_tokens=engine_cfg.kv_capacity, max_total_tokens=engine_cfg.kv_capacity,
-                    max_prompt_tokens=max(engine_cfg.prefill_buckets))
-    return ServeState(engine, loaded.model.cfg, str(loaded.path), weights_root=root, api_key=api_key,
-                      weight_version=weight_version, tokenizer=_tokenizer_of(Path(loaded.path)), openai_limits=limits)
-
-
-def _tokenizer_of(model_dir: Path) -> Any:
-    """The model directory's tokenizer for the OpenAI routes, or None (then they answer 404)."""
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as err:  # noqa: BLE001 - a directory without a tokenizer still serves /generate
-        logger.warning("asyncrl serve: no tokenizer in %s (%s): the OpenAI routes (/v1/...) are off", model_dir, err)
-        return None
-
-
-def serve(model_or_config: str, *, host: str = "127.0.0.1", port: int = 30000, weights_root: Optional[str] = None,
-          api_key: Optional[str] = None, seed: Optional[int] = None, weight_version: str = "0",
-          overrides: Sequence[str] = ()) -> None:
-    """Run the server until SIGTERM/SIGINT (graceful: in-flight answers finish, then the engine stops)."""
-    import uvicorn
-
-    api_key = api_key if api_key is not None else os.environ.get("ASYNCRL_API_KEY") or None
-    state = build_state(model_or_config, weights_root=weights_root, api_key=api_key, seed=seed,
-                        weight_version=weight_version, overrides=overrides)
-    config = uvicorn.Config(build_app(state), host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
-                            access_log=False)
-    server = uvicorn.Server(config)
-    print(f"asyncrl serve: {state.model_path} on http://{host}:{port} (weights root: {state.weights_root}, "
-          f"api key: {'on' if api_key else 'off'})", flush=True)
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler
-    # that was there before: make that a no-op, so the engine stops below and the exit status is 0.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    try:
-        server.run()
-    finally:
-        state.engine.shutdown()
-    print("asyncrl serve: stopped", flush=True)
