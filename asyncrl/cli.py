@@ -380,7 +380,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     logging.getLogger("asyncrl").setLevel(cfg.logging.level)
     _import_flax_without_ipython()
     if args.command == "train":
-        from asyncrl.run.loop import TrainingInterrupted, train
+        from asyncrl.run.loop import train
+        from asyncrl.run.run_state import TrainingInterrupted
 
         try:
             train(cfg, argv=["asyncrl", *sys.argv[1:]])

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.model import load_model  # noqa: E402
-from asyncrl.rollout.workflow import RewardFunction, SingleTurnWorkflow  # noqa: E402
+from asyncrl.rollout.rewards import RewardFunction  # noqa: E402
+from asyncrl.rollout.workflow import SingleTurnWorkflow  # noqa: E402
 from asyncrl.run.sft import SFTData, eval_loss  # noqa: E402
 from asyncrl.trainer import Trainer  # noqa: E402
 from tests.sft_helpers import greedy_exact_match  # noqa: E402

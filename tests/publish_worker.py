@@ -22,7 +22,7 @@ def main(weights_dir: str, report: str) -> None:
     import numpy as np
 
     from asyncrl.cluster.mesh import build_mesh
-    from asyncrl.engine.jax_engine import local_copy
+    from asyncrl.engine.device_copy import local_copy
     from asyncrl.engine.publish import WeightsWriter
     from asyncrl.model import load_model
     from asyncrl.model.sharding import shard_params

@@ -1,5 +1,5 @@
 """Convert a run's format-2 checkpoints (one safetensors file per array tree, written by
-process 0) to the current layout (Orbax, :data:`~asyncrl.checkpoint.store.CHECKPOINT_FORMAT`),
+process 0) to the current layout (Orbax, :data:`~asyncrl.checkpoint.layout.CHECKPOINT_FORMAT`),
 so that a run started before the change resumes::
 
     python -m asyncrl.checkpoint.convert RUN_DIR
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 import asyncrl.checkpoint.files as checkpoint_files
+import asyncrl.checkpoint.layout as layout
 import asyncrl.checkpoint.store as store
 from asyncrl.errors import CheckpointError
 
@@ -28,12 +29,12 @@ OLD_FORMAT = 2
 
 def convert_checkpoint(path: Path) -> Path:
     """Rewrite the format-2 checkpoint ``path`` (``<run>/checkpoints/step_<k>``) in the current format."""
-    manifest = json.loads((path / store.MANIFEST_FILE).read_text(encoding="utf-8"))
+    manifest = json.loads((path / layout.MANIFEST_FILE).read_text(encoding="utf-8"))
     if manifest.get("format") != OLD_FORMAT:
         raise CheckpointError(f"checkpoint {path}: MANIFEST.json: field format: {manifest.get('format')!r}, "
                               f"only format {OLD_FORMAT} converts")
     for filename, entry in manifest["files"].items():
-        problem = store._file_problem(path / filename, filename, entry)
+        problem = layout._file_problem(path / filename, filename, entry)
         if problem:
             raise CheckpointError(f"checkpoint {path}: {problem}; not converted")
     from asyncrl.checkpoint.arrays import _nest
@@ -43,8 +44,8 @@ def convert_checkpoint(path: Path) -> Path:
         where = f"{path / tree}.safetensors"
         flat = checkpoint_files.decode_safetensors((path / f"{tree}.safetensors").read_bytes(), where)
         arrays[tree] = _nest(flat)  # keys "a/0/b" -> nested dicts: the same keys once flattened again
-    state = json.loads((path / store.STATE_FILE).read_text(encoding="utf-8"))
-    config_yaml = (path / store.CONFIG_FILE).read_text(encoding="utf-8")
+    state = json.loads((path / layout.STATE_FILE).read_text(encoding="utf-8"))
+    config_yaml = (path / layout.CONFIG_FILE).read_text(encoding="utf-8")
     rollout_state = checkpoint_files.load_rollout_state(path) if manifest.get("rollout") else None
     return store.save_checkpoint(path.parent.parent, int(manifest["step"]), arrays=arrays, state=state,
                                  config_yaml=config_yaml, rollout_state=rollout_state)
@@ -53,9 +54,9 @@ def convert_checkpoint(path: Path) -> Path:
 def convert_run(out_dir: str | Path) -> list[Path]:
     """Convert every format-2 checkpoint under ``<out_dir>/checkpoints``; returns those converted."""
     converted = []
-    for _, path in store._step_dirs(store.checkpoints_root(out_dir)):
+    for _, path in layout._step_dirs(layout.checkpoints_root(out_dir)):
         try:
-            found = json.loads((path / store.MANIFEST_FILE).read_text(encoding="utf-8")).get("format")
+            found = json.loads((path / layout.MANIFEST_FILE).read_text(encoding="utf-8")).get("format")
         except (OSError, ValueError):
             continue  # incomplete: skipped on resume like any other
         if found == OLD_FORMAT:
@@ -73,9 +74,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"asyncrl: {err}", file=sys.stderr)
         return 1
     for path in converted:
-        print(f"converted {path} to checkpoint format {store.CHECKPOINT_FORMAT}")
+        print(f"converted {path} to checkpoint format {layout.CHECKPOINT_FORMAT}")
     if not converted:
-        print(f"no format-{OLD_FORMAT} checkpoint in {store.checkpoints_root(args.run_dir)}")
+        print(f"no format-{OLD_FORMAT} checkpoint in {layout.checkpoints_root(args.run_dir)}")
     return 0
 
 

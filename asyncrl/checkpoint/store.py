@@ -55,48 +55,22 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import numpy as np
 
 import asyncrl.checkpoint.files as checkpoint_files
-from asyncrl.checkpoint.layout import (  # noqa: F401 - the layout's names, importable from here as before
-    _FORMATS,
+from asyncrl.checkpoint.layout import (
     _HASH_CHUNK,
     _HASHES_DIR,
-    _ORBAX_NAME,
-    _STEP_DIGITS,
-    _STEP_DIR,
     _TMP_PREFIX,
     _TRASH_PREFIX,
     _TREE_NAME,
-    ARRAYS_DIR,
     CHECKPOINT_FORMAT,
-    CHECKPOINTS_DIR,
     CONFIG_FILE,
     MANIFEST_FILE,
     ROLLOUT_PREFIX,
     STATE_FILE,
-    _file_problem,
-    _my_share,
     _process,
-    _read_manifest,
-    _refuse_other_format,
-    _sha256_file,
     _step_dirs,
-    _step_of,
-    checkpoint_due,
     checkpoint_problems,
     checkpoints_root,
     step_dir_name,
-)
-from asyncrl.checkpoint.load import (  # noqa: F401 - the reader's names, importable from here as before
-    Checkpoint,
-    SavedTrees,
-    latest_checkpoint,
-    load_checkpoint,
-    resume_checkpoint,
-)
-from asyncrl.checkpoint.schema import (  # noqa: F401 - the config checks a resume runs, importable from here
-    RESUME_MUTABLE_FIELDS,
-    Manifest,
-    check_resume_compatible,
-    saved_config,
 )
 from asyncrl.errors import CheckpointError
 

@@ -126,7 +126,7 @@ def initialize_distributed(mesh_cfg: Any) -> None:
     except (RuntimeError, ValueError) as err:
         raise TrainerError(
             f"mesh.distributed: jax.distributed.initialize failed ({err}); it must run before anything else "
-            "uses JAX (call asyncrl.trainer.initialize_distributed(cfg.mesh) first thing in every process), every "
+            "uses JAX (call asyncrl.cluster.distributed.initialize_distributed(cfg.mesh) first thing in every process), every "
             f"process must reach the coordinator within mesh.distributed.initialization_timeout_s "
             f"({dist.initialization_timeout_s} s), and the address, process count and ids must agree"
         ) from err

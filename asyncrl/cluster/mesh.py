@@ -1,6 +1,6 @@
 """The trainer's device mesh and JAX's multi-process runtime.
 
-:func:`initialize_distributed` (idempotent; in :mod:`asyncrl.cluster.distributed`, re-exported here) must run before anything else touches JAX
+:func:`~asyncrl.cluster.distributed.initialize_distributed` (idempotent) must run before anything else touches JAX
 when ``mesh.distributed.enabled``; :func:`build_mesh` then lays ``jax.devices()`` (all
 processes' devices, process-major) out as a ``(data, fsdp, tensor)`` mesh. Batch rows
 are split over ``data`` x ``fsdp`` (:func:`row_sharding`), so with devices in process
@@ -13,10 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.cluster.distributed import initialize_distributed
 from asyncrl.errors import TrainerError
 
-__all__ = ["initialize_distributed", "build_mesh", "mesh_shape", "row_shards", "local_row_shards", "row_sharding"]
+__all__ = ["build_mesh", "mesh_shape", "row_shards", "local_row_shards", "row_sharding"]
 
 ROW_AXES = ("data", "fsdp")
 """Mesh axes batch rows are split over."""

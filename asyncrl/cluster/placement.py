@@ -5,7 +5,7 @@
 start, before anything is built), with one error line naming the field for each thing that
 cannot work: overlapping ranges, ranges past the device count, a trainer mesh that does not
 fit its devices, an engine device count the tensor-parallel degree does not divide, an
-engine outside process 0 in a multi-process run. :func:`check_tensor_parallel` adds the
+engine outside process 0 in a multi-process run. :func:`~asyncrl.model.sharding.check_tensor_parallel` adds the
 model's part (whole KV heads per device) once the model config is known.
 
 The trainer mesh is ``build_mesh(cfg.mesh, devices=placement.trainer_devices)``; the engine's
@@ -24,9 +24,8 @@ from typing import Any, Optional, Sequence
 
 from asyncrl.config.sections import parse_device_range
 from asyncrl.errors import ConfigError, TrainerError
-from asyncrl.model.sharding import check_tensor_parallel
 
-__all__ = ["Placement", "check_tensor_parallel", "device_range", "engine_mesh", "resolve_placement", "slots_for_replicas"]
+__all__ = ["Placement", "device_range", "engine_mesh", "resolve_placement", "slots_for_replicas"]
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ from asyncrl.cluster.placement import slots_for_replicas
 from asyncrl.config import EngineConfig
 from asyncrl.engine.attention_buckets import attention_buckets
 from asyncrl.engine.constraints import TokenTrie, TriePool
-from asyncrl.engine.device_copy import COPY_GROUP_BYTES, local_copy, serving_copy
+from asyncrl.engine.device_copy import serving_copy
 from asyncrl.engine.jax_programs import (
     PrefillPlan,
     SlotControls,
@@ -100,7 +100,7 @@ from asyncrl.model.compute_copy import needs_compute_copy
 from asyncrl.model.sharding import check_tensor_parallel, param_shardings
 from asyncrl.registry import register
 
-__all__ = ["COPY_GROUP_BYTES", "EngineStats", "JaxEngine", "compile_count", "local_copy", "serving_copy"]
+__all__ = ["JaxEngine"]
 
 logger = logging.getLogger("asyncrl.engine")
 

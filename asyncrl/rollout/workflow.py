@@ -19,12 +19,10 @@ from asyncrl.config import Config
 from asyncrl.engine.protocol import GenerationRequest, InferenceEngine
 from asyncrl.errors import ConfigError, RolloutError
 from asyncrl.registry import register, resolve
-from asyncrl.rollout.rewards import (  # noqa: F401  (re-exported: workflows import these from here)
-    RewardFailuresExceeded,
+from asyncrl.rollout.rewards import (
     RewardFunction,
     RewardScorer,
     build_reward_functions,
-    check_reward_signatures,
     reward_fields,
 )
 from asyncrl.rollout.scoring_group import ScoringGroup

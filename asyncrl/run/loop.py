@@ -44,14 +44,11 @@ from asyncrl.errors import AsyncRLError, CheckpointError
 from asyncrl.pytree import tree_to_host
 from asyncrl.rollout.batch import BatchAbandoned, BatchSource, PreparedBatch
 from asyncrl.run.build import preflight
-from asyncrl.run.run_state import (  # noqa: F401 - importable from here as before the split
-    ENGINE_COUNTERS,
+from asyncrl.run.run_state import (
     Params,
     Run,
-    RunEngine,
     Stage,
     TrainingInterrupted,
-    reward_metrics,
 )
 from asyncrl.run.rundir import check_output_dir_path, prepare_output_dir
 from asyncrl.run.startup import StartupClock

@@ -223,7 +223,7 @@ class Hosts:
             return params
         import jax
 
-        from asyncrl.engine.jax_engine import local_copy
+        from asyncrl.engine.device_copy import local_copy
 
         leaves, treedef = jax.tree.flatten(params)
         copies = local_copy(leaves)

@@ -112,12 +112,13 @@ class Run:
 
     def __init__(self, cfg: Config, out: Path, console: Optional[TextIO], resumed: Optional[Checkpoint],
                  guard: ShutdownGuard, hosts: Hosts, startup: StartupClock):
-        from asyncrl.cluster.placement import check_tensor_parallel, resolve_placement
+        from asyncrl.cluster.mesh import build_mesh
+        from asyncrl.cluster.placement import resolve_placement
         from asyncrl.model import load_model
+        from asyncrl.model.sharding import check_tensor_parallel
         from asyncrl.run.auto_slots import resolve_auto_remat, resolve_auto_tensor_parallel
         from asyncrl.run.metrics import ConsoleSink, JsonlSink, LogAppender
         from asyncrl.run.multihost import NoSink
-        from asyncrl.trainer import build_mesh
 
         self.cfg, self.out, self.guard = cfg, out, guard
         self.hosts = hosts

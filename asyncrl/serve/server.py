@@ -28,7 +28,7 @@ def build_state(model_or_config: str, *, weights_root: Optional[str], api_key: O
     from asyncrl.model import load_model
 
     if model_or_config.endswith((".yaml", ".yml")):
-        from asyncrl.cluster.placement import check_tensor_parallel
+        from asyncrl.model.sharding import check_tensor_parallel
         from asyncrl.run.auto_slots import resolve_auto_tensor_parallel
         from asyncrl.run.build import build_local_engine
 

@@ -9,12 +9,12 @@
 - :mod:`asyncrl.trainer.optim`: the optax chain (clipping, AdamW with a weight-decay mask,
   warm-up + constant/cosine schedule) from the ``optim`` config section;
 - :mod:`asyncrl.trainer.spec`: the static descriptions the step is compiled for;
-- :mod:`asyncrl.trainer.flops`: a step's model FLOPs (MFU);
-- the ``(data, fsdp, tensor)`` mesh and ``jax.distributed`` set-up come from
-  :mod:`asyncrl.cluster.mesh` (re-exported here).
+- :mod:`asyncrl.trainer.flops`: a step's model FLOPs (MFU).
+
+The ``(data, fsdp, tensor)`` mesh is :mod:`asyncrl.cluster.mesh`'s, the ``jax.distributed``
+set-up :mod:`asyncrl.cluster.distributed`'s.
 """
 
-from asyncrl.cluster.mesh import build_mesh, initialize_distributed, row_sharding
 from asyncrl.trainer.flops import step_flops
 from asyncrl.trainer.losses import sft_loss
 from asyncrl.trainer.optim import OptimParams, build_optimizer, learning_rate_schedule, weight_decay_mask
@@ -25,12 +25,9 @@ __all__ = [
     "OptimParams",
     "StepSpec",
     "Trainer",
-    "build_mesh",
     "build_optimizer",
     "compile_count",
-    "initialize_distributed",
     "learning_rate_schedule",
-    "row_sharding",
     "nll_sums",
     "sft_loss",
     "step_flops",

@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from asyncrl.algo import AlgoParams
-from asyncrl.cluster.mesh import build_mesh, initialize_distributed, local_row_shards, row_sharding
+from asyncrl.cluster.distributed import initialize_distributed
+from asyncrl.cluster.mesh import build_mesh, local_row_shards, row_sharding
 from asyncrl.errors import TrainerError
 from asyncrl.model.sharding import param_shardings
 from asyncrl.pytree import TreeError, fill, keyed_leaves, to_host, tree_to_host

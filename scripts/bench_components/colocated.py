@@ -80,12 +80,12 @@ def child(args: argparse.Namespace) -> dict:
     import numpy as np
     from bench_common import bench_40m_dir, busy_decode
 
+    from asyncrl.cluster.mesh import build_mesh
     from asyncrl.cluster.placement import engine_mesh, resolve_placement
     from asyncrl.config import EngineConfig, load_config
     from asyncrl.engine.jax_engine import JaxEngine
     from asyncrl.model import load_model
     from asyncrl.model.sharding import shard_params
-    from asyncrl.trainer import build_mesh
 
     path = bench_40m_dir(Path(tempfile.gettempdir()) / "asyncrl-bench-40m")
     loaded = load_model(str(path), with_tokenizer=False)

@@ -18,7 +18,11 @@ import pytest
 import yaml
 
 from asyncrl import pytree
+from asyncrl.checkpoint import load as checkpoint_load
 from asyncrl.checkpoint import store as ck
+from asyncrl.checkpoint.layout import checkpoint_due
+from asyncrl.checkpoint.load import latest_checkpoint, load_checkpoint, resume_checkpoint
+from asyncrl.checkpoint.schema import check_resume_compatible, saved_config
 from asyncrl.config import Config, dump_config, load_config
 from asyncrl.errors import CheckpointError, ConfigError
 
@@ -67,7 +71,7 @@ def test_numpy_tree_round_trips_bitwise_as_flat_arrays_and_into_a_template(tmp_p
     assert path == tmp_path / "checkpoints" / "step_00000012"
     assert sorted(p.name for p in path.iterdir()) == ["MANIFEST.json", "arrays", "config.yaml", "hashes", "state.json"]
 
-    loaded = ck.load_checkpoint(path)
+    loaded = load_checkpoint(path)
     assert loaded.step == 12 and loaded.state == {"version": 12, "trainer": {"skipped": 0}, "stage": 0, "data": [1, 2]}
     assert loaded.config_yaml == CONFIG_YAML and loaded.config() == Config() and loaded.rollout_state is None
     flat = loaded.arrays["params"]  # plain arrays, keyed by path
@@ -102,7 +106,7 @@ def test_arrays_are_written_uncompressed_so_a_save_holds_no_second_copy(tmp_path
         checkpoint_arrays.HANDLER_OPTIONS.clear()
         checkpoint_arrays.HANDLER_OPTIONS.update(original)
     assert sum(f.stat().st_size for f in (compressed / "arrays").rglob("*") if f.is_file()) < written // 4
-    assert_same_bits(ck.load_checkpoint(compressed).tree("params", zeros)["w"], zeros["w"], "w")
+    assert_same_bits(load_checkpoint(compressed).tree("params", zeros)["w"], zeros["w"], "w")
 
 
 def test_jax_optax_and_nnx_trees_round_trip_into_their_templates(tmp_path):
@@ -126,7 +130,7 @@ def test_jax_optax_and_nnx_trees_round_trip_into_their_templates(tmp_path):
     opt_state = jax.tree.unflatten(treedef, [jnp.asarray(np.full(x.shape, 0.1 * (i + 1), x.dtype)) for i, x in enumerate(leaves)])
     path = ck.save_checkpoint(tmp_path, 3, arrays={"params": params, "opt_state": opt_state}, state={"version": 3},
                               config_yaml=CONFIG_YAML, keep=2)
-    loaded = ck.load_checkpoint(path)
+    loaded = load_checkpoint(path)
     for name, original in (("params", params), ("opt_state", opt_state)):
         restored = loaded.tree(name, original)
         assert jax.tree.structure(restored) == jax.tree.structure(original), name
@@ -148,13 +152,13 @@ def test_template_mismatches_are_all_reported(tmp_path):
     path = save(tmp_path, 1, {"a": np.zeros(3, np.float32), "b": np.zeros(2, np.int32), "extra": np.zeros(1)})
     template = {"a": np.zeros(4, np.float32), "b": np.zeros(2, np.int64), "c": np.zeros(1)}
     with pytest.raises(CheckpointError) as err:
-        ck.load_checkpoint(path).tree("params", template)
+        load_checkpoint(path).tree("params", template)
     message = str(err.value)
     for fragment in (f"checkpoint {path}: arrays/params: ", "field 'a': shape (3,), the template has (4,)",
                      "field 'b': dtype int32", "field 'c': missing", "field 'extra': not in the template"):
         assert fragment in message
     with pytest.raises(CheckpointError, match="holds no tree 'opt' \\(it holds \\['params'\\]\\)"):
-        ck.load_checkpoint(path).tree("opt", {})
+        load_checkpoint(path).tree("opt", {})
 
 
 def test_one_flattener_fills_templates_and_copies_to_the_host():
@@ -193,10 +197,10 @@ def test_a_checkpoint_of_another_format_is_refused_not_skipped(tmp_path):
     manifest["format"] = 1
     (newest / "MANIFEST.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="step_00000002: MANIFEST.json: field format: 1, this asyncrl reads format 3"):
-        ck.latest_checkpoint(tmp_path)
+        latest_checkpoint(tmp_path)
     cfg = load_config(data={"run": {"output_dir": str(tmp_path)}, "checkpoint": {"resume": "auto"}})
     with pytest.raises(CheckpointError, match="another run.output_dir"):
-        ck.resume_checkpoint(cfg)
+        resume_checkpoint(cfg)
 
 
 def test_values_that_cannot_be_stored_are_refused_before_anything_is_written(tmp_path):
@@ -250,7 +254,7 @@ def test_executor_state_round_trips_and_restores_a_fresh_executor(tmp_path):
 
     path = ck.save_checkpoint(tmp_path, 2, arrays={}, state={"version": 2}, config_yaml=dump_config(cfg), rollout_state=state)
     assert {"rollout.json", "rollout.npz"} <= {p.name for p in path.iterdir()}
-    loaded = ck.load_checkpoint(path)
+    loaded = load_checkpoint(path)
     assert json.loads(json.dumps(loaded.rollout_state["meta"])) == json.loads(json.dumps(state["meta"]))
     assert set(loaded.rollout_state["arrays"]) == set(state["arrays"])
     for name, array in state["arrays"].items():
@@ -291,7 +295,7 @@ def test_keep_last_n_deletes_older_checkpoints_only_after_the_new_one_is_in_plac
     (tmp_path / "checkpoints" / "step_00000007" / "MANIFEST.json").unlink()
     save(tmp_path, 8, keep=2)
     assert steps_on_disk(tmp_path) == [6, 7, 8]  # 6 and 8 are the two kept; broken 7 is newer than 6
-    assert ck.latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_00000008"
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_00000008"
 
 
 def test_saving_a_step_again_replaces_a_broken_directory_and_stale_temp_dirs_are_removed(tmp_path):
@@ -303,11 +307,11 @@ def test_saving_a_step_again_replaces_a_broken_directory_and_stale_temp_dirs_are
     (stale / "params.safetensors").write_bytes(b"half")
     trash = tmp_path / "checkpoints" / ".trash-step_00000000-deadbeef"
     trash.mkdir()
-    assert ck.latest_checkpoint(tmp_path).name == "step_00000001"
+    assert latest_checkpoint(tmp_path).name == "step_00000001"
 
     save(tmp_path, 2, numpy_tree(22))
-    assert ck.latest_checkpoint(tmp_path).name == "step_00000002"
-    assert_same_bits(ck.load_checkpoint(broken).arrays["params"]["embed"], numpy_tree(22)["embed"])
+    assert latest_checkpoint(tmp_path).name == "step_00000002"
+    assert_same_bits(load_checkpoint(broken).arrays["params"]["embed"], numpy_tree(22)["embed"])
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
 
 
@@ -381,30 +385,30 @@ def test_an_incomplete_or_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp
     partial.mkdir()
     (partial / "params.safetensors").write_bytes(b"\x00" * 10)
     with caplog.at_level(logging.INFO, logger="asyncrl.checkpoint"):
-        assert ck.latest_checkpoint(tmp_path) == previous
+        assert latest_checkpoint(tmp_path) == previous
     skipped = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
     assert len(skipped) == 1 and "step_00000003" in skipped[0]
     assert any(re.search(reason, m) for m in skipped), skipped
     assert any("unfinished checkpoint write" in r.getMessage() for r in caplog.records)
     with pytest.raises(CheckpointError, match="step_00000003"):
-        ck.load_checkpoint(newest)
+        load_checkpoint(newest)
 
 
 def test_size_only_check_misses_a_flipped_byte_but_load_catches_it(tmp_path):
     path = save(tmp_path, 1)
     _flip_byte(path)
     assert ck.checkpoint_problems(path, checksums=False) == []
-    assert ck.latest_checkpoint(tmp_path, checksums=False) == path
+    assert latest_checkpoint(tmp_path, checksums=False) == path
     with pytest.raises(CheckpointError, match="does not match its sha256"):
-        ck.load_checkpoint(path)
-    ck.load_checkpoint(path, verify=False)  # explicitly unverified: reads the (wrong) bytes
+        load_checkpoint(path)
+    load_checkpoint(path, verify=False)  # explicitly unverified: reads the (wrong) bytes
 
 
 def test_no_checkpoints_means_none(tmp_path):
-    assert ck.latest_checkpoint(tmp_path) is None
-    assert ck.latest_checkpoint(tmp_path / "missing") is None
+    assert latest_checkpoint(tmp_path) is None
+    assert latest_checkpoint(tmp_path / "missing") is None
     with pytest.raises(CheckpointError, match="no such checkpoint directory"):
-        ck.load_checkpoint(tmp_path / "checkpoints" / "step_00000001")
+        load_checkpoint(tmp_path / "checkpoints" / "step_00000001")
 
 
 # --------------------------------------------------------------------------- nothing unpickles
@@ -453,8 +457,8 @@ def test_nothing_on_the_load_path_unpickles(tmp_path, monkeypatch):
     monkeypatch.setattr(pickle, "loads", refuse)
     monkeypatch.setattr(pickle, "Unpickler", RefusingUnpickler)
     monkeypatch.setattr(np, "load", np_load)
-    assert ck.latest_checkpoint(tmp_path) == path
-    loaded = ck.load_checkpoint(path)
+    assert latest_checkpoint(tmp_path) == path
+    loaded = load_checkpoint(path)
     assert np_load_calls == [False]
     assert_same_bits(loaded.arrays["opt_state"]["mu"], np.ones(3, BF16))
     assert loaded.rollout_state["meta"] == rollout_state["meta"]
@@ -468,7 +472,7 @@ def test_nothing_on_the_load_path_unpickles(tmp_path, monkeypatch):
     np.savez(buffer, g0_t0_input_ids=np.array([_Payload(marker)], dtype=object))
     _rewrite_listed(path, "rollout.npz", buffer.getvalue())
     with pytest.raises(CheckpointError, match="rollout state is unreadable"):
-        ck.load_checkpoint(path)
+        load_checkpoint(path)
     assert not marker.exists()
 
 
@@ -479,7 +483,7 @@ def test_only_logging_total_steps_eval_and_checkpoint_may_change_on_resume():
     saved = Config()
     allowed = load_config(data={"logging": {"level": "DEBUG"}, "run": {"total_steps": 500},
                                 "eval": {"every_steps": 3, "n_samples": 4}, "checkpoint": {"keep": 1, "resume": "auto"}})
-    ck.check_resume_compatible(saved, allowed)
+    check_resume_compatible(saved, allowed)
 
     changed = load_config(data={
         "rollout": {"batch_size": 16}, "model": {"path": "other/model"}, "run": {"seed": 7, "total_steps": 9},
@@ -487,7 +491,7 @@ def test_only_logging_total_steps_eval_and_checkpoint_may_change_on_resume():
         "logging": {"level": "ERROR"},
     })
     with pytest.raises(ConfigError) as err:
-        ck.check_resume_compatible(saved, changed, where="runs/x/checkpoints/step_00000004")
+        check_resume_compatible(saved, changed, where="runs/x/checkpoints/step_00000004")
     problems = err.value.problems
     assert problems[0].startswith("cannot resume from runs/x/checkpoints/step_00000004")
     assert ("only logging.*, run.total_steps, run.compile_cache, run.output_dir, run.name, eval.*, checkpoint.*, "
@@ -503,51 +507,51 @@ def test_only_logging_total_steps_eval_and_checkpoint_may_change_on_resume():
     two = load_config(data={"rewards": [{"fn": "a"}, {"fn": "b", "weight": 1.0}]})
     other = load_config(data={"rewards": [{"fn": "a"}, {"fn": "b", "weight": 0.5}]})
     with pytest.raises(ConfigError, match=r"rewards\.1\.weight: checkpoint has 1.0, this config has 0.5"):
-        ck.check_resume_compatible(two, other)
+        check_resume_compatible(two, other)
 
 
 def test_resume_checkpoint_follows_checkpoint_resume_and_refuses_incompatible_configs(tmp_path, monkeypatch):
     base = {"run": {"output_dir": str(tmp_path), "total_steps": 4}, "checkpoint": {"resume": "auto"}}
     cfg = load_config(data=base)
-    assert ck.resume_checkpoint(cfg) is None  # nothing saved yet: start fresh
+    assert resume_checkpoint(cfg) is None  # nothing saved yet: start fresh
     ck.save_checkpoint(tmp_path, 2, arrays={"params": {"w": np.ones(2)}}, state={"version": 2}, config_yaml=dump_config(cfg))
     newest = ck.save_checkpoint(tmp_path, 4, arrays={"params": {"w": np.full(2, 4.0)}}, state={"version": 4},
                                 config_yaml=dump_config(cfg))
 
-    assert ck.resume_checkpoint(load_config(data={**base, "checkpoint": {"resume": "never"}})) is None
+    assert resume_checkpoint(load_config(data={**base, "checkpoint": {"resume": "never"}})) is None
     longer = load_config(data={**base, "run": {"output_dir": str(tmp_path), "total_steps": 10}})
-    resumed = ck.resume_checkpoint(longer)
+    resumed = resume_checkpoint(longer)
     assert resumed.step == 4 and resumed.path == newest and resumed.state == {"version": 4}
     np.testing.assert_array_equal(resumed.tree("params", {"w": np.zeros(2)})["w"], [4.0, 4.0])
 
     calls = []
-    monkeypatch.setattr(ck, "load_checkpoint", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(checkpoint_load, "load_checkpoint", lambda *a, **k: calls.append(a))
     incompatible = load_config(data={**base, "rollout": {"max_staleness": 3}})
     with pytest.raises(ConfigError, match="rollout.max_staleness: checkpoint has 1, this config has 3"):
-        ck.resume_checkpoint(incompatible)
+        resume_checkpoint(incompatible)
     assert calls == []  # refused before any array was read
 
     (newest / "config.yaml").write_text("rollout: {batch_sise: 3}\n")
     monkeypatch.undo()
     # the damaged config fails its checksum: the previous checkpoint is taken instead
-    assert ck.resume_checkpoint(longer).step == 2
+    assert resume_checkpoint(longer).step == 2
 
 
 def test_a_checkpoint_config_this_version_cannot_read_is_a_config_error():
     with pytest.raises(ConfigError) as err:
-        ck.saved_config(yaml.safe_dump({"rollout": {"batch_sise": 3}}), where="ck/config.yaml")
+        saved_config(yaml.safe_dump({"rollout": {"batch_sise": 3}}), where="ck/config.yaml")
     assert "ck/config.yaml: the checkpoint's config is no longer valid:" in err.value.problems[0]
     assert any("rollout.batch_sise" in p for p in err.value.problems)
     with pytest.raises(CheckpointError, match="not valid YAML"):
-        ck.saved_config("a: [")
+        saved_config("a: [")
 
 
 def test_checkpoint_due_every_n_steps_and_at_the_end():
     cfg = load_config(data={"run": {"total_steps": 10}, "checkpoint": {"every_steps": 4}})
-    assert [s for s in range(1, 11) if ck.checkpoint_due(cfg, s)] == [4, 8, 10]
+    assert [s for s in range(1, 11) if checkpoint_due(cfg, s)] == [4, 8, 10]
     off = load_config(data={"run": {"total_steps": 10}, "checkpoint": {"every_steps": 0}})
-    assert [s for s in range(1, 11) if ck.checkpoint_due(off, s)] == [10]
-    assert [s for s in range(1, 7) if ck.checkpoint_due(off, s, total_steps=6)] == [6]
+    assert [s for s in range(1, 11) if checkpoint_due(off, s)] == [10]
+    assert [s for s in range(1, 7) if checkpoint_due(off, s, total_steps=6)] == [6]
 
 
 def test_checkpoint_config_defaults_and_validation():

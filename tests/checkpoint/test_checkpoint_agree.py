@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from asyncrl.checkpoint import store as ck
+from asyncrl.checkpoint.layout import _my_share
 from tests.helpers import run_jax_processes
 
 # argv: OUT (this process's run.output_dir); env: the JAX_* variables of a 2-process run.
@@ -29,7 +30,7 @@ CHILD = textwrap.dedent(
     from asyncrl.errors import CheckpointError
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(message)s")
     try:
-        path = ck.latest_checkpoint(sys.argv[1], share=(jax.process_index(), jax.process_count()), timeout_s=60)
+        path = latest_checkpoint(sys.argv[1], share=(jax.process_index(), jax.process_count()), timeout_s=60)
     except CheckpointError as err:
         print("REFUSED", err, flush=True)
     else:
@@ -57,8 +58,8 @@ def test_a_file_damaged_in_one_process_share_is_skipped_by_both_naming_the_file(
     _save(tmp_path, 1)
     newest = _save(tmp_path, 2)
     files = json.loads((newest / ck.MANIFEST_FILE).read_text())["files"]
-    theirs = ck._my_share(list(files), (1, 2))  # hashed by process 1 alone
-    assert theirs.isdisjoint(ck._my_share(list(files), (0, 2)))
+    theirs = _my_share(list(files), (1, 2))  # hashed by process 1 alone
+    assert theirs.isdisjoint(_my_share(list(files), (0, 2)))
     damaged = max(theirs, key=lambda name: files[name]["bytes"])
     data = bytearray((newest / damaged).read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only its sha256 tells

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from asyncrl.checkpoint import store as ck
+from asyncrl.checkpoint.load import latest_checkpoint, load_checkpoint
 from asyncrl.errors import CheckpointError
 from tests.helpers import REPO_ROOT, subprocess_env
 
@@ -41,14 +42,14 @@ def test_an_asynchronous_save_returns_before_the_write_is_complete(tmp_path):
         pending = ck.start_checkpoint(tmp_path, 2, arrays=_arrays(2), state={"version": 2}, config_yaml="{}\n",
                                       keep=1)
         time.sleep(0.2)
-        assert not pending.done() and ck.latest_checkpoint(tmp_path).name == "step_00000001"  # still the previous
+        assert not pending.done() and latest_checkpoint(tmp_path).name == "step_00000001"  # still the previous
         release.set()
         assert pending.wait() == tmp_path / "checkpoints" / "step_00000002"
     finally:
         ck._stage_hook = None
         release.set()
     assert [s for s, _ in ck._step_dirs(ck.checkpoints_root(tmp_path))] == [2]  # pruned once complete
-    assert ck.load_checkpoint(ck.latest_checkpoint(tmp_path)).arrays["params"]["b"].tolist() == [2, 3, 4]
+    assert load_checkpoint(latest_checkpoint(tmp_path)).arrays["params"]["b"].tolist() == [2, 3, 4]
 
 
 def test_a_failing_asynchronous_save_raises_in_the_waiting_thread(tmp_path, monkeypatch):
@@ -64,7 +65,7 @@ def test_a_failing_asynchronous_save_raises_in_the_waiting_thread(tmp_path, monk
     pending = ck.start_checkpoint(tmp_path, 2, arrays=_arrays(2), state={"version": 2}, config_yaml="{}\n")
     with pytest.raises(CheckpointError, match=r"step 2 .*\[Errno 28\] No space left on device.*previous complete"):
         pending.wait()
-    assert ck.latest_checkpoint(tmp_path).name == "step_00000001"
+    assert latest_checkpoint(tmp_path).name == "step_00000001"
     assert not [p for p in ck.checkpoints_root(tmp_path).iterdir() if p.name.startswith(".tmp-")]
 
 
@@ -113,9 +114,9 @@ def test_a_kill_during_an_asynchronous_save_leaves_the_previous_checkpoint_usabl
             proc.kill()
         proc.stdout.close()
         proc.stderr.close()
-    latest = ck.latest_checkpoint(tmp_path)
+    latest = latest_checkpoint(tmp_path)
     assert latest.name == "step_00000002" and ck.checkpoint_problems(latest) == []
-    assert ck.load_checkpoint(latest).arrays["params"]["w"][0] == 2.0
+    assert load_checkpoint(latest).arrays["params"]["w"][0] == 2.0
     # the next save removes the leftover and completes
     ck.save_checkpoint(tmp_path, 3, arrays={"params": {"w": np.zeros(2)}}, state={"version": 3}, config_yaml="{}\n")
     assert sorted(p.name for p in ck.checkpoints_root(tmp_path).iterdir()) == [
@@ -159,9 +160,9 @@ def test_a_save_in_flight_at_sigterm_is_completed_before_the_run_exits(tmp_path)
             proc.kill()
             proc.communicate()
     assert proc.returncode == 143, stderr[-3000:]
-    latest = ck.latest_checkpoint(out)
+    latest = latest_checkpoint(out)
     assert ck.checkpoint_problems(latest) == []
-    assert ck.load_checkpoint(latest).step == max(row["step"] for row in read_rows(out))  # the last step trained
+    assert load_checkpoint(latest).step == max(row["step"] for row in read_rows(out))  # the last step trained
     assert not [p for p in ck.checkpoints_root(out).iterdir() if p.name.startswith(".tmp-")]
 
 
@@ -192,14 +193,14 @@ def test_a_format_2_checkpoint_is_refused_with_the_way_on_and_converted(tmp_path
 
     flat = _format_2_checkpoint(tmp_path, 4)
     with pytest.raises(CheckpointError) as err:
-        ck.latest_checkpoint(tmp_path)
+        latest_checkpoint(tmp_path)
     message = str(err.value)
     assert "\n" not in message and "MANIFEST.json: field format: 2, this asyncrl reads format 3" in message
     assert f"python -m asyncrl.checkpoint.convert {tmp_path}" in message
 
     assert convert.main([str(tmp_path)]) == 0
     assert "converted" in capsys.readouterr().out
-    loaded = ck.load_checkpoint(ck.latest_checkpoint(tmp_path))
+    loaded = load_checkpoint(latest_checkpoint(tmp_path))
     assert loaded.step == 4 and loaded.state == {"version": 4}
     for tree, arrays in flat.items():
         for key, array in arrays.items():

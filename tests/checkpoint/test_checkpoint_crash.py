@@ -18,6 +18,8 @@ import time
 import pytest
 
 from asyncrl.checkpoint import store as ck
+from asyncrl.checkpoint.layout import _step_of
+from asyncrl.checkpoint.load import latest_checkpoint, load_checkpoint
 from tests.helpers import REPO_ROOT, subprocess_env
 
 WRITER = textwrap.dedent(
@@ -79,9 +81,9 @@ def assert_crash_consistent(out) -> int:
     for step, path in ck._step_dirs(root):
         assert ck.checkpoint_problems(path) == [], f"{path} looks like a checkpoint but is not complete"
         steps.append(step)
-    latest = ck.latest_checkpoint(out)
-    assert latest is not None and ck._step_of(latest) == max(steps)
-    loaded = ck.load_checkpoint(latest)
+    latest = latest_checkpoint(out)
+    assert latest is not None and _step_of(latest) == max(steps)
+    loaded = load_checkpoint(latest)
     assert loaded.state == {"version": loaded.step} and int(loaded.arrays["params"]["b"][0]) == loaded.step
     return loaded.step
 

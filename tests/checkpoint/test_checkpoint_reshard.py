@@ -52,7 +52,7 @@ CHILD = textwrap.dedent(
         ck.save_checkpoint(out, 3, arrays={"params": params, "opt_state": opt_state}, state={"version": 3},
                            config_yaml="{}\\n")
     else:
-        loaded = ck.load_checkpoint(ck.latest_checkpoint(out))
+        loaded = load_checkpoint(latest_checkpoint(out))
         got = {name: loaded.tree(name, template) for name, template in (("params", params), ("opt_state", opt_state))}
         for name, template in (("params", params), ("opt_state", opt_state)):
             for (key, a), (_, b) in zip(sorted(pytree.keyed_leaves(got[name]).items()),

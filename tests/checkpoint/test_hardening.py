@@ -26,6 +26,7 @@ import yaml
 
 from asyncrl import cli, pytree
 from asyncrl.checkpoint import store as ck
+from asyncrl.checkpoint.load import Checkpoint, latest_checkpoint, load_checkpoint
 from asyncrl.config import dump_config, load_config
 
 TINY: dict[str, Any] = {
@@ -114,7 +115,7 @@ def test_a_write_failure_in_a_checkpoint_stops_the_run_and_a_log_failure_does_no
     assert cli.main(["train", "config.yaml", "--resume", "--set", "run.total_steps=3"]) == 1
     line = one_line_error(capsys)
     assert "[Errno 28] No space left on device" in line and "state.json" in line and "checkpoints" in line, line
-    assert ck.latest_checkpoint(run_copy).name == "step_00000002"
+    assert latest_checkpoint(run_copy).name == "step_00000002"
     assert not [p for p in (run_copy / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
     monkeypatch.setattr(ck, "_write_bytes", real_write)
 
@@ -132,7 +133,7 @@ def test_a_write_failure_in_a_checkpoint_stops_the_run_and_a_log_failure_does_no
         assert cli.main(["train", "config.yaml", "--resume", "--set", "run.total_steps=3"]) == 0
     warned = [r.getMessage() for r in caplog.records if "cannot write to" in r.getMessage()]
     assert len(warned) == 1 and "metrics.jsonl: [Errno 5]" in warned[0], warned
-    final = ck.load_checkpoint(ck.latest_checkpoint(run_copy))
+    final = load_checkpoint(latest_checkpoint(run_copy))
     assert final.step == 3 and final.rollout_state["meta"]["ledger"]["terminal"]["trained"] == 3 * 2
 
 
@@ -168,7 +169,7 @@ def test_a_failed_asynchronous_save_stops_the_run_at_the_next_step(run_copy, cap
                     "space or fix the device, then resume)"), line
     trained = [r["step"] for r in rows(out) if "loss/total" in r]
     assert trained == [1, 2, 3, 4, 5], trained  # stopped at the step after the failed save, not at step 6's save
-    assert ck.latest_checkpoint(out).name == "step_00000002"
+    assert latest_checkpoint(out).name == "step_00000002"
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
     assert elapsed < 60, elapsed
 
@@ -202,12 +203,12 @@ def test_an_io_error_at_any_stage_of_a_save_keeps_the_previous_checkpoint(tmp_pa
     with pytest.raises(ck.CheckpointError, match=rf"step 2 .*\[Errno {code}\] {os.strerror(code)}"):
         save(2)
     monkeypatch.setattr(ck, "_stage_hook", None)
-    newest = ck.latest_checkpoint(tmp_path)
+    newest = latest_checkpoint(tmp_path)
     # Past the rename the new checkpoint is complete: the failure came after it was in place.
     assert newest.name == ("step_00000002" if stage in ("renamed", "pruned") else "step_00000001")
-    assert ck.load_checkpoint(newest).state == {"version": int(newest.name[5:])}
+    assert load_checkpoint(newest).state == {"version": int(newest.name[5:])}
     assert not [p for p in newest.parent.iterdir() if p.name.startswith(".tmp-")]
-    assert ck.load_checkpoint(save(3)).step == 3
+    assert load_checkpoint(save(3)).step == 3
 
 
 def test_a_full_small_filesystem_keeps_the_previous_checkpoint_and_logs_go_on(tmp_path, caplog):
@@ -235,7 +236,7 @@ def test_a_full_small_filesystem_keeps_the_previous_checkpoint_and_logs_go_on(tm
                 pass
         with pytest.raises(ck.CheckpointError, match=r"\[Errno 28\] No space left on device"):
             ck.save_checkpoint(mount, 2, arrays=arrays, state={"version": 2}, config_yaml="{}\n", keep=5)
-        assert ck.latest_checkpoint(mount).name == "step_00000001"
+        assert latest_checkpoint(mount).name == "step_00000001"
         sink = JsonlSink(mount / "metrics.jsonl")
         with caplog.at_level(logging.WARNING, logger="asyncrl"):
             for step in range(200):
@@ -251,7 +252,7 @@ def test_a_full_small_filesystem_keeps_the_previous_checkpoint_and_logs_go_on(tm
         tensorboard.close()
         assert json.loads((mount / "metrics.jsonl").read_text().splitlines()[-1]) == {"step": 200, "x": 2.0}
         assert read_tensorboard_scalars(mount / "tb")["x"][-1] == (200, 2.0)
-        assert ck.load_checkpoint(ck.save_checkpoint(mount, 2, arrays=arrays, state={"version": 2},
+        assert load_checkpoint(ck.save_checkpoint(mount, 2, arrays=arrays, state={"version": 2},
                                                      config_yaml="{}\n", keep=5)).step == 2
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
@@ -389,7 +390,7 @@ def test_the_unedited_hand_built_checkpoint_passes_the_checks():
     cfg = load_config(data=STAGED)
     contents = valid_contents(cfg)
     contents["arrays"] = {name: pytree.flatten(tree) for name, tree in contents["arrays"].items()}  # as loaded
-    checkpoint = ck.Checkpoint(path=Path("step_00000003"), step=3, config_yaml="", **contents)
+    checkpoint = Checkpoint(path=Path("step_00000003"), step=3, config_yaml="", **contents)
     assert check_run_checkpoint(checkpoint, cfg).stage_step == 1
     check_checkpoint_params(checkpoint, load_model(cfg.model).split()[1])
 

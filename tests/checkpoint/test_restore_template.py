@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from asyncrl.checkpoint import store as ck
+from asyncrl.checkpoint.load import load_checkpoint
 from asyncrl.config import Config, dump_config
 from asyncrl.errors import TrainerError
 from asyncrl.trainer import Trainer
@@ -41,7 +42,7 @@ def test_a_resumed_trainer_reads_its_optimizer_state_onto_a_described_template(t
     with pytest.raises(TrainerError, match="load_state_dict"):
         resumed.step(make_batch(seed=7))
 
-    _load_trainer_state(resumed, ck.load_checkpoint(path))
+    _load_trainer_state(resumed, load_checkpoint(path))
     restored = jax.tree.leaves(resumed.opt_state)
     assert all(isinstance(leaf, jax.Array) for leaf in restored)
     for got, want in zip(restored, live):
@@ -83,7 +84,7 @@ def test_asking_whether_a_checkpoint_holds_a_tree_reads_nothing(tmp_path):
     tree to the host and kept it: a restore held the whole tree beside this process's shards."""
     path = ck.save_checkpoint(tmp_path, 1, arrays={"params": {"w": np.ones((4, 4), np.float32)}}, state={},
                               config_yaml=dump_config(Config()), keep=1)
-    loaded = ck.load_checkpoint(path)
+    loaded = load_checkpoint(path)
     assert "params" in loaded.arrays and "opt_state" not in loaded.arrays
     loaded.tree("params", {"w": np.zeros((4, 4), np.float32)})
     assert loaded.arrays._read == {}  # nothing read to the host, nothing kept

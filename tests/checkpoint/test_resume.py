@@ -303,7 +303,7 @@ def test_sigkill_after_a_checkpoint_then_resume_matches_and_never_unpickles(sync
     # Engine counters count this process's own work: the resumed engine started at zero, and
     # the work counters continue from the checkpoint's copy (read when the step was published,
     # the moment its rollout state is of), so every counter equals the uninterrupted run's.
-    from asyncrl.run.loop import ENGINE_COUNTERS
+    from asyncrl.run.run_state import ENGINE_COUNTERS
 
     checkpoint = load_checkpoint(latest)
     assert_saved_at_publish(checkpoint)
@@ -512,7 +512,7 @@ def test_sigint_then_resume_continues_every_engine_counter_exactly(sync_referenc
     import threading
 
     from asyncrl.checkpoint import store
-    from asyncrl.run.loop import TrainingInterrupted
+    from asyncrl.run.run_state import TrainingInterrupted
 
     _, _, want = sync_reference
     out = tmp_path / "interrupted"
@@ -536,7 +536,7 @@ def test_sigint_then_resume_continues_every_engine_counter_exactly(sync_referenc
     run_in_process(config, "checkpoint.resume=auto")
     got = read_rows(out)
     assert_rows_equal(got, want, also=frozenset(PROCESS_WIDE))
-    from asyncrl.run.loop import ENGINE_COUNTERS
+    from asyncrl.run.run_state import ENGINE_COUNTERS
 
     assert all(name in got[-1] for name in ENGINE_COUNTERS if not timing_dependent(name))  # not vacuous
 

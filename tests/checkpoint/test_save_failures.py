@@ -23,6 +23,7 @@ from typing import Iterator
 import pytest
 
 from asyncrl.checkpoint import store as ck
+from asyncrl.checkpoint.load import latest_checkpoint, load_checkpoint
 from asyncrl.errors import CheckpointError
 from tests.helpers import run_jax_processes, start_jax_processes, stop_processes
 
@@ -79,7 +80,7 @@ def test_a_background_array_write_that_fails_is_seen_without_waiting_and_raised_
                            f"[Errno {code}] {os.strerror(code)} (the previous complete checkpoint, step_00000001, "
                            "is intact"), line
     assert [p.name for p in ck.checkpoints_root(tmp_path).iterdir()] == ["step_00000001"]  # no temporary left
-    assert ck.load_checkpoint(ck.save_checkpoint(tmp_path, 2, arrays=_arrays(2), state={"version": 2},
+    assert load_checkpoint(ck.save_checkpoint(tmp_path, 2, arrays=_arrays(2), state={"version": 2},
                                                  config_yaml="{}\n")).step == 2  # the disk is back
 
 
@@ -95,7 +96,7 @@ CHILD = textwrap.dedent(
     import jax, numpy as np
     from asyncrl.checkpoint import store as ck
     from asyncrl.errors import CheckpointError
-    from asyncrl.run.loop import Run
+    from asyncrl.run.run_state import Run
     from asyncrl.run.multihost import Hosts
     from asyncrl.run.shutdown import ShutdownGuard
     from tests.checkpoint.test_save_failures import failing_array_writes
@@ -149,7 +150,7 @@ def test_a_save_that_fails_on_one_of_two_processes_stops_both(tmp_path, fail, co
         else:
             assert message.startswith(f"process {fail} of 2 failed to write its part of the checkpoint of step 2, "
                                       f"so every process stops: {cause}"), (pid, output)
-    assert ck.latest_checkpoint(tmp_path).name == "step_00000001"
+    assert latest_checkpoint(tmp_path).name == "step_00000001"
 
 
 # `asyncrl train` as one of two processes, its array writes of step FAIL_STEP's checkpoint failing
@@ -190,5 +191,5 @@ def test_asyncrl_train_on_two_processes_stops_both_when_one_save_fails(tmp_path)
     assert last[0].startswith("asyncrl: error: process 1 of 2 failed to write its part of the checkpoint of step 2, "
                               f"so every process stops: {cause}"), _logs(config, 2)
     assert "Traceback" not in logs[0] + logs[1], _logs(config, 2)
-    assert ck.latest_checkpoint(out).name == "step_00000001"
+    assert latest_checkpoint(out).name == "step_00000001"
     assert max(json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()) < 6

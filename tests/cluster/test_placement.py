@@ -12,9 +12,10 @@ from typing import NamedTuple
 
 import pytest
 
-from asyncrl.cluster.placement import check_tensor_parallel, resolve_placement
+from asyncrl.cluster.placement import resolve_placement
 from asyncrl.config import load_config
 from asyncrl.errors import ConfigError
+from asyncrl.model.sharding import check_tensor_parallel
 from tests.helpers import run_python, subprocess_env
 
 EIGHT = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
@@ -130,7 +131,7 @@ from asyncrl.engine.protocol import GenerationRequest
 from asyncrl.model import load_model
 from asyncrl.model.sharding import shard_params
 from asyncrl.cluster.placement import engine_mesh, resolve_placement
-from asyncrl.trainer import build_mesh
+from asyncrl.cluster.mesh import build_mesh
 assert jax.device_count() == 8
 lm = load_model("tiny:kv_heads=4,layers=1", with_tokenizer=False)  # 4 KV heads: tensor-parallel 2 and 4
 graphdef, params = lm.split()
@@ -199,7 +200,7 @@ from asyncrl.model import load_model
 from asyncrl.model.sharding import shard_params
 from asyncrl.cluster.placement import engine_mesh, resolve_placement
 from asyncrl.run.loop import train
-from asyncrl.trainer import build_mesh
+from asyncrl.cluster.mesh import build_mesh
 assert jax.device_count() == 8
 lm = load_model("tiny:kv_heads=4,layers=1", with_tokenizer=False)  # 4 KV heads: tensor-parallel 2
 graphdef, params = lm.split()

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from asyncrl.config import EngineConfig
-from asyncrl.engine.jax_engine import JaxEngine, compile_count
+from asyncrl.engine.jax_engine import JaxEngine
+from asyncrl.engine.jax_programs import compile_count
 from asyncrl.engine.protocol import GenerationRequest
 from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
 from asyncrl.model import forward_jit, init_kv_cache, per_token_logprobs_jit

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from asyncrl.engine.fake import FakeEngine
-from asyncrl.rollout.workflow import RewardFunction, SingleTurnWorkflow
+from asyncrl.rollout.rewards import RewardFunction
+from asyncrl.rollout.workflow import SingleTurnWorkflow
 from asyncrl.run.evaluate import EvalError, evaluate_workflow, pass_at_k
 from tests.rollout_fakes import char_tokenizer, make_cfg
 from workflows.synthetic import positional_match

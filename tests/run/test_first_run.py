@@ -16,17 +16,14 @@ import pytest
 from asyncrl.engine.fake import FakeEngine
 from asyncrl.errors import ConfigError, RolloutError
 from asyncrl.rollout.executor import WorkflowExecutor
-from asyncrl.rollout.workflow import (
+from asyncrl.rollout.rewards import (
     RewardFailuresExceeded,
     RewardFunction,
     RewardScorer,
-    RolloutWorkflow,
-    SingleTurnWorkflow,
-    WorkflowInitError,
     build_reward_functions,
-    build_workflow,
     check_reward_signatures,
 )
+from asyncrl.rollout.workflow import RolloutWorkflow, SingleTurnWorkflow, WorkflowInitError, build_workflow
 from asyncrl.run.evaluate import EVAL_SAMPLE_ID_BASE, evaluate_workflow
 from tests.helpers import REPO_ROOT
 from tests.rollout_fakes import TokenWorkflow, char_tokenizer, make_cfg

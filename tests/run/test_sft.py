@@ -13,8 +13,9 @@ from asyncrl.algo import aggregation_denominators
 from asyncrl.config import load_config
 from asyncrl.data import DataError
 from asyncrl.model import forward_jit, token_logprobs_from_logits
+from asyncrl.rollout.rewards import RewardFunction
 from asyncrl.rollout.trajectory import TrainBatch
-from asyncrl.rollout.workflow import RewardFunction, SingleTurnWorkflow, token_ids
+from asyncrl.rollout.workflow import SingleTurnWorkflow, token_ids
 from asyncrl.run.sft import SFTData, eval_loss
 from asyncrl.trainer import Trainer, sft_loss
 from tests.helpers import SHARED_DATA

@@ -63,7 +63,8 @@ from tests.trainer_fixtures import SGD, make_batch, slice_rows, tiny_model, trai
 cfg = trainer_config(optim=SGD, mesh={"distributed": {"enabled": True, "coordinator_address": f"127.0.0.1:{port}",
                                                        "num_processes": 2, "process_id": pid}},
                      rollout={"pack": sys.argv[4:] == ["pack"]})  # tests/trainer/test_packing.py passes "pack"
-from asyncrl.trainer import Trainer, initialize_distributed
+from asyncrl.cluster.distributed import initialize_distributed
+from asyncrl.trainer import Trainer
 initialize_distributed(cfg.mesh)
 assert jax.process_count() == 2 and jax.device_count() == 2
 graphdef, params = tiny_model(layers=1)  # one layer: half the compile time
