@@ -8,6 +8,7 @@ once shipped with an ImportError across an evaluate <-> train cycle.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.helpers import REPO_ROOT
@@ -206,3 +207,75 @@ def test_public_train_is_the_function_whatever_was_imported_first():
 
     assert inspect.isfunction(train) and train.__module__ == "asyncrl.run.loop"
     assert importlib.util.find_spec("asyncrl.train") is None  # no module shadows the public function
+
+
+# --------------------------------------------------------------------------- the module map and file sizes
+
+
+def module_map(text: str) -> dict[str, list[str]]:
+    """docs/design.md "Module map": folder (``""`` for the package root) -> the module files its
+    table names, in the order of the table's rows (``folder/`` (``a.py``, ...) or a root ``x.py``)."""
+    table = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    listed: dict[str, list[str]] = {}
+    for row in (line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| layer")):
+        cell = row.split(" | ")[1]
+        for folder, inner in re.findall(r"`(\w+)/` \(([^)]*)\)", cell):
+            listed[folder] = re.findall(r"`(\w+(?:\.py|/))`", inner)
+        root = re.sub(r"`\w+/` \([^)]*\)", "", cell)
+        listed.setdefault("", []).extend(re.findall(r"`(\w+\.py)`", root))
+    return listed
+
+
+def test_the_module_map_lists_every_module_in_its_layer():
+    """Every module under asyncrl/ (and every folder of data files in a package) appears in
+    docs/design.md's module map, nothing else does, and the map's rows go up the layers of LAYERS."""
+    listed = module_map((REPO_ROOT / "docs" / "design.md").read_text())
+    root = REPO_ROOT / "asyncrl"
+    actual: dict[str, set[str]] = {"": {p.name for p in root.glob("*.py") if p.name != "__init__.py"}}
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and (p / "__init__.py").is_file()):
+        actual[folder.name] = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+        actual[folder.name] |= {p.name + "/" for p in folder.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    problems = []
+    for folder in sorted(set(actual) | set(listed)):
+        where = f"asyncrl/{folder + '/' if folder else ''}"
+        missing, extra = actual.get(folder, set()) - set(listed.get(folder, [])), set(listed.get(folder, [])) - actual.get(folder, set())
+        problems += [f"{where}{name} is not in the map" for name in sorted(missing)]
+        problems += [f"the map names {where}{name}, which does not exist" for name in sorted(extra)]
+    assert not problems, "docs/design.md \"Module map\": " + "; ".join(problems)
+    order = [layer_of(f"asyncrl.{folder}") for folder in listed if folder]
+    assert order == sorted(order), "the module map's rows are not in the order of LAYERS"
+
+
+def test_the_module_map_check_sees_a_missing_module():
+    text = "## Module map\n\n| layer | modules | what |\n|---|---|---|\n| run | `cli.py`, `run/` (`loop.py`, `build.py`) | x |\n"
+    assert module_map(text) == {"run": ["loop.py", "build.py"], "": ["cli.py"]}
+
+
+LONG_FILE_LINES = 600
+
+
+def test_a_module_over_600_lines_says_why_it_stays_one_file():
+    """A module past LONG_FILE_LINES lines is split by concern, or its docstring says why it stays
+    whole (a sentence with "one file" or "stays whole")."""
+    unexplained = []
+    for path in sorted((REPO_ROOT / "asyncrl").rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > LONG_FILE_LINES:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if not re.search(r"one file|stays whole", doc):
+                unexplained.append(f"{path.relative_to(REPO_ROOT)} ({text.count(chr(10))} lines)")
+    assert not unexplained, "split these by concern, or say in the docstring why each stays one file: " + ", ".join(unexplained)
+
+
+def test_names_are_imported_from_the_module_that_defines_them():
+    """No re-export shims: an unused import kept on purpose (``noqa: F401``) is a package's
+    ``__init__`` (its public names) or an import for its side effect, never a module passing on
+    another's names."""
+    shims = []
+    for path in sorted([*(REPO_ROOT / "asyncrl").rglob("*.py"), *(REPO_ROOT / "workflows").rglob("*.py")]):
+        if path.name == "__init__.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "noqa: F401" in line and "side effect" not in line and "imported first on purpose" not in line:
+                shims.append(f"{path.relative_to(REPO_ROOT)}:{number}")
+    assert not shims, "re-exported names (import them from their own module): " + ", ".join(shims)

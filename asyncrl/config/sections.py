@@ -4,6 +4,8 @@ Every section forbids unknown keys and every field has a working default and a d
 (the attribute docstring becomes the field's description, which is what ``docs/config.md``
 is generated from). The root :class:`~asyncrl.config.Config`, its cross-field checks, stages,
 loading and dumping are :mod:`asyncrl.config`'s (import sections from there). No jax here.
+It stays one file: one model per section, in the order of a config file, which is the order
+``docs/config.md`` lists them in.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ engine with the same model shapes).
 The model is run only through its own forward (:mod:`asyncrl.model.transformer`: the
 KV-cache protocol, :class:`~asyncrl.model.kv_cache.KVCache` and
 :func:`~asyncrl.model.kv_cache.kv_cache_copy_rows`); this module adds scheduling state
-and sampling, nothing of the network.
+and sampling, nothing of the network. It stays one file: the programs share the slot state's
+layout and its shardings on an engine mesh, which each program pins (:func:`constrain_state`).
 
 Compiled programs
 -----------------

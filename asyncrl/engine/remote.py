@@ -46,6 +46,9 @@ temperature 0 is greedy). SGLang must run without ``SGLANG_RETURN_ORIGINAL_LOGPR
 
 This module is the scheduling and publish logic; one server's HTTP calls, retries, health state
 and figures are :class:`~asyncrl.engine.remote_server.RemoteServer`'s.
+It stays one file: scheduling, resubmission after a pause and the publish share one lock and
+one record of what each server serves, and the per-token versions are exact only if they are
+read and changed in one place.
 """
 
 from __future__ import annotations

@@ -34,8 +34,12 @@ the plan is for a backend (``--backend``; ``asyncrl plan --target`` plans for th
 GPU and TPU figures are calibrated against XLA's own memory analysis of the compiled programs
 (docs/performance.md "The formulas against XLA").
 
-A device that hosts both (the colocated default) needs their sum. ``engine.slots: auto`` is sized
+A device that hosts both (colocated, the default) holds both sides' resident state and the larger
+of their programs' temporaries (:attr:`MemoryPlan.total_bytes`: the programs take turns on a device). ``engine.slots: auto`` is sized
 from the same accounting (:func:`slots_for_budget`, used by :mod:`asyncrl.run.auto_slots`).
+
+It stays one file: every line of the device total, the trainer's and the engine's, is counted
+here, so the figures that add up to it are read side by side.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ each ``TrainBatch`` and permutes its rows into device order (the row layout of
 updates, names the step's metrics, hands out weights to publish, and saves/restores its state.
 One call of :meth:`Trainer.step` is one trainer step (docs/design.md "Versions and the publish order"):
 from the weights of version :attr:`Trainer.version` to those of the next, read by :meth:`Trainer.params_for_publish`.
+It stays one file: every method reads or replaces the same placed state (parameters, optimizer
+state, reference weights, critic), and the step, the publish and the checkpoint must agree on its
+layout.
 """
 
 from __future__ import annotations
