@@ -26,7 +26,7 @@ CHILD = textwrap.dedent(
     from asyncrl.cluster.distributed import initialize_distributed
     initialize_distributed(load_config(data={}).mesh)
     import jax
-    from asyncrl.checkpoint import store as ck
+    from asyncrl.checkpoint.load import latest_checkpoint
     from asyncrl.errors import CheckpointError
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(message)s")
     try:

@@ -29,6 +29,7 @@ CHILD = textwrap.dedent(
     import jax, jax.numpy as jnp, optax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from asyncrl.checkpoint import store as ck
+    from asyncrl.checkpoint.load import latest_checkpoint, load_checkpoint
     from asyncrl import pytree
 
     devices = np.array(jax.devices()[:fsdp])
