@@ -15,6 +15,17 @@ from asyncrl.rollout.workflow import RolloutWorkflow
 
 EOS = 1
 
+# The calculator tool workflow on `tiny` (the add task), its tool tags spelled in the tiny
+# character vocabulary: the run config sections the multi-turn loop tests share.
+MULTI_TURN_ON_TINY: dict[str, Any] = {
+    "data": {"dataset": {"target": "add", "kwargs": {"train_size": 64, "eval_size": 4, "min_digits": 1, "max_digits": 2}},
+             "max_prompt_tokens": 16},
+    "workflow": {"target": "multi_turn", "kwargs": {"system_prompt": None, "call_open": "C", "call_close": "=",
+                                                     "result_template": "{result}\n", "error_template": "S\n"}},
+    "rewards": [{"fn": "positional_match"}],
+    "rollout": {"batch_size": 2, "group_size": 4, "max_new_tokens": 16, "length_bucket": 32, "max_concurrent": 4},
+}
+
 
 def make_cfg(rollout: Optional[dict] = None, data: Optional[dict] = None, **sections: Any) -> Config:
     base = {"batch_size": 4, "group_size": 2, "max_staleness": 1, "max_concurrent": 8, "max_new_tokens": 8, "length_bucket": 8}

@@ -51,6 +51,7 @@ import yaml
 from asyncrl.checkpoint import checkpoint_problems, checkpoints_root, latest_checkpoint, load_checkpoint, step_dir_name
 from asyncrl.config import load_config
 from tests.helpers import REPO_ROOT, subprocess_env
+from tests.rollout_fakes import MULTI_TURN_ON_TINY
 
 BASE: dict[str, Any] = {
     "run": {"name": "resume-test", "seed": 3, "total_steps": 4},
@@ -543,13 +544,8 @@ def test_sigint_then_resume_continues_every_engine_counter_exactly(sync_referenc
 
 # --------------------------------------------------------------------------- prefix reuse
 
-MULTI_TURN: dict[str, Any] = {  # the calculator tool workflow on `tiny`, its tags in the character vocabulary
-    "data": {"dataset": {"target": "add", "kwargs": {"train_size": 64, "eval_size": 4, "min_digits": 1, "max_digits": 2}},
-             "max_prompt_tokens": 16},
-    "workflow": {"target": "multi_turn", "kwargs": {"system_prompt": None, "call_open": "C", "call_close": "=",
-                                                     "result_template": "{result}\n", "error_template": "S\n"}},
-    "rewards": [{"fn": "positional_match"}],
-    "rollout": {"batch_size": 2, "group_size": 4, "max_new_tokens": 16, "length_bucket": 32, "max_concurrent": 4},
+MULTI_TURN: dict[str, Any] = {
+    **MULTI_TURN_ON_TINY,
     # min_tokens 4: a turn extends the kept KV of the turn before (the default 64 exceeds these contexts)
     "engine": {"kv_capacity": 32, "prefill_buckets": [16, 31], "prefix_cache": {"min_tokens": 4}},
     "logging": {"dump_every_steps": 1, "dump_groups": 2},

@@ -15,7 +15,7 @@ from asyncrl.config import load_config
 from asyncrl.engine import FakeEngine
 from asyncrl.rollout import WorkflowExecutor
 from asyncrl.rollout.workflow import build_workflow
-from tests.rollout_fakes import char_tokenizer
+from tests.rollout_fakes import MULTI_TURN_ON_TINY, char_tokenizer
 from workflows.calculator import MAX_LENGTH, CalcError, calculate
 from workflows.multi_turn import CalculatorWorkflow
 
@@ -229,12 +229,7 @@ def test_rl_steps_with_the_tiny_model(tmp_path):
     cfg = load_config(data={
         "run": {"output_dir": str(tmp_path / "run"), "total_steps": 3},
         "model": {"path": "tiny"},
-        "data": {"dataset": {"target": "add", "kwargs": {"train_size": 64, "eval_size": 4, "min_digits": 1, "max_digits": 2}},
-                 "max_prompt_tokens": 16},
-        "workflow": {"target": "multi_turn", "kwargs": {"system_prompt": None, "call_open": "C", "call_close": "=",
-                                                         "result_template": "{result}\n", "error_template": "S\n"}},
-        "rewards": [{"fn": "positional_match"}],
-        "rollout": {"batch_size": 2, "group_size": 4, "max_new_tokens": 16, "length_bucket": 32, "max_concurrent": 4},
+        **MULTI_TURN_ON_TINY,
         "engine": {"slots": 16, "kv_capacity": 32, "prefill_buckets": [16, 31], "decode_chunk": 8},
         "eval": {"every_steps": 0}, "checkpoint": {"every_steps": 0}, "logging": {"dump_every_steps": 0},
     })
