@@ -552,7 +552,8 @@ MULTI_TURN: dict[str, Any] = {
 }
 
 
-def test_resume_with_prefix_reuse_reproduces_the_run_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "no_reuse"])
+def test_resume_reproduces_the_run_bit_for_bit_with_prefix_reuse_on_and_off(tmp_path, reuse):
     """A seeded synchronous multi-turn run with prefix reuse on (a group's requests copy one
     prefill, a turn extends the KV its trajectory's last turn kept), resumed from its step-2
     checkpoint. Kept prefixes are not saved: the resumed engine starts with none, which is what
@@ -560,15 +561,17 @@ def test_resume_with_prefix_reuse_reproduces_the_run_bit_for_bit(tmp_path):
     every kept prefix stale (``across_versions: false``). So the resumed run reuses what the
     uninterrupted run reused, and its trajectories, metrics (the reuse counters continued from
     the checkpoint) and weights are the same bits. Left out of the row comparison: the workflow's
-    own counters (``rollout/workflow/*``: this process's episodes)."""
+    own counters (``rollout/workflow/*``: this process's episodes) and ``engine/compiles``. With
+    ``engine.prefix_cache.enabled: false`` the same holds, and nothing is reused."""
     out = tmp_path / "reuse"
-    config = write_config(tmp_path, out, **MULTI_TURN)
+    config = write_config(tmp_path, out, **merged(MULTI_TURN, {"engine": {"prefix_cache": {"enabled": reuse}}}))
     run_in_process(config)
     want = read_rows(out)
     want_dumps = (out / "trajectories.jsonl").read_text()
     want_params = {k: v.copy() for k, v in load_checkpoint(checkpoints_root(out) / step_dir_name(4)).arrays["params"].items()}
-    # Not vacuous: turns were extended and the reuse counted.
-    assert want[-1]["rollout/workflow/tool_calls"] > 0 and all(row["engine/prefix_hit_tokens"] > 0 for row in want)
+    # Not vacuous: turns were extended and, with reuse on, the reuse counted at every step.
+    assert want[-1]["rollout/workflow/tool_calls"] > 0
+    assert all((row["engine/prefix_hit_tokens"] > 0) == reuse for row in want)
     k = 2
     for path in checkpoints_root(out).iterdir():
         if path.name > step_dir_name(k):
