@@ -375,7 +375,7 @@ class PrefixCacheConfig(Section):
     enabled: bool = True
     """Reuse kept prefixes; false: every request prefills its whole prompt (bit for bit the engine without reuse)."""
     min_tokens: int = Field(default=64, ge=1)
-    """The shortest part of a prompt worth reusing; a prompt whose whole context a slot holds (a group's requests) is always reused. Below it the prompt is prefilled whole, so prompts that share only a chat template's system part keep their own prefill. A value no prompt reaches (above ``engine.kv_capacity``) reuses whole contexts only."""
+    """The shortest part of a prompt worth reusing; a prompt whose whole context a slot holds (a group's requests) is always reused. Below it the prompt is prefilled whole, so prompts that share only a chat template's system part keep their own prefill. A value no shared part reaches (above the largest ``engine.prefill_buckets`` entry, which no context exceeds) reuses whole contexts only."""
     across_versions: bool = False
     """Also reuse KV computed with older weights (after a publish); the tokens a request then generates carry the oldest version among the KV they attend to, so staleness accounting stays exact. False: a publish makes every kept prefix stale, as SGLang's cache flush at a weight update does. Needs ``rollout.max_staleness`` >= 1 (a reusing sample is older than the weights it is generated at). Refused with ``engine.remote`` (the servers keep their own cache, SGLang's flushed at each weight update, and a server's tokens must carry a version it served since the request was sent)."""
     extend_buckets: list[int] = Field(default_factory=lambda: [32, 128])
