@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -417,25 +417,11 @@ class EngineConfig(Section):
     remote: Optional[RemoteEngineConfig] = None
     """Generate on inference servers instead of in-process (the fields above then apply to ``asyncrl serve`` only); null: the in-process JAX engine."""
 
-    @field_validator("slots")
+    @field_validator("slots", "tensor_parallel", "decode_inner_steps")
     @classmethod
-    def _check_slots(cls, value: Union[int, str]) -> Union[int, str]:
+    def _check_count_or_auto(cls, value: Union[int, str], info: ValidationInfo) -> Union[int, str]:
         if isinstance(value, int) and value < 1:
-            raise ValueError(f"engine.slots: at least 1, or auto (given {value})")
-        return value
-
-    @field_validator("tensor_parallel")
-    @classmethod
-    def _check_tensor_parallel(cls, value: Union[int, str]) -> Union[int, str]:
-        if isinstance(value, int) and value < 1:
-            raise ValueError(f"engine.tensor_parallel: at least 1, or auto (given {value})")
-        return value
-
-    @field_validator("decode_inner_steps")
-    @classmethod
-    def _check_inner_steps(cls, value: Union[int, str]) -> Union[int, str]:
-        if isinstance(value, int) and value < 1:
-            raise ValueError(f"engine.decode_inner_steps: at least 1, or auto (given {value})")
+            raise ValueError(f"engine.{info.field_name}: at least 1, or auto (given {value})")
         return value
 
     @model_validator(mode="after")

@@ -592,20 +592,21 @@ def test_resume_reproduces_the_run_bit_for_bit_with_prefix_reuse_on_and_off(tmp_
 # --------------------------------------------------------------------------- stages
 
 
+SFT_THEN_RL: dict[str, Any] = {  # two SFT steps, then two RL steps
+    "stages": [
+        {"name": "sft", "type": "sft", "total_steps": 2},
+        {"name": "rl", "type": "rl", "total_steps": 2},
+    ],
+    "sft": {"batch_size": 8},
+}
+
+
 def test_resume_from_the_end_of_sft_continues_every_engine_counter(tmp_path):
     """A seeded synchronous SFT-then-RL run with eval, resumed from the checkpoint that ends its SFT
     stage, gives the uninterrupted run's rows to the bit, engine counters included: that
     checkpoint's counters are read before the stage's last eval, whose requests a resume does
     not redo, so it keeps their own usage too (they went missing from every later row)."""
-    stages = {
-        "stages": [
-            {"name": "sft", "type": "sft", "total_steps": 2},
-            {"name": "rl", "type": "rl", "total_steps": 2},
-        ],
-        "sft": {"batch_size": 8},
-        "eval": {"every_steps": 2, "max_prompts": 6},
-        "checkpoint": {"every_steps": 1, "keep": 10},
-    }
+    stages = {**SFT_THEN_RL, "eval": {"every_steps": 2, "max_prompts": 6}, "checkpoint": {"every_steps": 1, "keep": 10}}
     out = tmp_path / "staged"
     config = write_config(tmp_path, out, **stages)
     run_in_process(config)

@@ -1,4 +1,4 @@
-"""What may change when a run is resumed (issue 33, first-run rough edges): a staged run is
+"""What may change when a run is resumed: a staged run is
 extended by raising the current or a later stage's ``total_steps`` (never below the steps a
 stage has done, never a finished stage's), and a run directory moved or copied elsewhere resumes."""
 
@@ -9,16 +9,9 @@ import shutil
 import pytest
 
 from asyncrl.errors import ConfigError
-from tests.checkpoint.test_resume import read_rows, run_in_process, write_config
+from tests.checkpoint.test_resume import SFT_THEN_RL, read_rows, run_in_process, write_config
 
-STAGES = {
-    "stages": [
-        {"name": "sft", "type": "sft", "total_steps": 2},
-        {"name": "rl", "type": "rl", "total_steps": 2},
-    ],
-    "sft": {"batch_size": 8},
-    "checkpoint": {"every_steps": 1, "keep": 2},
-}
+STAGES = {**SFT_THEN_RL, "checkpoint": {"every_steps": 1, "keep": 2}}
 
 
 @pytest.mark.slow  # 32 s cold (two runs compiling a rematerialised step); the resume tests in test_resume.py stay
