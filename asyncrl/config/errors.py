@@ -34,6 +34,10 @@ def format_validation_error(err: ValidationError, root: type[BaseModel], source:
             continue
         if item["type"] == "missing":
             lines.append(f"{prefix}{dotted}: required field is missing")
+        elif item["type"] == "value_error" and msg.removeprefix("Value error, ").startswith(f"{dotted}:"):
+            # A field validator's own message names the field (and what was given) already.
+            message = msg.removeprefix("Value error, ")
+            lines.append(f"{prefix}{message}" if "(given" in message else f"{prefix}{message} (given {_short(given)})")
         else:
             lines.append(f"{prefix}{dotted}: {msg} (given {_short(given)})")
     return lines

@@ -193,3 +193,12 @@ def test_adapter_publishes_need_lora_and_one_process(extra, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(quickstart, [f"engine.remote={remote}", *extra])
     load_config(quickstart, [f"engine.remote={remote}", "model.lora={rank: 4, alpha: 8}"])
+
+
+@pytest.mark.parametrize("field", ["slots", "tensor_parallel", "decode_inner_steps"])
+def test_a_field_validators_message_is_the_line_as_it_wrote_it(field):
+    """A field validator's message names the field and what was given: the line is that message,
+    not the path and the given value a second time around it."""
+    with pytest.raises(ConfigError) as err:
+        load_config(data={"engine": {field: 0}})
+    assert str(err.value) == f"engine.{field}: at least 1, or auto (given 0)"
