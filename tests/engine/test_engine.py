@@ -106,6 +106,20 @@ def test_logprobs_match_per_token_logprobs_and_stops(engine, tiny_split):
     check_logprobs(graphdef, params, prompt, greedy, 1.0)
 
 
+def test_decode_tokens_counts_the_tokens_a_stop_sequence_leaves(engine):
+    """A stop sequence is found on the host after a chunk (4 steps here): the tokens the device
+    decoded after it are not the request's, and ``engine/decode_tokens`` does not count them, so
+    the counter does not depend on where chunks happen to end."""
+    prompt = prompt_of(5, 9)
+    free = engine.generate(GenerationRequest(prompt_ids=prompt, greedy=True, max_new_tokens=12, stop_token_ids=[]))[0]
+    stop = [int(t) for t in free.output_ids[4:6]]  # the sample ends where this pair first occurs, inside a chunk
+    before = engine.metrics()["engine/decode_tokens"]
+    [cut] = engine.generate(GenerationRequest(prompt_ids=prompt, greedy=True, max_new_tokens=12, stop_token_ids=[],
+                                              stop_sequences=[stop]))
+    assert cut.stop_reason == "stop" and len(cut.output_ids) < 8
+    assert engine.metrics()["engine/decode_tokens"] - before == len(cut.output_ids) == cut.usage.decode_tokens
+
+
 def test_seeded_request_identical_alone_and_among_31_concurrent(engine, tiny_split):
     _, graphdef, params = tiny_split
     target = GenerationRequest(prompt_ids=prompt_of(1, 9), n=2, temperature=1.0, max_new_tokens=30, sample_id=77, index_in_group=2, turn=1)
