@@ -154,6 +154,9 @@ def test_one_line_errors_before_any_compile(args, message, capsys):
 def test_program_compiles_only_the_programs_named():
     rows = _plan_json("--target", "cpu", "--program", "decode_chunk", "--program", "prefill")
     assert [r["program"] for r in rows] == ["prefill", "decode_chunk"]  # no train step: no device total either
+    # One device, weights stored wider than they are computed in: the publish is their cast.
+    [cast] = _plan_json("--target", "cpu", "--program", "publish", "--set", "model.compute_dtype=bfloat16")
+    assert cast["program"] == "publish" and cast["devices"] == 1 and 0 < cast["xla_output_bytes"] < cast["xla_argument_bytes"]
 
 
 def test_json_without_a_target_is_the_device_total_of_each_stage(capsys):
