@@ -26,6 +26,7 @@ import bench_vs_trl  # noqa: E402
 from bench_components import accel as bench_accel  # noqa: E402
 from bench_components import engine as bench_engine  # noqa: E402
 from bench_components import gpu as bench_gpu  # noqa: E402
+from bench_components import prefix as bench_prefix  # noqa: E402
 
 # --------------------------------------------------------------------------- benchmark arithmetic
 
@@ -310,3 +311,44 @@ def test_bench_gpu_comparison_child_decodes_in_its_own_process():
     args = parser.parse_args(["--quick", "--baseline-slots", "2"])
     out = bench_gpu.part_decode_without_command_buffers(args)
     assert [row["slots"] for row in out["slots"]] == [2] and out["slots"][0]["ms_per_step"] > 0, out
+
+
+# --------------------------------------------------------------------------- bench.py prefix and colocated
+
+
+def test_bench_prefix_counts_the_rl_steps_after_the_first_two():
+    """Its figures are the cumulative counters' growth over the RL steps after the first two (an
+    SFT row and the first two RL rows are not counted)."""
+    def row(stage, prefill, hit, decode, seconds):
+        return {"stage": stage, "engine/prefill_tokens": prefill, "engine/prefix_hit_tokens": hit,
+                "engine/decode_tokens": decode, "engine/prefill_s": seconds, "engine/decode_s": 2 * seconds}
+
+    rows = [row("sft", 5, 0, 5, 1.0), row("rl", 10, 0, 10, 2.0), row("rl", 20, 10, 20, 3.0),
+            row("rl", 30, 40, 40, 4.0), row("rl", 40, 70, 60, 5.0)]
+    assert bench_prefix.rl_figures(rows) == {"prefill_per_generated": 0.5, "hit_rate": 0.75,
+                                             "engine_s_per_step": 3.0, "prefill_s_per_step": 1.0}
+    with pytest.raises(ValueError, match="give --rl-steps > 2"):
+        bench_prefix.rl_figures(rows[:3])
+
+
+@pytest.mark.slow  # four training processes (40 s on 2 cores)
+@pytest.mark.timeout(900)
+def test_bench_prefix_smallest_run():
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "prefix", "--runs", "agent", "--rl-steps", "3"],
+                          capture_output=True, text=True, env=subprocess_env(), cwd=REPO_ROOT, timeout=840)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "prefix" and result["agent_off_hit_rate"] == 0.0 and result["agent_on_hit_rate"] > 0.5
+    assert result["agent_prefill_reduction"] > 1 and result["agent_engine_time_ratio"] > 0
+
+
+@pytest.mark.slow  # bench-40m compiled on one device and on an 8-device mesh, in processes of their own (30 s)
+@pytest.mark.timeout(900)
+def test_bench_colocated_smallest_run():
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "colocated", "--slots", "16", "--new", "4",
+                           "--repeats", "1", "--layouts", "one_device", "colocated"],
+                          capture_output=True, text=True, env=subprocess_env(), cwd=REPO_ROOT, timeout=840)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "colocated" and result["devices"] == 8 and result["colocated_vs_one_device"] > 0
+    assert result["one_device_new_tokens_per_s"] > 0 and result["colocated_new_tokens_per_s"] > 0
