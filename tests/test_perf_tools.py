@@ -1,7 +1,8 @@
-"""Issue 19's measuring tools: the compilation cache of runs (where it goes, its switch, that it
-really caches small CPU programs) and the arithmetic of scripts/bench_rl.py, bench_async.py,
-bench_vs_trl.py and bench.py's engine and accel. The scripts themselves run in
-tests/test_doc_commands.py (their quick forms); bench_async's split layout also here (slow)."""
+"""The measuring tools: the compilation cache of runs (where it goes, its switch, that it really
+caches small CPU programs) and the arithmetic of scripts/bench_rl.py, bench_async.py,
+bench_vs_trl.py and bench.py's engine, accel and prefix. The scripts themselves run in
+tests/test_doc_commands.py (their quick forms); bench_async's split layout and bench.py's prefix
+and colocated also here (slow, by name)."""
 
 from __future__ import annotations
 
