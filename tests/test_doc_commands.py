@@ -144,6 +144,16 @@ def _sweep(_: Path, output: str) -> None:
     assert lines[0]["lag_max"] == 0 and lines[1]["lag_max"] <= 2 and all(line["rl_steps"] == 3 for line in lines)
 
 
+def _placement_drawn(ws: Path, output: str) -> None:
+    """The figure, and each layout's devices per role: 8 shared; 4 and 4; two hosts of 4 trainer
+    devices with the engine on host 0's (every host's once each process runs its own engine)."""
+    result = json.loads(output.strip().splitlines()[-1])
+    assert (ws / "placement.png").stat().st_size > 10_000
+    colocated, split, two_hosts = result["runs"].values()
+    assert colocated == {"0": {"trainer": 8, "engine": 8}} and split == {"0": {"trainer": 4, "engine": 4}}, result
+    assert [host["trainer"] for host in two_hosts.values()] == [4, 4] and two_hosts["0"]["engine"] == 4, result
+
+
 def _chaos(_: Path, output: str) -> None:
     result = json.loads(output.strip().splitlines()[-1])
     assert result["errors"] == [] and result["steps_missing"] == result["steps_duplicated"] == 0, result
@@ -412,6 +422,15 @@ SLOW_CHAINS = {
         Step("python scripts/staleness_sweep.py", ("--staleness", "0", "2", "--set", "stages.0.total_steps=2",
                                                    "--set", "stages.1.total_steps=3", "--set", "eval.every_steps=3"),
              check=_sweep),
+        # docs/staleness.md's figure, written into the workspace (docs/ there is the repository's)
+        Step("python scripts/staleness_sweep.py --staleness 0 1 2 --plot docs/staleness_reward.png",
+             ("--set", "stages.0.total_steps=2", "--set", "stages.1.total_steps=3", "--set", "eval.every_steps=3"),
+             swap=(("docs/staleness_reward.png", "{tmp}/staleness_reward.png"),), check=_exists("staleness_reward.png")),
+    ),
+    # docs/scaling.md's figure: three one-step runs (8 forced devices; two processes of 4), then the drawing
+    "placement_figure": (
+        Step("python scripts/plot_placement.py --make-runs runs/placement -o docs/placement.png",
+             swap=(("docs/placement.png", "{tmp}/placement.png"),), check=_placement_drawn),
     ),
     # docs/scaling.md: two processes on this host (process 1 in the background, then process 0)
     "multiprocess": tuple(
