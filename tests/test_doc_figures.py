@@ -1,5 +1,5 @@
 """The docs' figures are drawn by scripts from real runs: here the same scripts draw them from
-two short runs of the quickstart (the full-size figures come from the documented commands, run in
+one short run of the quickstart (the full-size figures come from the documented commands, run in
 tests/test_doc_commands.py's chains ``staleness_sweep`` and ``placement_figure``)."""
 
 from __future__ import annotations
@@ -24,52 +24,47 @@ FIGURES = {
 """Each figure the docs show -> the documented command that draws it."""
 
 
-STALENESS = (0, 2)
-
-
 @pytest.fixture(scope="module")
-def small_runs(tmp_path_factory):
-    """The quickstart at max_staleness 0 and 2 shortened as tests/test_doc_commands.py shortens it
-    (so its programs are compiled already), into ``eta<k>/`` as scripts/staleness_sweep.py lays
-    out its runs."""
+def small_run(tmp_path_factory):
+    """The quickstart (max_staleness 1) shortened as tests/test_doc_commands.py shortens it (so its
+    programs are compiled already), into ``eta1/`` as scripts/staleness_sweep.py lays out its runs;
+    returns the sweep's directory."""
     from asyncrl.config import load_config
     from asyncrl.run.loop import train
     from tests.test_doc_commands import QUICKSTART_QUICK
 
     out = tmp_path_factory.mktemp("sweep")
     shortened = [value for value in QUICKSTART_QUICK if value != "--set"]
-    for eta in STALENESS:
-        train(load_config(REPO_ROOT / "configs" / "quickstart.yaml",
-                          [*shortened, f"run.output_dir={out / f'eta{eta}'}", f"rollout.max_staleness={eta}"]))
+    train(load_config(REPO_ROOT / "configs" / "quickstart.yaml", [*shortened, f"run.output_dir={out / 'eta1'}"]))
     return out
 
 
-def test_reward_curves_by_staleness_from_real_runs(small_runs, tmp_path, capsys):
-    """Both runs' training reward at each RL step and their evals (step 0, the SFT stage's end, step 5)."""
+def test_reward_curves_by_staleness_from_a_real_run(small_run, tmp_path, capsys):
+    """The run's training reward at each of its 3 RL steps and its evals (step 0, the SFT stage's end, step 5)."""
     png = tmp_path / "rewards.png"
-    drawn = staleness_sweep.plot_rewards(small_runs, list(STALENESS), png)
-    assert drawn == {f"max_staleness {eta}": {"reward/mean": 3, "eval/reward": 3} for eta in STALENESS}, drawn
+    drawn = staleness_sweep.plot_rewards(small_run, [1], png)
+    assert drawn == {"max_staleness 1": {"reward/mean": 3, "eval/reward": 3}}, drawn
     assert png.stat().st_size > 10_000
 
 
-def test_plot_metrics_compares_runs_given_on_the_command_line(small_runs, tmp_path, capsys):
-    png = tmp_path / "compared.png"
+def test_plot_metrics_compares_runs_given_on_the_command_line(small_run, tmp_path, capsys):
+    png, run = tmp_path / "compared.png", str(small_run / "eta1")
     capsys.readouterr()
-    assert plot_metrics.main([str(small_runs / "eta0"), str(small_runs / "eta2"), "-o", str(png)]) == 0
+    assert plot_metrics.main([run, run, "--labels", "first", "again", "-o", str(png)]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(printed["runs"]) == {"eta0", "eta2"} and png.is_file()
+    assert set(printed["runs"]) == {"first", "again"} and png.is_file()
     with pytest.raises(SystemExit):  # comparing needs an output file
-        plot_metrics.main([str(small_runs / "eta0"), str(small_runs / "eta2")])
+        plot_metrics.main([run, run])
 
 
-def test_placement_from_a_real_run(small_runs, tmp_path, capsys):
+def test_placement_from_a_real_run(small_run, tmp_path, capsys):
     """One device: the trainer and the engine share it, as the run's provenance records."""
     png = tmp_path / "placement.png"
     capsys.readouterr()
-    assert plot_placement.main([str(small_runs / "eta0"), "--titles", "one device", "-o", str(png)]) == 0
+    assert plot_placement.main([str(small_run / "eta1"), "--titles", "one device", "-o", str(png)]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["runs"] == {"one device": {"0": {"trainer": 1, "engine": 1}}} and png.stat().st_size > 5_000
-    recorded = json.loads((small_runs / "eta0" / "provenance.json").read_text())["placement"]
+    recorded = json.loads((small_run / "eta1" / "provenance.json").read_text())["placement"]
     assert recorded["shares_trainer_arrays"] is True and recorded["trainer"] == recorded["engine"]
 
 
