@@ -114,3 +114,14 @@ def tiny_one_layer():
     from tests.trainer_fixtures import tiny_model
 
     return tiny_model(layers=1)
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """A directory that looks like the repository root to the documented relative paths (the docs'
+    commands and examples run there: tests/test_doc_commands.py, tests/test_doc_examples.py)."""
+    from tests.helpers import REPO_ROOT
+
+    for name in ("configs", "scripts", "asyncrl", "workflows", "docs", "pyproject.toml", "setup.cfg"):
+        (tmp_path / name).symlink_to(REPO_ROOT / name)
+    return tmp_path

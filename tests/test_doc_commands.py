@@ -4,7 +4,8 @@ The commands are read from the fenced shell blocks (```bash, ```sh, ```shell, ``
 README.md and docs/*.md and run as written, in a scratch directory that looks like the
 repository root, with arguments appended that shorten them to seconds on the `tiny` model.
 A fenced command that no chain below runs (and that `ELSEWHERE` does not account for) fails
-``test_every_documented_command_is_run``: documenting a command means adding it here.
+``test_every_documented_command_is_run``: documenting a command means adding it here (or, when it
+runs a Python module the docs have you save, to ``EXAMPLE_CHAINS`` in tests/test_doc_examples.py).
 """
 
 from __future__ import annotations
@@ -143,6 +144,16 @@ def _sweep(_: Path, output: str) -> None:
     assert lines[0]["lag_max"] == 0 and lines[1]["lag_max"] <= 2 and all(line["rl_steps"] == 3 for line in lines)
 
 
+def _placement_drawn(ws: Path, output: str) -> None:
+    """The figure, and each layout's devices per role: 8 shared; 4 and 4; two hosts of 4 trainer
+    devices with the engine on host 0's (every host's once each process runs its own engine)."""
+    result = json.loads(output.strip().splitlines()[-1])
+    assert (ws / "placement.png").stat().st_size > 10_000
+    colocated, split, two_hosts = result["runs"].values()
+    assert colocated == {"0": {"trainer": 8, "engine": 8}} and split == {"0": {"trainer": 4, "engine": 4}}, result
+    assert [host["trainer"] for host in two_hosts.values()] == [4, 4] and two_hosts["0"]["engine"] == 4, result
+
+
 def _chaos(_: Path, output: str) -> None:
     result = json.loads(output.strip().splitlines()[-1])
     assert result["errors"] == [] and result["steps_missing"] == result["steps_duplicated"] == 0, result
@@ -162,6 +173,16 @@ README_CHAIN = (
     Step("asyncrl train configs/quickstart.yaml --set rollout.max_staleness=0 --print-config", check=_printed_config),
 )
 
+def _peft_loads_the_adapter(ws: Path, output: str) -> None:
+    """The adapter directory, and docs/lora.md's PEFT lines load it on its base (``base_dir``: the run's base)."""
+    from tests.test_doc_examples import python_block
+
+    _exists("my-adapter/adapter_config.json", "my-adapter/adapter_model.safetensors")(ws, output)
+    names = {"base_dir": str(ws / "runs/quickstart-base/hf")}
+    exec(compile(python_block("docs/lora.md", "PeftModel.from_pretrained"), "docs/lora.md", "exec"), names)
+    assert type(names["model"]).__name__ == "PeftModelForCausalLM", type(names["model"])
+
+
 LORA_CHAIN = (
     Step("asyncrl train configs/quickstart.yaml --set run.name=quickstart-base --set 'stages=[{name: sft, type: sft, "
          "total_steps: 20, optim: {lr: 0.003, warmup_steps: 0}}]'",
@@ -169,8 +190,7 @@ LORA_CHAIN = (
     Step("asyncrl train configs/quickstart.yaml --set run.name=quickstart-lora --set model.path=runs/quickstart-base/hf "
          "--set 'stages=[{name: rl, type: rl, total_steps: 300}]' --set 'model.lora={rank: 8, alpha: 16}' --set optim.lr=0.01",
          ("--set", "stages.0.total_steps=2", "--set", "eval.max_prompts=8")),
-    Step("asyncrl export runs/quickstart-lora my-adapter/",
-         check=_exists("my-adapter/adapter_config.json", "my-adapter/adapter_model.safetensors")),
+    Step("asyncrl export runs/quickstart-lora my-adapter/", check=_peft_loads_the_adapter),
     Step("asyncrl export runs/quickstart-lora my-model/ --merged", check=_exists("my-model/config.json")),
 )
 
@@ -402,6 +422,15 @@ SLOW_CHAINS = {
         Step("python scripts/staleness_sweep.py", ("--staleness", "0", "2", "--set", "stages.0.total_steps=2",
                                                    "--set", "stages.1.total_steps=3", "--set", "eval.every_steps=3"),
              check=_sweep),
+        # docs/staleness.md's figure, written into the workspace (docs/ there is the repository's)
+        Step("python scripts/staleness_sweep.py --staleness 0 1 2 --plot docs/staleness_reward.png",
+             ("--set", "stages.0.total_steps=2", "--set", "stages.1.total_steps=3", "--set", "eval.every_steps=3"),
+             swap=(("docs/staleness_reward.png", "{tmp}/staleness_reward.png"),), check=_exists("staleness_reward.png")),
+    ),
+    # docs/scaling.md's figure: three one-step runs (8 forced devices; two processes of 4), then the drawing
+    "placement_figure": (
+        Step("python scripts/plot_placement.py --make-runs runs/placement -o docs/placement.png",
+             swap=(("docs/placement.png", "{tmp}/placement.png"),), check=_placement_drawn),
     ),
     # docs/scaling.md: two processes on this host (process 1 in the background, then process 0)
     "multiprocess": tuple(
@@ -518,8 +547,10 @@ def _normalise(line: str) -> str:
 
 
 def test_every_documented_command_is_run():
+    from tests.test_doc_examples import EXAMPLE_CHAINS  # the commands that run the docs' Python modules
+
     documented = documented_commands()
-    covered = {_normalise(step.command) for chain in CHAINS.values() for step in chain}
+    covered = {_normalise(step.command) for chain in [*CHAINS.values(), *EXAMPLE_CHAINS.values()] for step in chain}
     covered |= set(ELSEWHERE) | {_normalise(c) for c in NOT_RUNNABLE_HERE}
     unrun = {c: where for c, where in documented.items() if c not in covered}
     assert not unrun, f"documented commands no test runs (add them to tests/test_doc_commands.py): {unrun}"
@@ -541,14 +572,6 @@ def test_the_reader_finds_fenced_commands_only(tmp_path):
     }
 
 
-@pytest.fixture
-def workspace(tmp_path):
-    """A directory that looks like the repository root to the documented relative paths."""
-    for name in ("configs", "scripts", "asyncrl", "workflows", "docs", "pyproject.toml", "setup.cfg"):
-        (tmp_path / name).symlink_to(REPO_ROOT / name)
-    return tmp_path
-
-
 def _chain_params():
     for name, chain in CHAINS.items():
         slow_limit = max(900, sum(step.timeout for step in chain) + 100)
@@ -559,6 +582,11 @@ def _chain_params():
 
 @pytest.mark.parametrize("name,chain", list(_chain_params()))
 def test_documented_commands_run(name, chain, workspace, monkeypatch, capsys):
+    run_chain(chain, workspace, monkeypatch, capsys)
+
+
+def run_chain(chain: tuple[Step, ...], workspace: Path, monkeypatch, capsys) -> None:
+    """Each step of ``chain`` as the docs show it, in ``workspace``: set the scene, run, check."""
     documented = documented_commands()
     monkeypatch.chdir(workspace)
     for step in chain:

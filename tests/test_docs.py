@@ -165,3 +165,15 @@ def test_the_accelerator_extras_the_readme_names_install_jax_plugins():
     readme = (REPO_ROOT / "README.md").read_text()
     setup = readme[readme.index("## Set-up"):readme.index("## Quickstart")]
     assert re.search(r"pip install -e '\.\[dev,cuda\]'", setup) and "pip install -e '.[tpu]'" in setup
+
+
+def test_the_glossary_terms_are_linked_from_the_pages_that_use_them():
+    """docs/glossary.md has a heading per term; the terms the docs use unexplained are linked to it
+    from a page that uses them (the anchors are checked by test_sections_cited_by_name_exist)."""
+    glossary = REPO_ROOT / "docs" / "glossary.md"
+    anchors = {_slug(h) for h in _headings(glossary)}
+    linked = {anchor for page in [REPO_ROOT / "README.md", *(REPO_ROOT / "docs").glob("*.md")] if page != glossary
+              for anchor in re.findall(r"\(glossary\.md#([\w-]+)\)", page.read_text())}
+    required = {"rlvr", "remat", "ocdbt", "megacore", "splash-attention", "hbm-and-vmem", "thunk-sequence"}
+    assert required <= anchors and required <= linked, (required - anchors, required - linked)
+    assert "docs/glossary.md" in (REPO_ROOT / "README.md").read_text()

@@ -119,6 +119,7 @@ class Run:
         from asyncrl.run.auto_slots import resolve_auto_remat, resolve_auto_tensor_parallel
         from asyncrl.run.metrics import ConsoleSink, JsonlSink, LogAppender
         from asyncrl.run.multihost import NoSink
+        from asyncrl.run.provenance import record_placement
 
         self.cfg, self.out, self.guard = cfg, out, guard
         self.hosts = hosts
@@ -153,6 +154,8 @@ class Run:
         self.final_critic: Optional[tuple[Any, Any]] = None
         """``(critic DecoderConfig, host params)`` of the last stage's critic, exported as ``hf_critic/``."""
         self.mesh = build_mesh(cfg.mesh, devices=self.placement.trainer_devices)
+        if self.hosts.is_main:  # provenance.json: what ran on which device
+            record_placement(out, self.placement, self.mesh, len(cfg.engine.remote.urls) if cfg.engine.remote else 0)
         self.device = _first_local_device(self.mesh)
         """The device whose memory ``perf/device_mem_gb`` reports (this process's first in the mesh)."""
         self.engine: Optional[RunEngine] = None
