@@ -52,7 +52,7 @@ from asyncrl.data import sample_at
 from asyncrl.engine.protocol import InferenceEngine
 from asyncrl.errors import EngineCrashed, RolloutError, TrajectorySchemaError
 from asyncrl.rollout.batch import BatchAbandoned, PreparedBatch, prepare_batch, select_groups
-from asyncrl.rollout.ledger import QUEUED, StalenessLedger
+from asyncrl.rollout.ledger import QUEUED, SampleShare, StalenessLedger, redistribute
 from asyncrl.rollout.queue import QueueClosed, SimpleDataQueue
 from asyncrl.rollout.rewards import RewardFailuresExceeded
 from asyncrl.rollout.trajectory import TrainBatch, TrajectoryGroup, check_group
@@ -88,6 +88,9 @@ class WorkflowExecutor:
         cfg: the run config (``rollout.*``, ``data.*``).
         version: the version served at start (default: ``engine.version``; ``k`` on resume).
         row_multiple: batch rows are padded to a multiple of this (the trainer's sharding).
+        share: the sample ids this executor draws and how many groups of each step it makes
+            (:func:`~asyncrl.rollout.ledger.process_share`: a process's share of the batch in a
+            multi-process run); default all of them, ``rollout.batch_size`` groups per step.
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class WorkflowExecutor:
         *,
         version: Optional[int] = None,
         row_multiple: int = 1,
+        share: Optional[SampleShare] = None,
     ):
         if len(dataset) == 0:
             raise RolloutError("WorkflowExecutor: the dataset is empty")
@@ -109,7 +113,8 @@ class WorkflowExecutor:
         self.row_multiple = row_multiple
         rollout = cfg.rollout
         self.ledger = StalenessLedger(
-            rollout.batch_size, rollout.max_staleness, rollout.max_concurrent, engine.version if version is None else version
+            share.count if share is not None else rollout.batch_size, rollout.max_staleness, rollout.max_concurrent,
+            engine.version if version is None else version, share,
         )
         self._queue: SimpleDataQueue = SimpleDataQueue(rollout.queue_capacity)
         self._lock = threading.Lock()
@@ -407,6 +412,7 @@ class WorkflowExecutor:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         rollout = self.cfg.rollout
+        size = self.ledger.batch_size
         budget = rollout.resolved_max_filtered_per_step
         filtered = 0
         dropped_now: collections.Counter = collections.Counter()
@@ -422,7 +428,7 @@ class WorkflowExecutor:
                     self._ready[ticket] = group
                 tickets = self.ledger.candidates(rollout.batch_order)
                 groups = [self._ready[t] for t in tickets]
-                kept, dropped = select_groups(groups, version, self.cfg, filter_budget=budget - filtered)
+                kept, dropped = select_groups(groups, version, self.cfg, filter_budget=budget - filtered, batch_size=size)
                 if kept:
                     self._drops_in_a_row = 0
                 for index, reason in dropped:
@@ -437,11 +443,11 @@ class WorkflowExecutor:
                         self._note_drop(reason, self._drops_in_a_row, sample_id)
                 if dropped:
                     self._wake.notify_all()
-                if len(kept) == rollout.batch_size:
+                if len(kept) == size:
                     chosen = [tickets[i] for i in kept]
                     batch, more = prepare_batch(
                         [self._ready[t] for t in chosen], version, self.cfg,
-                        row_multiple=self.row_multiple, filter_budget=budget - filtered,
+                        row_multiple=self.row_multiple, filter_budget=budget - filtered, batch_size=size,
                     )
                     assert not more, "prepare_batch dropped a group select_groups kept"
                     sample_ids = tuple(self.ledger.sample_id(t) for t in chosen)
@@ -454,13 +460,13 @@ class WorkflowExecutor:
                     raise RolloutError("next_batch: the executor was closed")
                 if abandon_if is not None and abandon_if():
                     raise BatchAbandoned(
-                        f"next_batch abandoned with {len(kept)} of {rollout.batch_size} groups ready; nothing consumed"
+                        f"next_batch abandoned with {len(kept)} of {size} groups ready; nothing consumed"
                     )
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     blocking = self.ledger.in_flight_tickets()[:1]
                     raise RolloutError(
-                        f"next_batch timed out after {timeout} s with {len(kept)} of {rollout.batch_size} groups ready "
+                        f"next_batch timed out after {timeout} s with {len(kept)} of {size} groups ready "
                         f"(batch_order {rollout.batch_order}, oldest in-flight ticket {blocking or 'none'}); "
                         f"counts: {self.ledger.counts()}"
                     )
@@ -556,6 +562,29 @@ class WorkflowExecutor:
             if missing:
                 raise RolloutError(f"rollout state: queued tickets {missing} have no stored group")
             self._ready = ready
+
+
+def redistribute_states(states: Sequence[Mapping[str, Any]], batch_size: int, processes: int) -> list[dict[str, Any]]:
+    """The rollout states (:meth:`WorkflowExecutor.state_dict`) of ``processes`` executors with
+    ``batch_size`` groups per step between them, from those of the executors that wrote a
+    checkpoint (another count, or another batch size): the ledgers by
+    :func:`~asyncrl.rollout.ledger.redistribute`, each queued group moved with its ticket. Pure."""
+    for state in states:
+        if state["meta"].get("format") != STATE_FORMAT:
+            raise RolloutError(f"rollout state: format {state['meta'].get('format')!r}, this asyncrl reads {STATE_FORMAT}")
+    out = []
+    for snapshot in redistribute([state["meta"]["ledger"] for state in states], batch_size, processes):
+        moved = snapshot.pop("moved")
+        groups_meta: dict[str, Any] = {}
+        arrays: dict[str, np.ndarray] = {}
+        for ticket, old_process, old_ticket in moved:
+            old = states[old_process]
+            groups_meta[str(ticket)] = old["meta"]["groups"][str(old_ticket)]
+            prefix = f"g{old_ticket}_"
+            arrays.update({f"g{ticket}_{name[len(prefix):]}": array for name, array in old["arrays"].items()
+                           if name.startswith(prefix)})
+        out.append({"meta": {"format": STATE_FORMAT, "ledger": snapshot, "groups": groups_meta}, "arrays": arrays})
+    return out
 
 
 def _pack_state(ledger: dict[str, Any], groups: Mapping[int, TrajectoryGroup]) -> dict[str, Any]:
