@@ -110,7 +110,7 @@ def _config(tmp_path: Path, name: str, **sections: Any) -> Path:
     cfg.update({k: v for k, v in BASE.items() if not isinstance(v, dict)})
     for section, values in sections.items():
         if isinstance(values, dict):
-            cfg[section].update(values)
+            cfg.setdefault(section, {}).update(values)
         else:
             cfg[section] = values
     cfg["run"]["output_dir"] = str(tmp_path / name)
