@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -347,6 +348,9 @@ class Run:
         finished a request since the last step) and, with several hosts, each host's counters."""
         from asyncrl.run.metrics import combine_hosts
 
+        if len(per_host) > 1:  # each process's servers (engine.remote) under their index in engine.remote.urls
+            per_host = [{_server_index(name, index, len(per_host)): value for name, value in metrics.items()}
+                        for index, metrics in enumerate(per_host)]
         engine_metrics = combine_hosts(per_host)
         if not engine_metrics:
             return {}
@@ -385,7 +389,7 @@ class Run:
         reports = self.hosts.gather("step", report)
         if reports is None:
             return {}, []
-        engine = self._engine_totals([r["engine"] for r in reports if r["engine"]])
+        engine = self._engine_totals([r["engine"] for r in reports])
         source: Mapping[str, float] = combine_hosts([r["rollout"] for r in reports]) if len(reports) > 1 else got.metrics
         generated = engine.get("engine/decode_tokens", 0.0)
         loop = {
@@ -514,6 +518,15 @@ class Run:
         if pending is not None:
             pending.wait()
             self.hosts.barrier(f"checkpoint-{pending.step}")  # complete (renamed into place) for everyone
+
+
+def _server_index(name: str, process: int, processes: int) -> str:
+    """``engine/server{i}/...`` of process ``process``'s remote engine (its i-th server) under the
+    server's index in ``engine.remote.urls`` (:func:`~asyncrl.run.build.remote_share`); other names as they are."""
+    found = re.match(r"engine/server(\d+)/", name)
+    if found is None:
+        return name
+    return f"engine/server{process + int(found.group(1)) * processes}/{name[found.end():]}"
 
 
 def _open_trackers(cfg: Config, out: Path, resumed: Optional[Checkpoint]) -> Optional[TrackerSinks]:

@@ -25,7 +25,7 @@ import pytest
 
 from asyncrl.checkpoint import checkpoints_root, latest_checkpoint, load_checkpoint, step_dir_name
 from tests.cluster.test_multiprocess import PROCESS_TIMEOUT_S, _config, _kill, _logs, _rows, _start, _wait, _wait_for
-from tests.helpers import REPO_ROOT, subprocess_env
+from tests.helpers import REPO_ROOT, start_jax_processes, subprocess_env
 
 SYNC = {"logging": {"level": "INFO", "dump_every_steps": 1, "dump_groups": 4}}
 """Every step's every group in trajectories.jsonl: its sample id, tokens and rewards."""
@@ -157,3 +157,27 @@ def test_a_process_killed_while_generating_stops_the_run_in_one_line_and_the_res
     # every sample once (its group of 4 trajectories): none lost, none trained twice
     assert sorted(ids) == list(range(4 * total)) and set(ids.values()) == {4}, ids
     _kill(resumed)
+
+
+@pytest.mark.slow  # about two minutes: two asyncrl serve servers start, then a 2-process run on them
+@pytest.mark.timeout(4 * PROCESS_TIMEOUT_S)
+def test_with_engine_remote_every_process_generates_on_servers_of_its_own(tmp_path):
+    """engine.remote with two servers and two processes: process p drives server p (every process
+    writes its share of each version, then loads it on its own server), and the metrics row names
+    each server by its place in engine.remote.urls."""
+    from tests.remote_helpers import API_KEY, servers
+
+    with servers(tmp_path, 2) as started:
+        remote = {"urls": [s.url for s in started], "weights_dir": str(tmp_path / "weights" / "run"),
+                  "api_key_env": "ASYNCRL_TEST_API_KEY", "health_check_every_s": 0}
+        cfg = _config(tmp_path, "remote", run={"total_steps": 3}, model={"path": "tiny"}, engine={"remote": remote},
+                      rollout={"max_staleness": 1})
+        procs = start_jax_processes(lambda pid: ["-m", "asyncrl.cli", "train", str(cfg)],
+                                    [cfg.with_suffix(f".p{pid}.log") for pid in range(2)], devices=1,
+                                    ASYNCRL_TEST_API_KEY=API_KEY)
+        assert _wait(procs, cfg) == [0, 0], _logs(cfg, 2)
+    rows = _rows(tmp_path / "remote")
+    last = rows[3]
+    assert last["engine/healthy_servers"] == 2
+    assert last["engine/server0/requests"] > 0 and last["engine/server1/requests"] > 0
+    assert all(rows[step]["engine/hosts_generating"] == 2 for step in (2, 3))
