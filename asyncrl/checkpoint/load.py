@@ -157,7 +157,7 @@ class Checkpoint:
     rollout_states: tuple[dict[str, Any], ...]
     """The executors' ``{"meta", "arrays"}`` for ``WorkflowExecutor.load_state_dict``, one per process
     that wrote the checkpoint (a resume on another count redistributes them:
-    :func:`~asyncrl.rollout.executor.redistribute_states`); empty if not saved."""
+    :func:`~asyncrl.rollout.redistribute.redistribute_states`); empty if not saved."""
     processes: int = 1
     """How many processes wrote it (any number may restore it)."""
 

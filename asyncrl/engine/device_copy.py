@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["COPY_GROUP_BYTES", "PublishGroup", "publish_groups", "serving_copy"]
+__all__ = ["COPY_GROUP_BYTES", "PublishGroup", "host_publish_groups", "publish_groups", "serving_copy"]
 
 COPY_GROUP_BYTES = 128 << 20
 """Bytes one copy program handles: what a device holds beyond its own shards while a publish
@@ -196,8 +196,6 @@ def _across_hosts(leaves: list, shardings: Any, compute_dtype: Any, formats: Any
     """:func:`serving_copy` of leaves that span several processes (the trainer's global params)
     onto this process's engine (``shardings``/``formats`` on its own devices): one collective
     program per group, the same on every process (module docstring)."""
-    from asyncrl.model.compute_copy import cast_flags
-
     is_target = lambda s: isinstance(s, jax.sharding.Sharding) or type(s).__name__ == "Format"  # noqa: E731
     targets = jax.tree.leaves(shardings if formats is None else formats, is_leaf=is_target)
     if len(targets) != len(leaves):
@@ -205,23 +203,37 @@ def _across_hosts(leaves: list, shardings: Any, compute_dtype: Any, formats: Any
     if not all(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
         raise ValueError("serving_copy: some params span several processes and others do not; publish the trainer's "
                          "global params (every leaf on its mesh)")
+    out: list[Any] = [None] * len(leaves)
+    for group in host_publish_groups(leaves, targets, compute_dtype, group_bytes):
+        staged = group.program([leaves[i] for i in group.indices])
+        for i, array in zip(group.indices, staged):
+            out[i] = _own_shards(array, _host_staging(leaves[i].sharding, _sharding(targets[i]))[1], targets[i])
+        del staged
+    return out
+
+
+def host_publish_groups(leaves: list, targets: list, compute_dtype: Any,
+                        group_bytes: int = COPY_GROUP_BYTES) -> list[PublishGroup]:
+    """The collective programs of a publish to every host's engine (:func:`serving_copy` of params
+    spanning processes): ``leaves`` (the trainer's global arrays, or ``jax.ShapeDtypeStruct`` with
+    their shardings, so the plan compiles the same programs) in groups of at most ``group_bytes``,
+    each laid out on every host at once (:func:`_host_staging` of this process's engine
+    ``targets``: shardings or Formats on its devices)."""
+    from asyncrl.model.compute_copy import cast_flags
+
     casts = cast_flags(leaves, compute_dtype)
     dtype = str(np.dtype(compute_dtype))
     by_source: dict[Any, list[int]] = {}
     for i, x in enumerate(leaves):
         by_source.setdefault(_assignment(x.sharding), []).append(i)
-    out: list[Any] = [None] * len(leaves)
+    groups = []
     for indices in by_source.values():
         sizes = [int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize for i in indices]
         for group in _byte_groups(indices, sizes, group_bytes):
-            views = [_host_staging(leaves[i].sharding, _sharding(targets[i])) for i in group]
-            program = _layout_jit(tuple(leaves[i].sharding for i in group), tuple(v[0] for v in views),
-                                  tuple(casts[i] for i in group), dtype)
-            staged = program([leaves[i] for i in group])
-            for i, array, (_, local) in zip(group, staged, views):
-                out[i] = _own_shards(array, local, targets[i])
-            del staged
-    return out
+            staging = tuple(_host_staging(leaves[i].sharding, _sharding(targets[i]))[0] for i in group)
+            program = _layout_jit(tuple(leaves[i].sharding for i in group), staging, tuple(casts[i] for i in group), dtype)
+            groups.append(PublishGroup(tuple(group), program))
+    return groups
 
 
 def _host_staging(source: Any, target: Any) -> tuple[Any, Any]:

@@ -52,7 +52,7 @@ from asyncrl.data import sample_at
 from asyncrl.engine.protocol import InferenceEngine
 from asyncrl.errors import EngineCrashed, RolloutError, TrajectorySchemaError
 from asyncrl.rollout.batch import BatchAbandoned, PreparedBatch, prepare_batch, select_groups
-from asyncrl.rollout.ledger import QUEUED, SampleShare, StalenessLedger, redistribute
+from asyncrl.rollout.ledger import QUEUED, SampleShare, StalenessLedger
 from asyncrl.rollout.queue import QueueClosed, SimpleDataQueue
 from asyncrl.rollout.rewards import RewardFailuresExceeded
 from asyncrl.rollout.trajectory import TrainBatch, TrajectoryGroup, check_group
@@ -88,9 +88,8 @@ class WorkflowExecutor:
         cfg: the run config (``rollout.*``, ``data.*``).
         version: the version served at start (default: ``engine.version``; ``k`` on resume).
         row_multiple: batch rows are padded to a multiple of this (the trainer's sharding).
-        share: the sample ids this executor draws and how many groups of each step it makes
-            (:func:`~asyncrl.rollout.ledger.process_share`: a process's share of the batch in a
-            multi-process run); default all of them, ``rollout.batch_size`` groups per step.
+        share: the sample ids it draws and the groups of each step it makes (a process's share
+            in a multi-process run, :func:`~asyncrl.rollout.ledger.process_share`); default all.
     """
 
     def __init__(
@@ -112,10 +111,8 @@ class WorkflowExecutor:
         self.cfg = cfg
         self.row_multiple = row_multiple
         rollout = cfg.rollout
-        self.ledger = StalenessLedger(
-            share.count if share is not None else rollout.batch_size, rollout.max_staleness, rollout.max_concurrent,
-            engine.version if version is None else version, share,
-        )
+        self.ledger = StalenessLedger(share.count if share is not None else rollout.batch_size, rollout.max_staleness,
+                                      rollout.max_concurrent, engine.version if version is None else version, share)
         self._queue: SimpleDataQueue = SimpleDataQueue(rollout.queue_capacity)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -562,29 +559,6 @@ class WorkflowExecutor:
             if missing:
                 raise RolloutError(f"rollout state: queued tickets {missing} have no stored group")
             self._ready = ready
-
-
-def redistribute_states(states: Sequence[Mapping[str, Any]], batch_size: int, processes: int) -> list[dict[str, Any]]:
-    """The rollout states (:meth:`WorkflowExecutor.state_dict`) of ``processes`` executors with
-    ``batch_size`` groups per step between them, from those of the executors that wrote a
-    checkpoint (another count, or another batch size): the ledgers by
-    :func:`~asyncrl.rollout.ledger.redistribute`, each queued group moved with its ticket. Pure."""
-    for state in states:
-        if state["meta"].get("format") != STATE_FORMAT:
-            raise RolloutError(f"rollout state: format {state['meta'].get('format')!r}, this asyncrl reads {STATE_FORMAT}")
-    out = []
-    for snapshot in redistribute([state["meta"]["ledger"] for state in states], batch_size, processes):
-        moved = snapshot.pop("moved")
-        groups_meta: dict[str, Any] = {}
-        arrays: dict[str, np.ndarray] = {}
-        for ticket, old_process, old_ticket in moved:
-            old = states[old_process]
-            groups_meta[str(ticket)] = old["meta"]["groups"][str(old_ticket)]
-            prefix = f"g{old_ticket}_"
-            arrays.update({f"g{ticket}_{name[len(prefix):]}": array for name, array in old["arrays"].items()
-                           if name.startswith(prefix)})
-        out.append({"meta": {"format": STATE_FORMAT, "ledger": snapshot, "groups": groups_meta}, "arrays": arrays})
-    return out
 
 
 def _pack_state(ledger: dict[str, Any], groups: Mapping[int, TrajectoryGroup]) -> dict[str, Any]:

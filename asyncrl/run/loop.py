@@ -321,8 +321,8 @@ def rl_source(run: "Run", stage: Stage, trainer: Trainer) -> tuple[BatchSource, 
 def _own_rollout_state(run: "Run", stage: Stage) -> Any:
     """This process's rollout state from the checkpoint: its own where the checkpoint was written
     by as many processes with the same batch size, else its part of every writer's states
-    redistributed (:func:`~asyncrl.rollout.executor.redistribute_states`: no sample lost or repeated)."""
-    from asyncrl.rollout.executor import redistribute_states
+    redistributed (:func:`~asyncrl.rollout.redistribute.redistribute_states`: no sample lost or repeated)."""
+    from asyncrl.rollout.redistribute import redistribute_states
 
     states = run.resumed_inside(stage).rollout_states
     assert states, "check_run_checkpoint requires an RL stage's rollout state"

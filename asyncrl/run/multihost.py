@@ -35,7 +35,7 @@ loop (:mod:`asyncrl.run.loop`) reads the same with one process or many:
   gathered) and its own rollout state, process 0 the run's JSON files, then all meet at a
   barrier with a timeout (``checkpoint.barrier_timeout_s``). A checkpoint records its process
   count; a resume on another count redistributes the rollout states
-  (:func:`~asyncrl.rollout.executor.redistribute_states`) and reads the arrays onto the new
+  (:func:`~asyncrl.rollout.redistribute.redistribute_states`) and reads the arrays onto the new
   shardings (:mod:`asyncrl.checkpoint.arrays`).
 
 Every cross-process wait is bounded (key-value waits in polls that end when the coordinator

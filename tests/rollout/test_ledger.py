@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from asyncrl.rollout.ledger import StalenessLedger, batch_shares, process_share, redistribute
+from asyncrl.rollout.ledger import StalenessLedger, batch_shares, process_share
+from asyncrl.rollout.redistribute import redistribute
 
 RUNS = {"count": 0}
 OUTCOMES = ["complete", "complete", "complete", "fail", "none", "skip"]
