@@ -2,11 +2,12 @@
 engine of its own on its own forced CPU devices, its own executor over its share of the prompts,
 and its block of every batch; against one process on the same devices.
 
-The default selection runs one 2-process synchronous run beside its 1-process reference (2 devices
-in all): the same sample ids, tokens and rewards at every step, the final weights within float32
-reduction order, ``engine/hosts_generating`` = 2 with each host's requests in balance, each
-process's rollout state in the checkpoint. The 4-process launch, the resumes on another process
-count and the SIGKILL of a generating process are ``slow`` (run by name).
+The default selection runs one short 2-process synchronous run: each step's sample ids are the
+one-process ids, ``engine/hosts_generating`` = 2 with each host's requests in balance, each
+process's rollout state is in the checkpoint. The comparison with a 1-process run on the same
+devices (the same sample ids, tokens and rewards, the same final weights), the 4-process launch,
+the resumes on another process count, ``engine.remote`` and the SIGKILL of a generating process
+are ``slow`` (run by name).
 """
 
 from __future__ import annotations
@@ -57,6 +58,22 @@ def _assert_every_host_generated(rows: dict, processes: int, steps) -> None:
     assert max(abs(s / (sum(shares) / processes) - 1) for s in shares) <= 0.2, shares
 
 
+@pytest.mark.timeout(PROCESS_TIMEOUT_S + 60)
+def test_two_processes_each_generate_their_block_of_every_step(tmp_path):
+    """The default selection's one run: 2 processes x 1 device, 2 synchronous steps. Each step
+    trains the ids one process would (0-3, then 4-7), process 0's block first; both engines
+    finish requests at every step, in balance; each process's rollout state is in the checkpoint."""
+    cfg = _config(tmp_path, "two", **SYNC)
+    assert _wait(_start(cfg, 2, 1), cfg) == [0, 0], _logs(cfg, 2)
+    steps = _steps(tmp_path / "two")
+    for step in (1, 2):
+        assert [s for s, _, _ in steps[step][::4]] == list(range(4 * (step - 1), 4 * step)), steps[step]
+    _assert_every_host_generated(_rows(tmp_path / "two"), 2, (1, 2))
+    checkpoint = load_checkpoint(latest_checkpoint(tmp_path / "two"))
+    assert checkpoint.processes == 2 and [s["meta"]["ledger"]["batch_size"] for s in checkpoint.rollout_states] == [2, 2]
+
+
+@pytest.mark.slow  # about 40 s on the 2-core machine: the same 2 steps beside a 1-process reference
 @pytest.mark.timeout(PROCESS_TIMEOUT_S + 60)
 def test_two_generating_processes_train_the_one_process_samples_tokens_and_rewards(tmp_path):
     one_cfg, two_cfg = _config(tmp_path, "one", **SYNC), _config(tmp_path, "two", **SYNC)
