@@ -13,6 +13,16 @@ layouts of the same work on the same devices, each process pinned to a core of i
 * ``process0_only``: process 0 generates every batch alone (the others' devices train only), as a
   run whose rollouts ran on process 0 did.
 
+Every process's engine is the same (``--slots`` slots, as ``engine.slots`` gives every host), and
+the work fills them (``rollout.max_concurrent`` = slots / group size): a decode step costs the
+same whatever share of the slots is busy, so an engine with half its slots idle would do the same
+steps for half the tokens.
+
+On a machine whose cores are shared with other work the split buys less; the line says how much
+the same cores give at the moment: ``core_scaling`` is the control, a fixed float32 matmul loop run
+once as one process on the first core and once split over the processes (each on its core), the
+first's time over the second's (2.0 on two cores of their own), measured before each round.
+
 Fields: ``*_new_tokens_per_s`` (the decode tokens of all processes over the wall time from the first
 process's start to the last one's end, after an untimed round that compiles; the median of
 ``--rounds`` rounds, the layouts interleaved, each round's in ``*_rounds_new_tokens_per_s``),
@@ -41,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=4, help="completions per prompt")
     parser.add_argument("--new", type=int, default=64, help="new tokens per completion")
     parser.add_argument("--steps", type=int, default=4, help="batches generated in the timed round")
-    parser.add_argument("--slots", type=int, default=32, help="engine slots of each process")
+    parser.add_argument("--slots", type=int, default=16,
+                        help="engine slots of each process (the same engine on every host; rollout.max_concurrent is "
+                             "slots / group size, so the work fills them)")
     parser.add_argument("--layouts", nargs="+", default=["process0_only", "every_host"],
                         choices=["process0_only", "every_host"])
     parser.add_argument("--rounds", type=int, default=2,
@@ -64,9 +76,13 @@ def run(args: argparse.Namespace) -> dict:
                     "group_size": args.group_size, "new_tokens": args.new, "steps": args.steps,
                     "cores": {f"process{p}": [cores[p]] for p in range(args.processes)}}
     rounds: dict[str, list[dict]] = {layout: [] for layout in args.layouts}
+    controls = []
     for _ in range(args.rounds):
+        controls.append(_core_scaling(cores[: args.processes]))
         for layout in args.layouts:
             rounds[layout].append(_round(args, layout, cores))
+    result["core_scaling"] = sorted(controls)[len(controls) // 2]
+    result["core_scaling_rounds"] = controls
     for layout, measured in rounds.items():
         median = sorted(measured, key=lambda m: m["new_tokens_per_s"])[len(measured) // 2]
         result[f"{layout}_new_tokens_per_s"] = median["new_tokens_per_s"]
@@ -76,6 +92,35 @@ def run(args: argparse.Namespace) -> dict:
     if {"every_host", "process0_only"} <= set(args.layouts):
         result["speedup"] = round(result["every_host_new_tokens_per_s"] / result["process0_only_new_tokens_per_s"], 3)
     return {**result, **load_avg_since(load_start)}
+
+
+_SPIN = """
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+import numpy as np
+a = np.random.default_rng(0).random((256, 256), dtype=np.float32)
+for _ in range(int(sys.argv[2])):
+    a = (a @ a) * np.float32(1 / 256)
+"""
+
+
+def _core_scaling(cores: list[int], iterations: int = 2000) -> float:
+    """The control: one process on ``cores[0]`` doing ``iterations`` matmuls, against the processes
+    on ``cores`` doing an equal part each at once; the first's wall time over the second's."""
+    from runlib import child_env
+
+    env = child_env(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+    def timed(parts: list[tuple[int, int]]) -> float:
+        started = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, "-c", _SPIN, str(core), str(n)], env=env) for core, n in parts]
+        for proc in procs:
+            proc.wait(timeout=600)
+        return time.perf_counter() - started
+
+    one = timed([(cores[0], iterations)])
+    split = timed([(core, iterations // len(cores)) for core in cores])
+    return round(one / split, 3)
 
 
 def _round(args: argparse.Namespace, layout: str, cores: list[int]) -> dict:
