@@ -397,6 +397,9 @@ SLOW_CHAINS = {
                           check=_bench_line("remote")),),
     # docs/performance.md: reward-model scoring throughput, on the 2-layer twin
     "bench_reward_model": (Step("python scripts/bench.py reward_model", ("--quick",), check=_bench_reward_model),),
+    # docs/scaling.md: rollouts with every host generating against process 0 alone, a core per process
+    "bench_every_host": (Step("python scripts/bench.py every_host", ("--model", "tiny", "--steps", "2", "--new", "8",
+                                                                    "--rounds", "1"), check=_bench_line("every_host")),),
     # docs/scaling.md: memory per process, a 4M-parameter model as 1 and 2 processes (about a minute)
     "bench_scale": (Step("python scripts/bench_scale.py --processes 1,2 --layers 1 --hidden 128 --rows 4 --length 16 "
                          "--steps 2", check=_json_line),),

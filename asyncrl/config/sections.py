@@ -566,14 +566,15 @@ class PlacementConfig(Section):
     device indices (``"0:4"``) or, with a ``.`` in both bounds, fractions of the device count
     (``"0.5:1.0"``: the second half; each bound must land on a whole device). Disjoint ranges
     split the devices between trainer and engine; an engine range inside the trainer's shares
-    those devices with it; a partial overlap is an error. With several processes the engine
-    runs on process 0's devices only.
+    those devices with it; a partial overlap is an error. With several processes a range is
+    over each process's own devices (``jax.local_devices()``), the same on every host: every
+    process runs an engine of its own on its part of ``engine``.
     """
 
     trainer: Optional[str] = None
-    """The trainer mesh's devices (``mesh.data`` x ``fsdp`` x ``tensor`` must fit them); null: all devices."""
+    """The trainer mesh's devices (``mesh.data`` x ``fsdp`` x ``tensor`` must fit them; several processes: this range of every host's devices); null: all devices."""
     engine: Optional[str] = None
-    """The in-process engine's devices; null: colocated with the trainer (one process: the trainer's devices; several: process 0's share of them)."""
+    """The in-process engine's devices (several processes: this range of each host's devices, one engine per process); null: colocated with the trainer (each process's share of the trainer's devices)."""
 
     @field_validator("trainer", "engine")
     @classmethod

@@ -52,7 +52,7 @@ from asyncrl.data import sample_at
 from asyncrl.engine.protocol import InferenceEngine
 from asyncrl.errors import EngineCrashed, RolloutError, TrajectorySchemaError
 from asyncrl.rollout.batch import BatchAbandoned, PreparedBatch, prepare_batch, select_groups
-from asyncrl.rollout.ledger import QUEUED, StalenessLedger
+from asyncrl.rollout.ledger import QUEUED, SampleShare, StalenessLedger
 from asyncrl.rollout.queue import QueueClosed, SimpleDataQueue
 from asyncrl.rollout.rewards import RewardFailuresExceeded
 from asyncrl.rollout.trajectory import TrainBatch, TrajectoryGroup, check_group
@@ -88,6 +88,8 @@ class WorkflowExecutor:
         cfg: the run config (``rollout.*``, ``data.*``).
         version: the version served at start (default: ``engine.version``; ``k`` on resume).
         row_multiple: batch rows are padded to a multiple of this (the trainer's sharding).
+        share: the sample ids it draws and the groups of each step it makes (a process's share
+            in a multi-process run, :func:`~asyncrl.rollout.ledger.process_share`); default all.
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class WorkflowExecutor:
         *,
         version: Optional[int] = None,
         row_multiple: int = 1,
+        share: Optional[SampleShare] = None,
     ):
         if len(dataset) == 0:
             raise RolloutError("WorkflowExecutor: the dataset is empty")
@@ -108,9 +111,8 @@ class WorkflowExecutor:
         self.cfg = cfg
         self.row_multiple = row_multiple
         rollout = cfg.rollout
-        self.ledger = StalenessLedger(
-            rollout.batch_size, rollout.max_staleness, rollout.max_concurrent, engine.version if version is None else version
-        )
+        self.ledger = StalenessLedger(share.count if share is not None else rollout.batch_size, rollout.max_staleness,
+                                      rollout.max_concurrent, engine.version if version is None else version, share)
         self._queue: SimpleDataQueue = SimpleDataQueue(rollout.queue_capacity)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -407,6 +409,7 @@ class WorkflowExecutor:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         rollout = self.cfg.rollout
+        size = self.ledger.batch_size
         budget = rollout.resolved_max_filtered_per_step
         filtered = 0
         dropped_now: collections.Counter = collections.Counter()
@@ -422,7 +425,7 @@ class WorkflowExecutor:
                     self._ready[ticket] = group
                 tickets = self.ledger.candidates(rollout.batch_order)
                 groups = [self._ready[t] for t in tickets]
-                kept, dropped = select_groups(groups, version, self.cfg, filter_budget=budget - filtered)
+                kept, dropped = select_groups(groups, version, self.cfg, filter_budget=budget - filtered, batch_size=size)
                 if kept:
                     self._drops_in_a_row = 0
                 for index, reason in dropped:
@@ -437,11 +440,11 @@ class WorkflowExecutor:
                         self._note_drop(reason, self._drops_in_a_row, sample_id)
                 if dropped:
                     self._wake.notify_all()
-                if len(kept) == rollout.batch_size:
+                if len(kept) == size:
                     chosen = [tickets[i] for i in kept]
                     batch, more = prepare_batch(
                         [self._ready[t] for t in chosen], version, self.cfg,
-                        row_multiple=self.row_multiple, filter_budget=budget - filtered,
+                        row_multiple=self.row_multiple, filter_budget=budget - filtered, batch_size=size,
                     )
                     assert not more, "prepare_batch dropped a group select_groups kept"
                     sample_ids = tuple(self.ledger.sample_id(t) for t in chosen)
@@ -454,13 +457,13 @@ class WorkflowExecutor:
                     raise RolloutError("next_batch: the executor was closed")
                 if abandon_if is not None and abandon_if():
                     raise BatchAbandoned(
-                        f"next_batch abandoned with {len(kept)} of {rollout.batch_size} groups ready; nothing consumed"
+                        f"next_batch abandoned with {len(kept)} of {size} groups ready; nothing consumed"
                     )
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     blocking = self.ledger.in_flight_tickets()[:1]
                     raise RolloutError(
-                        f"next_batch timed out after {timeout} s with {len(kept)} of {rollout.batch_size} groups ready "
+                        f"next_batch timed out after {timeout} s with {len(kept)} of {size} groups ready "
                         f"(batch_order {rollout.batch_order}, oldest in-flight ticket {blocking or 'none'}); "
                         f"counts: {self.ledger.counts()}"
                     )

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Mapping, Protocol
+from typing import Iterable, Mapping, Protocol, Sequence
 
 _log = logging.getLogger(__name__)
 
@@ -82,6 +82,36 @@ def merge_producers(**producers: Mapping[str, float]) -> dict[str, float]:
             owner[name] = producer
             merged[name] = float(value)
     return merged
+
+
+_HOST_MAX = ("_max", "_max_s", "/version", "/lag_p90", "/wait_s", "/consecutive_failures")
+_HOST_MEAN = ("_rate", "_occupancy", "_share", "/lag_mean", "_p50_s", "_p90_s", "latency_s", "_ms_per_step",
+              "/queue_wait_s", "/logprob_gap")
+
+
+def host_reduction(name: str) -> str:
+    """How :func:`combine_hosts` combines a metric over the hosts of a multi-process run: ``max``
+    for maxima, the served version, the p90 lag and the batch wait (the step waits for the slowest
+    host); ``mean`` for ratios, shares, mean lags and per-host latencies; ``sum`` for everything
+    else: counts, token and request counters, seconds spent, and throughputs (``*_per_s``: hosts
+    generate side by side)."""
+    if name.endswith("_per_s"):
+        return "sum"
+    if name.endswith(_HOST_MAX):
+        return "max"
+    if name.endswith(_HOST_MEAN):
+        return "mean"
+    return "sum"
+
+
+def combine_hosts(per_host: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """One row of every host's metrics (:func:`host_reduction` per name; a name only some hosts
+    report combines over those)."""
+    values: dict[str, list[float]] = {}
+    for metrics in per_host:
+        for name, value in metrics.items():
+            values.setdefault(name, []).append(float(value))
+    return {name: _reduce(vals, host_reduction(name)) for name, vals in values.items()}
 
 
 def _reduce(values: list[float], how: str) -> float:

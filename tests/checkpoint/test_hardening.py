@@ -390,6 +390,7 @@ def test_the_unedited_hand_built_checkpoint_passes_the_checks():
     cfg = load_config(data=STAGED)
     contents = valid_contents(cfg)
     contents["arrays"] = {name: pytree.flatten(tree) for name, tree in contents["arrays"].items()}  # as loaded
+    contents["rollout_states"] = (contents.pop("rollout_state"),)
     checkpoint = Checkpoint(path=Path("step_00000003"), step=3, config_yaml="", **contents)
     assert check_run_checkpoint(checkpoint, cfg).stage_step == 1
     check_checkpoint_params(checkpoint, load_model(cfg.model).split()[1])

@@ -113,3 +113,25 @@ def test_console_bar_shows_each_steps_values_at_once():
     sink.write(1, {"eval/reward": 0.25})
     sink.write(2, {"eval/reward": 0.5})
     assert "eval@1 0.250" in stream.getvalue() and stream.getvalue().rstrip().endswith("eval@2 0.500]")
+
+
+def test_every_hosts_metrics_combine_into_one_row():
+    """Counters, seconds and throughputs summed; maxima, the p90 lag and the batch wait the largest;
+    ratios, mean lags and latencies averaged; a name only some hosts report over those."""
+    from asyncrl.run.metrics import combine_hosts, host_reduction
+
+    hosts = [{"engine/requests": 4, "engine/decode_tokens_per_s": 100.0, "engine/slot_occupancy": 0.5,
+              "engine/queue_wait_max_s": 0.2, "rollout/lag_max": 1, "rollout/lag_mean": 0.5, "rollout/lag_p90": 1,
+              "rollout/wait_s": 0.1, "rollout/count/trained": 8, "engine/swap_latency_s": 0.01, "engine/version": 3,
+              "rollout/step_dropped/stale": 1},
+             {"engine/requests": 6, "engine/decode_tokens_per_s": 50.0, "engine/slot_occupancy": 0.25,
+              "engine/queue_wait_max_s": 0.5, "rollout/lag_max": 0, "rollout/lag_mean": 0.0, "rollout/lag_p90": 0,
+              "rollout/wait_s": 0.3, "rollout/count/trained": 8, "engine/swap_latency_s": 0.03, "engine/version": 3}]
+    assert combine_hosts(hosts) == {
+        "engine/requests": 10, "engine/decode_tokens_per_s": 150.0, "engine/slot_occupancy": 0.375,
+        "engine/queue_wait_max_s": 0.5, "rollout/lag_max": 1, "rollout/lag_mean": 0.25, "rollout/lag_p90": 1,
+        "rollout/wait_s": 0.3, "rollout/count/trained": 16, "engine/swap_latency_s": 0.02, "engine/version": 3,
+        "rollout/step_dropped/stale": 1}
+    assert [host_reduction(n) for n in ("engine/decode_wait_s", "engine/queue_wait_s", "engine/prefix_hit_rate",
+                                        "rollout/episode_latency_p90_s", "engine/decode_ms_per_step")] == [
+        "sum", "mean", "mean", "mean", "mean"]

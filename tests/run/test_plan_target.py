@@ -134,6 +134,19 @@ def test_v6e_8_target_compiles_on_the_config_mesh():
     assert "kernels_per_step" not in rows[2]  # thunk sequences are XLA:GPU's
 
 
+@pytest.mark.skipif(not plugin_installed("tpu"), reason="libtpu is not installed (tests/README.md: the aot venv)")
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("target, chips", [("v6e-32", 32), ("v5p-32", 16)])
+def test_a_multi_host_target_compiles_each_hosts_engine_and_the_publish_across_hosts(target, chips):
+    """Every host of a v6e-32 (8 hosts of 4 chips) or v5p-32 (4 hosts of 4) runs an engine of its own:
+    its decode chunk compiled for one host's chips (libtpu compiles nothing over a part of a larger
+    compile-only slice), the publish as the one collective over every chip onto every host's engine."""
+    rows = _plan_json("--target", target, "--program", "decode_chunk", "--program", "publish")
+    assert [r["program"] for r in rows] == ["decode_chunk", "publish"], rows
+    assert all(r["devices"] == chips and r["fits"] and r["xla_peak_bytes"] > 0 for r in rows)
+    assert "collective layout programs onto every host's engine" in rows[1]["detail"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--target", "h800"], "--target 'h800': no such target; known: h100, a100-80gb, h200, l4, v4-8"),
     (["--target", "v6e-8", "--devices", "4"], "--target v6e-8 is 8 chips on 1 host(s); --devices/--processes cannot change"),
