@@ -85,7 +85,8 @@ def describe(layout: dict[str, Any]) -> str:
     elif layout["shares_trainer_arrays"]:
         engine = "engine serves the trainer's arrays"
     else:
-        engine = f"engine: {layout['engine_replicas']} replica(s) x tensor-parallel {layout['engine_tensor_parallel']}"
+        each = "an engine per host" if len(layout["hosts"]) > 1 else "engine"
+        engine = f"{each}: {layout['engine_replicas']} replica(s) x tensor-parallel {layout['engine_tensor_parallel']}"
     return f"trainer mesh {mesh}; {engine}"
 
 
@@ -131,12 +132,17 @@ def plot(runs: list[tuple[str, dict[str, Any]]], out: Path) -> None:
 
 
 def _replicas(layout: dict[str, Any]) -> dict[int, int]:
-    """Engine device id -> its replica (a replica's tensor-parallel devices are neighbours in
-    device order, docs/scaling.md "The engine's mesh"); empty where the engine has no mesh of its own."""
+    """Engine device id -> its replica in its host's engine (a replica's tensor-parallel devices are
+    neighbours in device order, docs/scaling.md "The engine's mesh"; each process of a multi-process
+    run has an engine of its own); empty where the engine has no mesh of its own."""
     if layout["shares_trainer_arrays"] or not layout["engine_devices"]:
         return {}
-    degree = layout["engine_tensor_parallel"]
-    return {device: k // degree for k, device in enumerate(layout["engine_devices"])}
+    degree, engine = layout["engine_tensor_parallel"], set(layout["engine_devices"])
+    replica_of: dict[int, int] = {}
+    for devices in layout["hosts"].values():
+        ids = [device_id for device_id, _ in devices if device_id in engine]
+        replica_of.update({device_id: k // degree for k, device_id in enumerate(ids)})
+    return replica_of
 
 
 def main(argv: list[str] | None = None) -> int:

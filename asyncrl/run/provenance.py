@@ -10,7 +10,7 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
 
 PACKAGES = ("asyncrl", "jax", "jaxlib", "flax", "optax", "transformers", "safetensors", "tokenizers", "numpy", "pydantic", "torch")
 
@@ -64,15 +64,18 @@ def write_provenance(output_dir: str | Path, config_yaml: str, argv: list[str] |
     atomic_write_text(output_dir / "provenance.json", json.dumps(record, indent=2) + "\n")
 
 
-def record_placement(output_dir: str | Path, placement: Any, mesh: Any, remote_servers: int = 0) -> None:
-    """Add to ``provenance.json`` which devices the trainer and the in-process engine run on, as the
+def record_placement(output_dir: str | Path, placement: Any, mesh: Any, remote_servers: int = 0,
+                     engine_devices: Optional[Sequence[Any]] = None) -> None:
+    """Add to ``provenance.json`` which devices the trainer and the in-process engines run on, as the
     run resolved them (``placement``: a :class:`~asyncrl.cluster.placement.Placement`; ``mesh``: the
     trainer's mesh): device ids of ``devices``, the trainer mesh's shape and the engine's replicas.
-    With ``remote_servers`` the engine is that many servers and holds no device here.
-    ``scripts/plot_placement.py`` draws it."""
+    ``engine_devices``: every process's engine devices in a multi-process run (each process has an
+    engine of its own; default: this process's). With ``remote_servers`` the engine is that many
+    servers and holds no device here. ``scripts/plot_placement.py`` draws it."""
     path = Path(output_dir) / "provenance.json"
     record = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    engine = [] if remote_servers else [d.id for d in placement.engine_devices]
+    every_engine = placement.engine_devices if engine_devices is None else engine_devices
+    engine = [] if remote_servers else [d.id for d in every_engine]
     record["placement"] = {
         "trainer": [d.id for d in placement.trainer_devices],
         "trainer_mesh": {str(axis): int(size) for axis, size in mesh.shape.items()},

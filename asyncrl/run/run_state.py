@@ -131,6 +131,8 @@ class Run:
 
     def __init__(self, cfg: Config, out: Path, console: Optional[TextIO], resumed: Optional[Checkpoint],
                  guard: ShutdownGuard, hosts: Hosts, startup: StartupClock):
+        import jax
+
         from asyncrl.cluster.mesh import build_mesh
         from asyncrl.cluster.placement import resolve_placement
         from asyncrl.model import load_model
@@ -173,8 +175,11 @@ class Run:
         self.final_critic: Optional[tuple[Any, Any]] = None
         """``(critic DecoderConfig, host params)`` of the last stage's critic, exported as ``hf_critic/``."""
         self.mesh = build_mesh(cfg.mesh, devices=self.placement.trainer_devices)
-        if self.hosts.is_main:  # provenance.json: what ran on which device
-            record_placement(out, self.placement, self.mesh, len(cfg.engine.remote.urls) if cfg.engine.remote else 0)
+        if self.hosts.is_main:  # provenance.json: what ran on which device (every host's engine)
+            engines = [d for host in range(jax.process_count())
+                       for d in resolve_placement(cfg, process_index=host).engine_devices]
+            record_placement(out, self.placement, self.mesh, len(cfg.engine.remote.urls) if cfg.engine.remote else 0,
+                             engine_devices=engines)
         self.device = _first_local_device(self.mesh)
         """The device whose memory ``perf/device_mem_gb`` reports (this process's first in the mesh)."""
         self.engine: Optional[RunEngine] = None
