@@ -316,6 +316,7 @@ def rl_source(run: "Run", stage: Stage, trainer: Trainer) -> tuple[Optional[Batc
         assert rollout_state is not None, "check_run_checkpoint requires an RL stage's rollout state"
         executor.load_state_dict(rollout_state)
     executor.start()
+    run.join_on_close(executor.join)
     return executor, lambda tracker: run.eval_on_engine(stage, tracker)
 
 
@@ -386,7 +387,8 @@ def _start_precompile(run: Run, stage: Stage, trainer: Trainer) -> None:
         return
     scfg = stage.cfg
     rows = scfg.rollout.batch_size * scfg.rollout.group_size
-    trainer.start_precompile(expected_first_shape(scfg, rows, trainer.row_multiple))
+    precompile = trainer.start_precompile(expected_first_shape(scfg, rows, trainer.row_multiple))
+    run.join_on_close(precompile.join)  # a failure before the step settles it must not exit under the compile
 
 
 def _stage_trainer(run: Run, stage: Stage) -> Trainer:
