@@ -197,7 +197,7 @@ class DataConfig(Section):
     """The prompts: which dataset, and limits applied to every sample."""
 
     dataset: ComponentSpec = "copy"
-    """Dataset/task: a built-in (``copy``, ``reverse``, ``add``, ``gsm8k``, ``jsonl``, ``hf``), an import path, or ``{target, kwargs}`` (e.g. ``{target: jsonl, kwargs: {path: data.jsonl, eval_size: 64}}``)."""
+    """Dataset/task: a built-in (``copy``, ``reverse``, ``add``, ``gsm8k``, ``jsonl``, ``hf``), an import path, or ``{target, kwargs}`` (e.g. ``{target: jsonl, kwargs: {path: data.jsonl, eval_size: 64}}``). ``gsm8k`` (``openai/gsm8k``) and ``hf`` (``{target: hf, kwargs: {name: org/dataset}}``) come by name from the Hugging Face hub through ``datasets``, downloaded once and cached where ``datasets`` caches; a local copy ``$ASYNCRL_DATA_DIR/<name>/<split>.jsonl`` (``gsm8k/train.jsonl``, ``gsm8k/test.jsonl``) is read instead when present, and ``path`` names a local file. Offline with neither, the run stops with the command that fetches it."""
     max_prompt_tokens: int = Field(default=256, ge=1)
     """A prompt longer than this (in tokens, chat template included) is skipped and counted (``dropped:prompt_too_long``)."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

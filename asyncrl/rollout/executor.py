@@ -123,8 +123,7 @@ class WorkflowExecutor:
         self._work = threading.Condition(self._lock)
         """Wakes idle workers: an episode was admitted, or ``close()``."""
         self._workers_started = 0
-        self._workers: list[threading.Thread] = []
-        """Every pool worker started (:meth:`join` waits for them to end)."""
+        self.workers: list[threading.Thread] = []  # the live pool (the run joins it when it ends)
         self._recent_latencies: collections.deque = collections.deque(maxlen=512)
         self._fatal: Optional[BaseException] = None
         self._consecutive_failures = 0
@@ -164,19 +163,6 @@ class WorkflowExecutor:
             self._work.notify_all()
         if self._dispatcher is not None and self._dispatcher is not threading.current_thread():
             self._dispatcher.join(timeout)
-
-    def join(self, timeout: float) -> list[str]:
-        """After :meth:`close` (and the engine's shutdown, which ends the engine calls they wait
-        in): wait at most ``timeout`` seconds for the worker threads to end; returns the names of
-        those still running (in a workflow that does not return). Closes the executor first."""
-        self.close(timeout)
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            workers = list(self._workers)
-        for worker in workers:
-            if worker is not threading.current_thread():
-                worker.join(max(0.0, deadline - time.monotonic()))
-        return [worker.name for worker in workers if worker.is_alive()]
 
     def __enter__(self) -> "WorkflowExecutor":
         return self.start()
@@ -247,7 +233,7 @@ class WorkflowExecutor:
         """Start one pool worker (lock held)."""
         self._workers_started += 1
         worker = threading.Thread(target=self._worker_loop, name=f"asyncrl-rollout-worker-{self._workers_started}", daemon=True)
-        self._workers = [w for w in self._workers if w.is_alive()] + [worker]
+        self.workers = [w for w in self.workers if w.is_alive()] + [worker]
         worker.start()
 
     # ------------------------------------------------------------------ episodes

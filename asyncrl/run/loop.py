@@ -31,6 +31,7 @@ its batch is abandoned), one checkpoint is written, :class:`TrainingInterrupted`
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import sys
@@ -316,8 +317,17 @@ def rl_source(run: "Run", stage: Stage, trainer: Trainer) -> tuple[Optional[Batc
         assert rollout_state is not None, "check_run_checkpoint requires an RL stage's rollout state"
         executor.load_state_dict(rollout_state)
     executor.start()
-    run.join_on_close(executor.join)
+    run.join_on_close(functools.partial(_join_executor, executor))
     return executor, lambda tracker: run.eval_on_engine(stage, tracker)
+
+
+def _join_executor(executor: Any, timeout: float) -> list[str]:
+    """Stop the executor and wait for its workers (after the engine's shutdown, which ends the
+    engine calls they wait in); returns the names of those still running."""
+    from asyncrl.run.shutdown import join_threads
+
+    executor.close(timeout)
+    return join_threads(list(executor.workers), timeout)
 
 
 def sft_source(run: "Run", stage: Stage, trainer: Trainer) -> tuple[Optional[BatchSource], EvalHook]:

@@ -45,6 +45,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import types
 from typing import Any, NoReturn, Optional, Sequence
 
@@ -215,6 +216,16 @@ def _exit_now(code: int, message: str) -> None:
         os.write(2, message.encode())
     finally:
         os._exit(code)
+
+
+def join_threads(threads: Sequence[threading.Thread], timeout: float) -> list[str]:
+    """Wait at most ``timeout`` seconds in all for ``threads`` to end; returns the names of those
+    still running."""
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+    return [thread.name for thread in threads if thread.is_alive()]
 
 
 def end_process(code: int) -> NoReturn:

@@ -10,12 +10,11 @@ reward within a test's budget (4096-token vocabulary, 8-token answers), hence th
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
 
-from tests.helpers import REPO_ROOT, SHARED_DATA
+from tests.helpers import REPO_ROOT
 
 
 @pytest.mark.slow
@@ -24,8 +23,6 @@ def test_the_calculator_agent_learns_add_on_tiny_qwen3(tmp_path, monkeypatch):
     from asyncrl.config import load_config
     from asyncrl.run.loop import train
 
-    if not os.environ.get("ASYNCRL_TINY_QWEN3_CORPUS"):  # the tokenizer corpus: GSM8K beside the checkout
-        monkeypatch.setenv("ASYNCRL_TINY_QWEN3_CORPUS", str(SHARED_DATA / "gsm8k" / "train.jsonl"))
     cfg = load_config(REPO_ROOT / "configs" / "calculator_agent.yaml", [
         f"run.output_dir={tmp_path / 'run'}", "eval.every_steps=1000", "eval.max_prompts=16",
         "stages.0.total_steps=30", "stages.1.total_steps=12",
