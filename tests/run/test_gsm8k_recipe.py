@@ -6,8 +6,6 @@ documented 10-step smoke run and a 2-step one, both slow."""
 from __future__ import annotations
 
 import json
-import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.cli import main
-from tests.helpers import REPO_ROOT, SHARED_DATA, subprocess_env
+from tests.helpers import REPO_ROOT, SHARED_DATA, documented_cpu_commands, subprocess_env
 
 RECIPE = "configs/gsm8k_grpo.yaml"
 TRAIN = SHARED_DATA / "gsm8k" / "train.jsonl"
@@ -25,13 +23,9 @@ pytestmark = pytest.mark.skipif(not TRAIN.exists(), reason=f"{TRAIN} not present
 
 def documented_smoke_command() -> list[str]:
     """The CPU smoke command from the recipe's header comment, as argv (after ``asyncrl``)."""
-    text = (REPO_ROOT / RECIPE).read_text()
-    block = re.search(r"#   asyncrl train configs/gsm8k_grpo.yaml --set model.path=tiny-qwen3 \\\n((?:#.*\n)+?)#\n", text)
-    assert block, "the smoke command is missing from the recipe's comments"
-    lines = [RECIPE.join(["train ", " --set model.path=tiny-qwen3"])] + [
-        line.lstrip("#").strip().rstrip("\\") for line in block.group(1).splitlines()
-    ]
-    return shlex.split(" ".join(lines))
+    commands = documented_cpu_commands(REPO_ROOT / RECIPE)
+    assert commands and commands[-1][:3] == ["asyncrl", "train", RECIPE], "the smoke command is missing from the recipe"
+    return commands[-1][1:]
 
 
 def test_recipe_validates_as_written(capsys):
