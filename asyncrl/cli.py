@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL post-training of language models in JAX.",
         epilog="Example: asyncrl train configs/quickstart.yaml --set rollout.batch_size=16",
     )
+    parser.add_argument("--version", action="version", version=f"asyncrl {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
 
