@@ -302,7 +302,7 @@ def test_bench_gpu_comparison_child_runs_without_the_gpu_flags():
     assert bench_gpu.without_gpu_defaults(extended) == "--xla_dump_to=/tmp/d"
 
 
-@pytest.mark.slow  # 12 s cold; the bench's pure parts are tested above (session 8's fresh clone: 951 s of the 960 s line)
+@pytest.mark.slow  # 12 s cold; the bench's pure parts are tested above
 def test_bench_gpu_comparison_child_decodes_in_its_own_process():
     """The GPU-only comparison part, run here on the quick shape: a child process's decode line."""
     import argparse

@@ -79,7 +79,7 @@ def test_float32_publishes_the_trainer_values_exactly(tmp_path, tiny):
         assert tensors[name].dtype == np.float32 and np.array_equal(tensors[name], np.asarray(value)), name
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 @pytest.mark.timeout(400)
 def test_two_processes_each_write_their_own_tensors_and_a_server_loads_them(tmp_path, tiny):
     """2 processes x 2 CPU devices, params fsdp-sharded over all 4: one shard file per process

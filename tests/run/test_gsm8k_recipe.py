@@ -61,7 +61,7 @@ def check_run(out: Path, steps: int, checkpoints: list[str]) -> dict:
     return final
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 @pytest.mark.timeout(300)
 def test_two_steps_of_the_recipe_on_cpu(tmp_path, monkeypatch):
     from asyncrl.config import load_config

@@ -61,7 +61,7 @@ def test_tensorboard_events_read_back(tmp_path):
 
 def test_a_failing_tensorboard_write_warns_once_and_never_blocks_the_step(tmp_path, monkeypatch, caplog):
     """Disk full under the event file: each step's write fails at once (tensorboardX's writer
-    thread died there and its full queue blocked the run forever: issue 47), one warning; a
+    thread dies there, and its full queue must not block the run), one warning; a
     record the failure tore is cut off, and once writing works again the events go on in the
     same file."""
     import errno
@@ -103,7 +103,7 @@ def test_console_plain_lines_keep_last_values_and_eta():
     sink.write(2, {"reward/mean": 0.75, "perf/trained_tokens_per_s": 1234.4})
     lines = stream.getvalue().splitlines()
     assert lines[0].startswith("step 1/4 reward 0.500 eval@1 0.250 lag 1")
-    # a step without eval names the step its eval value is from (issue 13 item 11)
+    # a step without eval names the step its eval value is from
     assert lines[1].startswith("step 2/4 reward 0.750 eval@1 0.250 lag 1 tok/s 1234 eta ")
 
 
