@@ -631,6 +631,8 @@ class LoggingConfig(Section):
     """Append a few of the step's trajectories (prompt, completion, reward components, versions) to ``trajectories.jsonl`` every this many steps; 0 is off."""
     dump_groups: int = Field(default=2, ge=1)
     """Groups written per trajectory dump."""
+    console_metrics: list[str] = Field(default_factory=list)
+    """Metrics shown on the console line after reward, eval, lag and tok/s, by name (e.g. ``[engine/prefix_hit_rate, episode/tool_calls]``), each labelled by its last path part; a name absent from a step's row shows its last value."""
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default=["tensorboard"])
     """Where each step's metric row goes besides ``metrics.jsonl`` (always written): ``tensorboard`` (event files under ``tensorboard/``), ``wandb`` (Weights & Biases, ``pip install 'asyncrl[wandb]'``), ``mlflow`` (``pip install 'asyncrl[mlflow]'``). W&B and MLflow also get the resolved config and provenance, the stage as a tag and the dumped trajectories as a table; they log from a background thread (a failing tracker warns once and the run goes on) and ``--resume`` continues their run (README, "Outputs")."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)

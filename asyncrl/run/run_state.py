@@ -168,7 +168,8 @@ class Run:
         """Completed trainer steps over all stages: the version the engine serves."""
         main = self.hosts.is_main
         self.console: Union[ConsoleSink, NoSink] = (
-            ConsoleSink(cfg.total_steps, start_step=self.version, stream=console) if main else NoSink())
+            ConsoleSink(cfg.total_steps, start_step=self.version, stream=console, extra=cfg.logging.console_metrics)
+            if main else NoSink())
         self.jsonl: Union[JsonlSink, NoSink] = JsonlSink(out / "metrics.jsonl") if main else NoSink()
         self.trajectory_log: Union[LogAppender, NoSink] = (
             LogAppender(out / "trajectories.jsonl", create=False) if main else NoSink())
