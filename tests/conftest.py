@@ -32,6 +32,11 @@ def pytest_configure(config):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Datasets by name (GSM8K) from the local copy beside the checkout, as a user without network
+    # points at one; runs started by tests inherit it.
+    from tests.helpers import SHARED_DATA
+
+    os.environ.setdefault("ASYNCRL_DATA_DIR", str(SHARED_DATA))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -124,9 +124,9 @@ def _gemma3_export_loads_in_transformers(ws: Path, _: str) -> None:
 
     from asyncrl.model import forward_jit, load_model
 
-    hf = AutoModelForCausalLM.from_pretrained(str(ws / "gemma3-model"), attn_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(ws / "runs" / "quickstart-gemma3-export"), attn_implementation="eager").eval()
     assert type(hf).__name__ == "Gemma3ForCausalLM"
-    ours = load_model(str(ws / "gemma3-model"), with_tokenizer=False)
+    ours = load_model(str(ws / "runs" / "quickstart-gemma3-export"), with_tokenizer=False)
     ids = np.random.default_rng(0).integers(6, ours.config.vocab_size, size=(2, 20)).astype(np.int32)
     with torch.no_grad():
         want = hf(torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
@@ -166,7 +166,8 @@ README_CHAIN = (
     Step("python scripts/plot_metrics.py runs/quickstart", check=_exists("runs/quickstart/curves.png")),
     Step("asyncrl eval configs/quickstart.yaml --set model.path=runs/quickstart/hf", ("--set", "eval.max_prompts=8"),
          check=_eval_printed_table_and_json),
-    Step("asyncrl export runs/quickstart my-model/", check=_exists("my-model/config.json", "my-model/model.safetensors")),
+    Step("asyncrl export runs/quickstart runs/quickstart-export/",
+         check=_exists("runs/quickstart-export/config.json", "runs/quickstart-export/model.safetensors")),
     # docs/checkpoints.md: the same run, interrupted during its last step, resumed from step 4
     Step("asyncrl train configs/quickstart.yaml --resume", QUICKSTART_QUICK, prepare=_interrupt_after_step_4,
          check=_resumed),
@@ -177,7 +178,7 @@ def _peft_loads_the_adapter(ws: Path, output: str) -> None:
     """The adapter directory, and docs/lora.md's PEFT lines load it on its base (``base_dir``: the run's base)."""
     from tests.test_doc_examples import python_block
 
-    _exists("my-adapter/adapter_config.json", "my-adapter/adapter_model.safetensors")(ws, output)
+    _exists("runs/quickstart-lora-adapter/adapter_config.json", "runs/quickstart-lora-adapter/adapter_model.safetensors")(ws, output)
     names = {"base_dir": str(ws / "runs/quickstart-base/hf")}
     exec(compile(python_block("docs/lora.md", "PeftModel.from_pretrained"), "docs/lora.md", "exec"), names)
     assert type(names["model"]).__name__ == "PeftModelForCausalLM", type(names["model"])
@@ -190,8 +191,8 @@ LORA_CHAIN = (
     Step("asyncrl train configs/quickstart.yaml --set run.name=quickstart-lora --set model.path=runs/quickstart-base/hf "
          "--set 'stages=[{name: rl, type: rl, total_steps: 300}]' --set 'model.lora={rank: 8, alpha: 16}' --set optim.lr=0.01",
          ("--set", "stages.0.total_steps=2", "--set", "eval.max_prompts=8")),
-    Step("asyncrl export runs/quickstart-lora my-adapter/", check=_peft_loads_the_adapter),
-    Step("asyncrl export runs/quickstart-lora my-model/ --merged", check=_exists("my-model/config.json")),
+    Step("asyncrl export runs/quickstart-lora runs/quickstart-lora-adapter/", check=_peft_loads_the_adapter),
+    Step("asyncrl export runs/quickstart-lora runs/quickstart-lora-merged/ --merged", check=_exists("runs/quickstart-lora-merged/config.json")),
 )
 
 def _bench_rl(_: Path, output: str) -> None:
@@ -266,6 +267,11 @@ def _compiled_for_cpu(_: Path, output: str) -> None:
     assert all("fits" in row for row in rows), output
 
 
+def _bench_serve_update(_: Path, output: str) -> None:
+    result = json.loads(output.strip().splitlines()[-1])
+    assert result["bench"] == "serve_update" and result["serving_copies_at_peak"] < 1.5, result
+
+
 PLAN_CHAIN = (
     Step("asyncrl plan configs/gsm8k_grpo.yaml --set model.path=configs/models/qwen3-1.7b --device-memory 80",
          check=lambda _, out: None if "fits" in out and "does NOT" not in out else pytest.fail(out)),
@@ -282,6 +288,7 @@ BENCH_CHAIN = (
     Step("python scripts/bench.py model", ("--models", "tiny", "--steps", "1"), check=_bench_line("model")),
     Step("python scripts/bench.py batch", ("--reps", "20"), check=_bench_line("batch")),
     Step("python scripts/bench.py agent", ("--episodes", "8"), check=_bench_line("agent")),
+    Step("python scripts/bench.py serve_update", ("--model", "tiny"), check=_bench_serve_update),
 )
 
 def _item_trie(ws: Path, output: str) -> None:
@@ -334,7 +341,8 @@ def _moe_resumed(ws: Path, output: str) -> None:
 MOE_CHAIN = (
     Step(MOE_TRAIN, MOE_QUICK, check=_moe_trained),
     Step(MOE_TRAIN + " --resume", MOE_QUICK, prepare=_moe_interrupt_after_step_4, check=_moe_resumed),
-    Step("asyncrl export runs/quickstart-moe my-moe/", check=_exists("my-moe/config.json", "my-moe/model.safetensors")),
+    Step("asyncrl export runs/quickstart-moe runs/quickstart-moe-export/",
+         check=_exists("runs/quickstart-moe-export/config.json", "runs/quickstart-moe-export/model.safetensors")),
 )
 
 SLOW_CHAINS = {
@@ -346,7 +354,7 @@ SLOW_CHAINS = {
              QUICKSTART_QUICK, check=_exists(f"{GEMMA3_RUN}/hf/config.json", f"{GEMMA3_RUN}/checkpoints/step_00000005")),
         Step("asyncrl train configs/quickstart.yaml --set model.path=tiny:family=gemma3 --set run.name=quickstart-gemma3 "
              "--resume", QUICKSTART_QUICK, prepare=_gemma3_interrupted, check=_gemma3_resumed),
-        Step("asyncrl export runs/quickstart-gemma3 gemma3-model/", check=_gemma3_export_loads_in_transformers),
+        Step("asyncrl export runs/quickstart-gemma3 runs/quickstart-gemma3-export/", check=_gemma3_export_loads_in_transformers),
     ),
     # README: the component benchmarks' quick forms, five interpreters that each compile (34 s)
     "bench": BENCH_CHAIN,
@@ -390,6 +398,13 @@ SLOW_CHAINS = {
     ),
     # Three layouts, each its own 8-device subprocess (a minute here).
     "bench_placement": (Step("python scripts/bench_placement.py", ("--steps", "4"), check=_json_line),),
+    # README: the engine on 8 forced devices against one, and prefix reuse on against off (four training
+    # processes), their smallest forms (minutes here)
+    "bench_devices_prefix": (
+        Step("python scripts/bench.py colocated", ("--slots", "16", "--new", "4", "--repeats", "1"),
+             check=_bench_line("colocated")),
+        Step("python scripts/bench.py prefix", ("--runs", "agent", "--rl-steps", "3"), check=_bench_line("prefix")),
+    ),
     # docs/performance.md "Sequence packing": packed against unpacked trained tokens/s, one small batch
     "bench_pack": (Step("python scripts/bench.py pack", ("--rows", "8", "--batches", "1", "--rounds", "1"),
                         check=_bench_pack),),

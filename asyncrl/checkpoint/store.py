@@ -246,7 +246,6 @@ class PendingSave:
         self.manifest_head: dict[str, Any] = {}
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
-        self._waited = False
         self._abandoned = threading.Event()
 
     def start(self, checkpointer: Any, asynchronous: bool) -> None:
@@ -287,10 +286,6 @@ class PendingSave:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-        if not self._waited:
-            self._waited = True
-            if self.process == 0:
-                log.info("checkpoint of step %d written to %s", self.step, self.final)
         return self.final
 
     def abandon(self) -> None:
@@ -415,6 +410,7 @@ class PendingSave:
         if self.keep is not None:
             _prune(self.root, self.keep)
             _stage("pruned")
+        log.info("checkpoint of step %d written to %s", self.step, self.final)  # as it completes, not at the next wait
 
 
 @contextlib.contextmanager

@@ -177,11 +177,9 @@ def _engine_devices(placement: Any, local: Sequence[Any], trainer: list[Any], ho
 
 
 def slots_for_replicas(slots: int, replicas: int) -> int:
-    """The multiple of ``replicas`` nearest to ``slots`` (ties up, at least ``replicas``): each engine
-    replica decodes an equal share of the slots."""
-    lower = max(slots // replicas * replicas, replicas)
-    upper = -(-slots // replicas) * replicas
-    return lower if slots - lower < upper - slots else upper
+    """``slots`` rounded up to a multiple of ``replicas`` (each engine replica decodes an equal share):
+    never fewer slots than configured, so a group that fits the configured slots fits the engine."""
+    return max(-(-slots // replicas), 1) * replicas
 
 
 def engine_mesh(placement: Placement) -> Any:

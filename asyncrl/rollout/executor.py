@@ -75,6 +75,7 @@ class _Episode:
     sample_id: int
     started: float
     deadline: float
+    worker: Optional[threading.Thread] = None  # the pool worker running it (an abandoned one leaves the pool)
 
 
 class WorkflowExecutor:
@@ -125,6 +126,7 @@ class WorkflowExecutor:
         self._work = threading.Condition(self._lock)
         """Wakes idle workers: an episode was admitted, or ``close()``."""
         self._workers_started = 0
+        self.workers: list[threading.Thread] = []  # the live pool (the run joins it when it ends)
         self._recent_latencies: collections.deque = collections.deque(maxlen=512)
         self._fatal: Optional[BaseException] = None
         self._consecutive_failures = 0
@@ -209,7 +211,7 @@ class WorkflowExecutor:
                         if episode in self._pending:  # no worker took it yet: the pool is intact
                             self._pending.remove(episode)
                         else:  # its worker is stuck in the episode: abandoned, one replacement keeps the pool size
-                            self._start_worker()
+                            self._start_worker(replacing=episode.worker)
                         self._record_failure(
                             episode, "timeout",
                             f"episode ran past rollout.episode_timeout_s = {self.cfg.rollout.episode_timeout_s} s; worker thread abandoned",
@@ -230,10 +232,11 @@ class WorkflowExecutor:
         self._pending.append(episode)
         self._work.notify()
 
-    def _start_worker(self) -> None:
-        """Start one pool worker (lock held)."""
+    def _start_worker(self, replacing: Optional[threading.Thread] = None) -> None:
+        """Start one pool worker (lock held), in place of ``replacing`` (abandoned: nobody waits for it)."""
         self._workers_started += 1
         worker = threading.Thread(target=self._worker_loop, name=f"asyncrl-rollout-worker-{self._workers_started}", daemon=True)
+        self.workers = [w for w in self.workers if w.is_alive() and w is not replacing] + [worker]
         worker.start()
 
     # ------------------------------------------------------------------ episodes
@@ -248,6 +251,7 @@ class WorkflowExecutor:
                     if self._stopping.is_set():
                         return
                     episode = self._pending.popleft()
+                    episode.worker = threading.current_thread()
                 if not self._run_episode(episode):
                     return
         except BaseException as err:  # noqa: BLE001 - a worker's own bug must reach the trainer

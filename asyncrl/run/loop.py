@@ -31,6 +31,7 @@ its batch is abandoned), one checkpoint is written, :class:`TrainingInterrupted`
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import sys
@@ -315,6 +316,7 @@ def rl_source(run: "Run", stage: Stage, trainer: Trainer) -> tuple[BatchSource, 
     if stage.done is not None:
         executor.load_state_dict(_own_rollout_state(run, stage))
     executor.start()
+    run.join_on_close(functools.partial(_join_executor, executor))
     return executor, lambda tracker: run.eval_on_engine(stage, tracker)
 
 
@@ -334,6 +336,15 @@ def _own_rollout_state(run: "Run", stage: Stage) -> Any:
         log.info("the checkpoint's rollout state was written by %d process(es); redistributing its samples over %d",
                  len(states), run.hosts.count)
     return redistribute_states(states, batch_size, run.hosts.count)[run.hosts.index]
+
+
+def _join_executor(executor: Any, timeout: float) -> list[str]:
+    """Stop the executor and wait for its workers (after the engine's shutdown, which ends the
+    engine calls they wait in); returns the names of those still running."""
+    from asyncrl.run.shutdown import join_threads
+
+    executor.close(timeout)
+    return join_threads(list(executor.workers), timeout)
 
 
 def sft_source(run: "Run", stage: Stage, trainer: Trainer) -> tuple[BatchSource, EvalHook]:
@@ -397,7 +408,8 @@ def _start_precompile(run: Run, stage: Stage, trainer: Trainer) -> None:
         return
     scfg = stage.cfg
     rows = scfg.rollout.batch_size * scfg.rollout.group_size
-    trainer.start_precompile(expected_first_shape(scfg, rows, trainer.row_multiple))
+    precompile = trainer.start_precompile(expected_first_shape(scfg, rows, trainer.row_multiple))
+    run.join_on_close(precompile.join)  # a failure before the step settles it must not exit under the compile
 
 
 def _stage_trainer(run: Run, stage: Stage) -> Trainer:

@@ -12,7 +12,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence, TextIO, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence, TextIO, Union
 
 import numpy as np
 
@@ -38,6 +38,10 @@ if TYPE_CHECKING:
     from asyncrl.trainer import Trainer
 
 log = logging.getLogger("asyncrl.run.loop")  # the run's records under the loop's logger, as before the split
+
+THREAD_JOIN_S = 60.0
+"""How long :meth:`Run.close` waits, in all, for the threads that call into the runtime (rollout
+workers, the train step's background compile) to end after the engine stopped."""
 
 Params = Any
 """A pytree of arrays: the model's parameters (or a LoRA run's adapters), on devices or as host numpy."""
@@ -191,7 +195,8 @@ class Run:
         """Completed trainer steps over all stages: the version the engine serves."""
         main = self.hosts.is_main
         self.console: Union[ConsoleSink, NoSink] = (
-            ConsoleSink(cfg.total_steps, start_step=self.version, stream=console) if main else NoSink())
+            ConsoleSink(cfg.total_steps, start_step=self.version, stream=console, extra=cfg.logging.console_metrics)
+            if main else NoSink())
         self.jsonl: Union[JsonlSink, NoSink] = JsonlSink(out / "metrics.jsonl") if main else NoSink()
         self.trajectory_log: Union[LogAppender, NoSink] = (
             LogAppender(out / "trajectories.jsonl", create=False) if main else NoSink())
@@ -215,6 +220,15 @@ class Run:
         """Reward function calls of this process that failed or timed out (all stages, eval included)."""
         self.startup = startup
         """The split of the time to first step (:mod:`asyncrl.run.startup`), started by ``train``."""
+        self._thread_joins: list[Callable[[float], list[str]]] = []
+        """``join(timeout) -> names still running`` of the run's threads that call into the runtime
+        (:meth:`join_on_close`)."""
+
+    def join_on_close(self, join: Callable[[float], list[str]]) -> None:
+        """Have :meth:`close` wait for threads that call into the runtime (XLA, tokenizers, user
+        workflows) to end, after the engine stopped: a thread still inside native code when the
+        interpreter exits aborts the process (SIGABRT) instead of letting it exit with its status."""
+        self._thread_joins.append(join)
 
     def _attach_lora(self, cfg: Config, resumed: Optional[Checkpoint]) -> None:
         """Fresh adapters on the loaded base (``self.params`` become the adapters); a resumed
@@ -241,7 +255,8 @@ class Run:
             except Exception as err:
                 log.warning("the checkpoint in flight when the run failed was not completed: %s", err)
         if self.engine is not None:
-            self.engine.shutdown()
+            self.engine.shutdown()  # ends the engine calls rollout workers wait in
+        self._join_threads()
         from asyncrl.rollout.reward_model import close_reward_models
 
         close_reward_models()  # learned reward models' scoring threads end with the run that prepared them
@@ -251,6 +266,14 @@ class Run:
         self.jsonl.close()
         self.trajectory_log.close()
         self.console.close()
+
+    def _join_threads(self) -> None:
+        deadline = time.monotonic() + THREAD_JOIN_S
+        running = [name for join in self._thread_joins for name in join(max(0.0, deadline - time.monotonic()))]
+        self._thread_joins.clear()
+        if running:
+            log.warning("%d thread(s) still running %.0f s after the run stopped (%s); the command exits without "
+                        "waiting for them", len(running), THREAD_JOIN_S, ", ".join(running[:4]))
 
     def resumed_inside(self, stage: Stage) -> Checkpoint:
         """The checkpoint ``stage`` resumes inside of (only when ``stage.done`` is not None)."""

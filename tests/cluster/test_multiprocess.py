@@ -154,7 +154,7 @@ def _assert_same_steps(one: dict, two: dict, steps: range) -> None:
         assert a["train/trained_tokens"] == b["train/trained_tokens"], step
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 @pytest.mark.timeout(PROCESS_TIMEOUT_S + 60)
 def test_two_processes_train_like_one_process_on_the_same_global_mesh(tmp_path):
     """2 processes x 2 devices = 1 process x 4 devices: same rewards (exactly) and losses (1e-5)

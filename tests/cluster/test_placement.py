@@ -344,7 +344,7 @@ def eight_devices(tmp_path_factory):
     return _loop(tmp_path_factory.mktemp("placement"), 3, engine_tensor_parallel="2")
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 @pytest.mark.timeout(300)
 def test_tensor_parallel_engine_equals_single_device(eight_devices):
     """Greedy tokens of a tensor-parallel engine (2 x 2 replicas; 4 in the slow test) on devices 4-7 equal the
@@ -354,7 +354,7 @@ def test_tensor_parallel_engine_equals_single_device(eight_devices):
     assert "tensor-parallel engines match" in eight_devices
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 @pytest.mark.timeout(300)
 def test_split_placement_trains_like_one_device(eight_devices):
     """Trainer on devices 0-3 (data x fsdp = 2 x 2), engine on 4-7 (tensor-parallel 2 x 2

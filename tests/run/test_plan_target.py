@@ -42,7 +42,7 @@ def test_decode_structure_of_the_05b_recipe_on_h100():
 
 def test_decode_structure_of_eight_steps_per_iteration_with_the_decode_attention_kernel():
     """Qwen2.5-0.5B's shape at 3 layers with engine.decode_inner_steps 8 and the Pallas decode
-    attention kernel (issue 45): 8 steps per loop iteration, 10 kernels per layer, one host round
+    attention kernel: 8 steps per loop iteration, 10 kernels per layer, one host round
     trip per 8 tokens. Few layers and many steps: the kernels repeated most often by name are a
     pair outside the layers, not the layers' (the steps are read from the launches they cover)."""
     d = decode_structure(INNER8, num_layers=3)
