@@ -13,13 +13,13 @@ import json
 from pathlib import Path
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="the constraint file to write")
     parser.add_argument("--items", type=int, default=16, help="catalog size (the dataset's items)")
     parser.add_argument("--seed", type=int, default=0, help="catalog seed (the dataset's seed)")
     parser.add_argument("--model", default="tiny", help="model.path whose tokenizer encodes the items")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from asyncrl.engine.constraints import TokenTrie
     from asyncrl.model import load_model
@@ -32,7 +32,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("# next-item catalog: item token ids, then the end token\n" + "\n".join(lines) + "\n")
+    made_for = f"next-item catalog of {args.items} items, seed {args.seed}, model {args.model}"
+    tmp.write_text(f"# {made_for}: each item's token ids, then the end token\n" + "\n".join(lines) + "\n")
     tmp.replace(out)  # no half-written file
     trie = TokenTrie.from_file(out)
     print(json.dumps({"file": str(out), "items": trie.num_sequences, "nodes": trie.num_nodes, "max_depth": trie.max_depth}))

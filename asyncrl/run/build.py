@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 PROMPT_CHECK_SAMPLES = 2000
 """At most this many train prompts (evenly spaced over the split) are tokenized at start-up."""
+ANSWER_CHECK_SAMPLES = 256
+"""At most this many reference answers (eval split first) are walked through a decoding constraint at start-up."""
 
 
 def build_task_and_workflow(cfg: Config, tokenizer: Any) -> tuple[Config, Any, Any]:
@@ -51,7 +53,49 @@ def build_task_and_workflow(cfg: Config, tokenizer: Any) -> tuple[Config, Any, A
     # Rewards that load something (reward_model: its checkpoint, tokenizer check, device
     # placement, a first compile) do it now, before step 1.
     prepare_reward_functions(functions, cfg, tokenizer, first)
+    check_answers_under_constraint(cfg, task, tokenizer)
     return cfg, task, workflow
+
+
+def check_answers_under_constraint(cfg: Config, task: Any, tokenizer: Any) -> None:
+    """Refuse a decoding constraint under which most of the task's reference answers (the
+    samples' ``answer`` fields) cannot be decoded: it was written for another catalog, seed or
+    tokenizer, and nearly every completion would score as wrong. A few answers off it: a warning."""
+    from asyncrl.data import DataError
+
+    field = "rollout.decoding.constraint" if cfg.rollout.decoding.constraint else "eval.decoding.constraint"
+    path = cfg.rollout.decoding.constraint or cfg.eval.decoding.constraint
+    if not path:
+        return
+    from asyncrl.engine.constraints import load_trie
+
+    trie = load_trie(path)
+    samples = [*task.eval, *task.train[:ANSWER_CHECK_SAMPLES]]
+    answers = [s["answer"] for s in samples if isinstance(s.get("answer"), str)][:ANSWER_CHECK_SAMPLES]
+    if not answers:
+        return
+
+    def token_path(text: str) -> Optional[list[int]]:
+        ids = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+        try:
+            trie.walk(ids)
+        except ValueError:
+            return ids
+        return None
+
+    missed = [(a, ids) for a in answers if (ids := token_path(a)) is not None]
+    kwargs = getattr(cfg.data.dataset, "kwargs", None) or {}
+    dataset = f"data.dataset {_target(cfg.data.dataset)} (seed {kwargs.get('seed', cfg.run.seed)})"
+    if 2 * len(missed) > len(answers):
+        says = next((line.lstrip("# ").strip() for line in Path(path).read_text().splitlines() if line.startswith("#")), "")
+        raise DataError(
+            f"{field} {path}: {len(missed)} of {len(answers)} reference answers of {dataset} cannot be decoded under it "
+            f"(e.g. {missed[0][0]!r} = tokens {missed[0][1]}), so those samples can never score; the file was written for "
+            f"another catalog, seed or tokenizer{f' ({says})' if says else ''}: write it again for this run's data"
+        )
+    if missed:
+        log.warning("%s %s: %d of %d reference answers of %s cannot be decoded under it (e.g. %r): those samples "
+                    "can never be answered right", field, path, len(missed), len(answers), dataset, missed[0][0])
 
 
 def preflight(cfg: Config, tokenizer: Any) -> list[tuple[Config, Any, Any]]:

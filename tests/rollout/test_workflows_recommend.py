@@ -44,6 +44,31 @@ def test_trie_lines_encode_every_item_with_the_end_token():
         assert trie.contains(list(lm.tokenizer.encode(code, add_special_tokens=False)) + [end])
 
 
+def test_a_trie_written_for_another_seed_is_refused_with_one_line_naming_both(tmp_path, monkeypatch, capsys):
+    """``run.seed`` picks the dataset's catalog: a run whose trie was written for another seed
+    could never name a right item, so start-up refuses it, naming the file's seed and the run's."""
+    import runpy
+
+    from asyncrl.config import load_config
+    from asyncrl.data import DataError
+    from asyncrl.model import load_model
+    from asyncrl.run.build import build_task_and_workflow
+
+    items = tmp_path / "items.txt"
+    monkeypatch.setattr(sys, "argv", ["make_item_trie.py", "--out", str(items)])
+    runpy.run_path(str(REPO_ROOT / "scripts" / "make_item_trie.py"), run_name="__main__")
+    assert json.loads(capsys.readouterr().out)["items"] == 16
+    tokenizer = load_model("tiny", with_tokenizer=True).tokenizer
+    config = lambda seed: load_config(REPO_ROOT / "configs/recommend.yaml",
+                                      [f"rollout.decoding.constraint={items}", f"run.seed={seed}"])
+    build_task_and_workflow(config(0), tokenizer)  # the seed it was written for
+    with pytest.raises(DataError) as refused:
+        build_task_and_workflow(config(1), tokenizer)
+    line = str(refused.value)
+    assert "\n" not in line and str(items) in line and "rollout.decoding.constraint" in line
+    assert "next_item (seed 1)" in line and "seed 0, model tiny" in line, line
+
+
 def _train_recommend(ws: Path, name: str, xla_flags: str) -> dict[int, dict]:
     """``asyncrl train configs/recommend.yaml`` in ``ws`` under ``XLA_FLAGS=xla_flags``: its eval rows by step."""
     proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", "train", "configs/recommend.yaml", "--set", f"run.name={name}"],
