@@ -69,17 +69,17 @@ def test_placement_from_a_real_run(small_run, tmp_path, capsys):
 
 
 def test_placement_roles_per_host(tmp_path):
-    """Two processes of four devices, the engine on host 0's as two replicas of two: each device's roles."""
+    """Two processes of four devices, each with an engine of its own as two replicas of two: each device's roles."""
     devices = [{"id": i + 2048 * p, "process": p} for p in (0, 1) for i in range(4)]
     placement = {"trainer": [d["id"] for d in devices], "trainer_mesh": {"data": 8, "fsdp": 1, "tensor": 1},
-                 "engine": [0, 1, 2, 3], "engine_tensor_parallel": 2, "engine_replicas": 2, "engine_remote_servers": 0,
+                 "engine": [d["id"] for d in devices], "engine_tensor_parallel": 2, "engine_replicas": 2, "engine_remote_servers": 0,
                  "shares_trainer_arrays": False}
     (tmp_path / "provenance.json").write_text(json.dumps({"devices": devices, "placement": placement}))
     layout = plot_placement.roles(tmp_path)
     assert [names for _, names in layout["hosts"][0]] == [["trainer", "engine"]] * 4
-    assert [names for _, names in layout["hosts"][1]] == [["trainer"]] * 4
-    assert plot_placement._replicas(layout) == {0: 0, 1: 0, 2: 1, 3: 1}
-    assert plot_placement.describe(layout) == "trainer mesh data 8; engine: 2 replica(s) x tensor-parallel 2"
+    assert [names for _, names in layout["hosts"][1]] == [["trainer", "engine"]] * 4
+    assert plot_placement._replicas(layout) == {0: 0, 1: 0, 2: 1, 3: 1, 2048: 0, 2049: 0, 2050: 1, 2051: 1}
+    assert plot_placement.describe(layout) == "trainer mesh data 8; an engine per host: 2 replica(s) x tensor-parallel 2"
 
 
 def test_every_figure_is_shown_and_drawn_by_a_documented_command():

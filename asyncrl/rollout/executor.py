@@ -553,14 +553,11 @@ class WorkflowExecutor:
             mine = {name[len(prefix):]: array for name, array in arrays.items() if name.startswith(prefix)}
             ready[int(key)] = TrajectoryGroup.unpack(gmeta, mine, where=f"rollout state, queued group {key}")
         if int(meta["ledger"]["version"]) != self.engine.version:
-            raise RolloutError(
-                f"rollout state is at version {meta['ledger']['version']} but the engine serves {self.engine.version}: "
-                "start the engine at the checkpoint's version"
-            )
+            raise RolloutError(f"rollout state is at version {meta['ledger']['version']} but the engine serves "
+                               f"{self.engine.version}: start the engine at the checkpoint's version")
         with self._lock:
             self.ledger.load_snapshot(meta["ledger"])
-            missing = [t for t in self.ledger.candidates("completion") if t not in ready]
-            if missing:
+            if missing := [t for t in self.ledger.candidates("completion") if t not in ready]:
                 raise RolloutError(f"rollout state: queued tickets {missing} have no stored group")
             self._ready = ready
 
