@@ -37,19 +37,32 @@ from asyncrl.model.tiny import build_cached, parse_spec_options
 PREFIX = "tiny-qwen3"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
-CHATML_TEMPLATE = (
-    # ChatML, and Qwen2.5/Qwen3's tool use: tools listed in a system turn, the model's calls as
-    # <tool_call>{"name": ..., "arguments": {...}}</tool_call>, tool results as <tool_response>
-    # blocks of a user turn. Messages without tools render as plain ChatML.
-    "{%- if tools -%}"
-    "{{- '<|im_start|>system\\n' -}}"
-    "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\\n\\n' -}}{%- endif -%}"
+QWEN_TOOLS_BLOCK = (
     "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
     "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
     "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
     "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
     "<args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
+)
+"""Qwen2.5/Qwen3's tools block (~330 tokens of tiny-qwen3's for one tool)."""
+SHORT_TOOLS_BLOCK = (
+    "{{- '# Tools\\n' -}}"
+    "{%- for tool in tools -%}{%- set f = tool['function'] if tool['function'] is defined else tool -%}"
+    "{{- f['name'] + '(' + ((f['parameters'] or {})['properties'] or {}).keys() | join(', ') + ')\\n' -}}"
+    "{%- endfor -%}"
+    "{{- 'Call: <tool_call>\\n{\"name\": ..., \"arguments\": {...}}\\n</tool_call><|im_end|>\\n' -}}"
+)
+"""``tiny-qwen3:short_tools=true``'s tools block: each tool as ``name(parameters)`` and the call's form
+(~70 tokens for one tool): a prompt short enough for a tiny model to learn copying across on a CPU."""
+_CHATML_WITH_TOOLS = (
+    # ChatML, and Qwen2.5/Qwen3's tool use: tools listed in a system turn, the model's calls as
+    # <tool_call>{"name": ..., "arguments": {...}}</tool_call>, tool results as <tool_response>
+    # blocks of a user turn. Messages without tools render as plain ChatML.
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\\n\\n' -}}{%- endif -%}"
+    "{TOOLS_BLOCK}"
     "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' and loop.first and tools -%}"
@@ -73,6 +86,8 @@ CHATML_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
+CHATML_TEMPLATE = _CHATML_WITH_TOOLS.replace("{TOOLS_BLOCK}", QWEN_TOOLS_BLOCK)
+SHORT_TOOLS_TEMPLATE = _CHATML_WITH_TOOLS.replace("{TOOLS_BLOCK}", SHORT_TOOLS_BLOCK)
 SHIPPED_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tiny_qwen3_tokenizer.json"
 """The tokenizer ``tiny-qwen3`` uses unless given a corpus: 4,096 BPE tokens trained on GSM8K's
 training split (``scripts/make_tiny_qwen3_tokenizer.py``)."""
@@ -94,6 +109,8 @@ class TinyQwen3Spec:
     intermediate: int = 192
     seed: int = 0
     max_positions: int = 2048
+    short_tools: bool = False
+    """Render tools with :data:`SHORT_TOOLS_BLOCK` instead of Qwen's block (calls and tool results as Qwen's)."""
     corpus: str = ""
     """Tokenizer training text; empty: ``$ASYNCRL_TINY_QWEN3_CORPUS``, else the shipped tokenizer
     (:data:`SHIPPED_TOKENIZER`, ``vocab`` 4096)."""
@@ -220,10 +237,15 @@ def _with_chat_template(tok: Any, spec: TinyQwen3Spec) -> Any:
         pad_token=ENDOFTEXT,
         eos_token=IM_END,
         additional_special_tokens=[IM_START],
-        chat_template=CHATML_TEMPLATE,
+        chat_template=chat_template(spec),
         clean_up_tokenization_spaces=False,
         model_max_length=spec.max_positions,
     )
+
+
+def chat_template(spec: TinyQwen3Spec) -> str:
+    """The spec's chat template: Qwen's tools block, or the short one (``short_tools``)."""
+    return SHORT_TOOLS_TEMPLATE if spec.short_tools else CHATML_TEMPLATE
 
 
 def decoder_config(spec: TinyQwen3Spec, tokenizer: Any) -> DecoderConfig:
@@ -256,9 +278,10 @@ def dir_name(spec: TinyQwen3Spec, corpus: Optional[Path]) -> str:
 
     source = {"corpus": hashlib.sha256(corpus.read_bytes()).hexdigest()} if corpus is not None else {
         "tokenizer": hashlib.sha256(SHIPPED_TOKENIZER.read_bytes()).hexdigest()}
-    fields = {k: v for k, v in dataclasses.asdict(spec).items() if spec.experts or k not in _MOE_FIELDS}  # dense: keys as before
+    fields = {k: v for k, v in dataclasses.asdict(spec).items()  # dense, Qwen's tools: keys as before
+              if (spec.experts or k not in _MOE_FIELDS) and (k != "short_tools" or v)}
     key = json.dumps(
-        {"spec": fields | source, "template": CHATML_TEMPLATE, "special": SPECIAL_TOKENS,
+        {"spec": fields | source, "template": chat_template(spec), "special": SPECIAL_TOKENS,
          "format": _BUILD_FORMAT, "jax": jax.__version__, "flax": flax.__version__},
         sort_keys=True,
     )

@@ -1,6 +1,6 @@
 """The OpenAI-SDK calculator agent (workflows/calculator_agent.py) on the synthetic `add` task with
-tiny-qwen3: configs/calculator_agent.yaml, with the held-out greedy eval (which runs the agent
-itself through the eval engine) before training and every 20 steps of each stage."""
+tiny-qwen3 (``short_tools``): configs/calculator_agent.yaml, with the held-out greedy eval (which
+runs the agent itself through the eval engine) before training and every 100 steps of each stage."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from tests.helpers import REPO_ROOT
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_the_calculator_agent_calls_its_tool_on_tiny_qwen3(tmp_path):
+def test_the_calculator_agent_calls_its_tool_and_learns_on_tiny_qwen3(tmp_path):
     """configs/calculator_agent.yaml as it is: after the warm start on demonstrations the agent calls
     the calculator in every greedy eval episode and in training episodes, GRPO trains on its
-    recorded completions (one trajectory per run, no splits), and the greedy eval reward ends above
-    the untrained model's."""
+    recorded completions (one trajectory per run, no splits), and the greedy eval reward ends at
+    least 0.5 above the untrained model's (which never calls the tool): its calls copy the question's
+    operands and its answers the tool's result."""
     from asyncrl.config import load_config
     from asyncrl.run.loop import train
 
@@ -34,4 +35,4 @@ def test_the_calculator_agent_calls_its_tool_on_tiny_qwen3(tmp_path):
     assert np.mean([row["episode/tool_calls"] for row in rl]) > 0.1, [row["episode/tool_calls"] for row in rl]
     assert evals[0][0] == 0 and evals[0][2] == 0.0 and evals[-1][0] == total, evals
     assert evals[-1][2] >= 0.9, f"the agent does not call its tool in eval: {evals}"
-    assert evals[-1][1] > evals[0][1], f"the agent's greedy eval reward did not rise: {evals}"
+    assert evals[-1][1] >= evals[0][1] + 0.5, f"the agent's greedy eval reward did not rise by 0.5: {evals}"

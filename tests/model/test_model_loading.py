@@ -326,6 +326,33 @@ def test_tiny_qwen3_needs_nothing_outside_the_package(tmp_path, monkeypatch):
     assert all((tiny_qwen3.SHIPPED_TOKENIZER.parent.parent / name).is_file() for name in shipped)
 
 
+
+def test_tiny_qwen3_short_tools_lists_a_tool_in_a_line_and_keeps_qwens_calls_and_results():
+    """``tiny-qwen3:short_tools=true`` renders the tools block as ``calculator(expression)`` and the
+    call's form (the agent's first prompt 82 tokens instead of Qwen's 347), while assistant calls and
+    tool results render exactly as with Qwen's block, and the agent reads its calls the same way; the
+    default spec keeps its template and its cache directory."""
+    from asyncrl.agent.tools import detect_tool_format
+    from asyncrl.model import tiny_qwen3
+    from workflows.calculator_agent import CALCULATOR
+
+    qwen, short = tiny_qwen3.parse_spec("tiny-qwen3"), tiny_qwen3.parse_spec("tiny-qwen3:short_tools=true")
+    assert tiny_qwen3.chat_template(qwen) == tiny_qwen3.CHATML_TEMPLATE and "short_tools" not in tiny_qwen3.dir_name(qwen, None)
+    assert tiny_qwen3.dir_name(qwen, None) != tiny_qwen3.dir_name(short, None)
+    tok_qwen, tok_short = tiny_qwen3.shipped_tokenizer(qwen), tiny_qwen3.shipped_tokenizer(short)
+    assert detect_tool_format(tok_short.chat_template) == detect_tool_format(tok_qwen.chat_template) == "qwen"
+    call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "3+4"}'}}
+    chat = [{"role": "user", "content": "A:3+4"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "7"}]
+    first = tok_short.apply_chat_template(chat[:1], tools=[CALCULATOR], add_generation_prompt=True, tokenize=False)
+    assert first.startswith("<|im_start|>system\n# Tools\ncalculator(expression)\nCall: <tool_call>\n")
+    assert len(tok_short(first)["input_ids"]) == 82
+    assert len(tok_qwen(tok_qwen.apply_chat_template(chat[:1], tools=[CALCULATOR], add_generation_prompt=True,
+                                                     tokenize=False))["input_ids"]) == 347
+    rendered = [tok.apply_chat_template(chat, tools=[CALCULATOR], add_generation_prompt=True, tokenize=False)
+                for tok in (tok_qwen, tok_short)]
+    assert rendered[0].partition("<|im_start|>user")[2] == rendered[1].partition("<|im_start|>user")[2]
+
 @pytest.mark.slow
 def test_the_shipped_tiny_qwen3_tokenizer_is_what_its_script_trains_on_gsm8k():
     from tests.helpers import SHARED_DATA
