@@ -18,7 +18,9 @@ tokens: a JSONL corpus contributes every string field of every record; any other
 Like ``tiny`` it is built once into ``<cache>/tiny-qwen3-<hash>`` (the hash covers the
 spec, the tokenizer's source bytes and the recipe), atomically. Options:
 ``tiny-qwen3:layers=4``, ``tiny-qwen3:vocab=2048,corpus=/data/my.jsonl``; ``tiny-qwen3:experts=4``
-is the same model as a Qwen3-MoE (4 experts, top-2, of width ``moe_intermediate``).
+is the same model as a Qwen3-MoE (4 experts, top-2, of width ``moe_intermediate``);
+``tiny-qwen3:short_tools=true`` lists each tool in one line (:data:`SHORT_TOOLS_BLOCK`) instead of
+Qwen's ~330-token tools block, for agents the tiny model learns on a CPU (``configs/calculator_agent.yaml``).
 """
 
 from __future__ import annotations
