@@ -53,11 +53,17 @@ def _candidates(cfg: Config, layout: Layout) -> list[list[str]]:
     """Single changes that lower memory, in the order a user would try them."""
     rows = cfg.rollout.batch_size * cfg.rollout.group_size
     out: list[list[str]] = []
-    micro = cfg.optim.micro_batches
-    per_update = rows // max(cfg.algo.mini_batches, 1)
-    for factor in (2, 4, 8, 16, 32):
-        if per_update % (micro * factor) == 0 and per_update // (micro * factor) >= layout.row_shards:
-            out.append([f"optim.micro_batches={micro * factor}"])
+    if cfg.optim.by_tokens:  # fewer rows per micro-batch: smaller token budgets, down to one row
+        tokens = cfg.optim.micro_batch_tokens
+        while tokens is not None and tokens // 2 >= cfg.longest_row:
+            tokens = tokens // 2 // cfg.longest_row * cfg.longest_row
+            out.append([f"optim.micro_batch_tokens={tokens}"])
+    else:
+        micro = cfg.optim.micro_batch_count
+        per_update = rows // max(cfg.algo.mini_batches, 1)
+        for factor in (2, 4, 8, 16, 32):
+            if per_update % (micro * factor) == 0 and per_update // (micro * factor) >= layout.row_shards:
+                out.append([f"optim.micro_batches={micro * factor}"])
     if not cfg.model.remat:
         out.append(["model.remat=true"])
     elif cfg.model.remat_policy == "save_dots":
@@ -294,7 +300,33 @@ def plan_auto_choices(cfg: Config, device_memory: Optional[int], devices: int, p
         cfg = _plan_auto_tensor_parallel(cfg, device_memory, devices, processes, backend)
     if cfg.engine.slots == "auto":
         cfg = _plan_auto_slots(cfg, device_memory, devices, processes, backend)
+    if cfg.optim.micro_batches == "auto" and cfg.optim.micro_batch_tokens is None:
+        cfg = _plan_auto_micro_batches(cfg, device_memory, devices, processes, backend)
     return cfg
+
+
+def _plan_auto_micro_batches(cfg: Config, device_memory: Optional[int], devices: int, processes: int,
+                             backend: Optional[str]) -> Config:
+    """``optim.micro_batches: auto`` chosen for ``device_memory`` as a run chooses it when its trainer is
+    built (stderr says the budget; without a device memory the plan takes its least, one row)."""
+    import sys
+
+    from asyncrl.plan.auto import choose_micro_batch_tokens, with_micro_batch_tokens
+
+    if device_memory is None:
+        tokens = cfg.longest_row
+        print(f"asyncrl plan: optim.micro_batches: auto: planned at its least, one row of {tokens} tokens per device "
+              "and micro-batch; give --device-memory to choose it as a run does", file=sys.stderr)
+        return with_micro_batch_tokens(cfg, tokens)
+    sizes = []
+    for stage, flat in cfg.stage_configs():  # the smallest any stage chooses: one budget for the run's config
+        sizes.append(choose_micro_batch_tokens(flat, int(AUTO_SLOTS_HEADROOM * device_memory), devices, processes,
+                                               backend=backend, sft=stage.type == "sft")[0])
+    tokens = min(sizes)
+    print(f"asyncrl plan: optim.micro_batches: auto -> optim.micro_batch_tokens={tokens} ({tokens // cfg.longest_row} "
+          f"row(s) of {cfg.longest_row} tokens per device and micro-batch, {AUTO_SLOTS_HEADROOM:.0%} of the device's "
+          f"memory)", file=sys.stderr)
+    return with_micro_batch_tokens(cfg, tokens)
 
 
 def _plan_auto_tensor_parallel(cfg: Config, device_memory: Optional[int], devices: int, processes: int,

@@ -357,18 +357,18 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     rows, length, window = batch_shape(cfg, sft)
     shards = layout.row_shards
     minis = 1 if sft else cfg.algo.mini_batches
-    micro = cfg.optim.micro_batches
-    multiple = shards * minis * micro  # prepare_batch pads rows to the trainer's row multiple
-    rows = -(-rows // multiple) * multiple
-    global_micro_rows = rows // (minis * micro)
-    local_rows = global_micro_rows // shards
+    rows, local_rows, micro_note = micro_batch_rows(cfg, rows, length, shards, minis)
+    global_micro_rows = local_rows * shards
     chunk = model_cfg.logprob_chunk_size or auto_chunk_size(global_micro_rows, window, model_cfg.vocab_size,
                                                             model_cfg.logprob_chunk_budget_mb)
-    act = activation_bytes(model_cfg, local_rows, length, window, layout.mesh[2], chunk, backend, layout.mesh[1], lora)
+    packed = cfg.packs and not sft
+    act = activation_bytes(model_cfg, local_rows, length, window, layout.mesh[2], chunk, backend, layout.mesh[1], lora,
+                           segments=cfg.rollout.pack_max_segments if packed else 0)
     remat = ("remat" if model_cfg.remat_policy == "full" else f"remat ({model_cfg.remat_policy})") if model_cfg.remat \
         else "no remat"
     add("trainer", "activations", act.kept,
-        f"{local_rows} rows x {length} tokens per micro-batch ({micro} micro-batches), {remat}, {model_cfg.compute_dtype}")
+        f"{local_rows} rows x {length} tokens per micro-batch ({micro_note}), {remat}, {model_cfg.compute_dtype}, "
+        f"attention {act.kernel}")
     head_note = f"window {window}, " + (f"chunks of {chunk}" if chunk else "unchunked")
     if model_cfg.remat:  # the head's backward and a layer's recompute are never alive together
         add("trainer", "recomputed layer or lm head", max(act.layer, act.head),
@@ -377,9 +377,9 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     else:
         add("trainer", "lm head", act.head, head_note)
     # ids, 2 masks, log-probs, (versions); packed also segment_ids, row_rewards, row_group_index, row_truncated.
-    token_bytes = 14 + (13 if cfg.rollout.pack else 0)
+    token_bytes = 14 + (13 if packed else 0)
     add("trainer", "batch", rows // shards * length * token_bytes,
-        "token arrays of the step" + (", packed (rollout.pack: worst case, no row saved)" if cfg.rollout.pack else ""))
+        "token arrays of the step" + (", packed (rollout.pack: worst case, no row saved)" if packed else ""))
     if model_cfg.scan_layers:  # scanned_layers stacks the layers' variables
         # What is stacked is the step's copy in the compute dtype (asyncrl/model/compute_copy.py). The
         # backward's stacked gradient is the micro-batch's gradient of those layers (counted above).
@@ -394,6 +394,25 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
         publish = _publish_bytes(model_cfg, params, layout, base, c_bytes)
     n_params = param_count(params)
     return MemoryPlan(tuple(lines), layout, stage, n_params, publish)
+
+
+def micro_batch_rows(cfg: Config, rows: int, length: int, shards: int, minis: int) -> tuple[int, int, str]:
+    """``(batch rows, rows per device per micro-batch, what sets them)`` of a step of ``rows`` rows
+    of ``length``: ``optim.micro_batches`` splits each mini-batch's rows (padded to the trainer's
+    row multiple, as ``prepare_batch`` pads them); by a token budget each micro-batch holds
+    ``micro_batch_tokens // length`` packed rows per device (``micro_batches: auto`` not yet chosen:
+    one row, its least; :func:`~asyncrl.plan.auto.choose_micro_batch_tokens` chooses it)."""
+    optim = cfg.optim
+    if optim.by_tokens:
+        rows = -(-rows // (shards * minis)) * shards * minis
+        budget = optim.micro_batch_tokens
+        per_device = max((budget or length) // length, 1)
+        what = (f"a budget of {budget} tokens per device" if budget else "micro_batches: auto, at its least: one row")
+        return rows, per_device, what
+    micro = optim.micro_batch_count
+    multiple = shards * minis * micro  # prepare_batch pads rows to the trainer's row multiple
+    rows = -(-rows // multiple) * multiple
+    return rows, rows // (minis * micro) // shards, f"{micro} micro-batches"
 
 
 def _publish_bytes(model_cfg: Any, params: dict, layout: Layout, trainer_base: int, c_bytes: int) -> int:

@@ -95,6 +95,9 @@ class ProgramReport:
     compile_s: float
     device_memory: int
     decode: Optional[DecodeStructure] = None
+    attention: tuple[str, ...] = ()
+    """The several-token attention kernels the program took (:func:`~asyncrl.model.attention.kernels_seen`):
+    ``cudnn row lengths``, ``cudnn packed layout``, ``splash``, ``splash segment ids``, ``xla dense mask``, ..."""
 
     @property
     def fits(self) -> bool:
@@ -109,6 +112,8 @@ class ProgramReport:
             "xla_peak_bytes": self.memory.peak, "plan_bytes": self.plan_bytes, "device_memory_bytes": self.device_memory,
             "fits": self.fits, "compile_s": round(self.compile_s, 2),
         }
+        if self.attention:
+            out["attention"] = list(self.attention)
         if self.memory.reported_peak:
             out["xla_reported_peak_bytes"] = self.memory.reported_peak
         if self.decode is not None:
@@ -181,7 +186,7 @@ def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_d
             shape = train_shape(flat, sft, layout.row_shards, hosts)
             rows, length, window = shape
             lowered = _lower(stage.train, target, lower_train_step, flat, model_cfg, placement.trainer_devices, shape, sft)
-            done = report(stage.train, f"{rows} x {length} rows, window {window}" + (", packed worst case" if flat.rollout.pack
+            done = report(stage.train, f"{rows} x {length} rows, window {window}" + (", packed worst case" if flat.packs
                                                                                      else ""),
                           lowered, plan_bytes_for(stage.train, plan, flat, model_cfg))
             compiled["trainer"] = done.memory
@@ -247,9 +252,16 @@ def _layout(cfg: Config, target: Target, devices: int, hosts: int) -> Any:
 
 
 def _lower(program: str, target: Target, lower: Any, *args: Any) -> Any:
-    """``lower(*args)``, with a program JAX or XLA rejects reported in one line."""
+    """``lower(*args)``, with a program JAX or XLA rejects reported in one line; the attention
+    kernels it took (:func:`~asyncrl.model.attention.kernels_seen`) are kept on the result as
+    ``asyncrl_attention`` (a ``Lowered`` takes attributes)."""
+    from asyncrl.model.attention import kernels_seen
+
     try:
-        return lower(*args)
+        with kernels_seen() as seen:
+            lowered = lower(*args)
+        lowered.asyncrl_attention = tuple(sorted(seen))
+        return lowered
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 - the compiler's error, reported in one line
@@ -268,7 +280,9 @@ def _reporter(stage: str, target: Target, devices: int, memory: int) -> Any:
             compiled, seconds = compile_lowered(lowered)
         except Exception as err:  # noqa: BLE001 - the compiler's error, reported in one line
             raise ConfigError(_rejected(program, target, err)) from None
-        return ProgramReport(program, stage, detail, target.name, devices, compiled, plan_bytes, seconds, memory)
+        attention = tuple(getattr(lowered, "asyncrl_attention", ()))
+        return ProgramReport(program, stage, detail, target.name, devices, compiled, plan_bytes, seconds, memory,
+                             attention=attention)
 
     return report
 
@@ -292,7 +306,8 @@ def format_report(r: ProgramReport, scale: int = GIB) -> str:
     m = r.memory
     plan = f"{g(r.plan_bytes)} {r.plan_bytes / m.peak:5.2f}" if r.plan_bytes and m.peak else f"{'-':>7} {'-':>5}"
     row = (f"{r.stage:<6} {r.program:<12} {g(m.arguments)} {g(m.outputs)} {g(m.aliased)} {g(m.temporaries)} {g(m.peak)} "
-           f"{plan}  {'fits' if r.fits else 'NO':<4} {r.compile_s:6.1f}  {r.detail}")
+           f"{plan}  {'fits' if r.fits else 'NO':<4} {r.compile_s:6.1f}  {r.detail}"
+           + (f"; attention: {', '.join(r.attention)}" if r.attention else ""))
     if r.decode is not None:
         row += "\n" + " " * 20 + r.decode.summary()
     return row

@@ -1,7 +1,9 @@
 """The choices a run makes from its devices' memory at start: ``engine.tensor_parallel: auto``
 (:func:`resolve_auto_tensor_parallel`), ``engine.slots: auto`` (as many decode slots as the device's
 memory holds after the trainer), the slot count rounded to the engine's replicas
-(:func:`round_slots_to_replicas`), and ``model.remat_policy: auto`` (:func:`resolve_auto_remat`).
+(:func:`round_slots_to_replicas`), ``model.remat_policy: auto`` (:func:`resolve_auto_remat`), and
+the trainer's ``optim.micro_batches: auto`` (:func:`resolve_auto_micro_batches`: a token budget per
+micro-batch from the memory the engine leaves).
 
 The count comes from ``asyncrl plan``'s accounting (:func:`~asyncrl.plan.formulas.slots_for_budget`), so a
 run sized here and the plan printed for it agree. A plan's total is affine in the slots each
@@ -155,3 +157,22 @@ def round_slots_to_replicas(cfg: Config, replicas: int) -> Config:
              rounded, replicas)
     return with_slots(cfg, rounded)
 
+
+
+def resolve_auto_micro_batches(cfg: Config, model_cfg: Any, device: Any, devices: int, sft: bool = False) -> int:
+    """``optim.micro_batches: auto``'s token budget per micro-batch and device for a trainer on
+    ``devices`` devices (``device``: this process's first; :func:`device_budget` of it), chosen by
+    :func:`~asyncrl.plan.auto.choose_micro_batch_tokens` and logged in one line."""
+    import jax
+
+    from asyncrl.plan.auto import choose_micro_batch_tokens
+
+    budget, source = device_budget(device)
+    tokens, planned, fits = choose_micro_batch_tokens(cfg, budget, devices, jax.process_count(), model_cfg,
+                                                      jax.default_backend(), sft)
+    rows = tokens // cfg.longest_row
+    verdict = "within" if fits else "does NOT fit even at one row:"
+    log.info("optim.micro_batches: auto -> optim.micro_batch_tokens=%d (%d row(s) of %d tokens per device and micro-batch; "
+             "the plan %.2f GiB per device, %s %.2f GiB: %s)", tokens, rows, cfg.longest_row, planned / GIB, verdict,
+             budget / GIB, source)
+    return tokens

@@ -381,7 +381,7 @@ def _start_precompile(run: Run, stage: Stage, trainer: Trainer) -> None:
 
     from asyncrl.trainer.precompile import expected_first_shape
 
-    if stage.type != "rl" or run.hosts.multi or stage.cfg.rollout.pack \
+    if stage.type != "rl" or run.hosts.multi or stage.cfg.packs \
             or not jax.config.values.get("jax_enable_compilation_cache"):
         return
     scfg = stage.cfg

@@ -77,10 +77,20 @@ def test_activation_formula_by_hand():
     # Gemma 3's sandwich norms: two more normed copies (compute dtype) and float32 copies per layer and token
     sandwich = activation_bytes(model.replace(sandwich_norms=True), rows, length, window, tensor=1, chunk=None)
     assert sandwich.kept == act.kept + LAYERS * rows * length * (2 * H * 2 + 2 * H * 4)
-    # GPU and TPU compilers keep the float32 scores and bfloat16 probabilities, and a bfloat16 cotangent of the logits.
-    gpu = activation_bytes(model.replace(remat=True), rows, length, window, tensor=1, chunk=4, backend="gpu")
-    assert gpu.layer == remat.layer - rows * length * HEADS * length * (12 - 6)
-    assert gpu.head == rows * window * H * 2 + rows * 4 * V * 6
+    # GPU and TPU compilers running XLA's attention keep the float32 scores and bfloat16 probabilities, and a
+    # bfloat16 cotangent of the logits.
+    gpu_xla = activation_bytes(model.replace(remat=True, attention="xla"), rows, length, window, tensor=1, chunk=4,
+                               backend="gpu")
+    assert gpu_xla.kernel == "xla" and gpu_xla.layer == remat.layer - rows * length * HEADS * length * (12 - 6)
+    assert gpu_xla.head == rows * window * H * 2 + rows * 4 * V * 6
+    # The fused kernels (cuDNN's, splash: the defaults) keep no scores, only float32 softmax statistics per query and
+    # head; cuDNN's packed layout per cuDNN segment (the bound's sequences and the padding run).
+    for backend, kernel in (("gpu", "cudnn"), ("tpu", "splash")):
+        fused = activation_bytes(model.replace(remat=True), rows, length, window, tensor=1, chunk=4, backend=backend)
+        assert fused.kernel == kernel
+        assert fused.layer == remat.layer - rows * length * HEADS * (length * 12 - 4)
+    packed = activation_bytes(model.replace(remat=True), rows, length, window, tensor=1, chunk=4, backend="gpu", segments=7)
+    assert packed.kernel == "cudnn-packed" and packed.layer == remat.layer - rows * length * HEADS * (length * 12 - 4 * 8)
 
 
 def test_micro_batches_and_rows_per_device():
