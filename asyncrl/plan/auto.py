@@ -179,11 +179,16 @@ def resolve_for_target(config: Optional[str], overrides: Sequence[str], cfg: Con
 
 
 def _same_slots(new: Config, planned: Config) -> Config:
-    """``new`` with ``planned``'s engine slots (``engine.slots: auto`` is sized before the choice)."""
+    """``new`` with ``planned``'s engine slots and micro-batch token budget (``engine.slots: auto`` and
+    ``optim.micro_batches: auto`` are chosen before the remat policy and the lm-head chunk)."""
     from asyncrl.plan.formulas import with_slots
 
     slots = planned.engine.slots
-    return with_slots(new, slots) if isinstance(slots, int) and new.engine.slots != slots else new
+    new = with_slots(new, slots) if isinstance(slots, int) and new.engine.slots != slots else new
+    tokens = planned.optim.micro_batch_tokens
+    if tokens is not None and new.optim.micro_batch_tokens is None and new.optim.micro_batches == "auto":
+        new = with_micro_batch_tokens(new, tokens)
+    return new
 
 
 # --------------------------------------------------------------------------- in a run
@@ -264,13 +269,21 @@ def with_micro_batch_tokens(cfg: Config, tokens: int) -> Config:
     return cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"micro_batch_tokens": tokens})})
 
 
+MICRO_BATCH_TOKENS_CAP = 32768
+"""``optim.micro_batches: auto`` takes at most this many tokens per micro-batch and device (or one
+row, where a row is longer): a micro-batch's matmuls are ``[tokens, hidden] x [hidden, n]``, which
+fill an accelerator long before this (verl's default budget is 16,384 tokens per GPU), while every
+token more is memory the engine's KV cache could hold."""
+
+
 def micro_batch_budgets(cfg: Config, row_shards: int, sft: bool = False) -> list[int]:
     """The token budgets ``optim.micro_batches: auto`` may take, largest (fewest micro-batches) first:
     whole rows of the longest length (:attr:`~asyncrl.config.Config.longest_row`), from every row of
-    a mini-batch on one device's share in one micro-batch down to one row."""
+    a mini-batch on one device's share in one micro-batch (at most :data:`MICRO_BATCH_TOKENS_CAP`
+    tokens) down to one row."""
     rows = cfg.sft.batch_size if sft else cfg.rollout.batch_size * cfg.rollout.group_size
     per_mini = -(-rows // (1 if sft else cfg.algo.mini_batches))
-    most = max(-(-per_mini // row_shards), 1)
+    most = max(min(-(-per_mini // row_shards), MICRO_BATCH_TOKENS_CAP // cfg.longest_row), 1)
     return [k * cfg.longest_row for k in range(most, 0, -1)]
 
 

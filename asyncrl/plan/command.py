@@ -293,16 +293,26 @@ def run_plan(config: str, overrides: Sequence[str] = (), devices: int = 1, proce
 
 
 def plan_auto_choices(cfg: Config, device_memory: Optional[int], devices: int, processes: int,
-                      backend: Optional[str]) -> Config:
+                      backend: Optional[str], micro_batches: bool = True) -> Config:
     """``cfg`` with ``engine.tensor_parallel: auto`` and ``engine.slots: auto`` chosen for
-    ``device_memory`` bytes per device as a run chooses them at start (stderr says what)."""
+    ``device_memory`` bytes per device as a run chooses them at start, then (``micro_batches``)
+    ``optim.micro_batches: auto`` as the run's trainer chooses it (stderr says what)."""
     if cfg.engine.tensor_parallel == "auto" and cfg.engine.remote is None:
         cfg = _plan_auto_tensor_parallel(cfg, device_memory, devices, processes, backend)
     if cfg.engine.slots == "auto":
         cfg = _plan_auto_slots(cfg, device_memory, devices, processes, backend)
-    if cfg.optim.micro_batches == "auto" and cfg.optim.micro_batch_tokens is None:
-        cfg = _plan_auto_micro_batches(cfg, device_memory, devices, processes, backend)
+    if micro_batches:
+        cfg = plan_auto_micro_batches(cfg, device_memory, devices, processes, backend)
     return cfg
+
+
+def plan_auto_micro_batches(cfg: Config, device_memory: Optional[int], devices: int, processes: int,
+                            backend: Optional[str]) -> Config:
+    """``cfg`` with ``optim.micro_batches: auto`` chosen (:func:`_plan_auto_micro_batches`); ``cfg``
+    itself when it is not ``auto`` or already chosen."""
+    if cfg.optim.micro_batches != "auto" or cfg.optim.micro_batch_tokens is not None:
+        return cfg
+    return _plan_auto_micro_batches(cfg, device_memory, devices, processes, backend)
 
 
 def _plan_auto_micro_batches(cfg: Config, device_memory: Optional[int], devices: int, processes: int,

@@ -327,12 +327,13 @@ def compile_and_print(config: str, overrides: Sequence[str], target_name: str, d
     """The compiling process's work: every program compiled (``programs``: only these), a row (or
     JSON line) each as it is done; 0 when every program and the device total fit the target's
     memory, 1 otherwise."""
-    from asyncrl.plan.command import plan_auto_choices
+    from asyncrl.plan.command import plan_auto_choices, plan_auto_micro_batches
 
     cfg = load_config(config, overrides)
     target = get_target(target_name)
     count, hosts = target_topology(target, devices, processes)
-    cfg = plan_auto_choices(cfg, device_memory_bytes(target), count, hosts, target.platform)
+    # As a run: the engine's choices, the remat policy (at the least micro-batch), then the micro-batch budget.
+    cfg = plan_auto_choices(cfg, device_memory_bytes(target), count, hosts, target.platform, micro_batches=False)
     from asyncrl.plan.auto import resolve_for_target
     from asyncrl.plan.formulas import plan_config
 
@@ -345,6 +346,7 @@ def compile_and_print(config: str, overrides: Sequence[str], target_name: str, d
                                     target, err) + "; or set both explicitly") from None
     if auto_line is not None:
         print(f"asyncrl plan: {auto_line}", file=sys.stderr if as_json else sys.stdout, flush=True)
+    cfg = plan_auto_micro_batches(cfg, device_memory_bytes(target), count, hosts, target.platform)
     large = plan_config(cfg, count, hosts, backend=target.platform).total_bytes >= GIB
     unit, scale = ("GiB", GIB) if large else ("MiB", 2**20)
     if not as_json:

@@ -173,3 +173,17 @@ def test_packing_keeps_to_the_segment_bound_and_a_budget_below_a_row_is_refused(
                        rollout={"pack": True, "max_new_tokens": 32, "length_bucket": 64})
     with pytest.raises(ConfigError, match=r"optim.micro_batches: auto: micro-batches by a token budget pack their rows"):
         trainer_config(optim={"micro_batches": "auto"}, rollout={"pack": False})
+
+
+def test_a_trainer_chooses_its_token_budget_from_memory_in_one_line(caplog):
+    """``optim.micro_batches: auto`` on this CPU (the host's memory): every row of a mini-batch's share
+    in one micro-batch, within 32,768 tokens, said once; the row multiple leaves out the micro-batches."""
+    import logging
+
+    cfg = trainer_config(optim={"micro_batches": "auto"}, algo={"mini_batches": 2}, **LENGTHS)
+    with caplog.at_level(logging.INFO, logger="asyncrl.run"):
+        trainer = Trainer(cfg, *model_with("auto"))
+    assert trainer.pack and trainer.micro_batch_tokens == 8 * 32  # 16 rows / 2 mini-batches, one device
+    assert trainer.row_multiple == 2 and trainer.spec.packed_segments == cfg.rollout.pack_max_segments
+    assert any(line.startswith("optim.micro_batches: auto -> optim.micro_batch_tokens=256 (8 row(s) of 32 tokens")
+               for line in caplog.messages)
