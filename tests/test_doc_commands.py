@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import pytest
 
 from asyncrl.cluster.launch import free_port
-from tests.helpers import REPO_ROOT, subprocess_env
+from tests.helpers import REPO_ROOT, SHARED_DATA, subprocess_env
 
 SHELL_FENCES = ("bash", "sh", "shell", "console")
 
@@ -189,6 +189,31 @@ def _bench_pack(_: Path, output: str) -> None:
     result = json.loads(output.strip().splitlines()[-1])["tiny"]
     assert result["packed"]["trained_tokens_per_s"] > 0 and result["unpacked"]["trained_tokens_per_s"] > 0, result
     assert result["real_tokens_fraction_packed"] > result["real_tokens_fraction_unpacked"], result
+
+
+def _bench_pack_long(_: Path, output: str) -> None:
+    """``bench.py pack --lengths long``: the stated mix (median sequence under 1/8 of the budget, when
+    the budget dwarfs the prompts), both modes, the target reported."""
+    _bench_pack(_, output)
+    result = json.loads(output.strip().splitlines()[-1])
+    assert result["lengths"] == "long" and result["mix"]["budget"] == 512, result
+    assert isinstance(result["tiny"]["target"]["pass"], bool) and result["tiny"]["speedup"] > 0, result
+
+
+LONG_REASONING_SMOKE = (
+    "asyncrl train configs/long_reasoning_grpo.yaml --set model.path=tiny-qwen3 --set model.compute_dtype=float32 "
+    "--set model.remat=false --set mesh.fsdp=1 --set rollout.batch_size=2 --set rollout.group_size=4 "
+    "--set rollout.max_new_tokens=384 --set rollout.length_bucket=768 --set engine.kv_capacity=768 --set engine.slots=16 "
+    "--set algo.overlong_buffer=96 --set run.total_steps=3 --set eval.max_prompts=8 --set run.name=long_reasoning_cpu_smoke")
+GSM8K = SHARED_DATA / "gsm8k"
+
+
+def _long_reasoning_trained(ws: Path, _: str) -> None:
+    """Three packed steps by a token budget, each with its micro-batch count, the overlong penalty's reward shaping."""
+    rows = [json.loads(line) for line in (ws / "runs/long_reasoning_cpu_smoke/metrics.jsonl").read_text().splitlines()]
+    trained = [row for row in rows if row["step"] > 0]
+    assert [row["step"] for row in trained] == [1, 2, 3], rows
+    assert all(row["train/micro_batches"] >= 1 and row["rollout/lag_max"] <= 4 for row in trained), trained
 
 
 def _bench_accel(_: Path, output: str) -> None:
@@ -372,7 +397,16 @@ SLOW_CHAINS = {
     "bench_placement": (Step("python scripts/bench_placement.py", ("--steps", "4"), check=_json_line),),
     # docs/performance.md "Sequence packing": packed against unpacked trained tokens/s, one small batch
     "bench_pack": (Step("python scripts/bench.py pack", ("--rows", "8", "--batches", "1", "--rounds", "1"),
-                        check=_bench_pack),),
+                        check=_bench_pack),
+                   Step("python scripts/bench.py pack --lengths long", ("--rows", "16", "--batches", "1", "--rounds", "1",
+                                                                        "--budget", "512", "--micro-rows", "4"),
+                        check=_bench_pack_long),),
+    # docs/scaling.md "Long contexts": the long-reasoning recipe's CPU smoke run on tiny-qwen3 (GSM8K from
+    # the shared copy; a few minutes here)
+    "long_reasoning": (Step(LONG_REASONING_SMOKE, ("--set", f"data.dataset.kwargs.path={GSM8K}/train.jsonl", "--set",
+                                                   f"data.dataset.kwargs.eval_path={GSM8K}/test.jsonl", "--set",
+                                                   "eval.every_steps=0"),
+                            check=_long_reasoning_trained),),
     "bench_remote": (Step("python scripts/bench.py remote", ("--requests", "8", "--repeats", "1"),
                           check=_bench_line("remote")),),
     # docs/performance.md: reward-model scoring throughput, on the 2-layer twin

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from asyncrl.model import attention as attention_module
-from asyncrl.model.attention import SelfAttentionMask, cudnn_segments, einsum_attention
+from asyncrl.model.attention import SelfAttentionMask, compiled_for, cudnn_segments, einsum_attention
+from asyncrl.model.logprobs import per_token_logprobs
 from asyncrl.trainer import Trainer
 from tests.trainer_fixtures import SGD, mixed_length_batch, trainer_config
 
@@ -135,6 +136,58 @@ def _assert_same_step(got, want):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=2e-6)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _logprobs_and_grads(graphdef, params, ids, valid, segments):
+    def total(p):
+        lp, _ = per_token_logprobs(graphdef, p, ids, valid, 1.0, segment_ids=segments)
+        return lp.sum(), lp
+
+    with compiled_for(platform="cpu", segments=3):  # packed rows of at most 3 sequences, as the trainer's step says
+        return jax.value_and_grad(total, has_aux=True)(params)
+
+
+def test_packed_log_probs_and_gradients_through_cudnn_equal_the_unpacked_rows(cudnn_by_interpreter):
+    """The model's log-probs and gradients (float32, cuDNN's calls interpreted): packed rows through the
+    packed layout equal the unpacked rows through the lengths form, token for token."""
+    from asyncrl.rollout.packing import pack_train_batch
+
+    graphdef, params = model_with("cudnn")
+    batch = mixed_length_batch(rows=8, padding_rows=0, seed=2)
+    fields = {name: getattr(batch, name) for name in ("input_ids", "attention_mask", "loss_mask", "rewards", "group_index",
+                                                       "truncated")}
+    packed = pack_train_batch(fields, max_segments=3)
+    assert packed.rows < 8 and packed.segment_ids.max() <= 3
+    (_, lp_rows), g_rows = _logprobs_and_grads(graphdef, params, jnp.asarray(batch.input_ids),
+                                               jnp.asarray(batch.attention_mask), None)
+    assert set(cudnn_by_interpreter) == {"lengths"}
+    (_, lp_packed), g_packed = _logprobs_and_grads(graphdef, params, jnp.asarray(packed.tokens["input_ids"]),
+                                                   jnp.asarray(packed.tokens["attention_mask"]),
+                                                   jnp.asarray(packed.segment_ids))
+    assert "packed" in cudnn_by_interpreter and "dense" not in cudnn_by_interpreter
+    for r in range(8):
+        where = np.argwhere(packed.token_row == r)
+        np.testing.assert_allclose(np.asarray(lp_packed)[where[0, 0], where[:, 1]],
+                                   np.asarray(lp_rows)[r, :len(where)], rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_rows), jax.tree.leaves(g_packed)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(a))))
+
+
+def test_a_token_budget_sets_each_step_s_micro_batches_from_its_packing():
+    """Host side of a packed step by a token budget: 64 tokens per micro-batch are 2 packed rows of 32
+    per device; the mini-batches' packed rows set the micro-batches (rounded up to bound the shapes)."""
+    batch = mixed_length_batch(seed=4)
+    trainer = Trainer(trainer_config(optim={"micro_batch_tokens": 64}, algo={"mini_batches": 2},
+                                     rollout={**LENGTHS["rollout"], "pack": True, "pack_max_segments": 3},
+                                     data=LENGTHS["data"]), *model_with("auto"))
+    arrays, _, window, micro_batches = trainer._device_batch(batch, pack=True)
+    rows = arrays["input_ids"].shape[0]
+    assert window is None and rows == 2 * micro_batches * 2  # 2 mini-batches x micro-batches x 2 rows
+    assert int(np.asarray(arrays["segment_ids"]).max()) <= 3
+    assert int(np.asarray(arrays["attention_mask"]).sum()) == int(batch.attention_mask.sum())  # every token, once
+    assert micro_batches < trainer.cfg.rollout.batch_size  # fewer than one row each
+
+
+@pytest.mark.slow  # two train-step compiles (about 10 s alone, several times that beside other work)
 def test_packed_step_by_token_budget_through_cudnn_equals_the_unpacked_step(cudnn_by_interpreter):
     """A model whose attention is cuDNN's (its calls interpreted here; its own config, so its trace is
     its own), GRPO with 2 mini-batches and the entropy bonus: packed rows of at most 3 sequences in
