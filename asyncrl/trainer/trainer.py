@@ -181,7 +181,7 @@ class Trainer:
         """Micro-batches by a token budget (``optim.micro_batch_tokens``, or ``optim.micro_batches: auto``
         chosen from the devices' memory): each holds at most this many tokens per device."""
         if cfg.optim.by_tokens:
-            self.micro_batch_tokens = cfg.optim.micro_batch_tokens or self._auto_micro_batch_tokens(cfg)
+            self.micro_batch_tokens = cfg.optim.micro_batch_tokens or self._auto_micro_batch_tokens(cfg, sft)
         self.spec = StepSpec(
             mesh=self.mesh, model_cfg=self.model_cfg, ppo_epochs=1 if sft else cfg.algo.ppo_epochs,
             mini_batches=1 if sft else cfg.algo.mini_batches, micro_batches=cfg.optim.micro_batch_count,
@@ -318,13 +318,13 @@ class Trainer:
         token budget the micro-batches follow each step's packing and do not enter it."""
         return local_row_shards(self.mesh) * self.spec.mini_batches * self.spec.micro_batches
 
-    def _auto_micro_batch_tokens(self, cfg: Any) -> int:
+    def _auto_micro_batch_tokens(self, cfg: Any, sft: bool) -> int:
         """``optim.micro_batches: auto``: the token budget per micro-batch chosen from the memory of this
         process's first trainer device (:func:`asyncrl.run.auto_slots.resolve_auto_micro_batches`)."""
         from asyncrl.run.auto_slots import resolve_auto_micro_batches
 
         device = next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
-        return resolve_auto_micro_batches(cfg, self.model_cfg, device, int(self.mesh.devices.size))
+        return resolve_auto_micro_batches(cfg, self.model_cfg, device, int(self.mesh.devices.size), sft)
 
     def _device_batch(self, batch: Any, pack: bool = False) -> tuple[dict[str, jax.Array], float, Optional[int], int]:
         """Check the batch, permute its rows into device order and place them on the mesh.
@@ -389,7 +389,8 @@ class Trainer:
             gi = fields["group_index"]
             fields["group_index"] = np.where(gi >= 0, gi + jax.process_index() * rows, -1).astype(np.int32)
         if pack:  # token arrays only from here on, [packed rows, L], split and placed like any rows
-            per_micro = u if self.micro_batch_tokens is None else self.micro_batch_tokens // length  # packed rows per device
+            # Packed rows per device and micro-batch (the budget is at least the longest row: Config checks it).
+            per_micro = u if self.micro_batch_tokens is None else max(self.micro_batch_tokens // length, 1)
             fields = packed_fields(fields, mini_batches=m, row_multiple=s * per_micro,
                                    max_segments=self.cfg.rollout.pack_max_segments)
             self._check_segments(fields["segment_ids"])

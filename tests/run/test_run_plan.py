@@ -464,3 +464,48 @@ def test_plan_within_10_percent_of_xla_on_the_targets(config, overrides, devices
     # The engine's resident state (one device: the trainer's arrays, its bf16 cast; more: its serving copy on its own
     # mesh and its share of the KV cache) and the decode chunk's temporaries.
     assert 0.9 <= plan_bytes_for("decode_chunk", plan, None, None) / decode <= 1.1
+
+
+LONG_CONTEXT_TOKENS = {"1k": 1024, "4k": 4096, "16k": 16384, "32k": 32768}
+LONG_CONTEXT_ROWS = {"1k": 16, "4k": 4, "16k": 1, "32k": 1}
+"""Rows per device and micro-batch of the long-context calibration: 16k-32k tokens each."""
+
+
+def long_context_sets(target: str, length: str, remat: str, packed: bool) -> tuple[list[str], int]:
+    """``configs/gsm8k_grpo.yaml``'s overrides (and the device count) of one long-context calibration
+    row: Qwen3-1.7B, 8 x 8 sequences of ``length`` tokens (prompt 384), one ``h100`` or a ``v6e-8``
+    (``mesh.fsdp=8``), padded in fixed micro-batches or packed by a token budget of the same rows."""
+    tokens = LONG_CONTEXT_TOKENS[length]
+    devices = 1 if target == "h100" else 8
+    per_device = 64 // 2 // devices  # 2 mini-batches
+    rows = min(LONG_CONTEXT_ROWS[length], per_device)
+    sets = [f"model.path={MODELS}/qwen3-1.7b", f"rollout.max_new_tokens={tokens - 384}", f"engine.kv_capacity={tokens}",
+            "rollout.batch_size=8", "rollout.group_size=8", f"model.remat_policy={remat}", "engine.slots=64"]
+    sets += [] if target == "h100" else ["mesh.fsdp=8"]
+    sets += (["rollout.pack=true", f"optim.micro_batch_tokens={rows * tokens}", "optim.micro_batches=1"] if packed
+             else ["rollout.pack=false", f"optim.micro_batches={per_device // rows}"])
+    return sets, devices
+
+
+LONG_CONTEXT_PEAKS = {
+    # XLA's per-device peak of the train step (arguments + outputs - aliased + temporaries; on TPUs libtpu's own
+    # peak, as above), compile-only, jax 0.10.2 / jax-cuda13-plugin 0.10.2 / libtpu 0.0.42.1.
+    ("h100", "1k", "full", False): 47524656386, ("h100", "1k", "full", True): 47552164346,
+    ("h100", "1k", "save_dots", False): 64177005570, ("h100", "1k", "save_dots", True): 64195223546,
+    ("h100", "4k", "full", False): 47479436546, ("h100", "4k", "full", True): 47500790266,
+    ("h100", "4k", "save_dots", False): 64182107394, ("h100", "4k", "save_dots", True): 64203481594,
+    ("h100", "16k", "full", False): 47499883778, ("h100", "16k", "full", True): 47533818106,
+    ("h100", "16k", "save_dots", False): 64202570498, ("h100", "16k", "save_dots", True): 64236511482,
+    ("h100", "32k", "full", False): 50971640066, ("h100", "32k", "full", True): 51039017466,
+}
+
+
+def test_plan_within_10_percent_of_xla_from_1k_to_32k_tokens():
+    """The trainer's plan against XLA's train step at 1k, 4k, 16k and 32k tokens, remat full and save_dots,
+    padded and packed (docs/benchmarks.md "The plan at long contexts"; the fused kernels keep no scores)."""
+    ratios = {}
+    for (target, length, remat, packed), xla in LONG_CONTEXT_PEAKS.items():
+        sets, devices = long_context_sets(target, length, remat, packed)
+        plan = plan_config(load_config(CONFIGS / "gsm8k_grpo.yaml", sets), devices, backend="gpu" if target == "h100" else "tpu")
+        ratios[target, length, remat, packed] = plan.part_bytes("trainer") / xla
+    assert all(0.9 <= ratio <= 1.1 for ratio in ratios.values()), ratios
