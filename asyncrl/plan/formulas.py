@@ -328,7 +328,15 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     g_note = f"one micro-batch's ({model_cfg.compute_dtype if cast_once else model_cfg.param_dtype})"
     backend = resolve_backend(backend)
     updates = 1 if sft else cfg.algo.mini_batches * cfg.algo.ppo_epochs
-    if updates == 1 and p_bytes >= 4 and backend != "cpu":
+    rows, length, window = batch_shape(cfg, sft)
+    shards = layout.row_shards
+    minis = 1 if sft else cfg.algo.mini_batches
+    rows, local_rows, micro_note = micro_batch_rows(cfg, rows, length, shards, minis)
+    if rows // (minis * shards) <= local_rows and backend != "cpu":
+        # One micro-batch per update: no accumulation loop, so no float32 sum of its own (the update
+        # reads the micro-batch's gradient; read from the train step compiled for an H100 and a v6e-8).
+        add("trainer", "gradients", trained * g_bytes, g_note + "; one micro-batch per update: no float32 sum")
+    elif updates == 1 and p_bytes >= 4 and backend != "cpu":
         # One optimizer update per step: XLA lays the micro-batches' float32 sum in the new
         # parameters' output buffers, which hold nothing else until the update writes them (read
         # from the buffer assignment of gsm8k_sft.yaml's step for an H100: the accumulator loop's
@@ -354,10 +362,6 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     if algo is not None and algo.needs_reference:
         add("trainer", "reference model", trained * p_bytes, "algo.kl_coef > 0", resident=True)
 
-    rows, length, window = batch_shape(cfg, sft)
-    shards = layout.row_shards
-    minis = 1 if sft else cfg.algo.mini_batches
-    rows, local_rows, micro_note = micro_batch_rows(cfg, rows, length, shards, minis)
     global_micro_rows = local_rows * shards
     chunk = model_cfg.logprob_chunk_size or auto_chunk_size(global_micro_rows, window, model_cfg.vocab_size,
                                                             model_cfg.logprob_chunk_budget_mb)

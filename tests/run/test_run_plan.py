@@ -139,11 +139,13 @@ def test_reference_model_only_with_kl_and_own_engine_copy_on_its_devices():
 def test_one_update_per_step_sums_gradients_in_the_new_parameters_on_gpus_and_tpus():
     """XLA lays the float32 sum of a one-update step's micro-batch gradients in the new parameters'
     output buffers (gsm8k_sft.yaml's step for an H100); with several updates, or on the CPU, it
-    has buffers of its own."""
+    has buffers of its own; with one micro-batch per update there is no sum (no accumulation loop)."""
     bf16 = ["model.compute_dtype=bfloat16"]
-    for backend, minis, per_param in [("gpu", 1, 2), ("tpu", 1, 2), ("gpu", 2, 4 + 2), ("cpu", 1, 4 + 2)]:
-        got = _lines(plan_config(load_config(overrides=[*bf16, f"algo.mini_batches={minis}"]), backend=backend))
-        assert got["gradients"] == per_param * TINY_PARAMS, (backend, minis)
+    for backend, minis, micro, per_param in [("gpu", 1, 2, 2), ("tpu", 1, 2, 2), ("gpu", 2, 2, 4 + 2), ("cpu", 1, 2, 4 + 2),
+                                             ("gpu", 2, 1, 2), ("tpu", 2, 1, 2), ("cpu", 2, 1, 4 + 2)]:
+        got = _lines(plan_config(load_config(overrides=[*bf16, f"algo.mini_batches={minis}", f"optim.micro_batches={micro}"]),
+                                 backend=backend))
+        assert got["gradients"] == per_param * TINY_PARAMS, (backend, minis, micro)
 
 
 def test_an_sft_stage_holds_the_engine_too():
@@ -245,11 +247,13 @@ def _plan_args(config: Path) -> list[str]:
     directory or a hub id, the fixture config.json of that model (by name), else Qwen3-1.7B's."""
     import yaml
 
-    path = str(yaml.safe_load(config.read_text()).get("model", {}).get("path", "tiny"))
+    raw = yaml.safe_load(config.read_text())
+    path = str(raw.get("model", {}).get("path", "tiny"))
+    devices = ["--devices", str(raw["mesh"]["fsdp"])] if raw.get("mesh", {}).get("fsdp", 1) > 1 else []  # its host's
     if path.startswith("tiny") or Path(path).exists() or (config.parent / path).exists():
-        return [str(config)]
+        return [str(config), *devices]
     fixture = MODELS / path.rstrip("/").rsplit("/", 1)[-1].lower()
-    return [str(config), "--set", f"model.path={fixture if fixture.is_dir() else MODELS / 'qwen3-1.7b'}"]
+    return [str(config), "--set", f"model.path={fixture if fixture.is_dir() else MODELS / 'qwen3-1.7b'}", *devices]
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
