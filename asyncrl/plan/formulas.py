@@ -357,7 +357,13 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
             f"the table{' and its AdamW moments' if adam else ''} in the update loop's layout: each device's "
             f"hidden columns padded to TPU's {TPU_LANES} lanes")
     if c_bytes != p_bytes:  # each forward casts the weights; the backward keeps the cast copies
-        add("trainer", "cast weights", base * c_bytes, f"{model_cfg.param_dtype} weights as {model_cfg.compute_dtype}")
+        cast = base
+        if backend == "tpu" and model_cfg.scan_layers:
+            # libtpu casts the scanned layers' weights into their stacks ("stacked layers") and keeps no
+            # per-layer cast beside them (the buffer assignment of Qwen3-1.7B's step for a v6e-8 holds
+            # [28, ...] stacks only): the cast here is of the weights outside the scans.
+            cast = base - int(base * stacked_share(model_cfg, params))
+        add("trainer", "cast weights", cast * c_bytes, f"{model_cfg.param_dtype} weights as {model_cfg.compute_dtype}")
     algo = None if sft else AlgoParams.from_config(cfg)
     if algo is not None and algo.needs_reference:
         add("trainer", "reference model", trained * p_bytes, "algo.kl_coef > 0", resident=True)
