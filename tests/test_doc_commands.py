@@ -501,6 +501,12 @@ NOT_RUNNABLE_HERE = {
     "model.path=configs/models/qwen3-1.7b --set mesh.fsdp=8 --target h100 --devices 8": _AOT_PLUGIN,
     "~/.cache/asyncrl-aot-cuda/bin/python -m asyncrl.cli plan configs/gsm8k_grpo.yaml --set "
     "model.path=configs/models/qwen3-8b --set mesh.fsdp=8 --target h100 --devices 8": _AOT_PLUGIN,
+    "~/.cache/asyncrl-aot-tpu/bin/python -m asyncrl.cli plan configs/long_reasoning_grpo.yaml --set "
+    "model.path=configs/models/qwen3-1.7b --target v6e-8": _AOT_PLUGIN,
+    "~/.cache/asyncrl-aot-cuda/bin/python -m asyncrl.cli plan configs/long_reasoning_grpo.yaml --set "
+    "model.path=configs/models/qwen3-1.7b --target h100 --devices 8": _AOT_PLUGIN,
+    "~/.cache/asyncrl-aot-cuda/bin/python -m asyncrl.cli plan configs/long_reasoning_grpo.yaml --set "
+    "model.path=configs/models/qwen3-8b --target h100 --devices 8": _AOT_PLUGIN,
     "python -m sglang.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct --host 0.0.0.0 --port 30000 "
     "--skip-tokenizer-init --weight-version 0 --api-key $ASYNCRL_API_KEY":
         "SGLang needs a GPU and is not a dependency; tests/engine/test_remote.py runs the same protocol against asyncrl serve",
