@@ -250,10 +250,17 @@ def plan_layout(cfg: Config, devices: int, processes: int = 1) -> Layout:
     )
 
 
-@functools.lru_cache(maxsize=16)
 def abstract_params(model_cfg: Any) -> dict:
     """The model's parameter tree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated); cached
-    per config (suggestions plan the same model many times). Treat it as read-only."""
+    per architecture and parameter dtype: the runtime options that shape no parameter (remat,
+    chunking, attention, compute dtype, scanned layers) share one tree, so suggestions and choices
+    that plan the same model many times trace it once. Treat it as read-only."""
+    return _abstract_params(model_cfg.replace(compute_dtype=model_cfg.param_dtype, remat=False, remat_policy="full",
+                                              logprob_chunk_size=None, attention="auto", scan_layers=False))
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_params(model_cfg: Any) -> dict:
     from flax import nnx
 
     from asyncrl.model.transformer import Decoder, split_params
