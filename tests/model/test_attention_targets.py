@@ -68,6 +68,9 @@ def test_h100_packed_train_step_runs_cudnn_packed_layout_without_a_dense_mask():
     assert any(re.search(rf"f32\[{8 * 5},[0-9]+,{LENGTH}\]", c) for c in calls)  # 8 rows per micro-batch x 5 segments
     xla_text, xla_peak, _ = compiled("h100", 1, "xla", pack=True)
     assert peak < xla_peak
+    # On 8 GPUs with fsdp 8 each device runs the kernel on its own row (cuDNN's partitioner): 1 x 5 segments.
+    sharded, _, seen = compiled("h100", 8, "auto", fsdp=8, pack=True)
+    assert seen == {"cudnn packed layout"} and re.search(rf"f32\[5,[0-9]+,{LENGTH}\]", sharded)
 
 
 @pytest.mark.skipif(not plugin_installed("tpu"), reason="libtpu is not installed (tests/README.md: the aot venv)")
