@@ -18,7 +18,7 @@ packed segment, and ``t - s < window``. The kernels:
   ``kv_offsets``): each row's runs of equal segment id (its sequences, and its padding as a run of
   its own) become cuDNN segments, at most a static bound per row (:class:`KernelTarget`'s
   ``segments``, the packing's bound, plus the padding run), each attended causally on its own
-  (:func:`cudnn_segments`). A program that names no bound gives cuDNN packed rows as the dense
+  (:func:`asyncrl.model.cudnn_packed.cudnn_segments`). A program that names no bound gives cuDNN packed rows as the dense
   mask (its bias form), said once in the log;
 * ``splash`` (TPUs): Pallas' splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``)
   with a ``CausalMask`` (``LocalMask`` for a window) and ``SegmentIds``: the packed segment ids,
@@ -45,13 +45,13 @@ import contextvars
 import dataclasses
 import functools
 import logging
-import threading
 from typing import Any, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
 
 from asyncrl.model.blocks import sliding_window_mask
+from asyncrl.model.cudnn_packed import cudnn_checks_for, cudnn_packed_attention, cudnn_packed_unavailable
 from asyncrl.model.decode_attention import kernel_block, pallas_decode_attention
 from asyncrl.model.kv_cache import LayerKV
 
@@ -114,7 +114,7 @@ class KernelTarget:
     devices: int = 0
     segments: int = 0
     """The most packed sequences one row of the program's batches holds (0: not known): the static
-    bound cuDNN's packed layout needs (:func:`cudnn_segments`)."""
+    bound cuDNN's packed layout needs (:mod:`asyncrl.model.cudnn_packed`)."""
 
 
 _TARGET: contextvars.ContextVar[Optional[KernelTarget]] = contextvars.ContextVar("asyncrl_attention_target", default=None)
@@ -153,71 +153,10 @@ def compiled_for(mesh: Any = None, platform: Optional[str] = None, devices: int 
         return
     token = _TARGET.set(KernelTarget(platform, mesh, devices, segments))
     try:
-        with _cudnn_checks_for(mesh):
+        with cudnn_checks_for(mesh):
             yield
     finally:
         _TARGET.reset(token)
-
-
-class _CapabilityOverride:
-    """jax's cuDNN capability check answering for a compile-only target while programs for it are
-    traced (nested and from several threads: the original is restored when the last one leaves)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._depth = 0
-        self._original: Any = None
-
-    @contextlib.contextmanager
-    def answering(self, capability: str) -> Iterator[None]:
-        from jax._src.cudnn import fused_attention_stablehlo as cudnn_checks
-
-        target = tuple(int(x) for x in capability.split("."))
-        with self._lock:
-            if self._depth == 0:
-                self._original = cudnn_checks.check_compute_capability
-                cudnn_checks.check_compute_capability = lambda wanted: target >= tuple(int(x) for x in wanted.split("."))
-            self._depth += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._depth -= 1
-                if self._depth == 0:
-                    cudnn_checks.check_compute_capability = self._original
-
-
-_CAPABILITY = _CapabilityOverride()
-
-
-@contextlib.contextmanager
-def _cudnn_checks_for(mesh: Any) -> Iterator[None]:
-    """Where ``mesh``'s devices are compile-only GPUs (``asyncrl plan --target h100`` on a CPU),
-    jax's cuDNN checks answer for their compute capability. Those checks read this process's own
-    GPU (none here: packed layouts and head_dim 256 would be refused as pre-Hopper), while the
-    program is compiled for the target's. A process with a GPU of its own is left as it is."""
-    capability = _compile_only_capability(mesh)
-    if capability is None:
-        yield
-        return
-    with _CAPABILITY.answering(capability):
-        yield
-
-
-def _compile_only_capability(mesh: Any) -> Optional[str]:
-    """The compute capability of ``mesh``'s GPUs when they are compile-only (this process has no
-    GPU backend), else None."""
-    if mesh is None:
-        return None
-    device = mesh.devices.flat[0]
-    capability = getattr(device, "compute_capability", None)
-    if device_platform(device) != "gpu" or not capability:
-        return None
-    try:
-        local = jax.devices()[0].platform
-    except RuntimeError:
-        local = "cpu"
-    return None if local in ("gpu", "cuda") else str(capability)
 
 
 def current_target() -> KernelTarget:
@@ -296,7 +235,7 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: SelfAttentio
     """cuDNN flash attention of ``q [B, T, heads, D]`` over ``k, v [B, T, kv_heads, D]``: causal with
     each row's length (real tokens first: right padding), the window as cuDNN's sliding window;
     packed rows in cuDNN's packed layout with at most ``segments`` sequences per row
-    (:func:`cudnn_segments`; 0: not known, the dense mask). ``mesh``: the program's (the trainer's),
+    (:mod:`asyncrl.model.cudnn_packed`; 0: not known, the dense mask). ``mesh``: the program's (the trainer's),
     over which q, k and v are laid out alike (:func:`_alike_on`)."""
     q, k, v = _alike_on(mesh, q, k, v)
     window = None if mask.window is None else (mask.window - 1, 0)
@@ -307,7 +246,14 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: SelfAttentio
                 _LOGGED.add(why)
                 log.warning("model.attention: cudnn on packed rows takes the mask as a dense bias: %s", why)
             return jax.nn.dot_product_attention(q, k, v, mask=mask.dense()[:, None], scale=scale, implementation="cudnn")
-        return _cudnn_packed(q, k, v, mask, scale, mesh, segments)
+        rows = None
+        if mesh is not None:
+            from jax.sharding import NamedSharding
+            from jax.sharding import PartitionSpec as P
+
+            rows = NamedSharding(mesh, P(_ROW_AXES if row_shards_divide(mesh, q.shape[0]) else None, None))
+        return cudnn_packed_attention(q, k, v, mask.segment_ids, mask.window, q.shape[-1] ** -0.5 if scale is None else scale,
+                                      segments, rows)
     # cuDNN's lengths count from position 0: a row's real tokens must be its first ones. Every
     # row asyncrl builds is right-padded (the TrainBatch contract, the engine's prefill plans), so
     # the lengths are exact and no per-layer gather is needed to move real tokens to the front.
@@ -316,62 +262,6 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: SelfAttentio
     lengths = jnp.maximum(mask.key_valid.sum(axis=1), 1).astype(jnp.int32)
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, query_seq_lengths=lengths,
                                         key_value_seq_lengths=lengths, local_window_size=window, implementation="cudnn")
-
-
-def cudnn_packed_unavailable(segments: int) -> Optional[str]:
-    """Why packed rows cannot take cuDNN's packed layout here (None: they can): the program names no
-    bound on sequences per row (``segments`` 0), or the GPU compiled for is older than Hopper
-    (jax's cuDNN packed layout needs compute capability 9.0)."""
-    if not segments:
-        return "the program names no bound on sequences per row (compiled_for(segments=...))"
-    try:
-        from jax._src.cudnn.fused_attention_stablehlo import check_compute_capability
-
-        hopper = check_compute_capability("9.0")
-    except Exception:  # noqa: BLE001 - no CUDA backend here and no compile-only GPU target
-        hopper = False
-    return None if hopper else "cuDNN's packed layout needs a Hopper or later GPU (compute capability 9.0)"
-
-
-def cudnn_segments(segment_ids: jax.Array, segments: int) -> tuple[jax.Array, jax.Array]:
-    """cuDNN's packed layout of ``segment_ids`` int32 ``[B, T]`` (packing's ids, 0 = padding):
-    ``(lengths [B, M], offsets [B, M + 1])`` int32 with ``M = segments + 1``. Each run of equal ids
-    is one cuDNN segment: a row's sequences, and its padding as a run of its own, so every position
-    is attended and written (a padding run attends itself causally; its outputs never reach a real
-    token), as in ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention``: a row's
-    segment offsets from its start, then ``-1``; lengths likewise. A row of more than ``M`` runs
-    would lose the rest: the packer never puts more than ``segments`` sequences in a row
-    (:func:`asyncrl.rollout.packing.first_fit_decreasing`'s ``max_items``)."""
-    b, t = segment_ids.shape
-    runs = segments + 1
-    ids = segment_ids.astype(jnp.int32)
-    previous = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), ids[:, :-1]], axis=1)
-    starts = jax.vmap(lambda row: jnp.nonzero(row, size=runs, fill_value=-1)[0])(ids != previous).astype(jnp.int32)
-    following = jnp.concatenate([starts[:, 1:], jnp.full((b, 1), -1, jnp.int32)], axis=1)
-    ends = jnp.where(following < 0, t, following)
-    lengths = jnp.where(starts >= 0, ends - starts, -1).astype(jnp.int32)
-    offsets = jnp.concatenate([starts, jnp.full((b, 1), -1, jnp.int32)], axis=1)
-    return lengths, offsets
-
-
-def _cudnn_packed(q: jax.Array, k: jax.Array, v: jax.Array, mask: SelfAttentionMask, scale: Optional[float], mesh: Any,
-                  segments: int) -> jax.Array:
-    """:func:`cudnn_attention` of packed rows: cuDNN's packed layout (:func:`cudnn_segments`),
-    causal within each segment, no mask operand."""
-    from jax._src.cudnn.fused_attention_stablehlo import MaskType
-    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_dot_product_attention
-
-    assert mask.segment_ids is not None
-    lengths, offsets = cudnn_segments(mask.segment_ids, segments)
-    if mesh is not None:
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
-        rows = NamedSharding(mesh, P(_ROW_AXES if row_shards_divide(mesh, q.shape[0]) else None, None))
-        lengths, offsets = (jax.lax.with_sharding_constraint(x, rows) for x in (lengths, offsets))
-    return cudnn_dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
-                                       scale=q.shape[-1] ** -0.5 if scale is None else scale,
-                                       mask_type=MaskType.PADDING_CAUSAL, sliding_window_length=mask.window)
 
 
 def _alike_on(mesh: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -321,7 +321,7 @@ def _plan_auto_micro_batches(cfg: Config, device_memory: Optional[int], devices:
     built (stderr says the budget; without a device memory the plan takes its least, one row)."""
     import sys
 
-    from asyncrl.plan.auto import choose_micro_batch_tokens, with_micro_batch_tokens
+    from asyncrl.plan.formulas import choose_micro_batch_tokens, with_micro_batch_tokens
 
     if device_memory is None:
         tokens = cfg.longest_row

@@ -418,7 +418,7 @@ def micro_batch_rows(cfg: Config, rows: int, length: int, shards: int, minis: in
     of ``length``: ``optim.micro_batches`` splits each mini-batch's rows (padded to the trainer's
     row multiple, as ``prepare_batch`` pads them); by a token budget each micro-batch holds
     ``micro_batch_tokens // length`` packed rows per device (``micro_batches: auto`` not yet chosen:
-    one row, its least; :func:`~asyncrl.plan.auto.choose_micro_batch_tokens` chooses it)."""
+    one row, its least; :func:`choose_micro_batch_tokens` chooses it)."""
     optim = cfg.optim
     if optim.by_tokens:
         rows = -(-rows // (shards * minis)) * shards * minis
@@ -663,3 +663,62 @@ def slots_for_budget(cfg: Config, budget: int, devices: int = 1, processes: int 
                            "budget; lower engine.kv_capacity or the trainer's memory (asyncrl plan --device-memory "
                            "lists changes), or give a number"])
     return int(slots)
+
+
+# --------------------------------------------------------------------------- optim.micro_batches: auto
+
+
+def with_micro_batch_tokens(cfg: Config, tokens: int) -> Config:
+    """``cfg`` with micro-batches of ``tokens`` tokens per device (``optim.micro_batch_tokens``)."""
+    return cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"micro_batch_tokens": tokens})})
+
+
+MICRO_BATCH_TOKENS_CAP = 32768
+"""``optim.micro_batches: auto`` takes at most this many tokens per micro-batch and device (or one
+row, where a row is longer): a micro-batch's matmuls are ``[tokens, hidden] x [hidden, n]``, which
+fill an accelerator long before this (verl's default budget is 16,384 tokens per GPU), while every
+token more is memory the engine's KV cache could hold."""
+
+
+def micro_batch_budgets(cfg: Config, row_shards: int, sft: bool = False) -> list[int]:
+    """The token budgets ``optim.micro_batches: auto`` may take, largest (fewest micro-batches) first:
+    whole rows of the longest length (:attr:`~asyncrl.config.Config.longest_row`), from every row of
+    a mini-batch on one device's share in one micro-batch (at most :data:`MICRO_BATCH_TOKENS_CAP`
+    tokens) down to one row."""
+    rows = cfg.sft.batch_size if sft else cfg.rollout.batch_size * cfg.rollout.group_size
+    per_mini = -(-rows // (1 if sft else cfg.algo.mini_batches))
+    most = max(min(-(-per_mini // row_shards), MICRO_BATCH_TOKENS_CAP // cfg.longest_row), 1)
+    return [k * cfg.longest_row for k in range(most, 0, -1)]
+
+
+def choose_micro_batch_tokens(cfg: Config, budget: int, devices: int = 1, processes: int = 1, model_cfg: Any = None,
+                              backend: Optional[str] = None, sft: bool = False) -> tuple[int, int, bool]:
+    """``optim.micro_batches: auto``'s token budget per micro-batch and device: the largest of
+    :func:`micro_batch_budgets` whose plan of ``cfg`` (one stage's flat config) fits ``budget``
+    bytes per device, with the engine as the run sizes it first (``engine.slots: auto`` with the
+    trainer at its least, one row per micro-batch: the engine's slots come before the trainer's
+    micro-batch size, which the rest of the memory then sets). Returns ``(tokens, plan bytes, fits)``;
+    when even one row does not fit, one row, not fitting."""
+    layout = plan_layout(cfg, devices, processes)
+    decoder = stage_decoder_config(cfg, model_cfg, backend)
+    params = abstract_params(decoder)
+    if cfg.engine.slots == "auto" and cfg.engine.remote is None:
+        try:
+            cfg = with_slots(cfg, slots_for_budget(cfg, budget, devices, processes, model_cfg, backend))
+        except ConfigError:  # the engine's own start refuses it with its line; plan the trainer beside its least
+            cfg = with_slots(cfg, minimum_slots(cfg))
+
+    def total(tokens: int) -> int:
+        return plan_stage(with_micro_batch_tokens(cfg, tokens), decoder, layout, params, sft, "plan", backend).total_bytes
+
+    budgets = micro_batch_budgets(cfg, layout.row_shards, sft)[::-1]  # smallest first: the plan grows with them
+    low, high = 0, len(budgets) - 1
+    if total(budgets[0]) > budget:
+        return budgets[0], total(budgets[0]), False
+    while low < high:  # the largest index that fits
+        middle = (low + high + 1) // 2
+        if total(budgets[middle]) <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    return budgets[low], total(budgets[low]), True

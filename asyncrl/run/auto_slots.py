@@ -159,20 +159,23 @@ def round_slots_to_replicas(cfg: Config, replicas: int) -> Config:
 
 
 
-def resolve_auto_micro_batches(cfg: Config, model_cfg: Any, device: Any, devices: int, sft: bool = False) -> int:
-    """``optim.micro_batches: auto``'s token budget per micro-batch and device for a trainer on
-    ``devices`` devices (``device``: this process's first; :func:`device_budget` of it), chosen by
-    :func:`~asyncrl.plan.auto.choose_micro_batch_tokens` and logged in one line."""
+def resolve_auto_micro_batches(cfg: Config, model_cfg: Any, sft: bool = False) -> Config:
+    """``cfg`` (a stage's flat config) with ``optim.micro_batches: auto``'s token budget per
+    micro-batch and device chosen for this process's devices (:func:`device_budget` of the first
+    local one; :func:`~asyncrl.plan.formulas.choose_micro_batch_tokens`), logged in one line;
+    ``cfg`` itself when the micro-batches are not ``auto`` or already chosen. The run calls it before
+    it builds the stage's trainer; the engine's ``auto`` slots are planned with the trainer at one row."""
+    if cfg.optim.micro_batches != "auto" or cfg.optim.micro_batch_tokens is not None:
+        return cfg
     import jax
 
-    from asyncrl.plan.auto import choose_micro_batch_tokens
+    from asyncrl.plan.formulas import choose_micro_batch_tokens, with_micro_batch_tokens
 
-    budget, source = device_budget(device)
-    tokens, planned, fits = choose_micro_batch_tokens(cfg, budget, devices, jax.process_count(), model_cfg,
+    budget, source = device_budget(jax.local_devices()[0])
+    tokens, planned, fits = choose_micro_batch_tokens(cfg, budget, jax.device_count(), jax.process_count(), model_cfg,
                                                       jax.default_backend(), sft)
-    rows = tokens // cfg.longest_row
     verdict = "within" if fits else "does NOT fit even at one row:"
     log.info("optim.micro_batches: auto -> optim.micro_batch_tokens=%d (%d row(s) of %d tokens per device and micro-batch; "
-             "the plan %.2f GiB per device, %s %.2f GiB: %s)", tokens, rows, cfg.longest_row, planned / GIB, verdict,
-             budget / GIB, source)
-    return tokens
+             "the plan %.2f GiB per device, %s %.2f GiB: %s)", tokens, tokens // cfg.longest_row, cfg.longest_row,
+             planned / GIB, verdict, budget / GIB, source)
+    return with_micro_batch_tokens(cfg, tokens)

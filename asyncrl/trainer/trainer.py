@@ -178,10 +178,12 @@ class Trainer:
         """Pack each step's rows (``rollout.pack``, :mod:`asyncrl.trainer.packed`); evaluation
         (:meth:`nll`, :meth:`logprobs`) stays unpacked (the same numbers)."""
         self.micro_batch_tokens: Optional[int] = None
-        """Micro-batches by a token budget (``optim.micro_batch_tokens``, or ``optim.micro_batches: auto``
-        chosen from the devices' memory): each holds at most this many tokens per device."""
-        if cfg.optim.by_tokens:
-            self.micro_batch_tokens = cfg.optim.micro_batch_tokens or self._auto_micro_batch_tokens(cfg, sft)
+        """Micro-batches by a token budget (``optim.micro_batch_tokens``; a run chooses it for
+        ``optim.micro_batches: auto`` from its devices' memory before it builds the trainer,
+        :func:`asyncrl.run.auto_slots.resolve_auto_micro_batches`): each holds at most this many
+        tokens per device."""
+        if cfg.optim.by_tokens:  # micro_batches: auto not chosen by the run (run/auto_slots.py): its least, one row
+            self.micro_batch_tokens = cfg.optim.micro_batch_tokens or cfg.longest_row
         self.spec = StepSpec(
             mesh=self.mesh, model_cfg=self.model_cfg, ppo_epochs=1 if sft else cfg.algo.ppo_epochs,
             mini_batches=1 if sft else cfg.algo.mini_batches, micro_batches=cfg.optim.micro_batch_count,
@@ -317,14 +319,6 @@ class Trainer:
         """This process's rows must be a multiple of this (``prepare_batch(row_multiple=...)``); by a
         token budget the micro-batches follow each step's packing and do not enter it."""
         return local_row_shards(self.mesh) * self.spec.mini_batches * self.spec.micro_batches
-
-    def _auto_micro_batch_tokens(self, cfg: Any, sft: bool) -> int:
-        """``optim.micro_batches: auto``: the token budget per micro-batch chosen from the memory of this
-        process's first trainer device (:func:`asyncrl.run.auto_slots.resolve_auto_micro_batches`)."""
-        from asyncrl.run.auto_slots import resolve_auto_micro_batches
-
-        device = next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
-        return resolve_auto_micro_batches(cfg, self.model_cfg, device, int(self.mesh.devices.size), sft)
 
     def _device_batch(self, batch: Any, pack: bool = False) -> tuple[dict[str, jax.Array], float, Optional[int], int]:
         """Check the batch, permute its rows into device order and place them on the mesh.

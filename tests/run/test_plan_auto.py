@@ -100,8 +100,13 @@ def test_a_run_chooses_save_dots_only_where_the_formulas_clear_it_and_full_on_a_
 def test_micro_batches_auto_takes_the_largest_budget_that_fits_beside_the_engine():
     """``optim.micro_batches: auto``: whole rows of the length cap (at most 32,768 tokens), the most that
     fit the budget with the engine's slots sized first; unchosen, the plan counts one row."""
-    from asyncrl.plan.auto import MICRO_BATCH_TOKENS_CAP, choose_micro_batch_tokens, micro_batch_budgets, with_micro_batch_tokens
-    from asyncrl.plan.formulas import plan_config
+    from asyncrl.plan.formulas import (
+        MICRO_BATCH_TOKENS_CAP,
+        choose_micro_batch_tokens,
+        micro_batch_budgets,
+        plan_config,
+        with_micro_batch_tokens,
+    )
 
     cfg = load_config(data={"rollout": {"batch_size": 8, "group_size": 4, "max_new_tokens": 64, "length_bucket": 64},
                             "data": {"max_prompt_tokens": 64}, "optim": {"micro_batches": "auto"}, "engine": {"slots": 16}})

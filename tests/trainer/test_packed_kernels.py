@@ -1,6 +1,6 @@
 """Packed rows through the fused kernels' own forms, with micro-batches by a token budget.
 
-cuDNN's packed layout (asyncrl/model/attention.py ``cudnn_segments``: each row's runs of equal
+cuDNN's packed layout (asyncrl/model/cudnn_packed.py ``cudnn_segments``: each row's runs of equal
 segment id as cuDNN segments, offsets from the row's start, at most a static bound per row) is
 checked against an independent interpreter of the call jax makes
 (``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`` with ``q_offsets`` /
@@ -21,8 +21,10 @@ import numpy as np
 import pytest
 
 from asyncrl.model import attention as attention_module
-from asyncrl.model.attention import SelfAttentionMask, compiled_for, cudnn_segments, einsum_attention
+from asyncrl.model.attention import SelfAttentionMask, compiled_for, einsum_attention
+from asyncrl.model.cudnn_packed import cudnn_segments
 from asyncrl.model.logprobs import per_token_logprobs
+from asyncrl.model.tiny import TinySpec, tiny_decoder_config
 from asyncrl.trainer import Trainer
 from tests.trainer_fixtures import SGD, mixed_length_batch, trainer_config
 
@@ -33,7 +35,6 @@ LENGTHS = {"data": {"max_prompt_tokens": 8}, "rollout": {"max_new_tokens": 24, "
 def model_with(attention: str):
     """``(graphdef, params)`` of a one-layer tiny model whose ``model.attention`` is ``attention``."""
     from asyncrl.model import init_decoder, split_params
-    from asyncrl.model.tiny import TinySpec, tiny_decoder_config
 
     return split_params(init_decoder(tiny_decoder_config(TinySpec(layers=1)).replace(attention=attention), seed=0))
 
@@ -228,15 +229,23 @@ def test_packing_keeps_to_the_segment_bound_and_a_budget_below_a_row_is_refused(
         trainer_config(optim={"micro_batches": "auto"}, rollout={"pack": False})
 
 
-def test_a_trainer_chooses_its_token_budget_from_memory_in_one_line(caplog):
-    """``optim.micro_batches: auto`` on this CPU (the host's memory): every row of a mini-batch's share
-    in one micro-batch, within 32,768 tokens, said once; the row multiple leaves out the micro-batches."""
+def test_a_run_chooses_the_token_budget_from_memory_in_one_line(caplog):
+    """``optim.micro_batches: auto`` on this CPU (the host's memory), as the run resolves it before it
+    builds a stage's trainer: every row of a mini-batch's share in one micro-batch, within 32,768
+    tokens, said once; a trainer given ``auto`` unchosen takes one row. The row multiple leaves out
+    the micro-batches."""
     import logging
 
+    from asyncrl.run.auto_slots import resolve_auto_micro_batches
+
     cfg = trainer_config(optim={"micro_batches": "auto"}, algo={"mini_batches": 2}, **LENGTHS)
+    graphdef, params = model_with("auto")
     with caplog.at_level(logging.INFO, logger="asyncrl.run"):
-        trainer = Trainer(cfg, *model_with("auto"))
-    assert trainer.pack and trainer.micro_batch_tokens == 8 * 32  # 16 rows / 2 mini-batches, one device
-    assert trainer.row_multiple == 2 and trainer.spec.packed_segments == cfg.rollout.pack_max_segments
+        chosen = resolve_auto_micro_batches(cfg, tiny_decoder_config(TinySpec(layers=1)))
+    assert chosen.optim.micro_batch_tokens == 8 * 32  # 16 rows / 2 mini-batches, one device
     assert any(line.startswith("optim.micro_batches: auto -> optim.micro_batch_tokens=256 (8 row(s) of 32 tokens")
                for line in caplog.messages)
+    trainer = Trainer(chosen, graphdef, params)
+    assert trainer.pack and trainer.micro_batch_tokens == 256 and trainer.row_multiple == 2
+    assert trainer.spec.packed_segments == cfg.rollout.pack_max_segments
+    assert Trainer(cfg, graphdef, params).micro_batch_tokens == 32  # unchosen: one row
