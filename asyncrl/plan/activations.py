@@ -142,8 +142,8 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     for the RMSNorms (with Gemma 3's ``sandwich_norms`` twice the normed and float32 copies), and
     the attention's scores over ``length`` (:func:`attention_score_bytes`); heads and the MLP width
     split over ``tensor``. With ``model.remat`` each layer keeps only its input (``remat_policy:
-    save_dots``: also its seven projections' outputs, q/k/v/o and gate/up/down) and one layer at a
-    time is recomputed in full. The head: the hidden states of the window and the logits and their
+    save_dots``: also its projections' outputs, q/k/v, gate/up and one of o and down) and one layer
+    at a time is recomputed in full. The head: the hidden states of the window and the logits and their
     cotangent over ``chunk`` positions at a time (``window`` when unchunked; :func:`head_logit_bytes`),
     vocabulary split over ``tensor``. With ``fsdp`` > 1 the head runs vocabulary-parallel
     (:func:`asyncrl.model.sharding.vocab_parallel_head`): each device computes the logits of all
@@ -177,7 +177,10 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
         return Activations(model_cfg.num_layers * one_layer, 0, head, kernel)
     kept = h * c
     if model_cfg.remat_policy == "save_dots":
-        kept += (heads * d + 2 * kv_heads * d + h) * c + saved_mlp_dots_bytes(model_cfg, tensor)
+        # q, k, v and the MLP's dots; of o's and down's outputs one: with the layer's input they give the
+        # next layer's input, which the scan keeps (read from the train steps compiled for an H100 and a
+        # v6e-8 at 1k-32k tokens: one hidden-sized tensor per layer and token fewer than all seven).
+        kept += (heads * d + 2 * kv_heads * d) * c + saved_mlp_dots_bytes(model_cfg, tensor)
         kept += saved_lora_dots_bytes(model_cfg, tensor, lora)
     return Activations(model_cfg.num_layers * rows * length * kept, one_layer, head, kernel)
 

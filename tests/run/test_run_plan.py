@@ -65,9 +65,10 @@ def test_activation_formula_by_hand():
     assert remat.kept == LAYERS * rows * length * H * 2 and remat.layer == rows * length * per_token
     assert remat.head == rows * window * H * 2 + 2 * rows * 4 * V * 4
     assert remat.peak == remat.kept + max(remat.layer, remat.head)  # never alive together
-    # save_dots keeps the seven projections' outputs too: q (heads x D), k and v (KV x D), o and down (H), gate and up (I)
+    # save_dots keeps the projections' outputs too: q (heads x D), k and v (KV x D), gate and up (I) and one of o and
+    # down (H): with the layer's input they give the next layer's input, which XLA keeps instead of the other
     dots = activation_bytes(model.replace(remat=True, remat_policy="save_dots"), rows, length, window, tensor=1, chunk=4)
-    kept = H + HEADS * D + 2 * KV * D + 2 * H + 2 * I
+    kept = H + HEADS * D + 2 * KV * D + H + 2 * I
     assert dots.kept == LAYERS * rows * length * kept * 2 and dots.layer == remat.layer
     # LoRA: each targeted projection's two adapter matmuls (x A, rank wide; (x A) B, the output's width) are saved too
     lora = SimpleNamespace(rank=2, target_modules=("q_proj", "down_proj"))
