@@ -80,3 +80,22 @@ def test_a_run_engine_gets_auto_slots_from_memory(tiny_split, caplog):
     finally:
         engine.shutdown()
     assert "engine.slots: auto -> 6 slots of 64 tokens" in caplog.text
+
+
+def test_slots_are_rounded_up_to_the_replicas_so_a_group_still_fits(caplog):
+    """``engine.slots: 10`` with ``rollout.group_size: 10`` on 8 engine replicas becomes 16 slots (a
+    multiple of 8 that still holds the group), said in one line; a count the replicas divide stays."""
+    from asyncrl.cluster.placement import slots_for_replicas
+    from asyncrl.run.auto_slots import round_slots_to_replicas
+
+    assert [slots_for_replicas(s, 8) for s in (1, 8, 9, 10, 16, 17)] == [8, 8, 16, 16, 16, 24]
+    cfg = load_config(REPO_ROOT / "configs" / "quickstart.yaml", ["engine.slots=10", "rollout.group_size=10"])
+    with caplog.at_level(logging.INFO, logger="asyncrl.run"):
+        rounded = round_slots_to_replicas(cfg, 8)
+    assert rounded.engine.slots == 16 and rounded.rollout.group_size == 10
+    assert "engine.slots: 10 -> 16 (rounded up to a multiple of the engine's 8 replicas" in caplog.text
+    assert round_slots_to_replicas(cfg, 2) is cfg
+    beam = load_config(REPO_ROOT / "configs" / "recommend.yaml", ["engine.slots=64"])
+    assert round_slots_to_replicas(beam, 8).engine.slots == 64
+    with pytest.raises(ConfigError, match=r"fewer than rollout.group_size \(20\)"):
+        round_slots_to_replicas(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"group_size": 20})}), 8)
