@@ -509,6 +509,7 @@ LONG_CONTEXT_PEAKS = {
     ("v6e-8", "4k", "save_dots", False): 24920558816, ("v6e-8", "4k", "save_dots", True): 24720621280,
     ("v6e-8", "16k", "full", False): 8780455648, ("v6e-8", "16k", "full", True): 8783508704,
     ("v6e-8", "16k", "save_dots", False): 25432681696,
+    ("v6e-8", "32k", "full", False): 12343445216, ("v6e-8", "32k", "full", True): 12349512928,
 }
 
 
