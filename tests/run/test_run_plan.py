@@ -508,7 +508,7 @@ LONG_CONTEXT_PEAKS = {
     ("v6e-8", "4k", "full", False): 7825828064, ("v6e-8", "4k", "full", True): 7625890528,
     ("v6e-8", "4k", "save_dots", False): 24920558816, ("v6e-8", "4k", "save_dots", True): 24720621280,
     ("v6e-8", "16k", "full", False): 8780455648, ("v6e-8", "16k", "full", True): 8783508704,
-    ("v6e-8", "16k", "save_dots", False): 25432681696,
+    ("v6e-8", "16k", "save_dots", False): 25432681696, ("v6e-8", "16k", "save_dots", True): 25435734752,
     ("v6e-8", "32k", "full", False): 12343445216, ("v6e-8", "32k", "full", True): 12349512928,
 }
 
@@ -523,8 +523,8 @@ def test_plan_within_10_percent_of_xla_from_1k_to_32k_tokens():
         plan = plan_config(load_config(CONFIGS / "gsm8k_grpo.yaml", sets), devices, backend="gpu" if target == "h100" else "tpu")
         ratios[target, length, remat, packed] = plan.part_bytes("trainer") / xla
     assert all(0.9 <= ratio <= 1.1 for ratio in ratios.values()), ratios
-    # 32k tokens with save_dots does not fit a v6e chip: libtpu refuses the program, naming its temporaries
-    # ("the total memory required for HLO temporaries (42.33G) exceeds available HBM (31.25G)").
+    # 32k tokens with save_dots does not fit a v6e chip: libtpu refuses the program, padded or packed, naming
+    # its temporaries ("the total memory required for HLO temporaries (42.33G) exceeds available HBM (31.25G)").
     sets, devices = long_context_sets("v6e-8", "32k", "save_dots", False)
     plan = plan_config(load_config(CONFIGS / "gsm8k_grpo.yaml", sets), devices, backend="tpu")
     assert 0.9 <= plan.temporary_bytes("trainer") / (42.33 * GIB) <= 1.1
