@@ -22,9 +22,9 @@ CPU_ATTENTION_FLOAT32_COPIES = 3
 (scores, probabilities, and the softmax's exponentials); measured: ``scripts/bench.py plan``. GPU
 and TPU compilers fuse the softmax and keep the float32 scores and the probabilities in the compute
 dtype (:func:`attention_score_bytes`; read from XLA's buffer assignment for an H100)."""
-CPU_HEAD_FLOAT32_COPIES = 2
-"""On the CPU: float32 ``[rows, chunk, vocab]`` tensors of the lm head's backward (the logits and
-their cotangent); GPU and TPU compilers keep the float32 logits and a compute-dtype cotangent."""
+HEAD_FLOAT32_COPIES = 2
+"""On the CPU and TPUs: float32 ``[rows, chunk, vocab]`` tensors of the lm head's backward (the
+logits and their cotangent); GPU compilers keep the float32 logits and a compute-dtype cotangent."""
 
 
 def attention_score_bytes(compute_bytes: int, backend: str) -> int:
@@ -58,8 +58,13 @@ def attention_kept_bytes(kernel: str, heads: int, length: int, compute_bytes: in
 
 
 def head_logit_bytes(compute_bytes: int, backend: str) -> int:
-    """Bytes per position and vocabulary entry of the lm head's backward (one chunk at a time)."""
-    return CPU_HEAD_FLOAT32_COPIES * 4 if backend == "cpu" else 4 + compute_bytes
+    """Bytes per position and vocabulary entry of the lm head's backward (one chunk at a time): on
+    TPUs two float32 ``[rows, chunk, vocab]`` tensors (libtpu's buffer assignment of the
+    long-reasoning recipe's step on a v6e-8 at 8,384-position chunks holds two at once), on GPUs the
+    float32 logits and a compute-dtype cotangent."""
+    if backend == "gpu":
+        return 4 + compute_bytes
+    return HEAD_FLOAT32_COPIES * 4
 
 
 def param_count(tree: Any) -> int:
