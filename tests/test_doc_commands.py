@@ -212,6 +212,30 @@ def _bench_pack(_: Path, output: str) -> None:
     assert result["real_tokens_fraction_packed"] > result["real_tokens_fraction_unpacked"], result
 
 
+def _bench_pack_long(_: Path, output: str) -> None:
+    """``bench.py pack --lengths long``: the stated mix (median sequence under 1/8 of the budget, when
+    the budget dwarfs the prompts), both modes, the target reported."""
+    _bench_pack(_, output)
+    result = json.loads(output.strip().splitlines()[-1])
+    assert result["lengths"] == "long" and result["mix"]["budget"] == 512, result
+    assert isinstance(result["tiny"]["target"]["pass"], bool) and result["tiny"]["speedup"] > 0, result
+
+
+LONG_REASONING_SMOKE = (
+    "asyncrl train configs/long_reasoning_grpo.yaml --set model.path=tiny-qwen3 --set model.compute_dtype=float32 "
+    "--set model.remat=false --set mesh.fsdp=1 --set rollout.batch_size=2 --set rollout.group_size=4 "
+    "--set rollout.max_new_tokens=384 --set rollout.length_bucket=768 --set engine.kv_capacity=768 --set engine.slots=16 "
+    "--set algo.overlong_buffer=96 --set run.total_steps=3 --set eval.max_prompts=8 --set run.name=long_reasoning_cpu_smoke")
+
+
+def _long_reasoning_trained(ws: Path, _: str) -> None:
+    """Three packed steps by a token budget, each with its micro-batch count, the overlong penalty's reward shaping."""
+    rows = [json.loads(line) for line in (ws / "runs/long_reasoning_cpu_smoke/metrics.jsonl").read_text().splitlines()]
+    trained = [row for row in rows if row["step"] > 0]
+    assert [row["step"] for row in trained] == [1, 2, 3], rows
+    assert all(row["train/micro_batches"] >= 1 and row["rollout/lag_max"] <= 4 for row in trained), trained
+
+
 def _bench_accel(_: Path, output: str) -> None:
     result = json.loads(output.strip().splitlines()[-1])
     assert result["jax"] and result["device_kind"] and result["peak"]["source"] in ("table", "measured"), result
@@ -407,7 +431,13 @@ SLOW_CHAINS = {
     ),
     # docs/performance.md "Sequence packing": packed against unpacked trained tokens/s, one small batch
     "bench_pack": (Step("python scripts/bench.py pack", ("--rows", "8", "--batches", "1", "--rounds", "1"),
-                        check=_bench_pack),),
+                        check=_bench_pack),
+                   Step("python scripts/bench.py pack --lengths long", ("--rows", "16", "--batches", "1", "--rounds", "1",
+                                                                        "--budget", "512", "--micro-rows", "4"),
+                        check=_bench_pack_long),),
+    # docs/scaling.md "Long contexts": the long-reasoning recipe's CPU smoke run on tiny-qwen3 (GSM8K from
+    # $ASYNCRL_DATA_DIR; a few minutes here)
+    "long_reasoning": (Step(LONG_REASONING_SMOKE, ("--set", "eval.every_steps=0"), check=_long_reasoning_trained),),
     "bench_remote": (Step("python scripts/bench.py remote", ("--requests", "8", "--repeats", "1"),
                           check=_bench_line("remote")),),
     # docs/performance.md: reward-model scoring throughput, on the 2-layer twin
@@ -514,6 +544,12 @@ NOT_RUNNABLE_HERE = {
     "model.path=configs/models/qwen3-1.7b --set mesh.fsdp=8 --target h100 --devices 8": _AOT_PLUGIN,
     "~/.cache/asyncrl-aot-cuda/bin/python -m asyncrl.cli plan configs/gsm8k_grpo.yaml --set "
     "model.path=configs/models/qwen3-8b --set mesh.fsdp=8 --target h100 --devices 8": _AOT_PLUGIN,
+    "~/.cache/asyncrl-aot-tpu/bin/python -m asyncrl.cli plan configs/long_reasoning_grpo.yaml --set "
+    "model.path=configs/models/qwen3-1.7b --target v6e-8": _AOT_PLUGIN,
+    "~/.cache/asyncrl-aot-cuda/bin/python -m asyncrl.cli plan configs/long_reasoning_grpo.yaml --set "
+    "model.path=configs/models/qwen3-1.7b --target h100 --devices 8": _AOT_PLUGIN,
+    "~/.cache/asyncrl-aot-cuda/bin/python -m asyncrl.cli plan configs/long_reasoning_grpo.yaml --set "
+    "model.path=configs/models/qwen3-8b --target h100 --devices 8": _AOT_PLUGIN,
     "python -m sglang.launch_server --model-path Qwen/Qwen2.5-1.5B-Instruct --host 0.0.0.0 --port 30000 "
     "--skip-tokenizer-init --weight-version 0 --api-key $ASYNCRL_API_KEY":
         "SGLang needs a GPU and is not a dependency; tests/engine/test_remote.py runs the same protocol against asyncrl serve",

@@ -170,8 +170,10 @@ class RolloutConfig(Section):
     """Decoding of training rollouts: ``strategy`` must be ``sample`` (greedy and beam completions are not samples of the policy); ``constraint`` restricts completions to a trie (docs/decoding.md)."""
     length_bucket: int = Field(default=64, ge=1)
     """Batch length ``L`` is the longest sequence rounded up to a multiple of this (fewer recompilations)."""
-    pack: bool = False
-    """Sequence packing in the trainer: each step's rows are packed first-fit-decreasing into as few rows of length ``L`` as hold them, attention and positions kept within each original row (segment ids), so padding costs no FLOPs; losses, gradients and every aggregation equal the unpacked step's (float32 rounding), each mini-batch packed from exactly its own rows (docs/performance.md "Sequence packing"). RL and SFT, with micro- and mini-batches and LoRA (with LoRA dropout the dropped positions are another draw), multi-process data splits (each process packs its own rows), the critic of ``algo.estimator: gae`` (GAE per segment) and reward-model scoring (sequences packed into each scoring batch). A packed row is scored whole (the lm-head window of unpacked batches is off). The packed row count is rounded up to 1/8 of the unpacked rows, so a run compiles at most 8 packed steps per batch shape. Off by default: packing pays on long runs over spread-out lengths (GSM8K SFT: 1.7-2.2x trained tokens/s on the CPU; on in configs/gsm8k_sft.yaml), while a short run pays each packed shape's compile, and on GPUs packed rows reach cuDNN's attention as a dense bias (docs/performance.md "Sequence packing")."""
+    pack: Union[bool, Literal["auto"]] = "auto"
+    """Sequence packing in the trainer: each step's rows are packed first-fit-decreasing into as few rows of length ``L`` as hold them, attention and positions kept within each original row (segment ids: cuDNN's packed layout on GPUs, splash's segment ids on TPUs, no dense mask), so padding costs no FLOPs; losses, gradients and every aggregation equal the unpacked step's (float32 rounding), each mini-batch packed from exactly its own rows (docs/performance.md "Sequence packing"). RL and SFT, with micro- and mini-batches and LoRA (with LoRA dropout the dropped positions are another draw), multi-process data splits (each process packs its own rows), the critic of ``algo.estimator: gae`` (GAE per segment) and reward-model scoring (sequences packed into each scoring batch). A packed row is scored whole (the lm-head window of unpacked batches is off). The packed row count is rounded up to 1/8 of the unpacked rows, so a run compiles at most 8 packed steps per batch shape. ``auto``: on where it pays, with micro-batches by a token budget (``optim.micro_batches: auto`` or ``optim.micro_batch_tokens``, which pack) and where the length cap is long (at least ``PACK_AUTO_MIN_LENGTH`` tokens: long generation budgets have long-tailed lengths), off for short runs, where each packed shape is one more compile for little padding (docs/performance.md "Sequence packing": the rule and its measurement)."""
+    pack_max_segments: int = Field(default=16, ge=1)
+    """The most sequences one packed row holds: the static bound on segments per row that cuDNN's packed layout needs (its softmax statistics are float32 ``[rows x (bound + 1), heads, L]``); the packer opens a new row rather than exceed it."""
     max_seq_len: Optional[int] = Field(default=None, ge=2)
     """Cap on ``L``; a longer trajectory drops its group (``dropped:too_long``). Default: ``data.max_prompt_tokens + rollout.max_new_tokens``, room for one turn: a multi-turn workflow sets it to its whole episode's length (every turn, tool output and prompt)."""
     filter_zero_variance: bool = False
@@ -467,10 +469,30 @@ class OptimConfig(Section):
     """Updates of the cosine decay; null: ``run.total_steps * algo.ppo_epochs * algo.mini_batches - warmup_steps``."""
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
     """Final learning rate of the cosine schedule, as a fraction of ``lr``."""
-    micro_batches: int = Field(default=1, ge=1)
-    """Gradient-accumulation chunks per optimizer update: each mini-batch is split into this many micro-batches (memory, not math: the update is the same)."""
+    micro_batches: Union[int, Literal["auto"]] = 1
+    """Gradient-accumulation chunks per optimizer update: each mini-batch is split into this many micro-batches (memory, not math: the update is the same). ``auto``: micro-batches by a token budget taken from memory: each holds at most ``micro_batch_tokens`` tokens per device, the largest budget (whole rows of the length cap, at most 32,768 tokens or one row) whose plan fits the device's memory beside the engine (``asyncrl plan``'s formulas; chosen when the trainer is built and logged, ``asyncrl plan --target`` chooses it for the target), packed (``rollout.pack``), so the number of micro-batches follows each step's lengths, as verl's dynamic batch size does."""
+    micro_batch_tokens: Optional[int] = Field(default=None, ge=1)
+    """A token budget per micro-batch and device instead of a count: each step's rows are packed (``rollout.pack``) into rows of the batch's length ``L``, ``micro_batch_tokens // L`` of them per device in each micro-batch, and a mini-batch takes as many micro-batches as its packed rows need (rounded up so that a run compiles at most 8 counts per length). At least the longest row (the length cap rounded up to ``rollout.length_bucket``); with ``micro_batches: auto`` the run's choice is this field. Null: ``micro_batches`` micro-batches."""
     max_consecutive_nonfinite: int = Field(default=5, ge=1)
     """This many optimizer updates in a row with a non-finite loss or gradient (each skipped) stop training with an error."""
+
+    @field_validator("micro_batches")
+    @classmethod
+    def _check_micro_batches(cls, value: Union[int, str]) -> Union[int, str]:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"optim.micro_batches: at least 1, or auto (given {value})")
+        return value
+
+    @property
+    def by_tokens(self) -> bool:
+        """Micro-batches by a token budget (``micro_batches: auto`` or ``micro_batch_tokens``), not by count."""
+        return self.micro_batches == "auto" or self.micro_batch_tokens is not None
+
+    @property
+    def micro_batch_count(self) -> int:
+        """The fixed micro-batches per mini-batch: ``micro_batches``, or 1 by token budget (each step's
+        count then follows its packing)."""
+        return 1 if self.by_tokens or not isinstance(self.micro_batches, int) else self.micro_batches
 
 
 class CriticConfig(Section):

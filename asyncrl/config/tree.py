@@ -182,6 +182,24 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_micro_batches(self) -> "Config":
+        optim, problems = self.optim, []
+        if optim.micro_batch_tokens is not None and optim.micro_batches not in (1, "auto"):
+            problems.append(f"optim.micro_batch_tokens: a token budget per micro-batch replaces optim.micro_batches "
+                            f"({optim.micro_batches}); give one of them")
+        if optim.by_tokens and self.rollout.pack is False:
+            field = "optim.micro_batch_tokens" if optim.micro_batch_tokens is not None else "optim.micro_batches: auto"
+            problems.append(f"{field}: micro-batches by a token budget pack their rows; set rollout.pack: true (or auto)")
+        if optim.micro_batch_tokens is not None and optim.micro_batch_tokens < self.longest_row:
+            problems.append(
+                f"optim.micro_batch_tokens: {optim.micro_batch_tokens} is below one row of the longest sequence, "
+                f"{self.longest_row} tokens (data.max_prompt_tokens + rollout.max_new_tokens, or rollout.max_seq_len, "
+                f"rounded up to rollout.length_bucket {self.rollout.length_bucket}); give at least {self.longest_row}")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @model_validator(mode="after")
     def _check_engine(self) -> "Config":
         engine, problems = self.engine, []
         needed = self.data.max_prompt_tokens + self.rollout.max_new_tokens
@@ -318,6 +336,25 @@ class Config(Section):
             return self.rollout.max_seq_len
         return self.data.max_prompt_tokens + self.rollout.max_new_tokens
 
+    @property
+    def longest_row(self) -> int:
+        """The longest batch length ``L`` a step can have: :attr:`max_seq_len` rounded up to ``rollout.length_bucket``."""
+        bucket = self.rollout.length_bucket
+        return -(-self.max_seq_len // bucket) * bucket
+
+    @property
+    def packs(self) -> bool:
+        """Whether the trainer packs its rows (``rollout.pack``; ``auto``: with micro-batches by a token
+        budget, or where the length cap is at least :data:`PACK_AUTO_MIN_LENGTH` tokens)."""
+        pack = self.rollout.pack
+        if pack != "auto":
+            return bool(pack)
+        return self.optim.by_tokens or self.max_seq_len >= PACK_AUTO_MIN_LENGTH
+
+
+PACK_AUTO_MIN_LENGTH = 4096
+"""``rollout.pack: auto`` packs where the length cap (:attr:`Config.max_seq_len`) is at least this
+many tokens (docs/performance.md "Sequence packing": the rule and its measurement)."""
 
 GROUP_NORMALISED_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 """Built-in advantage estimators that need at least two sequences per group."""

@@ -13,9 +13,13 @@ packed segment, and ``t - s < window``. The kernels:
   ``jax.nn.dot_product_attention(implementation="cudnn")`` in its causal mode with per-row sequence
   lengths (``key_valid.sum(-1)``: a row's real tokens are its first ones, as in every right-padded
   row asyncrl builds, training batches and prefill plans alike) and
-  the window as ``local_window_size``. Packed rows have no lengths form there:
-  cuDNN's own packed layout needs a static bound on segments per row, so packed rows give cuDNN
-  the dense mask (its bias form), said once in the log;
+  the window as ``local_window_size``. Packed rows go through cuDNN's packed layout
+  (``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`` with ``q_offsets`` /
+  ``kv_offsets``): each row's runs of equal segment id (its sequences, and its padding as a run of
+  its own) become cuDNN segments, at most a static bound per row (:class:`KernelTarget`'s
+  ``segments``, the packing's bound, plus the padding run), each attended causally on its own
+  (:func:`asyncrl.model.cudnn_packed.cudnn_segments`). A program that names no bound gives cuDNN packed rows as the dense
+  mask (its bias form), said once in the log;
 * ``splash`` (TPUs): Pallas' splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``)
   with a ``CausalMask`` (``LocalMask`` for a window) and ``SegmentIds``: the packed segment ids,
   or the padding mask as ids (real tokens 1, padding 0), so a real query sees exactly the real
@@ -47,6 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from asyncrl.model.blocks import sliding_window_mask
+from asyncrl.model.cudnn_packed import cudnn_checks_for, cudnn_packed_attention, cudnn_packed_unavailable
 from asyncrl.model.decode_attention import kernel_block, pallas_decode_attention
 from asyncrl.model.kv_cache import LayerKV
 
@@ -100,12 +105,16 @@ jax.tree_util.register_dataclass(SelfAttentionMask, data_fields=["key_valid", "s
 @dataclasses.dataclass(frozen=True)
 class KernelTarget:
     """What the program is compiled for: the devices' platform (``cpu``, ``gpu``, ``tpu``), the
-    mesh the kernel's ``shard_map`` runs on (None: no mesh known) and, without a mesh, how many
-    devices the program spans (0: not known, taken as this process's device count)."""
+    mesh the kernel's ``shard_map`` runs on (None: no mesh known), without a mesh how many
+    devices the program spans (0: not known, taken as this process's device count), and the bound
+    on packed sequences per row of its batches."""
 
     platform: str
     mesh: Any = None
     devices: int = 0
+    segments: int = 0
+    """The most packed sequences one row of the program's batches holds (0: not known): the static
+    bound cuDNN's packed layout needs (:mod:`asyncrl.model.cudnn_packed`)."""
 
 
 _TARGET: contextvars.ContextVar[Optional[KernelTarget]] = contextvars.ContextVar("asyncrl_attention_target", default=None)
@@ -131,19 +140,21 @@ def kernel_target_of(array: Any) -> KernelTarget:
 
 
 @contextlib.contextmanager
-def compiled_for(mesh: Any = None, platform: Optional[str] = None, devices: int = 0) -> Iterator[None]:
+def compiled_for(mesh: Any = None, platform: Optional[str] = None, devices: int = 0, segments: int = 0) -> Iterator[None]:
     """Within it, ``model.attention: auto`` picks the kernel of ``mesh``'s devices (or of
-    ``platform``: ``cpu``, ``gpu``, ``tpu``, on ``devices`` devices), and the splash kernel runs
-    on ``mesh``. Enter it inside the traced function, from its static arguments, so that a cached
+    ``platform``: ``cpu``, ``gpu``, ``tpu``, on ``devices`` devices), the splash kernel runs
+    on ``mesh``, and packed rows hold at most ``segments`` sequences (cuDNN's packed layout; 0: not
+    known). Enter it inside the traced function, from its static arguments, so that a cached
     trace always saw the same target. Neither given: no change (this process's default backend)."""
     if mesh is not None:
         platform = device_platform(mesh.devices.flat[0])
     if platform is None:
         yield
         return
-    token = _TARGET.set(KernelTarget(platform, mesh, devices))
+    token = _TARGET.set(KernelTarget(platform, mesh, devices, segments))
     try:
-        yield
+        with cudnn_checks_for(mesh):
+            yield
     finally:
         _TARGET.reset(token)
 
@@ -220,25 +231,35 @@ def _cudnn_max_head_dim() -> int:
 
 
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: SelfAttentionMask, scale: Optional[float],
-                    mesh: Any = None) -> jax.Array:
+                    mesh: Any = None, segments: int = 0) -> jax.Array:
     """cuDNN flash attention of ``q [B, T, heads, D]`` over ``k, v [B, T, kv_heads, D]``: causal with
-    each row's length (real tokens first: right padding), the window as cuDNN's sliding window; packed rows
-    with the dense mask (module docstring). ``mesh``: the program's (the trainer's), over which q, k
-    and v are laid out alike (:func:`_alike_on`)."""
+    each row's length (real tokens first: right padding), the window as cuDNN's sliding window;
+    packed rows in cuDNN's packed layout with at most ``segments`` sequences per row
+    (:mod:`asyncrl.model.cudnn_packed`; 0: not known, the dense mask). ``mesh``: the program's (the trainer's),
+    over which q, k and v are laid out alike (:func:`_alike_on`)."""
     q, k, v = _alike_on(mesh, q, k, v)
+    window = None if mask.window is None else (mask.window - 1, 0)
     if mask.segment_ids is not None:
-        if "cudnn-packed" not in _LOGGED:
-            _LOGGED.add("cudnn-packed")
-            log.warning("model.attention: cudnn on packed rows takes the mask as a dense bias (cuDNN's packed layout "
-                        "needs a static bound on segments per row)")
-        return jax.nn.dot_product_attention(q, k, v, mask=mask.dense()[:, None], scale=scale, implementation="cudnn")
+        why = cudnn_packed_unavailable(segments)
+        if why is not None:
+            if why not in _LOGGED:
+                _LOGGED.add(why)
+                log.warning("model.attention: cudnn on packed rows takes the mask as a dense bias: %s", why)
+            return jax.nn.dot_product_attention(q, k, v, mask=mask.dense()[:, None], scale=scale, implementation="cudnn")
+        rows = None
+        if mesh is not None:
+            from jax.sharding import NamedSharding
+            from jax.sharding import PartitionSpec as P
+
+            rows = NamedSharding(mesh, P(_ROW_AXES if row_shards_divide(mesh, q.shape[0]) else None, None))
+        return cudnn_packed_attention(q, k, v, mask.segment_ids, mask.window, q.shape[-1] ** -0.5 if scale is None else scale,
+                                      segments, rows)
     # cuDNN's lengths count from position 0: a row's real tokens must be its first ones. Every
     # row asyncrl builds is right-padded (the TrainBatch contract, the engine's prefill plans), so
     # the lengths are exact and no per-layer gather is needed to move real tokens to the front.
     # At least 1: a padding row (no real token) attends its first position, never an empty set
     # (whose softmax a kernel may leave NaN, and NaN times a zero cotangent is NaN).
     lengths = jnp.maximum(mask.key_valid.sum(axis=1), 1).astype(jnp.int32)
-    window = None if mask.window is None else (mask.window - 1, 0)
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, query_seq_lengths=lengths,
                                         key_value_seq_lengths=lengths, local_window_size=window, implementation="cudnn")
 
@@ -417,18 +438,46 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, choice: str, kv_
     target = current_target()
     implementation = attention_kernel(choice, q.dtype, q.shape[-1], target=target)
     if isinstance(mask, SelfAttentionMask):
+        packed = mask.segment_ids is not None
         if implementation == "cudnn":
-            return cudnn_attention(q, k, v, mask, scale, mesh=target.mesh)
+            _seen(("cudnn dense bias" if cudnn_packed_unavailable(target.segments) else "cudnn packed layout") if packed
+                  else "cudnn row lengths")
+            return cudnn_attention(q, k, v, mask, scale, mesh=target.mesh, segments=target.segments)
         if implementation == "splash" and row_shards_divide(target.mesh, q.shape[0]):
+            _seen("splash segment ids" if packed else "splash")
             return splash_attention(q, k, v, mask, scale, mesh=target.mesh, interpret=target.platform != "tpu")
         mask = mask.dense()
     if implementation == "reference":
+        _seen("reference einsum")
         return einsum_attention(q, k, v, mask, kv_spec, scale)
     if kv_spec == "bksd":
         k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
     # Over a cache (a dense mask) splash has no form; cuDNN takes the mask as its bias.
     kernel: Any = "cudnn" if implementation == "cudnn" else "xla"
+    _seen(f"{kernel} dense mask")
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=kernel)
+
+
+_KERNELS_SEEN: contextvars.ContextVar[Optional[set[str]]] = contextvars.ContextVar("asyncrl_attention_seen", default=None)
+
+
+@contextlib.contextmanager
+def kernels_seen() -> Iterator[set[str]]:
+    """The kernels the several-token attention of the programs traced within it took, by name
+    (``cudnn row lengths``, ``cudnn packed layout``, ``splash``, ``splash segment ids``, ``xla
+    dense mask``, ...): what ``asyncrl plan --target`` reports for each program."""
+    seen: set[str] = set()
+    token = _KERNELS_SEEN.set(seen)
+    try:
+        yield seen
+    finally:
+        _KERNELS_SEEN.reset(token)
+
+
+def _seen(kernel: str) -> None:
+    seen = _KERNELS_SEEN.get()
+    if seen is not None:
+        seen.add(kernel)
 
 
 def _decode_kernel(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k: jax.Array, v: jax.Array,

@@ -154,20 +154,25 @@ reward_scores_jit = jax.jit(reward_scores, static_argnums=0)
 
 
 def packed_reward_scores(graphdef: Any, params: Any, score_weight: jax.Array, input_ids: jax.Array,
-                         segment_ids: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array:
+                         segment_ids: jax.Array, rows: jax.Array, positions: jax.Array, segments: int = 0) -> jax.Array:
     """float32 [N] rewards of sequences packed into ``input_ids`` int32 [P, T] (``segment_ids`` int32
     [P, T], 0 = padding; :mod:`asyncrl.rollout.packing`): sequence n is scored at row ``rows[n]``,
     position ``positions[n]`` (its own :func:`scored_positions`, offset by where it starts), each
-    segment attending only to itself with positions from 0, so a score equals its unpacked one."""
+    segment attending only to itself with positions from 0, so a score equals its unpacked one.
+    ``segments`` (static): the most sequences a row holds (cuDNN's packed layout's bound)."""
     from flax import nnx
 
+    from asyncrl.model.attention import compiled_for, current_target
+
     model = nnx.merge(graphdef, params)
-    hidden, _ = model.hidden_states(input_ids, None, segment_ids > 0, segment_ids=segment_ids)  # [P, T, hidden]
+    target = current_target()
+    with compiled_for(target.mesh, None if target.mesh is not None else target.platform, target.devices, segments):
+        hidden, _ = model.hidden_states(input_ids, None, segment_ids > 0, segment_ids=segment_ids)  # [P, T, hidden]
     last = hidden[rows, positions]  # [N, hidden]
     return jnp.einsum("nh,h->n", last.astype(jnp.float32), score_weight.astype(jnp.float32))
 
 
-packed_reward_scores_jit = jax.jit(packed_reward_scores, static_argnums=0)
+packed_reward_scores_jit = jax.jit(packed_reward_scores, static_argnums=0, static_argnames=("segments",))
 """``packed_reward_scores`` jitted at module level (graphdef static)."""
 
 

@@ -22,19 +22,49 @@ CPU_ATTENTION_FLOAT32_COPIES = 3
 (scores, probabilities, and the softmax's exponentials); measured: ``scripts/bench.py plan``. GPU
 and TPU compilers fuse the softmax and keep the float32 scores and the probabilities in the compute
 dtype (:func:`attention_score_bytes`; read from XLA's buffer assignment for an H100)."""
-CPU_HEAD_FLOAT32_COPIES = 2
-"""On the CPU: float32 ``[rows, chunk, vocab]`` tensors of the lm head's backward (the logits and
-their cotangent); GPU and TPU compilers keep the float32 logits and a compute-dtype cotangent."""
+HEAD_FLOAT32_COPIES = 2
+"""On the CPU and TPUs: float32 ``[rows, chunk, vocab]`` tensors of the lm head's backward (the
+logits and their cotangent); GPU compilers keep the float32 logits and a compute-dtype cotangent."""
 
 
 def attention_score_bytes(compute_bytes: int, backend: str) -> int:
-    """Bytes one attention score (one query, one key, one head) of a layer keeps for its backward."""
+    """Bytes one attention score (one query, one key, one head) of a layer keeps for its backward,
+    where attention runs by XLA (a dense mask: the ``xla`` and ``reference`` kernels)."""
     return CPU_ATTENTION_FLOAT32_COPIES * 4 if backend == "cpu" else 4 + compute_bytes
 
 
+def planned_kernel(model_cfg: Any, backend: str, packed: bool = False) -> str:
+    """The several-token attention kernel the train step gets on ``backend`` (``cpu``, ``gpu``,
+    ``tpu``), as :func:`asyncrl.model.attention.attention_kernel` picks it for the trainer's mesh:
+    ``cudnn`` (``cudnn-packed`` for packed rows), ``splash``, or ``xla``."""
+    from asyncrl.model.attention import KernelTarget, attention_kernel
+
+    kernel = attention_kernel(model_cfg.attention, model_cfg.compute_dtype, model_cfg.head_dim,
+                              target=KernelTarget(backend if backend in ("gpu", "tpu") else "cpu", mesh=object()))
+    return "cudnn-packed" if kernel == "cudnn" and packed else kernel
+
+
+def attention_kept_bytes(kernel: str, heads: int, length: int, compute_bytes: int, backend: str, segments: int = 0) -> int:
+    """Bytes per token and layer attention keeps for its backward beyond its inputs and output: the
+    dense ``[heads, length]`` scores by XLA (:func:`attention_score_bytes`); a fused kernel keeps
+    only its float32 softmax statistics per query and head, ``[rows, heads, T]`` (cuDNN's packed
+    layout: per cuDNN segment, ``[rows x (segments + 1), heads, T]``). Read from XLA's buffer
+    assignments of the train step compiled for an H100 and a v6e-8."""
+    if kernel in ("xla", "reference"):
+        return heads * length * attention_score_bytes(compute_bytes, backend)
+    if kernel == "cudnn-packed":
+        return heads * (segments + 1) * 4
+    return heads * 4
+
+
 def head_logit_bytes(compute_bytes: int, backend: str) -> int:
-    """Bytes per position and vocabulary entry of the lm head's backward (one chunk at a time)."""
-    return CPU_HEAD_FLOAT32_COPIES * 4 if backend == "cpu" else 4 + compute_bytes
+    """Bytes per position and vocabulary entry of the lm head's backward (one chunk at a time): on
+    TPUs two float32 ``[rows, chunk, vocab]`` tensors (libtpu's buffer assignment of the
+    long-reasoning recipe's step on a v6e-8 at 8,384-position chunks holds two at once), on GPUs the
+    float32 logits and a compute-dtype cotangent."""
+    if backend == "gpu":
+        return 4 + compute_bytes
+    return HEAD_FLOAT32_COPIES * 4
 
 
 def param_count(tree: Any) -> int:
@@ -47,7 +77,7 @@ def param_count(tree: Any) -> int:
 def batch_shape(cfg: Config, sft: bool) -> tuple[int, int, int]:
     """``(rows, L, W)`` of a trainer step: rows (padded to the mesh later), the batch length (the
     longest allowed sequence rounded up to ``rollout.length_bucket``), and the trained window
-    (the completion, rounded the same way). With ``rollout.pack`` the rows are the worst case's
+    (the completion, rounded the same way). Packed (``rollout.pack``) the rows are the worst case's
     (every sequence of length ``L`` fills a packed row of its own) and the window is ``L``: a
     packed row is scored whole (:mod:`asyncrl.trainer.packed`)."""
     bucket = cfg.rollout.length_bucket
@@ -56,7 +86,7 @@ def batch_shape(cfg: Config, sft: bool) -> tuple[int, int, int]:
     if sft:
         return cfg.sft.batch_size, length, length
     rows = cfg.rollout.batch_size * cfg.rollout.group_size
-    return rows, length, length if cfg.rollout.pack else min(length, round_up(cfg.rollout.max_new_tokens))
+    return rows, length, length if cfg.packs else min(length, round_up(cfg.rollout.max_new_tokens))
 
 
 def layer_share(model_cfg: Any) -> float:
@@ -95,6 +125,8 @@ class Activations(NamedTuple):
     """One layer recomputed in full (``model.remat``; 0 without: it is in ``kept``)."""
     head: int
     """The lm head's backward: the window's hidden states and one chunk's logits and cotangent."""
+    kernel: str = "xla"
+    """The attention kernel counted (:func:`planned_kernel`)."""
 
     @property
     def peak(self) -> int:
@@ -104,7 +136,7 @@ class Activations(NamedTuple):
 
 
 def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor: int, chunk: Optional[int],
-                     backend: str = "cpu", fsdp: int = 1, lora: Any = None) -> Activations:
+                     backend: str = "cpu", fsdp: int = 1, lora: Any = None, segments: int = 0) -> Activations:
     """What one device holds for the backward pass of one micro-batch of ``rows`` rows (its own
     share) and ``length`` positions, of which ``window`` go through the lm head, as compiled for
     ``backend`` (``cpu``, ``gpu``, ``tpu``).
@@ -115,8 +147,8 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     for the RMSNorms (with Gemma 3's ``sandwich_norms`` twice the normed and float32 copies), and
     the attention's scores over ``length`` (:func:`attention_score_bytes`); heads and the MLP width
     split over ``tensor``. With ``model.remat`` each layer keeps only its input (``remat_policy:
-    save_dots``: also its seven projections' outputs, q/k/v/o and gate/up/down) and one layer at a
-    time is recomputed in full. The head: the hidden states of the window and the logits and their
+    save_dots``: also its projections' outputs, q/k/v, gate/up and one of o and down) and one layer
+    at a time is recomputed in full. The head: the hidden states of the window and the logits and their
     cotangent over ``chunk`` positions at a time (``window`` when unchunked; :func:`head_logit_bytes`),
     vocabulary split over ``tensor``. With ``fsdp`` > 1 the head runs vocabulary-parallel
     (:func:`asyncrl.model.sharding.vocab_parallel_head`): each device computes the logits of all
@@ -133,7 +165,8 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     norm_pairs = 2 if model_cfg.sandwich_norms else 1  # Gemma 3 also norms the attention and MLP outputs
     per_token = ((2 + 2 * norm_pairs) * h + 3 * heads * d + 4 * kv_heads * d) * c + mlp_activation_bytes(model_cfg, tensor)
     per_token += norm_pairs * NORM_FLOAT32_COPIES * h * 4
-    per_token += heads * length * attention_score_bytes(c, backend)
+    kernel = planned_kernel(model_cfg, backend, packed=segments > 0)
+    per_token += attention_kept_bytes(kernel, heads, length, c, backend, segments)
     one_layer = rows * length * per_token
     positions = window if chunk is None else min(chunk, window)
     vocab = model_cfg.vocab_size // tensor if model_cfg.vocab_size % tensor == 0 else model_cfg.vocab_size
@@ -146,12 +179,15 @@ def activation_bytes(model_cfg: Any, rows: int, length: int, window: int, tensor
     elif fsdp > 1:
         head += fsdp * rows * positions * vocab * 4
     if not model_cfg.remat:
-        return Activations(model_cfg.num_layers * one_layer, 0, head)
+        return Activations(model_cfg.num_layers * one_layer, 0, head, kernel)
     kept = h * c
     if model_cfg.remat_policy == "save_dots":
-        kept += (heads * d + 2 * kv_heads * d + h) * c + saved_mlp_dots_bytes(model_cfg, tensor)
+        # q, k, v and the MLP's dots; of o's and down's outputs one: with the layer's input they give the
+        # next layer's input, which the scan keeps (read from the train steps compiled for an H100 and a
+        # v6e-8 at 1k-32k tokens: one hidden-sized tensor per layer and token fewer than all seven).
+        kept += (heads * d + 2 * kv_heads * d) * c + saved_mlp_dots_bytes(model_cfg, tensor)
         kept += saved_lora_dots_bytes(model_cfg, tensor, lora)
-    return Activations(model_cfg.num_layers * rows * length * kept, one_layer, head)
+    return Activations(model_cfg.num_layers * rows * length * kept, one_layer, head, kernel)
 
 
 def saved_lora_dots_bytes(model_cfg: Any, tensor: int, lora: Any) -> int:

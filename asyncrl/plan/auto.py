@@ -179,11 +179,18 @@ def resolve_for_target(config: Optional[str], overrides: Sequence[str], cfg: Con
 
 
 def _same_slots(new: Config, planned: Config) -> Config:
-    """``new`` with ``planned``'s engine slots (``engine.slots: auto`` is sized before the choice)."""
+    """``new`` with ``planned``'s engine slots and micro-batch token budget (``engine.slots: auto`` and
+    ``optim.micro_batches: auto`` are chosen before the remat policy and the lm-head chunk)."""
     from asyncrl.plan.formulas import with_slots
 
     slots = planned.engine.slots
-    return with_slots(new, slots) if isinstance(slots, int) and new.engine.slots != slots else new
+    new = with_slots(new, slots) if isinstance(slots, int) and new.engine.slots != slots else new
+    tokens = planned.optim.micro_batch_tokens
+    if tokens is not None and new.optim.micro_batch_tokens is None and new.optim.micro_batches == "auto":
+        from asyncrl.plan.formulas import with_micro_batch_tokens
+
+        new = with_micro_batch_tokens(new, tokens)
+    return new
 
 
 # --------------------------------------------------------------------------- in a run
@@ -254,3 +261,4 @@ def choose_remat_for_run(cfg: Config, device_bytes: Optional[int], backend: str,
            f"{PLAN_TOLERANCE:.0%}; full plans {gib(plan)}")
     return chosen, f"model.remat_policy: auto -> {policy} ({why}" + (
         f"; engine.slots: auto planned at {planned_slots}, its size under full" if planned_slots is not None else "") + ")"
+

@@ -53,11 +53,17 @@ def _candidates(cfg: Config, layout: Layout) -> list[list[str]]:
     """Single changes that lower memory, in the order a user would try them."""
     rows = cfg.rollout.batch_size * cfg.rollout.group_size
     out: list[list[str]] = []
-    micro = cfg.optim.micro_batches
-    per_update = rows // max(cfg.algo.mini_batches, 1)
-    for factor in (2, 4, 8, 16, 32):
-        if per_update % (micro * factor) == 0 and per_update // (micro * factor) >= layout.row_shards:
-            out.append([f"optim.micro_batches={micro * factor}"])
+    if cfg.optim.by_tokens:  # fewer rows per micro-batch: smaller token budgets, down to one row
+        tokens = cfg.optim.micro_batch_tokens
+        while tokens is not None and tokens // 2 >= cfg.longest_row:
+            tokens = tokens // 2 // cfg.longest_row * cfg.longest_row
+            out.append([f"optim.micro_batch_tokens={tokens}"])
+    else:
+        micro = cfg.optim.micro_batch_count
+        per_update = rows // max(cfg.algo.mini_batches, 1)
+        for factor in (2, 4, 8, 16, 32):
+            if per_update % (micro * factor) == 0 and per_update // (micro * factor) >= layout.row_shards:
+                out.append([f"optim.micro_batches={micro * factor}"])
     if not cfg.model.remat:
         out.append(["model.remat=true"])
     elif cfg.model.remat_policy == "save_dots":
@@ -287,14 +293,50 @@ def run_plan(config: str, overrides: Sequence[str] = (), devices: int = 1, proce
 
 
 def plan_auto_choices(cfg: Config, device_memory: Optional[int], devices: int, processes: int,
-                      backend: Optional[str]) -> Config:
+                      backend: Optional[str], micro_batches: bool = True) -> Config:
     """``cfg`` with ``engine.tensor_parallel: auto`` and ``engine.slots: auto`` chosen for
-    ``device_memory`` bytes per device as a run chooses them at start (stderr says what)."""
+    ``device_memory`` bytes per device as a run chooses them at start, then (``micro_batches``)
+    ``optim.micro_batches: auto`` as the run's trainer chooses it (stderr says what)."""
     if cfg.engine.tensor_parallel == "auto" and cfg.engine.remote is None:
         cfg = _plan_auto_tensor_parallel(cfg, device_memory, devices, processes, backend)
     if cfg.engine.slots == "auto":
         cfg = _plan_auto_slots(cfg, device_memory, devices, processes, backend)
+    if micro_batches:
+        cfg = plan_auto_micro_batches(cfg, device_memory, devices, processes, backend)
     return cfg
+
+
+def plan_auto_micro_batches(cfg: Config, device_memory: Optional[int], devices: int, processes: int,
+                            backend: Optional[str]) -> Config:
+    """``cfg`` with ``optim.micro_batches: auto`` chosen (:func:`_plan_auto_micro_batches`); ``cfg``
+    itself when it is not ``auto`` or already chosen."""
+    if cfg.optim.micro_batches != "auto" or cfg.optim.micro_batch_tokens is not None:
+        return cfg
+    return _plan_auto_micro_batches(cfg, device_memory, devices, processes, backend)
+
+
+def _plan_auto_micro_batches(cfg: Config, device_memory: Optional[int], devices: int, processes: int,
+                             backend: Optional[str]) -> Config:
+    """``optim.micro_batches: auto`` chosen for ``device_memory`` as a run chooses it when its trainer is
+    built (stderr says the budget; without a device memory the plan takes its least, one row)."""
+    import sys
+
+    from asyncrl.plan.formulas import choose_micro_batch_tokens, with_micro_batch_tokens
+
+    if device_memory is None:
+        tokens = cfg.longest_row
+        print(f"asyncrl plan: optim.micro_batches: auto: planned at its least, one row of {tokens} tokens per device "
+              "and micro-batch; give --device-memory to choose it as a run does", file=sys.stderr)
+        return with_micro_batch_tokens(cfg, tokens)
+    sizes = []
+    for stage, flat in cfg.stage_configs():  # the smallest any stage chooses: one budget for the run's config
+        sizes.append(choose_micro_batch_tokens(flat, int(AUTO_SLOTS_HEADROOM * device_memory), devices, processes,
+                                               backend=backend, sft=stage.type == "sft")[0])
+    tokens = min(sizes)
+    print(f"asyncrl plan: optim.micro_batches: auto -> optim.micro_batch_tokens={tokens} ({tokens // cfg.longest_row} "
+          f"row(s) of {cfg.longest_row} tokens per device and micro-batch, {AUTO_SLOTS_HEADROOM:.0%} of the device's "
+          f"memory)", file=sys.stderr)
+    return with_micro_batch_tokens(cfg, tokens)
 
 
 def _plan_auto_tensor_parallel(cfg: Config, device_memory: Optional[int], devices: int, processes: int,

@@ -103,7 +103,7 @@ def lower_train_step(cfg: Config, model_cfg: Any, devices: Sequence[Any], shape:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from asyncrl.algo import AlgoParams
-    from asyncrl.cluster.mesh import build_mesh
+    from asyncrl.cluster.mesh import build_mesh, row_shards
     from asyncrl.model.sharding import param_shardings
     from asyncrl.model.transformer import Decoder, split_params
     from asyncrl.trainer.optim import OptimParams
@@ -123,18 +123,20 @@ def lower_train_step(cfg: Config, model_cfg: Any, devices: Sequence[Any], shape:
     params = _placed(shapes, param_shardings(model_cfg, shapes, mesh))
     algo = None if sft else AlgoParams.from_config(cfg)
     optim = OptimParams.from_config(cfg, updates_per_step=1 if sft else None)
-    spec = StepSpec(mesh=mesh, model_cfg=model_cfg, ppo_epochs=1 if sft else cfg.algo.ppo_epochs,
-                    mini_batches=1 if sft else cfg.algo.mini_batches, micro_batches=cfg.optim.micro_batches,
-                    objective="sft" if sft else "rl", entropy=cfg.algo.log_entropy or (not sft and cfg.algo.entropy_coef > 0),
-                    lora_dropout=lora_dropout)
-    opt_state = abstract_opt_state(params, optim=optim, spec=spec)
     rows, length, window = shape
+    minis = 1 if sft else cfg.algo.mini_batches
+    packed = cfg.packs and not sft
+    spec = StepSpec(mesh=mesh, model_cfg=model_cfg, ppo_epochs=1 if sft else cfg.algo.ppo_epochs,
+                    mini_batches=minis, micro_batches=step_micro_batches(cfg, rows, length, minis, row_shards(mesh), sft),
+                    objective="sft" if sft else "rl", entropy=cfg.algo.log_entropy or (not sft and cfg.algo.entropy_coef > 0),
+                    lora_dropout=lora_dropout, packed_segments=cfg.rollout.pack_max_segments if packed else 0)
+    opt_state = abstract_opt_state(params, optim=optim, spec=spec)
     row_sharding = lambda ndim: NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))  # noqa: E731
     fields = {"input_ids": ((rows, length), np.int32), "attention_mask": ((rows, length), np.bool_),
               "loss_mask": ((rows, length), np.bool_), "behavior_logprobs": ((rows, length), np.float32),
               "rewards": ((rows,), np.float32), "group_index": ((rows,), np.int32), "truncated": ((rows,), np.bool_)}
     batch = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=row_sharding(len(shape))) for name, (shape, dtype) in fields.items()}
-    if cfg.rollout.pack and not sft:  # asyncrl.trainer.packed: token arrays only (segments, the row facts at first tokens)
+    if packed:  # asyncrl.trainer.packed: token arrays only (segments, the row facts at first tokens)
         for name, dtype in (("segment_ids", np.int32), ("row_rewards", np.float32), ("row_group_index", np.int32),
                             ("row_truncated", np.bool_)):
             batch[name] = jax.ShapeDtypeStruct((rows, length), dtype, sharding=row_sharding(2))
@@ -148,6 +150,24 @@ def lower_train_step(cfg: Config, model_cfg: Any, devices: Sequence[Any], shape:
                             critic_params=critic.get("params"), critic_opt_state=critic.get("opt_state"),
                             algo=algo, optim=optim, spec=spec, window=None if window == length else window,
                             critic=critic.get("spec"))
+
+
+def rows_per_micro_batch(cfg: Config, sft: bool, length: int) -> int:
+    """What a step's rows per device are a multiple of, per mini-batch: ``optim.micro_batches``, or
+    by a token budget the packed rows of one micro-batch, ``micro_batch_tokens // length`` (with
+    ``micro_batches: auto`` not yet chosen, one)."""
+    if sft or not cfg.optim.by_tokens:
+        return cfg.optim.micro_batch_count
+    return max((cfg.optim.micro_batch_tokens or length) // length, 1)
+
+
+def step_micro_batches(cfg: Config, rows: int, length: int, minis: int, row_shards: int, sft: bool = False) -> int:
+    """The micro-batches per mini-batch of a step of ``rows`` (global) rows of ``length``:
+    ``optim.micro_batches``, or by a token budget as many as the rows need at
+    :func:`rows_per_micro_batch` rows per device each (:func:`train_shape` pads the rows to them)."""
+    if sft or not cfg.optim.by_tokens:
+        return cfg.optim.micro_batch_count
+    return max(rows // (minis * row_shards * rows_per_micro_batch(cfg, sft, length)), 1)
 
 
 def _abstract_lora(cfg: Config, model_cfg: Any, base: dict) -> tuple[Any, dict, dict, float]:
@@ -198,7 +218,7 @@ def compiled_train_step(cfg: Config, model_cfg: Any, layout: Layout, sft: bool =
     import jax
 
     rows, length, window = batch_shape(cfg, sft)
-    multiple = layout.row_shards * (1 if sft else cfg.algo.mini_batches) * cfg.optim.micro_batches
+    multiple = layout.row_shards * (1 if sft else cfg.algo.mini_batches) * rows_per_micro_batch(cfg, sft, length)
     rows = -(-rows // multiple) * multiple
     chosen = list(devices) if devices is not None else jax.devices()[: layout.devices]
     return _compiled_memory(lower_train_step(cfg, model_cfg, chosen, (rows, length, window), sft))
@@ -412,10 +432,11 @@ def train_shape(cfg: Config, sft: bool, row_shards: int, hosts: int) -> tuple[in
     ``rollout.pack`` (and for SFT) the plan's worst case (:func:`~asyncrl.plan.formulas.batch_shape`),
     rows padded to the trainer's multiple."""
     mini = 1 if sft else cfg.algo.mini_batches
-    multiple = row_shards * mini * cfg.optim.micro_batches
-    if sft or cfg.rollout.pack:
+    if sft or cfg.packs:
         rows, length, window = batch_shape(cfg, sft)
+        multiple = row_shards * mini * rows_per_micro_batch(cfg, sft, length)
         return -(-rows // multiple) * multiple, length, window
+    multiple = row_shards * mini * cfg.optim.micro_batch_count
     from asyncrl.trainer.precompile import expected_first_shape
 
     local_rows = -(-cfg.rollout.batch_size * cfg.rollout.group_size // hosts)

@@ -250,10 +250,17 @@ def plan_layout(cfg: Config, devices: int, processes: int = 1) -> Layout:
     )
 
 
-@functools.lru_cache(maxsize=16)
 def abstract_params(model_cfg: Any) -> dict:
     """The model's parameter tree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated); cached
-    per config (suggestions plan the same model many times). Treat it as read-only."""
+    per architecture and parameter dtype: the runtime options that shape no parameter (remat,
+    chunking, attention, compute dtype, scanned layers) share one tree, so suggestions and choices
+    that plan the same model many times trace it once. Treat it as read-only."""
+    return _abstract_params(model_cfg.replace(compute_dtype=model_cfg.param_dtype, remat=False, remat_policy="full",
+                                              logprob_chunk_size=None, attention="auto", scan_layers=False))
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_params(model_cfg: Any) -> dict:
     from flax import nnx
 
     from asyncrl.model.transformer import Decoder, split_params
@@ -328,7 +335,15 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     g_note = f"one micro-batch's ({model_cfg.compute_dtype if cast_once else model_cfg.param_dtype})"
     backend = resolve_backend(backend)
     updates = 1 if sft else cfg.algo.mini_batches * cfg.algo.ppo_epochs
-    if updates == 1 and p_bytes >= 4 and backend != "cpu":
+    rows, length, window = batch_shape(cfg, sft)
+    shards = layout.row_shards
+    minis = 1 if sft else cfg.algo.mini_batches
+    rows, local_rows, micro_note = micro_batch_rows(cfg, rows, length, shards, minis)
+    if rows // (minis * shards) <= local_rows and backend != "cpu":
+        # One micro-batch per update: no accumulation loop, so no float32 sum of its own (the update
+        # reads the micro-batch's gradient; read from the train step compiled for an H100 and a v6e-8).
+        add("trainer", "gradients", trained * g_bytes, g_note + "; one micro-batch per update: no float32 sum")
+    elif updates == 1 and p_bytes >= 4 and backend != "cpu":
         # One optimizer update per step: XLA lays the micro-batches' float32 sum in the new
         # parameters' output buffers, which hold nothing else until the update writes them (read
         # from the buffer assignment of gsm8k_sft.yaml's step for an H100: the accumulator loop's
@@ -349,26 +364,28 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
             f"the table{' and its AdamW moments' if adam else ''} in the update loop's layout: each device's "
             f"hidden columns padded to TPU's {TPU_LANES} lanes")
     if c_bytes != p_bytes:  # each forward casts the weights; the backward keeps the cast copies
-        add("trainer", "cast weights", base * c_bytes, f"{model_cfg.param_dtype} weights as {model_cfg.compute_dtype}")
+        cast = base
+        if backend == "tpu" and model_cfg.scan_layers:
+            # libtpu casts the scanned layers' weights into their stacks ("stacked layers") and keeps no
+            # per-layer cast beside them (the buffer assignment of Qwen3-1.7B's step for a v6e-8 holds
+            # [28, ...] stacks only): the cast here is of the weights outside the scans.
+            cast = base - int(base * stacked_share(model_cfg, params))
+        add("trainer", "cast weights", cast * c_bytes, f"{model_cfg.param_dtype} weights as {model_cfg.compute_dtype}")
     algo = None if sft else AlgoParams.from_config(cfg)
     if algo is not None and algo.needs_reference:
         add("trainer", "reference model", trained * p_bytes, "algo.kl_coef > 0", resident=True)
 
-    rows, length, window = batch_shape(cfg, sft)
-    shards = layout.row_shards
-    minis = 1 if sft else cfg.algo.mini_batches
-    micro = cfg.optim.micro_batches
-    multiple = shards * minis * micro  # prepare_batch pads rows to the trainer's row multiple
-    rows = -(-rows // multiple) * multiple
-    global_micro_rows = rows // (minis * micro)
-    local_rows = global_micro_rows // shards
+    global_micro_rows = local_rows * shards
     chunk = model_cfg.logprob_chunk_size or auto_chunk_size(global_micro_rows, window, model_cfg.vocab_size,
                                                             model_cfg.logprob_chunk_budget_mb)
-    act = activation_bytes(model_cfg, local_rows, length, window, layout.mesh[2], chunk, backend, layout.mesh[1], lora)
+    packed = cfg.packs and not sft
+    act = activation_bytes(model_cfg, local_rows, length, window, layout.mesh[2], chunk, backend, layout.mesh[1], lora,
+                           segments=cfg.rollout.pack_max_segments if packed else 0)
     remat = ("remat" if model_cfg.remat_policy == "full" else f"remat ({model_cfg.remat_policy})") if model_cfg.remat \
         else "no remat"
     add("trainer", "activations", act.kept,
-        f"{local_rows} rows x {length} tokens per micro-batch ({micro} micro-batches), {remat}, {model_cfg.compute_dtype}")
+        f"{local_rows} rows x {length} tokens per micro-batch ({micro_note}), {remat}, {model_cfg.compute_dtype}, "
+        f"attention {act.kernel}")
     head_note = f"window {window}, " + (f"chunks of {chunk}" if chunk else "unchunked")
     if model_cfg.remat:  # the head's backward and a layer's recompute are never alive together
         add("trainer", "recomputed layer or lm head", max(act.layer, act.head),
@@ -377,9 +394,9 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
     else:
         add("trainer", "lm head", act.head, head_note)
     # ids, 2 masks, log-probs, (versions); packed also segment_ids, row_rewards, row_group_index, row_truncated.
-    token_bytes = 14 + (13 if cfg.rollout.pack else 0)
+    token_bytes = 14 + (13 if packed else 0)
     add("trainer", "batch", rows // shards * length * token_bytes,
-        "token arrays of the step" + (", packed (rollout.pack: worst case, no row saved)" if cfg.rollout.pack else ""))
+        "token arrays of the step" + (", packed (rollout.pack: worst case, no row saved)" if packed else ""))
     if model_cfg.scan_layers:  # scanned_layers stacks the layers' variables
         # What is stacked is the step's copy in the compute dtype (asyncrl/model/compute_copy.py). The
         # backward's stacked gradient is the micro-batch's gradient of those layers (counted above).
@@ -394,6 +411,25 @@ def plan_stage(cfg: Config, model_cfg: Any, layout: Layout, params: dict, sft: b
         publish = _publish_bytes(model_cfg, params, layout, base, c_bytes)
     n_params = param_count(params)
     return MemoryPlan(tuple(lines), layout, stage, n_params, publish)
+
+
+def micro_batch_rows(cfg: Config, rows: int, length: int, shards: int, minis: int) -> tuple[int, int, str]:
+    """``(batch rows, rows per device per micro-batch, what sets them)`` of a step of ``rows`` rows
+    of ``length``: ``optim.micro_batches`` splits each mini-batch's rows (padded to the trainer's
+    row multiple, as ``prepare_batch`` pads them); by a token budget each micro-batch holds
+    ``micro_batch_tokens // length`` packed rows per device (``micro_batches: auto`` not yet chosen:
+    one row, its least; :func:`choose_micro_batch_tokens` chooses it)."""
+    optim = cfg.optim
+    if optim.by_tokens:
+        rows = -(-rows // (shards * minis)) * shards * minis
+        budget = optim.micro_batch_tokens
+        per_device = max((budget or length) // length, 1)
+        what = (f"a budget of {budget} tokens per device" if budget else "micro_batches: auto, at its least: one row")
+        return rows, per_device, what
+    micro = optim.micro_batch_count
+    multiple = shards * minis * micro  # prepare_batch pads rows to the trainer's row multiple
+    rows = -(-rows // multiple) * multiple
+    return rows, rows // (minis * micro) // shards, f"{micro} micro-batches"
 
 
 def _publish_bytes(model_cfg: Any, params: dict, layout: Layout, trainer_base: int, c_bytes: int) -> int:
@@ -627,3 +663,62 @@ def slots_for_budget(cfg: Config, budget: int, devices: int = 1, processes: int 
                            "budget; lower engine.kv_capacity or the trainer's memory (asyncrl plan --device-memory "
                            "lists changes), or give a number"])
     return int(slots)
+
+
+# --------------------------------------------------------------------------- optim.micro_batches: auto
+
+
+def with_micro_batch_tokens(cfg: Config, tokens: int) -> Config:
+    """``cfg`` with micro-batches of ``tokens`` tokens per device (``optim.micro_batch_tokens``)."""
+    return cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"micro_batch_tokens": tokens})})
+
+
+MICRO_BATCH_TOKENS_CAP = 32768
+"""``optim.micro_batches: auto`` takes at most this many tokens per micro-batch and device (or one
+row, where a row is longer): a micro-batch's matmuls are ``[tokens, hidden] x [hidden, n]``, which
+fill an accelerator long before this (verl's default budget is 16,384 tokens per GPU), while every
+token more is memory the engine's KV cache could hold."""
+
+
+def micro_batch_budgets(cfg: Config, row_shards: int, sft: bool = False) -> list[int]:
+    """The token budgets ``optim.micro_batches: auto`` may take, largest (fewest micro-batches) first:
+    whole rows of the longest length (:attr:`~asyncrl.config.Config.longest_row`), from every row of
+    a mini-batch on one device's share in one micro-batch (at most :data:`MICRO_BATCH_TOKENS_CAP`
+    tokens) down to one row."""
+    rows = cfg.sft.batch_size if sft else cfg.rollout.batch_size * cfg.rollout.group_size
+    per_mini = -(-rows // (1 if sft else cfg.algo.mini_batches))
+    most = max(min(-(-per_mini // row_shards), MICRO_BATCH_TOKENS_CAP // cfg.longest_row), 1)
+    return [k * cfg.longest_row for k in range(most, 0, -1)]
+
+
+def choose_micro_batch_tokens(cfg: Config, budget: int, devices: int = 1, processes: int = 1, model_cfg: Any = None,
+                              backend: Optional[str] = None, sft: bool = False) -> tuple[int, int, bool]:
+    """``optim.micro_batches: auto``'s token budget per micro-batch and device: the largest of
+    :func:`micro_batch_budgets` whose plan of ``cfg`` (one stage's flat config) fits ``budget``
+    bytes per device, with the engine as the run sizes it first (``engine.slots: auto`` with the
+    trainer at its least, one row per micro-batch: the engine's slots come before the trainer's
+    micro-batch size, which the rest of the memory then sets). Returns ``(tokens, plan bytes, fits)``;
+    when even one row does not fit, one row, not fitting."""
+    layout = plan_layout(cfg, devices, processes)
+    decoder = stage_decoder_config(cfg, model_cfg, backend)
+    params = abstract_params(decoder)
+    if cfg.engine.slots == "auto" and cfg.engine.remote is None:
+        try:
+            cfg = with_slots(cfg, slots_for_budget(cfg, budget, devices, processes, model_cfg, backend))
+        except ConfigError:  # the engine's own start refuses it with its line; plan the trainer beside its least
+            cfg = with_slots(cfg, minimum_slots(cfg))
+
+    def total(tokens: int) -> int:
+        return plan_stage(with_micro_batch_tokens(cfg, tokens), decoder, layout, params, sft, "plan", backend).total_bytes
+
+    budgets = micro_batch_budgets(cfg, layout.row_shards, sft)[::-1]  # smallest first: the plan grows with them
+    low, high = 0, len(budgets) - 1
+    if total(budgets[0]) > budget:
+        return budgets[0], total(budgets[0]), False
+    while low < high:  # the largest index that fits
+        middle = (low + high + 1) // 2
+        if total(budgets[middle]) <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    return budgets[low], total(budgets[low]), True

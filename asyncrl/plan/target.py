@@ -103,6 +103,9 @@ class ProgramReport:
     compile_s: float
     device_memory: int
     decode: Optional[DecodeStructure] = None
+    attention: tuple[str, ...] = ()
+    """The several-token attention kernels the program took (:func:`~asyncrl.model.attention.kernels_seen`):
+    ``cudnn row lengths``, ``cudnn packed layout``, ``splash``, ``splash segment ids``, ``xla dense mask``, ..."""
 
     @property
     def fits(self) -> bool:
@@ -117,6 +120,8 @@ class ProgramReport:
             "xla_peak_bytes": self.memory.peak, "plan_bytes": self.plan_bytes, "device_memory_bytes": self.device_memory,
             "fits": self.fits, "compile_s": round(self.compile_s, 2),
         }
+        if self.attention:
+            out["attention"] = list(self.attention)
         if self.memory.reported_peak:
             out["xla_reported_peak_bytes"] = self.memory.reported_peak
         if self.decode is not None:
@@ -189,7 +194,7 @@ def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_d
             shape = train_shape(flat, sft, layout.row_shards, hosts)
             rows, length, window = shape
             lowered = _lower(stage.train, target, lower_train_step, flat, model_cfg, placement.trainer_devices, shape, sft)
-            done = report(stage.train, f"{rows} x {length} rows, window {window}" + (", packed worst case" if flat.rollout.pack
+            done = report(stage.train, f"{rows} x {length} rows, window {window}" + (", packed worst case" if flat.packs
                                                                                      else ""),
                           lowered, plan_bytes_for(stage.train, plan, flat, model_cfg))
             compiled["trainer"] = done.memory
@@ -290,9 +295,16 @@ def _layout(cfg: Config, target: Target, devices: int, hosts: int) -> Any:
 
 
 def _lower(program: str, target: Target, lower: Any, *args: Any) -> Any:
-    """``lower(*args)``, with a program JAX or XLA rejects reported in one line."""
+    """``lower(*args)``, with a program JAX or XLA rejects reported in one line; the attention
+    kernels it took (:func:`~asyncrl.model.attention.kernels_seen`) are kept on the result as
+    ``asyncrl_attention`` (a ``Lowered`` takes attributes)."""
+    from asyncrl.model.attention import kernels_seen
+
     try:
-        return lower(*args)
+        with kernels_seen() as seen:
+            lowered = lower(*args)
+        lowered.asyncrl_attention = tuple(sorted(seen))
+        return lowered
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 - the compiler's error, reported in one line
@@ -311,7 +323,9 @@ def _reporter(stage: str, target: Target, devices: int, memory: int) -> Any:
             compiled, seconds = compile_lowered(lowered)
         except Exception as err:  # noqa: BLE001 - the compiler's error, reported in one line
             raise ConfigError(_rejected(program, target, err)) from None
-        return ProgramReport(program, stage, detail, target.name, devices, compiled, plan_bytes, seconds, memory)
+        attention = tuple(getattr(lowered, "asyncrl_attention", ()))
+        return ProgramReport(program, stage, detail, target.name, devices, compiled, plan_bytes, seconds, memory,
+                             attention=attention)
 
     return report
 
@@ -335,7 +349,8 @@ def format_report(r: ProgramReport, scale: int = GIB) -> str:
     m = r.memory
     plan = f"{g(r.plan_bytes)} {r.plan_bytes / m.peak:5.2f}" if r.plan_bytes and m.peak else f"{'-':>7} {'-':>5}"
     row = (f"{r.stage:<6} {r.program:<12} {g(m.arguments)} {g(m.outputs)} {g(m.aliased)} {g(m.temporaries)} {g(m.peak)} "
-           f"{plan}  {'fits' if r.fits else 'NO':<4} {r.compile_s:6.1f}  {r.detail}")
+           f"{plan}  {'fits' if r.fits else 'NO':<4} {r.compile_s:6.1f}  {r.detail}"
+           + (f"; attention: {', '.join(r.attention)}" if r.attention else ""))
     if r.decode is not None:
         row += "\n" + " " * 20 + r.decode.summary()
     return row
@@ -355,12 +370,13 @@ def compile_and_print(config: str, overrides: Sequence[str], target_name: str, d
     """The compiling process's work: every program compiled (``programs``: only these), a row (or
     JSON line) each as it is done; 0 when every program and the device total fit the target's
     memory, 1 otherwise."""
-    from asyncrl.plan.command import plan_auto_choices
+    from asyncrl.plan.command import plan_auto_choices, plan_auto_micro_batches
 
     cfg = load_config(config, overrides)
     target = get_target(target_name)
     count, hosts = target_topology(target, devices, processes)
-    cfg = plan_auto_choices(cfg, device_memory_bytes(target), count, hosts, target.platform)
+    # As a run: the engine's choices, the remat policy (at the least micro-batch), then the micro-batch budget.
+    cfg = plan_auto_choices(cfg, device_memory_bytes(target), count, hosts, target.platform, micro_batches=False)
     from asyncrl.plan.auto import resolve_for_target
     from asyncrl.plan.formulas import plan_config
 
@@ -373,6 +389,7 @@ def compile_and_print(config: str, overrides: Sequence[str], target_name: str, d
                                     target, err) + "; or set both explicitly") from None
     if auto_line is not None:
         print(f"asyncrl plan: {auto_line}", file=sys.stderr if as_json else sys.stdout, flush=True)
+    cfg = plan_auto_micro_batches(cfg, device_memory_bytes(target), count, hosts, target.platform)
     large = plan_config(cfg, count, hosts, backend=target.platform).total_bytes >= GIB
     unit, scale = ("GiB", GIB) if large else ("MiB", 2**20)
     if not as_json:

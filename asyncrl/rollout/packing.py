@@ -33,17 +33,20 @@ _FILL = {"versions": -1, "constraint_nodes": -1}
 """Padding value of a packed token field where it is not 0 (as in an unpacked batch)."""
 
 
-def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+def first_fit_decreasing(lengths: Sequence[int], capacity: int, max_items: Optional[int] = None) -> list[list[int]]:
     """Bins of item indices: items by decreasing length (ties: lower index first), each into the
-    first bin with room, else a new one. Every length must be in ``[0, capacity]``."""
+    first bin with room (and, with ``max_items``, fewer than that many items), else a new one.
+    Every length must be in ``[0, capacity]``."""
     if any(n > capacity or n < 0 for n in lengths):
         raise ValueError(f"first_fit_decreasing: a length outside [0, {capacity}] in {list(lengths)}")
+    if max_items is not None and max_items < 1:
+        raise ValueError(f"first_fit_decreasing: max_items must be at least 1 (given {max_items})")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
     room: list[int] = []
     for i in order:
         for k, free in enumerate(room):
-            if lengths[i] <= free:
+            if lengths[i] <= free and (max_items is None or len(bins[k]) < max_items):
                 bins[k].append(i)
                 room[k] -= lengths[i]
                 break
@@ -84,11 +87,12 @@ rows padding on top of first-fit's)."""
 
 
 def packed_rows_needed(row_lengths: np.ndarray, real: np.ndarray, length: int, mini_batches: int,
-                       row_multiple: int) -> tuple[list[list[list[int]]], int]:
+                       row_multiple: int, max_segments: Optional[int] = None) -> tuple[list[list[list[int]]], int]:
     """``(bins of each mini-batch, packed rows per mini-batch)``: the first-fit-decreasing bins of
-    each mini-batch's real rows (original row indices), and the most of any mini-batch rounded up
-    to a multiple of ``row_multiple`` and of 1/:data:`SHAPES_PER_LENGTH` of its unpacked rows
-    (the same for every mini-batch: the step's chunks are equal)."""
+    each mini-batch's real rows (original row indices; at most ``max_segments`` per bin), and the
+    most of any mini-batch rounded up to a multiple of ``row_multiple`` and of
+    1/:data:`SHAPES_PER_LENGTH` of its unpacked rows (the same for every mini-batch: the step's
+    chunks are equal)."""
     rows = row_lengths.shape[0]
     if rows % mini_batches:
         raise ValueError(f"pack_train_batch: {rows} rows do not split into {mini_batches} mini-batches")
@@ -96,7 +100,7 @@ def packed_rows_needed(row_lengths: np.ndarray, real: np.ndarray, length: int, m
     bins_of_mini = []
     for i in range(mini_batches):
         members = [r for r in range(i * per_mini, (i + 1) * per_mini) if real[r]]
-        bins = first_fit_decreasing([int(row_lengths[r]) for r in members], length)
+        bins = first_fit_decreasing([int(row_lengths[r]) for r in members], length, max_segments)
         bins_of_mini.append([[members[j] for j in b] for b in bins])
     most = max([len(b) for b in bins_of_mini] + [1])
     step = -(-per_mini // SHAPES_PER_LENGTH)
@@ -105,21 +109,22 @@ def packed_rows_needed(row_lengths: np.ndarray, real: np.ndarray, length: int, m
 
 
 def pack_train_batch(arrays: Mapping[str, np.ndarray], *, mini_batches: int = 1, row_multiple: int = 1,
-                     rows_per_mini: Optional[int] = None) -> PackedBatch:
+                     rows_per_mini: Optional[int] = None, max_segments: Optional[int] = None) -> PackedBatch:
     """Pack a TrainBatch's arrays (``arrays``: field name -> array, rows in logical order; every
     ``[B, L]`` entry is a per-token field and is packed; ``rewards`` / ``group_index`` /
     ``truncated`` ``[B]`` become the :data:`ROW_FACTS`) mini-batch by mini-batch.
 
     ``row_multiple``: each mini-batch's packed rows are a multiple of this (the trainer's row
     shards x micro-batches), padded with empty rows; ``rows_per_mini`` (at least what
-    :func:`packed_rows_needed` gives) sets their count, so that every process packs to one shape.
-    Real rows are those with ``group_index >= 0``; their tokens are the first
+    :func:`packed_rows_needed` gives) sets their count, so that every process packs to one shape;
+    ``max_segments``: the most original rows one packed row holds (cuDNN's packed layout's static
+    bound, ``rollout.pack_max_segments``). Real rows are those with ``group_index >= 0``; their tokens are the first
     ``attention_mask.sum()`` positions (a TrainBatch is right-padded)."""
     attention = np.asarray(arrays["attention_mask"], bool)
     rows, length = attention.shape
     row_lengths = attention.sum(axis=1)
     real = np.asarray(arrays["group_index"]) >= 0
-    bins_of_mini, per_mini = packed_rows_needed(row_lengths, real, length, mini_batches, row_multiple)
+    bins_of_mini, per_mini = packed_rows_needed(row_lengths, real, length, mini_batches, row_multiple, max_segments)
     if rows_per_mini is not None:
         if rows_per_mini < per_mini or rows_per_mini % row_multiple:
             raise ValueError(f"pack_train_batch: rows_per_mini {rows_per_mini} is below the {per_mini} needed or "
@@ -149,11 +154,12 @@ def pack_train_batch(arrays: Mapping[str, np.ndarray], *, mini_batches: int = 1,
     return PackedBatch(tokens=tokens, segment_ids=segment_ids, token_row=token_row)
 
 
-def packed_shape(row_lengths: Sequence[int], length: int, mini_batches: int = 1, row_multiple: int = 1) -> tuple[int, int]:
+def packed_shape(row_lengths: Sequence[int], length: int, mini_batches: int = 1, row_multiple: int = 1,
+                 max_segments: Optional[int] = None) -> tuple[int, int]:
     """``(packed rows, L)`` of a batch whose real rows have ``row_lengths`` (for ``asyncrl plan``)."""
     lengths = np.asarray(row_lengths, np.int64)
     rows = -(-len(lengths) // mini_batches) * mini_batches
     lengths = np.concatenate([lengths, np.zeros(rows - len(lengths), np.int64)])
     real = np.arange(rows) < len(row_lengths)
-    _, per_mini = packed_rows_needed(lengths, real, length, mini_batches, row_multiple)
+    _, per_mini = packed_rows_needed(lengths, real, length, mini_batches, row_multiple, max_segments)
     return per_mini * mini_batches, length

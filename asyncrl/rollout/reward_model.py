@@ -156,7 +156,8 @@ def _load(cfg: Any, tokenizer: Any, where: str, path: str, devices: Optional[str
     buckets = sorted({b for b in DEFAULT_LENGTH_BUCKETS if b < max_tokens} | {max_tokens})
     scorer = RewardModelScorer(model, devices=_devices(cfg, devices, where), batch_size=batch_size,
                                length_buckets=buckets, name=f"{where} (reward_model {path})",
-                               pack=bool(cfg is not None and cfg.rollout.pack))
+                               pack=bool(cfg is not None and cfg.packs),
+                               pack_max_segments=cfg.rollout.pack_max_segments if cfg is not None else 16)
     try:
         scorer.warm_up()  # compiles now, and a device that cannot hold it fails before step 1
     except Exception as err:

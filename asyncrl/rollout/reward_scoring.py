@@ -67,10 +67,12 @@ class RewardModelScorer:
         pack: pack each batch's sequences first-fit decreasing into as few rows of its length bucket
             as hold them (``rollout.pack``; :func:`~asyncrl.model.reward_model.packed_reward_scores`):
             the same scores, fewer padded positions.
+        pack_max_segments: the most sequences a packed row holds (``rollout.pack_max_segments``).
     """
 
     def __init__(self, model: Any, *, devices: Optional[Sequence[Any]] = None, batch_size: int = 64,
-                 length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS, name: str = "reward_model", pack: bool = False):
+                 length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS, name: str = "reward_model", pack: bool = False,
+                 pack_max_segments: int = 16):
         import jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -81,6 +83,7 @@ class RewardModelScorer:
         self.name = name
         self.model = model
         self.pack = pack
+        self.pack_max_segments = pack_max_segments
         self.devices = tuple(devices) if devices else (jax.local_devices()[0],)
         count = len(self.devices)
         self.batch_size = -(-batch_size // count) * count
@@ -231,7 +234,7 @@ class RewardModelScorer:
         from asyncrl.model.reward_model import NO_PAD_ID, packed_reward_scores_jit
         from asyncrl.rollout.packing import first_fit_decreasing
 
-        bins = first_fit_decreasing([r.token_ids.size for r in batch], length)
+        bins = first_fit_decreasing([r.token_ids.size for r in batch], length, self.pack_max_segments)
         packed_rows = next(b for b in self.row_buckets if b >= len(bins))
         ids = np.zeros((packed_rows, length), np.int32)
         segments = np.zeros((packed_rows, length), np.int32)
@@ -248,7 +251,8 @@ class RewardModelScorer:
                 at += tokens.size
         ids_on, segments_on = jax.device_put((ids, segments), self._rows_sharding)
         return np.asarray(jax.device_get(packed_reward_scores_jit(
-            self.model.graphdef, self._params, self._score_weight, ids_on, segments_on, score_row, score_at)))
+            self.model.graphdef, self._params, self._score_weight, ids_on, segments_on, score_row, score_at,
+            segments=self.pack_max_segments)))
 
     def _fail_waiting(self, error: Exception) -> None:
         while True:

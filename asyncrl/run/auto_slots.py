@@ -1,7 +1,9 @@
 """The choices a run makes from its devices' memory at start: ``engine.tensor_parallel: auto``
 (:func:`resolve_auto_tensor_parallel`), ``engine.slots: auto`` (as many decode slots as the device's
 memory holds after the trainer), the slot count rounded to the engine's replicas
-(:func:`round_slots_to_replicas`), and ``model.remat_policy: auto`` (:func:`resolve_auto_remat`).
+(:func:`round_slots_to_replicas`), ``model.remat_policy: auto`` (:func:`resolve_auto_remat`), and
+the trainer's ``optim.micro_batches: auto`` (:func:`resolve_auto_micro_batches`: a token budget per
+micro-batch from the memory the engine leaves).
 
 The count comes from ``asyncrl plan``'s accounting (:func:`~asyncrl.plan.formulas.slots_for_budget`), so a
 run sized here and the plan printed for it agree. A plan's total is affine in the slots each
@@ -166,3 +168,25 @@ def round_slots_to_replicas(cfg: Config, replicas: int) -> Config:
                            "whose samples decode together; raise engine.slots"])
     return cfg
 
+
+
+def resolve_auto_micro_batches(cfg: Config, model_cfg: Any, sft: bool = False) -> Config:
+    """``cfg`` (a stage's flat config) with ``optim.micro_batches: auto``'s token budget per
+    micro-batch and device chosen for this process's devices (:func:`device_budget` of the first
+    local one; :func:`~asyncrl.plan.formulas.choose_micro_batch_tokens`), logged in one line;
+    ``cfg`` itself when the micro-batches are not ``auto`` or already chosen. The run calls it before
+    it builds the stage's trainer; the engine's ``auto`` slots are planned with the trainer at one row."""
+    if cfg.optim.micro_batches != "auto" or cfg.optim.micro_batch_tokens is not None:
+        return cfg
+    import jax
+
+    from asyncrl.plan.formulas import choose_micro_batch_tokens, with_micro_batch_tokens
+
+    budget, source = device_budget(jax.local_devices()[0])
+    tokens, planned, fits = choose_micro_batch_tokens(cfg, budget, jax.device_count(), jax.process_count(), model_cfg,
+                                                      jax.default_backend(), sft)
+    verdict = "within" if fits else "does NOT fit even at one row:"
+    log.info("optim.micro_batches: auto -> optim.micro_batch_tokens=%d (%d row(s) of %d tokens per device and micro-batch; "
+             "the plan %.2f GiB per device, %s %.2f GiB: %s)", tokens, tokens // cfg.longest_row, cfg.longest_row,
+             planned / GIB, verdict, budget / GIB, source)
+    return with_micro_batch_tokens(cfg, tokens)

@@ -403,7 +403,7 @@ def _start_precompile(run: Run, stage: Stage, trainer: Trainer) -> None:
 
     from asyncrl.trainer.precompile import expected_first_shape
 
-    if stage.type != "rl" or run.hosts.multi or stage.cfg.rollout.pack \
+    if stage.type != "rl" or run.hosts.multi or stage.cfg.packs \
             or not jax.config.values.get("jax_enable_compilation_cache"):
         return
     scfg = stage.cfg
@@ -415,11 +415,13 @@ def _start_precompile(run: Run, stage: Stage, trainer: Trainer) -> None:
 def _stage_trainer(run: Run, stage: Stage) -> Trainer:
     """A fresh trainer (and optimizer) for ``stage`` starting from its start weights, or, on a
     resume inside the stage, the saved one (its start weights are then the KL reference)."""
+    from asyncrl.run.auto_slots import resolve_auto_micro_batches
     from asyncrl.trainer import Trainer
 
+    cfg = resolve_auto_micro_batches(stage.cfg, run.loaded.config, sft=stage.type == "sft")  # from the memory left
     # On a resume the optimizer state is only described (shapes and shardings) and read straight
     # from the checkpoint: a freshly initialised one would sit beside the restored one.
-    trainer = Trainer(stage.cfg, run.train_graphdef, stage.start_params, mesh=run.mesh, version=run.version,
+    trainer = Trainer(cfg, run.train_graphdef, stage.start_params, mesh=run.mesh, version=run.version,
                       objective=stage.type, frozen=run.frozen, critic=run.critic_model,
                       state_from_checkpoint=stage.done is not None)
     if stage.done is not None:

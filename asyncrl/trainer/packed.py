@@ -24,19 +24,22 @@ from asyncrl.algo import AlgoParams, compute_advantages, segment_totals, shaped_
 from asyncrl.rollout.packing import pack_train_batch, packed_rows_needed
 
 
-def packed_fields(fields: dict[str, np.ndarray], *, mini_batches: int, row_multiple: int) -> dict[str, np.ndarray]:
+def packed_fields(fields: dict[str, np.ndarray], *, mini_batches: int, row_multiple: int,
+                  max_segments: Optional[int] = None) -> dict[str, np.ndarray]:
     """The token arrays ``[P, L]`` of ``fields`` (a checked TrainBatch's arrays, rows in logical
-    order, group indices already unique over processes) packed mini-batch by mini-batch, each
-    mini-batch's packed rows a multiple of ``row_multiple`` (row shards of this process x
-    micro-batches) and, with several processes, as many as the most any process needs."""
+    order, group indices already unique over processes) packed mini-batch by mini-batch, at most
+    ``max_segments`` rows in a packed row, each mini-batch's packed rows a multiple of
+    ``row_multiple`` (row shards of this process x micro-batches, or x packed rows per micro-batch
+    with a token budget) and, with several processes, as many as the most any process needs."""
     rows_per_mini = None
     if jax.process_count() > 1:  # one shape for every process's program
         from jax.experimental import multihost_utils
 
         _, needed = packed_rows_needed(np.asarray(fields["attention_mask"]).sum(axis=1), fields["group_index"] >= 0,
-                                       fields["attention_mask"].shape[1], mini_batches, row_multiple)
+                                       fields["attention_mask"].shape[1], mini_batches, row_multiple, max_segments)
         rows_per_mini = int(np.max(multihost_utils.process_allgather(np.int32(needed))))
-    packed = pack_train_batch(fields, mini_batches=mini_batches, row_multiple=row_multiple, rows_per_mini=rows_per_mini)
+    packed = pack_train_batch(fields, mini_batches=mini_batches, row_multiple=row_multiple, rows_per_mini=rows_per_mini,
+                              max_segments=max_segments)
     return dict(packed.tokens, segment_ids=packed.segment_ids)
 
 

@@ -33,6 +33,9 @@ class StepSpec:
     entropy: bool = True
     """Compute the policy's token entropy (a pass over ``[tokens, vocab]``): needed when
     ``algo.entropy_coef > 0``, else only for the ``train/entropy`` diagnostic (``algo.log_entropy``)."""
+    packed_segments: int = 0
+    """With packed batches (``rollout.pack``): the most sequences one packed row holds
+    (``rollout.pack_max_segments``), the static bound of cuDNN's packed layout; 0 unpacked."""
 
     @property
     def row_shards(self) -> int:

@@ -427,8 +427,9 @@ def _train_step_impl(
 def _train_step_for_mesh(*args: Any, spec: StepSpec, **kwargs: Any) -> Any:
     """:func:`_train_step_impl` traced for the devices of ``spec.mesh``: ``model.attention: auto``
     picks their platform's kernel (:func:`asyncrl.model.attention.compiled_for`), whatever this
-    process's default backend (a compile-only target included)."""
-    with compiled_for(spec.mesh):
+    process's default backend (a compile-only target included), and packed rows reach cuDNN's
+    packed layout with ``spec.packed_segments`` sequences per row at most."""
+    with compiled_for(spec.mesh, segments=spec.packed_segments):
         return _train_step_impl(*args, spec=spec, **kwargs)
 
 

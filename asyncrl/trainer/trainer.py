@@ -13,6 +13,7 @@ layout.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Optional
@@ -173,12 +174,23 @@ class Trainer:
             pool = TriePool()
             pool.rebuild([constraint])
             self._trie = jax.device_put(pool.tables, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+        self.pack = cfg.packs
+        """Pack each step's rows (``rollout.pack``, :mod:`asyncrl.trainer.packed`); evaluation
+        (:meth:`nll`, :meth:`logprobs`) stays unpacked (the same numbers)."""
+        self.micro_batch_tokens: Optional[int] = None
+        """Micro-batches by a token budget (``optim.micro_batch_tokens``; a run chooses it for
+        ``optim.micro_batches: auto`` from its devices' memory before it builds the trainer,
+        :func:`asyncrl.run.auto_slots.resolve_auto_micro_batches`): each holds at most this many
+        tokens per device."""
+        if cfg.optim.by_tokens:  # micro_batches: auto not chosen by the run (run/auto_slots.py): its least, one row
+            self.micro_batch_tokens = cfg.optim.micro_batch_tokens or cfg.longest_row
         self.spec = StepSpec(
             mesh=self.mesh, model_cfg=self.model_cfg, ppo_epochs=1 if sft else cfg.algo.ppo_epochs,
-            mini_batches=1 if sft else cfg.algo.mini_batches, micro_batches=cfg.optim.micro_batches,
+            mini_batches=1 if sft else cfg.algo.mini_batches, micro_batches=cfg.optim.micro_batch_count,
             objective=objective, lora_dropout=self.lora.dropout if self.lora is not None else 0.0,
             entropy=cfg.algo.log_entropy or (not sft and cfg.algo.entropy_coef > 0),
             trie_branch=0 if constraint is None else pool.max_branch,
+            packed_segments=cfg.rollout.pack_max_segments if self.pack else 0,
         )
         self.frozen = None if frozen is None else _place(frozen, param_shardings(self.model_cfg, frozen, self.mesh))
         self.param_shardings = param_shardings(self.model_cfg, params, self.mesh)
@@ -194,9 +206,6 @@ class Trainer:
         stage of a multi-stage run starts at the steps its predecessors completed."""
         self.skipped_updates_total = 0
         self.consecutive_nonfinite = 0
-        self.pack = bool(cfg.rollout.pack)
-        """Pack each step's rows (``rollout.pack``, :mod:`asyncrl.trainer.packed`); evaluation
-        (:meth:`nll`, :meth:`logprobs`) stays unpacked (the same numbers)."""
         self.precompile: Optional[Precompile] = None
         """The first step's background compile (:meth:`start_precompile`), until that step settles it."""
         self.precompile_hit: Optional[bool] = None
@@ -307,14 +316,17 @@ class Trainer:
 
     @property
     def row_multiple(self) -> int:
-        """This process's rows must be a multiple of this (``prepare_batch(row_multiple=...)``)."""
+        """This process's rows must be a multiple of this (``prepare_batch(row_multiple=...)``); by a
+        token budget the micro-batches follow each step's packing and do not enter it."""
         return local_row_shards(self.mesh) * self.spec.mini_batches * self.spec.micro_batches
 
-    def _device_batch(self, batch: Any, pack: bool = False) -> tuple[dict[str, jax.Array], float, Optional[int]]:
+    def _device_batch(self, batch: Any, pack: bool = False) -> tuple[dict[str, jax.Array], float, Optional[int], int]:
         """Check the batch, permute its rows into device order and place them on the mesh.
-        Returns ``(arrays, temperature, window)``: ``window`` the step's static lm-head window
-        (:func:`~asyncrl.trainer.step.loss_window`). ``pack``: its real rows packed first
-        (:mod:`asyncrl.trainer.packed`; window None, packed rows are scored whole)."""
+        Returns ``(arrays, temperature, window, micro_batches)``: ``window`` the step's static lm-head
+        window (:func:`~asyncrl.trainer.step.loss_window`), ``micro_batches`` per mini-batch. ``pack``:
+        its real rows packed first (:mod:`asyncrl.trainer.packed`; window None, packed rows are scored
+        whole); by a token budget each micro-batch then takes ``micro_batch_tokens // L`` packed rows
+        per device and the mini-batch as many micro-batches as its packed rows fill."""
         fields = {name: np.asarray(getattr(batch, name)) for name in BATCH_FIELDS}
         if batch.advantages is not None and self.critic_spec is not None:
             raise TrainerError("Trainer.step: the batch carries its own advantages, but algo.estimator gae computes "
@@ -371,8 +383,14 @@ class Trainer:
             gi = fields["group_index"]
             fields["group_index"] = np.where(gi >= 0, gi + jax.process_index() * rows, -1).astype(np.int32)
         if pack:  # token arrays only from here on, [packed rows, L], split and placed like any rows
-            fields = packed_fields(fields, mini_batches=m, row_multiple=s * u)
+            # Packed rows per device and micro-batch (the budget is at least the longest row: Config checks it).
+            per_micro = u if self.micro_batch_tokens is None else max(self.micro_batch_tokens // length, 1)
+            fields = packed_fields(fields, mini_batches=m, row_multiple=s * per_micro,
+                                   max_segments=self.cfg.rollout.pack_max_segments)
+            self._check_segments(fields["segment_ids"])
             rows = fields["input_ids"].shape[0]
+            if self.micro_batch_tokens is not None:
+                u = rows // (m * s * per_micro)
         ordered = {name: device_order(value) for name, value in fields.items()}
         shardings = {name: row_sharding(self.mesh, value.ndim) for name, value in ordered.items()}
         if jax.process_count() == 1:  # one batched transfer (part of the tiny step's fixed cost)
@@ -383,13 +401,21 @@ class Trainer:
                 for name, value in ordered.items()
             }
         if pack:  # a packed row is scored whole
-            return placed, temperature, None
+            return placed, temperature, None, u
         window = loss_window(fields["loss_mask"], self.cfg.rollout.length_bucket)
         if jax.process_count() > 1:  # one static window for every process's program
             from jax.experimental import multihost_utils
 
             window = int(np.max(multihost_utils.process_allgather(np.int32(window))))
-        return placed, temperature, window
+        return placed, temperature, window, u
+
+    def _check_segments(self, segment_ids: np.ndarray) -> None:
+        """A packed row of more sequences than ``rollout.pack_max_segments`` would lose the rest in
+        cuDNN's packed layout (its static bound): refused, naming the field."""
+        most = int(segment_ids.max(initial=0))
+        if most > self.cfg.rollout.pack_max_segments:
+            raise TrainerError(f"Trainer.step: a packed row holds {most} sequences, over rollout.pack_max_segments = "
+                               f"{self.cfg.rollout.pack_max_segments} (cuDNN's packed layout's static bound)")
 
     # ------------------------------------------------------------------ the step
 
@@ -403,7 +429,8 @@ class Trainer:
         behaviour/proximal log-prob gap on trained tokens, ``engine/logprob_gap`` (the engine's
         mismatch with the trainer); ``train/grad_norm`` (before clipping), ``train/update_norm``,
         ``train/lr``, ``train/skipped_updates`` (this step), ``train/skipped_updates_total``,
-        ``train/trained_tokens``, ``train/version``; ``perf/train_time`` (this call's compute: the
+        ``train/trained_tokens``, ``train/version`` (by a token budget also ``train/micro_batches``, this
+        step's count); ``perf/train_time`` (this call's compute: the
         loop's ``perf/step_time`` is the whole step), ``perf/train_tokens_per_train_s`` (trained
         tokens over ``perf/train_time``), ``perf/compile_count``, ``perf/flops_per_s`` (model FLOPs,
         :func:`step_flops`, plus :func:`critic_step_flops` with a critic), ``memory/*``.
@@ -462,6 +489,8 @@ class Trainer:
         metrics = {step_metric_name(k): float(v) for k, v in out.items()}
         if critic_finite is not None:
             metrics["train/critic_skipped_updates"] = float(critic_skipped)
+        if self.micro_batch_tokens is not None:  # this step's, from its packing
+            metrics["train/micro_batches"] = float(kwargs["spec"].micro_batches)
         metrics.update({
             "train/skipped_updates": float(skipped),
             "train/skipped_updates_total": float(self.skipped_updates_total),
@@ -498,17 +527,22 @@ class Trainer:
     def _step_arguments(self, batch: Any) -> tuple[tuple, dict]:
         """``(args, kwargs)`` of :func:`~asyncrl.trainer.step.train_step` for ``batch`` (also what
         ``train_step.lower(*args, **kwargs)`` takes, e.g. for the compiled step's cost analysis)."""
-        arrays, temperature, window = self._device_batch(batch, pack=self.pack)
-        return self._arguments_for(arrays, temperature, window)
+        arrays, temperature, window, micro_batches = self._device_batch(batch, pack=self.pack)
+        return self._arguments_for(arrays, temperature, window, micro_batches)
 
-    def _arguments_for(self, arrays: dict[str, Any], temperature: float, window: Optional[int]) -> tuple[tuple, dict]:
-        """:meth:`_step_arguments` from placed (or abstract) batch arrays."""
+    def _arguments_for(self, arrays: dict[str, Any], temperature: float, window: Optional[int],
+                       micro_batches: Optional[int] = None) -> tuple[tuple, dict]:
+        """:meth:`_step_arguments` from placed (or abstract) batch arrays (``micro_batches``: this
+        step's, where a token budget sets them)."""
         if self.objective == "sft":
             temperature = 1.0  # cross-entropy of the model's own distribution
         # A numpy scalar travels with the arguments; jnp.float32(...) would dispatch a program of its own.
         args: tuple = (self._step_graphdef, self.params, self.opt_state, self.ref_params, arrays,
                        np.float32(temperature), self.frozen, self._dropout_key(), self._trie)
-        kwargs: dict[str, Any] = dict(algo=self._step_algo, optim=self.optim, spec=self.spec, window=window)
+        spec = self.spec
+        if micro_batches is not None and micro_batches != spec.micro_batches:
+            spec = dataclasses.replace(spec, micro_batches=micro_batches)
+        kwargs: dict[str, Any] = dict(algo=self._step_algo, optim=self.optim, spec=spec, window=window)
         if self.critic_spec is not None:
             args += (self.critic_params, self.critic_opt_state, self.critic_frozen, self._critic_dropout_key())
             kwargs["critic"] = self.critic_spec
@@ -530,7 +564,7 @@ class Trainer:
     def nll(self, batch: Any) -> tuple[float, int]:
         """``(sum of -log p, trained tokens)`` of ``batch`` under the current weights at T = 1,
         no update (SFT eval loss; rows as for :meth:`step`)."""
-        arrays, _, _ = self._device_batch(batch)
+        arrays, _, _, _ = self._device_batch(batch)
         total, count = nll_sums(self.graphdef, self.params, arrays, self.frozen)
         return float(to_host(total)), int(to_host(count))
 

@@ -95,3 +95,30 @@ def test_a_run_chooses_save_dots_only_where_the_formulas_clear_it_and_full_on_a_
     auto_slots = load_config(data={"model": {"remat": True}, "engine": {"slots": "auto"}})  # sized under full first
     chosen, line = choose_remat_for_run(auto_slots, roomy * 4, "gpu")
     assert chosen.engine.slots == "auto" and "engine.slots: auto planned at" in line
+
+
+def test_micro_batches_auto_takes_the_largest_budget_that_fits_beside_the_engine():
+    """``optim.micro_batches: auto``: whole rows of the length cap (at most 32,768 tokens), the most that
+    fit the budget with the engine's slots sized first; unchosen, the plan counts one row."""
+    from asyncrl.plan.formulas import (
+        MICRO_BATCH_TOKENS_CAP,
+        choose_micro_batch_tokens,
+        micro_batch_budgets,
+        plan_config,
+        with_micro_batch_tokens,
+    )
+
+    cfg = load_config(data={"rollout": {"batch_size": 8, "group_size": 4, "max_new_tokens": 64, "length_bucket": 64},
+                            "data": {"max_prompt_tokens": 64}, "optim": {"micro_batches": "auto"}, "engine": {"slots": 16}})
+    assert cfg.longest_row == 128 and cfg.packs  # a token budget packs
+    assert micro_batch_budgets(cfg, row_shards=2) == [k * 128 for k in range(16, 0, -1)]  # 32 rows per mini-batch, 2 shards
+    long = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"max_seq_len": 20000})})
+    assert micro_batch_budgets(long, 1) == [long.longest_row]  # over the cap: one row
+    assert micro_batch_budgets(cfg, 1)[0] <= MICRO_BATCH_TOKENS_CAP
+    total = {k: plan_config(with_micro_batch_tokens(cfg, 128 * k), backend="gpu").total_bytes for k in (1, 5, 6, 32)}
+    assert plan_config(cfg, backend="gpu").total_bytes == total[1]  # auto, unchosen: one row
+    assert total[1] < total[5] < total[6] < total[32]
+    tokens, planned, fits = choose_micro_batch_tokens(cfg, total[5] + 1, backend="gpu")
+    assert (tokens, planned, fits) == (5 * 128, total[5], True)
+    assert choose_micro_batch_tokens(cfg, total[32], backend="gpu")[0] == 32 * 128
+    assert choose_micro_batch_tokens(cfg, total[1] - 1, backend="gpu") == (128, total[1], False)

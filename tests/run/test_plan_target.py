@@ -92,6 +92,7 @@ def test_cpu_target_reports_every_program_as_json():
         assert r["xla_argument_bytes"] > 0 and r["plan_bytes"] > 0
         assert 0 < r["xla_reported_peak_bytes"] <= r["xla_peak_bytes"] + r["xla_alias_bytes"]  # XLA's own, by live ranges
     assert rows[0]["detail"] == "16 x 24 rows, window 24" and "kernels_per_step" not in rows[2]  # no thunk dump on the CPU
+    assert rows[0]["attention"] == rows[1]["attention"] == ["xla dense mask"]  # the train step's and the prefill's kernel
     # Colocated: the train step's and the engine's arguments are resident together, and the
     # larger of the programs' transients (what each adds to its arguments) comes on top of them.
     assert total["stage"] == "rl" and total["fits"] and total["plan_bytes"] > 0

@@ -65,9 +65,10 @@ def test_activation_formula_by_hand():
     assert remat.kept == LAYERS * rows * length * H * 2 and remat.layer == rows * length * per_token
     assert remat.head == rows * window * H * 2 + 2 * rows * 4 * V * 4
     assert remat.peak == remat.kept + max(remat.layer, remat.head)  # never alive together
-    # save_dots keeps the seven projections' outputs too: q (heads x D), k and v (KV x D), o and down (H), gate and up (I)
+    # save_dots keeps the projections' outputs too: q (heads x D), k and v (KV x D), gate and up (I) and one of o and
+    # down (H): with the layer's input they give the next layer's input, which XLA keeps instead of the other
     dots = activation_bytes(model.replace(remat=True, remat_policy="save_dots"), rows, length, window, tensor=1, chunk=4)
-    kept = H + HEADS * D + 2 * KV * D + 2 * H + 2 * I
+    kept = H + HEADS * D + 2 * KV * D + H + 2 * I
     assert dots.kept == LAYERS * rows * length * kept * 2 and dots.layer == remat.layer
     # LoRA: each targeted projection's two adapter matmuls (x A, rank wide; (x A) B, the output's width) are saved too
     lora = SimpleNamespace(rank=2, target_modules=("q_proj", "down_proj"))
@@ -77,10 +78,20 @@ def test_activation_formula_by_hand():
     # Gemma 3's sandwich norms: two more normed copies (compute dtype) and float32 copies per layer and token
     sandwich = activation_bytes(model.replace(sandwich_norms=True), rows, length, window, tensor=1, chunk=None)
     assert sandwich.kept == act.kept + LAYERS * rows * length * (2 * H * 2 + 2 * H * 4)
-    # GPU and TPU compilers keep the float32 scores and bfloat16 probabilities, and a bfloat16 cotangent of the logits.
-    gpu = activation_bytes(model.replace(remat=True), rows, length, window, tensor=1, chunk=4, backend="gpu")
-    assert gpu.layer == remat.layer - rows * length * HEADS * length * (12 - 6)
-    assert gpu.head == rows * window * H * 2 + rows * 4 * V * 6
+    # GPU and TPU compilers running XLA's attention keep the float32 scores and bfloat16 probabilities, and a
+    # bfloat16 cotangent of the logits.
+    gpu_xla = activation_bytes(model.replace(remat=True, attention="xla"), rows, length, window, tensor=1, chunk=4,
+                               backend="gpu")
+    assert gpu_xla.kernel == "xla" and gpu_xla.layer == remat.layer - rows * length * HEADS * length * (12 - 6)
+    assert gpu_xla.head == rows * window * H * 2 + rows * 4 * V * 6
+    # The fused kernels (cuDNN's, splash: the defaults) keep no scores, only float32 softmax statistics per query and
+    # head; cuDNN's packed layout per cuDNN segment (the bound's sequences and the padding run).
+    for backend, kernel in (("gpu", "cudnn"), ("tpu", "splash")):
+        fused = activation_bytes(model.replace(remat=True), rows, length, window, tensor=1, chunk=4, backend=backend)
+        assert fused.kernel == kernel
+        assert fused.layer == remat.layer - rows * length * HEADS * (length * 12 - 4)
+    packed = activation_bytes(model.replace(remat=True), rows, length, window, tensor=1, chunk=4, backend="gpu", segments=7)
+    assert packed.kernel == "cudnn-packed" and packed.layer == remat.layer - rows * length * HEADS * (length * 12 - 4 * 8)
 
 
 def test_micro_batches_and_rows_per_device():
@@ -129,11 +140,13 @@ def test_reference_model_only_with_kl_and_own_engine_copy_on_its_devices():
 def test_one_update_per_step_sums_gradients_in_the_new_parameters_on_gpus_and_tpus():
     """XLA lays the float32 sum of a one-update step's micro-batch gradients in the new parameters'
     output buffers (gsm8k_sft.yaml's step for an H100); with several updates, or on the CPU, it
-    has buffers of its own."""
+    has buffers of its own; with one micro-batch per update there is no sum (no accumulation loop)."""
     bf16 = ["model.compute_dtype=bfloat16"]
-    for backend, minis, per_param in [("gpu", 1, 2), ("tpu", 1, 2), ("gpu", 2, 4 + 2), ("cpu", 1, 4 + 2)]:
-        got = _lines(plan_config(load_config(overrides=[*bf16, f"algo.mini_batches={minis}"]), backend=backend))
-        assert got["gradients"] == per_param * TINY_PARAMS, (backend, minis)
+    for backend, minis, micro, per_param in [("gpu", 1, 2, 2), ("tpu", 1, 2, 2), ("gpu", 2, 2, 4 + 2), ("cpu", 1, 2, 4 + 2),
+                                             ("gpu", 2, 1, 2), ("tpu", 2, 1, 2), ("cpu", 2, 1, 4 + 2)]:
+        got = _lines(plan_config(load_config(overrides=[*bf16, f"algo.mini_batches={minis}", f"optim.micro_batches={micro}"]),
+                                 backend=backend))
+        assert got["gradients"] == per_param * TINY_PARAMS, (backend, minis, micro)
 
 
 def test_an_sft_stage_holds_the_engine_too():
@@ -235,11 +248,13 @@ def _plan_args(config: Path) -> list[str]:
     directory or a hub id, the fixture config.json of that model (by name), else Qwen3-1.7B's."""
     import yaml
 
-    path = str(yaml.safe_load(config.read_text()).get("model", {}).get("path", "tiny"))
+    raw = yaml.safe_load(config.read_text())
+    path = str(raw.get("model", {}).get("path", "tiny"))
+    devices = ["--devices", str(raw["mesh"]["fsdp"])] if raw.get("mesh", {}).get("fsdp", 1) > 1 else []  # its host's
     if path.startswith("tiny") or Path(path).exists() or (config.parent / path).exists():
-        return [str(config)]
+        return [str(config), *devices]
     fixture = MODELS / path.rstrip("/").rsplit("/", 1)[-1].lower()
-    return [str(config), "--set", f"model.path={fixture if fixture.is_dir() else MODELS / 'qwen3-1.7b'}"]
+    return [str(config), "--set", f"model.path={fixture if fixture.is_dir() else MODELS / 'qwen3-1.7b'}", *devices]
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
@@ -454,3 +469,62 @@ def test_plan_within_10_percent_of_xla_on_the_targets(config, overrides, devices
     # The engine's resident state (one device: the trainer's arrays, its bf16 cast; more: its serving copy on its own
     # mesh and its share of the KV cache) and the decode chunk's temporaries.
     assert 0.9 <= plan_bytes_for("decode_chunk", plan, None, None) / decode <= 1.1
+
+
+LONG_CONTEXT_TOKENS = {"1k": 1024, "4k": 4096, "16k": 16384, "32k": 32768}
+LONG_CONTEXT_ROWS = {"1k": 16, "4k": 4, "16k": 1, "32k": 1}
+"""Rows per device and micro-batch of the long-context calibration: 16k-32k tokens each."""
+
+
+def long_context_sets(target: str, length: str, remat: str, packed: bool) -> tuple[list[str], int]:
+    """``configs/gsm8k_grpo.yaml``'s overrides (and the device count) of one long-context calibration
+    row: Qwen3-1.7B, 8 x 8 sequences of ``length`` tokens (prompt 384), one ``h100`` or a ``v6e-8``
+    (``mesh.fsdp=8``), padded in fixed micro-batches or packed by a token budget of the same rows."""
+    tokens = LONG_CONTEXT_TOKENS[length]
+    devices = 1 if target == "h100" else 8
+    per_device = 64 // 2 // devices  # 2 mini-batches
+    rows = min(LONG_CONTEXT_ROWS[length], per_device)
+    sets = [f"model.path={MODELS}/qwen3-1.7b", f"rollout.max_new_tokens={tokens - 384}", f"engine.kv_capacity={tokens}",
+            "rollout.batch_size=8", "rollout.group_size=8", f"model.remat_policy={remat}", "engine.slots=64"]
+    sets += [] if target == "h100" else ["mesh.fsdp=8"]
+    sets += (["rollout.pack=true", f"optim.micro_batch_tokens={rows * tokens}", "optim.micro_batches=1"] if packed
+             else ["rollout.pack=false", f"optim.micro_batches={per_device // rows}"])
+    return sets, devices
+
+
+LONG_CONTEXT_PEAKS = {
+    # XLA's per-device peak of the train step (arguments + outputs - aliased + temporaries; on TPUs libtpu's own
+    # peak, as above), compile-only, jax 0.10.2 / jax-cuda13-plugin 0.10.2 / libtpu 0.0.42.1.
+    ("h100", "1k", "full", False): 47524656386, ("h100", "1k", "full", True): 47552164346,
+    ("h100", "1k", "save_dots", False): 64177005570, ("h100", "1k", "save_dots", True): 64195223546,
+    ("h100", "4k", "full", False): 47479436546, ("h100", "4k", "full", True): 47500790266,
+    ("h100", "4k", "save_dots", False): 64182107394, ("h100", "4k", "save_dots", True): 64203481594,
+    ("h100", "16k", "full", False): 47499883778, ("h100", "16k", "full", True): 47533818106,
+    ("h100", "16k", "save_dots", False): 64202570498, ("h100", "16k", "save_dots", True): 64236511482,
+    ("h100", "32k", "full", False): 50971640066, ("h100", "32k", "full", True): 51039017466,
+    ("h100", "32k", "save_dots", False): 84224201730, ("h100", "32k", "save_dots", True): 84291578618,
+    ("v6e-8", "1k", "full", False): 5147464928, ("v6e-8", "1k", "full", True): 5147664608,
+    ("v6e-8", "1k", "save_dots", False): 9534334688, ("v6e-8", "1k", "save_dots", True): 9557587168,
+    ("v6e-8", "4k", "full", False): 7825828064, ("v6e-8", "4k", "full", True): 7625890528,
+    ("v6e-8", "4k", "save_dots", False): 24920558816, ("v6e-8", "4k", "save_dots", True): 24720621280,
+    ("v6e-8", "16k", "full", False): 8780455648, ("v6e-8", "16k", "full", True): 8783508704,
+    ("v6e-8", "16k", "save_dots", False): 25432681696, ("v6e-8", "16k", "save_dots", True): 25435734752,
+    ("v6e-8", "32k", "full", False): 12343445216, ("v6e-8", "32k", "full", True): 12349512928,
+}
+
+
+def test_plan_within_10_percent_of_xla_from_1k_to_32k_tokens():
+    """The trainer's plan against XLA's train step at 1k, 4k, 16k and 32k tokens, remat full and save_dots,
+    padded and packed, on one h100 and a v6e-8 (docs/benchmarks.md "The plan at long contexts"; the fused
+    kernels keep no scores)."""
+    ratios = {}
+    for (target, length, remat, packed), xla in LONG_CONTEXT_PEAKS.items():
+        sets, devices = long_context_sets(target, length, remat, packed)
+        plan = plan_config(load_config(CONFIGS / "gsm8k_grpo.yaml", sets), devices, backend="gpu" if target == "h100" else "tpu")
+        ratios[target, length, remat, packed] = plan.part_bytes("trainer") / xla
+    assert all(0.9 <= ratio <= 1.1 for ratio in ratios.values()), ratios
+    # 32k tokens with save_dots does not fit a v6e chip: libtpu refuses the program, padded or packed, naming
+    # its temporaries ("the total memory required for HLO temporaries (42.33G) exceeds available HBM (31.25G)").
+    sets, devices = long_context_sets("v6e-8", "32k", "save_dots", False)
+    plan = plan_config(load_config(CONFIGS / "gsm8k_grpo.yaml", sets), devices, backend="tpu")
+    assert 0.9 <= plan.temporary_bytes("trainer") / (42.33 * GIB) <= 1.1
