@@ -4,7 +4,7 @@ A slot's KV is kept after its sample ends, until the slot is needed again: a fre
 last sample's context (its prompt and the tokens it generated, all but the last, whose KV is
 never computed). A running slot's positions before its write position are fixed too. So every
 slot is a store of one token sequence, with no memory beyond the KV cache itself; the engine's
-scheduler (:mod:`asyncrl.engine.jax_scheduler`) asks :meth:`PrefixStore.match` for the slot whose
+scheduler (:mod:`asyncrl.engine.scheduler`) asks :meth:`PrefixStore.match` for the slot whose
 tokens share the longest prefix with a request's context and copies or extends from it
 (:mod:`asyncrl.engine.prefix_programs`).
 
@@ -175,7 +175,7 @@ class Admission:
 class AdmissionRound:
     """The requests admitted together between two decode chunks. Fresh prefills run first; then,
     stage by stage, the copies from kept prefixes, the extensions and the copies to a request's
-    other slots (:meth:`~asyncrl.engine.jax_scheduler.EngineScheduler._reuse`), so within a round:
+    other slots (:meth:`~asyncrl.engine.scheduler.Scheduler._reuse`), so within a round:
 
     * a request may start from any slot, one that another request of the round fills included:
       from a fresh one (complete once the fresh prefills ran) in the first stage, from a reusing

@@ -154,15 +154,15 @@ for tp in [int(t) for t in os.environ["ENGINE_TENSOR_PARALLEL"].split(",")]:
     placement = resolve_placement(cfg)
     engine = JaxEngine(graphdef, params, config=cfg.engine, mesh=engine_mesh(placement))
     assert tokens(engine) == reference, tp
-    k = engine._state.cache.layers[0].k  # [slots, kv_heads, capacity, head_dim]
+    k = engine.runner.state.cache.layers[0].k  # [slots, kv_heads, capacity, head_dim]
     assert k.sharding.device_set == set(placement.engine_devices)
     per_device = (8 // (4 // tp), 4 // tp, 48, 16)
     assert {s.data.shape for s in k.addressable_shards} == {per_device}, (tp, k.sharding)
     # XLA's own program works on those shards: the compiled decode step's cache operands are per-device slices.
-    hlo = decode_chunk_jit.lower(graphdef, engine._params, engine._state, idle_controls(8, 8), 4, False,
-                                 engine._layout).compile().as_text()
+    hlo = decode_chunk_jit.lower(graphdef, engine.runner.params, engine.runner.state, idle_controls(8, 8), 4, False,
+                                 engine.runner.layout).compile().as_text()
     assert "f32[%d,%d,48,16]" % per_device[:2] in hlo and "f32[8,4,48,16]" not in hlo, tp
-    q = engine._params["layers"][0]["self_attn"]["q_proj"]["kernel"]
+    q = engine.runner.params["layers"][0]["self_attn"]["q_proj"]["kernel"]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "tensor"), q.sharding
     # Publish from the trainer's (data x fsdp) arrays: device to device, never through host numpy.
     trainer_params = shard_params(lm.config, params, build_mesh(cfg.mesh, devices=placement.trainer_devices))
@@ -243,7 +243,7 @@ for tp, mesh_cfg in [(1, {"fsdp": 8}), (2, {"fsdp": 8}), (2, {"data": 4, "fsdp":
     engine = JaxEngine(graphdef, trainer_params, config=cfg.engine, mesh=engine_mesh(placement))
     same(samples(engine), reference, (tp, mesh_cfg))
     assert engine.metrics()["engine/prefix_hit_tokens"] > 0, "no prefix was reused"
-    k = engine._state.cache.layers[0].k  # [slots, kv_heads, capacity, head_dim]: split by slots and KV heads
+    k = engine.runner.state.cache.layers[0].k  # [slots, kv_heads, capacity, head_dim]: split by slots and KV heads
     assert {s.data.shape for s in k.addressable_shards} == {(8 // (8 // tp), 4 // tp, 48, 16)}, (tp, k.sharding)
     # A publish reshards the trainer's arrays device to device: nothing is read back to the host.
     jax_array.ArrayImpl._value = property(lambda self: (host_reads.append(self.shape), real_value.fget(self))[1])

@@ -71,13 +71,13 @@ def perturbed(params, scale: float, seed: int):
 
 def slow_decode(engine, seconds: float):
     """Make each decode chunk take at least ``seconds`` (an instance-level patch)."""
-    original = engine._decode
+    original = engine.scheduler._decode
 
     def decode():
         time.sleep(seconds)
         original()
 
-    engine._decode = decode
+    engine.scheduler._decode = decode
     return original
 
 
@@ -232,7 +232,7 @@ def test_requests_admitted_together_are_prefilled_together(tiny_split):
     ]  # contexts 2, 6 (bucket 8) and 10, 14, 18 (bucket 32); 7 samples in all
     alone = [engine.generate(r) for r in requests]
     calls = engine.prefill_calls
-    with engine._cond:  # the scheduler cannot take any of them before all five wait
+    with engine.scheduler.cond:  # the scheduler cannot take any of them before all five wait
         futures = [engine.submit(r) for r in requests]
     together = [f.result(timeout=60) for f in futures]
     assert engine.prefill_rows == 2 and engine.prefill_calls - calls == 3  # [2, 6] and [10, 14], [18]
@@ -374,7 +374,7 @@ def test_crash_reaches_every_caller(tiny_split):
         def boom():
             raise RuntimeError("scripted device failure")
 
-        eng._decode = boom
+        eng.scheduler._decode = boom
         futures = [eng.submit(GenerationRequest(prompt_ids=[7, 8], sample_id=i)) for i in range(3)]
         for f in futures:
             with pytest.raises(EngineCrashed, match="scripted device failure"):

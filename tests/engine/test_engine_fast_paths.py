@@ -286,11 +286,11 @@ def test_engine_serves_the_copy_and_refreshes_it_at_each_publish(bf16_compute_ti
                                 sample_id=4)
     with JaxEngine(graphdef, params, config=cfg) as engine:
         assert engine.served_params["embed_tokens"]["embedding"].dtype == jnp.float32  # what asyncrl serve reuses
-        assert engine._serving["embed_tokens"]["embedding"].dtype == jnp.bfloat16
+        assert engine.runner.serving["embed_tokens"]["embedding"].dtype == jnp.bfloat16
         before = engine.generate(request)
         moved = jax.tree.map(lambda x: x * 1.5, params)
         engine.update_weights(moved, 1)
-        np.testing.assert_array_equal(np.asarray(engine._serving["embed_tokens"]["embedding"], np.float32),
+        np.testing.assert_array_equal(np.asarray(engine.runner.serving["embed_tokens"]["embedding"], np.float32),
                                       np.asarray(moved["embed_tokens"]["embedding"].astype(jnp.bfloat16), np.float32))
         after = engine.generate(request)
     assert [r.versions.tolist() for r in after] == [[1] * 16] * 2

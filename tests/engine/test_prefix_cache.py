@@ -190,7 +190,7 @@ def test_kept_prefixes_never_hold_a_request_back(tiny_split):
     try:
         for i in range(4):
             engine.generate(request([6 + i] * 20, True, sample_id=i))
-        assert (engine._prefixes.state == KEPT).all()
+        assert (engine.cache.store.state == KEPT).all()
         (out,) = engine.generate(request([20] * 30, True, sample_id=9, n=4))[:1]
         assert len(out.output_ids) == 10
     finally:

@@ -117,7 +117,7 @@ def test_two_processes_each_write_their_own_tensors_and_a_server_loads_them(tmp_
         answer = httpx.post(f"{server.url}/update_weights_from_disk", json=body, timeout=120,
                             headers={"Authorization": f"Bearer {API_KEY}"})
         assert answer.status_code == 200 and answer.json()["success"], answer.text
-        served = hf_tensors_from_params(tiny.config, server.state.engine._params)  # what it installed
+        served = hf_tensors_from_params(tiny.config, server.state.engine.served_params)  # what it installed
         info = httpx.get(f"{server.url}/get_model_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert info["weight_version"] == "1"
     for name, value in reference.items():

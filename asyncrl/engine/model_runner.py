@@ -1,0 +1,199 @@
+"""The model runner of :class:`~asyncrl.engine.jax_engine.JaxEngine`: everything on the devices.
+
+It owns the engine's device state (the KV cache, the slots' keys), the serving copy of the
+weights and their shardings on the engine's mesh, and it calls the jitted programs
+(:mod:`asyncrl.engine.jax_programs`, :mod:`asyncrl.engine.prefix_programs`,
+:mod:`asyncrl.engine.beam_search`) with host plans the scheduler builds. It knows nothing of
+requests: the scheduler (:mod:`asyncrl.engine.scheduler`) decides what runs, the KV cache manager
+(:mod:`asyncrl.engine.kv_cache_manager`) where it lies, and this runs it.
+
+Only the scheduler thread calls its programs; the constructor and :meth:`install` make the
+serving copy (the previous one dropped first, so a device never holds two at once).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from asyncrl.config import EngineConfig
+from asyncrl.engine.beam_search import beam_search_jit
+from asyncrl.engine.device_copy import serving_copy
+from asyncrl.engine.jax_programs import (
+    PrefillPlan,
+    SlotControls,
+    SlotState,
+    decode_chunk_jit,
+    graphdef_config,
+    idle_controls,
+    init_slot_state,
+    prefill_insert_jit,
+    prefill_rows,
+    slot_state_shardings,
+)
+from asyncrl.engine.layouts import kv_cache_layout, serving_formats
+from asyncrl.engine.platform import resolve_inner_steps, resolve_sampler
+from asyncrl.engine.prefix_programs import CopyPlan, ExtendPlan, copy_prefix_jit, extend_jit
+from asyncrl.errors import EngineRequestError
+from asyncrl.model.attention import KernelTarget, device_platform
+from asyncrl.model.compute_copy import needs_compute_copy
+from asyncrl.model.sharding import check_tensor_parallel, param_shardings
+
+
+class ModelRunner:
+    """The engine's device side: weights, KV cache, programs.
+
+    Args:
+        graphdef, params: the model (``params`` a pure dict of arrays or host values).
+        config: the ``engine`` section.
+        mesh: the engine's own mesh (replicas x 1 x tensor-parallel), or None (the given arrays'
+            devices: the trainer's own on one device).
+    """
+
+    def __init__(self, graphdef: Any, params: Any, config: EngineConfig, mesh: Any = None):
+        self.graphdef = graphdef
+        self.config = cfg = config
+        self.model_config = nnx_cfg = _model_config(graphdef, params)
+        self.mesh = mesh
+        self.slots = int(cfg.slots)
+        self.capacity = cfg.kv_capacity
+        self.layout: Optional[SlotState] = None
+        """The slot state's shardings on the engine's own mesh (a static argument of the programs); None without one."""
+        if mesh is not None:
+            check_tensor_parallel(int(mesh.shape["tensor"]), nnx_cfg)
+            self.replicas = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+            self.shardings = param_shardings(nnx_cfg, params, mesh)
+        else:
+            self.replicas = 1
+            if (leaves := jax.tree.leaves(params)) and all(isinstance(x, jax.Array) for x in leaves):
+                self.shardings = jax.tree.map(lambda x: x.sharding, params)
+            else:
+                device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                self.shardings = jax.tree.map(lambda _: device, params)
+        self.treedef: Any = jax.tree.structure(params)  # (jax's PyTreeDef is untyped for mypy)
+        self.avals = [(np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)]
+        self.vocab_size = int(params["embed_tokens"]["embedding"].shape[0])
+        # PREFILL_ROWS prompts per replica and call: each replica prefills what one device alone would
+        self.prefill_rows = prefill_rows(self.slots, self.replicas)
+        # the attention kernels' target: the engine's mesh (fused kernels run per device in a
+        # shard_map over it), or its arrays' devices when it has none
+        first = jax.tree.leaves(self.shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))[0]
+        self.kernel = (KernelTarget(device_platform(mesh.devices.flat[0]), mesh=mesh) if mesh is not None
+                       else KernelTarget(device_platform(next(iter(first.device_set))), devices=len(first.device_set)))
+        self.platform = self.kernel.platform
+        self.cache_layout = kv_cache_layout(self.platform)
+        if mesh is not None:
+            self.layout = slot_state_shardings(nnx_cfg, self.slots, mesh, self.cache_layout)
+        self.sampler = resolve_sampler(cfg.sampler, self.platform)
+        self.inner_steps = resolve_inner_steps(cfg.decode_inner_steps, self.platform)
+        self.formats = serving_formats(nnx_cfg, self.shardings, self.layout or self.state_shardings(), slots=self.slots,
+                                       capacity=cfg.kv_capacity, platform=self.platform,
+                                       decode=self.decode_options(cfg.kv_capacity), max_stop_ids=cfg.max_stop_ids,
+                                       layout=self.layout)
+        """The serving copy's memory layouts where the decode program wants others than row-major (TPUs), else None."""
+        self.params: Any = None
+        """The params of the served version in their own dtype, or None where only the serving copy is kept."""
+        self.serving: Any = None
+        """The compute-dtype copy every program runs on."""
+        self.install(params)
+        # made in place on its shardings (a whole cache on one device first could not fit there)
+        self.state = jax.jit(lambda: init_slot_state(nnx_cfg, self.slots, self.capacity, self.cache_layout),
+                             out_shardings=self.state_shardings())()
+        self._trie_tables: Any = None
+
+    # ------------------------------------------------------------------ weights
+
+    def install(self, params: Any) -> None:
+        """Serve ``params`` (the structure and dtypes of the served model's): the previous copy is
+        dropped first, then the serving copy is made (:func:`serving_copy`), so that a device never
+        holds two serving copies at once (the scheduler thread, between two chunks; or the constructor)."""
+        self.params = self.serving = None
+        dtype = self.model_config.compute_dtype
+        if self.mesh is None:  # the given arrays (the trainer's, on one device), or host values put on a device
+            leaves = jax.tree.leaves(params)
+            placed = params if all(isinstance(x, jax.Array) for x in leaves) else jax.device_put(params, self.shardings)
+            self.params, self.serving = placed, serving_copy(placed, self.shardings, dtype, self.formats)
+        else:
+            self.serving = serving_copy(params, self.shardings, dtype, self.formats)
+            self.params = None if needs_compute_copy(params, dtype) else self.serving
+
+    def state_shardings(self) -> Any:
+        if self.layout is not None:
+            return self.layout
+        first = jax.tree.leaves(self.shardings)[0]
+        # Without an engine mesh the state (KV cache, keys) is replicated over the params' mesh;
+        # a NamedSharding of a weight matrix would not fit its lower-rank arrays.
+        if isinstance(first, jax.sharding.NamedSharding):
+            return jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+        return first
+
+    def replicated(self) -> Any:
+        """The sharding of small arrays every engine device reads whole (trie tables)."""
+        if self.layout is not None:
+            return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return self.state_shardings()
+
+    def decode_options(self, attend: int) -> dict[str, Any]:
+        """The decode program's sampler, attended cache size (0: the whole cache, the same
+        program as without attention buckets) and steps per loop iteration."""
+        return {"sampler": self.sampler, "attend": 0 if attend >= self.capacity else attend, "inner": self.inner_steps,
+                "kernel": self.kernel}
+
+    # ------------------------------------------------------------------ programs
+
+    def prefill(self, plan: PrefillPlan, root_key: Any) -> None:
+        self.state = prefill_insert_jit(self.graphdef, self.serving, self.state, plan, root_key, self.layout, self.kernel)
+
+    def copy(self, plan: CopyPlan, root_key: Any, cross: bool) -> None:
+        self.state = copy_prefix_jit(self.state, plan, root_key, self.layout, cross and self.layout is not None)
+
+    def extend(self, plan: ExtendPlan) -> None:
+        self.state = extend_jit(self.graphdef, self.serving, self.state, plan, self.layout, self.kernel)
+
+    def decode(self, controls: SlotControls, steps: int, filtered: bool, tries: Any, max_branch: int,
+               attend: int) -> tuple[Any, Any, Any]:
+        """One decode chunk; returns its ``(tokens, logprobs, emitted)`` device arrays ``[slots, steps]``."""
+        self.state, tokens, logprobs, emitted = decode_chunk_jit(
+            self.graphdef, self.serving, self.state, controls, steps, filtered, self.layout, tries, max_branch,
+            **self.decode_options(attend))
+        return tokens, logprobs, emitted
+
+    def beam_search(self, *args: Any, **kwargs: Any) -> Any:
+        return beam_search_jit(self.graphdef, self.serving, *args, kernel=self.kernel, cache_layout=self.cache_layout,
+                               **kwargs)
+
+    def put_tables(self, tables: Any) -> Any:
+        """A trie pool's tables on the engine's devices (replicated)."""
+        return jax.device_put(tables, self.replicated())
+
+    def block(self) -> None:
+        """Wait for every dispatched program (so that its time is counted where it ran)."""
+        jax.block_until_ready(self.state)
+
+    def warmup(self, buckets: tuple[int, ...], extend_buckets: tuple[int, ...], attention_buckets: tuple[int, ...],
+               reuse: bool, root_key: Any) -> None:
+        """Compile every program with arguments that change nothing (each prefill bucket, both
+        decode variants per attention bucket, and with reuse the copy and each extension bucket)."""
+        for bucket in buckets:
+            self.prefill(PrefillPlan.empty(self.prefill_rows, bucket, self.slots), root_key)
+        if reuse:
+            for cross in sorted({False, self.layout is not None and self.replicas > 1}):
+                self.copy(CopyPlan.empty(self.slots), root_key, cross)
+            for bucket in extend_buckets:
+                self.extend(ExtendPlan.empty(self.prefill_rows, bucket, self.slots))
+        idle = idle_controls(self.slots, self.config.max_stop_ids)
+        for filtered in (False, True):
+            for attend in attention_buckets:
+                self.decode(idle, self.config.decode_chunk, filtered, None, 0, attend)
+        self.block()
+
+
+def _model_config(graphdef: Any, params: Any) -> Any:
+    """The :class:`~asyncrl.model.DecoderConfig` the graphdef was built with."""
+    cfg = graphdef_config(graphdef, params)
+    if cfg is None:
+        raise EngineRequestError("JaxEngine: the graphdef is not an asyncrl Decoder (no .cfg)")
+    return cfg
