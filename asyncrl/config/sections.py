@@ -370,12 +370,10 @@ class RemoteEngineConfig(Section):
 
 
 class PrefixCacheConfig(Section):
-    """Prefix reuse in the in-process engine and ``asyncrl serve`` (docs/agents.md "Prefix reuse"): the KV of finished samples stays in their slots until the slots are needed, and a request whose prompt begins with KV a slot holds computes only the rest."""
+    """Prefix reuse in the in-process engine and ``asyncrl serve`` (docs/agents.md "Prefix reuse"): the KV pages of finished samples stay in the engine's prefix tree until the pool needs them, and a request whose prompt begins with pages the tree holds shares them by reference and computes only the rest."""
 
     enabled: bool = True
-    """Reuse kept prefixes; false: every request prefills its whole prompt (bit for bit the engine without reuse)."""
-    min_tokens: int = Field(default=64, ge=1)
-    """The shortest part of a prompt worth reusing; a prompt whose whole context a slot holds (a group's requests) is always reused. Below it the prompt is prefilled whole, so prompts that share only a chat template's system part keep their own prefill. A value no shared part reaches (above the largest ``engine.prefill_buckets`` entry, which no context exceeds) reuses whole contexts only."""
+    """Reuse kept prefixes (from one whole page on, or a whole context); false: every request prefills its whole prompt (bit for bit the engine without reuse)."""
     across_versions: bool = False
     """Also reuse KV computed with older weights (after a publish); the tokens a request then generates carry the oldest version among the KV they attend to, so staleness accounting stays exact. False: a publish makes every kept prefix stale, as SGLang's cache flush at a weight update does. Needs ``rollout.max_staleness`` >= 1 (a reusing sample is older than the weights it is generated at). Refused with ``engine.remote`` (the servers keep their own cache, SGLang's flushed at each weight update, and a server's tokens must carry a version it served since the request was sent)."""
     extend_buckets: list[int] = Field(default_factory=lambda: [32, 128])
@@ -393,13 +391,17 @@ class EngineConfig(Section):
     """The JAX inference engine: batch slots, KV cache, and the shapes it compiles for."""
 
     slots: Union[int, Literal["auto"]] = 16
-    """Sequences decoded together (batch rows of the KV cache); a request's ``n`` samples need ``n`` free slots. ``auto``: as many as the device's memory holds after the trainer at the configured ``kv_capacity``, by ``asyncrl plan``'s accounting (at least ``rollout.group_size``, at most ``rollout.max_concurrent x rollout.group_size``, a multiple of 8 from 8 up), sized when the run starts and logged (``asyncrl plan --device-memory`` shows the figure)."""
+    """The most sequences decoded together (rows of the decode batch); a request's ``n`` samples need ``n`` free rows. ``auto``: as many as the device's memory holds after the trainer at the plan's mean length (``asyncrl plan`` states it), at least ``rollout.group_size``, at most ``rollout.max_concurrent x rollout.group_size``, a multiple of 8 from 8 up, sized when the run starts and logged (``asyncrl plan --device-memory`` shows the figure)."""
     kv_capacity: int = Field(default=512, ge=2)
-    """Tokens one slot holds: prompt + ``max_new_tokens`` of every request must fit."""
+    """The longest context one sequence may reach: prompt + ``max_new_tokens`` of every request must fit. A sequence holds pages for its own tokens only, so this bounds one sequence, not the memory."""
+    page_size: Union[int, Literal["auto"]] = "auto"
+    """Tokens per KV page (a sequence holds whole pages; pages are shared by reference). Must divide ``kv_capacity``. ``auto``: 16 on the CPU and GPUs, 64 on TPUs, halved until it divides ``kv_capacity``."""
+    kv_pages: Union[int, Literal["auto"]] = "auto"
+    """Pages in each engine replica's KV pool. When running sequences need more, the most recently admitted one is preempted (its pages released, its tokens kept) and resumed later with the same tokens. At least one sequence's longest context (``kv_capacity / page_size``). ``auto``: in a run, what the device's memory holds after the trainer and the rest of the engine (``asyncrl plan``'s accounting), at most ``slots x kv_capacity / page_size`` per replica (every row at its longest context); an engine made alone: that most."""
     decode_chunk: int = Field(default=8, ge=1)
     """Most tokens decoded per compiled call (a call ends early once every slot is done, or a slot finished and the next waiting request fits); finished slots are refilled and published weights installed between calls."""
     prefill_buckets: list[int] = Field(default_factory=lambda: [16, 32, 64, 128, 256, 512])
-    """Prompt lengths prefill is compiled for (one program each); a prompt uses the smallest that holds it."""
+    """Token counts prefill is compiled for (one program each); a prompt uses the smallest that holds it, and a longer one is prefilled in chunks of the largest (any prompt up to ``kv_capacity - 1`` tokens)."""
     max_stop_ids: int = Field(default=8, ge=1)
     """Most stop token ids one request may give (the width of the compiled stop-id table)."""
     request_timeout_s: Optional[float] = Field(default=None, gt=0)
@@ -417,7 +419,7 @@ class EngineConfig(Section):
     remote: Optional[RemoteEngineConfig] = None
     """Generate on inference servers instead of in-process (the fields above then apply to ``asyncrl serve`` only); null: the in-process JAX engine."""
 
-    @field_validator("slots", "tensor_parallel", "decode_inner_steps")
+    @field_validator("slots", "tensor_parallel", "decode_inner_steps", "page_size", "kv_pages")
     @classmethod
     def _check_count_or_auto(cls, value: Union[int, str], info: ValidationInfo) -> Union[int, str]:
         if isinstance(value, int) and value < 1:
@@ -432,6 +434,13 @@ class EngineConfig(Section):
             raise ValueError(
                 f"engine.prefill_buckets: {max(self.prefill_buckets)} exceeds engine.kv_capacity ({self.kv_capacity})"
             )
+        if isinstance(self.page_size, int) and self.kv_capacity % self.page_size:
+            raise ValueError(f"engine.page_size: {self.page_size} does not divide engine.kv_capacity ({self.kv_capacity}); "
+                             "a sequence holds whole pages up to its longest context")
+        if isinstance(self.page_size, int) and isinstance(self.kv_pages, int) and self.kv_pages * self.page_size < self.kv_capacity:
+            raise ValueError(f"engine.kv_pages: {self.kv_pages} pages of {self.page_size} tokens hold less than one sequence's "
+                             f"longest context (engine.kv_capacity = {self.kv_capacity}); give at least "
+                             f"{self.kv_capacity // self.page_size}")
         return self
 
 

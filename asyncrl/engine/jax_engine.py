@@ -154,20 +154,25 @@ class JaxEngine:
         self.buckets = tuple(sorted(b for b in set(cfg.prefill_buckets) if b <= cfg.kv_capacity))
         if not self.buckets:
             raise EngineRequestError(f"engine.prefill_buckets {cfg.prefill_buckets}: none fits engine.kv_capacity = {cfg.kv_capacity}")
-        self.runner = ModelRunner(graphdef, params, cfg, mesh)
-        self.model_config = self.runner.model_config
-        self.vocab_size = self.runner.vocab_size
+        self.runner = runner = ModelRunner(graphdef, params, cfg, mesh)
+        self.model_config = runner.model_config
+        self.vocab_size = runner.vocab_size
+        self.page_size = runner.page_size
+        self.kv_pages = runner.pages_per_replica
+        """Pages in each replica's KV pool (``engine.kv_pages`` resolved)."""
         self.default_stop_ids = tuple(int(t) for t in stop_token_ids)
         self._check_stop_ids(self.default_stop_ids, "stop_token_ids (the model's default)")
-        self.attention_buckets = attention_buckets(self.capacity, cfg.attention_buckets)
+        # the CPU's flat attention lists every active row's pages (a shared page once per row that reads it)
+        self.flat_sizes = attention_buckets(cfg.slots // runner.replicas * runner.pages_per_seq, cfg.attention_buckets)
         reuse = cfg.prefix_cache
         self.extend_buckets = tuple(sorted({b for b in [*reuse.extend_buckets, *self.buckets] if b <= cfg.kv_capacity}))
-        self.cache = KVCacheManager(cfg, self.runner.replicas)
+        self.cache = KVCacheManager(runner.page_size, runner.pages_per_replica, runner.replicas, cfg.kv_capacity,
+                                    reuse.enabled, reuse.across_versions)
         self.seed = seed
         self._root_key = np.asarray(jax.random.PRNGKey(seed))
         self._stats = EngineStats()
-        self.scheduler = Scheduler(cfg, self.runner, self.cache, self._stats, self._root_key, int(version), self.buckets,
-                                   self.extend_buckets, self.attention_buckets)
+        self.scheduler = Scheduler(cfg, runner, self.cache, self._stats, self._root_key, int(version), self.buckets,
+                                   self.extend_buckets, self.flat_sizes)
         self._warned_truncation = False
         self._started = time.monotonic()
         if warmup:
@@ -295,9 +300,9 @@ class JaxEngine:
         return self.scheduler.crash
 
     def warmup(self) -> int:
-        """Compile every program (each prefill bucket, both decode variants per attention bucket, and
-        with a prefix cache its copy and each extension bucket); returns the compile count."""
-        self.runner.warmup(self.buckets, self.extend_buckets, self.attention_buckets, self.cache.reuse, self._root_key)
+        """Compile every program (each prefill and extension bucket, both decode variants per size
+        class of the CPU's attention); returns the compile count."""
+        self.runner.warmup(self.buckets, self.extend_buckets, self.flat_sizes, self._root_key)
         return compile_count()
 
     def metrics(self) -> dict[str, float]:
@@ -313,7 +318,7 @@ class JaxEngine:
             "engine/compiles": float(compile_count()),
             "engine/requests": float(s.requests),
             "engine/samples_aborted": float(s.aborted),
-            "engine/waiting": float(len(self.scheduler.waiting)),
+            "engine/waiting": float(self.scheduler.waiting_samples()),
             "engine/slot_occupancy": s.decode_tokens / slot_steps if slot_steps else 0.0,
             "engine/queue_wait_s": s.queue_wait_s / s.admitted if s.admitted else 0.0,
             "engine/queue_wait_max_s": float(s.queue_wait_max_s),
@@ -321,6 +326,9 @@ class JaxEngine:
             "engine/prefix_hit_tokens": float(s.prefix_hit_tokens),
             "engine/prefix_hit_rate": (s.prefix_hit_tokens / (s.prefix_hit_tokens + s.prefill_tokens)
                                        if s.prefix_hit_tokens + s.prefill_tokens else 0.0),
+            "engine/kv_pages_used": self.cache.used_fraction(),
+            "engine/kv_pages_kept": self.cache.kept_fraction(),
+            "engine/preemptions": float(s.preemptions),
             "engine/prefill_s": float(s.prefill_s),
             "engine/prefill_tokens_per_s": s.prefill_tokens / s.prefill_s if s.prefill_s else 0.0,
             "engine/decode_tokens": float(s.decode_tokens),
@@ -370,10 +378,6 @@ class JaxEngine:
             raise EngineRequestError(
                 f"GenerationRequest: prompt ({length} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds "
                 f"engine.kv_capacity = {self.capacity}"
-            )
-        if length - 1 > self.buckets[-1]:
-            raise EngineRequestError(
-                f"GenerationRequest: prompt of {length} tokens is longer than the largest engine.prefill_buckets entry + 1 ({self.buckets[-1] + 1})"
             )
         ids = np.asarray(prompt)
         if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.vocab_size:

@@ -1,9 +1,9 @@
 """The model runner of :class:`~asyncrl.engine.jax_engine.JaxEngine`: everything on the devices.
 
-It owns the engine's device state (the KV cache, the slots' keys), the serving copy of the
-weights and their shardings on the engine's mesh, and it calls the jitted programs
-(:mod:`asyncrl.engine.jax_programs`, :mod:`asyncrl.engine.prefix_programs`,
-:mod:`asyncrl.engine.beam_search`) with host plans the scheduler builds. It knows nothing of
+It owns the engine's device state (the KV page pool, every replica's pages), the serving copy of
+the weights and their shardings on the engine's mesh, and it calls the jitted programs
+(:mod:`asyncrl.engine.jax_programs`, :mod:`asyncrl.engine.beam_search`) with host plans the
+scheduler builds. It knows nothing of
 requests: the scheduler (:mod:`asyncrl.engine.scheduler`) decides what runs, the KV cache manager
 (:mod:`asyncrl.engine.kv_cache_manager`) where it lies, and this runs it.
 
@@ -13,7 +13,7 @@ serving copy (the previous one dropped first, so a device never holds two at onc
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,21 +25,21 @@ from asyncrl.engine.device_copy import serving_copy
 from asyncrl.engine.jax_programs import (
     PrefillPlan,
     SlotControls,
-    SlotState,
     decode_chunk_jit,
+    empty_flat,
     graphdef_config,
     idle_controls,
-    init_slot_state,
-    prefill_insert_jit,
+    init_pool,
+    pool_shardings,
+    prefill_jit,
     prefill_rows,
-    slot_state_shardings,
 )
-from asyncrl.engine.layouts import kv_cache_layout, serving_formats
+from asyncrl.engine.layouts import kv_cache_layout, kv_page_layout, page_size_for, serving_formats
 from asyncrl.engine.platform import resolve_inner_steps, resolve_sampler
-from asyncrl.engine.prefix_programs import CopyPlan, ExtendPlan, copy_prefix_jit, extend_jit
 from asyncrl.errors import EngineRequestError
 from asyncrl.model.attention import KernelTarget, device_platform
 from asyncrl.model.compute_copy import needs_compute_copy
+from asyncrl.model.kv_cache import FlatPages
 from asyncrl.model.sharding import check_tensor_parallel, param_shardings
 
 
@@ -60,8 +60,8 @@ class ModelRunner:
         self.mesh = mesh
         self.slots = int(cfg.slots)
         self.capacity = cfg.kv_capacity
-        self.layout: Optional[SlotState] = None
-        """The slot state's shardings on the engine's own mesh (a static argument of the programs); None without one."""
+        self.layout: Optional[Any] = None
+        """The pool's shardings on the engine's own mesh (a static argument of the programs); None without one."""
         if mesh is not None:
             check_tensor_parallel(int(mesh.shape["tensor"]), nnx_cfg)
             self.replicas = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
@@ -84,25 +84,36 @@ class ModelRunner:
         self.kernel = (KernelTarget(device_platform(mesh.devices.flat[0]), mesh=mesh) if mesh is not None
                        else KernelTarget(device_platform(next(iter(first.device_set))), devices=len(first.device_set)))
         self.platform = self.kernel.platform
-        self.cache_layout = kv_cache_layout(self.platform)
+        self.page_layout = kv_page_layout(self.platform)
+        self.cache_layout = kv_cache_layout(self.platform)  # a beam search's own cache
+        self.page_size = page_size_for(cfg.page_size, self.platform, cfg.kv_capacity)
+        self.pages_per_seq = cfg.kv_capacity // self.page_size
+        rows_per_replica = self.slots // self.replicas
+        self.pages_per_replica = (cfg.kv_pages if isinstance(cfg.kv_pages, int) else rows_per_replica * self.pages_per_seq)
+        if self.pages_per_replica < self.pages_per_seq:
+            raise EngineRequestError(f"engine.kv_pages = {self.pages_per_replica}: a replica's pool holds less than one "
+                                     f"sequence's longest context (engine.kv_capacity = {cfg.kv_capacity}: "
+                                     f"{self.pages_per_seq} pages of {self.page_size}); give at least {self.pages_per_seq}")
+        self.flat_attention = self.platform == "cpu"
+        """Whether decode attention reads the flat list of the slots' pages (the CPU) or each slot's page table."""
         if mesh is not None:
-            self.layout = slot_state_shardings(nnx_cfg, self.slots, mesh, self.cache_layout)
+            self.layout = pool_shardings(nnx_cfg, mesh, self.page_layout)
         self.sampler = resolve_sampler(cfg.sampler, self.platform)
         self.inner_steps = resolve_inner_steps(cfg.decode_inner_steps, self.platform)
         self.formats = serving_formats(nnx_cfg, self.shardings, self.layout or self.state_shardings(), slots=self.slots,
-                                       capacity=cfg.kv_capacity, platform=self.platform,
-                                       decode=self.decode_options(cfg.kv_capacity), max_stop_ids=cfg.max_stop_ids,
-                                       layout=self.layout)
+                                       pages=self.pages_per_replica * self.replicas, page_size=self.page_size,
+                                       capacity=cfg.kv_capacity, platform=self.platform, decode=self.decode_options(),
+                                       max_stop_ids=cfg.max_stop_ids, layout=self.layout)
         """The serving copy's memory layouts where the decode program wants others than row-major (TPUs), else None."""
         self.params: Any = None
         """The params of the served version in their own dtype, or None where only the serving copy is kept."""
         self.serving: Any = None
         """The compute-dtype copy every program runs on."""
         self.install(params)
-        # made in place on its shardings (a whole cache on one device first could not fit there)
-        self.state = jax.jit(lambda: init_slot_state(nnx_cfg, self.slots, self.capacity, self.cache_layout),
-                             out_shardings=self.state_shardings())()
-        self._trie_tables: Any = None
+        # made in place on its shardings (a whole pool on one device first could not fit there)
+        pages = self.pages_per_replica * self.replicas
+        self.pool = jax.jit(lambda: init_pool(nnx_cfg, pages, self.page_size, self.page_layout),
+                            out_shardings=self.state_shardings())()
 
     # ------------------------------------------------------------------ weights
 
@@ -124,8 +135,8 @@ class ModelRunner:
         if self.layout is not None:
             return self.layout
         first = jax.tree.leaves(self.shardings)[0]
-        # Without an engine mesh the state (KV cache, keys) is replicated over the params' mesh;
-        # a NamedSharding of a weight matrix would not fit its lower-rank arrays.
+        # Without an engine mesh the pool is replicated over the params' mesh; a NamedSharding of a
+        # weight matrix would not fit its arrays.
         if isinstance(first, jax.sharding.NamedSharding):
             return jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
         return first
@@ -136,29 +147,49 @@ class ModelRunner:
             return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         return self.state_shardings()
 
-    def decode_options(self, attend: int) -> dict[str, Any]:
-        """The decode program's sampler, attended cache size (0: the whole cache, the same
-        program as without attention buckets) and steps per loop iteration."""
-        return {"sampler": self.sampler, "attend": 0 if attend >= self.capacity else attend, "inner": self.inner_steps,
-                "kernel": self.kernel}
+    def decode_options(self) -> dict[str, Any]:
+        """The decode program's sampler, steps per loop iteration and kernel target."""
+        return {"sampler": self.sampler, "inner": self.inner_steps, "kernel": self.kernel}
 
     # ------------------------------------------------------------------ programs
 
-    def prefill(self, plan: PrefillPlan, root_key: Any) -> None:
-        self.state = prefill_insert_jit(self.graphdef, self.serving, self.state, plan, root_key, self.layout, self.kernel)
+    def prefill(self, plan: PrefillPlan, fresh: bool) -> None:
+        """Write ``plan``'s tokens into their rows' pages (``fresh``: every row starts empty)."""
+        self.pool = prefill_jit(self.graphdef, self.serving, self.pool, plan, self.layout, self.kernel, fresh)
 
-    def copy(self, plan: CopyPlan, root_key: Any, cross: bool) -> None:
-        self.state = copy_prefix_jit(self.state, plan, root_key, self.layout, cross and self.layout is not None)
+    def prefill_chunks(self, chunks: Sequence[tuple[int, int, np.ndarray, np.ndarray, Optional[tuple[int, int]]]],
+                       buckets: tuple[int, ...], fresh: bool) -> int:
+        """Prefill ``chunks``, each ``(replica, start, tokens, page table, copy)`` (a copy: ``(source page,
+        destination)`` made first): by the smallest of ``buckets`` holding their tokens, each
+        replica's rows from its own chunks, ``prefill_rows`` per call. Returns the calls made."""
+        per_replica = self.prefill_rows // self.replicas
+        by_bucket: dict[int, list[list[Any]]] = {}
+        for chunk in chunks:
+            bucket = next(b for b in buckets if b >= len(chunk[2]))
+            by_bucket.setdefault(bucket, [[] for _ in range(self.replicas)])[chunk[0]].append(chunk)
+        calls = 0
+        for bucket, queues in sorted(by_bucket.items()):
+            while any(queues):
+                plan = self.empty_plan(bucket)
+                for replica, queue in enumerate(queues):
+                    for k in range(min(per_replica, len(queue))):
+                        _, start, tokens, table, copy = queue.pop(0)
+                        row = replica * per_replica + k
+                        plan.token_ids[row, : len(tokens)] = tokens
+                        plan.token_mask[row, : len(tokens)] = True
+                        plan.page_table[row], plan.lengths[row] = table, start
+                        if copy is not None:
+                            plan.copy_src[row], plan.copy_dst[row] = copy
+                self.prefill(plan, fresh)
+                calls += 1
+        return calls
 
-    def extend(self, plan: ExtendPlan) -> None:
-        self.state = extend_jit(self.graphdef, self.serving, self.state, plan, self.layout, self.kernel)
-
-    def decode(self, controls: SlotControls, steps: int, filtered: bool, tries: Any, max_branch: int,
-               attend: int) -> tuple[Any, Any, Any]:
+    def decode(self, controls: SlotControls, flat: Optional[FlatPages], root_key: Any, steps: int, filtered: bool,
+               tries: Any, max_branch: int) -> tuple[Any, Any, Any]:
         """One decode chunk; returns its ``(tokens, logprobs, emitted)`` device arrays ``[slots, steps]``."""
-        self.state, tokens, logprobs, emitted = decode_chunk_jit(
-            self.graphdef, self.serving, self.state, controls, steps, filtered, self.layout, tries, max_branch,
-            **self.decode_options(attend))
+        self.pool, tokens, logprobs, emitted = decode_chunk_jit(
+            self.graphdef, self.serving, self.pool, controls, flat, root_key, steps, filtered, self.layout, tries,
+            max_branch, **self.decode_options())
         return tokens, logprobs, emitted
 
     def beam_search(self, *args: Any, **kwargs: Any) -> Any:
@@ -171,23 +202,27 @@ class ModelRunner:
 
     def block(self) -> None:
         """Wait for every dispatched program (so that its time is counted where it ran)."""
-        jax.block_until_ready(self.state)
+        jax.block_until_ready(self.pool)
 
-    def warmup(self, buckets: tuple[int, ...], extend_buckets: tuple[int, ...], attention_buckets: tuple[int, ...],
-               reuse: bool, root_key: Any) -> None:
-        """Compile every program with arguments that change nothing (each prefill bucket, both
-        decode variants per attention bucket, and with reuse the copy and each extension bucket)."""
+    def empty_plan(self, bucket: int) -> PrefillPlan:
+        return PrefillPlan.empty(self.prefill_rows, bucket, self.pages_per_seq, self.pages_per_replica)
+
+    def idle_controls(self) -> SlotControls:
+        return idle_controls(self.slots, self.config.max_stop_ids, self.pages_per_seq, self.pages_per_replica)
+
+    def warmup(self, buckets: tuple[int, ...], extend_buckets: tuple[int, ...], flat_sizes: tuple[int, ...],
+               root_key: Any) -> None:
+        """Compile every program with arguments that change nothing (each prefill and extension
+        bucket, both decode variants per flat size class)."""
         for bucket in buckets:
-            self.prefill(PrefillPlan.empty(self.prefill_rows, bucket, self.slots), root_key)
-        if reuse:
-            for cross in sorted({False, self.layout is not None and self.replicas > 1}):
-                self.copy(CopyPlan.empty(self.slots), root_key, cross)
-            for bucket in extend_buckets:
-                self.extend(ExtendPlan.empty(self.prefill_rows, bucket, self.slots))
-        idle = idle_controls(self.slots, self.config.max_stop_ids)
+            self.prefill(self.empty_plan(bucket), fresh=True)
+        for bucket in extend_buckets:
+            self.prefill(self.empty_plan(bucket), fresh=False)
+        idle = self.idle_controls()
         for filtered in (False, True):
-            for attend in attention_buckets:
-                self.decode(idle, self.config.decode_chunk, filtered, None, 0, attend)
+            for size in flat_sizes if self.flat_attention else (0,):
+                flat = empty_flat(size * self.replicas, self.slots // self.replicas) if self.flat_attention else None
+                self.decode(idle, flat, root_key, self.config.decode_chunk, filtered, None, 0)
         self.block()
 
 

@@ -23,7 +23,7 @@ class Sequence:
     its trie node and why it ended."""
 
     __slots__ = ("pending", "index", "tokens", "logprobs", "versions", "stop_reason", "row", "node", "score",
-                 "version_floor")
+                 "version_floor", "kv", "order")
 
     def __init__(self, pending: "Pending", index: int) -> None:
         self.pending = pending
@@ -36,6 +36,8 @@ class Sequence:
         self.node = 0  # the trie node after the tokens so far (constrained requests only)
         self.score: Optional[float] = None  # beam search's ranking score
         self.version_floor: Optional[int] = None  # set when it reuses KV of older weights (across_versions)
+        self.kv: Any = None  # its pages (asyncrl.engine.kv_cache_manager.SequenceKV) while admitted; None while it waits
+        self.order = -1  # when it was first admitted (the latest admitted is preempted first)
 
     @property
     def request(self) -> GenerationRequest:
@@ -45,6 +47,21 @@ class Sequence:
     def context(self) -> int:
         """KV positions it holds: its prompt but the last token, and the tokens it generated but the last."""
         return len(self.pending.request.prompt_ids) - 1 + len(self.tokens)
+
+    def context_ids(self) -> list[int]:
+        """The token ids of :attr:`context` (what it must hold again when it resumes after a preemption)."""
+        return [*self.pending.request.prompt_ids, *self.tokens][: self.context]
+
+    @property
+    def last_token(self) -> int:
+        """The token its next decode step feeds."""
+        return int(self.tokens[-1]) if self.tokens else int(self.pending.request.prompt_ids[-1])
+
+    @property
+    def positions(self) -> int:
+        """The most KV positions its decode steps can write to: its prompt but the last token, then one
+        per step (the step that samples its last token feeds the token before it)."""
+        return len(self.pending.request.prompt_ids) - 1 + self.pending.request.max_new_tokens
 
 
 class Pending:
@@ -100,6 +117,7 @@ class EngineStats:
     prefill_calls: int = 0  # prefill-insert program calls
     prefill_tokens: int = 0  # prompt tokens prefilled (computed: a reused prefix's are not)
     prefix_hit_tokens: int = 0  # prompt tokens whose KV was reused from a kept prefix
+    preemptions: int = 0  # sequences preempted (pages released, resumed later) when the pool ran out
     prefill_s: float = 0.0
     decode_steps: int = 0  # decode steps (every slot advances one token per step)
     decode_tokens: int = 0  # tokens the samples kept from decode steps (none past a stop)

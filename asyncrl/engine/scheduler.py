@@ -1,12 +1,14 @@
 """The scheduler of :class:`~asyncrl.engine.jax_engine.JaxEngine`: requests, admission, chunk
-boundaries; no device arrays.
+boundaries, preemption; no device arrays.
 
 One daemon thread (:meth:`Scheduler.run`) makes every device call through the model runner
 (:mod:`asyncrl.engine.model_runner`): it installs published weights, admits waiting requests into
-free rows of the decode batch (where their KV goes and what they reuse is the KV cache manager's
-answer, :mod:`asyncrl.engine.kv_cache_manager`), runs beam-search requests between chunks, decodes
-one chunk for all rows, hands finished requests back through their futures, and repeats.
-Continuous batching, the early end of a chunk and the paired refills are described in
+free rows of the decode batch (where their KV goes and what they share or reuse is the KV cache
+manager's answer, :mod:`asyncrl.engine.kv_cache_manager`), prefills their contexts in chunks of the
+largest prefill bucket, runs beam-search requests between chunks, gives every running sequence the
+pages its next chunk writes (preempting the latest admitted when the pool runs out), decodes one
+chunk for all rows, hands finished requests back through their futures, and repeats. Continuous
+batching, the early end of a chunk and the paired refills are described in
 :mod:`asyncrl.engine.jax_engine`'s docstring.
 
 Callers (any thread) reach it only through :meth:`Scheduler.submit`, :meth:`Scheduler.post_update`,
@@ -16,23 +18,23 @@ condition; every other attribute is the scheduler thread's.
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 import logging
 import threading
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 
 from asyncrl.config import EngineConfig
-from asyncrl.engine.attention_buckets import chunk_bucket
+from asyncrl.engine.beam_search import run_beam_request
 from asyncrl.engine.constraints import TokenTrie, TriePool
-from asyncrl.engine.jax_programs import PrefillPlan, idle_controls, snapshot
-from asyncrl.engine.kv_cache_manager import KVCacheManager
+from asyncrl.engine.jax_programs import snapshot
+from asyncrl.engine.kv_cache_manager import Chunk, KVCacheManager, Part, SequenceKV
 from asyncrl.engine.model_runner import ModelRunner
-from asyncrl.engine.prefix_cache import Admission
-from asyncrl.engine.prefix_programs import COPY_ROWS, CopyPlan, ExtendPlan
 from asyncrl.engine.protocol import StopReason
 from asyncrl.engine.requests import EngineStats, Pending, Sequence, Update, key_parts
 from asyncrl.errors import EngineCrashed
@@ -54,28 +56,38 @@ class Scheduler:
         stats: the engine's counters (written here, read by :meth:`JaxEngine.metrics`).
         root_key: the run seed's key, root of every sample key.
         version: the served weights' version at start.
-        buckets, extend_buckets, attention_buckets: the shapes the programs are compiled for.
+        buckets, extend_buckets: the prefill programs' token counts (first chunks; chunks after
+            what a sequence holds).
+        flat_sizes: the CPU decode attention's size classes, in pages per replica.
     """
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, cache: KVCacheManager, stats: EngineStats,
                  root_key: Any, version: int, buckets: tuple[int, ...], extend_buckets: tuple[int, ...],
-                 attention_buckets: tuple[int, ...]):
+                 flat_sizes: tuple[int, ...]):
         self.config = config
         self.runner = runner
         self.cache = cache
         self.stats = stats
         self.root_key = root_key
         self.version = version
-        self.buckets, self.extend_buckets, self.attention_buckets = buckets, extend_buckets, attention_buckets
+        self.buckets, self.extend_buckets, self.flat_sizes = buckets, extend_buckets, flat_sizes
         self.slots = int(config.slots)
         self.chunk = config.decode_chunk
         self.prefill_rows = runner.prefill_rows
+        self.replicas = runner.replicas
+        self.rows_per_replica = self.slots // self.replicas
+        self.page_size = cache.page_size
+        self.no_page = cache.pages_per_replica  # a page table's and a copy's "none"
+        self.growth_pages = -(-self.chunk // self.page_size)  # pages one chunk can take a sequence into
         # the decode batch: which sequence each row runs, and what each row asks of the next chunk
         self.rows: list[Optional[Sequence]] = [None] * self.slots
-        self.controls = idle_controls(self.slots, config.max_stop_ids)
+        self.controls = runner.idle_controls()
         self.tries = TriePool()  # the tries of the constrained requests admitted
         self.trie_tables: Any = None  # self.tries.tables on the devices
         self.running: set[Pending] = set()
+        self.resume: list[Sequence] = []  # admitted sequences without pages (preempted, or not placed yet), oldest first
+        self.copying: list[Part] = []  # parts whose page copies the next decode chunk makes
+        self.orders = itertools.count()
         self.freed = 0  # rows the last decode chunk freed
         self.step_s = 0.0  # wall seconds per step of the last decode chunk
         # shared with callers, under cond
@@ -127,6 +139,10 @@ class Scheduler:
             self.closed = True
             self.cond.notify_all()
 
+    def waiting_samples(self) -> int:
+        """Samples waiting for a row: of waiting requests, and admitted sequences waiting to resume."""
+        return sum(p.request.n for p in self.waiting) + len(self.resume)
+
     # ------------------------------------------------------------------ the thread
 
     def run(self) -> None:
@@ -148,7 +164,7 @@ class Scheduler:
                     self._install(update)
                 self._expire()
                 self._admit()
-                if self.running:
+                if self.running or self.copying:
                     self._decode()
                     self._await_refill()
         except BaseException:  # noqa: BLE001 - delivered to every caller
@@ -167,6 +183,7 @@ class Scheduler:
         # holds one copy at its peak; the decode waits for the copy (its seconds: swap_latency_s).
         self.runner.install(update.params)
         update.params = None
+        self.cache.published()
         with self.cond:
             self.version = update.version
         latency = time.monotonic() - update.requested
@@ -194,12 +211,15 @@ class Scheduler:
             self.waiting.clear()
             self.running.clear()
         self.rows = [None] * self.slots
+        self.resume = []
         for p in pending:
             if not p.future.done():
                 p.future.set_exception(error)
 
-    def _free_rows(self) -> list[int]:
-        return [i for i, owner in enumerate(self.rows) if owner is None]
+    def _free_rows(self) -> list[list[int]]:
+        """The free rows of each replica."""
+        per = self.rows_per_replica
+        return [[row for row in range(r * per, (r + 1) * per) if self.rows[row] is None] for r in range(self.replicas)]
 
     def _finish(self, pending: Pending) -> None:
         self.running.discard(pending)
@@ -207,19 +227,37 @@ class Scheduler:
         pending.usage.requests += 1
         pending.future.set_result(pending.response())
 
+    def _vacate(self, sequence: Sequence) -> None:
+        """``sequence`` leaves the decode batch and gives its pages back (those in the prefix tree
+        stay there, reusable)."""
+        if sequence.kv is not None:
+            self.cache.release(sequence.kv)
+            sequence.kv = None
+        row = sequence.row
+        if row is not None:
+            self.rows[row] = None
+            self.controls.active[row] = False
+            self.controls.page_table[row] = self.no_page
+            sequence.row = None
+
     def _end(self, sequence: Sequence, reason: StopReason) -> None:
         pending = sequence.pending
         sequence.stop_reason = reason
         if reason == "aborted":
             self.stats.aborted += 1
             pending.usage.samples_aborted += 1
-        if sequence.row is not None:
-            self.rows[sequence.row] = None
-            self.controls.active[sequence.row] = False
-            self.cache.released(sequence.row)
-            sequence.row = None
+        self._vacate(sequence)
+        if sequence in self.resume:
+            self.resume.remove(sequence)
         if all(s.stop_reason is not None for s in pending.sequences):
             self._finish(pending)
+
+    def _preempt(self, sequence: Sequence) -> None:
+        """The pool ran out: ``sequence`` gives its pages back and waits to resume with the tokens
+        it has (its context prefilled again, or found in the prefix tree)."""
+        self._vacate(sequence)
+        self.stats.preemptions += 1
+        bisect.insort(self.resume, sequence, key=lambda s: s.order)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -239,31 +277,17 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
 
     def _admit(self) -> None:
-        """Move waiting requests (in order) into free rows while the next one fits, and prefill
-        them, ``PREFILL_ROWS`` prompts of one bucket per program call, so the weights are read
-        once per call rather than once per request. Requests that arrive while the calls are
-        dispatched are taken too (clients of a burst submit a moment apart). With
-        ``engine.prefix_cache`` a request that begins with KV a slot holds starts from it
-        (:meth:`_reuse`)."""
+        """Move waiting sequences (resumed ones first, oldest first, then new requests in order)
+        into free rows while the next one fits, and prefill their contexts: ``prefill_rows``
+        rows per call, a context longer than the largest bucket in chunks of it, a context that
+        begins with pages the prefix tree holds from after them. Requests that arrive while the
+        calls are dispatched are taken too (clients of a burst submit a moment apart)."""
         self._run_beams()
         started = time.monotonic()
         any_admitted = False
         while admitted := self._take_waiting():
             any_admitted = True
-            taken_at = time.monotonic()  # a request taken on a later pass may have arrived after `started`
-            fresh = [(pending, list(admission.slots)) for pending, admission in admitted if admission.fresh]
-            by_bucket: dict[int, list[tuple[Pending, list[int]]]] = {}
-            for pending, rows in fresh:
-                context = len(pending.request.prompt_ids) - 1  # the last prompt token is fed by the first decode step
-                bucket = next(b for b in self.buckets if b >= max(context, 1))
-                by_bucket.setdefault(bucket, []).append((pending, rows))
-            for bucket in sorted(by_bucket):
-                group = by_bucket[bucket]
-                for first in range(0, len(group), self.prefill_rows):
-                    self._prefill(bucket, group[first : first + self.prefill_rows], taken_at)
-            reusing = [(pending, admission) for pending, admission in admitted if not admission.fresh]
-            if reusing:
-                self._reuse(reusing, taken_at)
+            self._dispatch(admitted, time.monotonic())
         if any_admitted:
             # Prefills run asynchronously: wait for them here so that their device time counts
             # as prefill_s, not as the next chunk's decode_s (engine/decode_ms_per_step).
@@ -282,79 +306,108 @@ class Scheduler:
             self._beam(pending)
 
     def _beam(self, pending: Pending) -> None:
-        """Beam search for ``pending`` (:func:`~asyncrl.engine.beam_search._beam_search`); the
-        ``n`` best beams become its samples, best first."""
-        request = pending.request
-        prompt = np.asarray(request.prompt_ids, np.int32)
-        context = len(prompt) - 1
-        bucket = next(b for b in self.buckets if b >= max(context, 1))
-        ids = np.zeros(bucket, np.int32)
-        ids[:context] = prompt[:context]
-        stop_vocab = np.zeros(self.runner.vocab_size, bool)
-        stop_vocab[list(pending.stop_ids)] = True
-        trie = request.constraint
+        """Beam search for ``pending`` (:func:`~asyncrl.engine.beam_search.run_beam_request`)."""
+        trie = pending.request.constraint
         tries = None
         if trie is not None:
             root = self._trie_offset(trie)  # first: it may rebuild the pool's tables
-            tries = (self.trie_tables, np.int32(root))
+            tries = (self.trie_tables, np.int32(root), self.tries.max_branch)
         started = time.monotonic()
-        out = self.runner.beam_search(ids, np.arange(bucket) < context, np.int32(prompt[-1]), stop_vocab,
-                                      np.float32(request.length_penalty), tries, k=request.n, max_new=request.max_new_tokens,
-                                      capacity=bucket + request.max_new_tokens,
-                                      max_branch=self.tries.max_branch if trie else 0)
-        tokens, logprobs, lengths, scores = (np.asarray(x) for x in out)
+        run_beam_request(self.runner, pending, self.buckets, self.version, tries)
         self.stats.beam_calls += 1
         self.stats.beam_s += time.monotonic() - started
-        for j, sequence in enumerate(pending.sequences):
-            n = int(lengths[j])
-            sequence.tokens, sequence.logprobs = tokens[j, :n].tolist(), logprobs[j, :n].tolist()
-            sequence.versions = [self.version] * n
-            sequence.score = float(scores[j])
-            if trie is not None:
-                sequence.stop_reason = "stop" if trie.contains(sequence.tokens) else "length"
-            else:
-                sequence.stop_reason = "eos" if n and sequence.tokens[-1] in pending.stop_set else "length"
         self._finish(pending)
 
-    def _take_waiting(self) -> list[tuple[Pending, Admission]]:
-        """Pop waiting requests in order while the next one fits in the free rows; each with where
-        it goes (:class:`~asyncrl.engine.prefix_cache.Admission`: its rows, not yet owned, and with
-        a prefix cache the kept prefix it starts from)."""
-        admitted: list[tuple[Pending, Admission]] = []
-        round_ = self.cache.admission_round(self._free_rows(), self.version)
+    def _take_waiting(self) -> list[tuple[Optional[Pending], list[tuple[Part, list[Sequence], list[int]]]]]:
+        """Admit waiting sequences in order while the next one fits: rows for all its samples, and
+        pages for as many of them as the pool holds with room for the running sequences' next
+        chunk (samples left over wait to resume). Each admitted entry: its request (None for a
+        resumed sequence) and its parts (:class:`~asyncrl.engine.kv_cache_manager.Part`, with their
+        sequences and rows). Stops before a request whose best match is pages this round has not
+        written yet (it is admitted in the next round, after them)."""
+        admitted: list[tuple[Optional[Pending], list[tuple[Part, list[Sequence], list[int]]]]] = []
+        free = self._free_rows()
+        busy = [sum(1 for row in range(r * self.rows_per_replica, (r + 1) * self.rows_per_replica)
+                    if self.rows[row] is not None) for r in range(self.replicas)]
         with self.cond:
-            while self.waiting and not self.waiting[0].request.beam:
-                request = self.waiting[0].request
-                admission = round_.take(np.asarray(request.prompt_ids[:-1], np.int32), request.n)
-                if admission is None:
+            while True:
+                pending: Optional[Pending]
+                if self.resume:
+                    pending, sequences = None, [self.resume[0]]
+                elif self.waiting and not self.waiting[0].request.beam:
+                    pending = self.waiting[0]
+                    sequences = list(pending.sequences)
+                else:
                     break
-                pending = self.waiting.popleft()
-                self.running.add(pending)
-                admitted.append((pending, admission))
+                if len(sequences) > sum(len(f) for f in free):
+                    break
+                placed = self._plan(sequences, free, busy)
+                if placed is None:
+                    break
+                if pending is not None:
+                    self.waiting.popleft()
+                    self.running.add(pending)
+                    for sequence in sequences:
+                        sequence.order = next(self.orders)
+                else:
+                    self.resume.pop(0)
+                left = [s for s in sequences if all(s not in seqs for _, seqs, _ in placed)]
+                for sequence in left:
+                    bisect.insort(self.resume, sequence, key=lambda s: s.order)
+                admitted.append((pending, placed))
         return admitted
 
-    def _prefill(self, bucket: int, group: list[tuple[Pending, list[int]]], admitted_at: float) -> None:
-        """Prefill ``group`` (up to ``prefill_rows`` requests and their rows, prompts of ``bucket``
-        tokens at most) in one call: prompt row ``r`` is request ``r``'s ``prompt[:-1]``,
-        right-padded; rows past the group are all padding."""
-        plan = PrefillPlan.empty(self.prefill_rows, bucket, self.slots)
-        k = 0  # destinations filled so far
-        for row, (pending, slots) in enumerate(group):
-            request = pending.request
-            self._note_admitted(pending, admitted_at)
-            prompt = np.asarray(request.prompt_ids, np.int32)
-            context = len(prompt) - 1
-            plan.prompt_ids[row, :context] = prompt[:context]
-            plan.prompt_mask[row, :context] = True
-            for j, slot in enumerate(slots):
-                plan.src_rows[k], plan.dst_rows[k] = row, slot
-                plan.sample_id[k], plan.turn[k], plan.key_index[k] = key_parts(request, j)
-                k += 1
-                self._start(pending.sequences[j], slot)
-            self.stats.prefill_tokens += context
-            pending.usage.prefill_tokens += context
-        self.stats.prefill_calls += 1
-        self.runner.prefill(plan, self.root_key)
+    def _plan(self, sequences: list[Sequence], free: list[list[int]],
+              busy: list[int]) -> Optional[list[tuple[Part, list[Sequence], list[int]]]]:
+        """Place ``sequences`` (one context: a request's samples, or one resumed sequence) on the
+        replicas (:meth:`~asyncrl.engine.kv_cache_manager.KVCacheManager.admit`), each part on rows
+        of its replica taken from ``free`` and counted in ``busy``; None when no sample fits."""
+        context = np.asarray(sequences[0].context_ids(), np.int32)
+        parts = self.cache.admit(context, len(sequences), [len(f) for f in free], busy, self.version, self.growth_pages,
+                                 self.buckets[-1])
+        if parts is None:
+            return None
+        placed, first = [], 0
+        for part in parts:
+            k = len(part.kvs)
+            rows, free[part.replica] = free[part.replica][:k], free[part.replica][k:]
+            busy[part.replica] += k
+            placed.append((part, sequences[first : first + k], rows))
+            first += k
+        return placed
+
+    def _dispatch(self, admitted: list[tuple[Optional[Pending], list[tuple[Part, list[Sequence], list[int]]]]],
+                  admitted_at: float) -> None:
+        """Prefill the admitted contexts (their chunks, stage by stage) and start their sequences."""
+        chunks: list[Chunk] = []
+        for pending, placed in admitted:
+            if pending is not None:
+                self._note_admitted(pending, admitted_at)
+            for part, sequences, _ in placed:
+                chunks += part.chunks
+                context = part.kvs[0].length
+                usage = sequences[0].pending.usage
+                self.stats.prefill_tokens += context - part.reused
+                self.stats.prefix_hit_tokens += part.reused
+                usage.prefill_tokens += context - part.reused
+                usage.prefix_hit_tokens += part.reused
+        for stage in sorted({chunk.stage for chunk in chunks}):
+            for fresh in (True, False):
+                self._prefill([c for c in chunks if c.stage == stage and (c.start == 0) == fresh], fresh)
+        self.cache.settle()
+        for _, placed in admitted:
+            for part, sequences, rows in placed:
+                for sequence, kv, row in zip(sequences, part.kvs, rows):
+                    self._start(sequence, row, kv)
+                for j, src, dst in part.copies:
+                    self.controls.copy_src[rows[j]], self.controls.copy_dst[rows[j]] = src, dst
+                self.copying.append(part)
+
+    def _prefill(self, chunks: list[Chunk], fresh: bool) -> None:
+        """Prefill calls for ``chunks`` (one stage, all first chunks or all later ones)."""
+        if chunks:
+            work = [(c.kv.replica, c.start, c.tokens, self.cache.table(c.kv), c.copy) for c in chunks]
+            self.stats.prefill_calls += self.runner.prefill_chunks(work, self.buckets if fresh else self.extend_buckets, fresh)
 
     def _note_admitted(self, pending: Pending, admitted_at: float) -> None:
         wait = admitted_at - pending.submitted
@@ -362,16 +415,19 @@ class Scheduler:
         self.stats.queue_wait_s += wait
         self.stats.queue_wait_max_s = max(self.stats.queue_wait_max_s, wait)
 
-    def _start(self, sequence: Sequence, row: int, floor: Optional[int] = None) -> None:
-        """``sequence`` runs on ``row`` (its context prefilled: the first decode step feeds the last
-        prompt token); ``floor``: the oldest weights version of a reused prefix its tokens attend
-        to, when older than the served one (``engine.prefix_cache.across_versions``)."""
+    def _start(self, sequence: Sequence, row: int, kv: SequenceKV) -> None:
+        """``sequence`` runs on ``row`` over the pages of ``kv`` (its context written: its next decode
+        step feeds its last token); its tokens carry ``kv.floor`` when it reuses KV of older weights
+        (``engine.prefix_cache.across_versions``)."""
         self.rows[row] = sequence
         sequence.row = row
-        sequence.version_floor = floor
+        sequence.kv = kv
+        if kv.floor is not None:
+            floor = sequence.version_floor
+            sequence.version_floor = kv.floor if floor is None else min(floor, kv.floor)
         request = sequence.request
         c = self.controls
-        c.last_token[row], c.generated[row], c.active[row] = int(request.prompt_ids[-1]), 0, True
+        c.last_token[row], c.generated[row], c.active[row] = sequence.last_token, len(sequence.tokens), True
         c.greedy[row] = request.greedy
         c.temperature[row] = 1.0 if request.greedy else request.temperature
         c.top_k[row] = 0 if request.greedy else request.top_k
@@ -380,75 +436,12 @@ class Scheduler:
         stop_ids = sequence.pending.stop_ids
         c.stop_ids[row] = -1
         c.stop_ids[row, : len(stop_ids)] = stop_ids
+        c.lengths[row] = kv.length
+        c.page_table[row] = self.cache.table(kv)
+        c.sample_id[row], c.turn[row], c.key_index[row] = key_parts(request, sequence.index)
         c.node[row] = -1
         if request.constraint is not None:
-            c.node[row] = self._trie_offset(request.constraint)
-
-    def _reuse(self, admitted: list[tuple[Pending, Admission]], admitted_at: float) -> None:
-        """Start requests from kept prefixes (:mod:`asyncrl.engine.prefix_cache`): each takes its
-        source's first positions into its first slot (a copy, or in place), prefills the rest of its
-        context after them there, then copies the whole context to its other slots
-        (:mod:`asyncrl.engine.prefix_programs`)."""
-        stages: dict[int, tuple[list, list, list]] = {}  # stage -> (first copies, extensions, copies to other slots)
-        for pending, admission in admitted:
-            request = pending.request
-            self._note_admitted(pending, admitted_at)
-            context = np.asarray(request.prompt_ids[:-1], np.int32)
-            first, length = admission.slots[0], admission.length
-            first_copies, extends, later_copies = stages.setdefault(admission.stage, ([], [], []))
-            first_copies.append((admission.source, first, length, request, 0))
-            if length < len(context):
-                extends.append((first, context[length:]))
-            for j, slot in enumerate(admission.slots[1:], start=1):
-                later_copies.append((first, slot, len(context), request, j))
-            floor = self.cache.version_floor(first, length, self.version)
-            for j, slot in enumerate(admission.slots):
-                self._start(pending.sequences[j], slot, floor)
-            self.stats.prefill_tokens += len(context) - length
-            self.stats.prefix_hit_tokens += length
-            pending.usage.prefill_tokens += len(context) - length
-            pending.usage.prefix_hit_tokens += length
-        for stage in sorted(stages):  # a stage's sources are complete once the stages before it ran
-            first_copies, extends, later_copies = stages[stage]
-            self._copy(first_copies)
-            self._extend(extends)
-            self._copy(later_copies)
-
-    def _copy(self, copies: list) -> None:
-        """Copy-prefix calls for ``(source, destination, length, request, sample index)`` entries."""
-        for first in range(0, len(copies), COPY_ROWS):
-            plan = CopyPlan.empty(self.slots)
-            cross = False
-            for k, (src, dst, length, request, j) in enumerate(copies[first : first + COPY_ROWS]):
-                plan.src_rows[k], plan.dst_rows[k], plan.lengths[k] = src, dst, length
-                plan.sample_id[k], plan.turn[k], plan.key_index[k] = key_parts(request, j)
-                cross = cross or self.cache.replica_of(src) != self.cache.replica_of(dst)
-            self.stats.prefill_calls += 1
-            self.runner.copy(plan, self.root_key, cross)
-
-    def _extend(self, extends: list[tuple[int, np.ndarray]]) -> None:
-        """Extend calls for ``(slot, tokens after its kept prefix)`` entries: by bucket, each replica's
-        rows from its own slots (``prefill_rows`` per call, as fresh prefills)."""
-        replicas = self.cache.replicas
-        per_replica = self.prefill_rows // replicas
-        by_bucket: dict[int, list[list[tuple[int, np.ndarray]]]] = {}
-        for slot, tokens in extends:
-            bucket = next(b for b in self.extend_buckets if b >= len(tokens))
-            by_bucket.setdefault(bucket, [[] for _ in range(replicas)])[self.cache.replica_of(slot)].append((slot, tokens))
-        for bucket, queues in sorted(by_bucket.items()):
-            while any(queues):
-                plan = ExtendPlan.empty(self.prefill_rows, bucket, self.slots)
-                for replica, queue in enumerate(queues):
-                    for k in range(per_replica):
-                        if not queue:
-                            break
-                        slot, tokens = queue.pop(0)
-                        row = replica * per_replica + k
-                        plan.rows[row] = slot
-                        plan.token_ids[row, : len(tokens)] = tokens
-                        plan.token_mask[row, : len(tokens)] = True
-                self.stats.prefill_calls += 1
-                self.runner.extend(plan)
+            c.node[row] = self._trie_offset(request.constraint) + sequence.node
 
     def _trie_offset(self, trie: TokenTrie) -> int:
         """``trie``'s node offset in the engine's pool, adding it (with the tries still in use, whose
@@ -467,8 +460,27 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode
 
+    def _reach(self, sequence: Sequence) -> int:
+        """Positions ``sequence`` can hold by the end of the next chunk."""
+        assert sequence.kv is not None
+        return min(sequence.kv.length + self.chunk, sequence.positions)
+
+    def _grow(self) -> None:
+        """Give every running sequence the pages its next chunk writes, oldest first; when a
+        replica's pool cannot, preempt its latest admitted sequence (that one last) and retry."""
+        running = sorted((s for s in self.rows if s is not None), key=lambda s: s.order)
+        for sequence in running:
+            while sequence.kv is not None and not self.cache.grow(sequence.kv, self._reach(sequence)):
+                replica = sequence.kv.replica
+                victim = max((s for s in self.rows if s is not None and s.kv is not None and s.kv.replica == replica),
+                             key=lambda s: s.order)
+                self._preempt(victim)
+            if sequence.row is not None and sequence.kv is not None:
+                self.controls.page_table[sequence.row] = self.cache.table(sequence.kv)
+
     def _decode(self) -> None:
         started = time.monotonic()
+        self._grow()
         c = self.controls
         active = c.active.copy()
         filtered = bool(np.any(active & ((c.top_k > 0) | (c.top_p < 1.0))))
@@ -480,12 +492,22 @@ class Scheduler:
             # only until the next finish. With none waiting the same holds: a client usually
             # submits again at once.
             pair = self.prefill_rows if self.slots >= PAIRED_REFILL_MIN_SLOTS else 1
-            c.refill_free[...] = max(self.waiting[0].request.n if self.waiting else 1, pair)
+            following = 1 if self.resume else self.waiting[0].request.n if self.waiting else 1
+            c.refill_free[...] = max(following, pair)
         version = self.version
-        contexts = (s.context for row, s in enumerate(self.rows) if s is not None and active[row])
+        flat = None
+        if self.runner.flat_attention:
+            reach = [(row, s.kv, self._reach(s)) for row, s in enumerate(self.rows) if s is not None and active[row]]
+            flat = self.cache.flat_pages(reach, self.rows_per_replica, self.flat_sizes)
         tokens, logprobs, emitted = self.runner.decode(
-            snapshot(c), self.chunk, filtered, self.trie_tables if constrained else None,
-            self.tries.max_branch if constrained else 0, chunk_bucket(self.attention_buckets, contexts, self.chunk))
+            snapshot(c), flat, self.root_key, self.chunk, filtered, self.trie_tables if constrained else None,
+            self.tries.max_branch if constrained else 0)
+        if self.copying:  # the chunk made them: the copied pages are matchable, their sources free to go
+            c.copy_dst[:] = self.no_page
+            self.cache.settle_copies()
+            for part in self.copying:
+                self.cache.unprotect(part)
+            self.copying = []
         dispatched = time.monotonic()
         tokens, logprobs, emitted = np.asarray(tokens), np.asarray(logprobs), np.asarray(emitted)
         ready = time.monotonic()
@@ -493,12 +515,20 @@ class Scheduler:
         self.stats.decode_steps += steps
         for row in map(int, np.flatnonzero(active)):
             sequence = self.rows[row]
-            assert sequence is not None, f"active row {row} has no sequence"
-            fed = int(c.last_token[row])
-            before = len(sequence.tokens)
-            self._consume(sequence, tokens[row], logprobs[row], emitted[row], version)
-            if len(sequence.tokens) > before:  # its steps fed its last token, then its new ones but the newest
-                self.cache.fed(row, [fed, *sequence.tokens[before:-1]], version)
+            assert sequence is not None and sequence.kv is not None, f"active row {row} has no sequence"
+            fed, before = sequence.last_token, len(sequence.tokens)
+            reason = self._consume(sequence, tokens[row], logprobs[row], emitted[row], version)
+            new = sequence.tokens[before:]
+            if new:  # its steps fed its last token, then its new ones but the newest
+                self.cache.written(sequence.kv, [fed, *new[:-1]], version)
+                c.lengths[row] = sequence.kv.length
+            if reason is not None:
+                self._end(sequence, reason)
+            else:
+                c.last_token[row] = sequence.last_token
+                c.generated[row] = len(sequence.tokens)
+                if sequence.request.constraint is not None:
+                    c.node[row] = self.tries.require(sequence.request.constraint) + sequence.node
         finished = time.monotonic()
         self.freed = int(np.sum(active & ~c.active))
         self.step_s = (finished - started) / max(steps, 1)
@@ -517,23 +547,20 @@ class Scheduler:
         started = time.monotonic()
         deadline = started + min(0.1 * self.step_s, 0.05)
         with self.cond:
-            while not (sum(p.request.n for p in self.waiting) >= self.freed or self.closed
-                       or self.update is not None or self.aborts):
+            while not (self.waiting_samples() >= self.freed or self.closed or self.update is not None or self.aborts):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self.cond.wait(left)
         self.stats.refill_wait_s += time.monotonic() - started
 
-    def _consume(self, sequence: Sequence, tokens, logprobs, emitted, version: int) -> None:
-        """Append one row's chunk output to its sequence and end it when it stopped."""
+    def _consume(self, sequence: Sequence, tokens, logprobs, emitted, version: int) -> Union[StopReason, None]:
+        """Append one row's chunk output to its sequence; why it stopped, or None."""
         pending = sequence.pending
         request = pending.request
         trie = request.constraint
         if sequence.version_floor is not None:  # it attends to a kept prefix of older weights (across_versions)
             version = min(version, sequence.version_floor)
-        row = sequence.row
-        assert row is not None
         for t in np.flatnonzero(emitted):
             token = int(tokens[t])
             sequence.tokens.append(token)
@@ -548,16 +575,13 @@ class Scheduler:
             if trie is not None:  # the device followed the same trie: the token is allowed
                 sequence.node = trie.child(sequence.node, token)
                 if trie.is_leaf(sequence.node):
-                    return self._end(sequence, "stop")
+                    return "stop"
             elif index >= request.min_new_tokens:
                 if token in pending.stop_set:
-                    return self._end(sequence, "eos")
+                    return "eos"
                 for seq in pending.stop_sequences:
                     if sequence.tokens[-len(seq):] == seq:
-                        return self._end(sequence, "stop")
+                        return "stop"
             if len(sequence.tokens) >= request.max_new_tokens:
-                return self._end(sequence, "length")
-        self.controls.last_token[row] = sequence.tokens[-1]
-        self.controls.generated[row] = len(sequence.tokens)
-        if trie is not None:
-            self.controls.node[row] = self.tries.require(trie) + sequence.node
+                return "length"
+        return None

@@ -519,6 +519,14 @@ def _decode_cache_copy(engine: Any, kv: int) -> Line:
                 program="decode_chunk")
 
 
+def planned_pages(cfg: Config, page_size: int, rows_per_replica: int) -> int:
+    """Pages of each replica's KV pool: ``engine.kv_pages``, or for ``auto`` (sized at start from
+    the memory left) the most a replica's rows use: ``rows x kv_capacity / page_size``."""
+    if isinstance(cfg.engine.kv_pages, int):
+        return cfg.engine.kv_pages
+    return rows_per_replica * (cfg.engine.kv_capacity // page_size)
+
+
 def planned_slots(cfg: Config) -> int:
     """``engine.slots``, or for ``auto`` (sized at start: :mod:`asyncrl.run.auto_slots`) the fewest
     the run needs; :func:`run_plan` sizes ``auto`` first when given the device's memory."""

@@ -126,7 +126,7 @@ import numpy as np, jax
 import jax._src.array as jax_array
 from asyncrl.config import EngineConfig, load_config
 from asyncrl.engine.jax_engine import JaxEngine
-from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls
+from asyncrl.engine.jax_programs import decode_chunk_jit, empty_flat
 from asyncrl.engine.protocol import GenerationRequest
 from asyncrl.model import load_model
 from asyncrl.model.sharding import shard_params
@@ -154,14 +154,18 @@ for tp in [int(t) for t in os.environ["ENGINE_TENSOR_PARALLEL"].split(",")]:
     placement = resolve_placement(cfg)
     engine = JaxEngine(graphdef, params, config=cfg.engine, mesh=engine_mesh(placement))
     assert tokens(engine) == reference, tp
-    k = engine.runner.state.cache.layers[0].k  # [slots, kv_heads, capacity, head_dim]
-    assert k.sharding.device_set == set(placement.engine_devices)
-    per_device = (8 // (4 // tp), 4 // tp, 48, 16)
-    assert {s.data.shape for s in k.addressable_shards} == {per_device}, (tp, k.sharding)
-    # XLA's own program works on those shards: the compiled decode step's cache operands are per-device slices.
-    hlo = decode_chunk_jit.lower(graphdef, engine.runner.params, engine.runner.state, idle_controls(8, 8), 4, False,
-                                 engine.runner.layout).compile().as_text()
-    assert "f32[%d,%d,48,16]" % per_device[:2] in hlo and "f32[8,4,48,16]" not in hlo, tp
+    kv = engine.runner.pool[0].kv  # [2, kv_heads, pages, page_size, head_dim]: pages by replica, heads over tensor
+    assert kv.sharding.device_set == set(placement.engine_devices)
+    replicas = 4 // tp
+    pages = 8 // replicas * 3  # each replica's rows x 48 / 16 pages
+    per_device = (2, 4 // tp, pages, 16, 16)
+    assert {s.data.shape for s in kv.addressable_shards} == {per_device}, (tp, kv.sharding)
+    # XLA's own program works on those shards: the compiled decode step's pool operands are per-device slices.
+    controls = engine.runner.idle_controls()
+    flat = empty_flat(replicas * engine.flat_sizes[-1], 8 // replicas)
+    hlo = decode_chunk_jit.lower(graphdef, engine.runner.serving, engine.runner.pool, controls, flat, np.zeros(2, np.uint32),
+                                 4, False, engine.runner.layout).compile().as_text()
+    assert "f32[2,%d,%d,16,16]" % per_device[1:3] in hlo and "f32[2,4,%d,16,16]" % (pages * replicas) not in hlo, tp
     q = engine.runner.params["layers"][0]["self_attn"]["q_proj"]["kernel"]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "tensor"), q.sharding
     # Publish from the trainer's (data x fsdp) arrays: device to device, never through host numpy.
@@ -235,7 +239,7 @@ host_reads = []
 real_value = jax_array.ArrayImpl._value
 # The default placement on 8 devices: the engine's own mesh over the trainer's devices.
 for tp, mesh_cfg in [(1, {"fsdp": 8}), (2, {"fsdp": 8}), (2, {"data": 4, "fsdp": 2})]:
-    cfg = load_config(data={"mesh": mesh_cfg, "engine": {**ENGINE, "tensor_parallel": tp, "prefix_cache": {"min_tokens": 4}},
+    cfg = load_config(data={"mesh": mesh_cfg, "engine": {**ENGINE, "tensor_parallel": tp},
                             "data": {"max_prompt_tokens": 16}, "rollout": {"max_new_tokens": 16, "group_size": 2}})
     placement = resolve_placement(cfg)
     assert placement.colocated and not placement.shares_trainer_arrays and placement.engine_replicas == 8 // tp
@@ -243,8 +247,8 @@ for tp, mesh_cfg in [(1, {"fsdp": 8}), (2, {"fsdp": 8}), (2, {"data": 4, "fsdp":
     engine = JaxEngine(graphdef, trainer_params, config=cfg.engine, mesh=engine_mesh(placement))
     same(samples(engine), reference, (tp, mesh_cfg))
     assert engine.metrics()["engine/prefix_hit_tokens"] > 0, "no prefix was reused"
-    k = engine.runner.state.cache.layers[0].k  # [slots, kv_heads, capacity, head_dim]: split by slots and KV heads
-    assert {s.data.shape for s in k.addressable_shards} == {(8 // (8 // tp), 4 // tp, 48, 16)}, (tp, k.sharding)
+    kv = engine.runner.pool[0].kv  # [2, kv_heads, pages, page_size, head_dim]: pages by replica, heads over tensor
+    assert {s.data.shape for s in kv.addressable_shards} == {(2, 4 // tp, 8 // (8 // tp) * 3, 16, 16)}, (tp, kv.sharding)
     # A publish reshards the trainer's arrays device to device: nothing is read back to the host.
     jax_array.ArrayImpl._value = property(lambda self: (host_reads.append(self.shape), real_value.fget(self))[1])
     try:

@@ -467,18 +467,19 @@ def test_inverse_cdf_sampler_across_blocks():
 def test_decode_chunk_ends_early_when_a_finished_slot_can_be_refilled(tiny_split):
     """A slot that finishes inside a chunk ends it once ``refill_free`` slots are free (so the
     scheduler refills it at once); with ``refill_free`` above the slot count the chunk runs on."""
-    from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls, init_slot_state
+    from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls, init_pool
 
     lm, graphdef, params = tiny_split
-    controls = idle_controls(2, 8)
+    controls = idle_controls(2, 8, pages_per_seq=2, pool_pages=4)
     controls.active[:] = True
     controls.max_new_tokens[:] = [3, 20]
     controls.last_token[:] = [7, 9]
+    controls.page_table[:] = [[0, 1], [2, 3]]
     emitted = {}
     for refill_free in (1, 2, 3):
         controls.refill_free[...] = refill_free
-        state = init_slot_state(lm.model.cfg, 2, 32)
-        _, _, _, out = decode_chunk_jit(graphdef, params, state, controls, 8, False, None)
+        pool = init_pool(lm.model.cfg, 4, 16)
+        _, _, _, out = decode_chunk_jit(graphdef, params, pool, controls, None, np.zeros(2, np.uint32), 8, False, None)
         emitted[refill_free] = np.asarray(out).sum(axis=1).tolist()
     assert emitted[1] == [3, 3]  # slot 0 ended at step 3 and one free slot is enough to refill
     assert emitted[2] == [3, 8]  # two free slots needed: slot 1 is still running
@@ -496,5 +497,9 @@ def test_engine_config_cross_field_checks():
         load_config(overrides=["engine.slots=2", "rollout.group_size=4"])
     with pytest.raises(ConfigError, match="engine.prefill_buckets"):
         load_config(overrides=["engine.prefill_buckets=[16, 1024]"])
-    with pytest.raises(ConfigError, match="engine.prefill_buckets"):
-        load_config(overrides=["data.max_prompt_tokens=300", "engine.prefill_buckets=[16, 128]"])
+    # prompts longer than the largest bucket are prefilled in chunks of it
+    assert load_config(overrides=["data.max_prompt_tokens=300", "engine.prefill_buckets=[16, 128]"])
+    with pytest.raises(ConfigError, match="engine.page_size: 24 does not divide engine.kv_capacity"):
+        load_config(overrides=["engine.page_size=24"])
+    with pytest.raises(ConfigError, match="engine.kv_pages: 8 pages of 16 tokens hold less than one sequence"):
+        load_config(overrides=["engine.page_size=16", "engine.kv_pages=8"])
