@@ -14,6 +14,7 @@
     python scripts/bench.py pack      # trained tokens/s of the trainer step, packed against unpacked, GSM8K-like lengths
     python scripts/bench.py colocated # the engine's decode on 8 forced CPU devices (its own mesh on the trainer's) vs 1
     python scripts/bench.py prefix    # prompt tokens computed per generated token, prefix reuse on vs off (agent, multi-turn)
+    python scripts/bench.py paged     # the paged KV cache beside a contiguous engine: long tails, groups, busy slots, reuse
 
 ``python scripts/bench.py SUBCOMMAND --help`` says what each measures and its fields. Each
 lives in ``scripts/bench_components/<name>.py`` (``add_arguments(parser)`` and
@@ -35,7 +36,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SUBCOMMANDS = ("train", "loop", "engine", "model", "batch", "remote", "accel", "gpu", "reward_model", "plan", "agent",
-               "pack", "colocated", "prefix")
+               "pack", "colocated", "prefix", "paged")
 
 
 def parser() -> argparse.ArgumentParser:

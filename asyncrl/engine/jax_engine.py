@@ -162,7 +162,9 @@ class JaxEngine:
         """Pages in each replica's KV pool (``engine.kv_pages`` resolved)."""
         self.default_stop_ids = tuple(int(t) for t in stop_token_ids)
         self._check_stop_ids(self.default_stop_ids, "stop_token_ids (the model's default)")
-        # the CPU's flat attention lists every active row's pages (a shared page once per row that reads it)
+        # the CPU's views of the pages a chunk reads: each row's first pages, or every active row's pages as one
+        # list (a shared page once per row that reads it)
+        self.view_sizes = attention_buckets(runner.pages_per_seq, cfg.attention_buckets)
         self.flat_sizes = attention_buckets(cfg.slots // runner.replicas * runner.pages_per_seq, cfg.attention_buckets)
         reuse = cfg.prefix_cache
         self.extend_buckets = tuple(sorted({b for b in [*reuse.extend_buckets, *self.buckets] if b <= cfg.kv_capacity}))
@@ -172,7 +174,7 @@ class JaxEngine:
         self._root_key = np.asarray(jax.random.PRNGKey(seed))
         self._stats = EngineStats()
         self.scheduler = Scheduler(cfg, runner, self.cache, self._stats, self._root_key, int(version), self.buckets,
-                                   self.extend_buckets, self.flat_sizes)
+                                   self.extend_buckets, self.flat_sizes, self.view_sizes)
         self._warned_truncation = False
         self._started = time.monotonic()
         if warmup:
@@ -302,7 +304,7 @@ class JaxEngine:
     def warmup(self) -> int:
         """Compile every program (each prefill and extension bucket, both decode variants per size
         class of the CPU's attention); returns the compile count."""
-        self.runner.warmup(self.buckets, self.extend_buckets, self.flat_sizes, self._root_key)
+        self.runner.warmup(self.buckets, self.extend_buckets, self.flat_sizes, self.view_sizes, self._root_key)
         return compile_count()
 
     def metrics(self) -> dict[str, float]:

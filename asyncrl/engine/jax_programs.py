@@ -57,6 +57,7 @@ import numpy as np
 from asyncrl.engine.constraints import TrieTables, allowed_tokens, is_leaf_node, next_nodes
 from asyncrl.model.attention import KernelTarget, compiled_for
 from asyncrl.model.kv_cache import FlatPages, PagedKVCache, PagedLayerKV, copy_pages, init_page_pool
+from asyncrl.model.paged_attention import with_views
 from asyncrl.model.transformer import forward, hidden_states
 
 _compiles: collections.Counter = collections.Counter()
@@ -181,9 +182,12 @@ def snapshot(controls: SlotControls) -> SlotControls:
     return SlotControls(*(np.array(x, copy=True) for x in controls))
 
 
-def empty_flat(entries: int, slots: int) -> FlatPages:
-    """A :class:`~asyncrl.model.kv_cache.FlatPages` of ``entries`` padding entries (row ``slots``: nobody's)."""
-    return FlatPages(np.zeros((entries,), np.int32), np.full((entries,), slots, np.int32), np.zeros((entries,), np.int32))
+def empty_flat(entries: int, rows: int, replicas: int = 1) -> FlatPages:
+    """A :class:`~asyncrl.model.kv_cache.FlatPages` of ``entries`` padding entries per replica (row
+    ``rows``: nobody's), for ``rows`` rows per replica."""
+    total = entries * replicas
+    return FlatPages(np.zeros((total,), np.int32), np.full((total,), rows, np.int32), np.zeros((total,), np.int32),
+                     np.zeros((rows * replicas,), np.int32))
 
 
 # --------------------------------------------------------------------------- prefill
@@ -241,14 +245,19 @@ def _prefill(graphdef, params, pool: Pool, plan: PrefillPlan, layout=None, kerne
 
 def _copy_pages(pool: Pool, src, dst, layout=None) -> Pool:
     """Every layer's pages ``dst`` take pages ``src``' contents (int32 [slots]; ``dst`` past the
-    pool: no copy); on an engine mesh each replica copies its own (page numbers local to it)."""
+    pool: no copy), skipped when there is none (most calls: the copies only start sequences); on
+    an engine mesh each replica copies its own (page numbers local to it)."""
+    def copy(pool, src, dst):
+        pages = pool[0].pages
+        return jax.lax.cond(jnp.any(dst < pages), lambda p: tuple(copy_pages(layer, src, dst) for layer in p),
+                            lambda p: p, pool)
+
     if layout is None:
-        return tuple(copy_pages(layer, src, dst) for layer in pool)
+        return copy(pool, src, dst)
     mesh = layout[0].kv.mesh
     specs = jax.tree.map(lambda sharding: sharding.spec, layout)
     rows = row_sharding(mesh).spec
-    return jax.shard_map(lambda pool, src, dst: tuple(copy_pages(layer, src, dst) for layer in pool), mesh=mesh,
-                         in_specs=(specs, rows, rows), out_specs=specs, check_vma=False)(pool, src, dst)
+    return jax.shard_map(copy, mesh=mesh, in_specs=(specs, rows, rows), out_specs=specs, check_vma=False)(pool, src, dst)
 
 
 def slot_key(root_key, sample_id, key_index, turn):
@@ -463,15 +472,17 @@ class _Chunk(NamedTuple):
 
 def _decode_chunk(graphdef, params, pool: Pool, controls: SlotControls, flat: Optional[FlatPages], root_key, steps: int,
                   filtered: bool, layout=None, tries=None, max_branch: int = 0, *, sampler: str = "inverse_cdf",
-                  inner: int = 1, kernel: Optional[KernelTarget] = None):
+                  inner: int = 1, kernel: Optional[KernelTarget] = None, view_pages: int = 0):
     """Decode up to ``steps`` tokens for every active slot: each step is the model's own forward
     over the paged cache with ``T = 1`` (idle slots masked out: they write nothing), then sampling.
 
     Before the loop, the controls' page copies run (a shared partial page copied for the sequence
-    that writes into it next) and each slot's key is made from its parts. ``flat`` (the CPU's):
-    every active slot's pages as one list covering its positions to the chunk's end
-    (:func:`~asyncrl.model.attention.flat_paged_attention`), its length a size class; None where
-    attention reads each slot's page table itself.
+    that writes into it next) and each slot's key is made from its parts. On the CPU the steps
+    attend over a view of the pages they read, gathered once here
+    (:func:`~asyncrl.model.paged_attention.with_views`): ``view_pages`` (static) > 0, each slot's
+    first that many pages; else ``flat``, every active slot's pages as one list covering its
+    positions to the chunk's end (its length a size class). Neither (GPUs, TPUs): attention reads
+    each slot's page table itself.
 
     Returns the new pool and ``tokens`` int32, ``logprobs`` float32, ``emitted`` bool, each
     [S, steps]: ``emitted`` marks the steps at which the slot was active and produced the token.
@@ -489,13 +500,18 @@ def _decode_chunk(graphdef, params, pool: Pool, controls: SlotControls, flat: Op
     """
     count_trace(("decode_chunk_topk_topp" if filtered else "decode_chunk") + ("_trie" if tries is not None else "")
                  + (f"_{sampler}" if sampler != "inverse_cdf" else "")
-                 + (f"_flat{flat.pages.shape[0]}" if flat is not None else ""))
+                 + (f"_flat{flat.pages.shape[0]}" if flat is not None else "")
+                 + (f"_view{view_pages}" if view_pages else ""))
     slots = controls.active.shape[0]
     vocab = params["embed_tokens"]["embedding"].shape[0]
     stop_vocab = jax.nn.one_hot(controls.stop_ids, vocab, dtype=bool).any(axis=1)  # [S, V]; -1 pads hit nothing
     keys = jax.vmap(slot_key, in_axes=(None, 0, 0, 0))(root_key, controls.sample_id, controls.key_index, controls.turn)
     pool = _copy_pages(pool, jnp.asarray(controls.copy_src, jnp.int32), jnp.asarray(controls.copy_dst, jnp.int32), layout)
     page_table = jnp.asarray(controls.page_table, jnp.int32)
+    if view_pages or flat is not None:
+        with kernel_context(kernel):
+            pool = with_views(pool, page_table, view_pages, None if view_pages else flat)
+        flat = None if view_pages else flat
 
     def step(c: _Chunk) -> tuple[_Chunk, tuple[jax.Array, jax.Array, jax.Array]]:
         # One decode step: the next carry (its output buffers untouched) and what the step emits,
@@ -569,9 +585,10 @@ def _decode_chunk(graphdef, params, pool: Pool, controls: SlotControls, flat: Op
     # on a mesh it runs per device in a shard_map.
     with kernel_context(kernel):
         out = jax.lax.while_loop(more, body, init)
-    return (constrain_state(out.pool, layout), out.tokens[:, :steps], out.logprobs[:, :steps], out.emitted[:, :steps])
+    pool = tuple(PagedLayerKV(layer.kv, layer.layout) for layer in out.pool)  # the views end with the chunk
+    return (constrain_state(pool, layout), out.tokens[:, :steps], out.logprobs[:, :steps], out.emitted[:, :steps])
 
 
 prefill_jit = jax.jit(_prefill, static_argnums=(0, 4, 5, 6), donate_argnums=2)
-decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 6, 7, 8, 10), static_argnames=("sampler", "inner", "kernel"),
-                           donate_argnums=2)
+decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 6, 7, 8, 10),
+                           static_argnames=("sampler", "inner", "kernel", "view_pages"), donate_argnums=2)

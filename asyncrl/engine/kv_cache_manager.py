@@ -111,6 +111,13 @@ class KVCacheManager:
         """The share of the pools holding kept prefixes nobody runs on (reusable, evictable)."""
         return sum(tree.kept for tree in self.trees) / (self.pages_per_replica * self.replicas)
 
+    def listed_pages(self, reach: Sequence[tuple[int, SequenceKV, int]], rows_per_replica: int) -> int:
+        """The busiest replica's count of pages the flat list of ``reach`` (as :meth:`flat_pages`) holds."""
+        counts = [0] * self.replicas
+        for row, _, positions in reach:
+            counts[row // rows_per_replica] += self.pages_for(positions)
+        return max(counts)
+
     def flat_pages(self, reach: Sequence[tuple[int, SequenceKV, int]], rows_per_replica: int,
                    sizes: tuple[int, ...]) -> FlatPages:
         """The CPU decode attention's list (:class:`~asyncrl.model.kv_cache.FlatPages`): for each
@@ -118,16 +125,18 @@ class KVCacheManager:
         the row and each page's first position; per replica (local rows and pages) in a segment of the
         smallest of ``sizes`` that holds the busiest replica's list (the rest attended by nobody)."""
         entries: list[tuple[list[int], list[int], list[int]]] = [([], [], []) for _ in range(self.replicas)]
+        first = np.zeros((self.replicas * rows_per_replica,), np.int32)
         for row, kv, positions in reach:
             pages, rows, starts = entries[row // rows_per_replica]
             count = self.pages_for(positions)
+            first[row] = len(pages)
             pages += kv.pages[:count]
             rows += [row % rows_per_replica] * count
             starts += range(0, count * self.page_size, self.page_size)
         size = chunk_bucket(sizes, max(len(pages) for pages, _, _ in entries))
         total = self.replicas * size
         flat = FlatPages(np.zeros((total,), np.int32), np.full((total,), rows_per_replica, np.int32),
-                         np.zeros((total,), np.int32))
+                         np.zeros((total,), np.int32), first)
         for r, (pages, rows, starts) in enumerate(entries):
             flat.pages[r * size : r * size + len(pages)] = pages
             flat.rows[r * size : r * size + len(rows)] = rows

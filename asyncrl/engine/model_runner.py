@@ -185,11 +185,12 @@ class ModelRunner:
         return calls
 
     def decode(self, controls: SlotControls, flat: Optional[FlatPages], root_key: Any, steps: int, filtered: bool,
-               tries: Any, max_branch: int) -> tuple[Any, Any, Any]:
-        """One decode chunk; returns its ``(tokens, logprobs, emitted)`` device arrays ``[slots, steps]``."""
+               tries: Any, max_branch: int, view_pages: int = 0) -> tuple[Any, Any, Any]:
+        """One decode chunk; returns its ``(tokens, logprobs, emitted)`` device arrays ``[slots, steps]``
+        (the CPU's: over a view of each slot's first ``view_pages`` pages, else of ``flat``'s)."""
         self.pool, tokens, logprobs, emitted = decode_chunk_jit(
             self.graphdef, self.serving, self.pool, controls, flat, root_key, steps, filtered, self.layout, tries,
-            max_branch, **self.decode_options())
+            max_branch, **self.decode_options(), view_pages=view_pages)
         return tokens, logprobs, emitted
 
     def beam_search(self, *args: Any, **kwargs: Any) -> Any:
@@ -211,18 +212,20 @@ class ModelRunner:
         return idle_controls(self.slots, self.config.max_stop_ids, self.pages_per_seq, self.pages_per_replica)
 
     def warmup(self, buckets: tuple[int, ...], extend_buckets: tuple[int, ...], flat_sizes: tuple[int, ...],
-               root_key: Any) -> None:
+               view_sizes: tuple[int, ...], root_key: Any) -> None:
         """Compile every program with arguments that change nothing (each prefill and extension
-        bucket, both decode variants per flat size class)."""
+        bucket, both decode variants per size class of the CPU's views)."""
         for bucket in buckets:
             self.prefill(self.empty_plan(bucket), fresh=True)
         for bucket in extend_buckets:
             self.prefill(self.empty_plan(bucket), fresh=False)
         idle = self.idle_controls()
+        rows = self.slots // self.replicas
+        views = [(None, size) for size in view_sizes] + [(empty_flat(size, rows, self.replicas), 0) for size in flat_sizes
+                                                          if size < rows * view_sizes[-1]]
         for filtered in (False, True):
-            for size in flat_sizes if self.flat_attention else (0,):
-                flat = empty_flat(size * self.replicas, self.slots // self.replicas) if self.flat_attention else None
-                self.decode(idle, flat, root_key, self.config.decode_chunk, filtered, None, 0)
+            for flat, pages in views if self.flat_attention else [(None, 0)]:
+                self.decode(idle, flat, root_key, self.config.decode_chunk, filtered, None, 0, pages)
         self.block()
 
 

@@ -30,6 +30,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from asyncrl.config import EngineConfig
+from asyncrl.engine.attention_buckets import chunk_bucket
 from asyncrl.engine.beam_search import run_beam_request
 from asyncrl.engine.constraints import TokenTrie, TriePool
 from asyncrl.engine.jax_programs import snapshot
@@ -58,19 +59,20 @@ class Scheduler:
         version: the served weights' version at start.
         buckets, extend_buckets: the prefill programs' token counts (first chunks; chunks after
             what a sequence holds).
-        flat_sizes: the CPU decode attention's size classes, in pages per replica.
+        flat_sizes, view_sizes: the CPU decode attention's size classes: of the flat list of pages
+            (per replica), of the pages per row of each row's view.
     """
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, cache: KVCacheManager, stats: EngineStats,
                  root_key: Any, version: int, buckets: tuple[int, ...], extend_buckets: tuple[int, ...],
-                 flat_sizes: tuple[int, ...]):
+                 flat_sizes: tuple[int, ...], view_sizes: tuple[int, ...] = (1,)):
         self.config = config
         self.runner = runner
         self.cache = cache
         self.stats = stats
         self.root_key = root_key
         self.version = version
-        self.buckets, self.extend_buckets, self.flat_sizes = buckets, extend_buckets, flat_sizes
+        self.buckets, self.extend_buckets, self.flat_sizes, self.view_sizes = buckets, extend_buckets, flat_sizes, view_sizes
         self.slots = int(config.slots)
         self.chunk = config.decode_chunk
         self.prefill_rows = runner.prefill_rows
@@ -495,13 +497,16 @@ class Scheduler:
             following = 1 if self.resume else self.waiting[0].request.n if self.waiting else 1
             c.refill_free[...] = max(following, pair)
         version = self.version
-        flat = None
-        if self.runner.flat_attention:
+        flat, view_pages = None, 0
+        if self.runner.flat_attention:  # the CPU: a view of the pages the chunk reads (each row's first ones, or a list)
             reach = [(row, s.kv, self._reach(s)) for row, s in enumerate(self.rows) if s is not None and active[row]]
-            flat = self.cache.flat_pages(reach, self.rows_per_replica, self.flat_sizes)
+            view_pages = chunk_bucket(self.view_sizes, max((self.cache.pages_for(n) for _, _, n in reach), default=1))
+            listed = chunk_bucket(self.flat_sizes, self.cache.listed_pages(reach, self.rows_per_replica))
+            if listed < view_pages * self.rows_per_replica:
+                flat, view_pages = self.cache.flat_pages(reach, self.rows_per_replica, self.flat_sizes), 0
         tokens, logprobs, emitted = self.runner.decode(
             snapshot(c), flat, self.root_key, self.chunk, filtered, self.trie_tables if constrained else None,
-            self.tries.max_branch if constrained else 0)
+            self.tries.max_branch if constrained else 0, view_pages)
         if self.copying:  # the chunk made them: the copied pages are matchable, their sources free to go
             c.copy_dst[:] = self.no_page
             self.cache.settle_copies()

@@ -154,13 +154,15 @@ PAGE_LAYOUTS = ("2kpsd", "ps2kd")
 layout of JAX's TPU ``ragged_paged_attention``)."""
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["kv"], meta_fields=["layout"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kv", "view"], meta_fields=["layout"])
 @dataclasses.dataclass(frozen=True)
 class PagedLayerKV:
-    """One decoder layer's keys and values in pages of a fixed number of positions (compute dtype)."""
+    """One decoder layer's keys and values in pages of a fixed number of positions (compute dtype);
+    ``view``: a decode chunk's copy of the pages its rows read (:func:`gather_view`; the CPU's), or None."""
 
     kv: jax.Array  # 2kpsd: [2, kv_heads, pages, page_size, head_dim]; ps2kd: [pages, page_size, 2 * kv_heads, head_dim]
     layout: str = "2kpsd"  # static: which of PAGE_LAYOUTS
+    view: Any = None  # [2, B, kv_heads, positions, head_dim] (each row's first pages) or [2, N, kv_heads, page_size, head_dim] (flat)
 
     @property
     def pages(self) -> int:
@@ -172,13 +174,15 @@ class PagedLayerKV:
 
 
 class FlatPages(NamedTuple):
-    """The pages of a decode step's rows as one flat list (the CPU's ragged attention): entry ``i``
+    """The pages of a decode chunk's rows as one flat list (the CPU's ragged attention): entry ``i``
     is page ``pages[i]`` of row ``rows[i]`` (``>= B``: padding, attended by nobody), holding that
-    row's positions ``[starts[i], starts[i] + page_size)``."""
+    row's positions ``[starts[i], starts[i] + page_size)``; a row's pages are consecutive entries
+    from ``first[row]`` on."""
 
     pages: Any  # int32 [N] (host or device arrays)
     rows: Any  # int32 [N]
     starts: Any  # int32 [N]
+    first: Any  # int32 [B]
 
 
 class PagedKVCache(NamedTuple):
@@ -250,16 +254,40 @@ def gather_rows(layer: PagedLayerKV, page_table: jax.Array) -> tuple[jax.Array, 
     return kv[..., 0, :], kv[..., 1, :], "bskd"
 
 
-def gather_flat(layer: PagedLayerKV, pages: jax.Array) -> tuple[jax.Array, jax.Array, str]:
-    """The listed pages' keys and values: ``(k, v, spec)``, ``spec`` ``knpd`` (``[kv_heads, N,
-    page_size, D]``) or ``npkd`` (``[N, page_size, kv_heads, D]``)."""
+def gather_view(layer: PagedLayerKV, page_table: jax.Array, pages: int, flat: Optional[FlatPages] = None) -> jax.Array:
+    """A copy of the pages a decode chunk's rows read, rows (or list entries) first whatever the
+    pool's layout, so each step's attention reads it as it lies: each row's first ``pages`` pages in
+    order (``[2, B, kv_heads, pages x page_size, D]``: keys then values, each the ``bksd`` of a
+    contiguous cache), or with ``flat`` its listed pages (``[2, N, kv_heads, page_size, D]``)."""
+    if flat is not None:
+        if layer.layout == "2kpsd":
+            return layer.kv[:, :, flat.pages].transpose(0, 2, 1, 3, 4)
+        kv = layer.kv[flat.pages]  # [N, page_size, 2 * kv_heads, D]
+        n, size, combined, d = kv.shape
+        return kv.reshape(n, size, combined // 2, 2, d).transpose(3, 0, 2, 1, 4)
+    table = page_table[:, :pages]
     if layer.layout == "2kpsd":
-        kv = layer.kv[:, :, pages]  # [2, kv_heads, N, page_size, D]
-        return kv[0], kv[1], "knpd"
-    kv = layer.kv[pages]  # [N, page_size, 2 * kv_heads, D]
-    n, size, combined, d = kv.shape
-    kv = kv.reshape(n, size, combined // 2, 2, d)
-    return kv[..., 0, :], kv[..., 1, :], "npkd"
+        kv = layer.kv[:, :, table].transpose(0, 2, 1, 3, 4, 5)  # [2, B, kv_heads, pages, page_size, D]
+    else:
+        kv = layer.kv[table]  # [B, pages, page_size, 2 * kv_heads, D]
+        b, p, size, combined, d = kv.shape
+        kv = kv.reshape(b, p, size, combined // 2, 2, d).transpose(4, 0, 3, 1, 2, 5)
+    two, b, heads, p, size, d = kv.shape
+    return kv.reshape(two, b, heads, p * size, d)
+
+
+def write_view(view: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, real: jax.Array, page_size: int,
+               flat: Optional[FlatPages] = None) -> jax.Array:
+    """``view`` (:func:`gather_view`) with the new ``k, v`` ``[B, 1, kv_heads, D]`` written where
+    their rows' positions lie in it (the pool gets them too: :func:`write_pages`)."""
+    b = positions.shape[0]
+    position = positions[:, 0]
+    values = jnp.stack([k[:, 0], v[:, 0]], axis=1).astype(view.dtype)  # [B, 2, kv_heads, D]
+    if flat is None:  # advanced indices around a slice: the block is [B, 2, kv_heads, D]
+        index = jnp.where(real[:, 0] & (position < view.shape[3]), position, view.shape[3])
+        return view.at[:, jnp.arange(b), :, index].set(values, mode="drop")
+    entry = jnp.where(real[:, 0], flat.first + position // page_size, view.shape[1])
+    return view.at[:, entry, :, position % page_size].set(values, mode="drop")
 
 
 def copy_pages(layer: PagedLayerKV, src: jax.Array, dst: jax.Array) -> PagedLayerKV:

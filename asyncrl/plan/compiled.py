@@ -306,24 +306,19 @@ def _replicated_like(engine: EngineArgs, tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated), tree)
 
 
-def lower_decode_chunk(cfg: Config, engine: EngineArgs, flat_size: int = 0) -> Any:
+def lower_decode_chunk(cfg: Config, engine: EngineArgs) -> Any:
     """The ``Lowered`` of the engine's plain decode chunk (``decode_chunk_jit``: ``engine.decode_chunk``
-    steps, no top-k/top-p, no trie); on the CPU with its flat attention's list of ``flat_size``
-    pages per replica (0: the largest class)."""
+    steps, no top-k/top-p, no trie); on the CPU over its largest view (every slot's longest context)."""
     import numpy as np
 
-    from asyncrl.engine.jax_programs import decode_chunk_jit, empty_flat, idle_controls
+    from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls
 
     controls = _replicated_like(engine, idle_controls(engine.slots, cfg.engine.max_stop_ids, engine.pages_per_seq,
                                                       engine.pages_per_replica))
-    flat = None
-    if engine.flat_sizes:
-        size = flat_size or engine.flat_sizes[-1]
-        flat = _replicated_like(engine, empty_flat(size * engine.replicas, engine.slots // engine.replicas))
     key = _replicated_like(engine, np.zeros(2, np.uint32))
-    return decode_chunk_jit.lower(engine.graphdef, engine.serving, engine.pool, controls, flat, key, cfg.engine.decode_chunk,
+    return decode_chunk_jit.lower(engine.graphdef, engine.serving, engine.pool, controls, None, key, cfg.engine.decode_chunk,
                                   False, engine.layout, sampler=engine.sampler, inner=engine.inner_steps,
-                                  kernel=engine.kernel)
+                                  kernel=engine.kernel, view_pages=engine.pages_per_seq if engine.flat_sizes else 0)
 
 
 def lower_prefill(cfg: Config, engine: EngineArgs, bucket: int, fresh: bool = True) -> Any:

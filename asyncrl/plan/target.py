@@ -194,10 +194,10 @@ def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_d
                 lowered = _lower("prefill", target, lower_prefill, flat, engine, bucket)
                 yield report("prefill", f"bucket {bucket}", lowered, plan_bytes_for("prefill", plan, flat, model_cfg))
         if wanted("decode_chunk"):
-            for size in engine.flat_sizes[-1:] or (0,):  # the CPU's largest list of pages (the most memory)
+            for size in engine.flat_sizes[-1:] or (0,):  # the CPU's largest view (the most memory)
                 before = _dumped(dump_dir)
-                lowered = _lower("decode_chunk", target, lower_decode_chunk, flat, engine, size)
-                listed = f", attention over {size} listed pages" if size else ""
+                lowered = _lower("decode_chunk", target, lower_decode_chunk, flat, engine)
+                listed = f", attention over a view of {engine.pages_per_seq} pages per slot" if size else ""
                 done = report("decode_chunk", f"{engine.slots} slots, {engine.pages_per_replica} pages of {engine.page_size} per "
                               f"replica{listed}, {flat.engine.decode_chunk} steps, {engine.sampler}", lowered,
                               plan_bytes_for("decode_chunk", plan, flat, model_cfg))

@@ -162,7 +162,7 @@ for tp in [int(t) for t in os.environ["ENGINE_TENSOR_PARALLEL"].split(",")]:
     assert {s.data.shape for s in kv.addressable_shards} == {per_device}, (tp, kv.sharding)
     # XLA's own program works on those shards: the compiled decode step's pool operands are per-device slices.
     controls = engine.runner.idle_controls()
-    flat = empty_flat(replicas * engine.flat_sizes[-1], 8 // replicas)
+    flat = empty_flat(engine.flat_sizes[-1], 8 // replicas, replicas)
     hlo = decode_chunk_jit.lower(graphdef, engine.runner.serving, engine.runner.pool, controls, flat, np.zeros(2, np.uint32),
                                  4, False, engine.runner.layout).compile().as_text()
     assert "f32[2,%d,%d,16,16]" % per_device[1:3] in hlo and "f32[2,4,%d,16,16]" % (pages * replicas) not in hlo, tp
@@ -259,6 +259,23 @@ for tp, mesh_cfg in [(1, {"fsdp": 8}), (2, {"fsdp": 8}), (2, {"data": 4, "fsdp":
     engine.shutdown()
 assert host_reads == [], host_reads
 print("colocated engines match")
+# engine.tensor_parallel: auto on these 8 devices, with a budget that makes the choice matter (Qwen3-1.7B's
+# recipe, fsdp 8): the degree whose pools decode the most sequences, and a refusal when none fits
+import asyncrl.run.auto_slots as auto_slots
+from asyncrl.plan.formulas import GIB
+from asyncrl.errors import ConfigError
+recipe = load_config("configs/gsm8k_grpo.yaml", ["model.path=configs/models/qwen3-1.7b", "mesh.fsdp=8"])
+budget = auto_slots.device_budget
+auto_slots.device_budget = lambda device: (8 * GIB, "a test budget")
+assert auto_slots.resolve_auto_tensor_parallel(recipe).engine.tensor_parallel == 4
+auto_slots.device_budget = lambda device: (5 * GIB, "a test budget")
+try:
+    auto_slots.resolve_auto_tensor_parallel(recipe)
+    raise AssertionError("tensor_parallel: auto took a degree that does not fit")
+except ConfigError as err:
+    assert str(err).startswith("engine.tensor_parallel: auto: no degree fits"), err
+auto_slots.device_budget = budget
+print("auto tensor parallel: the most sequences, refused when none fits")
 out = sys.argv[1]
 BASE = ["stages=[]", "run.total_steps=3", "rollout.max_staleness=0", "eval.every_steps=0", "checkpoint.every_steps=0",
         "logging.dump_every_steps=0", "rollout.batch_size=4", "model.path=tiny:kv_heads=4,layers=1", "engine.slots=32"]
@@ -323,10 +340,12 @@ def test_colocated_engine_on_eight_devices_equals_one_device(tmp_path):
     """The default placement on 8 devices gives the engine its own mesh over the trainer's devices
     (8 replicas, or 4 replicas x tensor-parallel 2): the one-device engine's greedy and sampled
     tokens exactly and its log-probs within 1e-5, before and after a publish that reads nothing
-    back to the host; the KV cache split by slots and KV heads; and a seeded synchronous run's
-    rewards equal the one-device run's."""
+    back to the host; the KV page pool split by replicas and KV heads; ``engine.tensor_parallel:
+    auto`` takes the degree whose pools decode the most sequences within a test budget (refused
+    when none fits); and a seeded synchronous run's rewards equal the one-device run's."""
     proc = run_python(COLOCATED_CODE, env=EIGHT, timeout=280, args=(str(tmp_path),))
     assert "colocated engines match" in proc.stdout and "colocated runs match" in proc.stdout
+    assert "auto tensor parallel: the most sequences, refused when none fits" in proc.stdout
 
 
 @pytest.fixture(scope="module")
