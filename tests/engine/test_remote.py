@@ -132,19 +132,18 @@ def test_the_servers_prefix_cache_is_reported_and_flushed(two, model):
     assert httpx.post(f"{server.url}/flush_cache", headers=AUTH).text == "Cache flushed."
     assert cached() == 0
 
-    def turn(ids: list[int]) -> sp.GenerateItem:  # 16 greedy tokens (prompts past the server's 32-token bucket: chunked)
-        body = sp.GenerateReqInput(input_ids=ids, sampling_params=sp.SamplingParams(max_new_tokens=16, temperature=0,
+    def turn(ids: list[int]) -> sp.GenerateItem:  # 4 greedy tokens (the server's contexts hold 32: pages of 16)
+        body = sp.GenerateReqInput(input_ids=ids, sampling_params=sp.SamplingParams(max_new_tokens=4, temperature=0,
                                                                                       ignore_eos=True))
         answer = httpx.post(f"{server.url}/generate", json=body.model_dump(exclude_none=True), headers=AUTH, timeout=60)
         return sp.GenerateItem.model_validate(answer.json())
 
     rng = np.random.default_rng(55)
-    system = [int(t) for t in rng.integers(5, 28, size=96)]
-    a = system + [int(t) for t in rng.integers(5, 28, size=10)]
-    b = system + [int(t) for t in rng.integers(5, 28, size=10)]
+    system = [int(t) for t in rng.integers(5, 28, size=16)]  # one page
+    a, b = (system + [int(t) for t in rng.integers(5, 28, size=3)] for _ in range(2))
     first = turn(a)
-    assert turn(b).meta_info.cached_tokens >= 96  # the system prompt's pages (and whatever of B's turn A's page holds)
-    again = turn(a + first.output_ids + [7, 8, 9])
+    assert turn(b).meta_info.cached_tokens >= 16  # the system prompt's page (and whatever of B's A's next page holds)
+    again = turn(a + first.output_ids + [7, 8])
     assert again.meta_info.cached_tokens == len(a) - 1 + len(first.output_ids)  # all of A's history, B in between
 
     engine = remote_engine(tmp, [server], loaded)
