@@ -162,7 +162,7 @@ class PagedLayerKV:
 
     kv: jax.Array  # 2kpsd: [2, kv_heads, pages, page_size, head_dim]; ps2kd: [pages, page_size, 2 * kv_heads, head_dim]
     layout: str = "2kpsd"  # static: which of PAGE_LAYOUTS
-    view: Any = None  # [2, B, kv_heads, positions, head_dim] (each row's first pages) or [2, N, kv_heads, page_size, head_dim] (flat)
+    view: Any = None  # (keys, values) each [B, kv_heads, positions, head_dim] (each row's first pages) or [N, kv_heads, page_size, head_dim] (flat)
 
     @property
     def pages(self) -> int:
@@ -254,40 +254,47 @@ def gather_rows(layer: PagedLayerKV, page_table: jax.Array) -> tuple[jax.Array, 
     return kv[..., 0, :], kv[..., 1, :], "bskd"
 
 
-def gather_view(layer: PagedLayerKV, page_table: jax.Array, pages: int, flat: Optional[FlatPages] = None) -> jax.Array:
-    """A copy of the pages a decode chunk's rows read, rows (or list entries) first whatever the
-    pool's layout, so each step's attention reads it as it lies: each row's first ``pages`` pages in
-    order (``[2, B, kv_heads, pages x page_size, D]``: keys then values, each the ``bksd`` of a
-    contiguous cache), or with ``flat`` its listed pages (``[2, N, kv_heads, page_size, D]``)."""
+def gather_view(layer: PagedLayerKV, page_table: jax.Array, pages: int,
+                flat: Optional[FlatPages] = None) -> tuple[jax.Array, jax.Array]:
+    """A copy of the pages a decode chunk's rows read, keys and values apart and rows (or list
+    entries) first whatever the pool's layout, so each step's attention reads them as they lie (a
+    slice of one array would be copied at every step): each row's first ``pages`` pages in order
+    (``[B, kv_heads, pages x page_size, D]`` each: the ``bksd`` of a contiguous cache), or with
+    ``flat`` its listed pages (``[N, kv_heads, page_size, D]`` each)."""
     if flat is not None:
-        if layer.layout == "2kpsd":
-            return layer.kv[:, :, flat.pages].transpose(0, 2, 1, 3, 4)
+        if layer.layout == "2kpsd":  # (a scalar and an array index around a slice: the listed pages first)
+            return layer.kv[0, :, flat.pages], layer.kv[1, :, flat.pages]  # [N, kv_heads, page_size, D]
         kv = layer.kv[flat.pages]  # [N, page_size, 2 * kv_heads, D]
         n, size, combined, d = kv.shape
-        return kv.reshape(n, size, combined // 2, 2, d).transpose(3, 0, 2, 1, 4)
+        kv = kv.reshape(n, size, combined // 2, 2, d)
+        return kv[..., 0, :].transpose(0, 2, 1, 3), kv[..., 1, :].transpose(0, 2, 1, 3)
     table = page_table[:, :pages]
+    b, p = table.shape
     if layer.layout == "2kpsd":
-        kv = layer.kv[:, :, table].transpose(0, 2, 1, 3, 4, 5)  # [2, B, kv_heads, pages, page_size, D]
-    else:
-        kv = layer.kv[table]  # [B, pages, page_size, 2 * kv_heads, D]
-        b, p, size, combined, d = kv.shape
-        kv = kv.reshape(b, p, size, combined // 2, 2, d).transpose(4, 0, 3, 1, 2, 5)
-    two, b, heads, p, size, d = kv.shape
-    return kv.reshape(two, b, heads, p * size, d)
+        k, v = layer.kv[0, :, table], layer.kv[1, :, table]  # [B, pages, kv_heads, page_size, D]
+        heads, size, d = k.shape[2:]
+        return tuple(x.transpose(0, 2, 1, 3, 4).reshape(b, heads, p * size, d) for x in (k, v))  # type: ignore[return-value]
+    kv = layer.kv[table]  # [B, pages, page_size, 2 * kv_heads, D]
+    size, combined, d = kv.shape[2:]
+    kv = kv.reshape(b, p * size, combined // 2, 2, d)
+    return kv[..., 0, :].transpose(0, 2, 1, 3), kv[..., 1, :].transpose(0, 2, 1, 3)
 
 
-def write_view(view: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, real: jax.Array, page_size: int,
-               flat: Optional[FlatPages] = None) -> jax.Array:
+def write_view(view: tuple[jax.Array, jax.Array], k: jax.Array, v: jax.Array, positions: jax.Array, real: jax.Array,
+               page_size: int, flat: Optional[FlatPages] = None) -> tuple[jax.Array, jax.Array]:
     """``view`` (:func:`gather_view`) with the new ``k, v`` ``[B, 1, kv_heads, D]`` written where
     their rows' positions lie in it (the pool gets them too: :func:`write_pages`)."""
+    view_k, view_v = view
     b = positions.shape[0]
     position = positions[:, 0]
-    values = jnp.stack([k[:, 0], v[:, 0]], axis=1).astype(view.dtype)  # [B, 2, kv_heads, D]
-    if flat is None:  # advanced indices around a slice: the block is [B, 2, kv_heads, D]
-        index = jnp.where(real[:, 0] & (position < view.shape[3]), position, view.shape[3])
-        return view.at[:, jnp.arange(b), :, index].set(values, mode="drop")
-    entry = jnp.where(real[:, 0], flat.first + position // page_size, view.shape[1])
-    return view.at[:, entry, :, position % page_size].set(values, mode="drop")
+    if flat is None:  # [B, kv_heads, positions, D]: advanced indices around a slice, the block is [B, kv_heads, D]
+        where: tuple = (jnp.arange(b), slice(None), jnp.where(real[:, 0] & (position < view_k.shape[2]), position,
+                                                              view_k.shape[2]))
+    else:  # [N, kv_heads, page_size, D]
+        where = (jnp.where(real[:, 0], flat.first + position // page_size, view_k.shape[0]), slice(None),
+                 position % page_size)
+    return (view_k.at[where].set(k[:, 0].astype(view_k.dtype), mode="drop"),
+            view_v.at[where].set(v[:, 0].astype(view_v.dtype), mode="drop"))
 
 
 def copy_pages(layer: PagedLayerKV, src: jax.Array, dst: jax.Array) -> PagedLayerKV:

@@ -125,7 +125,7 @@ def _decode_over_view(q: jax.Array, k: jax.Array, v: jax.Array, queries: PagedQu
     if queries.flat is not None:
         out = flat_paged_attention(q, view[0], view[1], queries, scale)
     else:
-        keys = jnp.arange(view.shape[3], dtype=jnp.int32)
+        keys = jnp.arange(view[0].shape[2], dtype=jnp.int32)
         mask = _key_mask(keys[None, None, :], queries.positions[:, :, None], queries.window)
         out = einsum_attention(q, view[0].astype(q.dtype), view[1].astype(q.dtype), mask, "bksd", scale)
     return out, PagedLayerKV(written.kv, layer.layout, view)
@@ -286,7 +286,7 @@ def _per_device(mesh: Any, fn: Any, layout: str, kinds: tuple[str, ...], out_kin
     rows = _ROW_AXES if replicas > 1 else None
     heads = "tensor" if mesh.shape.get("tensor", 1) > 1 else None
     # a pool's pages (and a view's rows or listed pages) over the replicas, its KV heads over tensor
-    view = P(None, rows, heads, None, None)
+    view = (P(rows, heads, None, None), P(rows, heads, None, None))
     pool = PagedLayerKV(P(None, heads, rows, None, None) if layout == "2kpsd" else P(rows, None, heads, None), layout,  # type: ignore[arg-type]
                         view)
     spec_of = {"pool": pool, "kv": P(rows, None, heads, None), "rows": P(rows),
