@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from typing import Callable, Iterator, Optional, Sequence
 
 from asyncrl import __version__
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL post-training of language models in JAX.",
         epilog="Example: asyncrl train configs/quickstart.yaml --set rollout.batch_size=16",
     )
+    parser.add_argument("--version", action="version", version=f"asyncrl {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
 
@@ -202,12 +204,20 @@ def entry() -> None:
     with its code. From here until the process is gone (JAX's and the threads' exit work, which
     can take seconds after the last checkpoint is written), SIGINT/SIGTERM exit at once with one
     line, as during start-up, instead of a KeyboardInterrupt traceback from an exit callback.
-    ``main`` itself restores the handlers it found, so calling it in-process changes nothing."""
-    code = main()
+    ``main`` itself restores the handlers it found, so calling it in-process changes nothing.
+    A failed or interrupted command ends without the interpreter's finalization
+    (:func:`asyncrl.run.shutdown.end_process`): never SIGABRT from a thread still in native code."""
+    from asyncrl.run.shutdown import end_process
+
+    try:
+        code = main()
+    except Exception:  # a bug, not a user error: its traceback, then the same ending as any failure
+        traceback.print_exc()
+        code = 1
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, _exit_while_exiting(code))
-    sys.exit(code)
+    end_process(code)
 
 
 def _exit_while_exiting(code: int) -> Callable[[int, object], None]:

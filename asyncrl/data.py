@@ -6,14 +6,22 @@ optionally the task's own reward and solver. A sample is a plain dict with a
 ``prompt`` (a string, or a list of chat messages) plus any fields the reward
 functions take as keyword arguments (``answer``, ...) and, for SFT, a ``response``.
 
-Built-ins here: ``jsonl`` (a local file with a field mapping) and ``hf`` (a Hugging
-Face ``datasets`` name, needs the optional ``datasets`` extra and a network). The
-synthetic tasks and GSM8K live in the ``workflows`` package.
+Built-ins here: ``jsonl`` (a local file with a field mapping) and ``hf`` (a Hugging Face hub
+dataset by name, through the ``datasets`` library). The synthetic tasks and GSM8K live in the
+``workflows`` package.
+
+Datasets by name (:func:`hub_rows`) are loaded with ``datasets.load_dataset`` and cached where
+``datasets`` caches (``$HF_DATASETS_CACHE``, else ``~/.cache/huggingface/datasets``): the first run
+downloads, later ones (and ``HF_DATASETS_OFFLINE=1``) read the cache. A local copy is used instead
+when ``$ASYNCRL_DATA_DIR`` holds one (``<dir>/<name>/<split>.jsonl``), or when the config names a
+file. Offline with neither, the run stops with one line naming the dataset, the command that
+fetches it and the variable that points at a copy.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 from dataclasses import dataclass, field
@@ -172,6 +180,48 @@ def jsonl_dataset(
     return TaskData(train=train, eval=eval_samples)
 
 
+DATA_DIR_ENV = "ASYNCRL_DATA_DIR"
+"""A folder of local copies of datasets by name: ``<dir>/<name>/<split>.jsonl``."""
+
+
+def fetch_command(name: str, config_name: str | None) -> str:
+    """The one-line command that downloads ``name`` into ``datasets``' cache."""
+    config = f", {config_name!r}" if config_name else ""
+    return f"python -c \"import datasets; datasets.load_dataset({name!r}{config})\""
+
+
+def hub_rows(name: str, config_name: str | None, split: str, *, local_name: str | None = None,
+             task: str | None = None) -> list[dict]:
+    """The records of split ``split`` of the hub dataset ``name``: from
+    ``$ASYNCRL_DATA_DIR/<local_name>/<split>.jsonl`` when that file exists (``local_name``: default
+    ``name``), else through ``datasets`` (downloaded once, then read from its cache). A failure is
+    one :class:`DataError` line naming the dataset, the fetch command and the variable."""
+    local_name = local_name or name
+    task = task or name
+    data_dir = os.environ.get(DATA_DIR_ENV)
+    if data_dir:
+        copy = Path(data_dir).expanduser() / local_name / f"{split}.jsonl"
+        if copy.is_file():
+            return read_jsonl(copy)
+    looked = f" (no {Path(data_dir).expanduser() / local_name / f'{split}.jsonl'})" if data_dir else ""
+    hint = (f"fetch it once where there is network with: {fetch_command(name, config_name)}; or set {DATA_DIR_ENV} to a "
+            f"folder holding {local_name}/{split}.jsonl{looked}")
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"dataset {task}: reading {name} from the Hugging Face hub needs the 'datasets' package "
+                        f"(pip install datasets); or set {DATA_DIR_ENV} to a folder holding {local_name}/{split}.jsonl") from None
+    try:
+        rows = datasets.load_dataset(name, config_name, split=split)
+    except Exception as err:  # offline and not cached, no network, unknown name or split, gated: one line each
+        reason = " ".join(str(err).split())[:300] or type(err).__name__
+        offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if os.environ.get(v, "").lower() in ("1", "true", "yes")]
+        if offline:
+            reason = f"offline ({'='.join((offline[0], os.environ[offline[0]]))}) and not in the datasets cache: {reason}"
+        raise DataError(f"dataset {task}: cannot load {name} (split {split}) from the Hugging Face hub: {reason}; {hint}") from None
+    return [dict(row) for row in rows]
+
+
 @register("dataset", "hf")
 def hf_dataset(
     name: str,
@@ -185,25 +235,15 @@ def hf_dataset(
     answer_field: str | None = "answer",
     response_field: str | None = None,
 ) -> TaskData:
-    """A Hugging Face ``datasets`` dataset (optional extra ``datasets``; needs the network)."""
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(
-            f"dataset 'hf' ({name}) needs the optional 'datasets' package: pip install -e '.[datasets]'"
-        ) from None
+    """A Hugging Face hub dataset by name (:func:`hub_rows`: a local copy under ``$ASYNCRL_DATA_DIR``,
+    else ``datasets``' cache, else a download)."""
     mapping = {"prompt": prompt_field}
     if answer_field:
         mapping["answer"] = answer_field
     if response_field:
         mapping["response"] = response_field
-    try:
-        train_records = [dict(r) for r in datasets.load_dataset(name, config_name, split=split)]
-        eval_records = (
-            [dict(r) for r in datasets.load_dataset(name, config_name, split=eval_split)] if eval_split else None
-        )
-    except Exception as err:  # network, auth, unknown name: all surface as one clear error
-        raise DataError(f"dataset 'hf' could not load {name!r} (split {split!r}): {err}") from err
+    train_records = hub_rows(name, config_name, split, task="hf")
+    eval_records = hub_rows(name, config_name, eval_split, task="hf") if eval_split else None
     samples = map_fields(train_records, mapping, f"{name}:{split}")
     if eval_records is not None:
         return TaskData(train=samples, eval=map_fields(eval_records, mapping, f"{name}:{eval_split}"))

@@ -14,6 +14,8 @@
     python scripts/bench.py pack      # trained tokens/s of the trainer step, packed against unpacked, GSM8K-like lengths
     python scripts/bench.py colocated # the engine's decode on 8 forced CPU devices (its own mesh on the trainer's) vs 1
     python scripts/bench.py prefix    # prompt tokens computed per generated token, prefix reuse on vs off (agent, multi-turn)
+    python scripts/bench.py every_host  # rollout new tokens/s with every host generating vs process 0 alone (a core each)
+    python scripts/bench.py serve_update  # serving copies of the weights alive when asyncrl serve installs an update
     python scripts/bench.py paged     # the paged KV cache beside a contiguous engine: long tails, groups, busy slots, reuse
 
 ``python scripts/bench.py SUBCOMMAND --help`` says what each measures and its fields. Each
@@ -36,16 +38,18 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SUBCOMMANDS = ("train", "loop", "engine", "model", "batch", "remote", "accel", "gpu", "reward_model", "plan", "agent",
-               "pack", "colocated", "prefix", "paged")
+               "pack", "colocated", "prefix", "every_host", "serve_update", "paged")
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0])
+    top = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0],
+                                  epilog="python scripts/bench.py SUBCOMMAND --help: what it measures and its fields")
     sub = top.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name in SUBCOMMANDS:
         module = importlib.import_module(f"bench_components.{name}")
         doc = module.__doc__ or name
-        command = sub.add_parser(name, help=doc.split("\n")[0], description=doc,
+        summary = " ".join(doc.split("\n\n")[0].split())  # the first paragraph, whole (it may wrap)
+        command = sub.add_parser(name, help=summary, description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(command)
         command.set_defaults(run=module.run)

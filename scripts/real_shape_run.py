@@ -155,7 +155,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     result["model"] = write_qwen_shaped(model_dir, corpus=str(train_file))
     overrides = [f"model.path={model_dir}", f"run.output_dir={run_dir}", f"run.total_steps={args.steps}",
                  f"data.dataset.kwargs.path={train_file.resolve()}", f"data.dataset.kwargs.eval_path={test_file.resolve()}",
-                 *OVERRIDES, *args.overrides]
+                 "data.dataset.kwargs.eval_split=null", *OVERRIDES, *args.overrides]
     plan = plan_config(load_config(CONFIG, overrides), model_cfg=read_decoder_config(str(model_dir)))
     result["plan_gb"] = {"trainer": round(plan.part_bytes("trainer") / 1e9, 2), "engine": round(plan.part_bytes("engine") / 1e9, 2),
                          "total": round(plan.total_bytes / 1e9, 2)}

@@ -2,6 +2,7 @@
 
     python scripts/staleness_sweep.py                       # the quickstart at max_staleness 0 1 2 4
     python scripts/staleness_sweep.py --staleness 0 2 --set stages.1.total_steps=100
+    python scripts/staleness_sweep.py --staleness 0 1 2 --plot rewards.png   # and the reward curves of the runs
 
 Each setting runs ``asyncrl train CONFIG`` in a fresh process (same seed, same config
 otherwise) into ``OUT/eta<k>/`` and is summarised from its ``metrics.jsonl``:
@@ -16,6 +17,8 @@ otherwise) into ``OUT/eta<k>/`` and is summarised from its ``metrics.jsonl``:
   load_avg              the load averages at the run's start and end: other work on the machine skews timings
 
 Timings depend on the machine and on what else runs on it; compare settings from one sweep.
+``--plot PNG`` draws the runs' training and eval reward against the step, one line per setting
+(``plot_metrics.py``'s comparison).
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/quickstart.yaml", help="the config every setting starts from")
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4], help="max_staleness values to run")
     parser.add_argument("--out", default="runs/staleness_sweep", help="parent directory of the runs")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                        help="after the runs, draw their reward curves (one line per setting) into PNG")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                         help="extra config override for every run (repeatable)")
     args = parser.parse_args(argv)
@@ -100,7 +105,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--staleness: values must be >= 0")
     for eta in args.staleness:
         print(json.dumps(run_one(args.config, eta, Path(args.out), args.overrides)), flush=True)
+    if args.plot is not None:
+        plot_rewards(Path(args.out), args.staleness, args.plot)
     return 0
+
+
+def plot_rewards(out: Path, staleness: list[int], png: Path) -> dict[str, dict[str, int]]:
+    """The sweep's runs in ``out`` drawn against each other (reward and eval reward by step); the
+    points drawn per run and series."""
+    from plot_metrics import plot_compare
+
+    runs = [(f"max_staleness {eta}", read_metrics(out / f"eta{eta}" / "metrics.jsonl")) for eta in staleness]
+    return plot_compare(runs, png, "the quickstart's reward by step at each max_staleness (one seed each)")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,11 @@ def pytest_configure(config):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Datasets by name (GSM8K) from the local copy beside the checkout, as a user without network
+    # points at one; runs started by tests inherit it.
+    from tests.helpers import SHARED_DATA
+
+    os.environ.setdefault("ASYNCRL_DATA_DIR", str(SHARED_DATA))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -114,3 +119,14 @@ def tiny_one_layer():
     from tests.trainer_fixtures import tiny_model
 
     return tiny_model(layers=1)
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """A directory that looks like the repository root to the documented relative paths (the docs'
+    commands and examples run there: tests/test_doc_commands.py, tests/test_doc_examples.py)."""
+    from tests.helpers import REPO_ROOT
+
+    for name in ("configs", "scripts", "asyncrl", "workflows", "docs", "pyproject.toml", "setup.cfg"):
+        (tmp_path / name).symlink_to(REPO_ROOT / name)
+    return tmp_path

@@ -27,6 +27,32 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def documented_cpu_commands(config: Path) -> list[list[str]]:
+    """The commands a config's header gives under its ``# On a CPU ...:`` paragraph, as argv lists:
+    the indented comment lines (``#   ...``) after the line that ends the paragraph with a colon, a
+    trailing backslash continuing a command."""
+    import shlex
+
+    lines = config.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("# On a CPU")), None)
+    if start is None:
+        return []
+    while start < len(lines) and not lines[start].endswith(":"):
+        start += 1
+    commands: list[str] = []
+    joined = ""
+    for line in lines[start + 1:]:
+        if line.strip() == "#" and not commands and not joined:
+            continue  # the blank comment line between the heading and the commands
+        if not line.startswith("#   "):
+            break
+        joined += " " + line[1:].strip().rstrip("\\").strip()
+        if not line.rstrip().endswith("\\"):
+            commands.append(joined.strip())
+            joined = ""
+    return [shlex.split(command) for command in commands]
+
+
 def run_python(code: str, *, timeout: float = 110, env: dict[str, str] | None = None, args=()) -> subprocess.CompletedProcess:
     """Run ``code`` in a new interpreter; fail with its output if it exits non-zero."""
     proc = subprocess.run(

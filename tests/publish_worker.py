@@ -2,9 +2,10 @@
 tests.publish_worker WEIGHTS_DIR REPORT`` with the ``JAX_*`` variables set. The built-in ``tiny``
 model's weights, sharded over an fsdp mesh of every process's devices, scaled by 1.5 (so they
 differ from the model a server starts with), published as version 1 by
-:class:`~asyncrl.engine.publish.WeightsWriter`, then copied whole onto one device of each process
-a few tensors at a time (:func:`~asyncrl.engine.jax_engine.local_copy`, the in-process engine's
-path); the process's figures go to ``REPORT`` as JSON."""
+:class:`~asyncrl.engine.publish.WeightsWriter`, then laid out as each process's in-process
+engine's serving copy on that process's own devices (2-way tensor parallel), a few tensors per
+collective program (:func:`~asyncrl.engine.device_copy.serving_copy` across hosts); the process's
+figures go to ``REPORT`` as JSON."""
 
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ def main(weights_dir: str, report: str) -> None:
     import numpy as np
 
     from asyncrl.cluster.mesh import build_mesh
-    from asyncrl.engine.device_copy import local_copy
+    from asyncrl.engine.device_copy import serving_copy
     from asyncrl.engine.publish import WeightsWriter
     from asyncrl.model import load_model
-    from asyncrl.model.sharding import shard_params
+    from asyncrl.model.sharding import MESH_AXES, param_shardings, shard_params
 
     loaded = load_model("tiny", with_tokenizer=False)
     _, params = loaded.split()
@@ -35,11 +36,14 @@ def main(weights_dir: str, report: str) -> None:
     assert not any(x.is_fully_addressable for x in jax.tree.leaves(params)), "the params must span processes"
     writer = WeightsWriter(loaded.config, weights_dir, keep=2, group_bytes=64 << 10)  # several gather programs
     path = writer.write(params, 1)
-    # The in-process engine's copy (asyncrl.run.multihost.Hosts.engine_copy), a few tensors per program.
-    leaves = jax.tree.leaves(params)
-    copies = local_copy(leaves, group_bytes=64 << 10)
+    # Each process's in-process engine's serving copy on its own devices (1 replica x 2-way tensor
+    # parallel), made by collectives over the trainer's mesh, a few tensors per program.
+    local = jax.sharding.Mesh(np.array(jax.local_devices()).reshape(1, 1, -1), MESH_AXES)
+    shardings = param_shardings(loaded.config, params, local)
+    copies = jax.tree.leaves(serving_copy(params, shardings, "float32", group_bytes=64 << 10))
     expected = jax.tree.leaves(jax.tree.map(lambda x: np.asarray(x) * np.float32(1.5), reference))
-    copied = all(len(c.sharding.device_set) == 1 and np.array_equal(np.asarray(c), e) for c, e in zip(copies, expected))
+    copied = all(c.is_fully_addressable and c.sharding == t and np.array_equal(np.asarray(c), e)
+                 for c, t, e in zip(copies, jax.tree.leaves(shardings), expected))
     with open(report, "w") as f:
         json.dump({"process": jax.process_index(), "path": str(path), "bytes": writer.last_bytes,
                    "engine_copy_equal": copied}, f)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from asyncrl import __version__
@@ -36,6 +37,9 @@ def test_train_help_shows_set_and_print_config(capsys):
 def test_version(capsys):
     assert main(["version"]) == 0
     assert capsys.readouterr().out.strip() == f"asyncrl {__version__}"
+    with pytest.raises(SystemExit) as done:  # argparse's --version prints and exits 0
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"asyncrl {__version__}"
 
 
 def test_config_error_exits_2_without_traceback(tmp_path, capsys):

@@ -4,7 +4,8 @@ The commands are read from the fenced shell blocks (```bash, ```sh, ```shell, ``
 README.md and docs/*.md and run as written, in a scratch directory that looks like the
 repository root, with arguments appended that shorten them to seconds on the `tiny` model.
 A fenced command that no chain below runs (and that `ELSEWHERE` does not account for) fails
-``test_every_documented_command_is_run``: documenting a command means adding it here.
+``test_every_documented_command_is_run``: documenting a command means adding it here (or, when it
+runs a Python module the docs have you save, to ``EXAMPLE_CHAINS`` in tests/test_doc_examples.py).
 """
 
 from __future__ import annotations
@@ -123,9 +124,9 @@ def _gemma3_export_loads_in_transformers(ws: Path, _: str) -> None:
 
     from asyncrl.model import forward_jit, load_model
 
-    hf = AutoModelForCausalLM.from_pretrained(str(ws / "gemma3-model"), attn_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(ws / "runs" / "quickstart-gemma3-export"), attn_implementation="eager").eval()
     assert type(hf).__name__ == "Gemma3ForCausalLM"
-    ours = load_model(str(ws / "gemma3-model"), with_tokenizer=False)
+    ours = load_model(str(ws / "runs" / "quickstart-gemma3-export"), with_tokenizer=False)
     ids = np.random.default_rng(0).integers(6, ours.config.vocab_size, size=(2, 20)).astype(np.int32)
     with torch.no_grad():
         want = hf(torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
@@ -143,6 +144,16 @@ def _sweep(_: Path, output: str) -> None:
     assert lines[0]["lag_max"] == 0 and lines[1]["lag_max"] <= 2 and all(line["rl_steps"] == 3 for line in lines)
 
 
+def _placement_drawn(ws: Path, output: str) -> None:
+    """The figure, and each layout's devices per role: 8 shared; 4 and 4; two hosts of 4 trainer
+    devices, each with an engine of its own on them."""
+    result = json.loads(output.strip().splitlines()[-1])
+    assert (ws / "placement.png").stat().st_size > 10_000
+    colocated, split, two_hosts = result["runs"].values()
+    assert colocated == {"0": {"trainer": 8, "engine": 8}} and split == {"0": {"trainer": 4, "engine": 4}}, result
+    assert [(host["trainer"], host["engine"]) for host in two_hosts.values()] == [(4, 4), (4, 4)], result
+
+
 def _chaos(_: Path, output: str) -> None:
     result = json.loads(output.strip().splitlines()[-1])
     assert result["errors"] == [] and result["steps_missing"] == result["steps_duplicated"] == 0, result
@@ -155,12 +166,23 @@ README_CHAIN = (
     Step("python scripts/plot_metrics.py runs/quickstart", check=_exists("runs/quickstart/curves.png")),
     Step("asyncrl eval configs/quickstart.yaml --set model.path=runs/quickstart/hf", ("--set", "eval.max_prompts=8"),
          check=_eval_printed_table_and_json),
-    Step("asyncrl export runs/quickstart my-model/", check=_exists("my-model/config.json", "my-model/model.safetensors")),
+    Step("asyncrl export runs/quickstart runs/quickstart-export/",
+         check=_exists("runs/quickstart-export/config.json", "runs/quickstart-export/model.safetensors")),
     # docs/checkpoints.md: the same run, interrupted during its last step, resumed from step 4
     Step("asyncrl train configs/quickstart.yaml --resume", QUICKSTART_QUICK, prepare=_interrupt_after_step_4,
          check=_resumed),
     Step("asyncrl train configs/quickstart.yaml --set rollout.max_staleness=0 --print-config", check=_printed_config),
 )
+
+def _peft_loads_the_adapter(ws: Path, output: str) -> None:
+    """The adapter directory, and docs/lora.md's PEFT lines load it on its base (``base_dir``: the run's base)."""
+    from tests.test_doc_examples import python_block
+
+    _exists("runs/quickstart-lora-adapter/adapter_config.json", "runs/quickstart-lora-adapter/adapter_model.safetensors")(ws, output)
+    names = {"base_dir": str(ws / "runs/quickstart-base/hf")}
+    exec(compile(python_block("docs/lora.md", "PeftModel.from_pretrained"), "docs/lora.md", "exec"), names)
+    assert type(names["model"]).__name__ == "PeftModelForCausalLM", type(names["model"])
+
 
 LORA_CHAIN = (
     Step("asyncrl train configs/quickstart.yaml --set run.name=quickstart-base --set 'stages=[{name: sft, type: sft, "
@@ -169,9 +191,8 @@ LORA_CHAIN = (
     Step("asyncrl train configs/quickstart.yaml --set run.name=quickstart-lora --set model.path=runs/quickstart-base/hf "
          "--set 'stages=[{name: rl, type: rl, total_steps: 300}]' --set 'model.lora={rank: 8, alpha: 16}' --set optim.lr=0.01",
          ("--set", "stages.0.total_steps=2", "--set", "eval.max_prompts=8")),
-    Step("asyncrl export runs/quickstart-lora my-adapter/",
-         check=_exists("my-adapter/adapter_config.json", "my-adapter/adapter_model.safetensors")),
-    Step("asyncrl export runs/quickstart-lora my-model/ --merged", check=_exists("my-model/config.json")),
+    Step("asyncrl export runs/quickstart-lora runs/quickstart-lora-adapter/", check=_peft_loads_the_adapter),
+    Step("asyncrl export runs/quickstart-lora runs/quickstart-lora-merged/ --merged", check=_exists("runs/quickstart-lora-merged/config.json")),
 )
 
 def _bench_rl(_: Path, output: str) -> None:
@@ -246,6 +267,11 @@ def _compiled_for_cpu(_: Path, output: str) -> None:
     assert all("fits" in row for row in rows), output
 
 
+def _bench_serve_update(_: Path, output: str) -> None:
+    result = json.loads(output.strip().splitlines()[-1])
+    assert result["bench"] == "serve_update" and result["serving_copies_at_peak"] < 1.5, result
+
+
 PLAN_CHAIN = (
     Step("asyncrl plan configs/gsm8k_grpo.yaml --set model.path=configs/models/qwen3-1.7b --device-memory 80",
          check=lambda _, out: None if "fits" in out and "does NOT" not in out else pytest.fail(out)),
@@ -262,6 +288,7 @@ BENCH_CHAIN = (
     Step("python scripts/bench.py model", ("--models", "tiny", "--steps", "1"), check=_bench_line("model")),
     Step("python scripts/bench.py batch", ("--reps", "20"), check=_bench_line("batch")),
     Step("python scripts/bench.py agent", ("--episodes", "8"), check=_bench_line("agent")),
+    Step("python scripts/bench.py serve_update", ("--model", "tiny"), check=_bench_serve_update),
 )
 
 def _item_trie(ws: Path, output: str) -> None:
@@ -314,7 +341,8 @@ def _moe_resumed(ws: Path, output: str) -> None:
 MOE_CHAIN = (
     Step(MOE_TRAIN, MOE_QUICK, check=_moe_trained),
     Step(MOE_TRAIN + " --resume", MOE_QUICK, prepare=_moe_interrupt_after_step_4, check=_moe_resumed),
-    Step("asyncrl export runs/quickstart-moe my-moe/", check=_exists("my-moe/config.json", "my-moe/model.safetensors")),
+    Step("asyncrl export runs/quickstart-moe runs/quickstart-moe-export/",
+         check=_exists("runs/quickstart-moe-export/config.json", "runs/quickstart-moe-export/model.safetensors")),
 )
 
 SLOW_CHAINS = {
@@ -326,7 +354,7 @@ SLOW_CHAINS = {
              QUICKSTART_QUICK, check=_exists(f"{GEMMA3_RUN}/hf/config.json", f"{GEMMA3_RUN}/checkpoints/step_00000005")),
         Step("asyncrl train configs/quickstart.yaml --set model.path=tiny:family=gemma3 --set run.name=quickstart-gemma3 "
              "--resume", QUICKSTART_QUICK, prepare=_gemma3_interrupted, check=_gemma3_resumed),
-        Step("asyncrl export runs/quickstart-gemma3 gemma3-model/", check=_gemma3_export_loads_in_transformers),
+        Step("asyncrl export runs/quickstart-gemma3 runs/quickstart-gemma3-export/", check=_gemma3_export_loads_in_transformers),
     ),
     # README: the component benchmarks' quick forms, five interpreters that each compile (34 s)
     "bench": BENCH_CHAIN,
@@ -370,6 +398,13 @@ SLOW_CHAINS = {
     ),
     # Three layouts, each its own 8-device subprocess (a minute here).
     "bench_placement": (Step("python scripts/bench_placement.py", ("--steps", "4"), check=_json_line),),
+    # README: the engine on 8 forced devices against one, and prefix reuse on against off (four training
+    # processes), their smallest forms (minutes here)
+    "bench_devices_prefix": (
+        Step("python scripts/bench.py colocated", ("--slots", "16", "--new", "4", "--repeats", "1"),
+             check=_bench_line("colocated")),
+        Step("python scripts/bench.py prefix", ("--runs", "agent", "--rl-steps", "3"), check=_bench_line("prefix")),
+    ),
     # docs/performance.md "Sequence packing": packed against unpacked trained tokens/s, one small batch
     "bench_pack": (Step("python scripts/bench.py pack", ("--rows", "8", "--batches", "1", "--rounds", "1"),
                         check=_bench_pack),),
@@ -377,6 +412,9 @@ SLOW_CHAINS = {
                           check=_bench_line("remote")),),
     # docs/performance.md: reward-model scoring throughput, on the 2-layer twin
     "bench_reward_model": (Step("python scripts/bench.py reward_model", ("--quick",), check=_bench_reward_model),),
+    # docs/scaling.md: rollouts with every host generating against process 0 alone, a core per process
+    "bench_every_host": (Step("python scripts/bench.py every_host", ("--model", "tiny", "--steps", "2", "--new", "8",
+                                                                    "--rounds", "1"), check=_bench_line("every_host")),),
     # docs/scaling.md: memory per process, a 4M-parameter model as 1 and 2 processes (about a minute)
     "bench_scale": (Step("python scripts/bench_scale.py --processes 1,2 --layers 1 --hidden 128 --rows 4 --length 16 "
                          "--steps 2", check=_json_line),),
@@ -402,6 +440,15 @@ SLOW_CHAINS = {
         Step("python scripts/staleness_sweep.py", ("--staleness", "0", "2", "--set", "stages.0.total_steps=2",
                                                    "--set", "stages.1.total_steps=3", "--set", "eval.every_steps=3"),
              check=_sweep),
+        # docs/staleness.md's figure, written into the workspace (docs/ there is the repository's)
+        Step("python scripts/staleness_sweep.py --staleness 0 1 2 --plot docs/staleness_reward.png",
+             ("--set", "stages.0.total_steps=2", "--set", "stages.1.total_steps=3", "--set", "eval.every_steps=3"),
+             swap=(("docs/staleness_reward.png", "{tmp}/staleness_reward.png"),), check=_exists("staleness_reward.png")),
+    ),
+    # docs/scaling.md's figure: three one-step runs (8 forced devices; two processes of 4), then the drawing
+    "placement_figure": (
+        Step("python scripts/plot_placement.py --make-runs runs/placement -o docs/placement.png",
+             swap=(("docs/placement.png", "{tmp}/placement.png"),), check=_placement_drawn),
     ),
     # docs/scaling.md: two processes on this host (process 1 in the background, then process 0)
     "multiprocess": tuple(
@@ -518,8 +565,10 @@ def _normalise(line: str) -> str:
 
 
 def test_every_documented_command_is_run():
+    from tests.test_doc_examples import EXAMPLE_CHAINS  # the commands that run the docs' Python modules
+
     documented = documented_commands()
-    covered = {_normalise(step.command) for chain in CHAINS.values() for step in chain}
+    covered = {_normalise(step.command) for chain in [*CHAINS.values(), *EXAMPLE_CHAINS.values()] for step in chain}
     covered |= set(ELSEWHERE) | {_normalise(c) for c in NOT_RUNNABLE_HERE}
     unrun = {c: where for c, where in documented.items() if c not in covered}
     assert not unrun, f"documented commands no test runs (add them to tests/test_doc_commands.py): {unrun}"
@@ -541,14 +590,6 @@ def test_the_reader_finds_fenced_commands_only(tmp_path):
     }
 
 
-@pytest.fixture
-def workspace(tmp_path):
-    """A directory that looks like the repository root to the documented relative paths."""
-    for name in ("configs", "scripts", "asyncrl", "workflows", "docs", "pyproject.toml", "setup.cfg"):
-        (tmp_path / name).symlink_to(REPO_ROOT / name)
-    return tmp_path
-
-
 def _chain_params():
     for name, chain in CHAINS.items():
         slow_limit = max(900, sum(step.timeout for step in chain) + 100)
@@ -559,6 +600,11 @@ def _chain_params():
 
 @pytest.mark.parametrize("name,chain", list(_chain_params()))
 def test_documented_commands_run(name, chain, workspace, monkeypatch, capsys):
+    run_chain(chain, workspace, monkeypatch, capsys)
+
+
+def run_chain(chain: tuple[Step, ...], workspace: Path, monkeypatch, capsys) -> None:
+    """Each step of ``chain`` as the docs show it, in ``workspace``: set the scene, run, check."""
     documented = documented_commands()
     monkeypatch.chdir(workspace)
     for step in chain:

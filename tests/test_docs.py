@@ -46,9 +46,11 @@ def test_every_config_field_has_a_description():
     assert not missing, f"config fields without a docstring: {missing}"
 
 
-HISTORY = re.compile(r"\bissues? \d+|\bsessions? \d+|\bseed 00\d|\b(?:first|second|third|fourth) pass\b", re.I)
+HISTORY = re.compile(r"\bissues? \d+|\bsessions? \d+|\bseed 00\d|\b(?:first|second|third|fourth) pass\b"
+                     r"|(?<![-\w])items? \d+", re.I)
 """How the project got here, which belongs in commit messages and CHANGELOG.md: an issue number, a
-numbered work session, a planning document's name ("seed 002") or a numbered pass of work."""
+numbered work session, a planning document's name ("seed 002"), a numbered pass of work or an
+issue's numbered item ("item 4"; not an option such as ``--items 16``)."""
 
 
 def _prose(path: Path) -> list[tuple[int, str]]:
@@ -75,12 +77,15 @@ def history_lines(paths) -> list[str]:
 
 
 def _documentation() -> list[Path]:
-    """The README, docs/, tests/README.md, the configs and the package's sources (and the scripts and
-    workflows users run); CHANGELOG.md is the history and is not among them."""
+    """The README, docs/, tests/README.md, the configs, the package's sources (and the scripts and
+    workflows users run) and the tests; CHANGELOG.md is the history and is not among them, nor this
+    file, whose examples of history lines are the check's own."""
     root = REPO_ROOT
+    tests = (path for path in sorted((root / "tests").rglob("*.py")) if path.resolve() != Path(__file__).resolve())
     return [root / "README.md", root / "tests" / "README.md", *sorted((root / "docs").rglob("*.md")),
             *sorted((root / "configs").glob("*.yaml")),
-            *(path for folder in ("asyncrl", "scripts", "workflows") for path in sorted((root / folder).rglob("*.py")))]
+            *(path for folder in ("asyncrl", "scripts", "workflows") for path in sorted((root / folder).rglob("*.py"))),
+            *tests]
 
 
 def test_the_docs_say_what_the_product_is_not_how_it_got_here():
@@ -91,12 +96,14 @@ def test_the_docs_say_what_the_product_is_not_how_it_got_here():
 def test_a_history_line_put_back_is_caught(tmp_path):
     (tmp_path / "guide.md").write_text("# Guide\n\nThe plan counts it since the third pass (issue 44).\n")
     (tmp_path / "recipe.yaml").write_text("# Seed 002's job on a v6e-8\nmodel: {path: x}  # session 9\nname: issue 3\n")
-    (tmp_path / "module.py").write_text('"""Calibrated in the fourth pass."""\nx = "issue 12"  # fine here\nissue_7 = 1\n')
+    (tmp_path / "module.py").write_text('"""Calibrated in the fourth pass."""\nx = "issue 12"  # fine here\nissue_7 = 1\n'
+                                        '"""Item 4: the run stops."""\nx = "make_trie.py --items 16"\n')
     found = history_lines(sorted(tmp_path.iterdir()))
     assert [f.split(": ", 1)[0].rsplit("/", 1)[1] for f in found] == [
-        "guide.md:3", "module.py:1", "module.py:2", "recipe.yaml:1", "recipe.yaml:2"], found
+        "guide.md:3", "module.py:1", "module.py:2", "module.py:4", "recipe.yaml:1", "recipe.yaml:2"], found
     assert history_lines([tmp_path / "guide.md"]) == [f"{tmp_path / 'guide.md'}:3: The plan counts it since the third pass (issue 44)."]
     assert not (REPO_ROOT / "CHANGELOG.md") in _documentation()
+    assert REPO_ROOT / "tests" / "run" / "test_train_loop.py" in _documentation()
 
 
 def test_the_performance_guide_stays_a_guide():
@@ -165,3 +172,15 @@ def test_the_accelerator_extras_the_readme_names_install_jax_plugins():
     readme = (REPO_ROOT / "README.md").read_text()
     setup = readme[readme.index("## Set-up"):readme.index("## Quickstart")]
     assert re.search(r"pip install -e '\.\[dev,cuda\]'", setup) and "pip install -e '.[tpu]'" in setup
+
+
+def test_the_glossary_terms_are_linked_from_the_pages_that_use_them():
+    """docs/glossary.md has a heading per term; the terms the docs use unexplained are linked to it
+    from a page that uses them (the anchors are checked by test_sections_cited_by_name_exist)."""
+    glossary = REPO_ROOT / "docs" / "glossary.md"
+    anchors = {_slug(h) for h in _headings(glossary)}
+    linked = {anchor for page in [REPO_ROOT / "README.md", *(REPO_ROOT / "docs").glob("*.md")] if page != glossary
+              for anchor in re.findall(r"\(glossary\.md#([\w-]+)\)", page.read_text())}
+    required = {"rlvr", "remat", "ocdbt", "megacore", "splash-attention", "hbm-and-vmem", "thunk-sequence"}
+    assert required <= anchors and required <= linked, (required - anchors, required - linked)
+    assert "docs/glossary.md" in (REPO_ROOT / "README.md").read_text()

@@ -302,7 +302,7 @@ def test_bench_gpu_comparison_child_runs_without_the_gpu_flags():
     assert bench_gpu.without_gpu_defaults(extended) == "--xla_dump_to=/tmp/d"
 
 
-@pytest.mark.slow  # 12 s cold; the bench's pure parts are tested above (session 8's fresh clone: 951 s of the 960 s line)
+@pytest.mark.slow  # 12 s cold; the bench's pure parts are tested above
 def test_bench_gpu_comparison_child_decodes_in_its_own_process():
     """The GPU-only comparison part, run here on the quick shape: a child process's decode line."""
     import argparse
@@ -353,3 +353,20 @@ def test_bench_colocated_smallest_run():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["bench"] == "colocated" and result["devices"] == 8 and result["colocated_vs_one_device"] > 0
     assert result["one_device_new_tokens_per_s"] > 0 and result["colocated_new_tokens_per_s"] > 0
+
+
+def test_bench_help_is_whole_and_the_readme_lists_every_subcommand():
+    """``bench.py --help`` gives each subcommand's first paragraph whole (no description cut
+    mid-sentence), every module of bench_components is a subcommand, and the README lists each."""
+    import bench
+
+    modules = {p.stem for p in (REPO_ROOT / "scripts" / "bench_components").glob("*.py") if p.stem != "__init__"}
+    assert set(bench.SUBCOMMANDS) == modules
+    listing = bench.parser().format_help()
+    readme = (REPO_ROOT / "README.md").read_text()
+    for name in bench.SUBCOMMANDS:
+        module = __import__(f"bench_components.{name}", fromlist=["__doc__"])
+        summary = " ".join(module.__doc__.split("\n\n")[0].split())
+        assert summary.endswith("."), (name, summary)
+        assert "".join(summary.split()[-3:]) in "".join(listing.split()), (name, summary)  # argparse wraps at hyphens
+        assert f"python scripts/bench.py {name} " in readme or f"`bench.py {name}" in readme, name

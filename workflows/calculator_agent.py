@@ -27,10 +27,12 @@ import json
 from typing import Any, Mapping, Optional
 
 from asyncrl.agent import AgentWorkflow
+from asyncrl.data import TaskData
 from asyncrl.errors import ConfigError
 from asyncrl.registry import register
 
 from .calculator import CalcError, calculate
+from .synthetic import synthetic_task
 
 CALCULATOR: Any = {
     "type": "function",
@@ -105,3 +107,32 @@ class CalculatorAgent(AgentWorkflow):
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": run_calculator(arguments)})
         reward, _ = self.score(prompt, final, sample)
         return reward
+
+
+def tool_call_text(expression: str) -> str:
+    """The model's side of a calculator call as Qwen's template (and tiny-qwen3's) writes an
+    assistant turn that calls it: what the agent's parser reads back as the call."""
+    arguments = json.dumps({"expression": expression})
+    return f'<tool_call>\n{{"name": "calculator", "arguments": {arguments}}}\n</tool_call>'
+
+
+@register("dataset", "calculator_agent_demos")
+def calculator_agent_demos(*, seed: int = 0, task: str = "add", **task_kwargs: Any) -> TaskData:
+    """Demonstrations of the calculator agent on a synthetic arithmetic task (``add``: ``A:3+4``),
+    for an SFT warm start of ``workflow: calculator_agent``: each train problem gives two examples,
+    the first turn (the question, answered by a calculator call on its expression) and the second
+    (the question, that call and the tool's result, answered by the result). The eval split is the
+    task's own questions, on which eval runs the whole agent. ``task_kwargs``: the task's
+    (``train_size``, ``eval_size``, ``min_digits``, ``max_digits``)."""
+    base = synthetic_task(task, seed=seed, **task_kwargs)
+    train = []
+    for sample in base.train:
+        expression = sample["prompt"].partition(":")[2]
+        arguments = json.dumps({"expression": expression})
+        call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
+        question = {"role": "user", "content": sample["prompt"]}
+        train.append({"prompt": sample["prompt"], "answer": sample["answer"], "response": tool_call_text(expression)})
+        train.append({"messages": [question, {"role": "assistant", "content": "", "tool_calls": [call]},
+                                   {"role": "tool", "tool_call_id": "call_0", "content": run_calculator(arguments)}],
+                      "answer": sample["answer"], "response": sample["answer"]})
+    return TaskData(train=train, eval=base.eval, reward="positional_match")

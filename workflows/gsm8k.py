@@ -1,8 +1,10 @@
 """GSM8K: grade-school math word problems with a numeric final answer.
 
-The data is not bundled: point ``path`` at a JSONL file with ``question`` and
-``answer`` fields, the answer being a worked solution that ends in ``#### N``
-(the layout of the original release).
+The data comes by name from the Hugging Face hub (``openai/gsm8k``, config ``main``: 7,473 train
+and 1,319 test problems, MIT licence) through ``datasets``, cached where ``datasets`` caches;
+``$ASYNCRL_DATA_DIR/gsm8k/{train,test}.jsonl`` is used instead when present, and ``path`` names a
+local JSONL file outright. Records have ``question`` and ``answer`` fields, the answer a worked
+solution that ends in ``#### N`` (the original release's layout, which the hub keeps).
 
 Answers are read from a completion in two ways:
 
@@ -34,7 +36,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-from asyncrl.data import DataError, TaskData, read_jsonl, split_eval
+from asyncrl.data import DataError, TaskData, hub_rows, read_jsonl, split_eval
 from asyncrl.registry import register
 
 INSTRUCTION = "Solve the problem step by step, then give the final answer after '####'."
@@ -196,18 +198,26 @@ EVAL_METRICS = {"accuracy_strict": accuracy_strict, "accuracy_lenient": accuracy
 """``TaskData.eval_metrics`` of the task: reported as ``eval/<name>``."""
 
 
+HUB_NAME, HUB_CONFIG = "openai/gsm8k", "main"
+
+
 @register("dataset", "gsm8k")
 def gsm8k(
-    path: str,
+    path: str | None = None,
     *,
     seed: int = 0,
     eval_path: str | None = None,
+    eval_split: str | None = None,
     eval_size: int = 64,
     max_samples: int | None = None,
 ) -> TaskData:
-    """GSM8K from a local JSONL file; ``response`` is the worked solution (for SFT).
+    """GSM8K; ``response`` is the worked solution (for SFT).
 
-    ``max_samples`` keeps the first this many records of ``path`` (smoke runs)."""
+    The train split is ``path`` (a local JSONL file) or, without it, ``openai/gsm8k``'s ``train``
+    split (a local copy in ``$ASYNCRL_DATA_DIR/gsm8k/``, else through ``datasets``). The eval split is
+    ``eval_path`` (a file), ``eval_split`` (``test``: the hub's or the local copy's split), or
+    ``eval_size`` problems held out of the train split by ``seed``. ``max_samples`` keeps the first
+    this many train records (smoke runs)."""
 
     def convert(records: list[dict], source: str) -> list[dict]:
         samples = []
@@ -224,11 +234,28 @@ def gsm8k(
             )
         return samples
 
+    def records(split: str) -> list[dict]:
+        rows = hub_rows(HUB_NAME, HUB_CONFIG, split, local_name="gsm8k", task="gsm8k")
+        missing = [name for name in ("question", "answer") if rows and name not in rows[0]]
+        if missing:
+            raise DataError(f"gsm8k: {HUB_NAME} split {split}: records have no field '{missing[0]}' (fields: {', '.join(rows[0])})")
+        return rows
+
     if max_samples is not None and max_samples < 1:
         raise DataError(f"gsm8k: max_samples must be >= 1 (given {max_samples})")
-    train = convert(read_jsonl(path, required=("question", "answer"))[:max_samples], str(path))
+    if eval_path is not None and eval_split is not None:
+        raise DataError("gsm8k: give eval_path (a file) or eval_split (a split of the dataset), not both")
+    if path is not None and eval_split is not None:
+        raise DataError(f"gsm8k: eval_split {eval_split!r} is a split of {HUB_NAME}; with path (a local file) give "
+                        "eval_path, or eval_size to hold problems out of it")
+    if path is not None:
+        train = convert(read_jsonl(path, required=("question", "answer"))[:max_samples], str(path))
+    else:
+        train = convert(records("train")[:max_samples], f"{HUB_NAME}:train")
     if eval_path is not None:
         held_out = convert(read_jsonl(eval_path, required=("question", "answer")), str(eval_path))
+    elif eval_split is not None:
+        held_out = convert(records(eval_split), f"{HUB_NAME}:{eval_split}")
     else:
         train, held_out = split_eval(train, eval_size, seed)
     return TaskData(train=train, eval=held_out, reward="gsm8k_answer", eval_metrics=dict(EVAL_METRICS))

@@ -20,6 +20,14 @@ from asyncrl.errors import CheckpointError
 ROLLOUT_PREFIX = "rollout"
 
 
+def rollout_files(processes: int) -> list[tuple[str, str]]:
+    """``(prefix, json name)`` of a checkpoint's rollout state files: ``rollout`` (``.json`` and
+    ``.npz``) when one process wrote it, ``rollout_<i>`` for each process ``i`` of several (each
+    process writes its own executor's state)."""
+    prefixes = [ROLLOUT_PREFIX] if processes == 1 else [f"{ROLLOUT_PREFIX}_{i}" for i in range(processes)]
+    return [(prefix, f"{prefix}.json") for prefix in prefixes]
+
+
 def safetensors_dtypes() -> dict[str, Any]:
     import ml_dtypes
 

@@ -109,7 +109,9 @@ def _read_manifest(path: Path) -> tuple[Optional[dict], Optional[str]]:
         return None, f"{MANIFEST_FILE} is of step {manifest.get('step')!r}, the directory of step {step}"
     required = {STATE_FILE, CONFIG_FILE, *(f"{ARRAYS_DIR}/{t}/_METADATA" for t in manifest.get("trees", []))}
     if manifest.get("rollout"):
-        required |= {f"{ROLLOUT_PREFIX}.json", f"{ROLLOUT_PREFIX}.npz"}
+        processes = manifest.get("processes", 1)
+        for prefix, _ in checkpoint_files.rollout_files(processes if isinstance(processes, int) and processes > 0 else 1):
+            required |= {f"{prefix}.json", f"{prefix}.npz"}
     missing = sorted(required - set(manifest["files"]))
     if missing:
         return None, f"{MANIFEST_FILE} does not list {', '.join(missing)}"

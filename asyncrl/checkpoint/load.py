@@ -20,7 +20,6 @@ from asyncrl.checkpoint.layout import (
     _TMP_PREFIX,
     ARRAYS_DIR,
     CONFIG_FILE,
-    ROLLOUT_PREFIX,
     STATE_FILE,
     _file_problem,
     _my_share,
@@ -155,10 +154,17 @@ class Checkpoint:
     """The JSON state as saved."""
     config_yaml: str
     """The resolved config of the run that wrote it."""
-    rollout_state: Optional[dict[str, Any]]
-    """The executor's ``{"meta", "arrays"}`` for ``WorkflowExecutor.load_state_dict`` (None if not saved)."""
+    rollout_states: tuple[dict[str, Any], ...]
+    """The executors' ``{"meta", "arrays"}`` for ``WorkflowExecutor.load_state_dict``, one per process
+    that wrote the checkpoint (a resume on another count redistributes them:
+    :func:`~asyncrl.rollout.redistribute.redistribute_states`); empty if not saved."""
     processes: int = 1
     """How many processes wrote it (any number may restore it)."""
+
+    @property
+    def rollout_state(self) -> Optional[dict[str, Any]]:
+        """The one rollout state of a checkpoint one process wrote (None if not saved, or written by several)."""
+        return self.rollout_states[0] if len(self.rollout_states) == 1 else None
 
     def config(self) -> Config:
         """The saved config, validated by this asyncrl's schema."""
@@ -224,7 +230,9 @@ def load_checkpoint(path: str | Path, *, verify: bool = True, share: Optional[tu
             raise CheckpointError(f"{path}: {found}")
         return data
 
-    small = {STATE_FILE, CONFIG_FILE, f"{ROLLOUT_PREFIX}.json", f"{ROLLOUT_PREFIX}.npz"}
+    processes = int(manifest["processes"])
+    rollout = checkpoint_files.rollout_files(processes) if manifest.get("rollout") else []
+    small = {STATE_FILE, CONFIG_FILE, *(f"{prefix}.{ext}" for prefix, _ in rollout for ext in ("json", "npz"))}
     for filename, entry in files.items():
         if filename not in small:  # the arrays' files: checked here, read by Orbax later
             found = _file_problem(path / filename, filename, entry, checksums=filename in mine)
@@ -235,16 +243,16 @@ def load_checkpoint(path: str | Path, *, verify: bool = True, share: Optional[tu
         config_yaml = read(CONFIG_FILE).decode("utf-8")
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{path}: {STATE_FILE} or {CONFIG_FILE} is unreadable ({err})") from err
-    rollout_state = None
-    if manifest.get("rollout"):
-        for filename in (f"{ROLLOUT_PREFIX}.json", f"{ROLLOUT_PREFIX}.npz"):
+    rollout_states = []
+    for prefix, _ in rollout:
+        for filename in (f"{prefix}.json", f"{prefix}.npz"):
             read(filename)  # verified against the manifest before it is parsed
         try:
-            rollout_state = checkpoint_files.load_rollout_state(path)
+            rollout_states.append(checkpoint_files.load_rollout_state(path, prefix))
         except (ValueError, OSError, json.JSONDecodeError) as err:
-            raise CheckpointError(f"{path}: the rollout state is unreadable ({err})") from err
+            raise CheckpointError(f"{path}: the rollout state is unreadable ({prefix}.json/.npz: {err})") from err
     return Checkpoint(path=path, step=int(manifest["step"]), arrays=SavedTrees(path, manifest["trees"]), state=state,
-                      config_yaml=config_yaml, rollout_state=rollout_state, processes=int(manifest["processes"]))
+                      config_yaml=config_yaml, rollout_states=tuple(rollout_states), processes=processes)
 
 
 # --------------------------------------------------------------------------- resuming

@@ -120,6 +120,15 @@ class RunState(_Strict):
 # --------------------------------------------------------------------------- rollout.json
 
 
+class SampleShareSnapshot(_Strict):
+    """A ledger's share of the sample ids (``asyncrl.rollout.ledger.SampleShare``)."""
+
+    base: int = Field(ge=0)
+    round_size: int = Field(ge=1)
+    offset: int = Field(ge=0)
+    count: int = Field(ge=1)
+
+
 class LedgerSnapshot(_Strict):
     """The staleness ledger (``StalenessLedger.snapshot()``)."""
 
@@ -136,6 +145,10 @@ class LedgerSnapshot(_Strict):
     terminal: dict[str, int]
     """Counts of samples that reached a final category (``trained``, ``dropped:...``)."""
     reissued_total: int = Field(ge=0)
+    share: Optional[SampleShareSnapshot] = None
+    """Which sample ids the ledger draws (its process's share; absent: all of them, from 0)."""
+    fresh: list[int] = []
+    """Ids never drawn that a redistribution handed this ledger, drawn first."""
 
 
 class RolloutMeta(_Strict):
@@ -191,10 +204,13 @@ def check_run_checkpoint(checkpoint: Any, cfg: Any) -> RunState:
     if stage.type == "rl":
         if state.sft is not None:
             raise refuse(where, "state.json", "sft", f"stage {state.stage_index} ({stage.name}) is an RL stage")
-        if checkpoint.rollout_state is None:
+        if not checkpoint.rollout_states:
             raise refuse(where, "MANIFEST.json", "rollout", f"stage {state.stage_index} ({stage.name}) is an RL "
                          "stage, but the checkpoint has no rollout state")
-        _check_rollout(checkpoint.rollout_state, state, where)
+        from asyncrl.checkpoint.files import rollout_files
+
+        for (prefix, _), rollout_state in zip(rollout_files(len(checkpoint.rollout_states)), checkpoint.rollout_states):
+            _check_rollout(rollout_state, state, where, prefix)
     return state
 
 
@@ -219,16 +235,17 @@ def _check_position(state: RunState, step: int, cfg: Any, where: Path) -> None:
                      f"({stage.name}) has {stage.total_steps} steps")
 
 
-def _check_rollout(rollout_state: Mapping[str, Any], state: RunState, where: Path) -> None:
-    """rollout.json parses and agrees with state.json; every queued group unpacks from its
-    arrays in rollout.npz by the trajectory schema's rules, and no array is left over."""
-    meta: RolloutMeta = parse(RolloutMeta, rollout_state["meta"], where, "rollout.json")
+def _check_rollout(rollout_state: Mapping[str, Any], state: RunState, where: Path, prefix: str = "rollout") -> None:
+    """rollout.json (``<prefix>.json``) parses and agrees with state.json; every queued group unpacks
+    from its arrays in rollout.npz by the trajectory schema's rules, and no array is left over."""
+    json_name, npz_name = f"{prefix}.json", f"{prefix}.npz"
+    meta: RolloutMeta = parse(RolloutMeta, rollout_state["meta"], where, json_name)
     if meta.ledger.version != state.version:
-        raise refuse(where, "rollout.json", "ledger.version", f"{meta.ledger.version}, but state.json's version is "
+        raise refuse(where, json_name, "ledger.version", f"{meta.ledger.version}, but state.json's version is "
                      f"{state.version}")
     queued = {str(entry[0]) for entry in meta.ledger.entries if entry[2] == "queued"}
     if queued != set(meta.groups):
-        raise refuse(where, "rollout.json", "groups", f"the ledger's queued tickets {sorted(queued, key=int)} and "
+        raise refuse(where, json_name, "groups", f"the ledger's queued tickets {sorted(queued, key=int)} and "
                      f"the stored groups {sorted(meta.groups, key=int)} differ")
     from asyncrl.rollout.trajectory import TrajectoryGroup  # here: importing this module loads no rollout code
 
@@ -236,17 +253,17 @@ def _check_rollout(rollout_state: Mapping[str, Any], state: RunState, where: Pat
     for key in sorted(arrays):
         owner = re.match(r"g(\d+)_", key)
         if owner is None or owner.group(1) not in meta.groups:
-            raise refuse(where, "rollout.npz", key, "not part of any group in rollout.json (arrays are named g<ticket>_<field>)")
+            raise refuse(where, npz_name, key, f"not part of any group in {json_name} (arrays are named g<ticket>_<field>)")
     for ticket in meta.groups:
-        prefix = f"g{ticket}_"
-        mine = {key[len(prefix):]: array for key, array in arrays.items() if key.startswith(prefix)}
+        group = f"g{ticket}_"
+        mine = {key[len(group):]: array for key, array in arrays.items() if key.startswith(group)}
         try:
             TrajectoryGroup.unpack(meta.groups[ticket], mine, where=f"group {ticket}")
         except TrajectorySchemaError as err:
             if err.rule == "type":  # the group's JSON
-                raise refuse(where, "rollout.json", f"groups.{ticket}", str(err)) from None
-            field = f"{prefix}{err.field}" if err.rule == "packed_arrays" else f"groups.{ticket}"
-            raise refuse(where, "rollout.npz", field, str(err)) from None
+                raise refuse(where, json_name, f"groups.{ticket}", str(err)) from None
+            field = f"{group}{err.field}" if err.rule == "packed_arrays" else f"groups.{ticket}"
+            raise refuse(where, npz_name, field, str(err)) from None
 
 
 def check_checkpoint_params(checkpoint: Any, params: Any) -> None:

@@ -9,7 +9,8 @@ A checkpoint of trainer step ``k`` is one directory ``<run.output_dir>/checkpoin
                              every process writes its own shards (asyncrl.checkpoint.arrays)
     hashes/process_<i>.json  size and sha256 of the array files process i wrote, hashed by process i
     state.json               the caller's JSON state: version, trainer counters, stage index, ...
-    rollout.json, .npz       the rollout executor's state: JSON plus named arrays (asyncrl.checkpoint.files)
+    rollout.json, .npz       the rollout executor's state: JSON plus named arrays (asyncrl.checkpoint.files);
+                             written by several processes, rollout_<i>.json/.npz, each process's own
     config.yaml              the resolved config of the run
     MANIFEST.json            written last, by process 0: step, trees, writers, every file's size and sha256
 
@@ -168,8 +169,9 @@ def start_checkpoint(
     ``<out_dir>/checkpoints/step_<k>`` once it is complete (the module docstring says how).
 
     Every process of a multi-process run calls this with the same global ``arrays``; each
-    writes its own shards. ``state``, ``config_yaml`` and ``rollout_state`` are written by
-    process 0 alone (the other processes' are ignored).
+    writes its own shards and its own ``rollout_state`` (``rollout_<i>.json``/``.npz``, listed in
+    its hashes); ``state`` and ``config_yaml`` are written by process 0 alone (the other
+    processes' are ignored).
 
     Args:
         out_dir: the run's output directory (``cfg.run.resolved_output_dir``).
@@ -179,8 +181,9 @@ def start_checkpoint(
             ``jax.Array`` leaves are written shard by shard, never gathered.
         state: JSON-serialisable (no NaN): version, trainer counters, stage index, ...
         config_yaml: the resolved config (``dump_config(cfg)``).
-        rollout_state: ``{"meta": JSON, "arrays": {name: 1-d numpy array}}``, the executor's
-            ``state_dict()`` (written by :func:`save_rollout_state`).
+        rollout_state: ``{"meta": JSON, "arrays": {name: 1-d numpy array}}``, this process's
+            executor's ``state_dict()`` (written by :func:`save_rollout_state`); every process
+            passes one or none does.
         keep: keep the newest this many complete checkpoints (None: all); older ones are
             deleted only after the new one is in place.
         asynchronous: return once the arrays are copied off the devices and finish the write
@@ -211,10 +214,13 @@ def start_checkpoint(
                 _write_bytes(tmp / filename, text.encode("utf-8"))
                 _stage(filename)
             if rollout_state is not None:
-                checkpoint_files.save_rollout_state(rollout_state, tmp)
+                checkpoint_files.save_rollout_state(rollout_state, tmp, checkpoint_files.rollout_files(processes)[0][0])
                 _stage(ROLLOUT_PREFIX)
         # Orbax's own barrier keeps the other processes from writing before process 0 made tmp.
         checkpointer = checkpoint_arrays.start_save(tmp / checkpoint_arrays.ARRAYS_DIR, trees) if trees else None
+        if rollout_state is not None and process > 0:
+            pending._wait_for(tmp.is_dir, "process 0's temporary directory")
+            checkpoint_files.save_rollout_state(rollout_state, tmp, checkpoint_files.rollout_files(processes)[process][0])
     pending.manifest_head = {"format": CHECKPOINT_FORMAT, "step": step, "trees": sorted(trees),
                              "rollout": rollout_state is not None, "processes": processes}
     pending.start(checkpointer, asynchronous)
@@ -240,7 +246,6 @@ class PendingSave:
         self.manifest_head: dict[str, Any] = {}
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
-        self._waited = False
         self._abandoned = threading.Event()
 
     def start(self, checkpointer: Any, asynchronous: bool) -> None:
@@ -281,10 +286,6 @@ class PendingSave:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-        if not self._waited:
-            self._waited = True
-            if self.process == 0:
-                log.info("checkpoint of step %d written to %s", self.step, self.final)
         return self.final
 
     def abandon(self) -> None:
@@ -354,6 +355,9 @@ class PendingSave:
             prefix = checkpoint_arrays.ARRAYS_DIR + "/"
             files = {prefix + rel: _fsync_and_describe(arrays_dir / rel)
                      for rel in checkpoint_arrays.files_written_by(arrays_dir, self.process)}
+        if self.manifest_head["rollout"] and self.processes > 1:  # this process's own rollout state
+            prefix = checkpoint_files.rollout_files(self.processes)[self.process][0]
+            files.update({f"{prefix}.{ext}": _fsync_and_describe(self.tmp / f"{prefix}.{ext}") for ext in ("json", "npz")})
         hashes = self.tmp / _HASHES_DIR
         hashes.mkdir(exist_ok=True)
         scratch = hashes / f".process_{self.process}.json.tmp"
@@ -406,6 +410,7 @@ class PendingSave:
         if self.keep is not None:
             _prune(self.root, self.keep)
             _stage("pruned")
+        log.info("checkpoint of step %d written to %s", self.step, self.final)  # as it completes, not at the next wait
 
 
 @contextlib.contextmanager

@@ -197,7 +197,7 @@ class DataConfig(Section):
     """The prompts: which dataset, and limits applied to every sample."""
 
     dataset: ComponentSpec = "copy"
-    """Dataset/task: a built-in (``copy``, ``reverse``, ``add``, ``gsm8k``, ``jsonl``, ``hf``), an import path, or ``{target, kwargs}`` (e.g. ``{target: jsonl, kwargs: {path: data.jsonl, eval_size: 64}}``)."""
+    """Dataset/task: a built-in (``copy``, ``reverse``, ``add``, ``gsm8k``, ``jsonl``, ``hf``), an import path, or ``{target, kwargs}`` (e.g. ``{target: jsonl, kwargs: {path: data.jsonl, eval_size: 64}}``). ``gsm8k`` (``openai/gsm8k``) and ``hf`` (``{target: hf, kwargs: {name: org/dataset}}``) come by name from the Hugging Face hub through ``datasets``, downloaded once and cached where ``datasets`` caches; a local copy ``$ASYNCRL_DATA_DIR/<name>/<split>.jsonl`` (``gsm8k/train.jsonl``, ``gsm8k/test.jsonl``) is read instead when present, and ``path`` names a local file. Offline with neither, the run stops with the command that fetches it."""
     max_prompt_tokens: int = Field(default=256, ge=1)
     """A prompt longer than this (in tokens, chat template included) is skipped and counted (``dropped:prompt_too_long``)."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -575,14 +575,15 @@ class PlacementConfig(Section):
     device indices (``"0:4"``) or, with a ``.`` in both bounds, fractions of the device count
     (``"0.5:1.0"``: the second half; each bound must land on a whole device). Disjoint ranges
     split the devices between trainer and engine; an engine range inside the trainer's shares
-    those devices with it; a partial overlap is an error. With several processes the engine
-    runs on process 0's devices only.
+    those devices with it; a partial overlap is an error. With several processes a range is
+    over each process's own devices (``jax.local_devices()``), the same on every host: every
+    process runs an engine of its own on its part of ``engine``.
     """
 
     trainer: Optional[str] = None
-    """The trainer mesh's devices (``mesh.data`` x ``fsdp`` x ``tensor`` must fit them); null: all devices."""
+    """The trainer mesh's devices (``mesh.data`` x ``fsdp`` x ``tensor`` must fit them; several processes: this range of every host's devices); null: all devices."""
     engine: Optional[str] = None
-    """The in-process engine's devices; null: colocated with the trainer (one process: the trainer's devices; several: process 0's share of them)."""
+    """The in-process engine's devices (several processes: this range of each host's devices, one engine per process); null: colocated with the trainer (each process's share of the trainer's devices)."""
 
     @field_validator("trainer", "engine")
     @classmethod
@@ -640,6 +641,8 @@ class LoggingConfig(Section):
     """Append a few of the step's trajectories (prompt, completion, reward components, versions) to ``trajectories.jsonl`` every this many steps; 0 is off."""
     dump_groups: int = Field(default=2, ge=1)
     """Groups written per trajectory dump."""
+    console_metrics: list[str] = Field(default_factory=list)
+    """Metrics shown on the console line after reward, eval, lag and tok/s, by name (e.g. ``[engine/prefix_hit_rate, episode/tool_calls]``), each labelled by its last path part; a name absent from a step's row shows its last value."""
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default=["tensorboard"])
     """Where each step's metric row goes besides ``metrics.jsonl`` (always written): ``tensorboard`` (event files under ``tensorboard/``), ``wandb`` (Weights & Biases, ``pip install 'asyncrl[wandb]'``), ``mlflow`` (``pip install 'asyncrl[mlflow]'``). W&B and MLflow also get the resolved config and provenance, the stage as a tag and the dumped trajectories as a table; they log from a background thread (a failing tracker warns once and the run goes on) and ``--resume`` continues their run (README, "Outputs")."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)

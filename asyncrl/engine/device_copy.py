@@ -1,6 +1,5 @@
 """Publishing across devices: the engine's serving copy of published params, made device to
-device (:func:`serving_copy`), and the whole-array copies a multi-process run hands its engine
-(:func:`local_copy`).
+device (:func:`serving_copy`), on one host or on every host of a multi-process run.
 
 One rule for every placement (docs/scaling.md "Placement"): a published leaf is cast to the
 compute dtype (:func:`~asyncrl.model.compute_copy.cast_for_compute`'s rule) and laid out on the
@@ -14,8 +13,16 @@ on the source's own devices, then moved to the engine's devices when they are ot
   whole by some trainer device, and ``jax.device_put`` copies each shard device to device;
 * the engine on the trainer's one device: the program casts the leaves the model computes in
   another dtype, the others are served as they are;
-* host arrays, or one device's whole arrays for an engine on others (a multi-process run's
-  :func:`local_copy`): uploaded or sliced straight onto the engine's sharding, then cast there.
+* host arrays, or one device's whole arrays for an engine on others: uploaded or sliced straight
+  onto the engine's sharding, then cast there;
+* the trainer's params spanning several processes (every host runs an engine of its own on its
+  own devices): every process runs the same program, a collective over the trainer's devices
+  whose output is laid out on every host at once (:func:`_host_staging`: per host, a view of its
+  trainer devices shaped like its engine's layout), so each host's engine shards arrive on its
+  devices by XLA's all-gathers across hosts, where the engine's layout needs them; each process
+  then wraps its own shards as its engine's arrays (its engine on those devices: no copy) or
+  copies them to its engine's devices. Every process must call it at the same point (the
+  engines' constructors, and each publish's install).
 
 No leaf passes through host memory, and the engine drops its previous copy before it makes the
 new one (:class:`~asyncrl.engine.jax_engine.JaxEngine` installs versions that way), so a publish
@@ -31,11 +38,11 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["COPY_GROUP_BYTES", "PublishGroup", "local_copy", "publish_groups", "serving_copy"]
+__all__ = ["COPY_GROUP_BYTES", "PublishGroup", "host_publish_groups", "publish_groups", "serving_copy"]
 
 COPY_GROUP_BYTES = 128 << 20
-"""Bytes one copy program handles: what a device holds beyond its own shards while a publish or
-:func:`local_copy` runs (the model never is whole on every device at once)."""
+"""Bytes one copy program handles: what a device holds beyond its own shards while a publish
+runs (the model never is whole on every device at once)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +101,7 @@ def serving_copy(params: Any, shardings: Any, compute_dtype: Any, formats: Any =
     leaves already in their dtype and sharding: those are served as they are, never copied."""
     leaves, treedef = jax.tree.flatten(params)
     if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
-        raise ValueError("JaxEngine: params span other processes' devices; every process calls "
-                         "asyncrl.engine.device_copy.local_copy on them and process 0 hands its copies to the engine")
+        return jax.tree.unflatten(treedef, _across_hosts(leaves, shardings, compute_dtype, formats, group_bytes))
     targets, casts, groups = publish_groups(params, shardings, compute_dtype, formats, group_bytes)
     dtype = str(np.dtype(compute_dtype))
     grouped = {i for group in groups for i in group.indices}
@@ -186,23 +192,88 @@ def _layout_jit(sources: tuple, staging: tuple, flags: tuple, dtype: str) -> Any
     return _LAYOUT_PROGRAMS[key]
 
 
-def local_copy(arrays: list, group_bytes: int = COPY_GROUP_BYTES) -> list:
-    """Each array (on a ``NamedSharding``) as one single-device array holding all of it, on one of
-    this process's devices: replicated over its own mesh by a jitted identity (an all-gather on
-    device), a group of at most ``group_bytes`` at a time, then one replica of each kept (the other
-    replicas are freed before the next group). With several processes every process must call it
-    (collectives over the params' mesh); process 0 then hands the copies to its engine."""
-    by_mesh: dict[Any, list[int]] = {}
-    for i, x in enumerate(arrays):
-        by_mesh.setdefault(x.sharding.mesh, []).append(i)
-    out = list(arrays)
-    for mesh, indices in by_mesh.items():
-        for group in _byte_groups(indices, [arrays[i].nbytes for i in indices], group_bytes):
-            replicated = _replicate_jit(mesh)([arrays[i] for i in group])
-            for i, full in zip(group, replicated):
-                out[i] = full.addressable_shards[0].data
-            del replicated
+def _across_hosts(leaves: list, shardings: Any, compute_dtype: Any, formats: Any, group_bytes: int) -> list:
+    """:func:`serving_copy` of leaves that span several processes (the trainer's global params)
+    onto this process's engine (``shardings``/``formats`` on its own devices): one collective
+    program per group, the same on every process (module docstring)."""
+    is_target = lambda s: isinstance(s, jax.sharding.Sharding) or type(s).__name__ == "Format"  # noqa: E731
+    targets = jax.tree.leaves(shardings if formats is None else formats, is_leaf=is_target)
+    if len(targets) != len(leaves):
+        raise ValueError(f"serving_copy: {len(leaves)} params but {len(targets)} shardings (different structures)")
+    if not all(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+        raise ValueError("serving_copy: some params span several processes and others do not; publish the trainer's "
+                         "global params (every leaf on its mesh)")
+    out: list[Any] = [None] * len(leaves)
+    for group in host_publish_groups(leaves, targets, compute_dtype, group_bytes):
+        staged = group.program([leaves[i] for i in group.indices])
+        for i, array in zip(group.indices, staged):
+            out[i] = _own_shards(array, _host_staging(leaves[i].sharding, _sharding(targets[i]))[1], targets[i])
+        del staged
     return out
+
+
+def host_publish_groups(leaves: list, targets: list, compute_dtype: Any,
+                        group_bytes: int = COPY_GROUP_BYTES) -> list[PublishGroup]:
+    """The collective programs of a publish to every host's engine (:func:`serving_copy` of params
+    spanning processes): ``leaves`` (the trainer's global arrays, or ``jax.ShapeDtypeStruct`` with
+    their shardings, so the plan compiles the same programs) in groups of at most ``group_bytes``,
+    each laid out on every host at once (:func:`_host_staging` of this process's engine
+    ``targets``: shardings or Formats on its devices)."""
+    from asyncrl.model.compute_copy import cast_flags
+
+    casts = cast_flags(leaves, compute_dtype)
+    dtype = str(np.dtype(compute_dtype))
+    by_source: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        by_source.setdefault(_assignment(x.sharding), []).append(i)
+    groups = []
+    for indices in by_source.values():
+        sizes = [int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize for i in indices]
+        for group in _byte_groups(indices, sizes, group_bytes):
+            staging = tuple(_host_staging(leaves[i].sharding, _sharding(targets[i]))[0] for i in group)
+            program = _layout_jit(tuple(leaves[i].sharding for i in group), staging, tuple(casts[i] for i in group), dtype)
+            groups.append(PublishGroup(tuple(group), program))
+    return groups
+
+
+def _host_staging(source: Any, target: Any) -> tuple[Any, Any]:
+    """Where the collective copy writes a leaf: ``(global sharding over the source's devices,
+    this process's part of it)``. Per process, its source devices (in the program's order) are
+    viewed as the target's mesh with replicas in front, the target's partition spec on them, so
+    each process's shards are its engine's shards; every process must have as many source
+    devices and the same engine layout (the placement's rule). Where no such view exists, the
+    leaf is replicated on every source device."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = list(_assignment(source))
+    processes = sorted({d.process_index for d in devices})
+    per_process = len(devices) // len(processes)
+    contiguous = all(d.process_index == processes[i // per_process] for i, d in enumerate(devices))
+    if isinstance(target, NamedSharding) and contiguous:
+        split = _spec_axes(target.spec)
+        sizes = [target.mesh.shape[a] if a in split else 1 for a in target.mesh.axis_names]
+        if per_process % math.prod(sizes) == 0:
+            shape = [per_process // math.prod(sizes), *sizes]
+            names = ("replica", *target.mesh.axis_names)
+            whole = Mesh(np.array(devices, dtype=object).reshape([len(processes), *shape]), ("hosts", *names))
+            mine = [d for d in devices if d.process_index == jax.process_index()]
+            return NamedSharding(whole, target.spec), NamedSharding(Mesh(np.array(mine, dtype=object).reshape(shape), names),
+                                                                    target.spec)
+    mine = [d for d in devices if d.process_index == jax.process_index()]
+    return (NamedSharding(Mesh(np.array(devices, dtype=object), ("source",)), PartitionSpec()),
+            NamedSharding(Mesh(np.array(mine, dtype=object), ("source",)), PartitionSpec()))
+
+
+def _own_shards(array: Any, local: Any, target: Any) -> Any:
+    """This process's shards of a collective copy's output as one array of its own: on its engine's
+    ``target`` at once when the shards are where the target wants them (the engine on these
+    devices), else on ``local`` and copied onto ``target`` device to device."""
+    shards = [shard.data for shard in array.addressable_shards]
+    sharding = _sharding(target)
+    if sharding.devices_indices_map(array.shape) == local.devices_indices_map(array.shape) and target is sharding:
+        return jax.make_array_from_single_device_arrays(array.shape, sharding, shards)
+    mine = jax.make_array_from_single_device_arrays(array.shape, local, shards)
+    return jax.device_put(mine, target)
 
 
 def _byte_groups(items: list, sizes: list[int], budget: int) -> list[list]:
@@ -216,19 +287,3 @@ def _byte_groups(items: list, sizes: list[int], budget: int) -> list[list]:
         groups[-1].append(item)
         size += nbytes
     return groups
-
-
-_REPLICATORS: dict[Any, Any] = {}
-
-
-def _replicate_jit(mesh: Any) -> Any:
-    """A jitted identity whose outputs are replicated over ``mesh`` (one per mesh, so the
-    program compiles once per parameter structure)."""
-    if mesh not in _REPLICATORS:
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        _REPLICATORS[mesh] = jax.jit(_identity, out_shardings=replicated)
-    return _REPLICATORS[mesh]
-
-
-def _identity(tree: Any) -> Any:
-    return tree

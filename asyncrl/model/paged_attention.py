@@ -83,8 +83,8 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, queries: PagedQuer
             return _decode_over_view(q, k, v, here, layer, scale)
 
         flat = () if queries.flat is None else (queries.flat,)
-        kinds = ("kv", "kv", "kv", "pool", "rows", "rows", "rows", "flat")[:7 + len(flat)]
-        return _per_device(mesh, viewed, layer.layout, kinds, ("kv", "pool"), q, k, v, layer, queries.positions,
+        kinds = ("kv", "kv", "kv", "viewed", "rows", "rows", "rows", "flat")[:7 + len(flat)]
+        return _per_device(mesh, viewed, layer.layout, kinds, ("kv", "viewed"), q, k, v, layer, queries.positions,
                            queries.page_table, queries.real, *flat)
     if not queries.fresh and q.shape[1] == 1 and _gpu_kernel_takes(q, layer, choice):
         def fused(q, k, v, layer, positions, page_table, real, *flat):
@@ -143,7 +143,7 @@ def with_views(pool: tuple, page_table: jax.Array, pages: int, flat: Optional[Fl
 
     extra = () if flat is None else (flat,)
     kinds = ("pool", "rows", "flat")[:2 + len(extra)]
-    return tuple(_per_device(mesh, one, layer.layout, kinds, "pool", layer, page_table, *extra) for layer in pool)
+    return tuple(_per_device(mesh, one, layer.layout, kinds, "viewed", layer, page_table, *extra) for layer in pool)
 
 
 def _gpu_kernel_takes(q: jax.Array, layer: PagedLayerKV, choice: str) -> bool:
@@ -275,7 +275,8 @@ def _per_device(mesh: Any, fn: Any, layout: str, kinds: tuple[str, ...], out_kin
                 *args: Any) -> Any:
     """``fn(*args)`` per device of an engine ``mesh`` in a ``shard_map`` (directly without one, or
     on one device). ``kinds`` name each argument's split: ``pool`` (a page pool in ``layout``: its
-    pages over the replicas, KV heads over ``tensor``), ``kv`` (``[B, T, heads, D]``: rows and
+    pages over the replicas, KV heads over ``tensor``), ``viewed`` (such a pool with a decode chunk's
+    view: its rows or listed pages over the replicas), ``kv`` (``[B, T, heads, D]``: rows and
     heads), ``rows`` (rows first), ``flat`` (a :class:`~asyncrl.model.kv_cache.FlatPages`, each
     replica's part in turn)."""
     if mesh is None or mesh.size == 1:
@@ -286,10 +287,10 @@ def _per_device(mesh: Any, fn: Any, layout: str, kinds: tuple[str, ...], out_kin
     rows = _ROW_AXES if replicas > 1 else None
     heads = "tensor" if mesh.shape.get("tensor", 1) > 1 else None
     # a pool's pages (and a view's rows or listed pages) over the replicas, its KV heads over tensor
+    pages = P(None, heads, rows, None, None) if layout == "2kpsd" else P(rows, None, heads, None)
     view = (P(rows, heads, None, None), P(rows, heads, None, None))
-    pool = PagedLayerKV(P(None, heads, rows, None, None) if layout == "2kpsd" else P(rows, None, heads, None), layout,  # type: ignore[arg-type]
-                        view)
-    spec_of = {"pool": pool, "kv": P(rows, None, heads, None), "rows": P(rows),
+    spec_of = {"pool": PagedLayerKV(pages, layout, None), "viewed": PagedLayerKV(pages, layout, view),  # type: ignore[arg-type]
+               "kv": P(rows, None, heads, None), "rows": P(rows),
                "flat": FlatPages(P(rows), P(rows), P(rows), P(rows))}
     in_specs = tuple(spec_of[kind] for kind in kinds)
     out_specs = tuple(spec_of[kind] for kind in out_kind) if isinstance(out_kind, tuple) else spec_of[out_kind]

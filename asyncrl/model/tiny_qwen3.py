@@ -6,17 +6,19 @@ and the model has Qwen3's layout (q/k RMSNorm, no attention biases, an explicit
 ``head_dim`` larger than ``hidden / heads`` as in Qwen3-0.6B, tied embeddings,
 ``model_type: qwen3``), so the recipe exercises the same code paths as the real model.
 
-The tokenizer is a byte-level BPE (Qwen's kind) trained at build time with the
-``tokenizers`` library on a text corpus, by default GSM8K's training split
-(``shared/data/gsm8k/train.jsonl`` beside the asyncrl checkout, wherever the command runs, or
-``$ASYNCRL_TINY_QWEN3_CORPUS``), with Qwen's special tokens (``<|endoftext|>`` pad,
-``<|im_start|>``, ``<|im_end|>`` EOS) and a ChatML chat template. A JSONL corpus
-contributes every string field of every record; any other file, its lines.
+The tokenizer is a byte-level BPE (Qwen's kind) of 4,096 tokens with Qwen's special tokens
+(``<|endoftext|>`` pad, ``<|im_start|>``, ``<|im_end|>`` EOS) and a ChatML chat template. It ships
+with the package (``assets/tiny_qwen3_tokenizer.json``: trained with the ``tokenizers`` library on
+the questions and answers of GSM8K's training split, MIT-licensed, its notice in
+``assets/GSM8K-LICENSE``; ``scripts/make_tiny_qwen3_tokenizer.py`` trains it again), so the model
+needs nothing outside the package. ``tiny-qwen3:corpus=/data/my.jsonl`` (or
+``$ASYNCRL_TINY_QWEN3_CORPUS``) trains one on other text at build time instead, with ``vocab``
+tokens: a JSONL corpus contributes every string field of every record; any other file, its lines.
 
 Like ``tiny`` it is built once into ``<cache>/tiny-qwen3-<hash>`` (the hash covers the
-spec, the corpus's bytes and the recipe), atomically. Options:
-``tiny-qwen3:vocab=2048,layers=4,corpus=/data/my.jsonl``; ``tiny-qwen3:experts=4`` is the same
-model as a Qwen3-MoE (4 experts, top-2, of width ``moe_intermediate``).
+spec, the tokenizer's source bytes and the recipe), atomically. Options:
+``tiny-qwen3:layers=4``, ``tiny-qwen3:vocab=2048,corpus=/data/my.jsonl``; ``tiny-qwen3:experts=4``
+is the same model as a Qwen3-MoE (4 experts, top-2, of width ``moe_intermediate``).
 """
 
 from __future__ import annotations
@@ -71,11 +73,12 @@ CHATML_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
-DEFAULT_CORPUS = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
-"""GSM8K's training split in ``shared/`` beside the checkout (the project's data layout), found
-from this file rather than the working directory, so the model builds wherever a command runs."""
+SHIPPED_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tiny_qwen3_tokenizer.json"
+"""The tokenizer ``tiny-qwen3`` uses unless given a corpus: 4,096 BPE tokens trained on GSM8K's
+training split (``scripts/make_tiny_qwen3_tokenizer.py``)."""
+SHIPPED_VOCAB = 4096
 CORPUS_ENV = "ASYNCRL_TINY_QWEN3_CORPUS"
-_BUILD_FORMAT = 1  # bump when the recipe changes, so old cache entries are not reused
+_BUILD_FORMAT = 2  # bump when the recipe changes, so old cache entries are not reused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +95,8 @@ class TinyQwen3Spec:
     seed: int = 0
     max_positions: int = 2048
     corpus: str = ""
-    """Tokenizer training text; empty: ``$ASYNCRL_TINY_QWEN3_CORPUS`` or :data:`DEFAULT_CORPUS`."""
+    """Tokenizer training text; empty: ``$ASYNCRL_TINY_QWEN3_CORPUS``, else the shipped tokenizer
+    (:data:`SHIPPED_TOKENIZER`, ``vocab`` 4096)."""
     experts: int = 0
     """0: dense Qwen3; > 0: a Qwen3-MoE (``model_type: qwen3_moe``) with this many experts in every layer."""
     experts_per_tok: int = 2
@@ -140,15 +144,29 @@ def parse_spec(text: str) -> TinyQwen3Spec:
     return spec
 
 
-def corpus_path(spec: TinyQwen3Spec) -> Path:
-    path = Path(spec.corpus or os.environ.get(CORPUS_ENV) or DEFAULT_CORPUS).expanduser()
+def corpus_path(spec: TinyQwen3Spec) -> Optional[Path]:
+    """The text to train the tokenizer on (``corpus=``, else ``$ASYNCRL_TINY_QWEN3_CORPUS``), or None:
+    the shipped tokenizer, which has :data:`SHIPPED_VOCAB` tokens."""
+    given = spec.corpus or os.environ.get(CORPUS_ENV)
+    if not given:
+        if spec.vocab != SHIPPED_VOCAB:
+            raise ModelError(f"model.path {PREFIX}:vocab={spec.vocab}: the shipped tokenizer has {SHIPPED_VOCAB} tokens; "
+                             f"another size is trained at build time: add corpus=/path/to/text (a JSONL file or plain text)")
+        return None
+    path = Path(given).expanduser()
     if not path.is_file():
-        origin = "corpus=" if spec.corpus else CORPUS_ENV if os.environ.get(CORPUS_ENV) else "the default, beside the checkout"
+        origin = "corpus=" if spec.corpus else CORPUS_ENV
         raise ModelError(
-            f"model.path {PREFIX}: tokenizer corpus {path} not found (from {origin}); "
-            f"set {CORPUS_ENV} or give {PREFIX}:corpus=/path/to/text (a JSONL file or plain text)"
+            f"model.path {PREFIX}: tokenizer corpus {path} not found (from {origin}); give a JSONL file or plain "
+            f"text, or leave both unset for the shipped tokenizer"
         )
     return path
+
+
+def tokenizer_for(spec: TinyQwen3Spec) -> Any:
+    """The model's tokenizer: trained on the spec's corpus (a few seconds), else the shipped one."""
+    corpus = corpus_path(spec)
+    return build_tokenizer(spec, corpus) if corpus is not None else shipped_tokenizer(spec)
 
 
 def corpus_texts(path: Path) -> Iterator[str]:
@@ -167,19 +185,36 @@ def corpus_texts(path: Path) -> Iterator[str]:
                 yield line
 
 
-def build_tokenizer(spec: TinyQwen3Spec, path: Path) -> Any:
-    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on ``path`` (a few seconds)."""
+def train_bpe(vocab: int, path: Path) -> Any:
+    """A byte-level BPE ``tokenizers.Tokenizer`` of ``vocab`` tokens trained on ``path`` (a few seconds)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=spec.vocab, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        vocab_size=vocab, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: any text encodes
     )
     tok.train_from_iterator(corpus_texts(path), trainer)
+    return tok
+
+
+def build_tokenizer(spec: TinyQwen3Spec, path: Path) -> Any:
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on ``path`` (a few seconds)."""
+    return _with_chat_template(train_bpe(spec.vocab, path), spec)
+
+
+def shipped_tokenizer(spec: TinyQwen3Spec) -> Any:
+    """The shipped BPE (:data:`SHIPPED_TOKENIZER`) as a ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer
+
+    return _with_chat_template(Tokenizer.from_file(str(SHIPPED_TOKENIZER)), spec)
+
+
+def _with_chat_template(tok: Any, spec: TinyQwen3Spec) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=ENDOFTEXT,
@@ -215,14 +250,15 @@ def decoder_config(spec: TinyQwen3Spec, tokenizer: Any) -> DecoderConfig:
     ).replace(**moe)
 
 
-def dir_name(spec: TinyQwen3Spec, corpus: Path) -> str:
+def dir_name(spec: TinyQwen3Spec, corpus: Optional[Path]) -> str:
     import flax
     import jax
 
-    digest = hashlib.sha256(corpus.read_bytes()).hexdigest()
+    source = {"corpus": hashlib.sha256(corpus.read_bytes()).hexdigest()} if corpus is not None else {
+        "tokenizer": hashlib.sha256(SHIPPED_TOKENIZER.read_bytes()).hexdigest()}
     fields = {k: v for k, v in dataclasses.asdict(spec).items() if spec.experts or k not in _MOE_FIELDS}  # dense: keys as before
     key = json.dumps(
-        {"spec": fields | {"corpus": digest}, "template": CHATML_TEMPLATE, "special": SPECIAL_TOKENS,
+        {"spec": fields | source, "template": CHATML_TEMPLATE, "special": SPECIAL_TOKENS,
          "format": _BUILD_FORMAT, "jax": jax.__version__, "flax": flax.__version__},
         sort_keys=True,
     )
@@ -238,7 +274,7 @@ def ensure_tiny_qwen3(path: str = PREFIX, cache_dir: Optional[str | Path] = None
     corpus = corpus_path(spec)
 
     def build(target: Path) -> None:
-        tokenizer = build_tokenizer(spec, corpus)
+        tokenizer = build_tokenizer(spec, corpus) if corpus is not None else shipped_tokenizer(spec)
         model = init_decoder(decoder_config(spec, tokenizer), seed=spec.seed)
         export_hf(model, tokenizer, target, exist_ok=True)
 

@@ -376,6 +376,34 @@ def lower_publish(cfg: Config, model_cfg: Any, placement: Any, engine: EngineArg
     return group.program.lower([leaves[i] for i in group.indices]), what
 
 
+def lower_host_publish(cfg: Config, model_cfg: Any, placement: Any) -> tuple[Any, str]:
+    """The ``Lowered`` of the largest program of a publish to every host's engine (a multi-host
+    target: :func:`~asyncrl.engine.device_copy.host_publish_groups`, one collective over the
+    trainer's devices laying the weights out on each host's engine mesh, as process 0 of the run
+    builds it on its devices) and what it holds."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from asyncrl.cluster.mesh import build_mesh
+    from asyncrl.cluster.placement import engine_mesh
+    from asyncrl.engine.device_copy import host_publish_groups
+    from asyncrl.model.sharding import param_shardings
+    from asyncrl.model.transformer import Decoder, split_params
+
+    _, shapes = split_params(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))
+    trainer_mesh = build_mesh(cfg.mesh, devices=list(placement.trainer_devices))
+    leaves = jax.tree.leaves(_placed(shapes, param_shardings(model_cfg, shapes, trainer_mesh)))
+    targets = jax.tree.leaves(param_shardings(model_cfg, shapes, engine_mesh(placement)),
+                              is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    groups = host_publish_groups(leaves, targets, model_cfg.compute_dtype)
+    size = lambda group: sum(int(np.prod(leaves[i].shape)) * np.dtype(leaves[i].dtype).itemsize for i in group.indices)  # noqa: E731
+    group = max(groups, key=size)
+    what = (f"the largest of {len(groups)} collective layout programs onto every host's engine: {len(group.indices)} "
+            f"leaves, {size(group) / 2**20:.0f} MiB as trained")
+    return group.program.lower([leaves[i] for i in group.indices]), what
+
+
 def compiled_decode_chunk(cfg: Config, model_cfg: Any, layout: Any = None) -> CompiledMemory:
     """XLA's memory analysis of the engine's decode program (``decode_chunk``) for ``engine.slots`` x
     ``engine.kv_capacity``, on abstract arguments (the serving copy, the sampler of this machine's

@@ -19,6 +19,12 @@ placement, on its own mesh):
 * ``device_total``: the trainer's and the engine's resident state (their programs' arguments) and
   the larger transient, as one device holds them (``--program NAME``, repeatable: only those).
 
+On a multi-host target (``v6e-32``: 8 hosts of 4 chips) every host runs an engine of its own on its
+chips, so the engine's programs are compiled for one host's chips (a topology of that host alone,
+:func:`~asyncrl.plan.targets.host_devices`) and the publish is the collective that lays the
+trainer's weights out on every host's engine; where the compiler refuses a host's topology, one
+line says why, with the plan's per-host figure.
+
 Per program it prints XLA's per-device arguments, outputs, aliased and temporary bytes and the
 peak they add up to, the plan's estimate of the same program (:mod:`asyncrl.plan.formulas`),
 the verdict against the target's memory and the compile seconds here; for a GPU decode chunk the
@@ -46,6 +52,7 @@ from asyncrl.plan.compiled import (
     engine_args,
     lower_beam_search,
     lower_decode_chunk,
+    lower_host_publish,
     lower_prefill,
     lower_publish,
     lower_train_step,
@@ -65,6 +72,7 @@ from asyncrl.plan.targets import (
     check_plugin,
     device_memory_bytes,
     get_target,
+    host_devices,
     target_devices,
     target_env,
     target_topology,
@@ -187,7 +195,15 @@ def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_d
             yield done
         if not stage.engine:
             continue
-        engine = engine_args(flat, model_cfg, placement, target.platform)
+        if hosts == 1:
+            engine = engine_args(flat, model_cfg, placement, target.platform)
+        else:  # each host's engine, compiled for that host's chips alone
+            try:
+                engine = engine_args(flat, model_cfg, _one_host(placement, found, host_devices(target, devices, hosts)),
+                                     target.platform)
+            except Exception as err:  # noqa: BLE001 - the compiler's refusal, in one line with the plan's figure
+                yield _refused(stage.stage.name, target, devices, memory, plan, flat, model_cfg, err)
+                continue
         buckets = sorted(b for b in set(flat.engine.prefill_buckets) if b <= flat.engine.kv_capacity)
         if wanted("prefill"):
             for bucket in buckets:
@@ -209,7 +225,10 @@ def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_d
             lowered = _lower("beam_search", target, lower_beam_search, flat, engine, bucket)
             yield report("beam_search", f"width {flat.eval.decoding.beam_width}, prompt bucket {bucket}", lowered,
                          plan_bytes_for("beam_search", plan, flat, model_cfg, capacity))
-        publish = lower_publish(flat, model_cfg, placement, engine) if wanted("publish") else None
+        publish = None
+        if wanted("publish"):
+            publish = (lower_publish(flat, model_cfg, placement, engine) if hosts == 1
+                       else _lower("publish", target, lower_host_publish, flat, model_cfg, placement))
         if publish is not None:
             lowered, what = publish
             done = report("publish", what, lowered, None)
@@ -219,6 +238,30 @@ def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_d
                                                                   "GB/s" if seconds is not None else ""))
         if "trainer" in compiled and "engine" in compiled:
             yield _device_total(stage.stage.name, target, devices, memory, plan, compiled)
+
+
+def _one_host(placement: Any, found: Sequence[Any], host: Sequence[Any]) -> Any:
+    """``placement`` (process 0's, on the whole target) with its engine on ``host``: one host's
+    compile-only devices, the engine's devices at the same places among them as among process 0's."""
+    local = [d for d in found if d.process_index == 0]
+    engine = tuple(host[local.index(d)] for d in placement.engine_devices)
+    return dataclasses.replace(placement, trainer_devices=tuple(host), engine_devices=engine, shares_trainer_arrays=False)
+
+
+def _refused(stage: str, target: Target, devices: int, memory: int, plan: MemoryPlan, cfg: Config, model_cfg: Any,
+             err: BaseException) -> ProgramReport:
+    """The one row of a stage whose per-host engine the compiler refuses: why, and the plan's per-host
+    figure of the engine (its resident state and its decode temporaries, per chip)."""
+    first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)[:200]
+    figure = plan_bytes_for("decode_chunk", plan, cfg, model_cfg) or 0
+    what = (f"the engine programs of one host ({devices // plan.layout.processes} chips) are not compiled: "
+            f"{_plugin_name(target)} refuses that compile-only topology ({type(err).__name__}: {first}); the plan's "
+            f"per-host figure: {figure / GIB:.2f} GiB per chip for the engine")
+    return ProgramReport("engine", stage, what, target.name, devices, CompiledMemory(0, 0, 0, 0), figure, 0.0, memory)
+
+
+def _plugin_name(target: Target) -> str:
+    return "libtpu" if target.platform == "tpu" else "the CUDA plugin" if target.platform == "gpu" else "XLA"
 
 
 def _device_total(stage: str, target: Target, devices: int, memory: int, plan: MemoryPlan, compiled: dict[str, Any]) -> ProgramReport:

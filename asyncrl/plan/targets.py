@@ -21,7 +21,8 @@ Entry points:
   slice's chips and hosts; cpu: one host).
 * :func:`target_devices`: the compile-only devices (GPU topology ``1x1xN`` for N GPUs of one
   host, ``Hx1xN/H`` over H hosts; TPU from the topology name; cpu: this process's CPU devices),
-  with one-line errors for a topology the installed plugin does not know.
+  with one-line errors for a topology the installed plugin does not know; :func:`host_devices`
+  those of one host of a multi-host target (where each host's engine programs compile).
 * :func:`gpu_target_config`: the description text of a GPU target: where a GPU of that model is
   attached, the one JAX reports for it (``get_topology_for_devices(...).target_config``),
   else the shipped file.
@@ -278,6 +279,20 @@ def target_devices(target: Target, devices: int, hosts: int = 1) -> list[Any]:
     if len(found) != devices:
         raise ConfigError(f"--target {target.name}: topology {name!r} gave {len(found)} devices, not {devices}")
     return sorted(found, key=lambda d: (d.process_index, d.id))
+
+
+def host_devices(target: Target, devices: int, hosts: int) -> list[Any]:
+    """The compile-only devices of one host of a multi-host ``target``: a topology of that host's
+    chips alone (TPUs: ``chips_per_host_bounds``, ``v6e:2x2`` for one host of ``v6e-32``; GPUs:
+    ``1x1xN`` for its N GPUs). Every host runs an engine of its own with no collective across
+    hosts, so its programs are compiled there; libtpu compiles no program for a part of a larger
+    compile-only slice. One-line ConfigErrors as :func:`target_devices`."""
+    per_host = devices // hosts
+    if target.platform != "tpu":
+        return target_devices(target, per_host, 1)
+    family, shape = str(target.topology).split(":")
+    bounds = "x".join(str(b) for b in target.chips_per_host_bounds[: len(shape.split("x"))])
+    return target_devices(dataclasses.replace(target, topology=f"{family}:{bounds}", chips=per_host, hosts=1), per_host, 1)
 
 
 def _plugin_version(platform: str) -> str:

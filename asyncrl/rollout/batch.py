@@ -100,20 +100,23 @@ def drop_reason(group: TrajectoryGroup, version: int, cfg: Config) -> Optional[s
 
 
 def select_groups(
-    groups: Sequence[TrajectoryGroup], version: int, cfg: Config, *, filter_budget: Optional[int] = None
+    groups: Sequence[TrajectoryGroup], version: int, cfg: Config, *, filter_budget: Optional[int] = None,
+    batch_size: Optional[int] = None,
 ) -> tuple[list[int], list[tuple[int, str]]]:
     """The walk of :func:`prepare_batch`: ``(kept indices, [(dropped index, reason)])``.
 
-    Stops once ``B`` groups are kept (fewer when ``groups`` runs out). ``filter_budget``: how
-    many zero-variance drops are still allowed this step (default ``rollout.max_filtered_per_step``).
+    Stops once ``batch_size`` (default ``B``) groups are kept (fewer when ``groups`` runs out).
+    ``filter_budget``: how many zero-variance drops are still allowed this step (default
+    ``rollout.max_filtered_per_step``).
     """
     rollout = cfg.rollout
+    size = rollout.batch_size if batch_size is None else batch_size
     budget = rollout.resolved_max_filtered_per_step if filter_budget is None else filter_budget
     kept: list[int] = []
     dropped: list[tuple[int, str]] = []
     filtered = 0
     for index, group in enumerate(groups):
-        if len(kept) == rollout.batch_size:
+        if len(kept) == size:
             break
         reason = drop_reason(group, version, cfg)
         if reason is None and rollout.filter_zero_variance and group.zero_variance:
@@ -137,6 +140,7 @@ def prepare_batch(
     *,
     row_multiple: int = 1,
     filter_budget: Optional[int] = None,
+    batch_size: Optional[int] = None,
 ) -> tuple[TrainBatch, list[tuple[TrajectoryGroup, str]]]:
     """Build the TrainBatch for the trainer step starting from ``version``.
 
@@ -147,16 +151,18 @@ def prepare_batch(
         row_multiple: rows are padded up to a multiple of this (the trainer's data x fsdp
             shards x micro-batches x mini-batches).
         filter_budget: zero-variance drops still allowed this step (default: the configured budget).
+        batch_size: groups to keep (default ``rollout.batch_size``; a process's share of it in a
+            multi-process run).
 
     Returns ``(batch, dropped)`` with ``dropped`` the ``(group, reason)`` pairs in walk order.
     Raises ``ValueError`` when fewer than ``B`` groups survive, and
     :class:`~asyncrl.errors.TrajectorySchemaError` on a temperature mismatch or a broken rule.
     """
-    rollout = cfg.rollout
-    kept, dropped_idx = select_groups(groups, version, cfg, filter_budget=filter_budget)
-    if len(kept) < rollout.batch_size:
+    size = cfg.rollout.batch_size if batch_size is None else batch_size
+    kept, dropped_idx = select_groups(groups, version, cfg, filter_budget=filter_budget, batch_size=size)
+    if len(kept) < size:
         raise ValueError(
-            f"prepare_batch: only {len(kept)} of rollout.batch_size = {rollout.batch_size} groups survive the filters "
+            f"prepare_batch: only {len(kept)} of rollout.batch_size = {size} groups survive the filters "
             f"({len(groups)} given, {len(dropped_idx)} dropped)"
         )
     chosen = [groups[i] for i in kept]

@@ -52,7 +52,7 @@ from asyncrl.data import sample_at
 from asyncrl.engine.protocol import InferenceEngine
 from asyncrl.errors import EngineCrashed, RolloutError, TrajectorySchemaError
 from asyncrl.rollout.batch import BatchAbandoned, PreparedBatch, prepare_batch, select_groups
-from asyncrl.rollout.ledger import QUEUED, StalenessLedger
+from asyncrl.rollout.ledger import QUEUED, SampleShare, StalenessLedger
 from asyncrl.rollout.queue import QueueClosed, SimpleDataQueue
 from asyncrl.rollout.rewards import RewardFailuresExceeded
 from asyncrl.rollout.trajectory import TrainBatch, TrajectoryGroup, check_group
@@ -75,6 +75,7 @@ class _Episode:
     sample_id: int
     started: float
     deadline: float
+    worker: Optional[threading.Thread] = None  # the pool worker running it (an abandoned one leaves the pool)
 
 
 class WorkflowExecutor:
@@ -88,6 +89,8 @@ class WorkflowExecutor:
         cfg: the run config (``rollout.*``, ``data.*``).
         version: the version served at start (default: ``engine.version``; ``k`` on resume).
         row_multiple: batch rows are padded to a multiple of this (the trainer's sharding).
+        share: the sample ids it draws and the groups of each step it makes (a process's share
+            in a multi-process run, :func:`~asyncrl.rollout.ledger.process_share`); default all.
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class WorkflowExecutor:
         *,
         version: Optional[int] = None,
         row_multiple: int = 1,
+        share: Optional[SampleShare] = None,
     ):
         if len(dataset) == 0:
             raise RolloutError("WorkflowExecutor: the dataset is empty")
@@ -108,9 +112,8 @@ class WorkflowExecutor:
         self.cfg = cfg
         self.row_multiple = row_multiple
         rollout = cfg.rollout
-        self.ledger = StalenessLedger(
-            rollout.batch_size, rollout.max_staleness, rollout.max_concurrent, engine.version if version is None else version
-        )
+        self.ledger = StalenessLedger(share.count if share is not None else rollout.batch_size, rollout.max_staleness,
+                                      rollout.max_concurrent, engine.version if version is None else version, share)
         self._queue: SimpleDataQueue = SimpleDataQueue(rollout.queue_capacity)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -123,6 +126,7 @@ class WorkflowExecutor:
         self._work = threading.Condition(self._lock)
         """Wakes idle workers: an episode was admitted, or ``close()``."""
         self._workers_started = 0
+        self.workers: list[threading.Thread] = []  # the live pool (the run joins it when it ends)
         self._recent_latencies: collections.deque = collections.deque(maxlen=512)
         self._fatal: Optional[BaseException] = None
         self._consecutive_failures = 0
@@ -207,7 +211,7 @@ class WorkflowExecutor:
                         if episode in self._pending:  # no worker took it yet: the pool is intact
                             self._pending.remove(episode)
                         else:  # its worker is stuck in the episode: abandoned, one replacement keeps the pool size
-                            self._start_worker()
+                            self._start_worker(replacing=episode.worker)
                         self._record_failure(
                             episode, "timeout",
                             f"episode ran past rollout.episode_timeout_s = {self.cfg.rollout.episode_timeout_s} s; worker thread abandoned",
@@ -228,10 +232,11 @@ class WorkflowExecutor:
         self._pending.append(episode)
         self._work.notify()
 
-    def _start_worker(self) -> None:
-        """Start one pool worker (lock held)."""
+    def _start_worker(self, replacing: Optional[threading.Thread] = None) -> None:
+        """Start one pool worker (lock held), in place of ``replacing`` (abandoned: nobody waits for it)."""
         self._workers_started += 1
         worker = threading.Thread(target=self._worker_loop, name=f"asyncrl-rollout-worker-{self._workers_started}", daemon=True)
+        self.workers = [w for w in self.workers if w.is_alive() and w is not replacing] + [worker]
         worker.start()
 
     # ------------------------------------------------------------------ episodes
@@ -246,6 +251,7 @@ class WorkflowExecutor:
                     if self._stopping.is_set():
                         return
                     episode = self._pending.popleft()
+                    episode.worker = threading.current_thread()
                 if not self._run_episode(episode):
                     return
         except BaseException as err:  # noqa: BLE001 - a worker's own bug must reach the trainer
@@ -407,6 +413,7 @@ class WorkflowExecutor:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         rollout = self.cfg.rollout
+        size = self.ledger.batch_size
         budget = rollout.resolved_max_filtered_per_step
         filtered = 0
         dropped_now: collections.Counter = collections.Counter()
@@ -422,7 +429,7 @@ class WorkflowExecutor:
                     self._ready[ticket] = group
                 tickets = self.ledger.candidates(rollout.batch_order)
                 groups = [self._ready[t] for t in tickets]
-                kept, dropped = select_groups(groups, version, self.cfg, filter_budget=budget - filtered)
+                kept, dropped = select_groups(groups, version, self.cfg, filter_budget=budget - filtered, batch_size=size)
                 if kept:
                     self._drops_in_a_row = 0
                 for index, reason in dropped:
@@ -437,11 +444,11 @@ class WorkflowExecutor:
                         self._note_drop(reason, self._drops_in_a_row, sample_id)
                 if dropped:
                     self._wake.notify_all()
-                if len(kept) == rollout.batch_size:
+                if len(kept) == size:
                     chosen = [tickets[i] for i in kept]
                     batch, more = prepare_batch(
                         [self._ready[t] for t in chosen], version, self.cfg,
-                        row_multiple=self.row_multiple, filter_budget=budget - filtered,
+                        row_multiple=self.row_multiple, filter_budget=budget - filtered, batch_size=size,
                     )
                     assert not more, "prepare_batch dropped a group select_groups kept"
                     sample_ids = tuple(self.ledger.sample_id(t) for t in chosen)
@@ -454,13 +461,13 @@ class WorkflowExecutor:
                     raise RolloutError("next_batch: the executor was closed")
                 if abandon_if is not None and abandon_if():
                     raise BatchAbandoned(
-                        f"next_batch abandoned with {len(kept)} of {rollout.batch_size} groups ready; nothing consumed"
+                        f"next_batch abandoned with {len(kept)} of {size} groups ready; nothing consumed"
                     )
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     blocking = self.ledger.in_flight_tickets()[:1]
                     raise RolloutError(
-                        f"next_batch timed out after {timeout} s with {len(kept)} of {rollout.batch_size} groups ready "
+                        f"next_batch timed out after {timeout} s with {len(kept)} of {size} groups ready "
                         f"(batch_order {rollout.batch_order}, oldest in-flight ticket {blocking or 'none'}); "
                         f"counts: {self.ledger.counts()}"
                     )
@@ -546,14 +553,11 @@ class WorkflowExecutor:
             mine = {name[len(prefix):]: array for name, array in arrays.items() if name.startswith(prefix)}
             ready[int(key)] = TrajectoryGroup.unpack(gmeta, mine, where=f"rollout state, queued group {key}")
         if int(meta["ledger"]["version"]) != self.engine.version:
-            raise RolloutError(
-                f"rollout state is at version {meta['ledger']['version']} but the engine serves {self.engine.version}: "
-                "start the engine at the checkpoint's version"
-            )
+            raise RolloutError(f"rollout state is at version {meta['ledger']['version']} but the engine serves "
+                               f"{self.engine.version}: start the engine at the checkpoint's version")
         with self._lock:
             self.ledger.load_snapshot(meta["ledger"])
-            missing = [t for t in self.ledger.candidates("completion") if t not in ready]
-            if missing:
+            if missing := [t for t in self.ledger.candidates("completion") if t not in ready]:
                 raise RolloutError(f"rollout state: queued tickets {missing} have no stored group")
             self._ready = ready
 

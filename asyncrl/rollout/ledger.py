@@ -15,6 +15,14 @@ Counts are in groups (1 group = 1 prompt = 1 episode). With ``B`` groups per tra
 * after :meth:`load_snapshot`, episodes that were in flight are ``reissued``: :meth:`admit`
   hands them out first, with their original ticket and sample id (hence the same seeds).
 
+Which sample ids a ledger draws is its :class:`SampleShare`: all of them in a one-process run
+(sample id ``j`` is draw ``j``); in a run of several processes, where every process has a
+ledger of its own with ``B_p`` of the ``B`` groups of each step, process ``p``'s ``j``-th draw is
+the ``j % B_p``-th id of its block of round ``j // B_p`` (a round is ``B`` consecutive ids, the
+blocks in process order), so that with nothing dropped the processes together draw step ``k``'s
+ids ``[k·B, (k+1)·B)``, as one process would. :func:`~asyncrl.rollout.redistribute.redistribute` turns the
+snapshots of one process count into those of another, losing and repeating no sample.
+
 Every sample id ever drawn is in exactly one category of :meth:`counts`.
 """
 
@@ -25,6 +33,44 @@ from collections import Counter
 from typing import Any, Literal, Optional
 
 IN_FLIGHT, QUEUED = "in_flight", "queued"
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleShare:
+    """The sample ids one ledger draws (module docstring): draw ``j`` is
+    ``base + (j // count) * round_size + offset + j % count``."""
+
+    base: int = 0
+    """The first id of round 0."""
+    round_size: int = 1
+    """Ids per round: ``rollout.batch_size`` (``B``)."""
+    offset: int = 0
+    """Where this ledger's block starts in each round (the shares of the processes before it)."""
+    count: int = 1
+    """Ids of each round this ledger draws (its share ``B_p`` of the batch)."""
+
+    def sample_id(self, draw: int) -> int:
+        rounds, position = divmod(draw, self.count)
+        return self.base + rounds * self.round_size + self.offset + position
+
+    @property
+    def whole(self) -> bool:
+        """Every id: ``sample_id(j) == base + j`` (one process)."""
+        return self.offset == 0 and self.count == self.round_size
+
+
+def batch_shares(batch_size: int, processes: int) -> list[int]:
+    """Groups per step of each process: ``B // P``, one more for the first ``B % P`` processes."""
+    if processes < 1 or batch_size < processes:
+        raise ValueError(f"rollout.batch_size = {batch_size} is smaller than the {processes} processes of the run: every "
+                         f"process generates and trains its share of each batch; use rollout.batch_size >= {processes}")
+    return [batch_size // processes + (p < batch_size % processes) for p in range(processes)]
+
+
+def process_share(batch_size: int, process: int, processes: int, base: int = 0) -> SampleShare:
+    """Process ``process``'s :class:`SampleShare` of a run of ``processes`` with ``batch_size`` groups per step."""
+    shares = batch_shares(batch_size, processes)
+    return SampleShare(base, batch_size, sum(shares[:process]), shares[process])
 
 
 @dataclasses.dataclass
@@ -39,15 +85,23 @@ class _Entry:
 class StalenessLedger:
     """Admission and accounting of episodes; see the module docstring for the rules."""
 
-    def __init__(self, batch_size: int, max_staleness: int, max_concurrent: int, version: int = 0):
+    def __init__(self, batch_size: int, max_staleness: int, max_concurrent: int, version: int = 0,
+                 share: Optional[SampleShare] = None):
         if batch_size < 1 or max_staleness < 0 or max_concurrent < 1 or version < 0:
             raise ValueError("StalenessLedger: need batch_size >= 1, max_staleness >= 0, max_concurrent >= 1, version >= 0")
         self.batch_size = batch_size
+        """Groups per trainer step this ledger admits and hands over (a process's share in a multi-process run)."""
+        self.share = share if share is not None else SampleShare(0, batch_size, 0, batch_size)
+        if self.share.count != batch_size:
+            raise ValueError(f"StalenessLedger: a share of {self.share.count} ids per round for batch_size {batch_size}")
         self.max_staleness = max_staleness
         self.max_concurrent = max_concurrent
         self.version = version
         self.next_ticket = 0
         self.next_sample_id = 0
+        """Draws made from :attr:`share` (one process: the next sample id)."""
+        self.fresh: list[int] = []
+        """Ids never drawn that a redistribution handed this ledger: drawn first (after reissues)."""
         # Groups consumed by the trainer so far, the step in progress included. Starting at
         # version k means k steps of B groups were trained: without this, a run resumed (or
         # started) at k would admit k·B extra groups and train them with lag > η.
@@ -115,7 +169,7 @@ class StalenessLedger:
 
     def counts(self) -> dict[str, int]:
         """Samples per accounting category; they sum to the number of samples drawn."""
-        out = {"in_flight": self.in_flight, "queued": self.queued, "reissued": len(self._reissue)}
+        out: dict[str, int] = {"in_flight": self.in_flight, "queued": self.queued, "reissued": len(self._reissue)}
         out.update(self._terminal)
         out.setdefault("trained", 0)
         out.setdefault("dropped:stale", 0)
@@ -132,9 +186,13 @@ class StalenessLedger:
             ticket, sample_id, admit_version = self._reissue.pop(0)
             self._entries[ticket] = _Entry(sample_id, IN_FLIGHT, admit_version)
             return ticket, sample_id
-        ticket, sample_id = self.next_ticket, self.next_sample_id
+        ticket = self.next_ticket
+        if self.fresh:
+            sample_id = self.fresh.pop(0)
+        else:
+            sample_id = self.share.sample_id(self.next_sample_id)
+            self.next_sample_id += 1
         self.next_ticket += 1
-        self.next_sample_id += 1
         self._entries[ticket] = _Entry(sample_id, IN_FLIGHT, self.version)
         return ticket, sample_id
 
@@ -200,16 +258,31 @@ class StalenessLedger:
             "reissue": [list(r) for r in self._reissue],
             "terminal": dict(sorted(self._terminal.items())),
             "reissued_total": self.reissued_total,
+            "share": dataclasses.asdict(self.share),
+            "fresh": list(self.fresh),
         }
 
     def load_snapshot(self, snap: dict[str, Any]) -> None:
         """Continue from ``snap``; its in-flight episodes become ``reissued`` (admitted first).
 
-        Batch size, staleness bound and concurrency stay this ledger's own (a resume may change them).
+        Batch size, staleness bound and concurrency stay this ledger's own (a resume may change
+        them); the draws continue the snapshot's share where it covers every id (one process),
+        or where this ledger draws the same share of the same batch size. Another share is a
+        :func:`~asyncrl.rollout.redistribute.redistribute` first (the loop does that when the
+        process count or batch size changed).
         """
         self.version = int(snap["version"])
         self.next_ticket = int(snap["next_ticket"])
-        self.next_sample_id = int(snap["next_sample_id"])
+        share = SampleShare(**snap["share"]) if snap.get("share") else None
+        draws = int(snap["next_sample_id"])
+        if (share is None or share.whole) and self.share.whole:  # base + j, whatever the batch size
+            base = share.base if share is not None else 0
+            self.share, self.next_sample_id = SampleShare(base, self.batch_size, 0, self.batch_size), draws
+        elif share is not None and share == dataclasses.replace(self.share, base=share.base):
+            self.share, self.next_sample_id = share, draws
+        else:
+            raise ValueError(f"load_snapshot: the snapshot draws {share}, this ledger {self.share}; redistribute() it first")
+        self.fresh = [int(i) for i in snap.get("fresh", [])]
         # Re-base ``consumed`` on this ledger's batch size (a resume may change it): v·B, plus
         # one batch if a step was in progress when the snapshot was taken.
         in_progress = int(snap["consumed"]) > self.version * int(snap["batch_size"])
@@ -225,3 +298,4 @@ class StalenessLedger:
                 self._entries[int(ticket)] = _Entry(int(sample_id), state, int(admit_version), int(min_version), int(done_seq))
         self._reissue = sorted(reissue)
         self.reissued_total = int(snap["reissued_total"]) + sum(1 for e in snap["entries"] if e[2] == IN_FLIGHT)
+

@@ -166,16 +166,27 @@ def resolve_auto_tensor_parallel(cfg: Config, model_cfg: Any = None) -> Config:
 
 
 def round_slots_to_replicas(cfg: Config, replicas: int) -> Config:
-    """``cfg`` with ``engine.slots`` moved to the nearest multiple of the engine's ``replicas``
+    """``cfg`` with ``engine.slots`` rounded up to a multiple of the engine's ``replicas``
     (:func:`~asyncrl.cluster.placement.slots_for_replicas`; each replica decodes an equal share),
-    said in one line when it changes; ``cfg`` itself otherwise."""
+    said in one line when it changes, then checked against what must decode together (a group's
+    samples, a beam): a :class:`~asyncrl.errors.ConfigError` at start, never a refused request later."""
     from asyncrl.cluster.placement import slots_for_replicas
+    from asyncrl.errors import ConfigError
 
     slots = cfg.engine.slots
-    if not isinstance(slots, int) or slots % replicas == 0:
+    if not isinstance(slots, int):
         return cfg
     rounded = slots_for_replicas(slots, replicas)
-    log.info("engine.slots: %d -> %d (a multiple of the engine's %d replicas: each decodes an equal share)", slots,
-             rounded, replicas)
-    return with_slots(cfg, rounded)
+    if rounded != slots:
+        log.info("engine.slots: %d -> %d (rounded up to a multiple of the engine's %d replicas: each decodes an equal "
+                 "share)", slots, rounded, replicas)
+        cfg = with_slots(cfg, rounded)
+    together = {"rollout.group_size": cfg.rollout.group_size}
+    if cfg.eval.decoding.strategy == "beam":
+        together["eval.decoding.beam_width"] = cfg.eval.decoding.beam_width
+    too_many = [f"{name} ({value})" for name, value in together.items() if value > rounded]
+    if too_many:
+        raise ConfigError([f"engine.slots: {rounded} on the engine's {replicas} replicas is fewer than {too_many[0]}, "
+                           "whose samples decode together; raise engine.slots"])
+    return cfg
 

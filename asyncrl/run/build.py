@@ -162,6 +162,22 @@ def build_engine(cfg: Config, loaded: Any, graphdef: Any, params: Any, *, versio
     return engine
 
 
+def remote_share(cfg: Config, index: int, count: int) -> Config:
+    """``cfg`` with ``engine.remote.urls`` cut to the servers process ``index`` of ``count`` drives
+    (server ``i`` to process ``i % count``; one process: all of them): every process of a
+    multi-process run generates its share of the prompts on servers of its own."""
+    remote = cfg.engine.remote
+    if remote is None or count == 1:
+        return cfg
+    if len(remote.urls) < count:
+        from asyncrl.errors import ConfigError
+
+        raise ConfigError(f"engine.remote.urls: {len(remote.urls)} server(s) for {count} processes; every process "
+                          f"generates on servers of its own (server i goes to process i % {count}): give at least {count}")
+    engine = cfg.engine.model_copy(update={"remote": remote.model_copy(update={"urls": remote.urls[index::count]})})
+    return cfg.model_copy(update={"engine": engine})
+
+
 def weights_writer(cfg: Config, loaded: Any, out: Path) -> Any:
     """The :class:`~asyncrl.engine.publish.WeightsWriter` of an ``engine.remote`` run: into
     ``engine.remote.weights_dir`` (default ``<out>/weights``), in ``engine.remote.dtype``."""

@@ -311,13 +311,36 @@ def evaluate_workflow(engine: InferenceEngine, workflow: Any, samples: Sequence[
              eval_metrics: Optional[Mapping[str, Callable[..., float]]] = None) -> EvalResult:
     """Run the workflow's episodes on the eval samples: greedily (reward, accuracy, components,
     ``eval_metrics``) and, with ``eval.n_samples``, sampled (pass@k)."""
-    from asyncrl.run.build import episode_metric_means
+    return combine_eval_parts([evaluate_part(engine, workflow, samples, cfg, eval_metrics, rows=True)], workflow)
 
-    _check_workflow(workflow)
-    ev = cfg.eval
-    samples = list(samples)[: ev.max_prompts or None]
+
+def eval_samples(samples: Sequence[Mapping[str, Any]], cfg: Config) -> list[Mapping[str, Any]]:
+    """The eval samples an eval runs: the first ``eval.max_prompts`` (all when 0); none is an error."""
+    samples = list(samples)[: cfg.eval.max_prompts or None]
     if not samples:
         raise EvalError("eval: the eval split is empty (raise the dataset's eval_size, or set eval.every_steps: 0)")
+    return samples
+
+
+def share_of(count: int, process: int, processes: int) -> range:
+    """The eval samples process ``process`` of ``processes`` runs: a contiguous block, the blocks in
+    process order and as equal as they can be (so the combined order is the one-process order)."""
+    return range(count * process // processes, count * (process + 1) // processes)
+
+
+def evaluate_part(engine: InferenceEngine, workflow: Any, samples: Sequence[Mapping[str, Any]], cfg: Config,
+                  eval_metrics: Optional[Mapping[str, Callable[..., float]]] = None, *, share: tuple[int, int] = (0, 1),
+                  rows: bool = False) -> dict[str, Any]:
+    """One process's part of an eval (``share``: ``(process, processes)``; its block of the eval
+    samples, :func:`share_of`): per kept prompt its greedy reward, components, episode and task
+    metrics (``rows``: also its texts), the skipped prompts, pass@k's correct counts, the engine
+    work, as JSON-able data that :func:`combine_eval_parts` turns into the eval's metrics. Every
+    sample keeps its sample id (``EVAL_SAMPLE_ID_BASE`` + its index among all eval samples), so
+    its seeds do not depend on the process count."""
+    _check_workflow(workflow)
+    ev = cfg.eval
+    every = eval_samples(samples, cfg)
+    block = share_of(len(every), *share)
     version = engine.version
     start = time.perf_counter()
     decoding = ev.decoding
@@ -332,93 +355,112 @@ def evaluate_workflow(engine: InferenceEngine, workflow: Any, samples: Sequence[
     sampling = EvalEngine(engine, greedy=False, temperature=ev.temperature or cfg.rollout.temperature,
                           max_new_tokens=ev.max_new_tokens, timeout_s=ev.timeout_s, constraint=constraint)
     repeats = math.ceil(ev.n_samples / cfg.rollout.group_size) if ev.n_samples else 0
-    n = len(samples)
+    n = len(every)
 
     def job(eval_engine: EvalEngine, index: int, sample_id: int) -> Callable[[], Any]:
-        return lambda: workflow.run_episode(eval_engine, {**samples[index], "sample_id": sample_id})
+        return lambda: workflow.run_episode(eval_engine, {**every[index], "sample_id": sample_id})
 
-    jobs = [job(greedy, i, EVAL_SAMPLE_ID_BASE + i) for i in range(n)]
-    jobs += [job(sampling, i, EVAL_SAMPLE_ID_BASE + (r + 1) * n + i) for r in range(repeats) for i in range(n)]
-    outcomes = _run_concurrently(jobs, min(len(jobs), _MAX_EVAL_THREADS), cfg.rollout.episode_timeout_s)
+    jobs = [job(greedy, i, EVAL_SAMPLE_ID_BASE + i) for i in block]
+    jobs += [job(sampling, i, EVAL_SAMPLE_ID_BASE + (r + 1) * n + i) for r in range(repeats) for i in block]
+    outcomes = _run_concurrently(jobs, min(len(jobs), _MAX_EVAL_THREADS), cfg.rollout.episode_timeout_s) if jobs else []
 
-    rows, greedy_trajs, kept = [], [], []
+    prompts: list[dict[str, Any]] = []
     skips: dict[str, list[str]] = {}  # reason -> details, for the error when nothing is left
-    for index in range(n):
-        group = _episode_group(outcomes[index], workflow, index)
+    mine = len(block)
+    for position, index in enumerate(block):
+        group = _episode_group(outcomes[position], workflow, index)
         if group is None:
-            reason, detail = _skip_reason(outcomes[index])
+            reason, detail = _skip_reason(outcomes[position])
             skips.setdefault(reason, []).append(detail)
             continue
         traj = group.trajectories[0]
         served = traj.versions[traj.versions >= 0]
         if np.any(served != version):
             raise EvalError(f"eval: weights changed during eval (served version {version}, got {sorted(set(served.tolist()))})")
-        prompt, completion = _texts(workflow, samples[index], group)
-        rows.append({"prompt": prompt, "completion": completion, "reward": traj.reward,
-                     **{f"reward/{k}": v for k, v in traj.reward_components.items()}})
-        greedy_trajs.append(traj)
-        kept.append(index)
-    if not rows:
-        raise EvalError(f"eval: workflow '{type(workflow).__name__}' skipped every one of the {n} eval samples: "
-                        + _describe_skips(skips))
-    metrics = _greedy_metrics(rows, greedy_trajs, ev.success_threshold)
-    metrics.update({f"eval/episode/{k}": v for k, v in episode_metric_means(greedy_trajs).items()})
-    metrics.update(_task_metrics(eval_metrics or {}, rows, [samples[i] for i in kept]))
-    metrics.update({"eval/n_prompts": float(len(rows)), "eval/skipped": float(n - len(rows)),
-                    "eval/aborted": float(sum(t.stop_reason == "aborted" for t in greedy_trajs)),
-                    "eval/version": float(version)})
-    if repeats:
-        metrics.update(_pass_at_k_metrics(outcomes[n:], workflow, n, ev.n_samples, ev.success_threshold))
+        prompt, completion = _texts(workflow, every[index], group)
+        record: dict[str, Any] = {
+            "reward": float(traj.reward), "components": {k: float(v) for k, v in traj.reward_components.items()},
+            "episode": {k: float(v) for k, v in (traj.metadata or {}).get("episode_metrics", {}).items()},
+            "task": _task_values(eval_metrics or {}, prompt, completion, every[index]),
+            "aborted": traj.stop_reason == "aborted",
+        }
+        if rows:
+            record["row"] = {"prompt": prompt, "completion": completion, "reward": traj.reward,
+                             **{f"reward/{k}": v for k, v in traj.reward_components.items()}}
+        prompts.append(record)
+    correct = [_correct_count([outcomes[mine * (r + 1) + position] for r in range(repeats)], workflow, index,
+                              ev.n_samples, ev.success_threshold) for position, index in enumerate(block)] if repeats else []
     if engine.version != version:
         raise EvalError(f"eval: weights were published during eval (version {version} -> {engine.version})")
-    metrics["eval/time_s"] = time.perf_counter() - start
     usage = {name: greedy.usage.get(name, 0.0) + sampling.usage.get(name, 0.0)
              for name in {*greedy.usage, *sampling.usage}}
-    return EvalResult(metrics=metrics, rows=rows, engine_usage=usage)
+    return {"n": mine, "prompts": prompts, "skips": skips, "correct": correct, "version": version, "usage": usage,
+            "n_samples": ev.n_samples if repeats else 0, "threshold": ev.success_threshold,
+            "time_s": time.perf_counter() - start}
 
 
-def _greedy_metrics(rows: list[dict], trajs: list, threshold: float) -> dict[str, float]:
-    rewards = np.asarray([row["reward"] for row in rows], dtype=np.float64)
+def combine_eval_parts(parts: Sequence[Mapping[str, Any]], workflow: Any) -> EvalResult:
+    """The eval's :class:`EvalResult` from every process's :func:`evaluate_part`, in process order
+    (the means run over the prompts in the one-process order, so one process and several give the
+    same figures)."""
+    prompts = [record for part in parts for record in part["prompts"]]
+    n = sum(int(part["n"]) for part in parts)
+    if not prompts:
+        skips: dict[str, list[str]] = {}
+        for part in parts:
+            for reason, details in part["skips"].items():
+                skips.setdefault(reason, []).extend(details)
+        raise EvalError(f"eval: workflow '{type(workflow).__name__}' skipped every one of the {n} eval samples: "
+                        + _describe_skips(skips))
+    threshold = float(parts[0]["threshold"])
+    rewards = np.asarray([r["reward"] for r in prompts], dtype=np.float64)
     metrics = {"eval/reward": float(rewards.mean()), "eval/accuracy": float((rewards >= threshold).mean())}
-    components: dict[str, list[float]] = {}
-    for traj in trajs:
-        for name, value in traj.reward_components.items():
-            components.setdefault(name, []).append(value)
-    metrics.update({f"eval/reward/{name}": float(np.mean(values)) for name, values in components.items()})
-    return metrics
+    for prefix, field in (("eval/reward/", "components"), ("eval/episode/", "episode"), ("eval/", "task")):
+        values: dict[str, list[float]] = {}
+        for record in prompts:
+            for name, value in record[field].items():
+                values.setdefault(name, []).append(value)
+        metrics.update({f"{prefix}{name}": float(np.mean(v)) for name, v in values.items()})
+    metrics.update({"eval/n_prompts": float(len(prompts)), "eval/skipped": float(n - len(prompts)),
+                    "eval/aborted": float(sum(r["aborted"] for r in prompts)),
+                    "eval/version": float(parts[0]["version"])})
+    n_samples = int(parts[0]["n_samples"])
+    correct = [c for part in parts for c in part["correct"] if c is not None]
+    if n_samples and correct:
+        metrics.update({f"eval/pass@{k}": float(np.mean([pass_at_k(n_samples, c, k) for c in correct]))
+                        for k in sorted({1, n_samples})})
+    metrics["eval/time_s"] = max(float(part["time_s"]) for part in parts)
+    usage: dict[str, float] = {}
+    for part in parts:
+        for name, value in part["usage"].items():
+            usage[name] = usage.get(name, 0.0) + float(value)
+    return EvalResult(metrics=metrics, rows=[r["row"] for r in prompts if "row" in r], engine_usage=usage)
 
 
-def _task_metrics(eval_metrics: Mapping[str, Callable[..., float]], rows: list[dict], samples: list) -> dict[str, float]:
-    """``eval/<name>``: the mean of the task's ``fn(prompt, completion, **sample_fields)`` over the greedy completions."""
+def _task_values(eval_metrics: Mapping[str, Callable[..., float]], prompt: str, completion: str,
+                 sample: Mapping[str, Any]) -> dict[str, float]:
+    """``{name: fn(prompt, completion, **sample_fields)}`` of the task's eval metrics for one greedy completion."""
     from asyncrl.rollout.rewards import reward_fields
 
     out = {}
     for name, fn in eval_metrics.items():
-        values = []
-        for row, sample in zip(rows, samples):
-            try:
-                values.append(float(fn(row["prompt"], row["completion"], **reward_fields(sample))))
-            except Exception as err:  # noqa: BLE001 - named, with the prompt
-                raise EvalError(f"eval: the task's eval metric '{name}' raised on prompt {row['prompt'][:60]!r}: "
-                                f"{type(err).__name__}: {err}") from err
-        out[f"eval/{name}"] = float(np.mean(values))
+        try:
+            out[name] = float(fn(prompt, completion, **reward_fields(sample)))
+        except Exception as err:  # noqa: BLE001 - named, with the prompt
+            raise EvalError(f"eval: the task's eval metric '{name}' raised on prompt {prompt[:60]!r}: "
+                            f"{type(err).__name__}: {err}") from err
     return out
 
 
-def _pass_at_k_metrics(outcomes: list, workflow: Any, n: int, n_samples: int, threshold: float) -> dict[str, float]:
-    """pass@1 and pass@n_samples from the sampled episodes (``outcomes[r * n + i]``: repeat r of prompt i)."""
-    correct = []
-    for index in range(n):
-        scores = []
-        for start in range(index, len(outcomes), n):
-            group = _episode_group(outcomes[start], workflow, index)
-            scores += [t.reward for t in group.trajectories] if group is not None else []
-        if len(scores) < n_samples:
-            continue  # a skipped prompt (as in the greedy metrics)
-        correct.append(sum(s >= threshold for s in scores[:n_samples]))
-    if not correct:
-        return {}
-    return {f"eval/pass@{k}": float(np.mean([pass_at_k(n_samples, c, k) for c in correct])) for k in sorted({1, n_samples})}
+def _correct_count(outcomes: list, workflow: Any, index: int, n_samples: int, threshold: float) -> Optional[int]:
+    """How many of a prompt's first ``n_samples`` sampled completions succeed (None: a skipped prompt)."""
+    scores: list[float] = []
+    for outcome in outcomes:
+        group = _episode_group(outcome, workflow, index)
+        scores += [t.reward for t in group.trajectories] if group is not None else []
+    if len(scores) < n_samples:
+        return None
+    return int(sum(s >= threshold for s in scores[:n_samples]))
 
 
 def evaluate_model(cfg: Config, stream: Any = None) -> EvalResult:

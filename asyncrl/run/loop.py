@@ -31,13 +31,14 @@ its batch is abandoned), one checkpoint is written, :class:`TrainingInterrupted`
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TextIO, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TextIO
 
 from asyncrl.config import Config, dump_config
 from asyncrl.errors import AsyncRLError, CheckpointError
@@ -57,8 +58,7 @@ if TYPE_CHECKING:
 
     from asyncrl.checkpoint import Checkpoint
     from asyncrl.rollout.trajectory import TrajectoryGroup
-    from asyncrl.run.metrics import LogAppender, StatsTracker
-    from asyncrl.run.multihost import NoSink
+    from asyncrl.run.metrics import StatsTracker
     from asyncrl.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ def train(cfg: Config, argv: Optional[list[str]] = None, console: Optional[TextI
     enable_compile_cache(cfg.run.compile_cache)  # before the first compilation of the run
     initialize_distributed(cfg.mesh)  # before anything touches a JAX device
     hosts = Hosts(barrier_timeout_s=cfg.checkpoint.barrier_timeout_s)
+    _check_shares(cfg, hosts.count)
     check_output_dir_path(cfg)
     if hosts.is_main:  # only process 0 logs to W&B/MLflow
         check_trackers_installed(cfg.logging.trackers)
@@ -166,11 +167,10 @@ def run_stages(run: "Run") -> tuple[Params, Params]:
             run.ensure_engine(trainer, scfg)
             run.startup.record("engine", time.monotonic() - building)
             build = rl_source if stage.type == "rl" else sft_source
-            # Process 0 makes the batches (executor, workflows, engine) and evaluates; every
-            # process trains on its block of each batch (asyncrl.run.multihost).
+            # Every process makes its block of each batch (its executor, workflows and engine, or
+            # its block of the SFT data), evaluates its share and trains (asyncrl.run.multihost).
             source, record_eval = build(run, stage, trainer)
-            source = run.hosts.batch_source(source, trainer.row_multiple)
-            run_stage(run, stage, trainer, source, record_eval)
+            run_stage(run, stage, trainer, run.hosts.batch_source(source), record_eval)
         params = trainer.trainable_params()
     assert trainer is not None, "a config has at least one stage"
     if trainer.critic_spec is not None:
@@ -241,11 +241,17 @@ def run_stage(run: "Run", stage: Stage, trainer: Trainer, source: BatchSource, r
             source.set_version(run.version)
             step_time = time.perf_counter() - step_start
 
-            tracker.scalars(run.step_metrics(got, train_metrics, engine_metrics, step_time), reduce="last")
+            dump = []
+            if scfg.logging.dump_every_steps and stage_step % scfg.logging.dump_every_steps == 0:
+                # Every process renders its groups among the step's first dump_groups (its share's offset).
+                first = run.hosts.share(scfg.rollout.batch_size).offset if stage.type == "rl" else 0
+                dump = trajectory_records(run.version, got.groups, run.loaded.tokenizer,
+                                          max(0, scfg.logging.dump_groups - first))
+            metrics, records = run.step_metrics(got, train_metrics, engine_metrics, step_time, dump)
+            tracker.scalars(metrics, reduce="last")
             tracker.scalars(run.startup.first_step(trainer.precompile_hit), reduce="last")  # the run's first step only
-            if scfg.logging.dump_every_steps and stage_step % scfg.logging.dump_every_steps == 0 and got.groups:
-                records = _dump_trajectories(run.trajectory_log, run.version, got.groups, run.loaded.tokenizer,
-                                             scfg.logging.dump_groups)
+            if records:
+                run.trajectory_log.append("".join(json.dumps(record, default=str) + "\n" for record in records))
                 if run.trackers is not None:
                     run.trackers.log_trajectories(run.version, records)
             if eval_due(scfg, stage_step):
@@ -290,48 +296,68 @@ def _next_batch(run: "Run", stage: Stage, stage_step: int, trainer: Trainer, sou
         raise TrainingInterrupted(run.hosts.abandon_code(), run.last_checkpoint) from None
 
 
-def _no_eval(tracker: StatsTracker) -> None:
-    """The evaluation of a process other than 0: the engine and the logs are process 0's."""
-
-
 def eval_due(scfg: Config, stage_step: int) -> bool:
     every = scfg.eval.every_steps
     return bool(every) and (stage_step % every == 0 or stage_step == scfg.run.total_steps)
 
 
-def rl_source(run: "Run", stage: Stage, trainer: Trainer) -> tuple[Optional[BatchSource], EvalHook]:
-    """The RL stage's executor (its rollout state restored on a resume, started) and its eval
-    (process 0's; None and no eval on the other processes)."""
+def rl_source(run: "Run", stage: Stage, trainer: Trainer) -> tuple[BatchSource, EvalHook]:
+    """The RL stage's executor over this process's share of the prompts (its rollout state restored
+    on a resume, redistributed when the process count or batch size changed; started) and its eval
+    (every process runs its share, process 0 records the whole)."""
     from asyncrl.data import SampleOrder
     from asyncrl.rollout.executor import WorkflowExecutor
 
-    if not run.hosts.is_main:
-        return None, _no_eval
     scfg = stage.cfg
-    assert run.engine is not None, "process 0 holds the engine (Run.ensure_engine)"
+    assert run.engine is not None, "every process holds its engine (Run.ensure_engine)"
     executor = WorkflowExecutor(stage.workflow, run.engine, SampleOrder(stage.task.train, scfg.run.seed), scfg,
-                                version=run.version, row_multiple=trainer.row_multiple)
+                                version=run.version, row_multiple=trainer.row_multiple,
+                                share=run.hosts.share(scfg.rollout.batch_size))
     if stage.done is not None:
-        rollout_state = run.resumed_inside(stage).rollout_state
-        assert rollout_state is not None, "check_run_checkpoint requires an RL stage's rollout state"
-        executor.load_state_dict(rollout_state)
+        executor.load_state_dict(_own_rollout_state(run, stage))
     executor.start()
+    run.join_on_close(functools.partial(_join_executor, executor))
     return executor, lambda tracker: run.eval_on_engine(stage, tracker)
 
 
-def sft_source(run: "Run", stage: Stage, trainer: Trainer) -> tuple[Optional[BatchSource], EvalHook]:
+def _own_rollout_state(run: "Run", stage: Stage) -> Any:
+    """This process's rollout state from the checkpoint: its own where the checkpoint was written
+    by as many processes with the same batch size, else its part of every writer's states
+    redistributed (:func:`~asyncrl.rollout.redistribute.redistribute_states`: no sample lost or repeated)."""
+    from asyncrl.rollout.redistribute import redistribute_states
+
+    states = run.resumed_inside(stage).rollout_states
+    assert states, "check_run_checkpoint requires an RL stage's rollout state"
+    batch_size = stage.cfg.rollout.batch_size
+    written_by = [int(s["meta"]["ledger"]["batch_size"]) for s in states]
+    if len(states) == run.hosts.count and sum(written_by) == batch_size:
+        return states[run.hosts.index]
+    if len(states) != run.hosts.count:
+        log.info("the checkpoint's rollout state was written by %d process(es); redistributing its samples over %d",
+                 len(states), run.hosts.count)
+    return redistribute_states(states, batch_size, run.hosts.count)[run.hosts.index]
+
+
+def _join_executor(executor: Any, timeout: float) -> list[str]:
+    """Stop the executor and wait for its workers (after the engine's shutdown, which ends the
+    engine calls they wait in); returns the names of those still running."""
+    from asyncrl.run.shutdown import join_threads
+
+    executor.close(timeout)
+    return join_threads(list(executor.workers), timeout)
+
+
+def sft_source(run: "Run", stage: Stage, trainer: Trainer) -> tuple[BatchSource, EvalHook]:
     """The SFT stage's data (its position restored on a resume) and its eval: the task's
-    greedy eval through the engine, as in RL, and the held-out loss. With several processes
-    the data and the greedy eval are process 0's; every process computes the held-out loss on
-    its block of each eval batch (the eval split is the same everywhere)."""
+    greedy eval through the engines, as in RL, and the held-out loss. With several processes
+    every process reads the same data and takes its block of each batch, and computes the
+    held-out loss on its block of each eval batch (the eval split is the same everywhere)."""
     from asyncrl.run.sft import SFTData, eval_loss
 
     scfg = stage.cfg
     eos = run.loaded.stop_token_ids[0] if run.loaded.stop_token_ids else None
     held_out = run.hosts.eval_blocks(SFTData.for_task(stage.task, stage.workflow, scfg, split="eval", eos_token_id=eos,
                                                       row_multiple=trainer.row_multiple), trainer.row_multiple)
-    if not run.hosts.is_main:
-        return None, lambda tracker: tracker.scalars(eval_loss(trainer, held_out), reduce="last")
     data = SFTData.for_task(stage.task, stage.workflow, scfg, eos_token_id=eos, row_multiple=trainer.row_multiple)
     if stage.done is not None:
         data.load_state_dict(run.resumed_inside(stage).state["sft"])
@@ -340,20 +366,18 @@ def sft_source(run: "Run", stage: Stage, trainer: Trainer) -> tuple[Optional[Bat
         run.eval_on_engine(stage, tracker)
         tracker.scalars(eval_loss(trainer, held_out), reduce="last")
 
-    return data, record_eval
+    return run.hosts.own_blocks(data, trainer.row_multiple), record_eval
 
 
-def _dump_trajectories(log_file: Union[LogAppender, NoSink], step: int, groups: Sequence[TrajectoryGroup], tokenizer: Any,
-                       limit: int) -> list[dict]:
-    """Append the first ``limit`` groups of a step to ``trajectories.jsonl`` (a
-    :class:`~asyncrl.run.metrics.LogAppender`: a failed write warns and the run goes on);
-    returns the records (the trackers' trajectory table)."""
-    lines, records = [], []
+def trajectory_records(step: int, groups: Sequence[TrajectoryGroup], tokenizer: Any, limit: int) -> list[dict]:
+    """The ``trajectories.jsonl`` records of a step's first ``limit`` groups (the trackers'
+    trajectory table too)."""
+    records = []
     for group in groups[:limit]:
         for traj in group.trajectories:
             prompt_ids = traj.input_ids[~traj.loss_mask & (traj.versions < 0)]
             generated = traj.versions >= 0
-            record = {
+            records.append({
                 "step": step,
                 "prompt": tokenizer.decode(prompt_ids.tolist(), skip_special_tokens=False),
                 "completion": tokenizer.decode(traj.input_ids[generated].tolist(), skip_special_tokens=False),
@@ -362,11 +386,9 @@ def _dump_trajectories(log_file: Union[LogAppender, NoSink], step: int, groups: 
                 "versions": sorted(set(traj.versions[generated].tolist())),
                 "stop_reason": traj.stop_reason,
                 "metadata": traj.metadata,
-            }
-            lines.append(json.dumps(record, default=str) + "\n")
-            records.append(record)
-    log_file.append("".join(lines))
-    return records
+            })
+    # JSON's own types (a numpy scalar in metadata, ...), as they are written and gathered.
+    return json.loads(json.dumps(records, default=str))
 
 
 # ---------------------------------------------------------------------------- resume and export
@@ -386,7 +408,8 @@ def _start_precompile(run: Run, stage: Stage, trainer: Trainer) -> None:
         return
     scfg = stage.cfg
     rows = scfg.rollout.batch_size * scfg.rollout.group_size
-    trainer.start_precompile(expected_first_shape(scfg, rows, trainer.row_multiple))
+    precompile = trainer.start_precompile(expected_first_shape(scfg, rows, trainer.row_multiple))
+    run.join_on_close(precompile.join)  # a failure before the step settles it must not exit under the compile
 
 
 def _stage_trainer(run: Run, stage: Stage) -> Trainer:
@@ -402,6 +425,18 @@ def _stage_trainer(run: Run, stage: Stage) -> Trainer:
     if stage.done is not None:
         _load_trainer_state(trainer, run.resumed_inside(stage))
     return trainer
+
+
+def _check_shares(cfg: Config, processes: int) -> None:
+    """Every process generates a share of each RL batch: at least one group each."""
+    from asyncrl.errors import ConfigError
+
+    for index, (spec, scfg) in enumerate(cfg.stage_configs()):
+        if spec.type == "rl" and scfg.rollout.batch_size < processes:
+            where = f"stages.{index} ({spec.name}): " if cfg.stages else ""
+            raise ConfigError(f"{where}rollout.batch_size = {scfg.rollout.batch_size} is smaller than the {processes} "
+                              f"processes of the run: every process generates and trains its share of each batch; use "
+                              f"rollout.batch_size >= {processes}")
 
 
 def _check_resumed_state(resumed: Optional[Checkpoint], cfg: Config) -> None:

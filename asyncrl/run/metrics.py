@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Mapping, Protocol
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 _log = logging.getLogger(__name__)
 
@@ -82,6 +82,36 @@ def merge_producers(**producers: Mapping[str, float]) -> dict[str, float]:
             owner[name] = producer
             merged[name] = float(value)
     return merged
+
+
+_HOST_MAX = ("_max", "_max_s", "/version", "/lag_p90", "/wait_s", "/consecutive_failures")
+_HOST_MEAN = ("_rate", "_occupancy", "_share", "/lag_mean", "_p50_s", "_p90_s", "latency_s", "_ms_per_step",
+              "/queue_wait_s", "/logprob_gap")
+
+
+def host_reduction(name: str) -> str:
+    """How :func:`combine_hosts` combines a metric over the hosts of a multi-process run: ``max``
+    for maxima, the served version, the p90 lag and the batch wait (the step waits for the slowest
+    host); ``mean`` for ratios, shares, mean lags and per-host latencies; ``sum`` for everything
+    else: counts, token and request counters, seconds spent, and throughputs (``*_per_s``: hosts
+    generate side by side)."""
+    if name.endswith("_per_s"):
+        return "sum"
+    if name.endswith(_HOST_MAX):
+        return "max"
+    if name.endswith(_HOST_MEAN):
+        return "mean"
+    return "sum"
+
+
+def combine_hosts(per_host: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """One row of every host's metrics (:func:`host_reduction` per name; a name only some hosts
+    report combines over those)."""
+    values: dict[str, list[float]] = {}
+    for metrics in per_host:
+        for name, value in metrics.items():
+            values.setdefault(name, []).append(float(value))
+    return {name: _reduce(vals, host_reduction(name)) for name, vals in values.items()}
 
 
 def _reduce(values: list[float], how: str) -> float:
@@ -272,10 +302,17 @@ class TensorBoardSink:
 class ConsoleSink:
     """Progress on the console: a tqdm bar on a terminal, one plain line per step otherwise.
 
-    Shows step/total, reward, the last eval with the step it was taken at (``eval@50 0.812``:
-    a line between evals never passes an old eval off as the current one), version lag,
-    trained tokens per second of the whole step (``perf/trained_tokens_per_s``, the loop's:
-    batch wait, train and publish) and the ETA.
+    Shows step/total, then the fields of :data:`SHOWN` (and ``extra``: names from
+    ``logging.console_metrics``) in that order whatever arrived first, so a resumed run's line
+    has the columns of a fresh one: reward, the last eval with the step it was taken at
+    (``eval@50 0.812``: a line between evals never passes an old eval off as the current one),
+    version lag, trained tokens per second of the whole step (``perf/trained_tokens_per_s``, the
+    loop's: batch wait, train and publish); then the ETA, from this process's own pace: the time
+    since the first step it wrote (start-up and compiles are not a step's cost, and a resumed run
+    does not count the steps it did not run).
+
+    While the bar is up, log records go through ``tqdm.write`` (tqdm's logging redirect) so a
+    line never lands in the middle of the bar.
     """
 
     SHOWN = (
@@ -285,45 +322,61 @@ class ConsoleSink:
         ("tok/s", "perf/trained_tokens_per_s", "{:.0f}"),
     )
 
-    def __init__(self, total_steps: int, start_step: int = 0, stream=None, use_bar: bool | None = None, prefix: str = ""):
+    def __init__(self, total_steps: int, start_step: int = 0, stream=None, use_bar: bool | None = None, prefix: str = "",
+                 extra: Iterable[str] = ()):
         self._stream = stream or sys.stderr
         self._total = total_steps
-        self._start_step = start_step
-        self._start_time = time.monotonic()
         self.prefix = prefix
+        self._fields = [*self.SHOWN, *((name.rsplit("/", 1)[-1], name, "{:.3g}") for name in extra)]
         self._last: dict[str, str] = {}
         self._eval_step = 0
-        use_bar = self._stream.isatty() if use_bar is None else use_bar
-        self._bar = None
-        if use_bar:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=start_step, file=self._stream, dynamic_ncols=True, desc=prefix or None)
+        self._pace_from: tuple[int, float] | None = None
+        """``(step, time)`` of the first step this process wrote: the ETA's pace is measured from it."""
+        self._use_bar = self._stream.isatty() if use_bar is None else use_bar
+        self._bar: Any = None
+        self._redirect: Any = None
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        for label, name, fmt in self.SHOWN:
+        for label, name, fmt in self._fields:
             if name in metrics and math.isfinite(metrics[name]):
                 self._last[label] = fmt.format(metrics[name])
                 if label == "eval":
                     self._eval_step = step
-        fields = " ".join(
-            f"{label}@{self._eval_step} {value}" if label == "eval" else f"{label} {value}" for label, value in self._last.items()
-        )
-        if self._bar is not None:
-            self._bar.set_postfix_str(fields, refresh=False)
-            self._bar.update(step - self._bar.n)
-            self._bar.refresh()  # update() skips redraws within tqdm's mininterval: show this step's values now
+        fields = " ".join(f"{label}@{self._eval_step} {self._last[label]}" if label == "eval" else f"{label} {self._last[label]}"
+                          for label, _, _ in self._fields if label in self._last)
+        if self._pace_from is None:
+            self._pace_from = (step, time.monotonic())
+        if self._use_bar:
+            bar = self._bar if self._bar is not None else self._open_bar(step)
+            bar.set_description_str(self.prefix.strip() or None, refresh=False)  # the stage, as it changes
+            bar.set_postfix_str(fields, refresh=False)
+            bar.update(step - bar.n)
+            bar.refresh()  # update() skips redraws within tqdm's mininterval: show this step's values now
             return
-        done = step - self._start_step
-        elapsed = time.monotonic() - self._start_time
-        eta = elapsed / done * (self._total - step) if done > 0 else float("nan")
+        first_step, first_time = self._pace_from
+        done = step - first_step
+        eta = (time.monotonic() - first_time) / done * (self._total - step) if done > 0 else float("nan")
         eta_text = f"{eta:.0f}s" if math.isfinite(eta) else "?"
         print(f"{self.prefix}step {step}/{self._total} {fields} eta {eta_text}", file=self._stream, flush=True)
+
+    def _open_bar(self, step: int) -> Any:
+        """The bar, from the first step written (its clock, and so its rate and ETA, start there),
+        with log records redirected through it for as long as it is up."""
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        self._bar = tqdm(total=self._total, initial=step, file=self._stream, dynamic_ncols=True)
+        self._redirect = logging_redirect_tqdm()
+        self._redirect.__enter__()
+        return self._bar
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-
+            self._bar = None
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
 
 
 def process_metrics(device: object = None) -> dict[str, float]:

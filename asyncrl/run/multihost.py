@@ -8,31 +8,35 @@ loop (:mod:`asyncrl.run.loop`) reads the same with one process or many:
 * **Start** (:func:`~asyncrl.cluster.distributed.initialize_distributed`): ``jax.distributed.initialize``
   first thing, before anything touches a device; on with ``mesh.distributed.enabled`` or when
   all three variables above are set, null fields read from them.
-* **Roles** (:class:`Hosts`): process 0 runs the executor, the workflows and the engine on
-  its own devices and writes every file of the run; every process runs the trainer step on
-  the global mesh.
-* **Batches** (:class:`HostBatchSource`): process 0's source makes the step's batch; its
-  groups are split into one contiguous block of whole groups per process (:func:`split_rows`,
-  every block padded to the same rows); a small JSON header goes through the coordinator's
-  key-value store (the others wait for it in bounded polls), then each block goes to its
-  process alone (:func:`send_blocks`: a point-to-point ``ppermute`` per process), so a process
-  receives and holds its own block, never the whole batch.
-* **Stop agreement**: a signal on any process makes all of them stop at the same step
-  boundary. Process 0 learns of another process's signal from the key-value store while it
-  waits for a batch (the header then says "abandoned", with the exit code); after each step
-  every process's flag is combined by a tiny all-gather (:meth:`Hosts.agree_stop`), which also
-  carries whether each process's part of the checkpoint in flight has failed, so a failed
+* **Roles** (:class:`Hosts`): every process runs an engine of its own on its own devices, the
+  rollout executor, the workflows and the rewards over its share of the prompts
+  (:meth:`Hosts.share`), its part of every eval, and the trainer step on the global mesh;
+  process 0 alone writes the run's files (its metrics row combines every process's figures).
+* **Batches** (:class:`HostBatchSource`): each process's executor makes its block of the step's
+  batch from its own trajectories; a small JSON header per process (rows, length, or "abandoned"
+  / "failed") goes through the coordinator's key-value store, every process pads its block to
+  the largest rows and length, and the trainer assembles the global batch from the blocks
+  (``jax.make_array_from_process_local_data``). Nothing else crosses hosts, and no host holds
+  the whole batch.
+* **Reports** (:meth:`Hosts.gather`): what process 0 logs of the others (their engine and rollout
+  metrics, rewards, trajectories to dump, eval parts) reaches it as JSON through the key-value
+  store; the others do not wait for it.
+* **Stop agreement**: a signal on any process makes all of them stop at the same step boundary.
+  Every process posts its first signal to the key-value store, where every other process sees it
+  while it waits for a batch (its header then says "abandoned", with the exit code); after each
+  step every process's flag is combined by a tiny all-gather (:meth:`Hosts.agree_stop`), which
+  also carries whether each process's part of the checkpoint in flight has failed, so a failed
   asynchronous write stops every process at the same step.
-* **Publishing** (:meth:`Hosts.engine_copy`): the trainer's global params are all-gathered
-  in groups of at most :data:`~asyncrl.engine.device_copy.COPY_GROUP_BYTES` (a jitted identity
-  with replicated outputs per group: device to device), and process 0 keeps one single-device
-  copy of each group for its engine, which moves it onto its own shardings; so a device holds at
-  most one group beyond its shards, never a whole copy of the model. With ``engine.remote`` every
-  process instead writes its share of the published files (:mod:`asyncrl.engine.publish`).
+* **Publishing**: every process hands the trainer's global params to its own engine, whose
+  install lays them out on its devices in one collective that every process enters at the same
+  point (:mod:`asyncrl.engine.device_copy`). With ``engine.remote`` every process instead writes
+  its share of the published files (:mod:`asyncrl.engine.publish`).
 * **Checkpoints**: every process writes its own shards of the trainer state (Orbax, never
-  gathered), process 0 the JSON files, then all meet at a barrier with a timeout
-  (``checkpoint.barrier_timeout_s``). A checkpoint records its process count; a resume may use
-  another count or mesh (:mod:`asyncrl.checkpoint.arrays` reads onto the current shardings).
+  gathered) and its own rollout state, process 0 the run's JSON files, then all meet at a
+  barrier with a timeout (``checkpoint.barrier_timeout_s``). A checkpoint records its process
+  count; a resume on another count redistributes the rollout states
+  (:func:`~asyncrl.rollout.redistribute.redistribute_states`) and reads the arrays onto the new
+  shardings (:mod:`asyncrl.checkpoint.arrays`).
 
 Every cross-process wait is bounded (key-value waits in polls that end when the coordinator
 is lost, barriers with timeouts) or is a collective that JAX's failure detection ends.
@@ -44,19 +48,20 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
 from asyncrl.cluster.distributed import DistributedError, coordination_client, wait_at_barrier
 from asyncrl.errors import AsyncRLError, RolloutError
 from asyncrl.rollout.batch import BatchAbandoned, PreparedBatch
+from asyncrl.rollout.ledger import SampleShare, process_share
 from asyncrl.rollout.trajectory import TrainBatch
 
 log = logging.getLogger(__name__)
 
 _STOP_DIR = "asyncrl/stop/"
-_BATCH_KEY = "asyncrl/batch/{}"
+_BATCH_KEY = "asyncrl/batch/{}/"
 _WAIT_POLL_MS = 5000
 _WAIT_LOG_S = 120.0
 _STOP_POLL_S = 0.2
@@ -99,11 +104,12 @@ class Hosts:
         self.index = jax.process_index()
         self.multi = self.count > 1
         self.is_main = self.index == 0
-        """Process 0: runs the executor, the workflows and the engine, and writes the run's files."""
+        """Process 0: writes the run's files (every process generates and trains)."""
         self.barrier_timeout_s = barrier_timeout_s
         self.guard: Any = None
         self._code: Optional[int] = None
         self._seq = 0
+        self._gathered: dict[str, int] = {}
         self._last_poll = 0.0
         self._closed = threading.Event()
         self._watcher: Optional[threading.Thread] = None
@@ -111,11 +117,11 @@ class Hosts:
     # ------------------------------------------------------------------ signals
 
     def watch(self, guard: Any) -> None:
-        """Follow ``guard`` (the run's ShutdownGuard). On a process other than 0 a daemon thread
-        posts its first signal to the key-value store, where process 0 sees it while it waits
-        for a batch (this process's main thread may be blocked in a collective meanwhile)."""
+        """Follow ``guard`` (the run's ShutdownGuard). With several processes a daemon thread posts
+        this process's first signal to the key-value store, where the others see it while they
+        wait for their batches (this process's main thread may be blocked in a collective meanwhile)."""
         self.guard = guard
-        if self.multi and not self.is_main:
+        if self.multi:
             self._watcher = threading.Thread(target=self._post_signal, name="asyncrl-stop-poster", daemon=True)
             self._watcher.start()
 
@@ -125,15 +131,15 @@ class Hosts:
                 try:
                     coordination_client().key_value_set(f"{_STOP_DIR}{self.index}", str(self.guard.exit_code))
                 except Exception as err:  # the coordinator is gone: the collectives fail too
-                    log.warning("process %d: cannot post the stop request to process 0 (%s)", self.index, err)
+                    log.warning("process %d: cannot post the stop request to the other processes (%s)", self.index, err)
                 return
 
     def stop_requested(self) -> bool:
-        """Whether to abandon the wait for a batch: a signal here, or (process 0) on any process."""
+        """Whether to abandon the wait for a batch: a signal here, or on any other process."""
         if self.guard.requested:
             self._code = self._code or self.guard.exit_code
             return True
-        if self.multi and self.is_main and time.monotonic() - self._last_poll >= _STOP_POLL_S:
+        if self.multi and time.monotonic() - self._last_poll >= _STOP_POLL_S:
             self._last_poll = time.monotonic()
             posted = coordination_client().key_value_dir_get(_STOP_DIR)
             if posted:
@@ -212,28 +218,45 @@ class Hosts:
         if self._watcher is not None:
             self._watcher.join(timeout=2.0)
 
-    # ------------------------------------------------------------------ weights
+    # ------------------------------------------------------------------ shares and reports
 
-    def engine_copy(self, params: Any) -> Any:
-        """The weights as process 0's engine takes them. Every process must call this (an
-        all-gather over the trainer mesh when the params span processes,
-        :func:`~asyncrl.engine.device_copy.local_copy`); returns process 0's single-device
-        copies, None on the other processes, ``params`` itself with one process."""
+    def share(self, batch_size: int) -> SampleShare:
+        """This process's share of the prompts and of each step's ``batch_size`` groups
+        (:func:`~asyncrl.rollout.ledger.process_share`; one process: all of them)."""
+        return process_share(batch_size, self.index, self.count)
+
+    def gather(self, kind: str, payload: Any) -> Optional[list[Any]]:
+        """Every process's ``payload`` (JSON-able) on process 0, in process order; None on the
+        others, which do not wait. Every process calls it at the same point (the n-th call of a
+        ``kind`` on every process pair up). A payload ``{"error": text}`` stands for a failure
+        of that process's part: process 0 raises it naming the process."""
         if not self.multi:
-            return params
-        import jax
+            return [payload]
+        seq = self._gathered[kind] = self._gathered.get(kind, 0) + 1
+        client = coordination_client()
+        client.key_value_set(f"asyncrl/{kind}/{seq}/{self.index}", json.dumps(payload))
+        if not self.is_main:
+            return None
+        out = [payload]
+        for p in range(1, self.count):
+            key = f"asyncrl/{kind}/{seq}/{p}"
+            out.append(json.loads(_wait_key(key, self.index, f"process {p}'s {kind} report")))
+            client.key_value_delete(key)
+        client.key_value_delete(f"asyncrl/{kind}/{seq}/0")
+        failed = [(p, part["error"]) for p, part in enumerate(out) if isinstance(part, dict) and "error" in part]
+        if failed:
+            raise AsyncRLError(f"process {failed[0][0]} of {self.count} failed its part of the {kind}: {failed[0][1]}")
+        return out
 
-        from asyncrl.engine.device_copy import local_copy
+    def batch_source(self, source: Any) -> Any:
+        """This process's ``source`` as the step's BatchSource: with several processes its blocks
+        padded to the shape every process agrees on (:class:`HostBatchSource`)."""
+        return HostBatchSource(self, source) if self.multi else source
 
-        leaves, treedef = jax.tree.flatten(params)
-        copies = local_copy(leaves)
-        return jax.tree.unflatten(treedef, copies) if self.is_main else None
-
-    def batch_source(self, source: Any, row_multiple: int) -> Any:
-        """``source`` (process 0's; None elsewhere) as every process's BatchSource."""
-        if not self.multi:
-            return source
-        return HostBatchSource(self, source, row_multiple)
+    def own_blocks(self, source: Any, row_multiple: int) -> Any:
+        """An SFT source (``SFTData``, the same on every process) whose batches are this process's
+        blocks of them (:class:`OwnBlocks`); ``source`` itself with one process."""
+        return OwnBlocks(source, self, row_multiple) if self.multi else source
 
     def eval_blocks(self, data: Any, row_multiple: int) -> Any:
         """An SFT eval split (``SFTData``) whose batches are this process's blocks
@@ -254,14 +277,33 @@ _FIELDS = (("input_ids", np.int32, 2), ("attention_mask", np.bool_, 2), ("loss_m
 _PAD = {"versions": -1, "group_index": -1}
 
 
+def _check_unconstrained(batch: TrainBatch) -> None:
+    if batch.constraint_nodes is not None:
+        raise NotImplementedError("rollout.decoding.constraint: multi-process training does not carry constraint nodes "
+                                  "across processes yet; train constrained rollouts in one process")
+
+
+def pad_block(block: TrainBatch, rows: int, length: int) -> TrainBatch:
+    """``block`` padded to ``[rows, length]`` with padding rows (``group_index`` -1, masks false)
+    and padding positions; unchanged when it has that shape already. Pure numpy."""
+    _check_unconstrained(block)
+    if block.input_ids.shape == (rows, length):
+        return block
+    fields: dict[str, Any] = {}
+    for name, dtype, ndim in _FIELDS + ((("advantages", np.float32, 2),) if block.advantages is not None else ()):
+        value = np.asarray(getattr(block, name))
+        out = np.full((rows, length) if ndim == 2 else (rows,), _PAD.get(name, 0), dtype)
+        out[tuple(slice(0, n) for n in value.shape)] = value
+        fields[name] = out
+    return TrainBatch(temperature=block.temperature, **fields)
+
+
 def split_rows(batch: TrainBatch, parts: int, row_multiple: int) -> list[TrainBatch]:
     """``batch`` as ``parts`` blocks of whole groups: groups ``[p*n/parts, (p+1)*n/parts)`` (by
     ``group_index``, in order) go to block ``p`` with local group indices from 0; every block
     has the same ``[rows, L]``, rows the largest block's rows rounded up to ``row_multiple``
     (at least one multiple), padded with padding rows. Pure numpy."""
-    if batch.constraint_nodes is not None:
-        raise NotImplementedError("rollout.decoding.constraint: multi-process training does not carry constraint nodes to "
-                                  "the other processes yet; train constrained rollouts in one process")
+    _check_unconstrained(batch)
     gi = np.asarray(batch.group_index)
     groups = int(gi.max()) + 1 if (gi >= 0).any() else 0
     bounds = [p * groups // parts for p in range(parts + 1)]
@@ -280,168 +322,91 @@ def split_rows(batch: TrainBatch, parts: int, row_multiple: int) -> list[TrainBa
     return blocks
 
 
-def pack_block(block: TrainBatch) -> np.ndarray:
-    """One block's arrays as one int32 buffer (field by field), padded to a power of two of words
-    so that its transfer compiles for few sizes."""
-    names = [f[0] for f in _FIELDS] + (["advantages"] if block.advantages is not None else [])
-    raw = b"".join(np.ascontiguousarray(getattr(block, name)).tobytes() for name in names)
-    words = max(1024, 1 << (max(1, -(-len(raw) // 4)) - 1).bit_length())
-    buffer = np.zeros(words * 4, np.uint8)
-    buffer[: len(raw)] = np.frombuffer(raw, np.uint8)
-    return buffer.view(np.int32)
-
-
-def unpack_block(buffer: np.ndarray, header: Mapping[str, Any]) -> TrainBatch:
-    """The block :func:`pack_block` packed (shapes from the header)."""
-    raw = np.ascontiguousarray(buffer).view(np.uint8)
-    rows, length = int(header["rows"]), int(header["length"])
-    specs = _FIELDS + ((("advantages", np.float32, 2),) if header["advantages"] else ())
-    offset = 0
-    fields: dict[str, Any] = {}
-    for name, dtype, ndim in specs:
-        shape = (rows, length) if ndim == 2 else (rows,)
-        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        fields[name] = np.frombuffer(raw[offset: offset + size].tobytes(), dtype).reshape(shape)
-        offset += size
-    return TrainBatch(temperature=float(header["temperature"]), **fields)
-
-
-def send_blocks(buffers: Optional[list[np.ndarray]], index: int, count: int, words: int) -> Optional[np.ndarray]:
-    """Process 0's ``buffers[p]`` (``words`` int32 each) to process ``p``, for every ``p`` >= 1: one
-    point-to-point transfer per process (a jitted ``ppermute`` from process 0's first device to
-    ``p``'s), so each process receives its own block only. Every process calls it (``buffers`` on
-    process 0, None elsewhere); returns this process's block (None on process 0)."""
-    import jax
-
-    devices = _first_devices(count)
-    sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("process",)),
-                                          jax.sharding.PartitionSpec("process"))
-    mine = None
-    for dest in range(1, count):
-        local = buffers[dest] if buffers is not None else np.zeros(words, np.int32)
-        array = jax.make_array_from_single_device_arrays(
-            (count, words), sharding, [jax.device_put(local.reshape(1, words), devices[index])])
-        received = _send_program(dest, count)(array)
-        if index == dest:
-            mine = np.asarray(received.addressable_shards[0].data).reshape(words)
-        del received
-    return mine
-
-
-def _first_devices(count: int) -> list:
-    """Each process's first device (by id), in process order."""
-    import jax
-
-    firsts: dict[int, Any] = {}
-    for device in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
-        firsts.setdefault(device.process_index, device)
-    return [firsts[p] for p in range(count)]
-
-
-_SEND_PROGRAMS: dict[tuple[int, int], Any] = {}
-
-
-def _send_program(dest: int, count: int) -> Any:
-    """A jitted ``ppermute`` of process 0's row to process ``dest`` (the other rows get zeros)."""
-    if (dest, count) not in _SEND_PROGRAMS:
-        import jax
-
-        mesh = jax.sharding.Mesh(np.array(_first_devices(count)), ("process",))
-        spec = jax.sharding.PartitionSpec("process")
-        _SEND_PROGRAMS[dest, count] = jax.jit(jax.shard_map(
-            lambda a: jax.lax.ppermute(a, "process", [(0, dest)]), mesh=mesh, in_specs=spec, out_specs=spec))
-    return _SEND_PROGRAMS[dest, count]
-
-
 class HostBatchSource:
-    """Every process's :class:`~asyncrl.rollout.batch.BatchSource` in a multi-process run:
-    process 0 wraps the stage's real source and sends each batch on; the others receive.
+    """Every process's :class:`~asyncrl.rollout.batch.BatchSource` in a multi-process run: its own
+    source's block of each batch (its executor's groups, or its block of an SFT batch), padded to
+    the rows and length every process agrees on, so the trainer assembles the global batch from
+    the blocks (a process short of rows is topped up with padding rows, never waits for more).
 
-    Each call of :meth:`next_batch` is one exchange (the same number on every process): a
-    header through the key-value store (``status``: ``batch``, ``abandoned`` with the exit
-    code, or ``failed`` with process 0's error), then for a batch each process's block through
-    :func:`send_blocks`. Process 0's :class:`PreparedBatch` keeps the step's groups and
-    metrics (it alone logs them); its ``batch``, like every process's, is its own block.
-    """
+    Each call of :meth:`next_batch` is one exchange (the same number on every process): each
+    process posts a header through the key-value store (``status``: ``batch`` with its rows and
+    length, ``abandoned`` with the exit code, or ``failed`` with its error) and reads everyone's;
+    a failed or abandoned header anywhere ends the exchange the same way on every process. The
+    :class:`PreparedBatch` keeps this process's groups and metrics (reported to process 0 after
+    the step)."""
 
-    def __init__(self, hosts: Hosts, source: Any, row_multiple: int):
-        if hosts.is_main == (source is None):
-            raise AsyncRLError("HostBatchSource: process 0 wraps the stage's source, the others pass None")
-        self.hosts, self.source, self.row_multiple = hosts, source, row_multiple
+    def __init__(self, hosts: Hosts, source: Any):
+        self.hosts, self.source = hosts, source
 
     def next_batch(self, version: int, timeout: Optional[float] = None, *,
                    abandon_if: Optional[Callable[[], bool]] = None) -> PreparedBatch:
         key = _BATCH_KEY.format(self.hosts.next_seq())
-        if self.hosts.is_main:
-            return self._send(key, version, timeout, abandon_if)
-        return self._receive(key, version, timeout)
-
-    def _send(self, key: str, version: int, timeout: Optional[float],
-              abandon_if: Optional[Callable[[], bool]]) -> PreparedBatch:
         client = coordination_client()
+        mine = f"{key}{self.hosts.index}"
         try:
             got = self.source.next_batch(version, timeout, abandon_if=abandon_if)
         except BatchAbandoned:
-            client.key_value_set(key, json.dumps({"status": "abandoned", "code": self.hosts.abandon_code()}))
+            client.key_value_set(mine, json.dumps({"status": "abandoned", "code": self.hosts.abandon_code()}))
+            self._headers(key, version)
             raise
         except BaseException as err:
-            client.key_value_set(key, json.dumps({"status": "failed", "error": f"{type(err).__name__}: {err}"}))
+            client.key_value_set(mine, json.dumps({"status": "failed", "error": f"{type(err).__name__}: {err}"}))
             raise
-        blocks = split_rows(got.batch, self.hosts.count, self.row_multiple)
-        rows, length = blocks[0].input_ids.shape
-        header = {"status": "batch", "rows": rows, "length": length, "advantages": blocks[0].advantages is not None,
-                  "temperature": float(got.batch.temperature)}
-        buffers = [pack_block(block) for block in blocks]  # every block has the same shape: the same words
-        header["words"] = int(buffers[0].size)
-        client.key_value_set(key, json.dumps(header))
-        send_blocks(buffers, 0, self.hosts.count, header["words"])
-        client.key_value_delete(key)  # every process has read it: each joined the transfers
-        return PreparedBatch(batch=blocks[0], groups=got.groups, sample_ids=got.sample_ids, metrics=got.metrics)
+        rows, length = got.batch.input_ids.shape
+        client.key_value_set(mine, json.dumps({"status": "batch", "rows": int(rows), "length": int(length)}))
+        headers = self._headers(key, version)
+        failed = [(p, h["error"]) for p, h in enumerate(headers) if h["status"] == "failed"]
+        if failed:
+            raise RolloutError(f"process {failed[0][0]} could not make its part of the batch of step {version + 1}: "
+                               f"{failed[0][1]}")
+        abandoned = [int(h["code"]) for h in headers if h["status"] == "abandoned"]
+        if abandoned:
+            self.hosts._code = self.hosts._code or abandoned[0]
+            raise BatchAbandoned(f"a process abandoned the batch of step {version + 1} (a stop was requested)")
+        common = (max(int(h["rows"]) for h in headers), max(int(h["length"]) for h in headers))
+        return PreparedBatch(batch=pad_block(got.batch, *common), groups=got.groups, sample_ids=got.sample_ids,
+                             metrics=got.metrics)
 
-    def _receive(self, key: str, version: int, timeout: Optional[float]) -> PreparedBatch:
-        header = _wait_header(key, self.hosts.index, version)
-        if header["status"] == "abandoned":
-            self.hosts._code = int(header["code"])
-            raise BatchAbandoned(f"process 0 abandoned the batch of step {version + 1} (a stop was requested)")
-        if header["status"] == "failed":
-            raise RolloutError(f"process 0 could not make the batch of step {version + 1}: {header['error']}")
-        buffer = send_blocks(None, self.hosts.index, self.hosts.count, int(header["words"]))
-        assert buffer is not None
-        return PreparedBatch(batch=unpack_block(buffer, header))
+    def _headers(self, key: str, version: int) -> list[dict]:
+        """Every process's header of this exchange, in process order (bounded polls). Process 0 then
+        deletes the previous exchange's keys: every process has read them, since it posted this one."""
+        headers = [json.loads(_wait_key(f"{key}{p}", self.hosts.index, f"process {p}'s part of the batch of step "
+                                                                           f"{version + 1}")) for p in range(self.hosts.count)]
+        if self.hosts.is_main:
+            seq = int(key.rstrip("/").rsplit("/", 1)[-1])
+            client = coordination_client()
+            for p in range(self.hosts.count if seq > 1 else 0):
+                client.key_value_delete(f"{_BATCH_KEY.format(seq - 1)}{p}")
+        return headers
 
     def set_version(self, version: int) -> None:
-        if self.source is not None:
-            self.source.set_version(version)
+        self.source.set_version(version)
 
     def state_dict(self) -> Any:
-        """Process 0's source state (the others have none: process 0 writes the checkpoint)."""
-        return self.source.state_dict() if self.source is not None else None
+        return self.source.state_dict()
 
     def checkpoint_state(self) -> Any:
-        """Process 0's source state as of the last publish (None on the other processes)."""
-        return self.source.checkpoint_state() if self.source is not None else None
+        return self.source.checkpoint_state()
 
     def close(self) -> None:
-        if self.source is not None:
-            self.source.close()
+        self.source.close()
 
 
-def _wait_header(key: str, index: int, version: int) -> dict:
-    """Process 0's header for this exchange. Waits in bounded polls (process 0 may be
-    generating or evaluating for long); a lost coordinator ends the wait with an error."""
+def _wait_key(key: str, index: int, what: str) -> str:
+    """The value of ``key`` once another process has set it. Waits in bounded polls (the other
+    process may be generating or evaluating for long); a lost coordinator ends the wait with an error."""
     client = coordination_client()
     started = last_log = time.monotonic()
     while True:
         try:
-            return json.loads(client.blocking_key_value_get(key, _WAIT_POLL_MS))
+            return client.blocking_key_value_get(key, _WAIT_POLL_MS)
         except Exception as err:
             if not _is_deadline(err):
-                raise AsyncRLError(f"process {index}: lost contact with process 0 while waiting for the batch of "
-                                   f"step {version + 1} ({err})") from None
+                raise AsyncRLError(f"process {index}: lost contact with the coordinator while waiting for {what} "
+                                   f"({err})") from None
         if time.monotonic() - last_log >= _WAIT_LOG_S:
             last_log = time.monotonic()
-            log.info("process %d: waiting %.0f s for process 0's batch of step %d", index,
-                     last_log - started, version + 1)
+            log.info("process %d: waiting %.0f s for %s", index, last_log - started, what)
 
 
 class EvalBlocks:
@@ -463,3 +428,30 @@ class EvalBlocks:
     def batches_once(self, limit: Optional[int] = None) -> Iterator[TrainBatch]:
         for batch in self.data.batches_once(limit):
             yield split_rows(batch, self.hosts.count, self.row_multiple)[self.hosts.index]
+
+
+class OwnBlocks:
+    """A :class:`~asyncrl.rollout.batch.BatchSource` that every process builds alike (an SFT
+    stage's ``SFTData``: the same data, position and draws everywhere), whose batches are this
+    process's blocks of them (:func:`split_rows`): nothing is sent, each takes its own rows."""
+
+    def __init__(self, source: Any, hosts: Hosts, row_multiple: int):
+        self.source, self.hosts, self.row_multiple = source, hosts, row_multiple
+
+    def next_batch(self, version: int, timeout: Optional[float] = None, *,
+                   abandon_if: Optional[Callable[[], bool]] = None) -> PreparedBatch:
+        got = self.source.next_batch(version, timeout, abandon_if=abandon_if)
+        block = split_rows(got.batch, self.hosts.count, self.row_multiple)[self.hosts.index]
+        return PreparedBatch(batch=block, groups=got.groups, sample_ids=got.sample_ids, metrics=got.metrics)
+
+    def set_version(self, version: int) -> None:
+        self.source.set_version(version)
+
+    def state_dict(self) -> Any:
+        return self.source.state_dict()
+
+    def checkpoint_state(self) -> Any:
+        return self.source.checkpoint_state()
+
+    def close(self) -> None:
+        self.source.close()

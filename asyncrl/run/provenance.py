@@ -1,5 +1,5 @@
 """What a run records about itself in ``run.output_dir``: the resolved config, the
-command line, package versions, the git commit and the devices it ran on."""
+command line, package versions, the git commit, the devices it ran on and what ran on each."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Optional, Sequence
 
 PACKAGES = ("asyncrl", "jax", "jaxlib", "flax", "optax", "transformers", "safetensors", "tokenizers", "numpy", "pydantic", "torch")
 
@@ -61,6 +62,30 @@ def write_provenance(output_dir: str | Path, config_yaml: str, argv: list[str] |
     }
     atomic_write_text(output_dir / "config.yaml", config_yaml)
     atomic_write_text(output_dir / "provenance.json", json.dumps(record, indent=2) + "\n")
+
+
+def record_placement(output_dir: str | Path, placement: Any, mesh: Any, remote_servers: int = 0,
+                     engine_devices: Optional[Sequence[Any]] = None) -> None:
+    """Add to ``provenance.json`` which devices the trainer and the in-process engines run on, as the
+    run resolved them (``placement``: a :class:`~asyncrl.cluster.placement.Placement`; ``mesh``: the
+    trainer's mesh): device ids of ``devices``, the trainer mesh's shape and the engine's replicas.
+    ``engine_devices``: every process's engine devices in a multi-process run (each process has an
+    engine of its own; default: this process's). With ``remote_servers`` the engine is that many
+    servers and holds no device here. ``scripts/plot_placement.py`` draws it."""
+    path = Path(output_dir) / "provenance.json"
+    record = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    every_engine = placement.engine_devices if engine_devices is None else engine_devices
+    engine = [] if remote_servers else [d.id for d in every_engine]
+    record["placement"] = {
+        "trainer": [d.id for d in placement.trainer_devices],
+        "trainer_mesh": {str(axis): int(size) for axis, size in mesh.shape.items()},
+        "engine": engine,
+        "engine_tensor_parallel": placement.tensor_parallel,
+        "engine_replicas": placement.engine_replicas if engine else 0,
+        "engine_remote_servers": remote_servers,
+        "shares_trainer_arrays": bool(placement.shares_trainer_arrays),
+    }
+    atomic_write_text(path, json.dumps(record, indent=2) + "\n")
 
 
 def atomic_write_text(path: Path, text: str) -> None:

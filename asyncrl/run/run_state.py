@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, TextIO, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence, TextIO, Union
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from asyncrl.config import Config, dump_config
 from asyncrl.engine.protocol import InferenceEngine
 from asyncrl.errors import CheckpointError
 from asyncrl.rollout.batch import BatchSource, PreparedBatch
-from asyncrl.run.build import build_engine, episode_metric_means, weights_writer
+from asyncrl.run.build import build_engine, weights_writer
 from asyncrl.run.startup import StartupClock
 
 if TYPE_CHECKING:
@@ -37,6 +38,10 @@ if TYPE_CHECKING:
     from asyncrl.trainer import Trainer
 
 log = logging.getLogger("asyncrl.run.loop")  # the run's records under the loop's logger, as before the split
+
+THREAD_JOIN_S = 60.0
+"""How long :meth:`Run.close` waits, in all, for the threads that call into the runtime (rollout
+workers, the train step's background compile) to end after the engine stopped."""
 
 Params = Any
 """A pytree of arrays: the model's parameters (or a LoRA run's adapters), on devices or as host numpy."""
@@ -66,7 +71,16 @@ class RunEngine(InferenceEngine, Protocol):
 ENGINE_COUNTERS = ("engine/requests", "engine/samples_aborted", "engine/prefill_tokens", "engine/prefix_hit_tokens",
                    "engine/decode_tokens", "engine/decode_steps", "engine/swaps", "engine/preemptions")
 """Cumulative engine counters: saved in checkpoints and continued by a resumed run, so its
-curves go on from where they were (the resumed process's engine counts from zero)."""
+curves go on from where they were (the resumed process's engine counts from zero). In a
+multi-process run they are totals over the hosts, and each host's ``engine/host{i}/requests`` and
+``engine/host{i}/decode_tokens`` are kept beside them."""
+HOST_COUNTERS = ("engine/requests", "engine/decode_tokens")
+"""The counters logged per host of a multi-process run, as ``engine/host{i}/<name>``."""
+
+
+def host_counter(index: int, name: str) -> str:
+    """``engine/host{index}/requests`` for ``engine/requests``."""
+    return f"engine/host{index}/{name.split('/', 1)[1]}"
 
 
 @dataclass(frozen=True)
@@ -87,19 +101,28 @@ class Stage:
     """Steps of this stage the resumed checkpoint holds (None: not resumed inside this stage)."""
 
 
-def reward_metrics(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
-    """``reward/mean``, ``reward/std``, ``reward/<component>`` and ``episode/<name>`` of a batch's groups."""
-    if not groups:
+def reward_summaries(groups: Sequence[TrajectoryGroup]) -> list[list[Any]]:
+    """Per trajectory of a batch's groups, in batch order, what :func:`reward_metrics` reads:
+    ``[reward, {component: value}, {episode metric: value}]`` (JSON-able: a process's part of the
+    step's report in a multi-process run)."""
+    return [[float(t.reward), {k: float(v) for k, v in t.reward_components.items()},
+             {k: float(v) for k, v in (t.metadata or {}).get("episode_metrics", {}).items()}]
+            for g in groups for t in g.trajectories]
+
+
+def reward_metrics(summaries: Sequence[Sequence[Any]]) -> dict[str, float]:
+    """``reward/mean``, ``reward/std``, ``reward/<component>`` and ``episode/<name>`` of a batch's
+    trajectories (:func:`reward_summaries`, every process's in process order)."""
+    if not summaries:
         return {}
-    trajectories = [t for g in groups for t in g.trajectories]
-    rewards = [t.reward for t in trajectories]
-    components: dict[str, list[float]] = {}
-    for traj in trajectories:
-        for name, value in traj.reward_components.items():
-            components.setdefault(name, []).append(value)
+    rewards = [summary[0] for summary in summaries]
     out = {"reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards))}
-    out.update({f"reward/{name}": float(np.mean(values)) for name, values in components.items()})
-    out.update({f"episode/{name}": value for name, value in episode_metric_means(trajectories).items()})
+    for prefix, position in (("reward/", 1), ("episode/", 2)):
+        values: dict[str, list[float]] = {}
+        for summary in summaries:
+            for name, value in summary[position].items():
+                values.setdefault(name, []).append(value)
+        out.update({f"{prefix}{name}": float(np.mean(v)) for name, v in values.items()})
     return out
 
 
@@ -112,6 +135,8 @@ class Run:
 
     def __init__(self, cfg: Config, out: Path, console: Optional[TextIO], resumed: Optional[Checkpoint],
                  guard: ShutdownGuard, hosts: Hosts, startup: StartupClock):
+        import jax
+
         from asyncrl.cluster.mesh import build_mesh
         from asyncrl.cluster.placement import resolve_placement
         from asyncrl.model import load_model
@@ -119,6 +144,7 @@ class Run:
         from asyncrl.run.auto_slots import resolve_auto_remat, resolve_auto_tensor_parallel
         from asyncrl.run.metrics import ConsoleSink, JsonlSink, LogAppender
         from asyncrl.run.multihost import NoSink
+        from asyncrl.run.provenance import record_placement
 
         self.cfg, self.out, self.guard = cfg, out, guard
         self.hosts = hosts
@@ -153,6 +179,11 @@ class Run:
         self.final_critic: Optional[tuple[Any, Any]] = None
         """``(critic DecoderConfig, host params)`` of the last stage's critic, exported as ``hf_critic/``."""
         self.mesh = build_mesh(cfg.mesh, devices=self.placement.trainer_devices)
+        if self.hosts.is_main:  # provenance.json: what ran on which device (every host's engine)
+            engines = [d for host in range(jax.process_count())
+                       for d in resolve_placement(cfg, process_index=host).engine_devices]
+            record_placement(out, self.placement, self.mesh, len(cfg.engine.remote.urls) if cfg.engine.remote else 0,
+                             engine_devices=engines)
         self.device = _first_local_device(self.mesh)
         """The device whose memory ``perf/device_mem_gb`` reports (this process's first in the mesh)."""
         self.engine: Optional[RunEngine] = None
@@ -164,7 +195,8 @@ class Run:
         """Completed trainer steps over all stages: the version the engine serves."""
         main = self.hosts.is_main
         self.console: Union[ConsoleSink, NoSink] = (
-            ConsoleSink(cfg.total_steps, start_step=self.version, stream=console) if main else NoSink())
+            ConsoleSink(cfg.total_steps, start_step=self.version, stream=console, extra=cfg.logging.console_metrics)
+            if main else NoSink())
         self.jsonl: Union[JsonlSink, NoSink] = JsonlSink(out / "metrics.jsonl") if main else NoSink()
         self.trajectory_log: Union[LogAppender, NoSink] = (
             LogAppender(out / "trajectories.jsonl", create=False) if main else NoSink())
@@ -179,6 +211,8 @@ class Run:
         """The engine work of the evals since the last counter read (their requests' own usage): a
         checkpoint adds it to the counters it keeps, since a resume does not redo those evals."""
         self.generated_before = self.engine_counter_base.get("engine/decode_tokens", 0.0)
+        self.host_requests_before = [0.0] * hosts.count
+        """Each host's ``engine/requests`` (its engine's own count) at the last step: ``engine/hosts_generating``."""
         self.last_checkpoint: Optional[Path] = None
         self.last_checkpoint_version = -1
         self.pending_checkpoint: Any = None  # the asynchronous checkpoint write in flight (PendingSave)
@@ -186,6 +220,15 @@ class Run:
         """Reward function calls of this process that failed or timed out (all stages, eval included)."""
         self.startup = startup
         """The split of the time to first step (:mod:`asyncrl.run.startup`), started by ``train``."""
+        self._thread_joins: list[Callable[[float], list[str]]] = []
+        """``join(timeout) -> names still running`` of the run's threads that call into the runtime
+        (:meth:`join_on_close`)."""
+
+    def join_on_close(self, join: Callable[[float], list[str]]) -> None:
+        """Have :meth:`close` wait for threads that call into the runtime (XLA, tokenizers, user
+        workflows) to end, after the engine stopped: a thread still inside native code when the
+        interpreter exits aborts the process (SIGABRT) instead of letting it exit with its status."""
+        self._thread_joins.append(join)
 
     def _attach_lora(self, cfg: Config, resumed: Optional[Checkpoint]) -> None:
         """Fresh adapters on the loaded base (``self.params`` become the adapters); a resumed
@@ -212,7 +255,8 @@ class Run:
             except Exception as err:
                 log.warning("the checkpoint in flight when the run failed was not completed: %s", err)
         if self.engine is not None:
-            self.engine.shutdown()
+            self.engine.shutdown()  # ends the engine calls rollout workers wait in
+        self._join_threads()
         from asyncrl.rollout.reward_model import close_reward_models
 
         close_reward_models()  # learned reward models' scoring threads end with the run that prepared them
@@ -222,6 +266,14 @@ class Run:
         self.jsonl.close()
         self.trajectory_log.close()
         self.console.close()
+
+    def _join_threads(self) -> None:
+        deadline = time.monotonic() + THREAD_JOIN_S
+        running = [name for join in self._thread_joins for name in join(max(0.0, deadline - time.monotonic()))]
+        self._thread_joins.clear()
+        if running:
+            log.warning("%d thread(s) still running %.0f s after the run stopped (%s); the command exits without "
+                        "waiting for them", len(running), THREAD_JOIN_S, ", ".join(running[:4]))
 
     def resumed_inside(self, stage: Stage) -> Checkpoint:
         """The checkpoint ``stage`` resumes inside of (only when ``stage.done`` is not None)."""
@@ -267,29 +319,34 @@ class Run:
         return StatsTracker([self.jsonl, tensorboard, *trackers, self.console]), tensorboard
 
     def ensure_engine(self, trainer: Trainer, scfg: Config) -> Optional[RunEngine]:
-        """The run's engine (process 0's; None on the others), built once from the trainer's weights.
-        With ``engine.remote`` and several processes every process first writes the current version
-        (its share of it), which process 0's engine loads on servers that serve another one."""
+        """This process's engine, built once from the trainer's weights: every process of a
+        multi-process run builds one on its own devices (the serving copy is made by one collective
+        every process enters here, :mod:`asyncrl.engine.device_copy`). With ``engine.remote`` and
+        several processes every process first writes its share of the current version, and its
+        engine drives its share of the servers (:func:`~asyncrl.run.build.remote_share`)."""
         if self.engine is None:
+            params = trainer.params_for_publish()
             if self.writer is not None:
-                params = trainer.params_for_publish()
+                from asyncrl.run.build import remote_share
+
                 written = self.writer.write(params, self.version) if self.hosts.multi else None
-                if self.hosts.is_main:
-                    self.engine = build_engine(scfg, self.loaded, self.graphdef, params, version=self.version,
-                                               out=self.out, writer=self.writer, written=written)
-                return self.engine
-            params = self.hosts.engine_copy(trainer.params_for_publish())  # every process joins the gather
-            if self.hosts.is_main:
+                self.hosts.barrier(f"weights-{self.version}")  # process 0 renamed it into place
+                self.engine = build_engine(remote_share(scfg, self.hosts.index, self.hosts.count), self.loaded,
+                                           self.graphdef, params, version=self.version, out=self.out, writer=self.writer,
+                                           written=written)
+            else:
                 self.engine = build_engine(scfg, self.loaded, self.graphdef, params, version=self.version, out=self.out,
                                            placement=self.placement)
         return self.engine
 
     def publish(self, trainer: Trainer) -> None:
-        """Version ``v + 1`` to the engine (process 0's, from the global params; every process calls this).
-        With ``engine.remote`` every process writes its share of the version's files, then process 0
-        has the servers load them; else process 0's in-process engine receives the weights."""
+        """Version ``v + 1`` to every process's engine (every process calls this at the same point).
+        With ``engine.remote`` every process writes its share of the version's files, then each
+        process's engine has its servers load them; else each in-process engine receives the
+        trainer's global params and lays them out on its devices (one collective)."""
         started = time.perf_counter()
         remote = self.cfg.engine.remote
+        assert self.engine is not None, "ensure_engine built this process's engine"
         if self.writer is not None and remote is not None and remote.publish_adapters and trainer.lora is not None \
                 and not self.hosts.multi:
             from asyncrl.engine.remote import RemoteEngine
@@ -297,28 +354,46 @@ class Run:
             assert isinstance(self.engine, RemoteEngine), "a weights writer is built for engine.remote only"
             self.engine.update_lora(trainer.base_params, trainer.params, trainer.lora, self.version + 1)  # adapters only
         elif self.writer is not None:
-            path = self.writer.write(trainer.params_for_publish(), self.version + 1)
-            if self.engine is not None:
-                from asyncrl.engine.remote import RemoteEngine
+            from asyncrl.engine.remote import RemoteEngine
 
-                assert isinstance(self.engine, RemoteEngine), "a weights writer is built for engine.remote only"
-                self.engine.load_version(path, self.version + 1)
+            path = self.writer.write(trainer.params_for_publish(), self.version + 1)
+            self.hosts.barrier(f"weights-{self.version + 1}")  # complete (renamed into place) for every process
+            assert isinstance(self.engine, RemoteEngine), "a weights writer is built for engine.remote only"
+            self.engine.load_version(path, self.version + 1)
         else:
-            params = self.hosts.engine_copy(trainer.params_for_publish())
-            if self.engine is not None:
-                self.engine.update_weights(params, self.version + 1)
+            self.engine.update_weights(trainer.params_for_publish(), self.version + 1)
         self.publish_time = time.perf_counter() - started  # gathering, writing or moving to the engine, the swap
         self.version += 1
 
     def read_engine_counters(self) -> dict[str, float]:
-        """The engine's metrics, its counters continued from the resumed run's; the counters
-        are kept for the next checkpoint (as of this call: work started later is not counted,
-        since a resume redoes it)."""
-        if self.engine is None:
-            return {}  # a process other than 0: no engine, no metrics of its own in the logs
-        engine_metrics = self.engine.metrics()
+        """This process's engine metrics, read now (before admission moves on: work started later is
+        not counted, since a resume redoes it); :meth:`step_metrics` continues the counters."""
+        engine_metrics = self.engine.metrics() if self.engine is not None else {}
         self.eval_usage = {}  # counted in the engine's own counters from here on
-        for name in ENGINE_COUNTERS:
+        return engine_metrics
+
+    def _engine_totals(self, per_host: Sequence[Mapping[str, float]]) -> dict[str, float]:
+        """Process 0: the step's ``engine/*`` metrics from every host's engine's own, combined over
+        the hosts (:func:`~asyncrl.run.metrics.combine_hosts`), the counters continued from the resumed
+        run's and kept for the next checkpoint, ``engine/hosts_generating`` (hosts whose engine
+        finished a request since the last step) and, with several hosts, each host's counters."""
+        from asyncrl.run.metrics import combine_hosts
+
+        if len(per_host) > 1:  # each process's servers (engine.remote) under their index in engine.remote.urls
+            per_host = [{_server_index(name, index, len(per_host)): value for name, value in metrics.items()}
+                        for index, metrics in enumerate(per_host)]
+        engine_metrics = combine_hosts(per_host)
+        if not engine_metrics:
+            return {}
+        requests = [float(m.get("engine/requests", 0.0)) for m in per_host]
+        engine_metrics["engine/hosts_generating"] = float(sum(
+            now > before for now, before in zip(requests, self.host_requests_before)))
+        self.host_requests_before = requests
+        if len(per_host) > 1:
+            for index, metrics in enumerate(per_host):
+                for name in HOST_COUNTERS:
+                    engine_metrics[host_counter(index, name)] = float(metrics.get(name, 0.0))
+        for name in [*ENGINE_COUNTERS, *(host_counter(i, n) for i in range(len(per_host)) for n in HOST_COUNTERS)]:
             if name in engine_metrics:
                 engine_metrics[name] += self.engine_counter_base.get(name, 0.0)
                 self.engine_counters[name] = engine_metrics[name]
@@ -328,15 +403,26 @@ class Run:
         return engine_metrics
 
     def step_metrics(self, got: PreparedBatch, train_metrics: dict[str, float], engine_metrics: dict[str, float],
-                     step_time: float) -> dict[str, float]:
-        """One step's metrics, each name from the one part that made it (a name with two
-        producers is an error): the trainer's, the source's, the engine's, the batch's rewards,
-        the process's (RSS, threads, device memory: a leak shows as a rising curve) and the
-        loop's own whole-step figures."""
+                     step_time: float, dump: Sequence[dict] = ()) -> tuple[dict[str, float], list[dict]]:
+        """One step's metrics and the trajectory records to dump (process 0's; the others return
+        nothing), each name from the one part that made it (a name with two producers is an error):
+        the trainer's, the source's, the engine's, the batch's rewards, the process's (RSS,
+        threads, device memory: a leak shows as a rising curve) and the loop's own whole-step
+        figures. With several processes every process calls this: its engine and rollout metrics,
+        its trajectories' rewards and its ``dump`` records reach process 0 (:meth:`Hosts.gather
+        <asyncrl.run.multihost.Hosts.gather>`), which combines the engine and rollout metrics over
+        the hosts (:func:`~asyncrl.run.metrics.combine_hosts`) and computes the rewards of the whole batch."""
         from asyncrl.rollout.reward_model import reward_model_metrics
-        from asyncrl.run.metrics import merge_producers, process_metrics
+        from asyncrl.run.metrics import combine_hosts, merge_producers, process_metrics
 
-        generated = engine_metrics.get("engine/decode_tokens", 0.0)
+        report: dict[str, Any] = {"engine": engine_metrics, "rollout": dict(got.metrics),
+                                  "rewards": reward_summaries(got.groups), "dump": list(dump)}
+        reports = self.hosts.gather("step", report)
+        if reports is None:
+            return {}, []
+        engine = self._engine_totals([r["engine"] for r in reports])
+        source: Mapping[str, float] = combine_hosts([r["rollout"] for r in reports]) if len(reports) > 1 else got.metrics
+        generated = engine.get("engine/decode_tokens", 0.0)
         loop = {
             "perf/step_time": step_time,  # batch wait + train + publish
             # The whole batch's (a process's got.batch is its own block in a multi-process run).
@@ -346,19 +432,35 @@ class Run:
             "perf/publish_time": self.publish_time,  # part of step_time
         }
         self.generated_before = generated
-        return merge_producers(trainer=train_metrics, source=got.metrics, engine=engine_metrics,
-                               rewards=reward_metrics(got.groups), reward_model=reward_model_metrics(),
-                               process=process_metrics(self.device), loop=loop)
+        metrics = merge_producers(trainer=train_metrics, source=source, engine=engine,
+                                  rewards=reward_metrics([s for r in reports for s in r["rewards"]]),
+                                  reward_model=reward_model_metrics(), process=process_metrics(self.device), loop=loop)
+        return metrics, [record for r in reports for record in r["dump"]]
 
     def eval_on_engine(self, stage: Stage, tracker: StatsTracker) -> None:
-        """The stage's task eval through the engine (process 0's), recorded on ``tracker``; the
-        last one's metrics are the run's ``final_eval``."""
-        from asyncrl.run.evaluate import evaluate_workflow
+        """The stage's task eval through the engines (every process calls this: each runs its share of
+        the eval samples on its own engine, process 0 combines the parts), recorded on ``tracker``
+        (process 0's); the last one's metrics are the run's ``final_eval``."""
+        from asyncrl.run.evaluate import combine_eval_parts, evaluate_part
 
         task = stage.task
-        assert self.engine is not None, "eval runs on process 0, which holds the engine"
-        result = evaluate_workflow(self.engine, stage.workflow, task.eval, stage.cfg, eval_metrics=task.eval_metrics)
-        for name, value in result.engine_usage.items():
+        assert self.engine is not None, "every process holds its engine (Run.ensure_engine)"
+        try:
+            part = evaluate_part(self.engine, stage.workflow, task.eval, stage.cfg, eval_metrics=task.eval_metrics,
+                                 share=(self.hosts.index, self.hosts.count))
+        except Exception as err:
+            if self.hosts.multi:  # process 0 names this process instead of waiting for its part
+                self.hosts.gather("eval", {"error": f"{type(err).__name__}: {err}"})
+            raise
+        parts = self.hosts.gather("eval", part)
+        if parts is None:
+            return
+        result = combine_eval_parts(parts, stage.workflow)
+        usage = dict(result.engine_usage)
+        if len(parts) > 1:  # each host's share of it, for its own counters
+            usage.update({host_counter(index, name): float(part["usage"].get(name, 0.0))
+                          for index, part in enumerate(parts) for name in HOST_COUNTERS})
+        for name, value in usage.items():
             self.eval_usage[name] = self.eval_usage.get(name, 0.0) + value
         self.final_eval = result.metrics
         tracker.scalars(result.metrics, reduce="last")
@@ -377,9 +479,9 @@ class Run:
 
     def save(self, stage: Stage, stage_step: int, trainer: Trainer, source: BatchSource) -> None:
         """Start a checkpoint of the run after ``stage_step`` steps of ``stage``: weights,
-        optimizer, counters and the source's position (RL: the rollout state; SFT: the data
-        position). Every process writes its own shards of the arrays (never gathered); process
-        0 the JSON. With ``checkpoint.asynchronous`` the write finishes while the next steps
+        optimizer, counters and the source's position (RL: every process's rollout state; SFT: the
+        data position). Every process writes its own shards of the arrays (never gathered) and its
+        rollout state; process 0 the JSON. With ``checkpoint.asynchronous`` the write finishes while the next steps
         train (:meth:`finish_checkpoint` waits for it); at most one is in flight."""
         from asyncrl.checkpoint import start_checkpoint
 
@@ -390,7 +492,9 @@ class Run:
         if stage.index > 0 and trainer.ref_params is not None:
             arrays["stage_start_params"] = stage.start_params
         state: dict[str, Any] = {}
-        rollout_state = None
+        # Every process's own (its share of the samples), as of the step's publish, like the
+        # engine counters below (read just before it).
+        rollout_state = source.checkpoint_state() if stage.type == "rl" else None
         if self.hosts.is_main:
             state = {
                 "format": RUN_STATE_FORMAT, "version": self.version, "stage_index": stage.index,
@@ -401,8 +505,6 @@ class Run:
             }
             if self.hosts.multi:
                 state["process_count"] = self.hosts.count  # recorded; a resume may have another count
-            # As of the step's publish, like the engine counters above (read just before it).
-            rollout_state = source.checkpoint_state() if stage.type == "rl" else None
             if stage.type == "sft":
                 state["sft"] = source.checkpoint_state()
             if self.lora_state is not None:
@@ -447,6 +549,15 @@ class Run:
         if pending is not None:
             pending.wait()
             self.hosts.barrier(f"checkpoint-{pending.step}")  # complete (renamed into place) for everyone
+
+
+def _server_index(name: str, process: int, processes: int) -> str:
+    """``engine/server{i}/...`` of process ``process``'s remote engine (its i-th server) under the
+    server's index in ``engine.remote.urls`` (:func:`~asyncrl.run.build.remote_share`); other names as they are."""
+    found = re.match(r"engine/server(\d+)/", name)
+    if found is None:
+        return name
+    return f"engine/server{process + int(found.group(1)) * processes}/{name[found.end():]}"
 
 
 def _open_trackers(cfg: Config, out: Path, resumed: Optional[Checkpoint]) -> Optional[TrackerSinks]:

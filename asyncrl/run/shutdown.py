@@ -30,6 +30,12 @@ the watcher are all removed on leaving the ``with`` block.
 
 Signals can only be handled on the main thread: entered on another thread, the guard
 installs nothing (it logs a warning) and only :meth:`ShutdownGuard.request` sets the flag.
+
+How the command's process ends, whatever ended the run (:func:`end_process`): the run first stops
+its threads and joins those that call into the runtime (the engine's scheduler, the rollout
+workers, the train step's background compile: ``Run.close``); a failed or interrupted command
+then exits with its status without the interpreter's finalization, which would stop any thread
+still inside native code where it stands and abort the process (SIGABRT) instead.
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
+import time
 import types
-from typing import Any, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -208,3 +216,35 @@ def _exit_now(code: int, message: str) -> None:
         os.write(2, message.encode())
     finally:
         os._exit(code)
+
+
+def join_threads(threads: Sequence[threading.Thread], timeout: float) -> list[str]:
+    """Wait at most ``timeout`` seconds in all for ``threads`` to end; returns the names of those
+    still running."""
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+    return [thread.name for thread in threads if thread.is_alive()]
+
+
+def end_process(code: int) -> NoReturn:
+    """End the command's process with status ``code``.
+
+    Status 0 exits as usual (``sys.exit``: atexit callbacks, finalization). Any other status (an
+    error, a signal) flushes the streams and logs and ends the process at once (``os._exit``):
+    the run has already closed its files, checkpoints and trackers and joined its threads
+    (``Run.close``), but a thread it could not wait for (a compile in flight, a workflow that does
+    not return) would be stopped by the interpreter's finalization wherever it stands, and one
+    inside native code (XLA, a tokenizer) ends the process with SIGABRT ("terminate called after
+    throwing an instance of ''", "FATAL: exception not rethrown", status 134) instead of ``code``.
+    """
+    if code == 0:
+        sys.exit(0)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said there
+            pass
+    logging.shutdown()
+    os._exit(code)

@@ -273,6 +273,23 @@ class ServeState:
                 digests = dict(raw.get("metadata", {}).get(TENSOR_HASHES) or {})
             except (AttributeError, TypeError, ValueError) as err:
                 raise ValueError(f"{index}: not a valid safetensors index ({err})") from None
+        keep = self._kept_leaves(digests)
+        tensors = read_safetensors(path, only=None if not keep else [n for n in names if n not in keep])
+        params = params_from_hf(self.model_cfg, tensors, str(path), keep=keep)
+        version = self.engine.version + 1
+        self.labels[version] = label if label is not None else self.label
+        # Nothing here may hold the old weights while the engine installs the new ones (it drops
+        # its own copy first): one serving copy at the update's peak. A loaded adapter's base goes
+        # too (adapters are of one base); kept tensors are shared by both versions.
+        self.base, self.adapters, self.active_adapter = None, {}, None
+        self.engine.update_weights(params, version)
+        self.held_digests = digests
+        self.load_figures = {"serve/tensors_read": float(len(tensors)), "serve/tensors_kept": float(len(keep)),
+                             "serve/bytes_read": float(sum(int(t.nbytes) for t in tensors.values()))}
+
+    def _kept_leaves(self, digests: dict[str, str]) -> dict[str, Any]:
+        """The served base's tensors whose published hash is the one this server holds, by HF name
+        (the only references to the old weights that outlive this call are these shared leaves)."""
         held = self.base_params()
         keep: dict[str, Any] = {}
         for keys, (hf_name, _, _) in self.layout.items():
@@ -281,15 +298,7 @@ class ServeState:
                 for k in keys:
                     leaf = leaf[k]
                 keep[hf_name] = leaf
-        tensors = read_safetensors(path, only=None if not keep else [n for n in names if n not in keep])
-        params = params_from_hf(self.model_cfg, tensors, str(path), keep=keep)
-        version = self.engine.version + 1
-        self.labels[version] = label if label is not None else self.label
-        self.engine.update_weights(params, version)
-        self.held_digests = digests
-        self.base, self.adapters, self.active_adapter = None, {}, None
-        self.load_figures = {"serve/tensors_read": float(len(tensors)), "serve/tensors_kept": float(len(keep)),
-                             "serve/bytes_read": float(sum(int(t.nbytes) for t in tensors.values()))}
+        return keep
 
     # ------------------------------------------------------------------ LoRA adapters
 

@@ -95,6 +95,12 @@ class Precompile:
         finally:
             self._done.set()
 
+    def join(self, timeout: float) -> list[str]:
+        """Wait at most ``timeout`` seconds for the compile to end (an XLA compile cannot be
+        cancelled); returns the thread's name if it is still running, else nothing."""
+        self._thread.join(timeout)
+        return [self._thread.name] if self._thread.is_alive() else []
+
     def settle(self, shape: tuple[int, int, int], timeout_s: float) -> bool:
         """Before the first step of ``shape``: wait for the compile when it is of this shape (the
         step then loads it from the cache; waiting at most ``timeout_s``), not when it is of

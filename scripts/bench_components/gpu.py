@@ -244,7 +244,8 @@ def loop_overrides(args: argparse.Namespace, model_dir: Path, run_dir: Path, dty
     data = args.data
     out = [f"model.path={model_dir}", f"model.compute_dtype={dtype}", f"run.total_steps={args.loop_steps}",
            f"run.output_dir={run_dir}", f"data.dataset.kwargs.path={data / 'train.jsonl'}",
-           f"data.dataset.kwargs.eval_path={data / 'test.jsonl'}", "eval.every_steps=0", "checkpoint.every_steps=0",
+           f"data.dataset.kwargs.eval_path={data / 'test.jsonl'}", "data.dataset.kwargs.eval_split=null",
+           "eval.every_steps=0", "checkpoint.every_steps=0",
            "logging.trackers=[]", "logging.dump_every_steps=0"]
     if args.quick:  # the recipe's structure at a size a CPU steps through in seconds
         out += ["model.param_dtype=float32", "model.remat=false", "rollout.batch_size=2", "rollout.group_size=2",

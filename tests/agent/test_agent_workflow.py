@@ -160,3 +160,26 @@ def test_a_reissued_episode_draws_the_same_tokens():
         np.testing.assert_array_equal(a.input_ids, b.input_ids)
         np.testing.assert_array_equal(a.behavior_logprobs, b.behavior_logprobs)
     assert len({tuple(t.input_ids) for t in first.trajectories}) == len(first.trajectories)  # runs differ
+
+
+def test_the_calculator_agents_demonstrations_are_its_own_turns():
+    """``calculator_agent_demos``: per problem, the first turn's response is a calculator call on the
+    question's expression that the agent's parser reads back, the second's the tool's result; both
+    render with the agent's prompt (tools included), so SFT teaches exactly what the agent does."""
+    from asyncrl.agent.tools import parse_tool_calls
+    from asyncrl.registry import resolve
+    from workflows.calculator_agent import CALCULATOR, run_calculator
+
+    task = resolve("dataset", "calculator_agent_demos")(train_size=3, eval_size=2, min_digits=1, max_digits=2)
+    assert len(task.train) == 6 and all("messages" not in s for s in task.eval)
+    tokenizer = qwen_char_tokenizer()
+    for first, second in zip(task.train[::2], task.train[1::2]):
+        expression = first["prompt"].partition(":")[2]
+        parsed = parse_tool_calls(first["response"], "qwen")
+        assert parsed is not None and parsed.calls == [("calculator", {"expression": expression})]
+        call, result = second["messages"][1]["tool_calls"][0], second["messages"][2]["content"]
+        assert result == run_calculator(call["function"]["arguments"]) == second["response"] == first["answer"]
+        rendered = tokenizer.apply_chat_template(second["messages"], tools=[CALCULATOR], tokenize=False)
+        turn_one = tokenizer.apply_chat_template(second["messages"][:1], tools=[CALCULATOR], tokenize=False,
+                                                 add_generation_prompt=True)
+        assert rendered.startswith(turn_one + first["response"])  # the call as the template writes it

@@ -52,6 +52,20 @@ def test_an_asynchronous_save_returns_before_the_write_is_complete(tmp_path):
     assert load_checkpoint(latest_checkpoint(tmp_path)).arrays["params"]["b"].tolist() == [2, 3, 4]
 
 
+def test_an_asynchronous_save_says_it_is_written_when_it_completes_not_at_the_next_wait(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="asyncrl.checkpoint.store"):
+        pending = ck.start_checkpoint(tmp_path, 3, arrays=_arrays(3), state={"version": 3}, config_yaml="{}\n")
+        deadline = time.monotonic() + 30
+        while not pending.done() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        written = [r.getMessage() for r in caplog.records if "written to" in r.getMessage()]
+        assert written == [f"checkpoint of step 3 written to {tmp_path / 'checkpoints' / 'step_00000003'}"]  # nobody waited
+        pending.wait()
+    assert len([r for r in caplog.records if "written to" in r.getMessage()]) == 1
+
+
 def test_a_failing_asynchronous_save_raises_in_the_waiting_thread(tmp_path, monkeypatch):
     import errno
 

@@ -78,7 +78,7 @@ def _equal(outputs: list[str]) -> list[dict]:
     return [json.loads(line.split("EQUAL ", 1)[1]) for out in outputs for line in out.splitlines() if "EQUAL " in line]
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 @pytest.mark.timeout(600)
 def test_two_processes_to_one_and_one_to_two_restore_the_same_bits(tmp_path):
     """2 processes x 2 devices (fsdp 4 across both) -> 1 process with fsdp 2; and 1 process

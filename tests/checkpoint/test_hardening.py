@@ -1,5 +1,5 @@
-"""Hardening (issue 21): damaged logs never block a resume, a checkpoint's contents are validated
-before they are trusted, disk-full and I/O errors are survivable (issue 47: also when Orbax's
+"""Hardening: damaged logs never block a resume, a checkpoint's contents are validated
+before they are trusted, disk-full and I/O errors are survivable (also when Orbax's
 background writes fail), and resource use is logged.
 
 Runs go through the CLI (``asyncrl.cli.main`` in-process) on the ``tiny`` model. One real run
@@ -84,7 +84,7 @@ def run_copy(trained_run, tmp_path, monkeypatch) -> Path:
 
 
 def test_resume_skips_damaged_log_lines_with_one_warning_per_file(run_copy, caplog):
-    """Item 1: junk, non-UTF-8, step-less and torn lines in both logs; --resume goes on."""
+    """Junk, non-UTF-8, step-less and torn lines in both logs; --resume goes on."""
     for name in ("metrics.jsonl", "trajectories.jsonl"):
         path = run_copy / name
         good = path.read_bytes().splitlines(keepends=True)
@@ -101,7 +101,7 @@ def test_resume_skips_damaged_log_lines_with_one_warning_per_file(run_copy, capl
 
 
 def test_a_write_failure_in_a_checkpoint_stops_the_run_and_a_log_failure_does_not(run_copy, monkeypatch, capsys, caplog):
-    """Item 4 through the CLI: ENOSPC while writing step 3's state.json stops the run with one
+    """Through the CLI: ENOSPC while writing step 3's state.json stops the run with one
     line (path, errno), step 2 stays the newest complete checkpoint; a resume while every
     metrics.jsonl append fails with EIO warns and finishes, checkpoint complete."""
     real_write = ck._write_bytes
@@ -184,7 +184,7 @@ STAGES = ["state.json", "config.yaml", "rollout", "arrays", "hashes", "MANIFEST.
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
 @pytest.mark.parametrize("stage", STAGES)
 def test_an_io_error_at_any_stage_of_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, stage, code):
-    """Item 4: the error at every durable stage of a save is one CheckpointError naming the
+    """The error at every durable stage of a save is one CheckpointError naming the
     directory and the errno; the previous checkpoint stays complete; a later save works."""
 
     def save(step: int) -> Path:
@@ -212,7 +212,7 @@ def test_an_io_error_at_any_stage_of_a_save_keeps_the_previous_checkpoint(tmp_pa
 
 
 def test_a_full_small_filesystem_keeps_the_previous_checkpoint_and_logs_go_on(tmp_path, caplog):
-    """Item 4 on a real full file system (a 1 MiB tmpfs; skipped where mounting is not allowed)."""
+    """A write failure on a real full file system (a 1 MiB tmpfs; skipped where mounting is not allowed)."""
     import subprocess
 
     mount = tmp_path / "small"
@@ -350,7 +350,7 @@ def _param_shape(c):
     (_param_shape, "arrays/params", "field "),
 ])
 def test_a_checkpoint_whose_files_disagree_is_refused_in_one_line(tmp_path, monkeypatch, capsys, edit, file, field):
-    """Item 2: files that pass the manifest's hashes but disagree with each other, the config's
+    """Files that pass the manifest's hashes but disagree with each other, the config's
     stages or the model are refused before anything is trained, naming directory, file and field."""
     monkeypatch.chdir(tmp_path)
     config = write_yaml(tmp_path / "config.yaml", STAGED)
@@ -390,13 +390,14 @@ def test_the_unedited_hand_built_checkpoint_passes_the_checks():
     cfg = load_config(data=STAGED)
     contents = valid_contents(cfg)
     contents["arrays"] = {name: pytree.flatten(tree) for name, tree in contents["arrays"].items()}  # as loaded
+    contents["rollout_states"] = (contents.pop("rollout_state"),)
     checkpoint = Checkpoint(path=Path("step_00000003"), step=3, config_yaml="", **contents)
     assert check_run_checkpoint(checkpoint, cfg).stage_step == 1
     check_checkpoint_params(checkpoint, load_model(cfg.model).split()[1])
 
 
 def test_process_metrics_are_logged_every_step(trained_run):
-    """Item 5: host RSS and live threads in every trained row (device memory where reported)."""
+    """Host RSS and live threads in every trained row (device memory where reported)."""
     trained = [r for r in rows(trained_run / "run") if "loss/total" in r]
     assert trained and all(0.05 < r["perf/host_rss_gb"] < 64 and r["perf/threads"] >= 2 for r in trained)
     import jax
@@ -404,7 +405,7 @@ def test_process_metrics_are_logged_every_step(trained_run):
     assert ("perf/device_mem_gb" in trained[0]) == bool(jax.devices()[0].memory_stats())
 
 
-# --------------------------------------------------------------------------- bad input, refused at start-up (item 3)
+# --------------------------------------------------------------------------- bad input, refused at start-up
 
 
 def start_in(tmp_path: Path, monkeypatch, raw: dict) -> Path:
@@ -502,7 +503,7 @@ def test_sigint_during_start_up_exits_130_with_one_line(tmp_path):
     assert proc.returncode == 130 and "Traceback" not in err and len(lines) == 1, err
 
 
-# --------------------------------------------------------------------------- the preemption drill (item 6)
+# --------------------------------------------------------------------------- the preemption drill
 
 
 @pytest.mark.slow
@@ -532,7 +533,7 @@ def test_chaos_drill_on_tiny_loses_nothing_and_matches_the_uninterrupted_weights
 
 
 def test_a_run_that_ends_short_of_its_steps_never_counts_as_finished():
-    """Item 2's last rule, as a unit: whatever skipped steps, ending short is an error."""
+    """The validation's last rule, as a unit: whatever skipped steps, ending short is an error."""
     from types import SimpleNamespace
 
     from asyncrl.errors import AsyncRLError

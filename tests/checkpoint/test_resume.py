@@ -1,4 +1,4 @@
-"""Checkpoint/resume acceptance tests against the real training loop (issue 9).
+"""Checkpoint/resume acceptance tests against the real training loop.
 
 Every run is a few steps of the ``tiny`` model on the ``copy`` task, configured here
 explicitly (not from ``configs/quickstart.yaml``). Runs that must be killed or signalled
@@ -504,7 +504,7 @@ def test_signal_checkpoints_and_exits(signum, stall, tmp_path):
 
 
 def test_sigint_then_resume_continues_every_engine_counter_exactly(sync_reference, tmp_path, monkeypatch):
-    """Issue 47: a SIGINT stop, then --resume, gives the uninterrupted run's rows to the bit, the
+    """A SIGINT stop, then --resume, gives the uninterrupted run's rows to the bit, the
     engine's request and token counters included. The stop's checkpoint waits for the one in
     flight (each background write stalls half a second here), and with max_staleness 0 the next
     step's batch is generated meanwhile: its groups must not be saved as queued (they were

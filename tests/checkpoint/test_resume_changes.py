@@ -27,7 +27,7 @@ def test_a_run_whose_remat_policy_auto_was_resolved_resumes(tmp_path):
     assert [r["step"] for r in read_rows(out)] == [1, 2]
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_a_finished_staged_run_is_extended_by_raising_its_last_stage(tmp_path):
     out = tmp_path / "staged"
     config = write_config(tmp_path, out, **STAGES)
@@ -46,7 +46,7 @@ def test_a_finished_staged_run_is_extended_by_raising_its_last_stage(tmp_path):
         run_in_process(config, "checkpoint.resume=auto", "stages.1.total_steps=3")
 
 
-@pytest.mark.slow  # 14 s cold; resume is tested in test_resume.py by default (session 8's fresh clone: 951 s of the 960 s line)
+@pytest.mark.slow  # 14 s cold; resume is tested in test_resume.py by default
 def test_a_run_directory_moved_elsewhere_resumes_there(tmp_path):
     first = tmp_path / "first"
     config = write_config(tmp_path, first, **STAGES)

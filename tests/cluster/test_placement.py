@@ -110,12 +110,23 @@ def test_tensor_parallel_must_divide_the_kv_heads():
         check_tensor_parallel(4, Model(2))
 
 
-def test_multi_process_engine_lives_on_process_0():
+def test_every_process_gets_an_engine_on_its_own_devices_and_ranges_are_per_host():
     two = devices(8, processes=2)
-    p = resolve_placement(cfg(), two, process_count=2)
-    assert [d.id for d in p.engine_devices] == [0, 1, 2, 3] and p.colocated and not p.shares_trainer_arrays
-    assert "includes devices of processes other than 0; the engine runs in process 0, on its 4 local devices" in error_of(
-        cfg(placement={"trainer": "0:4", "engine": "4:8"}), two, processes=2)
+    for index in (0, 1):  # colocated: each process's engine on its share of the trainer's devices
+        p = resolve_placement(cfg(), two, process_count=2, process_index=index)
+        assert [d.id for d in p.trainer_devices] == list(range(8))
+        assert [d.id for d in p.engine_devices] == [4 * index + i for i in range(4)]
+        assert p.colocated and not p.shares_trainer_arrays and p.engine_replicas == 4
+    split = cfg(placement={"trainer": "0:2", "engine": "2:4"}, engine={"tensor_parallel": 2})
+    p = resolve_placement(split, two, process_count=2, process_index=1)  # the same range on every host
+    assert [d.id for d in p.trainer_devices] == [0, 1, 4, 5] and [d.id for d in p.engine_devices] == [6, 7]
+    assert not p.colocated and p.engine_replicas == 1
+    assert ("placement.engine = '4:8' needs devices up to index 7, but each process has (jax.local_devices()) 4 "
+            "(indices 0..3)") in error_of(cfg(placement={"trainer": "0:4", "engine": "4:8"}), two, processes=2)
+    assert "every process needs the same number of devices (process 0: 2, process 1: 6)" in error_of(
+        cfg(), [Dev(i, int(i >= 2)) for i in range(8)], processes=2)
+    assert "mesh.data x mesh.fsdp x mesh.tensor = 2 x 1 x 1 uses 2; make the mesh fill its devices" in error_of(
+        cfg(mesh={"data": 2}), two, processes=2)
 
 
 # ----------------------------------------------------------------------------- 8 devices (subprocesses)
@@ -356,7 +367,7 @@ def eight_devices(tmp_path_factory):
     return _loop(tmp_path_factory.mktemp("placement"), 3, engine_tensor_parallel="2")
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 @pytest.mark.timeout(300)
 def test_tensor_parallel_engine_equals_single_device(eight_devices):
     """Greedy tokens of a tensor-parallel engine (2 x 2 replicas; 4 in the slow test) on devices 4-7 equal the
@@ -366,7 +377,7 @@ def test_tensor_parallel_engine_equals_single_device(eight_devices):
     assert "tensor-parallel engines match" in eight_devices
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 @pytest.mark.timeout(300)
 def test_split_placement_trains_like_one_device(eight_devices):
     """Trainer on devices 0-3 (data x fsdp = 2 x 2), engine on 4-7 (tensor-parallel 2 x 2

@@ -1,4 +1,4 @@
-"""The engine's per-platform fast paths (issue 39), checked on the CPU: the XLA flags a GPU
+"""The engine's per-platform fast paths, checked on the CPU: the XLA flags a GPU
 would get (and that the CPU does not), the Gumbel-max sampler (same distribution as
 ``softmax(logits / T)`` by a chi-square test over 10^5 draws, exact log-probs, deterministic per
 key), and decode attending over a prefix of the KV cache (attention buckets) giving the same

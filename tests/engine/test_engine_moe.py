@@ -93,7 +93,7 @@ def run_round_trip(model_dir, compute_dtype: str = "float32", lora: bool = False
     return {"before": before, "after": after, "metrics": metrics}
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_engine_and_trainer_agree_before_and_after_a_publish(moe_dir):
     out = run_round_trip(moe_dir)
     assert out["before"] <= GAP and out["after"] <= GAP, out
@@ -108,7 +108,7 @@ def test_engine_and_trainer_agree_with_lora(moe_dir):
     assert out["before"] <= GAP and out["after"] <= GAP, out
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_engine_and_trainer_agree_in_bfloat16(moe_dir):
     out = run_round_trip(moe_dir, compute_dtype="bfloat16")
     assert out["before"] <= GAP and out["after"] <= GAP, out
@@ -139,7 +139,7 @@ def top1_dir(tmp_path_factory):
     return path
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_near_tie_routes_alike_and_a_bfloat16_router_would_not(top1_dir, monkeypatch):
     from asyncrl.model import moe
 

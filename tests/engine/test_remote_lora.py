@@ -1,4 +1,4 @@
-"""A cheaper publish to servers (issue 32): ``asyncrl serve`` re-reads only the tensors whose published
+"""A cheaper publish to servers: ``asyncrl serve`` re-reads only the tensors whose published
 sha256 changed, and a LoRA run publishes only its adapters (PEFT, SGLang's ``/load_lora_adapter``)
 after one full base publish. Against ``asyncrl serve``'s app on a thread (a real socket)."""
 

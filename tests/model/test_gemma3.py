@@ -47,7 +47,7 @@ def _logits(graphdef, params, ids, mask) -> np.ndarray:
     return np.asarray(forward_jit(graphdef, params, jnp.asarray(ids), None, jnp.asarray(mask))[0])
 
 
-@pytest.mark.slow  # 10 s cold; a check of the parity test's reach, not of the model (session 8's fresh clone: 951 s of the 960 s line)
+@pytest.mark.slow  # 10 s cold; a check of the parity test's reach, not of the model
 def test_every_gemma_option_moves_the_logits_the_parity_test_checks(checkpoint):
     _, hf, lm = checkpoint
     cfg = lm.config
@@ -166,7 +166,7 @@ print("tensor-parallel gemma3 engine matches")
 """
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_tensor_parallel_engine_decodes_the_tiny_gemma3_as_one_device_does():
     """Prompts of 11 tokens and 14 new ones: the sliding layer's window (8) is crossed in prefill and decode."""
     from tests.helpers import run_python, subprocess_env
@@ -176,7 +176,7 @@ def test_tensor_parallel_engine_decodes_the_tiny_gemma3_as_one_device_does():
     assert "tensor-parallel gemma3 engine matches" in proc.stdout
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_scanned_gemma3_layers_give_the_unrolled_logits_and_gradients(checkpoint):
     """``model.scan_layers`` (on by default on GPUs and TPUs): runs of sliding layers and global ones each
     take their own rope and mask, so scanning matches the unrolled layers (and transformers)."""

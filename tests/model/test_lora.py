@@ -1,4 +1,4 @@
-"""LoRA (issue 17): parity with transformers + PEFT, frozen base, merged serving, export.
+"""LoRA: parity with transformers + PEFT, frozen base, merged serving, export.
 
 References are independent of our LoRA code: PEFT's own ``LoraModel`` on the exported
 adapter (log-probs), and our LoRA forward without merging (the engine's greedy tokens).

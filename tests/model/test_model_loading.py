@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import pytest
 
 from asyncrl.errors import ConfigError, ModelError
 from asyncrl.model import TINY_ALPHABET, ensure_tiny, export_hf, forward_jit, load_model
+from tests.helpers import REPO_ROOT
 
 
 @pytest.fixture()
@@ -302,11 +305,32 @@ def test_loading_sits_above_the_directory_format_and_the_builtin_models():
     assert set(runtime_fields()) == set(ModelConfig.model_fields) - {"path", "lora"}
 
 
-def test_tiny_qwen3_finds_its_corpus_wherever_the_command_runs(tmp_path, monkeypatch):
-    """The default tokenizer corpus is found from the checkout, not the working directory."""
-    from asyncrl.model.tiny_qwen3 import CORPUS_ENV, corpus_path, parse_spec
+def test_tiny_qwen3_needs_nothing_outside_the_package(tmp_path, monkeypatch):
+    """Without a corpus, tiny-qwen3's tokenizer is the one the package ships (4,096 BPE tokens with
+    Qwen's specials and chat template), wherever the command runs; the package data lists it."""
+    import configparser
+
+    from asyncrl.model import tiny_qwen3
+
+    monkeypatch.delenv(tiny_qwen3.CORPUS_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    spec = tiny_qwen3.parse_spec("tiny-qwen3")
+    assert tiny_qwen3.corpus_path(spec) is None
+    tokenizer = tiny_qwen3.tokenizer_for(spec)
+    assert len(tokenizer) == tiny_qwen3.SHIPPED_VOCAB and tokenizer.eos_token == tiny_qwen3.IM_END
+    assert 4 <= len(tokenizer("Natalia sold 48 clips in April.")["input_ids"]) <= 12  # subwords
+    setup = configparser.ConfigParser()
+    setup.read(REPO_ROOT / "setup.cfg")
+    shipped = {line.strip() for line in setup["options.package_data"]["asyncrl.model"].split(",")}
+    assert shipped == {"assets/tiny_qwen3_tokenizer.json", "assets/GSM8K-LICENSE"}
+    assert all((tiny_qwen3.SHIPPED_TOKENIZER.parent.parent / name).is_file() for name in shipped)
+
+
+@pytest.mark.slow
+def test_the_shipped_tiny_qwen3_tokenizer_is_what_its_script_trains_on_gsm8k():
     from tests.helpers import SHARED_DATA
 
-    monkeypatch.delenv(CORPUS_ENV, raising=False)
-    monkeypatch.chdir(tmp_path)
-    assert corpus_path(parse_spec("tiny-qwen3")).resolve() == (SHARED_DATA / "gsm8k" / "train.jsonl").resolve()
+    train = SHARED_DATA / "gsm8k" / "train.jsonl"
+    proc = subprocess.run([sys.executable, "scripts/make_tiny_qwen3_tokenizer.py", "--gsm8k-train", str(train), "--check"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["same_as_shipped"], proc.stdout + proc.stderr

@@ -51,7 +51,7 @@ print("REPORT" + json.dumps(report))
 """
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_every_parameter_sharded_and_sharded_forward_matches():
     env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = run_python(CHILD, env=env, timeout=110)
@@ -135,7 +135,7 @@ print("REPORT" + json.dumps(report))
 def test_the_lm_head_runs_vocabulary_parallel_on_the_trainer_mesh(family):
     """With rows split over fsdp, each device computes its vocabulary slice of the lm head: no
     collective moves a whole-vocabulary tensor (logits, the head or its gradient: 1.8 GiB per
-    v6e chip for Qwen3-1.7B before, issue 46), and the gradients equal the single-device ones."""
+    v6e chip for Qwen3-1.7B), and the gradients equal the single-device ones."""
     proc = run_python(HEAD_CHILD, env=subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"), timeout=110,
                       args=(family,))
     report = json.loads(proc.stdout.split("REPORT", 1)[1])

@@ -209,7 +209,7 @@ def test_greedy_generation_matches_transformers(checkpoint):
     assert compared >= 12
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_router_logits_are_sown_only_for_callers_who_pop_them(checkpoint):
     """per_token_logprobs(with_router=True) returns one float32 [B * L, E] per MoE layer; the
     plain call keeps its two outputs."""
@@ -241,7 +241,7 @@ def test_router_logits_reach_the_trainer_with_scanned_layers(checkpoint):
     np.testing.assert_allclose(plain_scanned, logprobs, atol=1e-5)
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_remat_gives_the_same_gradients(checkpoint):
     from asyncrl.model import per_token_logprobs
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from asyncrl.data import DataError, SampleOrder, read_jsonl, sample_at
 from asyncrl.errors import ConfigError
 from asyncrl.registry import resolve
-from tests.helpers import SHARED_DATA
+from tests.helpers import SHARED_DATA, subprocess_env
 from workflows.gsm8k import final_answer, gsm8k_answer
 from workflows.synthetic import positional_match, solve, synthetic_task
 
@@ -87,15 +89,40 @@ def test_jsonl_dataset_mapping_split_and_errors(tmp_path):
         resolve("dataset", {"target": "jsonl", "kwargs": {"path": "x", "prompt_feld": "q"}}, where="data.dataset")
 
 
-def test_hf_dataset_without_the_extra_says_how_to_install():
-    # datasets is an optional extra; only the error path can be checked offline
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        with pytest.raises(DataError, match=r"pip install -e '.\[datasets\]'"):
-            resolve("dataset", "hf")(name="gsm8k")
-    else:
-        pytest.skip("the datasets extra is installed; its error path cannot be shown here")
+def test_datasets_by_name_read_the_local_copy_under_asyncrl_data_dir(tmp_path, monkeypatch):
+    """GSM8K by name from ``$ASYNCRL_DATA_DIR/gsm8k/`` (the suite's copy), and any hub dataset of
+    the ``hf`` built-in from ``<dir>/<name>/<split>.jsonl``: no network, no ``datasets`` call."""
+    if not (SHARED_DATA / "gsm8k" / "test.jsonl").exists():
+        pytest.skip(f"{SHARED_DATA / 'gsm8k'} not present")
+    monkeypatch.setenv("ASYNCRL_DATA_DIR", str(SHARED_DATA))
+    data = resolve("dataset", "gsm8k")(eval_split="test", max_samples=100)
+    assert (len(data.train), len(data.eval)) == (100, 1319) and data.eval[0]["answer"].isdigit()
+    held_out = resolve("dataset", "gsm8k")(eval_size=8, max_samples=50, seed=1)
+    assert (len(held_out.train), len(held_out.eval)) == (42, 8)
+    copy = tmp_path / "org" / "qa"
+    copy.mkdir(parents=True)
+    (copy / "train.jsonl").write_text("".join(json.dumps({"q": f"{i}?", "a": str(i)}) + "\n" for i in range(5)))
+    monkeypatch.setenv("ASYNCRL_DATA_DIR", str(tmp_path))
+    hub = resolve("dataset", "hf")(name="org/qa", prompt_field="q", answer_field="a", eval_size=1)
+    assert len(hub.train) == 4 and {s["prompt"] for s in [*hub.train, *hub.eval]} == {f"{i}?" for i in range(5)}
+    for kwargs, match in [({"eval_split": "test", "eval_path": "t.jsonl"}, "not both"),
+                          ({"path": "train.jsonl", "eval_split": "test"}, "with path .* give eval_path")]:
+        with pytest.raises(DataError, match=match):
+            resolve("dataset", "gsm8k")(**kwargs)
+
+
+def test_a_dataset_by_name_offline_without_a_copy_is_one_line_with_the_fetch_command(tmp_path):
+    """Offline (the hub unreachable), nothing in ``datasets``' cache and no ``$ASYNCRL_DATA_DIR``:
+    one line naming the dataset, the command that fetches it and the variable."""
+    env = {k: v for k, v in subprocess_env().items() if k != "ASYNCRL_DATA_DIR"}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    code = "from workflows.gsm8k import gsm8k\ntry:\n    gsm8k(eval_split='test')\nexcept Exception as err:\n    print(err)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout + proc.stderr
+    assert lines[0].startswith("dataset gsm8k: cannot load openai/gsm8k (split train) from the Hugging Face hub: offline")
+    assert """python -c "import datasets; datasets.load_dataset('openai/gsm8k', 'main')\"""" in lines[0]
+    assert "set ASYNCRL_DATA_DIR to a folder holding gsm8k/train.jsonl" in lines[0]
 
 
 def test_gsm8k_from_shared_data():

@@ -11,13 +11,15 @@ identical decisions from then on).
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from asyncrl.rollout.ledger import StalenessLedger
+from asyncrl.rollout.ledger import StalenessLedger, batch_shares, process_share
+from asyncrl.rollout.redistribute import redistribute
 
 RUNS = {"count": 0}
 OUTCOMES = ["complete", "complete", "complete", "fail", "none", "skip"]
@@ -216,3 +218,103 @@ def test_eta_zero_is_synchronous():
     assert not L.can_admit()  # no prefetch across a publish
     L.publish(1)
     assert L.can_admit()
+
+
+# ---------------------------------------------------------------------------- shares of several processes
+
+
+def _sync_steps(ledgers: list[StalenessLedger], steps: int) -> list[list[int]]:
+    """``steps`` synchronous steps of every ledger (admit its share, complete, consume, publish):
+    the sample ids each step trains, in process order."""
+    trained = []
+    for _ in range(steps):
+        ids: list[int] = []
+        for ledger in ledgers:
+            admitted = [ledger.admit() for _ in range(ledger.batch_size)]
+            assert not ledger.can_admit()
+            for ticket, _ in admitted:
+                ledger.complete(ticket, ledger.version)
+            chosen = ledger.candidates("admission")
+            ids += [ledger.sample_id(t) for t in chosen]
+            ledger.consume(chosen)
+        for ledger in ledgers:
+            ledger.publish(ledger.version + 1)
+        trained.append(ids)
+    return trained
+
+
+def _ledgers(batch_size: int, processes: int, snapshots=None) -> list[StalenessLedger]:
+    ledgers = [StalenessLedger(share.count, 0, 8, share=share)
+               for share in (process_share(batch_size, p, processes) for p in range(processes))]
+    for ledger, snap in zip(ledgers, snapshots or []):
+        ledger.load_snapshot(json.loads(json.dumps(snap)))
+    return ledgers
+
+
+def test_process_shares_draw_each_step_the_ids_one_process_draws_in_blocks_in_process_order():
+    assert batch_shares(5, 2) == [3, 2] and batch_shares(8, 4) == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="rollout.batch_size = 2 is smaller than the 3 processes"):
+        batch_shares(2, 3)
+    one = _sync_steps(_ledgers(5, 1), 4)
+    assert one == [list(range(5 * k, 5 * k + 5)) for k in range(4)]
+    for processes in (2, 3, 5):
+        assert _sync_steps(_ledgers(5, processes), 4) == one
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2), (2, 3), (4, 2)])
+def test_a_synchronous_resume_on_another_process_count_trains_what_the_uninterrupted_run_trains(before, after):
+    ledgers = _ledgers(6, before)
+    first = _sync_steps(ledgers, 3)
+    snapshots = redistribute([json.loads(json.dumps(ledger.snapshot())) for ledger in ledgers], 6, after)
+    resumed = _ledgers(6, after, [{k: v for k, v in s.items() if k != "moved"} for s in snapshots])
+    assert first + _sync_steps(resumed, 3) == [list(range(6 * k, 6 * k + 6)) for k in range(6)]
+    assert sum(sum(L.counts().values()) for L in resumed) == 36  # the accounting went along (to process 0)
+
+
+def test_redistribution_loses_and_repeats_no_sample():
+    """Random asynchronous states of P ledgers (in flight, queued, failed, dropped, reissued, drawn
+    unevenly) moved to P' ledgers: every queued or unfinished sample lands in exactly one ledger,
+    and drawing on from there repeats no id and skips none (the ids ever drawn are 0..n-1)."""
+    rng = random.Random(7)
+    for _ in range(150):
+        batch_size, before, after = rng.randint(2, 7), rng.randint(1, 3), rng.randint(1, 3)
+        before, after = min(before, batch_size), min(after, batch_size)
+        eta = rng.randint(0, 2)
+        ledgers = [StalenessLedger(share.count, eta, 6, share=share)
+                   for share in (process_share(batch_size, p, before) for p in range(before))]
+        drawn: dict[int, str] = {}
+        for ledger in ledgers:
+            for _ in range(rng.randint(0, 3 * ledger.batch_size)):
+                if not ledger.can_admit():
+                    break
+                ticket, sample_id = ledger.admit()
+                assert sample_id not in drawn
+                drawn[sample_id] = "in_flight"
+                roll = rng.random()
+                if roll < 0.5:
+                    ledger.complete(ticket, ledger.version)
+                    drawn[sample_id] = "queued"
+                elif roll < 0.6:
+                    ledger.fail(ticket, "exception")
+                    drawn[sample_id] = "done"
+        snapshots = redistribute([json.loads(json.dumps(L.snapshot())) for L in ledgers], batch_size, after)
+        live = [e[1] for s in snapshots for e in s["entries"]] + [r[1] for s in snapshots for r in s["reissue"]]
+        assert sorted(live) == sorted(i for i, state in drawn.items() if state != "done")
+        assert sum(len(s["moved"]) for s in snapshots) == sum(state == "queued" for state in drawn.values())
+        resumed = _ledgers(batch_size, after, [{k: v for k, v in s.items() if k != "moved"} for s in snapshots])
+        for ledger in resumed:
+            ledger.max_staleness = 10**6  # draw freely
+            ledger.max_concurrent = 10**6
+        seen = {i for i, state in drawn.items()}
+        for ledger in resumed:
+            for _ in range(3 * batch_size):
+                ticket, sample_id = ledger.admit()
+                if sample_id in seen:
+                    assert drawn.get(sample_id) == "in_flight", sample_id  # only a re-issue comes again
+                    drawn[sample_id] = "again"
+                seen.add(sample_id)
+        assert all(state != "in_flight" for state in drawn.values()), "an unfinished sample was not generated again"
+        top = max(seen) + 1
+        missing = set(range(top)) - seen
+        # ids no ledger reached yet may remain only at the end of some ledger's share (drawn later)
+        assert all(i >= min(s["share"]["base"] for s in snapshots) for i in missing), (missing, snapshots)

@@ -75,7 +75,7 @@ def sequences(count: int, vocab: int, seed: int = 0):
 # --------------------------------------------------------------------------- the scoring queue
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_scorer_batches_concurrent_callers_and_matches_unbatched_scores(same_tokenizer_rm):
     model = load_reward_model(same_tokenizer_rm, with_tokenizer=False)
     scorer = RewardModelScorer(model, batch_size=8, length_buckets=(16, 64))
@@ -286,7 +286,7 @@ def test_reward_kwargs_in_config_and_their_errors(same_tokenizer_rm):
 # --------------------------------------------------------------------------- a run
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_a_run_with_a_reward_model_reward_trains(tmp_path):
     import json
 

@@ -73,6 +73,7 @@ def test_a_timed_out_episode_abandons_its_worker_and_starts_one_replacement():
             run_steps(ex, eng, 4)
             assert ex.counts()["failed:timeout"] == 1
             assert len(live(WORKER)) == 4 + 1  # the pool, and the abandoned worker still in its episode
+            assert {w.name for w in ex.workers} < live(WORKER) and len(ex.workers) == 4  # a run waits for the pool only
             release.set()
             assert wait_until(lambda: len(live(WORKER)) == 4), live(WORKER)  # the abandoned one exits
             run_steps(ex, eng, 4)

@@ -119,3 +119,22 @@ def test_auto_tensor_parallel_takes_the_degree_that_decodes_the_most_sequences()
     assert min(d for d in totals if totals[d] <= 8 * GIB) == 2  # the smallest that fits is not the choice
     assert choose_tensor_parallel(cfg, 10 * GIB, 8, 1, backend="cpu")[0] == 1
     assert choose_tensor_parallel(cfg, 5 * GIB, 8, 1, backend="cpu")[::2] == (8, {})
+
+
+def test_slots_are_rounded_up_to_the_replicas_so_a_group_still_fits(caplog):
+    """``engine.slots: 10`` with ``rollout.group_size: 10`` on 8 engine replicas becomes 16 slots (a
+    multiple of 8 that still holds the group), said in one line; a count the replicas divide stays."""
+    from asyncrl.cluster.placement import slots_for_replicas
+    from asyncrl.run.auto_slots import round_slots_to_replicas
+
+    assert [slots_for_replicas(s, 8) for s in (1, 8, 9, 10, 16, 17)] == [8, 8, 16, 16, 16, 24]
+    cfg = load_config(REPO_ROOT / "configs" / "quickstart.yaml", ["engine.slots=10", "rollout.group_size=10"])
+    with caplog.at_level(logging.INFO, logger="asyncrl.run"):
+        rounded = round_slots_to_replicas(cfg, 8)
+    assert rounded.engine.slots == 16 and rounded.rollout.group_size == 10
+    assert "engine.slots: 10 -> 16 (rounded up to a multiple of the engine's 8 replicas" in caplog.text
+    assert round_slots_to_replicas(cfg, 2) is cfg
+    beam = load_config(REPO_ROOT / "configs" / "recommend.yaml", ["engine.slots=64"])
+    assert round_slots_to_replicas(beam, 8).engine.slots == 64
+    with pytest.raises(ConfigError, match=r"fewer than rollout.group_size \(20\)"):
+        round_slots_to_replicas(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"group_size": 20})}), 8)

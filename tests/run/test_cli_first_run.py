@@ -1,4 +1,4 @@
-"""Issue 13's command-line items on the `tiny` model: `asyncrl eval`, modules next to the
+"""The command line's first-run paths on the `tiny` model: `asyncrl eval`, modules next to the
 config, a user package named `workflows`, and re-running after a failed start-up."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def write_project(tmp_path, **changes):
 
 @pytest.mark.slow
 def test_eval_command_with_user_modules_and_a_user_workflows_package(tmp_path):
-    """Items 1, 7, 9 through the CLI as the console script starts it (sys.path[0] is the
+    """Through the CLI as the console script starts it (sys.path[0] is the
     script's directory, not the working directory): `asyncrl eval` runs, imports
     myrewards from the working directory, and resolves the built-in `copy` task although the
     user's own `workflows` package comes first on the path."""
@@ -68,7 +68,7 @@ def test_eval_command_with_user_modules_and_a_user_workflows_package(tmp_path):
 
 
 def test_import_errors_name_the_field_and_the_cause(tmp_path, monkeypatch, capsys):
-    """Item 7: a module that is not there, and one whose own import fails, are config errors
+    """A module that is not there, and one whose own import fails, are config errors
     naming rewards.N.fn and the underlying `No module named ...` (no traceback)."""
     (tmp_path / "needs_dep.py").write_text("import not_installed_anywhere\n\ndef fn(prompt, completion, **f):\n    return 0.0\n")
     config = write_project(tmp_path, rewards=[{"fn": "myrewards:good"}, {"fn": "needs_dep:fn"}, {"fn": "nowhere:fn"}])
@@ -81,14 +81,14 @@ def test_import_errors_name_the_field_and_the_cause(tmp_path, monkeypatch, capsy
         err = capsys.readouterr().err
         assert "rewards.1.fn:" in err and expected in err and "Traceback" not in err, err
     assert "current directory" in err and str(tmp_path) in err
-    # Item 1: the command itself runs (it failed with an ImportError for every config).
+    # The command itself runs.
     assert main(["eval", str(config), "--set", "rewards=[{fn: 'myrewards:good'}]", "--set", "eval.max_new_tokens=2"]) == 0
     assert '"model": "tiny", "eval/reward": ' in capsys.readouterr().out
     sys.modules.pop("myrewards", None)
 
 
 def test_builtin_tasks_resolve_beside_a_user_workflows_package(tmp_path):
-    """Item 9 (the mechanism; the CLI scenario is the slow test above): with the user's own
+    """The mechanism (the CLI scenario is the slow test above): with the user's own
     `workflows` package first on sys.path, the built-in tasks and rewards still resolve."""
     write_project(tmp_path)
     code = textwrap.dedent("""
@@ -109,7 +109,7 @@ def test_builtin_tasks_resolve_beside_a_user_workflows_package(tmp_path):
 
 @pytest.mark.slow
 def test_rerun_after_a_failed_start_and_a_bad_reward_signature(tmp_path, monkeypatch, capsys):
-    """Items 3 and 5: a reward function with the wrong signature is a config error at start-up
+    """A reward function with the wrong signature is a config error at start-up
     naming rewards.0.fn; the corrected command then runs in the same run directory (the failed
     start left no completed step), and the summary reports reward errors and timeouts."""
     config = write_project(tmp_path, rewards=[{"fn": "myrewards:bad"}])

@@ -10,7 +10,7 @@ import pytest
 from asyncrl.engine.fake import FakeEngine
 from asyncrl.rollout.rewards import RewardFunction
 from asyncrl.rollout.workflow import SingleTurnWorkflow
-from asyncrl.run.evaluate import EvalError, evaluate_workflow, pass_at_k
+from asyncrl.run.evaluate import EvalError, combine_eval_parts, evaluate_part, evaluate_workflow, pass_at_k
 from tests.rollout_fakes import char_tokenizer, make_cfg
 from workflows.synthetic import positional_match
 
@@ -48,6 +48,22 @@ def test_greedy_reward_accuracy_and_pass_at_k():
     assert m["eval/pass@1"] == pytest.approx(2 / 3) and m["eval/pass@3"] == pytest.approx(2 / 3)
     assert m["eval/n_prompts"] == 3 and m["eval/version"] == 0 and m["eval/aborted"] == 0
     assert [row["completion"] for row in result.rows] == ["12", "34", "56"]
+
+
+def test_parts_of_several_processes_combine_to_the_one_process_eval():
+    """Each process evaluates its block of the eval samples (their ids unchanged); process 0
+    combines the JSON parts to the one-process metrics, figure for figure."""
+    import json
+
+    cfg, workflow, samples, engine = _setup({"n_samples": 3})
+    whole = evaluate_workflow(engine, workflow, samples, cfg).metrics
+    for processes in (2, 3, 4):  # 4: one process has no sample
+        parts = [json.loads(json.dumps(evaluate_part(engine, workflow, samples, cfg, share=(p, processes))))
+                 for p in range(processes)]
+        assert sum(part["n"] for part in parts) == 3
+        combined = combine_eval_parts(parts, workflow).metrics
+        assert {k: v for k, v in combined.items() if k != "eval/time_s"} == {
+            k: v for k, v in whole.items() if k != "eval/time_s"}, processes
 
 
 def test_max_prompts_and_empty_split():

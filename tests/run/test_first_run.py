@@ -1,4 +1,4 @@
-"""First-run correctness (issue 13): custom workflows in eval and SFT, the config's rewards in
+"""First-run correctness: custom workflows in eval and SFT, the config's rewards in
 custom workflows, reward failures, multi-turn lengths, run directories, log messages, and
 docs/workflows.md's examples, all on fakes (no model); the CLI scenarios are in test_cli_first_run.py."""
 
@@ -68,11 +68,11 @@ def docs_cfg(data=None, **rollout):
     )
 
 
-# ----------------------------------------------------------------------------- items 6, 8, 10: the docs workflow
+# ----------------------------------------------------------------------------- the docs workflow
 
 
 def test_docs_workflow_trains_with_room_for_every_turn(docs_module):
-    """Item 4/10: the docs' two-turn workflow scores with the config's weighted rewards and
+    """The docs' two-turn workflow scores with the config's weighted rewards and
     trains once rollout.max_seq_len holds the whole episode."""
     tokenizer = char_tokenizer()
     cfg = docs_cfg(max_seq_len=48)
@@ -88,7 +88,7 @@ def test_docs_workflow_trains_with_room_for_every_turn(docs_module):
 
 
 def test_multi_turn_too_long_stops_early_naming_max_seq_len(docs_module, caplog):
-    """Item 4: with the default one-turn max_seq_len every group is dropped too_long; the run
+    """With the default one-turn max_seq_len every group is dropped too_long; the run
     stops after rollout.max_consecutive_drops with the reason and the setting, long before
     the batch timeout, and the first drop is logged."""
     tokenizer = char_tokenizer()
@@ -102,7 +102,7 @@ def test_multi_turn_too_long_stops_early_naming_max_seq_len(docs_module, caplog)
 
 
 def test_eval_runs_the_workflows_own_episodes(docs_module):
-    """Item 6: eval runs the custom two-turn workflow greedily with the eval settings, scores
+    """Eval runs the custom two-turn workflow greedily with the eval settings, scores
     its episodes with its rewards, and reports components, episode metrics and task metrics."""
     tokenizer = char_tokenizer()
     cfg = docs_cfg(max_seq_len=48).model_copy()
@@ -136,7 +136,7 @@ def test_eval_runs_the_workflows_own_episodes(docs_module):
 
 
 def test_sft_encodes_with_a_custom_workflow(docs_module):
-    """Item 8: an SFT stage formats prompts with any RolloutWorkflow (tokenizer and messages
+    """An SFT stage formats prompts with any RolloutWorkflow (tokenizer and messages
     come from the base class)."""
     from asyncrl.run.sft import encode_example
 
@@ -147,7 +147,7 @@ def test_sft_encodes_with_a_custom_workflow(docs_module):
 
 
 def test_workflow_without_base_init_gets_cfg_and_tokenizer_from_the_builder():
-    """Item 8: a subclass that skips super().__init__ still gets cfg and tokenizer from the
+    """A subclass that skips super().__init__ still gets cfg and tokenizer from the
     builder (so SFT and eval work), and a clear message (not a bare AttributeError) when
     built by hand and used."""
     from asyncrl.run.sft import encode_example
@@ -173,7 +173,7 @@ def test_workflow_without_base_init_gets_cfg_and_tokenizer_from_the_builder():
 
 
 def test_score_uses_the_configs_weights_and_fallback():
-    """Item 10: RolloutWorkflow.score applies the config's rewards (weights, fallback, counting)."""
+    """RolloutWorkflow.score applies the config's rewards (weights, fallback, counting)."""
 
     def broken(prompt, completion, **fields):
         raise ValueError("no")
@@ -193,7 +193,7 @@ def test_score_uses_the_configs_weights_and_fallback():
     assert workflow.metrics() == {"reward_errors": 1.0, "reward_timeouts": 0.0}
 
 
-# ----------------------------------------------------------------------------- item 5: reward failures
+# ----------------------------------------------------------------------------- reward failures
 
 
 def test_reward_signature_is_checked_against_the_dataset_fields():
@@ -237,7 +237,7 @@ def _no_kwargs_reward(prompt, completion):
     return 0.0
 
 
-# ----------------------------------------------------------------------------- item 3: run directories
+# ----------------------------------------------------------------------------- run directories
 
 
 def test_run_dir_without_a_completed_step_is_no_run(tmp_path):
@@ -253,7 +253,7 @@ def test_run_dir_without_a_completed_step_is_no_run(tmp_path):
         prepare_output_dir(cfg, None)
 
 
-# ----------------------------------------------------------------------------- item 11: smaller items
+# ----------------------------------------------------------------------------- smaller matters
 
 
 def test_failed_episodes_log_the_first_few_then_a_summary(caplog, monkeypatch):

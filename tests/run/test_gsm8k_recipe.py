@@ -1,12 +1,11 @@
 """configs/gsm8k_grpo.yaml end to end: it validates as written, and the same recipe runs on this
-CPU with the Qwen3-shaped `tiny-qwen3` (BPE tokenizer trained on GSM8K) and the real GSM8K
-files: 2 steps in the default selection, the documented 10-step smoke run as a slow test."""
+CPU with the Qwen3-shaped `tiny-qwen3` (its shipped BPE tokenizer, trained on GSM8K) and GSM8K by
+name from the local copy (``$ASYNCRL_DATA_DIR``, as a user without network gives it): the
+documented 10-step smoke run and a 2-step one, both slow."""
 
 from __future__ import annotations
 
 import json
-import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -14,24 +13,19 @@ from pathlib import Path
 import pytest
 
 from asyncrl.cli import main
-from tests.helpers import REPO_ROOT, SHARED_DATA, subprocess_env
+from tests.helpers import REPO_ROOT, SHARED_DATA, documented_cpu_commands, subprocess_env
 
 RECIPE = "configs/gsm8k_grpo.yaml"
-TRAIN, TEST = SHARED_DATA / "gsm8k" / "train.jsonl", SHARED_DATA / "gsm8k" / "test.jsonl"
-DATA = [f"data.dataset.kwargs.path={TRAIN}", f"data.dataset.kwargs.eval_path={TEST}"]
+TRAIN = SHARED_DATA / "gsm8k" / "train.jsonl"
 
 pytestmark = pytest.mark.skipif(not TRAIN.exists(), reason=f"{TRAIN} not present")
 
 
 def documented_smoke_command() -> list[str]:
     """The CPU smoke command from the recipe's header comment, as argv (after ``asyncrl``)."""
-    text = (REPO_ROOT / RECIPE).read_text()
-    block = re.search(r"#   asyncrl train configs/gsm8k_grpo.yaml --set model.path=tiny-qwen3 \\\n((?:#.*\n)+?)#\n", text)
-    assert block, "the smoke command is missing from the recipe's comments"
-    lines = [RECIPE.join(["train ", " --set model.path=tiny-qwen3"])] + [
-        line.lstrip("#").strip().rstrip("\\") for line in block.group(1).splitlines()
-    ]
-    return shlex.split(" ".join(lines))
+    commands = documented_cpu_commands(REPO_ROOT / RECIPE)
+    assert commands and commands[-1][:3] == ["asyncrl", "train", RECIPE], "the smoke command is missing from the recipe"
+    return commands[-1][1:]
 
 
 def test_recipe_validates_as_written(capsys):
@@ -67,16 +61,15 @@ def check_run(out: Path, steps: int, checkpoints: list[str]) -> dict:
     return final
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 @pytest.mark.timeout(300)
 def test_two_steps_of_the_recipe_on_cpu(tmp_path, monkeypatch):
     from asyncrl.config import load_config
     from asyncrl.run.loop import train
 
-    monkeypatch.setenv("ASYNCRL_TINY_QWEN3_CORPUS", str(TRAIN))
     argv = documented_smoke_command()
     overrides = [a for a in argv[2:] if a != "--set"]
-    overrides += DATA + [
+    overrides += [
         f"run.output_dir={tmp_path / 'run'}", "run.total_steps=2", "rollout.batch_size=2", "rollout.group_size=2",
         "rollout.max_new_tokens=48", "engine.slots=8", "engine.kv_capacity=432", "eval.max_prompts=2",
         # fewer programs to compile: one batch length, one prefill bucket
@@ -90,9 +83,8 @@ def test_two_steps_of_the_recipe_on_cpu(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_ten_step_smoke_run_of_the_recipe(tmp_path):
-    """The documented command, as a user runs it (plus the data paths and an output dir)."""
-    argv = [*documented_smoke_command(), *(x for item in DATA for x in ("--set", item)),
-            "--set", f"run.output_dir={tmp_path / 'run'}"]
+    """The documented command, as a user runs it (plus an output dir; GSM8K from the local copy)."""
+    argv = [*documented_smoke_command(), "--set", f"run.output_dir={tmp_path / 'run'}"]
     proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", *argv], cwd=REPO_ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=1150)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -114,3 +106,5 @@ def test_tiny_qwen3_spec_options_and_errors(tmp_path):
             parse_spec(bad)
     with pytest.raises(ModelError, match="tokenizer corpus .*missing.jsonl not found"):
         corpus_path(parse_spec(f"tiny-qwen3:corpus={tmp_path / 'missing.jsonl'}"))
+    with pytest.raises(ModelError, match="shipped tokenizer has 4096 tokens.*add corpus="):
+        corpus_path(parse_spec("tiny-qwen3:vocab=1024"))

@@ -1,4 +1,4 @@
-"""LoRA through the training loop (issue 17): one adapter over ``[sft, rl]``, checkpoints of
+"""LoRA through the training loop: one adapter over ``[sft, rl]``, checkpoints of
 adapters only, exports (PEFT adapter and merged), exact resume, a mismatched base refused.
 
 The slow test is the quickstart with LoRA learning (the issue's acceptance); the default ones

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import threading
 
 import pytest
@@ -61,7 +62,7 @@ def test_tensorboard_events_read_back(tmp_path):
 
 def test_a_failing_tensorboard_write_warns_once_and_never_blocks_the_step(tmp_path, monkeypatch, caplog):
     """Disk full under the event file: each step's write fails at once (tensorboardX's writer
-    thread died there and its full queue blocked the run forever: issue 47), one warning; a
+    thread dies there, and its full queue must not block the run), one warning; a
     record the failure tore is cut off, and once writing works again the events go on in the
     same file."""
     import errno
@@ -103,8 +104,69 @@ def test_console_plain_lines_keep_last_values_and_eta():
     sink.write(2, {"reward/mean": 0.75, "perf/trained_tokens_per_s": 1234.4})
     lines = stream.getvalue().splitlines()
     assert lines[0].startswith("step 1/4 reward 0.500 eval@1 0.250 lag 1")
-    # a step without eval names the step its eval value is from (issue 13 item 11)
+    # a step without eval names the step its eval value is from
     assert lines[1].startswith("step 2/4 reward 0.750 eval@1 0.250 lag 1 tok/s 1234 eta ")
+
+
+def test_console_columns_are_the_same_after_a_resume_and_extra_metrics_follow_them():
+    """A fresh run's first row is the step-0 eval, a resumed run's a training step: both lines give
+    the fields in one order. Names from logging.console_metrics come after, labelled by their last part."""
+    fresh, resumed = io.StringIO(), io.StringIO()
+    row = {"reward/mean": 0.5, "rollout/lag_max": 1.0, "perf/trained_tokens_per_s": 100.0, "engine/prefix_hit_rate": 0.8}
+    sink = ConsoleSink(total_steps=9, stream=fresh, use_bar=False, extra=["engine/prefix_hit_rate"])
+    sink.write(0, {"eval/reward": 0.25})
+    sink.write(1, row)
+    sink = ConsoleSink(total_steps=9, start_step=4, stream=resumed, use_bar=False, extra=["engine/prefix_hit_rate"])
+    sink.write(5, row)
+    sink.write(6, {**row, "eval/reward": 0.25})
+
+    def labels(line: str) -> list[str]:  # "step 6/9 reward 0.500 eval@6 0.250 ... eta 3s": every other word
+        return [word.split("@")[0] for word in line.split()[2::2]]
+
+    expected = ["reward", "eval", "lag", "tok/s", "prefix_hit_rate", "eta"]
+    assert labels(fresh.getvalue().splitlines()[-1]) == labels(resumed.getvalue().splitlines()[-1]) == expected
+    assert "prefix_hit_rate 0.8 eta" in resumed.getvalue()
+
+
+def test_console_eta_is_this_processs_own_pace(monkeypatch):
+    """Start-up (loading, compiling) before the first step written is not a step's cost: a resumed
+    run 100 s into its start-up that then takes 2 s a step says 2 s x the steps left."""
+    from asyncrl.run import metrics
+
+    now = [0.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
+    stream = io.StringIO()
+    sink = ConsoleSink(total_steps=60, start_step=50, stream=stream, use_bar=False)
+    now[0] = 100.0
+    sink.write(51, {"reward/mean": 0.5})
+    now[0] = 102.0
+    sink.write(52, {"reward/mean": 0.5})
+    assert [line.rsplit(" ", 1)[-1] for line in stream.getvalue().splitlines()] == ["?", "16s"]
+
+
+def test_console_log_records_never_land_inside_the_bar(monkeypatch):
+    """On a terminal the bar and log lines share stderr: a record is written on a line of its own
+    (tqdm's logging redirect), never after the bar's text on the bar's line."""
+    import logging
+    import re
+
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    handler = logging.StreamHandler(stream)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        sink = ConsoleSink(total_steps=3, use_bar=True)
+        sink.write(1, {"reward/mean": 0.5})
+        logging.getLogger("asyncrl.test").warning("a record while the bar is up")
+        sink.write(2, {"reward/mean": 0.75})
+        sink.close()
+        logging.getLogger("asyncrl.test").warning("a record after the bar")
+    finally:
+        root.removeHandler(handler)
+    visible = [re.split(r"\r", line)[-1] for line in stream.getvalue().split("\n")]  # what each terminal line shows
+    assert "a record while the bar is up" in visible and "a record after the bar" in visible, visible
+    assert any("reward 0.750" in line for line in visible)
 
 
 def test_console_bar_shows_each_steps_values_at_once():
@@ -113,3 +175,25 @@ def test_console_bar_shows_each_steps_values_at_once():
     sink.write(1, {"eval/reward": 0.25})
     sink.write(2, {"eval/reward": 0.5})
     assert "eval@1 0.250" in stream.getvalue() and stream.getvalue().rstrip().endswith("eval@2 0.500]")
+
+
+def test_every_hosts_metrics_combine_into_one_row():
+    """Counters, seconds and throughputs summed; maxima, the p90 lag and the batch wait the largest;
+    ratios, mean lags and latencies averaged; a name only some hosts report over those."""
+    from asyncrl.run.metrics import combine_hosts, host_reduction
+
+    hosts = [{"engine/requests": 4, "engine/decode_tokens_per_s": 100.0, "engine/slot_occupancy": 0.5,
+              "engine/queue_wait_max_s": 0.2, "rollout/lag_max": 1, "rollout/lag_mean": 0.5, "rollout/lag_p90": 1,
+              "rollout/wait_s": 0.1, "rollout/count/trained": 8, "engine/swap_latency_s": 0.01, "engine/version": 3,
+              "rollout/step_dropped/stale": 1},
+             {"engine/requests": 6, "engine/decode_tokens_per_s": 50.0, "engine/slot_occupancy": 0.25,
+              "engine/queue_wait_max_s": 0.5, "rollout/lag_max": 0, "rollout/lag_mean": 0.0, "rollout/lag_p90": 0,
+              "rollout/wait_s": 0.3, "rollout/count/trained": 8, "engine/swap_latency_s": 0.03, "engine/version": 3}]
+    assert combine_hosts(hosts) == {
+        "engine/requests": 10, "engine/decode_tokens_per_s": 150.0, "engine/slot_occupancy": 0.375,
+        "engine/queue_wait_max_s": 0.5, "rollout/lag_max": 1, "rollout/lag_mean": 0.25, "rollout/lag_p90": 1,
+        "rollout/wait_s": 0.3, "rollout/count/trained": 16, "engine/swap_latency_s": 0.02, "engine/version": 3,
+        "rollout/step_dropped/stale": 1}
+    assert [host_reduction(n) for n in ("engine/decode_wait_s", "engine/queue_wait_s", "engine/prefix_hit_rate",
+                                        "rollout/episode_latency_p90_s", "engine/decode_ms_per_step")] == [
+        "sum", "mean", "mean", "mean", "mean"]

@@ -42,7 +42,7 @@ def test_decode_structure_of_the_05b_recipe_on_h100():
 
 def test_decode_structure_of_eight_steps_per_iteration_with_the_decode_attention_kernel():
     """Qwen2.5-0.5B's shape at 3 layers with engine.decode_inner_steps 8 and the Pallas decode
-    attention kernel (issue 45): 8 steps per loop iteration, 10 kernels per layer, one host round
+    attention kernel: 8 steps per loop iteration, 10 kernels per layer, one host round
     trip per 8 tokens. Few layers and many steps: the kernels repeated most often by name are a
     pair outside the layers, not the layers' (the steps are read from the launches they cover)."""
     d = decode_structure(INNER8, num_layers=3)
@@ -132,6 +132,19 @@ def test_v6e_8_target_compiles_on_the_config_mesh():
     assert [r["program"] for r in rows] == ["train_step", "prefill", "decode_chunk", "publish", "device_total"]
     assert all(r["devices"] == 8 and r["fits"] and r["xla_peak_bytes"] > 0 for r in rows)
     assert "kernels_per_step" not in rows[2]  # thunk sequences are XLA:GPU's
+
+
+@pytest.mark.skipif(not plugin_installed("tpu"), reason="libtpu is not installed (tests/README.md: the aot venv)")
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("target, chips", [("v6e-32", 32), ("v5p-32", 16)])
+def test_a_multi_host_target_compiles_each_hosts_engine_and_the_publish_across_hosts(target, chips):
+    """Every host of a v6e-32 (8 hosts of 4 chips) or v5p-32 (4 hosts of 4) runs an engine of its own:
+    its decode chunk compiled for one host's chips (libtpu compiles nothing over a part of a larger
+    compile-only slice), the publish as the one collective over every chip onto every host's engine."""
+    rows = _plan_json("--target", target, "--program", "decode_chunk", "--program", "publish")
+    assert [r["program"] for r in rows] == ["decode_chunk", "publish"], rows
+    assert all(r["devices"] == chips and r["fits"] and r["xla_peak_bytes"] > 0 for r in rows)
+    assert "collective layout programs onto every host's engine" in rows[1]["detail"]
 
 
 @pytest.mark.parametrize("args, message", [

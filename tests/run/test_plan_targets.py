@@ -13,6 +13,7 @@ from asyncrl.plan.targets import (
     device_memory_bytes,
     get_target,
     gpu_topology_name,
+    host_devices,
     plugin_installed,
     target_devices,
     target_env,
@@ -79,6 +80,15 @@ def test_gpu_compile_only_devices():
         devices = target_devices(get_target(name), 8, 2)
         assert len(devices) == 8 and {d.process_index for d in devices} == {0, 1}
     assert target_devices(get_target("h100"), 1)[0].device_kind == "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.skipif(not plugin_installed("tpu"), reason="libtpu is not installed (tests/README.md: the aot venv)")
+def test_one_hosts_chips_of_a_multi_host_slice():
+    for name, chips in (("v6e-32", 4), ("v5p-32", 4), ("v6e-16", 4)):
+        target = get_target(name)
+        devices = host_devices(target, *target_topology(target))
+        assert len(devices) == chips and {d.process_index for d in devices} == {0}, name
+        assert devices[0].device_kind == target_devices(target, *target_topology(target))[0].device_kind
 
 
 @pytest.mark.skipif(not plugin_installed("tpu"), reason="libtpu is not installed (tests/README.md: the aot venv)")

@@ -1,4 +1,4 @@
-"""A Qwen2.5-0.5B-shaped run end to end on this CPU (issue 28, item 3): ``scripts/real_shape_run.py``
+"""A Qwen2.5-0.5B-shaped run end to end on this CPU: ``scripts/real_shape_run.py``
 writes a random-init model of Qwen2.5-0.5B's exact configuration (494M parameters, vocabulary
 151,936, tied embeddings, rope theta 1e6) with the project's offline tokenizer, trains 3 GRPO steps
 with the in-process engine, is SIGKILLed after step 2's checkpoint and resumed, evaluates and

@@ -291,7 +291,7 @@ def test_plan_within_25_percent_of_measured_memory_bench_40m():
     assert 0.75 <= result["engine_ratio"] <= 1.25, result
 
 
-@pytest.mark.slow  # 12 s cold; test_plan_target.py's --target cpu JSON test compiles the real programs by default (session 8's fresh clone: 951 s of the 960 s line)
+@pytest.mark.slow  # 12 s cold; test_plan_target.py's --target cpu JSON test compiles the real programs by default
 def test_xla_figures_of_the_real_programs_compiled_on_abstract_shapes(capsys):
     assert main(["plan", str(CONFIGS / "quickstart.yaml"), "--xla"]) == 0
     out = capsys.readouterr().out
@@ -326,7 +326,7 @@ MOE_NORMS = MOE_LAYERS * (2 * MOE_H + 2 * 128) + MOE_H  # layer norms, q/k norms
 MOE_PARAMS = 2 * MOE_V * MOE_H + MOE_LAYERS * (MOE_ATTENTION + MOE_E * (3 * MOE_H * MOE_I + MOE_H)) + MOE_NORMS
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_qwen3_30b_a3b_has_its_published_size_and_shards_its_experts_over_fsdp():
     model = read_decoder_config(str(MODELS / "qwen3-30b-a3b"))
     assert model.num_params() == MOE_PARAMS == 30_532_122_624  # transformers' count on the meta device
@@ -408,7 +408,7 @@ XLA_PEAKS = [
     # Gemma 3 1B's TPU variant (save_dots, auto's choice on a v5e-8): its buffer assignment's 5.52 GiB of HBM
     # (the sum of its parts is 7.56: libtpu counts 1.93 GiB of temporaries that no buffer holds), three of
     # them the update loop's padded copies of the table and its moments (the plan's "relaid embedding"; the
-    # layers' relaid kernels are not counted, and other lines are above XLA's by about as much: the fourth pass).
+    # layers' relaid kernels are not counted, and other lines are above XLA's by about as much).
     pytest.param("gsm8k_grpo_gemma3_1b.yaml", ["model.path=gemma-3-1b-it", "model.lora=null", "model.param_dtype=float32",
                                                "mesh.fsdp=8", "model.remat_policy=save_dots"], 8, "tpu", 5928492032,
                  2480651264, id="gemma3-1b-fsdp8-v5e-8"),

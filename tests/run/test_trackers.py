@@ -1,4 +1,4 @@
-"""W&B and MLflow trackers (issue 31): the real packages, offline.
+"""W&B and MLflow trackers: the real packages, offline.
 
 W&B runs in offline mode (its run directory under ``run.output_dir/wandb/`` holds the
 history and config, read back from the transaction log by :func:`tests.helpers.read_wandb_records`);
@@ -118,7 +118,7 @@ def mlflow_run(experiment: str) -> tuple[Any, Any]:
     return runs.iloc[0], MlflowClient(uri)
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_wandb_and_mlflow_get_the_run_and_resume_continues_it_without_a_repeated_step(offline, tmp_path):
     out = tmp_path / "run"
     raw, _ = train_run(out, offline)
@@ -211,7 +211,7 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.slow  # 17 s cold; the sinks' own failure tests stay (session 8's fresh clone: 951 s of the 960 s line)
+@pytest.mark.slow  # 17 s cold; the sinks' own failure tests stay
 def test_an_unreachable_tracker_warns_once_and_training_goes_on(offline, tmp_path, monkeypatch, caplog):
     # Nothing listens on the port: MLflow's first request fails (no retries), the run ends normally.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
+import threading
 
 import numpy as np
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.rollout.workflow import RolloutWorkflow
-from tests.helpers import REPO_ROOT, read_tensorboard_scalars, subprocess_env
+from tests.helpers import REPO_ROOT, read_tensorboard_scalars
 
 QUICKSTART = REPO_ROOT / "configs" / "quickstart.yaml"
 # 2 SFT steps, then 3 RL steps: versions 1-2 are SFT, 3-5 RL.
@@ -130,7 +128,7 @@ def test_export_loads_in_transformers_with_the_trained_logits(quick_run):
 
 def test_eval_on_the_export_reproduces_the_final_eval(quick_run, capsys):
     """README's `asyncrl eval configs/quickstart.yaml --set model.path=runs/quickstart/hf`, through
-    the command line (it failed with an ImportError for every config: issue 13 item 1)."""
+    the command line (every config's eval command imports what it needs)."""
     from asyncrl.cli import main
 
     cfg, result, out, _ = quick_run
@@ -176,9 +174,14 @@ def test_engine_crash_ends_the_run_with_the_engine_traceback(tmp_path, monkeypat
         raise RuntimeError("injected engine failure")
 
     monkeypatch.setattr(jax_engine.JaxEngine, "_decode", broken)
+    before = set(threading.enumerate())
     with pytest.raises(EngineCrashed) as info:
         train(_crash_config(tmp_path), console=io.StringIO())
     assert "injected engine failure" in str(info.value) and "Traceback" in str(info.value)
+    # The threads that call into the runtime ended before train() raised: an interpreter exiting
+    # under one of them (the train step's compile, a rollout worker) aborts instead of exiting 1.
+    runtime = ("asyncrl-rollout-worker", "asyncrl-precompile", "asyncrl-jax-engine", "asyncrl-dispatcher")
+    assert not [t.name for t in set(threading.enumerate()) - before if t.is_alive() and t.name.startswith(runtime)]
 
 
 def test_trainer_crash_ends_the_run(tmp_path, monkeypatch):
@@ -195,31 +198,6 @@ def test_trainer_crash_ends_the_run(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="injected trainer failure"):
         train(_crash_config(tmp_path), console=io.StringIO())
     assert calls == ["sft"]
-
-
-def test_workflow_failures_beyond_the_limit_exit_non_zero_with_the_traceback(tmp_path):
-    """Through the CLI in its own process: status, printed traceback, no hang."""
-    args = [f"--set=run.output_dir={tmp_path}", "--set=eval.every_steps=0", "--set=stages.0.total_steps=1",
-            "--set=stages.1.total_steps=2", "--set=stages.1.workflow=tests.run.test_train_loop:FailingWorkflow",
-            "--set=rollout.max_consecutive_failures=3"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "asyncrl", "train", str(QUICKSTART), *args],
-        capture_output=True, text=True, timeout=110, env=subprocess_env(), cwd=REPO_ROOT,
-    )
-    assert proc.returncode != 0
-    assert "injected episode failure" in proc.stderr and "Traceback" in proc.stderr
-    assert "max_consecutive_failures" in proc.stderr
-    assert "training completed" not in proc.stdout
-
-
-class FailingWorkflow(RolloutWorkflow):
-    """A workflow whose every episode raises (for the crash test)."""
-
-    def __init__(self, cfg, tokenizer):
-        pass
-
-    def run_episode(self, engine, sample):
-        raise RuntimeError("injected episode failure")
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ def test_segment_positions_restart_in_each_segment():
     assert segment_positions(seg).tolist() == [[0, 1, 2, 0, 1, 0, 0, 0]]
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_a_segment_never_sees_another_and_scores_like_its_own_row(tiny_one_layer):
     graphdef, params = tiny_one_layer
     batch = mixed_length_batch(rows=8, padding_rows=0, seed=3)
@@ -138,7 +138,7 @@ def _step_both(graphdef, params, batch, frozen=None, objective="rl", **sections)
     {"algo": {"mini_batches": 2, "aggregation": "seq-mean-token-mean", "kl_coef": 0.05}, "optim": dict(SGD, micro_batches=2)},
     {"algo": {"ppo_epochs": 2, "mismatch_correction": True, "aggregation": "seq-mean-token-sum-norm"}, "optim": SGD},
 ])
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_packed_trainer_step_equals_unpacked(tiny_one_layer, sections):
     """Micro- and mini-batches, epochs, pi_prox recomputed, KL: the step's metrics and the SGD-updated
     weights (the gradient, lr 0.5) match; packing used fewer rows."""
@@ -154,7 +154,7 @@ def test_packed_trainer_step_equals_unpacked(tiny_one_layer, sections):
     assert m_packed["perf/flops_per_s"] * m_packed["perf/train_time"] < m_plain["perf/flops_per_s"] * m_plain["perf/train_time"]
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_packed_sft_and_lora_steps_equal_unpacked(tiny_one_layer):
     from flax import nnx
 
@@ -224,7 +224,7 @@ def test_two_processes_packed_compute_the_single_process_step(tmp_path):
 # --------------------------------------------------------------------------- the critic
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_packed_gae_step_equals_unpacked(tiny_one_layer):
     """algo.estimator gae: the critic's values, per-segment GAE (each segment its own episode, the
     reward on its last trained token, multi-turn gaps skipped), whitening, the value loss and both

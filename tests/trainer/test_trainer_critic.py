@@ -77,7 +77,7 @@ def test_values_read_the_hidden_state_before_each_token(tiny):
     assert not values[:, 0].any()
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_micro_batches_do_not_change_the_step(tiny):
     graphdef, params = tiny
     batch = make_batch(rows=16, padding_rows=2, seed=5)

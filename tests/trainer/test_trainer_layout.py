@@ -1,4 +1,4 @@
-"""The train step's performance-critical structure (issue 19): the chosen-token log-prob's own
+"""The train step's performance-critical structure: the chosen-token log-prob's own
 gradient equals automatic differentiation of ``log_softmax``, and the donated optimizer state is
 updated in place (the compiled step copies none of it)."""
 

@@ -46,7 +46,7 @@ for mesh, micro in [((4, 2, 1), 2), ((1, 4, 2), 1)]:
 """
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_mesh_steps_equal_single_device_step():
     """One step (2 SGD updates) on data x fsdp (with 2 micro-batches) and on fsdp x tensor
     equals the single-device step: same mini-batch split, same sums."""

@@ -45,7 +45,7 @@ def test_loss_window_covers_every_span_in_buckets():
     assert starts.tolist() == [5, 24, 0]  # row 1 moved left so that its window ends by L
 
 
-@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md, issue 44-47 session)
+@pytest.mark.slow  # over the default selection's time on the CI machine (tests/README.md)
 def test_windowed_step_equals_the_full_sequence_step(tiny_one_layer):
     """pi_prox recomputed (mismatch correction) and the entropy bonus on, prompts of varied
     lengths: one update over the window (16 of 32 positions) equals one over the full sequence."""
