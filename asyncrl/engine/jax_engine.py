@@ -166,6 +166,8 @@ class JaxEngine:
         # list (a shared page once per row that reads it)
         self.view_sizes = attention_buckets(runner.pages_per_seq, cfg.attention_buckets)
         self.flat_sizes = attention_buckets(cfg.slots // runner.replicas * runner.pages_per_seq, cfg.attention_buckets)
+        # and of the rows a chunk runs (a CPU step costs every row it runs, busy or not)
+        self.row_sizes = attention_buckets(cfg.slots // runner.replicas, cfg.attention_buckets) if runner.flat_attention else ()
         reuse = cfg.prefix_cache
         self.extend_buckets = tuple(sorted({b for b in [*reuse.extend_buckets, *self.buckets] if b <= cfg.kv_capacity}))
         self.cache = KVCacheManager(runner.page_size, runner.pages_per_replica, runner.replicas, cfg.kv_capacity,
@@ -174,7 +176,7 @@ class JaxEngine:
         self._root_key = np.asarray(jax.random.PRNGKey(seed))
         self._stats = EngineStats()
         self.scheduler = Scheduler(cfg, runner, self.cache, self._stats, self._root_key, int(version), self.buckets,
-                                   self.extend_buckets, self.flat_sizes, self.view_sizes)
+                                   self.extend_buckets, self.flat_sizes, self.view_sizes, self.row_sizes)
         self._warned_truncation = False
         self._started = time.monotonic()
         if warmup:
@@ -304,7 +306,8 @@ class JaxEngine:
     def warmup(self) -> int:
         """Compile every program (each prefill and extension bucket, both decode variants per size
         class of the CPU's attention); returns the compile count."""
-        self.runner.warmup(self.buckets, self.extend_buckets, self.flat_sizes, self.view_sizes, self._root_key)
+        self.runner.warmup(self.buckets, self.extend_buckets, self.flat_sizes, self.view_sizes, self._root_key,
+                           self.scheduler.row_sizes)
         return compile_count()
 
     def metrics(self) -> dict[str, float]:

@@ -212,20 +212,20 @@ class ModelRunner:
         return idle_controls(self.slots, self.config.max_stop_ids, self.pages_per_seq, self.pages_per_replica)
 
     def warmup(self, buckets: tuple[int, ...], extend_buckets: tuple[int, ...], flat_sizes: tuple[int, ...],
-               view_sizes: tuple[int, ...], root_key: Any) -> None:
+               view_sizes: tuple[int, ...], root_key: Any, row_sizes: tuple[int, ...] = ()) -> None:
         """Compile every program with arguments that change nothing (each prefill and extension
-        bucket, both decode variants per size class of the CPU's views)."""
+        bucket, both decode variants per size class of the CPU's views and rows)."""
         for bucket in buckets:
             self.prefill(self.empty_plan(bucket), fresh=True)
         for bucket in extend_buckets:
             self.prefill(self.empty_plan(bucket), fresh=False)
-        idle = self.idle_controls()
-        rows = self.slots // self.replicas
-        views = [(None, size) for size in view_sizes] + [(empty_flat(size, rows, self.replicas), 0) for size in flat_sizes
-                                                          if size < rows * view_sizes[-1]]
-        for filtered in (False, True):
-            for flat, pages in views if self.flat_attention else [(None, 0)]:
-                self.decode(idle, flat, root_key, self.config.decode_chunk, filtered, None, 0, pages)
+        for rows in (*row_sizes, self.slots // self.replicas):
+            idle = idle_controls(rows * self.replicas, self.config.max_stop_ids, self.pages_per_seq, self.pages_per_replica)
+            views = [(None, size) for size in view_sizes] + [(empty_flat(size, rows, self.replicas), 0) for size in flat_sizes
+                                                              if size < rows * view_sizes[-1]]
+            for filtered in (False, True):
+                for flat, pages in views if self.flat_attention else [(None, 0)]:
+                    self.decode(idle, flat, root_key, self.config.decode_chunk, filtered, None, 0, pages)
         self.block()
 
 

@@ -33,7 +33,7 @@ from asyncrl.config import EngineConfig
 from asyncrl.engine.attention_buckets import chunk_bucket
 from asyncrl.engine.beam_search import run_beam_request
 from asyncrl.engine.constraints import TokenTrie, TriePool
-from asyncrl.engine.jax_programs import snapshot
+from asyncrl.engine.jax_programs import SlotControls, snapshot
 from asyncrl.engine.kv_cache_manager import Chunk, KVCacheManager, Part, SequenceKV
 from asyncrl.engine.model_runner import ModelRunner
 from asyncrl.engine.protocol import StopReason
@@ -61,11 +61,13 @@ class Scheduler:
             what a sequence holds).
         flat_sizes, view_sizes: the CPU decode attention's size classes: of the flat list of pages
             (per replica), of the pages per row of each row's view.
+        row_sizes: the CPU decode chunk's size classes of rows per replica (a chunk runs the busy
+            rows and idle ones up to the smallest class holding the busiest replica's); empty: every row.
     """
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, cache: KVCacheManager, stats: EngineStats,
                  root_key: Any, version: int, buckets: tuple[int, ...], extend_buckets: tuple[int, ...],
-                 flat_sizes: tuple[int, ...], view_sizes: tuple[int, ...] = (1,)):
+                 flat_sizes: tuple[int, ...], view_sizes: tuple[int, ...] = (1,), row_sizes: tuple[int, ...] = ()):
         self.config = config
         self.runner = runner
         self.cache = cache
@@ -78,6 +80,7 @@ class Scheduler:
         self.prefill_rows = runner.prefill_rows
         self.replicas = runner.replicas
         self.rows_per_replica = self.slots // self.replicas
+        self.row_sizes = tuple(size for size in row_sizes if size < self.rows_per_replica)
         self.page_size = cache.page_size
         self.no_page = cache.pages_per_replica  # a page table's and a copy's "none"
         self.growth_pages = -(-self.chunk // self.page_size)  # pages one chunk can take a sequence into
@@ -497,15 +500,24 @@ class Scheduler:
             following = 1 if self.resume else self.waiting[0].request.n if self.waiting else 1
             c.refill_free[...] = max(following, pair)
         version = self.version
+        chosen = self._chunk_rows(active)
+        controls, per = snapshot(c), self.rows_per_replica
+        if chosen is not None:  # the rows left out are idle: the chunk's free rows count them
+            controls = SlotControls(*(x if name == "refill_free" else x[chosen]
+                                      for name, x in zip(SlotControls._fields, controls)))
+            controls.refill_free[...] = max(int(c.refill_free) - (self.slots - len(chosen)), 0)
+            per = len(chosen) // self.replicas
         flat, view_pages = None, 0
         if self.runner.flat_attention:  # the CPU: a view of the pages the chunk reads (each row's first ones, or a list)
-            reach = [(row, s.kv, self._reach(s)) for row, s in enumerate(self.rows) if s is not None and active[row]]
+            running = [self.rows[row] for row in (range(self.slots) if chosen is None else map(int, chosen))]
+            reach = [(j, s.kv, self._reach(s)) for j, s in enumerate(running) if s is not None and s.kv is not None and s.row is not None
+                     and active[s.row]]
             view_pages = chunk_bucket(self.view_sizes, max((self.cache.pages_for(n) for _, _, n in reach), default=1))
-            listed = chunk_bucket(self.flat_sizes, self.cache.listed_pages(reach, self.rows_per_replica))
-            if listed < view_pages * self.rows_per_replica:
-                flat, view_pages = self.cache.flat_pages(reach, self.rows_per_replica, self.flat_sizes), 0
+            listed = chunk_bucket(self.flat_sizes, self.cache.listed_pages(reach, per))
+            if listed < view_pages * per:
+                flat, view_pages = self.cache.flat_pages(reach, per, self.flat_sizes), 0
         tokens, logprobs, emitted = self.runner.decode(
-            snapshot(c), flat, self.root_key, self.chunk, filtered, self.trie_tables if constrained else None,
+            controls, flat, self.root_key, self.chunk, filtered, self.trie_tables if constrained else None,
             self.tries.max_branch if constrained else 0, view_pages)
         if self.copying:  # the chunk made them: the copied pages are matchable, their sources free to go
             c.copy_dst[:] = self.no_page
@@ -516,6 +528,8 @@ class Scheduler:
         dispatched = time.monotonic()
         tokens, logprobs, emitted = np.asarray(tokens), np.asarray(logprobs), np.asarray(emitted)
         ready = time.monotonic()
+        if chosen is not None:  # back to the engine's rows
+            tokens, logprobs, emitted = (_scatter_rows(x, chosen, self.slots) for x in (tokens, logprobs, emitted))
         steps = int(emitted.any(axis=0).sum())
         self.stats.decode_steps += steps
         for row in map(int, np.flatnonzero(active)):
@@ -540,6 +554,24 @@ class Scheduler:
         self.stats.decode_s += finished - started
         self.stats.decode_wait_s += ready - dispatched
         self.stats.decode_host_s += (dispatched - started) + (finished - ready)
+
+    def _chunk_rows(self, active: np.ndarray) -> Optional[np.ndarray]:
+        """The rows a decode chunk runs when fewer than all (``row_sizes``; the CPU's, whose step
+        costs every row it runs): per replica in turn, its busy rows (running, or making a page copy)
+        and idle ones up to the smallest size class holding the busiest replica's; None: every row."""
+        if not self.row_sizes:
+            return None
+        per = self.rows_per_replica
+        busy = active | (self.controls.copy_dst != self.no_page)
+        blocks = [np.flatnonzero(busy[r * per:(r + 1) * per]) for r in range(self.replicas)]
+        size = chunk_bucket((*self.row_sizes, per), max(len(b) for b in blocks))
+        if size >= per:
+            return None
+        chosen = []
+        for r, block in enumerate(blocks):
+            idle = np.setdiff1d(np.arange(per), block)[: size - len(block)]
+            chosen.append(r * per + np.concatenate([block, idle]))
+        return np.concatenate(chosen).astype(np.int64)
 
     def _await_refill(self) -> None:
         """After a chunk that freed rows, give the callers whose requests just finished a moment
@@ -590,3 +622,10 @@ class Scheduler:
             if len(sequence.tokens) >= request.max_new_tokens:
                 return "length"
         return None
+
+
+def _scatter_rows(values: np.ndarray, rows: np.ndarray, slots: int) -> np.ndarray:
+    """``values`` ``[len(rows), ...]`` of a chunk that ran ``rows``, as ``[slots, ...]`` (zeros elsewhere)."""
+    out = np.zeros((slots, *values.shape[1:]), values.dtype)
+    out[rows] = values
+    return out

@@ -164,9 +164,10 @@ def test_attention_bucket_sizes():
 
 def test_bucketed_attention_equals_full_attention(tiny_split):
     """Requests whose pages cross several size classes of the CPU's flat attention as they run and
-    end (prompts of 5 to 60 tokens, up to 64 new tokens, a 60-page pool): sampled and greedy tokens and log-probs
-    equal those of attention over a list of the whole pool, and the smaller classes were used
-    (their programs were compiled)."""
+    end (prompts of 5 to 60 tokens, up to 64 new tokens, 10 pages per row), on 9 of 32 rows: sampled
+    and greedy tokens and log-probs equal those of attention over a list of every row's pages on 6
+    rows, and the smaller classes were used (their programs were compiled; the chunks ran 16 of the
+    32 rows, the busy ones and idle ones)."""
     from asyncrl.engine import jax_programs
 
     lm, graphdef, params = tiny_split
@@ -176,16 +177,18 @@ def test_bucketed_attention_equals_full_attention(tiny_split):
                 for i, (length, new) in enumerate([(5, 40), (30, 60), (60, 30), (12, 64)])]
     requests.append(GenerationRequest(prompt_ids=prompt_of(9, 20), greedy=True, max_new_tokens=50, stop_token_ids=[]))
 
-    def run(buckets: int) -> list:
-        config = cfg.model_copy(update={"attention_buckets": buckets})
+    def run(buckets: int, slots: int) -> tuple[list, set]:
+        config = cfg.model_copy(update={"attention_buckets": buckets, "slots": slots})
         with JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=config, seed=4) as engine:
-            assert engine.flat_sizes == ((16, 32, 60) if buckets == 3 else (60,))  # 6 rows x 10 pages
-            return [f.result() for f in [engine.submit(r) for r in requests]]  # together: 45 pages at first
+            rows, decode = set(), engine.runner.decode
+            engine.runner.decode = lambda controls, *args: rows.add(len(controls.active)) or decode(controls, *args)
+            return [f.result() for f in [engine.submit(r) for r in requests]], rows  # together: 45 pages at first
 
-    full = run(1)
-    bucketed = run(3)
+    full, full_rows = run(1, 6)
+    bucketed, bucketed_rows = run(5, 32)
     traced = {name for name in jax_programs._compiles if isinstance(name, str)}
-    assert {"decode_chunk_flat16", "decode_chunk_flat32"} <= traced  # 60 / 4 and 60 / 2, rounded up to 16
+    assert {"decode_chunk_flat32", "decode_chunk_flat48"} <= traced  # 320 / 16 and 320 / 8, rounded up to 16
+    assert full_rows == {6} and bucketed_rows == {16}  # 32 rows, 16 and 32 the row classes
     for request, want, got in zip(requests, full, bucketed):
         for a, b in zip(want, got):
             assert a.output_ids.tolist() == b.output_ids.tolist()
