@@ -180,8 +180,14 @@ def test_bucketed_attention_equals_full_attention(tiny_split):
     def run(buckets: int, slots: int) -> tuple[list, set]:
         config = cfg.model_copy(update={"attention_buckets": buckets, "slots": slots})
         with JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=config, seed=4) as engine:
-            rows, decode = set(), engine.runner.decode
-            engine.runner.decode = lambda controls, *args: rows.add(len(controls.active)) or decode(controls, *args)
+            rows: set[int] = set()
+            decode = engine.runner.decode
+
+            def counted(controls, *args):
+                rows.add(len(controls.active))
+                return decode(controls, *args)
+
+            engine.runner.decode = counted  # type: ignore[method-assign]
             return [f.result() for f in [engine.submit(r) for r in requests]], rows  # together: 45 pages at first
 
     full, full_rows = run(1, 6)
