@@ -7,14 +7,16 @@ Each side runs in a process of its own, with its checkout first on ``sys.path`` 
 one; ``contiguous``: ``--baseline``; without it only the paged side runs and the ratios are null).
 Parts and fields (``*_paged``, ``*_contiguous``, their ratio):
 
-* ``long_tail``: bench-40m, prompts of 256 tokens, ``--requests`` requests whose new-token budgets are
-  log-uniform between 16 and 2,048 (``16 * 2 ** U(0, 7)``, rounded down: median 181, mean about 419;
-  EOS ignored, so each request generates its budget), sent by as many client threads as the engine
-  has slots. The same KV bytes on both sides: the contiguous engine's 8 slots of 2,304 positions,
-  the paged engine's pool of 8 x 2,304 / 16 = 1,152 pages of 16 with ``--paged-slots`` slots (64).
+* ``long_tail``: bench-40m, prompts of 256 tokens, new-token budgets log-uniform between 16 and
+  2,048 (``16 * 2 ** U(0, 7)``, rounded down: median about 181, mean about 419; EOS ignored, so each
+  request generates its budget), a stream: as many client threads as the engine has slots, each
+  sending its next request as soon as its last returns (rollout workers), measured over
+  ``--window-s`` seconds after ``--skip-s`` (a program first used in the window compiles in it). The same KV bytes on
+  both sides: the contiguous engine's 8 slots of 2,304 positions, the paged engine's pool of
+  8 x 2,304 / 16 = 1,152 pages of 16 with ``--paged-slots`` slots (64). In the window:
   ``sequences_per_step`` is decode tokens over decode steps (sequences decoding together; target
-  paged >= 4x), ``new_tokens_per_s`` generated tokens over the round's wall time (target >= 2x),
-  ``preemptions``. Both engines with ``engine.attention_buckets: 4``.
+  paged >= 4x), ``new_tokens_per_s`` decode tokens per second (target >= 2x), ``preemptions``. Both
+  engines with ``engine.attention_buckets: 4``.
 * ``group``: 16 samples (``n = 16``) of a 1,024-token prompt, 64 new tokens each, on bench-40m:
   ``group_pages_max`` is the most pool pages in use during the request (sampled every few
   milliseconds), ``group_pages_expected`` the prompt's pages plus 16 x each sample's new pages
@@ -48,7 +50,9 @@ PROMPT, LONG_BUDGET, CONTIGUOUS_SLOTS, PAGE = 256, 2048, 8, 16
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", default=None, help="a checkout of the contiguous engine (its repository root)")
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
-    parser.add_argument("--requests", type=int, default=64, help="requests of the long-tailed round")
+    parser.add_argument("--requests", type=int, default=1000, help="requests the long-tailed stream may draw (more than it uses)")
+    parser.add_argument("--window-s", type=float, default=240.0, help="seconds the long-tailed stream is measured")
+    parser.add_argument("--skip-s", type=float, default=90.0, help="seconds of the stream before the window")
     parser.add_argument("--paged-slots", type=int, default=64, help="the paged engine's slots in the long-tailed round")
     parser.add_argument("--short-slots", type=int, default=256, help="busy slots of the short round")
     parser.add_argument("--repeats", type=int, default=2, help="timed rounds of the short part (after two untimed ones)")
@@ -75,6 +79,7 @@ def run(args: argparse.Namespace) -> dict:
         if engine_parts:
             argv = [sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "paged", "--child", side, "--root", str(root),
                     "--parts", *engine_parts, "--requests", str(args.requests), "--paged-slots", str(args.paged_slots),
+                    "--window-s", str(args.window_s), "--skip-s", str(args.skip_s),
                     "--short-slots", str(args.short_slots), "--repeats", str(args.repeats)]
             figures[side] = _last_json(subprocess.run(argv, env=child_env(JAX_PLATFORMS="cpu"), capture_output=True,
                                                       text=True, check=True).stdout)
@@ -126,7 +131,7 @@ def child(args: argparse.Namespace) -> dict:
     paged = args.child == "paged"
     out: dict = {}
     if "long_tail" in args.parts:
-        out.update(long_tail(paged, args.requests, args.paged_slots))
+        out.update(long_tail(paged, args.requests, args.paged_slots, args.window_s, args.skip_s))
     if "group" in args.parts:
         out.update(group(paged))
     if "short" in args.parts:
@@ -160,9 +165,9 @@ def _prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(0, vocab, size=length)] for _ in range(count)]
 
 
-def long_tail(paged: bool, requests: int, paged_slots: int) -> dict:
+def long_tail(paged: bool, requests: int, paged_slots: int, window_s: float, skip_s: float) -> dict:
+    import threading
     import time
-    from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
 
@@ -179,25 +184,39 @@ def long_tail(paged: bool, requests: int, paged_slots: int) -> dict:
     rng = np.random.default_rng(7)
     budgets = [int(16 * 2 ** rng.uniform(0, 7)) for _ in range(requests)]
     prompts = _prompts(vocab, requests, PROMPT, 8)
-    engine = _engine(graphdef, params, **config)
+    calls = [GenerationRequest(prompt_ids=p, max_new_tokens=b, stop_token_ids=[], sample_id=i)
+             for i, (p, b) in enumerate(zip(prompts, budgets))]
+    engine = _engine(graphdef, params, **config)  # programs compile on first use (most before the window)
+    taken, lock, stop = iter(calls), threading.Lock(), threading.Event()
+
+    def client() -> None:  # a rollout worker: its next request as soon as the last one returns
+        while not stop.is_set():
+            with lock:
+                call = next(taken, None)
+            if call is None:
+                return
+            engine.generate(call)
+
     try:
-        engine.generate(GenerationRequest(prompt_ids=prompts[0], max_new_tokens=16, stop_token_ids=[]))  # compile
-        warm = engine.metrics()
-        calls = [GenerationRequest(prompt_ids=p, max_new_tokens=b, stop_token_ids=[], sample_id=i)
-                 for i, (p, b) in enumerate(zip(prompts, budgets))]
-        started = time.monotonic()
-        with ThreadPoolExecutor(int(config["slots"])) as pool:
-            outs = list(pool.map(engine.generate, calls))
-        seconds = time.monotonic() - started
-        m = engine.metrics()
+        clients = [threading.Thread(target=client, daemon=True) for _ in range(int(config["slots"]))]
+        for thread in clients:
+            thread.start()
+        time.sleep(skip_s)  # past the start, where every sequence is short at once
+        first, started = engine.metrics(), time.monotonic()
+        time.sleep(window_s)
+        last, seconds = engine.metrics(), time.monotonic() - started
+        stop.set()
+        engine.abort_all()
+        for thread in clients:
+            thread.join(60)
     finally:
         engine.shutdown()
-    assert [len(o[0].output_ids) for o in outs] == budgets
-    steps = m["engine/decode_steps"] - warm["engine/decode_steps"]
-    tokens = m["engine/decode_tokens"] - warm["engine/decode_tokens"]
+    delta = lambda name: last.get(name, 0.0) - first.get(name, 0.0)  # noqa: E731
+    assert next(taken, None) is not None, "--requests ran out inside the window: give more"
     return {"slots": config["slots"], "budget_median": float(np.median(budgets)), "budget_mean": float(np.mean(budgets)),
-            "sequences_per_step": round(tokens / steps, 2), "new_tokens_per_s": round(sum(budgets) / seconds, 1),
-            "long_tail_s": round(seconds, 1), "preemptions": m.get("engine/preemptions", 0.0)}
+            "sequences_per_step": round(delta("engine/decode_tokens") / max(delta("engine/decode_steps"), 1), 2),
+            "new_tokens_per_s": round(delta("engine/decode_tokens") / seconds, 1), "window_s": round(seconds, 1),
+            "preemptions": delta("engine/preemptions")}
 
 
 def group(paged: bool) -> dict:
