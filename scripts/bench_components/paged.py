@@ -81,12 +81,10 @@ def run(args: argparse.Namespace) -> dict:
                     "--parts", *engine_parts, "--requests", str(args.requests), "--paged-slots", str(args.paged_slots),
                     "--window-s", str(args.window_s), "--skip-s", str(args.skip_s),
                     "--short-slots", str(args.short_slots), "--repeats", str(args.repeats)]
-            figures[side] = _last_json(subprocess.run(argv, env=child_env(JAX_PLATFORMS="cpu"), capture_output=True,
-                                                      text=True, check=True).stdout)
+            figures[side] = _last_json(_child(argv, side, env=child_env(JAX_PLATFORMS="cpu")))
         if "prefix" in args.parts:
             argv = [sys.executable, str(root / "scripts" / "bench.py"), "prefix", "--rl-steps", str(args.rl_steps)]
-            prefix = _last_json(subprocess.run(argv, cwd=root, env=child_env(JAX_PLATFORMS="cpu"), capture_output=True,
-                                               text=True, check=True).stdout)
+            prefix = _last_json(_child(argv, side, cwd=root, env=child_env(JAX_PLATFORMS="cpu")))
             figures.setdefault(side, {}).update({
                 "agent_prefill_per_generated": prefix.get("agent_on_prefill_per_generated"),
                 "multi_turn_prefill_reduction": prefix.get("multi_turn_prefill_reduction")})
@@ -105,6 +103,15 @@ def run(args: argparse.Namespace) -> dict:
     })
     result.update(load_avg_since(load_start))
     return result
+
+
+def _child(argv: list[str], side: str, **kwargs: Any) -> str:
+    """``argv``'s stdout; a failure raises with the end of its stderr (a dataset offline: set
+    ``ASYNCRL_DATA_DIR``, the prefix part trains on GSM8K)."""
+    proc = subprocess.run(argv, capture_output=True, text=True, **kwargs)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench.py paged ({side}): {' '.join(argv[1:4])} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc.stdout
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
