@@ -16,6 +16,7 @@
     python scripts/bench.py prefix    # prompt tokens computed per generated token, prefix reuse on vs off (agent, multi-turn)
     python scripts/bench.py every_host  # rollout new tokens/s with every host generating vs process 0 alone (a core each)
     python scripts/bench.py serve_update  # serving copies of the weights alive when asyncrl serve installs an update
+    python scripts/bench.py paged     # the paged KV cache beside a contiguous engine: long tails, groups, busy slots, reuse
 
 ``python scripts/bench.py SUBCOMMAND --help`` says what each measures and its fields. Each
 lives in ``scripts/bench_components/<name>.py`` (``add_arguments(parser)`` and
@@ -37,7 +38,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SUBCOMMANDS = ("train", "loop", "engine", "model", "batch", "remote", "accel", "gpu", "reward_model", "plan", "agent",
-               "pack", "colocated", "prefix", "every_host", "serve_update")
+               "pack", "colocated", "prefix", "every_host", "serve_update", "paged")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -443,6 +443,8 @@ SLOW_CHAINS = {
     # docs/performance.md: reward-model scoring throughput, on the 2-layer twin
     "bench_reward_model": (Step("python scripts/bench.py reward_model", ("--quick",), check=_bench_reward_model),),
     # docs/scaling.md: rollouts with every host generating against process 0 alone, a core per process
+    # docs/performance.md: the paged engine alone (no --baseline checkout), its A/B/A probe on the tiny model
+    "bench_paged": (Step("python scripts/bench.py paged", ("--parts", "agent"), check=_bench_line("paged")),),
     "bench_every_host": (Step("python scripts/bench.py every_host", ("--model", "tiny", "--steps", "2", "--new", "8",
                                                                     "--rounds", "1"), check=_bench_line("every_host")),),
     # docs/scaling.md: memory per process, a 4M-parameter model as 1 and 2 processes (about a minute)

@@ -72,10 +72,6 @@ def _saves(path: str):
     return prepare
 
 
-class PromptOutgrowsPrefillBuckets(Exception):
-    """A documented run failed only because a prompt is longer than the largest engine.prefill_buckets entry."""
-
-
 CHECK_AGAIN = ("asyncrl train configs/quickstart.yaml --set run.name=check-again --set "
                "workflow=mypkg.workflows:CheckAgainWorkflow --set rollout.max_seq_len=48 --set engine.kv_capacity=48")
 SOLVE = "asyncrl train configs/quickstart.yaml --set run.name=solve --set 'workflow={target: mypkg.agents:Solve, kwargs: {turn_discount: 0.9}}'"
@@ -103,23 +99,11 @@ SLOW_EXAMPLE_CHAINS = {"agent_examples", "constrained_workflow"}
 """Runs of tens of seconds here (the HTTP agent's episodes each build a client; the trie's
 programs compile): run by name or with --runslow."""
 
-KNOWN_LIMITS = {
-    "workflow_example": (PromptOutgrowsPrefillBuckets, "longer than the largest engine.prefill_buckets entry",
-                         "the second turn's prompt (the episode so far) is longer than the quickstart's one prefill "
-                         "bucket of 16 tokens, which the engine refuses until it prefills long prompts in chunks"),
-}
-"""Chains that fail for a limit of the product the docs do not work around: strict xfails that
-fail with any other error, and once the limit is gone (then the mark goes)."""
-
-
 def _example_params():
     for name, chain in EXAMPLE_CHAINS.items():
         marks = [pytest.mark.timeout(600)]
         if name in SLOW_EXAMPLE_CHAINS:
             marks.append(pytest.mark.slow)
-        if name in KNOWN_LIMITS:
-            raises, _, reason = KNOWN_LIMITS[name]
-            marks.append(pytest.mark.xfail(strict=True, raises=raises, reason=reason))
         yield pytest.param(name, chain, id=name, marks=marks)
 
 
@@ -127,12 +111,7 @@ def _example_params():
 def test_saved_examples_train(name, chain, workspace, monkeypatch, capsys, caplog):
     """A module the docs have you save trains with the documented command, and nothing it does
     logs an error (an unclosed client, a task that failed unseen)."""
-    try:
-        run_chain(chain, workspace, monkeypatch, capsys)
-    except AssertionError as err:
-        if name in KNOWN_LIMITS and KNOWN_LIMITS[name][1] in str(err):
-            raise KNOWN_LIMITS[name][0](str(err)[-600:]) from None
-        raise
+    run_chain(chain, workspace, monkeypatch, capsys)
     errors = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
     assert not errors, errors
 

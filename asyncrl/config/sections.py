@@ -372,12 +372,10 @@ class RemoteEngineConfig(Section):
 
 
 class PrefixCacheConfig(Section):
-    """Prefix reuse in the in-process engine and ``asyncrl serve`` (docs/agents.md "Prefix reuse"): the KV of finished samples stays in their slots until the slots are needed, and a request whose prompt begins with KV a slot holds computes only the rest."""
+    """Prefix reuse in the in-process engine and ``asyncrl serve`` (docs/agents.md "Prefix reuse"): the KV pages of finished samples stay in the engine's prefix tree until the pool needs them, and a request whose prompt begins with pages the tree holds shares them by reference and computes only the rest."""
 
     enabled: bool = True
-    """Reuse kept prefixes; false: every request prefills its whole prompt (bit for bit the engine without reuse)."""
-    min_tokens: int = Field(default=64, ge=1)
-    """The shortest part of a prompt worth reusing; a prompt whose whole context a slot holds (a group's requests) is always reused. Below it the prompt is prefilled whole, so prompts that share only a chat template's system part keep their own prefill. A value no shared part reaches (above the largest ``engine.prefill_buckets`` entry, which no context exceeds) reuses whole contexts only."""
+    """Reuse kept prefixes (from one whole page on, or a whole context); false: every request prefills its whole prompt (bit for bit the engine without reuse)."""
     across_versions: bool = False
     """Also reuse KV computed with older weights (after a publish); the tokens a request then generates carry the oldest version among the KV they attend to, so staleness accounting stays exact. False: a publish makes every kept prefix stale, as SGLang's cache flush at a weight update does. Needs ``rollout.max_staleness`` >= 1 (a reusing sample is older than the weights it is generated at). Refused with ``engine.remote`` (the servers keep their own cache, SGLang's flushed at each weight update, and a server's tokens must carry a version it served since the request was sent)."""
     extend_buckets: list[int] = Field(default_factory=lambda: [32, 128])
@@ -395,23 +393,27 @@ class EngineConfig(Section):
     """The JAX inference engine: batch slots, KV cache, and the shapes it compiles for."""
 
     slots: Union[int, Literal["auto"]] = 16
-    """Sequences decoded together (batch rows of the KV cache); a request's ``n`` samples need ``n`` free slots. ``auto``: as many as the device's memory holds after the trainer at the configured ``kv_capacity``, by ``asyncrl plan``'s accounting (at least ``rollout.group_size``, at most ``rollout.max_concurrent x rollout.group_size``, a multiple of 8 from 8 up), sized when the run starts and logged (``asyncrl plan --device-memory`` shows the figure)."""
+    """The most sequences decoded together (rows of the decode batch); a request's ``n`` samples need ``n`` free rows. ``auto``: as many as the device's memory holds after the trainer at the plan's mean length (``asyncrl plan`` states it), at least ``rollout.group_size``, at most ``rollout.max_concurrent x rollout.group_size``, a multiple of 8 from 8 up, sized when the run starts and logged (``asyncrl plan --device-memory`` shows the figure)."""
     kv_capacity: int = Field(default=512, ge=2)
-    """Tokens one slot holds: prompt + ``max_new_tokens`` of every request must fit."""
+    """The longest context one sequence may reach: prompt + ``max_new_tokens`` of every request must fit. A sequence holds pages for its own tokens only, so this bounds one sequence, not the memory."""
+    page_size: Union[int, Literal["auto"]] = "auto"
+    """Tokens per KV page (a sequence holds whole pages; pages are shared by reference). Must divide ``kv_capacity``. ``auto``: 16 on the CPU and GPUs, 64 on TPUs, halved until it divides ``kv_capacity``."""
+    kv_pages: Union[int, Literal["auto"]] = "auto"
+    """Pages in each engine replica's KV pool. When running sequences need more, the most recently admitted one is preempted (its pages released, its tokens kept) and resumed later with the same tokens. At least one sequence's longest context (``kv_capacity / page_size``). ``auto``: in a run, what the device's memory holds after the trainer and the rest of the engine (``asyncrl plan``'s accounting), at most ``slots x kv_capacity / page_size`` per replica (every row at its longest context); an engine made alone: that most."""
     decode_chunk: int = Field(default=8, ge=1)
     """Most tokens decoded per compiled call (a call ends early once every slot is done, or a slot finished and the next waiting request fits); finished slots are refilled and published weights installed between calls."""
     prefill_buckets: list[int] = Field(default_factory=lambda: [16, 32, 64, 128, 256, 512])
-    """Prompt lengths prefill is compiled for (one program each); a prompt uses the smallest that holds it."""
+    """Token counts prefill is compiled for (one program each); a prompt uses the smallest that holds it, and a longer one is prefilled in chunks of the largest (any prompt up to ``kv_capacity - 1`` tokens)."""
     max_stop_ids: int = Field(default=8, ge=1)
     """Most stop token ids one request may give (the width of the compiled stop-id table)."""
     request_timeout_s: Optional[float] = Field(default=None, gt=0)
     """Default timeout of a request without its own ``timeout_s``; unfinished samples come back ``aborted``. Null: none."""
     tensor_parallel: Union[int, Literal["auto"]] = "auto"
-    """Devices each engine replica splits the model over (attention and KV heads, MLP width, vocabulary); the engine's devices (``placement.engine``, by default the trainer's) form ``devices / tensor_parallel`` replicas, each decoding its share of the slots. Must divide the model's KV heads and the engine's devices. ``auto``: the smallest such degree whose serving copy and KV cache fit beside the trainer's resident state in the device's memory (with headroom; ``asyncrl plan`` shows the choice), chosen when the run starts and logged; a number that does not fit is refused before step 1 with the degrees that do (docs/scaling.md "Placement")."""
+    """Devices each engine replica splits the model over (attention and KV heads, MLP width, vocabulary); the engine's devices (``placement.engine``, by default the trainer's) form ``devices / tensor_parallel`` replicas, each decoding its share of the slots. Must divide the model's KV heads and the engine's devices. ``auto``: of the degrees whose least engine fits beside the trainer in the device's memory (with headroom), the one whose replicas decode the most sequences together once slots and KV pages are sized in what it leaves (the smallest among equals; ``asyncrl plan`` shows the choice), chosen when the run starts and logged, refused before step 1 when none fits; a number that does not fit is refused the same way, with the degrees that do (docs/scaling.md "The engine's mesh")."""
     sampler: Literal["auto", "inverse_cdf", "gumbel"] = "auto"
     """How a slot's token is drawn from ``softmax(logits / T)``: ``inverse_cdf`` (one uniform per slot; fastest on XLA:CPU), ``gumbel`` (Gumbel-max: one fused pass over the vocabulary, for GPUs), ``auto``: ``inverse_cdf`` on the CPU, ``gumbel`` on accelerators. Both draw from the same distribution and report the same log-probs, but a seed's tokens depend on the sampler."""
     attention_buckets: int = Field(default=1, ge=1)
-    """Size classes of the KV cache a decode chunk attends over: the capacity halved ``attention_buckets - 1`` times (multiples of 16); each chunk attends over the smallest class that holds its active slots' contexts, one compiled decode program per class. 1: always the whole ``kv_capacity``."""
+    """Size classes of a decode chunk on the CPU: of the pages it attends over (per row, or every busy row's as one list) and of the rows it runs, each the largest halved ``attention_buckets - 1`` times (multiples of 16); each chunk takes the smallest classes that hold its busy rows and their contexts, one compiled decode program per combination. 1: always every row over its whole ``kv_capacity``."""
     decode_inner_steps: Union[int, Literal["auto"]] = "auto"
     """Decode steps per iteration of a chunk's device loop (unrolled in the compiled program): the chunk's early exit (a slot finished and a refill fits) is tested once every this many steps, so a finished slot idles at most this many steps minus one before it can be refilled, and the program is about this many times larger to compile. On a GPU the host reads the loop's exit test, so it is in the loop once per this many tokens. ``auto``: 8 on GPUs, 1 on the CPU and TPUs (their loops run without the host)."""
     prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig)
@@ -419,7 +421,7 @@ class EngineConfig(Section):
     remote: Optional[RemoteEngineConfig] = None
     """Generate on inference servers instead of in-process (the fields above then apply to ``asyncrl serve`` only); null: the in-process JAX engine."""
 
-    @field_validator("slots", "tensor_parallel", "decode_inner_steps")
+    @field_validator("slots", "tensor_parallel", "decode_inner_steps", "page_size", "kv_pages")
     @classmethod
     def _check_count_or_auto(cls, value: Union[int, str], info: ValidationInfo) -> Union[int, str]:
         if isinstance(value, int) and value < 1:
@@ -434,6 +436,13 @@ class EngineConfig(Section):
             raise ValueError(
                 f"engine.prefill_buckets: {max(self.prefill_buckets)} exceeds engine.kv_capacity ({self.kv_capacity})"
             )
+        if isinstance(self.page_size, int) and self.kv_capacity % self.page_size:
+            raise ValueError(f"engine.page_size: {self.page_size} does not divide engine.kv_capacity ({self.kv_capacity}); "
+                             "a sequence holds whole pages up to its longest context")
+        if isinstance(self.page_size, int) and isinstance(self.kv_pages, int) and self.kv_pages * self.page_size < self.kv_capacity:
+            raise ValueError(f"engine.kv_pages: {self.kv_pages} pages of {self.page_size} tokens hold less than one sequence's "
+                             f"longest context (engine.kv_capacity = {self.kv_capacity}); give at least "
+                             f"{self.kv_capacity // self.page_size}")
         return self
 
 

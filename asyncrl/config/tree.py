@@ -208,11 +208,6 @@ class Config(Section):
                 f"engine.kv_capacity ({engine.kv_capacity}) must be at least data.max_prompt_tokens + "
                 f"rollout.max_new_tokens ({needed}), or long prompts could not be served"
             )
-        elif max(engine.prefill_buckets) < self.data.max_prompt_tokens - 1:
-            problems.append(
-                f"engine.prefill_buckets: the largest ({max(engine.prefill_buckets)}) must hold data.max_prompt_tokens - 1 "
-                f"({self.data.max_prompt_tokens - 1}) tokens (the last prompt token is decoded)"
-            )
         if engine.remote is not None and (self.placement.engine is not None
                                           or (isinstance(engine.tensor_parallel, int) and engine.tensor_parallel > 1)):
             problems.append(

@@ -4,7 +4,7 @@ eval's ``eval.decoding.strategy: beam`` and requests with ``beam=True`` (docs/de
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -115,3 +115,40 @@ def _beam_search(graphdef, params, prompt_ids, prompt_mask, last_token, stop_voc
 
 beam_search_jit = jax.jit(_beam_search, static_argnums=0,
                           static_argnames=("k", "max_new", "capacity", "max_branch", "kernel", "cache_layout"))
+
+
+def run_beam_request(runner: Any, pending: Any, buckets: tuple[int, ...], version: int, tries: Any = None) -> None:
+    """Run the beam search of ``pending`` (a :class:`~asyncrl.engine.requests.Pending` with
+    ``beam=True``) on ``runner``'s serving copy (:class:`~asyncrl.engine.model_runner.ModelRunner`):
+    its prompt in the smallest of ``buckets`` that holds it (else a multiple of the largest); the
+    ``n`` best beams become its samples, best first, their tokens of weights ``version``. ``tries``:
+    ``(the trie pool's device tables, the constraint's root node, the pool's widest node)`` or None."""
+    import numpy as np
+
+    request = pending.request
+    prompt = np.asarray(request.prompt_ids, np.int32)
+    context = len(prompt) - 1
+    largest = buckets[-1]
+    bucket = next((b for b in buckets if b >= max(context, 1)), -(-context // largest) * largest)
+    ids = np.zeros(bucket, np.int32)
+    ids[:context] = prompt[:context]
+    stop_vocab = np.zeros(runner.vocab_size, bool)
+    stop_vocab[list(pending.stop_ids)] = True
+    max_branch = 0
+    if tries is not None:
+        *tries, max_branch = tries
+        tries = tuple(tries)
+    out = runner.beam_search(ids, np.arange(bucket) < context, np.int32(prompt[-1]), stop_vocab,
+                             np.float32(request.length_penalty), tries, k=request.n, max_new=request.max_new_tokens,
+                             capacity=bucket + request.max_new_tokens, max_branch=max_branch)
+    tokens, logprobs, lengths, scores = (np.asarray(x) for x in out)
+    trie = request.constraint
+    for j, sequence in enumerate(pending.sequences):
+        n = int(lengths[j])
+        sequence.tokens, sequence.logprobs = tokens[j, :n].tolist(), logprobs[j, :n].tolist()
+        sequence.versions = [version] * n
+        sequence.score = float(scores[j])
+        if trie is not None:
+            sequence.stop_reason = "stop" if trie.contains(sequence.tokens) else "length"
+        else:
+            sequence.stop_reason = "eos" if n and sequence.tokens[-1] in pending.stop_set else "length"

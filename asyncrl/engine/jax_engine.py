@@ -1,13 +1,19 @@
 """JaxEngine: continuously batched, jitted KV-cache sampling behind the InferenceEngine protocol.
 
-Threads
--------
-``generate``/``submit`` (any thread) validate the request on the caller's thread and put
-it on a queue. One daemon scheduler thread owns every device call: it installs published
-weights, admits waiting requests into free slots (prefill + copy), decodes one chunk of
-tokens for all slots, hands finished requests back through their futures, and repeats.
-``update_weights`` (the trainer's thread) hands the new parameters to the scheduler and
-waits until they are installed, which happens between two chunks (at once when idle).
+Parts and threads
+-----------------
+:class:`JaxEngine` is the protocol's facade over three parts, each the owner of its state: the
+scheduler (:mod:`asyncrl.engine.scheduler`: the waiting queue, admission, chunk boundaries, each
+sample's record, :class:`~asyncrl.engine.requests.Sequence`; no device arrays), the KV cache
+manager (:mod:`asyncrl.engine.kv_cache_manager`: where each sequence's KV lies and what a new
+request can reuse) and the model runner (:mod:`asyncrl.engine.model_runner`: the device state,
+the serving copy and its shardings, the jitted programs). ``generate``/``submit`` (any thread)
+validate the request on the caller's thread and hand it to the scheduler's queue. The scheduler's
+daemon thread makes every device call through the runner: it installs published weights, admits
+waiting requests into free slots (prefill + copy), decodes one chunk of tokens for all slots,
+hands finished requests back through their futures, and repeats. ``update_weights`` (the
+trainer's thread) hands the new parameters to the scheduler and waits until they are installed,
+which happens between two chunks (at once when idle).
 
 Device state and programs (:mod:`asyncrl.engine.jax_programs`)
 ---------------------------------------------------------------
@@ -58,7 +64,6 @@ Stop ids end a sample on device; stop sequences are matched on the host after ea
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -72,32 +77,14 @@ import numpy as np
 from asyncrl.cluster.placement import slots_for_replicas
 from asyncrl.config import EngineConfig
 from asyncrl.engine.attention_buckets import attention_buckets
-from asyncrl.engine.constraints import TokenTrie, TriePool
-from asyncrl.engine.device_copy import serving_copy
-from asyncrl.engine.jax_programs import (
-    PrefillPlan,
-    SlotControls,
-    SlotState,
-    compile_count,
-    decode_chunk_jit,
-    graphdef_config,
-    idle_controls,
-    init_slot_state,
-    prefill_insert_jit,
-    prefill_rows,
-    slot_state_shardings,
-)
-from asyncrl.engine.jax_scheduler import EngineScheduler
-from asyncrl.engine.layouts import kv_cache_layout, serving_formats
-from asyncrl.engine.platform import resolve_inner_steps, resolve_sampler
-from asyncrl.engine.prefix_cache import PrefixStore
-from asyncrl.engine.prefix_programs import CopyPlan, ExtendPlan, copy_prefix_jit, extend_jit
+from asyncrl.engine.constraints import TokenTrie
+from asyncrl.engine.jax_programs import compile_count
+from asyncrl.engine.kv_cache_manager import KVCacheManager
+from asyncrl.engine.model_runner import ModelRunner
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse
 from asyncrl.engine.requests import EngineStats, Pending, Update
-from asyncrl.errors import EngineClosed, EngineCrashed, EngineRequestError
-from asyncrl.model.attention import KernelTarget, device_platform
-from asyncrl.model.compute_copy import needs_compute_copy
-from asyncrl.model.sharding import check_tensor_parallel, param_shardings
+from asyncrl.engine.scheduler import Scheduler
+from asyncrl.errors import EngineClosed, EngineRequestError
 from asyncrl.registry import register
 
 __all__ = ["JaxEngine"]
@@ -106,8 +93,14 @@ logger = logging.getLogger("asyncrl.engine")
 
 
 @register("engine", "jax")
-class JaxEngine(EngineScheduler):
-    """The :class:`~asyncrl.engine.protocol.InferenceEngine` on a Flax NNX decoder.
+class JaxEngine:
+    """The :class:`~asyncrl.engine.protocol.InferenceEngine` on a Flax NNX decoder: the protocol's
+    facade over three parts that each own their state (docs/design.md "The engine"): the
+    scheduler (:class:`~asyncrl.engine.scheduler.Scheduler`: requests, admission, chunk
+    boundaries; no device arrays), the KV cache manager
+    (:class:`~asyncrl.engine.kv_cache_manager.KVCacheManager`: where each sequence's KV lies, what
+    can be reused) and the model runner (:class:`~asyncrl.engine.model_runner.ModelRunner`: device
+    state, shardings, the jitted programs).
 
     Args:
         graphdef, params: from :func:`asyncrl.model.split_params` (params: a pure dict of
@@ -118,10 +111,10 @@ class JaxEngine(EngineScheduler):
         mesh: the engine's own device mesh (axes ``data``, ``fsdp``, ``tensor``: replicas x 1 x
             tensor-parallel degree; :func:`asyncrl.cluster.placement.engine_mesh` builds it). Params
             are placed on it by the model's partition rules, the KV cache is split by KV heads
-            over ``tensor`` and by slots over the replicas (:func:`slot_state_shardings`), and
-            published params are laid out on it device to device (:func:`serving_copy`: the
-            engine keeps only that compute-dtype copy, made at the next chunk boundary after the
-            previous one is dropped).
+            over ``tensor`` and by slots over the replicas, and published params are laid out on
+            it device to device (:func:`~asyncrl.engine.device_copy.serving_copy`: the engine keeps
+            only that compute-dtype copy, made at the next chunk boundary after the previous one
+            is dropped).
         stop_token_ids: the default stop ids (the model's ``generation_config`` EOS ids),
             used by requests whose ``stop_token_ids`` is None.
         config: the ``engine`` config section (slots, KV capacity, chunk, buckets, ...).
@@ -146,111 +139,56 @@ class JaxEngine(EngineScheduler):
         if not isinstance(cfg.slots, int):
             raise EngineRequestError("engine.slots: auto is sized by the training run (asyncrl.run.auto_slots); "
                                      "give the engine a number of slots")
-        self.graphdef = graphdef
         if hasattr(params, "to_pure_dict"):
             params = params.to_pure_dict()
-        self.model_config = nnx_cfg = _model_config(graphdef, params)
-        self.mesh = mesh
-        self._layout: Optional[SlotState] = None
-        """The slot state's shardings on the engine's own mesh (a static argument of the programs); None without one."""
         if mesh is not None:
-            check_tensor_parallel(int(mesh.shape["tensor"]), nnx_cfg)
             replicas = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
             if cfg.slots % replicas:
                 raise EngineRequestError(f"engine.slots = {cfg.slots} is not a multiple of the engine's {replicas} replicas "
                                          f"(each decodes an equal share); use {slots_for_replicas(cfg.slots, replicas)}")
-            self._shardings = param_shardings(nnx_cfg, params, mesh)
-        elif (leaves := jax.tree.leaves(params)) and all(isinstance(x, jax.Array) for x in leaves):
-            self._shardings = jax.tree.map(lambda x: x.sharding, params)
-        else:
-            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            self._shardings = jax.tree.map(lambda _: device, params)
-        self._treedef: Any = jax.tree.structure(params)  # (jax's PyTreeDef is untyped for mypy)
-        self._avals = [(np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)]
-        self.vocab_size = int(params["embed_tokens"]["embedding"].shape[0])
-        self.default_stop_ids = tuple(int(t) for t in stop_token_ids)
+        self.graphdef = graphdef
+        self.mesh = mesh
         self.slots = cfg.slots
         self.capacity = cfg.kv_capacity
         self.chunk = cfg.decode_chunk
         self.buckets = tuple(sorted(b for b in set(cfg.prefill_buckets) if b <= cfg.kv_capacity))
-        # PREFILL_ROWS prompts per replica and call: each replica prefills what one device alone would
-        replicas = 1 if mesh is None else int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
-        self.prefill_rows = prefill_rows(cfg.slots, replicas)
-        # the attention kernels' target: the engine's mesh (fused kernels run per device in a
-        # shard_map over it), or its arrays' devices when it has none
-        first = jax.tree.leaves(self._shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))[0]
-        self.kernel = (KernelTarget(device_platform(mesh.devices.flat[0]), mesh=mesh) if mesh is not None
-                       else KernelTarget(device_platform(next(iter(first.device_set))), devices=len(first.device_set)))
-        self.platform = self.kernel.platform
-        self.cache_layout = kv_cache_layout(self.platform)
-        if mesh is not None:
-            self._layout = slot_state_shardings(nnx_cfg, cfg.slots, mesh, self.cache_layout)
-        self.sampler = resolve_sampler(cfg.sampler, self.platform)
-        self.inner_steps = resolve_inner_steps(cfg.decode_inner_steps, self.platform)
-        self._formats = serving_formats(nnx_cfg, self._shardings, self._layout or self._state_shardings(), slots=cfg.slots,
-                                        capacity=cfg.kv_capacity, platform=self.platform,
-                                        decode=self._decode_options(cfg.kv_capacity), max_stop_ids=cfg.max_stop_ids,
-                                        layout=self._layout)
-        """The serving copy's memory layouts where the decode program wants others than row-major (TPUs), else None."""
-        self._params: Any = None
-        self._serving: Any = None
-        self._take(params)
-        self.attention_buckets = attention_buckets(self.capacity, cfg.attention_buckets)
-        reuse = cfg.prefix_cache
-        self.extend_buckets = tuple(sorted({b for b in [*reuse.extend_buckets, *self.buckets] if b <= cfg.kv_capacity}))
-        self._prefixes = (PrefixStore(cfg.slots, cfg.kv_capacity, replicas, reuse.min_tokens, reuse.across_versions)
-                          if reuse.enabled else None)
-        self._version_floor = [None] * cfg.slots
-        self._flush = False  # flush_prefixes asked: done by the scheduler thread, which owns the store
         if not self.buckets:
             raise EngineRequestError(f"engine.prefill_buckets {cfg.prefill_buckets}: none fits engine.kv_capacity = {cfg.kv_capacity}")
+        self.runner = runner = ModelRunner(graphdef, params, cfg, mesh)
+        self.model_config = runner.model_config
+        self.vocab_size = runner.vocab_size
+        self.page_size = runner.page_size
+        self.kv_pages = runner.pages_per_replica
+        """Pages in each replica's KV pool (``engine.kv_pages`` resolved)."""
+        self.default_stop_ids = tuple(int(t) for t in stop_token_ids)
         self._check_stop_ids(self.default_stop_ids, "stop_token_ids (the model's default)")
+        # the CPU's views of the pages a chunk reads: each row's first pages, or every active row's pages as one
+        # list (a shared page once per row that reads it)
+        self.view_sizes = attention_buckets(runner.pages_per_seq, cfg.attention_buckets)
+        self.flat_sizes = attention_buckets(cfg.slots // runner.replicas * runner.pages_per_seq, cfg.attention_buckets)
+        # and of the rows a chunk runs (a CPU step costs every row it runs, busy or not)
+        self.row_sizes = attention_buckets(cfg.slots // runner.replicas, cfg.attention_buckets) if runner.flat_attention else ()
+        reuse = cfg.prefix_cache
+        self.extend_buckets = tuple(sorted({b for b in [*reuse.extend_buckets, *self.buckets] if b <= cfg.kv_capacity}))
+        self.cache = KVCacheManager(runner.page_size, runner.pages_per_replica, runner.replicas, cfg.kv_capacity,
+                                    reuse.enabled, reuse.across_versions)
         self.seed = seed
         self._root_key = np.asarray(jax.random.PRNGKey(seed))
-        self._version = int(version)
-
-        # made in place on its shardings (a whole cache on one device first could not fit there)
-        self._state = jax.jit(lambda: init_slot_state(nnx_cfg, self.slots, self.capacity, self.cache_layout),
-                              out_shardings=self._state_shardings())()
-
-        # The per-slot controls (host numpy arrays, owned by the scheduler thread).
-        self._controls: SlotControls = idle_controls(self.slots, cfg.max_stop_ids)
-        self._slot_owner: list[Optional[tuple[Pending, int]]] = [None] * self.slots
-        self._tries = TriePool()  # the tries of the constrained requests admitted (scheduler thread)
-        self._trie_tables: Any = None  # self._tries.tables on the device
-
-        self._cond = threading.Condition()
-        self._waiting: collections.deque[Pending] = collections.deque()
-        self._running: set[Pending] = set()
-        self._update: Optional[Update] = None
-        self._aborts: list[threading.Event] = []
-        self._closed = False
-        self._crash: Optional[str] = None
-        self._warned_truncation = False
-        self._freed = 0  # slots the last decode chunk freed
-        self._step_s = 0.0  # wall seconds per step of the last decode chunk
         self._stats = EngineStats()
+        self.scheduler = Scheduler(cfg, runner, self.cache, self._stats, self._root_key, int(version), self.buckets,
+                                   self.extend_buckets, self.flat_sizes, self.view_sizes, self.row_sizes)
+        self._warned_truncation = False
         self._started = time.monotonic()
         if warmup:
             self.warmup()
-        self._thread = threading.Thread(target=self._loop, name="asyncrl-jax-engine", daemon=True)
+        self._thread = threading.Thread(target=self.scheduler.run, name="asyncrl-jax-engine", daemon=True)
         self._thread.start()
-
-    def _state_shardings(self) -> Any:
-        if self._layout is not None:
-            return self._layout
-        first = jax.tree.leaves(self._shardings)[0]
-        # Without an engine mesh the state (KV cache, keys) is replicated over the params' mesh;
-        # a NamedSharding of a weight matrix would not fit its lower-rank arrays.
-        if isinstance(first, jax.sharding.NamedSharding):
-            return jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
-        return first
 
     # ------------------------------------------------------------------ protocol
 
     @property
     def version(self) -> int:
-        return self._version
+        return self.scheduler.version
 
     @property
     def served_params(self) -> Any:
@@ -258,21 +196,30 @@ class JaxEngine(EngineScheduler):
         leaves a new version leaves unchanged instead of reading them again), or None where the
         engine holds only its compute-dtype serving copy (a mesh of its own, weights stored wider
         than they are computed in)."""
-        return self._params
+        return self.runner.params
 
-    def _take(self, params: Any) -> None:
-        """Install ``params`` (the structure and dtypes of the served model's): the previous copy is
-        dropped first, then the serving copy is made (:func:`serving_copy`), so that a device never
-        holds two serving copies at once (scheduler thread, between two chunks; or the constructor)."""
-        self._params = self._serving = None
-        dtype = self.model_config.compute_dtype
-        if self.mesh is None:  # the given arrays (the trainer's, on one device), or host values put on a device
-            leaves = jax.tree.leaves(params)
-            placed = params if all(isinstance(x, jax.Array) for x in leaves) else jax.device_put(params, self._shardings)
-            self._params, self._serving = placed, serving_copy(placed, self._shardings, dtype, self._formats)
-        else:
-            self._serving = serving_copy(params, self._shardings, dtype, self._formats)
-            self._params = None if needs_compute_copy(params, dtype) else self._serving
+    @property
+    def kernel(self) -> Any:
+        """The attention kernels' target (the engine's mesh, or its devices' platform and count)."""
+        return self.runner.kernel
+
+    @property
+    def platform(self) -> str:
+        return self.runner.platform
+
+    @property
+    def sampler(self) -> str:
+        """``engine.sampler`` resolved for the engine's platform."""
+        return self.runner.sampler
+
+    @property
+    def inner_steps(self) -> int:
+        """``engine.decode_inner_steps`` resolved for the engine's platform."""
+        return self.runner.inner_steps
+
+    @property
+    def prefill_rows(self) -> int:
+        return self.runner.prefill_rows
 
     def generate(self, request: GenerationRequest) -> list[GenerationResponse]:
         return self.submit(request).result()
@@ -281,73 +228,61 @@ class JaxEngine(EngineScheduler):
         stop_ids = self._validate(request)
         timeout = request.timeout_s if request.timeout_s is not None else self.config.request_timeout_s
         pending = Pending(request, stop_ids, None if timeout is None else time.monotonic() + timeout)
-        with self._cond:
-            self._raise_if_unusable()
-            self._waiting.append(pending)
-            self._cond.notify_all()
+        self.scheduler.submit(pending)
         return pending.future
 
     def update_weights(self, params: Any, version: int) -> None:
         if hasattr(params, "to_pure_dict"):
             params = params.to_pure_dict()
-        with self._cond:
-            self._raise_if_unusable()
-            if self._update is not None:
+        scheduler = self.scheduler
+        with scheduler.cond:
+            scheduler.raise_if_unusable()
+            if scheduler.update is not None:
                 raise ValueError("update_weights: another update is still being installed (publish from one thread)")
-            if version != self._version + 1:
-                raise ValueError(f"update_weights: version must be {self._version + 1} (engine serves {self._version}), given {version}")
-        if self._treedef != jax.tree.structure(params):
+            if version != scheduler.version + 1:
+                raise ValueError(f"update_weights: version must be {scheduler.version + 1} (engine serves {scheduler.version}), "
+                                 f"given {version}")
+        if self.runner.treedef != jax.tree.structure(params):
             raise ValueError("update_weights: params do not have the structure of the served model's params")
         avals = [(np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)]
-        if avals != self._avals:
-            bad = [i for i, (a, b) in enumerate(zip(avals, self._avals)) if a != b]
-            raise ValueError(f"update_weights: {len(bad)} parameter(s) differ in shape or dtype from the served ones (first: leaf {bad[0]}: {avals[bad[0]]} vs {self._avals[bad[0]]})")
+        if avals != self.runner.avals:
+            bad = [i for i, (a, b) in enumerate(zip(avals, self.runner.avals)) if a != b]
+            raise ValueError(f"update_weights: {len(bad)} parameter(s) differ in shape or dtype from the served ones (first: leaf "
+                             f"{bad[0]}: {avals[bad[0]]} vs {self.runner.avals[bad[0]]})")
         update = Update(params, version)
-        with self._cond:
-            self._raise_if_unusable()
-            if self._update is not None or version != self._version + 1:
-                raise ValueError(f"update_weights: version {version} is no longer next (engine serves {self._version})")
-            self._update = update
-            self._cond.notify_all()
+        scheduler.post_update(update)
         while not update.done.wait(1.0):
-            with self._cond:
-                if (self._closed or self._crash is not None) and not update.done.is_set():
+            with scheduler.cond:
+                if (scheduler.closed or scheduler.crash is not None) and not update.done.is_set():
                     break
         if update.error is not None:
             raise update.error
         if not update.done.is_set():
-            self._raise_if_unusable()
+            scheduler.raise_if_unusable()
 
     def flush_prefixes(self) -> None:
         """Forget every kept prefix (``asyncrl serve``'s ``/flush_cache``): requests admitted from
         the next chunk boundary on prefill whole prompts, until their own KV is kept again."""
-        with self._cond:
-            self._flush = True
-            self._cond.notify_all()
+        self.scheduler.post_flush()
 
     def abort_all(self, timeout: float = 60.0) -> None:
         """End every waiting and running sample at the next chunk boundary, keeping the tokens it
         has (``stop_reason == "aborted"``); returns once done. ``asyncrl serve`` calls this on
         ``/pause_generation`` so that no request runs across a weight update."""
         done = threading.Event()
-        with self._cond:
-            self._raise_if_unusable()
-            self._aborts.append(done)
-            self._cond.notify_all()
+        self.scheduler.post_abort(done)
         if not done.wait(timeout):
-            self._raise_if_unusable()
+            self.scheduler.raise_if_unusable()
             raise TimeoutError(f"JaxEngine.abort_all: not done within {timeout} s")
 
     # ------------------------------------------------------------------ lifecycle, metrics
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the scheduler: pending and running requests fail with :class:`EngineClosed`."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        self.scheduler.close()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-        self._fail_all(EngineClosed("the inference engine was shut down"))
+        self.scheduler.fail_all(EngineClosed("the inference engine was shut down"))
 
     close = shutdown
 
@@ -366,34 +301,14 @@ class JaxEngine(EngineScheduler):
     @property
     def crashed(self) -> Optional[str]:
         """The scheduler thread's traceback if it died, else None."""
-        return self._crash
+        return self.scheduler.crash
 
     def warmup(self) -> int:
-        """Compile every program (each prefill bucket, both decode variants per attention bucket, and
-        with a prefix cache its copy and each extension bucket); returns the compile count."""
-        for bucket in self.buckets:
-            plan = PrefillPlan.empty(self.prefill_rows, bucket, self.slots)  # no destination: the state is unchanged
-            self._state = prefill_insert_jit(self.graphdef, self._serving, self._state, plan, self._root_key, self._layout,
-                                             self.kernel)
-        if self._prefixes is not None:  # no destination rows either: nothing changes
-            for cross in sorted({False, self._layout is not None and self._prefixes.replicas > 1}):
-                self._state = copy_prefix_jit(self._state, CopyPlan.empty(self.slots), self._root_key, self._layout, cross)
-            for bucket in self.extend_buckets:
-                self._state = extend_jit(self.graphdef, self._serving, self._state,
-                                         ExtendPlan.empty(self.prefill_rows, bucket, self.slots), self._layout, self.kernel)
-        idle = idle_controls(self.slots, self.config.max_stop_ids)
-        for filtered in (False, True):
-            for attend in self.attention_buckets:
-                self._state, *_ = decode_chunk_jit(self.graphdef, self._serving, self._state, idle, self.chunk, filtered,
-                                                   self._layout, **self._decode_options(attend))
-        jax.block_until_ready(self._state)
+        """Compile every program (each prefill and extension bucket, both decode variants per size
+        class of the CPU's attention); returns the compile count."""
+        self.runner.warmup(self.buckets, self.extend_buckets, self.flat_sizes, self.view_sizes, self._root_key,
+                           self.scheduler.row_sizes)
         return compile_count()
-
-    def _decode_options(self, attend: int) -> dict[str, Any]:
-        """The decode program's sampler, attended cache size (0: the whole cache, the same
-        program as without attention buckets) and steps per loop iteration."""
-        return {"sampler": self.sampler, "attend": 0 if attend >= self.capacity else attend, "inner": self.inner_steps,
-                "kernel": self.kernel}
 
     def metrics(self) -> dict[str, float]:
         """Cumulative figures since start (``engine/...``). ``decode_s`` (wall time of decode
@@ -404,11 +319,11 @@ class JaxEngine(EngineScheduler):
         s = self._stats
         slot_steps = s.decode_steps * self.slots
         return {
-            "engine/version": float(self._version),
+            "engine/version": float(self.version),
             "engine/compiles": float(compile_count()),
             "engine/requests": float(s.requests),
             "engine/samples_aborted": float(s.aborted),
-            "engine/waiting": float(len(self._waiting)),
+            "engine/waiting": float(self.scheduler.waiting_samples()),
             "engine/slot_occupancy": s.decode_tokens / slot_steps if slot_steps else 0.0,
             "engine/queue_wait_s": s.queue_wait_s / s.admitted if s.admitted else 0.0,
             "engine/queue_wait_max_s": float(s.queue_wait_max_s),
@@ -416,6 +331,9 @@ class JaxEngine(EngineScheduler):
             "engine/prefix_hit_tokens": float(s.prefix_hit_tokens),
             "engine/prefix_hit_rate": (s.prefix_hit_tokens / (s.prefix_hit_tokens + s.prefill_tokens)
                                        if s.prefix_hit_tokens + s.prefill_tokens else 0.0),
+            "engine/kv_pages_used": self.cache.used_fraction(),
+            "engine/kv_pages_kept": self.cache.kept_fraction(),
+            "engine/preemptions": float(s.preemptions),
             "engine/prefill_s": float(s.prefill_s),
             "engine/prefill_tokens_per_s": s.prefill_tokens / s.prefill_s if s.prefill_s else 0.0,
             "engine/decode_tokens": float(s.decode_tokens),
@@ -434,12 +352,6 @@ class JaxEngine(EngineScheduler):
         }
 
     # ------------------------------------------------------------------ validation (caller's thread)
-
-    def _raise_if_unusable(self) -> None:
-        if self._crash is not None:
-            raise EngineCrashed("the inference engine's thread died", self._crash)
-        if self._closed:
-            raise EngineClosed("the inference engine was shut down")
 
     def _check_stop_ids(self, ids: Sequence[int], what: str) -> None:
         if len(ids) > self.config.max_stop_ids:
@@ -464,17 +376,13 @@ class JaxEngine(EngineScheduler):
     def _validate(self, request: GenerationRequest) -> tuple[int, ...]:
         if not isinstance(request, GenerationRequest):
             raise EngineRequestError(f"expected a GenerationRequest, got {type(request).__name__}")
-        self._raise_if_unusable()
+        self.scheduler.raise_if_unusable()
         prompt = request.prompt_ids
         length = len(prompt)
         if length + request.max_new_tokens > self.capacity:
             raise EngineRequestError(
                 f"GenerationRequest: prompt ({length} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds "
                 f"engine.kv_capacity = {self.capacity}"
-            )
-        if length - 1 > self.buckets[-1]:
-            raise EngineRequestError(
-                f"GenerationRequest: prompt of {length} tokens is longer than the largest engine.prefill_buckets entry + 1 ({self.buckets[-1] + 1})"
             )
         ids = np.asarray(prompt)
         if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.vocab_size:
@@ -504,10 +412,3 @@ class JaxEngine(EngineScheduler):
             )
         return stop_ids
 
-
-def _model_config(graphdef: Any, params: Any) -> Any:
-    """The :class:`~asyncrl.model.DecoderConfig` the graphdef was built with."""
-    cfg = graphdef_config(graphdef, params)
-    if cfg is None:
-        raise EngineRequestError("JaxEngine: the graphdef is not an asyncrl Decoder (no .cfg)")
-    return cfg

@@ -1,18 +1,21 @@
-"""The device side of :class:`~asyncrl.engine.jax_engine.JaxEngine`: its state, its per-slot
-controls, and the jitted programs that prefill and decode (module-level jits, shared by every
-engine with the same model shapes).
+"""The device side of :class:`~asyncrl.engine.jax_engine.JaxEngine`: its state (the KV page pool),
+its per-slot controls, and the jitted programs that prefill and decode (module-level jits, shared
+by every engine with the same model shapes).
 
-The model is run only through its own forward (:mod:`asyncrl.model.transformer`: the
-KV-cache protocol, :class:`~asyncrl.model.kv_cache.KVCache` and
-:func:`~asyncrl.model.kv_cache.kv_cache_copy_rows`); this module adds scheduling state
-and sampling, nothing of the network. It stays one file: the programs share the slot state's
-layout and its shardings on an engine mesh, which each program pins (:func:`constrain_state`).
+The model is run only through its own forward over a paged cache (:mod:`asyncrl.model.transformer`,
+:class:`~asyncrl.model.kv_cache.PagedKVCache`: every layer's pool of pages, each row's page table
+and length); this module adds scheduling state and sampling, nothing of the network. It stays one
+file: the programs share the pool's layout and its shardings on an engine mesh, which each program
+pins (:func:`constrain_state`).
 
 Compiled programs
 -----------------
-* ``prefill_insert``: one per prefill bucket; the prompts admitted at one chunk boundary
-  are prefilled :data:`PREFILL_ROWS` at a time, so the weights are read once per call, not
-  once per request;
+* ``prefill``: one per prefill bucket: the first chunk of the prompts admitted at one chunk
+  boundary, :data:`PREFILL_ROWS` rows per replica and call (the weights are read once per call,
+  not once per request), each row's tokens attending among themselves;
+* ``prefill_after_cache``: one per extension bucket (``engine.prefix_cache.extend_buckets`` and
+  the prefill buckets): tokens written after what a row's pages hold (a prompt's later chunks, the
+  rest of a prompt after a reused prefix), attending over those pages too;
 * ``decode_chunk``: up to ``engine.decode_chunk`` steps in a ``lax.while_loop`` of
   ``engine.decode_inner_steps`` unrolled steps per iteration (:mod:`asyncrl.engine.platform`: 8 on
   GPUs, where the host reads the loop's predicate after every iteration; 1 elsewhere) (it exits
@@ -25,12 +28,10 @@ Compiled programs
 * ``beam_search``: one request's whole beam search (:mod:`asyncrl.engine.beam_search`), compiled per
   prompt bucket, width, ``max_new_tokens`` and trie size class; used only by beam requests.
 
-Each decode variant is compiled once per sampler (``engine.sampler``), steps per iteration and attention bucket
-(``engine.attention_buckets``: the chunk attends over the cache's first ``attend`` slots, the
-smallest size class holding every active slot's context to the chunk's end; :func:`cache_prefix`).
-
-So at most ``len(prefill_buckets) + 2 * attention_buckets`` programs per model without constraints or beams; :func:`compile_count` counts
-traces (each trace is one compilation) and is reported as ``engine/compiles``.
+Each decode variant is compiled once per sampler (``engine.sampler``), steps per iteration and, on
+the CPU, size class of the flat list of pages its attention reads (``engine.attention_buckets``:
+:mod:`asyncrl.engine.attention_buckets`). :func:`compile_count` counts traces (each trace is one
+compilation) and is reported as ``engine/compiles``.
 
 Sampling (docs/design.md "Randomness", "Log-probabilities")
 ---------------------------------------------------
@@ -55,7 +56,8 @@ import numpy as np
 
 from asyncrl.engine.constraints import TrieTables, allowed_tokens, is_leaf_node, next_nodes
 from asyncrl.model.attention import KernelTarget, compiled_for
-from asyncrl.model.kv_cache import KVCache, LayerKV, init_kv_cache, kv_cache_copy_rows, positions_slice
+from asyncrl.model.kv_cache import FlatPages, PagedKVCache, PagedLayerKV, copy_pages, init_page_pool
+from asyncrl.model.paged_attention import with_views
 from asyncrl.model.transformer import forward, hidden_states
 
 _compiles: collections.Counter = collections.Counter()
@@ -74,60 +76,57 @@ def count_trace(name: str) -> None:
         _compiles[name] += 1
 
 
-# --------------------------------------------------------------------------- state and controls
+# --------------------------------------------------------------------------- the page pool and the controls
 
 
-_State = TypeVar("_State")  # the slot state, or its KV cache alone
+Pool = tuple  # tuple[PagedLayerKV, ...]: every layer's page pool, the engine's device state (donated to every call)
+_State = TypeVar("_State")  # the pool, or a pytree of it
 
 
-class SlotState(NamedTuple):
-    """Device state of the slots (donated to every call)."""
-
-    cache: KVCache  # the model's cache: rows = slots, capacity = engine.kv_capacity
-    keys: jax.Array  # uint32 [slots, 2]: each slot's sample key (before the token fold)
-
-
-def init_slot_state(cfg: Any, slots: int, capacity: int, layout: str = "bksd") -> SlotState:
-    """Empty slots for a :class:`~asyncrl.model.DecoderConfig`: no valid KV, zero keys; the cache in
-    ``layout`` (:func:`~asyncrl.engine.layouts.kv_cache_layout` of the engine's platform)."""
-    return SlotState(cache=init_kv_cache(cfg, slots, capacity, layout=layout), keys=jnp.zeros((slots, 2), jnp.uint32))
+def init_pool(cfg: Any, pages: int, page_size: int, layout: str = "2kpsd") -> Pool:
+    """An empty page pool for a :class:`~asyncrl.model.DecoderConfig`: ``pages`` pages of
+    ``page_size`` positions per layer in ``layout`` (:func:`~asyncrl.engine.layouts.kv_page_layout`
+    of the engine's platform; on an engine mesh ``pages`` counts every replica's)."""
+    return init_page_pool(cfg, pages, page_size, layout)
 
 
-def slot_state_shardings(cfg: Any, slots: int, mesh: Any, layout: str = "bksd") -> SlotState:
-    """How the slot state lies on an engine mesh (axes ``data``, ``fsdp``, ``tensor``): each
-    layer's K/V (in ``layout``) split by KV heads over ``tensor`` (each device holds the heads its
-    attention computes) and by slots over ``data`` x ``fsdp`` (the replicas decode different
-    slots) when the slot count divides; the per-slot vectors (``valid``, ``write_pos``, keys)
-    follow the slots. A pytree of ``NamedSharding`` shaped like :class:`SlotState` (hashable: it
-    is a static argument of the programs)."""
+def pool_shardings(cfg: Any, mesh: Any, layout: str = "2kpsd") -> Pool:
+    """How the pool lies on an engine mesh (axes ``data``, ``fsdp``, ``tensor``): its pages split
+    over the replicas (``data`` x ``fsdp``: each replica's sequences use its own pages) and its KV
+    heads over ``tensor``. A pytree of ``NamedSharding`` shaped like the pool (hashable: a static
+    argument of the programs)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     replicas = mesh.shape["data"] * mesh.shape["fsdp"]
-    rows = ("data", "fsdp") if replicas > 1 and slots % replicas == 0 else None
+    rows = ("data", "fsdp") if replicas > 1 else None
     heads = "tensor" if mesh.shape["tensor"] > 1 and cfg.num_kv_heads % mesh.shape["tensor"] == 0 else None
-    kv: Any = NamedSharding(mesh, P(rows, heads, None, None) if layout == "bksd" else P(rows, None, heads, None))
-    per_slot: Any = NamedSharding(mesh, P(rows))
-    per_slot_row: Any = NamedSharding(mesh, P(rows, None))
-    return SlotState(
-        cache=KVCache(layers=tuple(LayerKV(kv, kv, layout) for _ in range(cfg.num_layers)), valid=per_slot_row,
-                      write_pos=per_slot),
-        keys=per_slot_row,
-    )
+    spec = P(None, heads, rows, None, None) if layout == "2kpsd" else P(rows, None, heads, None)
+    return tuple(PagedLayerKV(NamedSharding(mesh, spec), layout) for _ in range(cfg.num_layers))  # type: ignore[arg-type]
+
+
+def row_sharding(mesh: Any) -> Any:
+    """Arrays with a row per decode slot or prefill row: split over the replicas."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    replicas = mesh.shape["data"] * mesh.shape["fsdp"]
+    return NamedSharding(mesh, P(("data", "fsdp") if replicas > 1 else None))
 
 
 def constrain_state(state: _State, layout: Any) -> _State:
-    """``state`` pinned to ``layout`` (:func:`slot_state_shardings`), so every call returns the
-    state on the shardings it was given (donation reuses the buffers, no recompiles); with
-    ``layout`` None (the engine on the trainer's arrays) the program is left to XLA as before."""
+    """``state`` pinned to ``layout`` (:func:`pool_shardings`), so every call returns the pool on
+    the shardings it was given (donation reuses the buffers, no recompiles); with ``layout`` None
+    (the engine on the trainer's arrays) the program is left to XLA."""
     return state if layout is None else jax.lax.with_sharding_constraint(state, layout)
 
 
 class SlotControls(NamedTuple):
-    """Per-slot controls of a decode chunk, one row per slot.
+    """Per-slot (decode row) controls of a decode chunk, one row per slot.
 
-    The scheduler owns a host copy (numpy arrays, updated in place as requests are admitted,
-    advance and end) and passes a snapshot to every chunk; idle rows have ``active`` false.
+    The scheduler owns a host copy (numpy arrays, updated in place as sequences start, advance,
+    grow and end) and passes a snapshot to every chunk; idle rows have ``active`` false. On an
+    engine mesh page numbers are local to the row's replica.
     """
 
     last_token: Any  # int32 [slots]: the token the next step feeds (the last prompt token at first)
@@ -142,10 +141,18 @@ class SlotControls(NamedTuple):
     stop_ids: Any  # int32 [slots, max_stop_ids]: ids that end the sample (-1 pads)
     node: Any  # int32 [slots]: the slot's node in the engine's trie pool (-1: unconstrained; docs/decoding.md)
     refill_free: Any  # int32 []: end the chunk early once a slot finished in it and this many slots are free
+    lengths: Any  # int32 [slots]: KV positions the slot's sequence holds (its next token's position)
+    page_table: Any  # int32 [slots, kv_capacity / page_size]: the sequence's pages (past its last: the pool size)
+    sample_id: Any  # uint32 [slots]: the sample key's parts (docs/design.md "Randomness"):
+    key_index: Any  # uint32 [slots]     the key depends on these three only,
+    turn: Any  # uint32 [slots]          never on the slot or the batch
+    copy_src: Any  # int32 [slots]: a page copied to copy_dst before the chunk (a shared partial page's copy)
+    copy_dst: Any  # int32 [slots]: (the pool size: no copy)
 
 
-def idle_controls(slots: int, max_stop_ids: int) -> SlotControls:
-    """Host controls of ``slots`` idle slots (numpy; every field writable)."""
+def idle_controls(slots: int, max_stop_ids: int, pages_per_seq: int = 1, pool_pages: int = 1) -> SlotControls:
+    """Host controls of ``slots`` idle slots (numpy; every field writable); ``pages_per_seq``:
+    the page table's width, ``pool_pages``: the pages of one replica's pool (an unused entry)."""
     return SlotControls(
         last_token=np.zeros((slots,), np.int32),
         generated=np.zeros((slots,), np.int32),
@@ -159,6 +166,13 @@ def idle_controls(slots: int, max_stop_ids: int) -> SlotControls:
         stop_ids=np.full((slots, max_stop_ids), -1, np.int32),
         node=np.full((slots,), -1, np.int32),
         refill_free=np.array(1, np.int32),
+        lengths=np.zeros((slots,), np.int32),
+        page_table=np.full((slots, pages_per_seq), pool_pages, np.int32),
+        sample_id=np.zeros((slots,), np.uint32),
+        key_index=np.zeros((slots,), np.uint32),
+        turn=np.zeros((slots,), np.uint32),
+        copy_src=np.zeros((slots,), np.int32),
+        copy_dst=np.full((slots,), pool_pages, np.int32),
     )
 
 
@@ -168,27 +182,36 @@ def snapshot(controls: SlotControls) -> SlotControls:
     return SlotControls(*(np.array(x, copy=True) for x in controls))
 
 
+def empty_flat(entries: int, rows: int, replicas: int = 1) -> FlatPages:
+    """A :class:`~asyncrl.model.kv_cache.FlatPages` of ``entries`` padding entries per replica (row
+    ``rows``: nobody's), for ``rows`` rows per replica."""
+    total = entries * replicas
+    return FlatPages(np.zeros((total,), np.int32), np.full((total,), rows, np.int32), np.zeros((total,), np.int32),
+                     np.zeros((rows * replicas,), np.int32))
+
+
 # --------------------------------------------------------------------------- prefill
 
 
 class PrefillPlan(NamedTuple):
-    """What one prefill-insert call does: the prompts to prefill and, per destination slot, the
-    prompt row it copies and its sample key's parts. Host arrays, uploaded with the call."""
+    """One prefill call: per row, tokens to write after the positions its pages hold (a prompt's
+    first chunk into empty pages, or its next chunk, or what follows a reused prefix). Host
+    arrays; on an engine mesh replica ``r``'s rows are ``[r * rows_per_replica, (r + 1) *
+    rows_per_replica)`` and their page numbers are local to it."""
 
-    prompt_ids: Any  # int32 [rows, bucket]: one right-padded prompt per row (rows past the admitted requests: padding)
-    prompt_mask: Any  # bool [rows, bucket]
-    src_rows: Any  # int32 [slots]: the prompt row each destination copies
-    dst_rows: Any  # int32 [slots]: the destination slot (entries >= slots are ignored)
-    sample_id: Any  # uint32 [slots]: the key's parts; a slot's key depends on these three only,
-    turn: Any  # uint32 [slots]     never on the batch it was prefilled with
-    key_index: Any  # uint32 [slots]: index_in_group + j
+    token_ids: Any  # int32 [rows, bucket]: right-padded
+    token_mask: Any  # bool [rows, bucket]
+    page_table: Any  # int32 [rows, kv_capacity / page_size]: the row's pages (unused rows: the pool size)
+    lengths: Any  # int32 [rows]: positions the row's pages hold before the call (0 for a first chunk)
+    copy_src: Any  # int32 [rows]: a page copied to copy_dst before the call (the shared partial page the row continues)
+    copy_dst: Any  # int32 [rows]: (the pool size: no copy)
 
     @classmethod
-    def empty(cls, rows: int, bucket: int, slots: int) -> "PrefillPlan":
-        """All-padding prompts and no destination (every ``dst_rows`` entry is ``slots``), to fill in."""
-        prompt_ids = np.zeros((rows, bucket), np.int32)
-        return cls(prompt_ids, np.zeros(prompt_ids.shape, bool), np.zeros((slots,), np.int32),
-                   np.full((slots,), slots, np.int32), *(np.zeros((slots,), np.uint32) for _ in range(3)))
+    def empty(cls, rows: int, bucket: int, pages_per_seq: int, pool_pages: int) -> "PrefillPlan":
+        """All-padding rows, to fill in (a call of it writes nothing)."""
+        ids = np.zeros((rows, bucket), np.int32)
+        return cls(ids, np.zeros(ids.shape, bool), np.full((rows, pages_per_seq), pool_pages, np.int32),
+                   np.zeros((rows,), np.int32), np.zeros((rows,), np.int32), np.full((rows,), pool_pages, np.int32))
 
 
 def kernel_context(kernel: Optional[KernelTarget]) -> Any:
@@ -201,69 +224,40 @@ def kernel_context(kernel: Optional[KernelTarget]) -> Any:
     return compiled_for(platform=kernel.platform, devices=kernel.devices)
 
 
-def _prefill_insert(graphdef, params, state: SlotState, plan: PrefillPlan, root_key, layout=None, kernel=None):
-    """Prefill ``plan``'s prompts and copy each into its request's slots (:class:`PrefillPlan`).
-    ``layout`` (static): the state's shardings on an engine mesh, or None. ``kernel`` (static): the
-    engine's devices as a :class:`~asyncrl.model.attention.KernelTarget` (platform and count),
-    whose fused attention kernel the prefill runs (None: this process's default backend)."""
-    count_trace("prefill_insert")
-    cfg = graphdef_config(graphdef, params)
-    small = init_kv_cache(cfg, plan.prompt_ids.shape[0], plan.prompt_ids.shape[1], state.cache.layers[0].k.dtype,
-                          state.cache.layout)
-    if layout is not None:  # each replica prefills its own PREFILL_ROWS prompts, as one device does alone
-        rows = layout.cache.valid
-        small = constrain_state(small, layout.cache)
-        plan = plan._replace(prompt_ids=jax.lax.with_sharding_constraint(plan.prompt_ids, rows),
-                             prompt_mask=jax.lax.with_sharding_constraint(plan.prompt_mask, rows))
+def _prefill(graphdef, params, pool: Pool, plan: PrefillPlan, layout=None, kernel=None, fresh: bool = True) -> Pool:
+    """Write ``plan``'s tokens into their rows' pages: the model's forward over the paged cache
+    (:class:`~asyncrl.model.kv_cache.PagedKVCache`), each token attending over what its row held and
+    the tokens before it. ``fresh`` (static): every row held nothing (a first chunk), so the tokens
+    attend among themselves by ``model.attention``'s kernel, as a cache-free forward. ``layout``
+    (static): the pool's shardings on an engine mesh, or None; ``kernel`` (static): the engine's
+    devices as a :class:`~asyncrl.model.attention.KernelTarget`."""
+    count_trace("prefill" if fresh else "prefill_after_cache")
+    if layout is not None:  # each replica prefills its own rows, as one device does alone
+        rows = row_sharding(layout[0].kv.mesh)
+        plan = PrefillPlan(*(jax.lax.with_sharding_constraint(x, rows) for x in plan))
+    if not fresh:
+        pool = _copy_pages(pool, plan.copy_src, plan.copy_dst, layout)
+    cache = PagedKVCache(pool, plan.page_table, plan.lengths)
     with kernel_context(kernel):
-        _, small = hidden_states(graphdef, params, plan.prompt_ids, None, plan.prompt_mask, small, empty_cache=True)
-    new_keys = jax.vmap(slot_key, in_axes=(None, 0, 0, 0))(root_key, plan.sample_id, plan.key_index, plan.turn)
+        _, cache = hidden_states(graphdef, params, plan.token_ids, None, plan.token_mask, cache, empty_cache=fresh)
+    return constrain_state(cache.layers, layout)
+
+
+def _copy_pages(pool: Pool, src, dst, layout=None) -> Pool:
+    """Every layer's pages ``dst`` take pages ``src``' contents (int32 [slots]; ``dst`` past the
+    pool: no copy), skipped when there is none (most calls: the copies only start sequences); on
+    an engine mesh each replica copies its own (page numbers local to it)."""
+    def copy(pool, src, dst):
+        pages = pool[0].pages
+        return jax.lax.cond(jnp.any(dst < pages), lambda p: tuple(copy_pages(layer, src, dst) for layer in p),
+                            lambda p: p, pool)
+
     if layout is None:
-        cache = kv_cache_copy_rows(state.cache, small, plan.src_rows, plan.dst_rows)
-        return SlotState(cache, state.keys.at[plan.dst_rows].set(new_keys, mode="drop"))
-    return _insert_on_replicas(state, small, plan.src_rows, plan.dst_rows, new_keys, layout)
-
-
-def _insert_on_replicas(state: SlotState, small: KVCache, src_rows, dst_rows, new_keys, layout: Any) -> SlotState:
-    """:func:`kv_cache_copy_rows` (and the slots' new keys) on an engine mesh, per device in a
-    ``shard_map``: each replica writes the destination rows it holds, from the prefilled rows
-    gathered whole (a few prompts), with the destinations shifted to its own rows (the others
-    dropped). A scatter into the slot-split state by global rows is what XLA's partitioner
-    otherwise makes of it: the whole cache gathered on every device at every prefill."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = layout.cache.valid.mesh
-    row_axes = layout.cache.valid.spec[0]
-    replicas = 1
-    for axis in (row_axes if isinstance(row_axes, tuple) else (row_axes,) if row_axes else ()):
-        replicas *= mesh.shape[axis]
-    local = state.cache.valid.shape[0] // replicas
-    whole_rows = lambda spec: P(None, *spec[1:])  # noqa: E731 - the same split but for the rows
-    state_specs = jax.tree.map(lambda sharding: sharding.spec, layout)
-    small_specs = jax.tree.map(lambda spec: whole_rows(spec), state_specs.cache,
-                               is_leaf=lambda x: isinstance(x, P))
-    small = jax.lax.with_sharding_constraint(small, jax.tree.map(lambda spec: NamedSharding(mesh, spec), small_specs,
-                                                                 is_leaf=lambda x: isinstance(x, P)))
-
-    def insert(state: SlotState, small: KVCache, src_rows, dst_rows, new_keys) -> SlotState:
-        first = replica_index(mesh, row_axes) * local
-        mine = (dst_rows >= first) & (dst_rows < first + local)
-        dst = jnp.where(mine, dst_rows - first, local)  # local rows; others past the end: dropped
-        cache = kv_cache_copy_rows(state.cache, small, src_rows, dst)
-        return SlotState(cache, state.keys.at[dst].set(new_keys, mode="drop"))
-
-    return jax.shard_map(insert, mesh=mesh, in_specs=(state_specs, small_specs, P(), P(), P()), out_specs=state_specs,
-                         check_vma=False)(state, small, src_rows, dst_rows, new_keys)
-
-
-def replica_index(mesh: Any, row_axes: Any) -> jax.Array:
-    """Inside a ``shard_map``: this device's index along the mesh's row axes (major first)."""
-    axes = row_axes if isinstance(row_axes, tuple) else (row_axes,) if row_axes else ()
-    index = jnp.int32(0)
-    for axis in axes:
-        index = index * mesh.shape[axis] + jax.lax.axis_index(axis)
-    return index
+        return copy(pool, src, dst)
+    mesh = layout[0].kv.mesh
+    specs = jax.tree.map(lambda sharding: sharding.spec, layout)
+    rows = row_sharding(mesh).spec
+    return jax.shard_map(copy, mesh=mesh, in_specs=(specs, rows, rows), out_specs=specs, check_vma=False)(pool, src, dst)
 
 
 def slot_key(root_key, sample_id, key_index, turn):
@@ -292,6 +286,7 @@ def graphdef_config(graphdef: Any, params: Any) -> Any:
     from flax import nnx
 
     return getattr(nnx.merge(graphdef, params), "cfg", None)
+
 
 
 # --------------------------------------------------------------------------- sampling
@@ -463,7 +458,8 @@ class _Chunk(NamedTuple):
     """The ``while_loop`` carry of a decode chunk."""
 
     step: jax.Array  # int32 []: steps taken
-    cache: KVCache
+    pool: Pool
+    lengths: jax.Array  # int32 [S]
     last_token: jax.Array  # int32 [S]
     generated: jax.Array  # int32 [S]
     node: jax.Array  # int32 [S]: the trie node the next token is chosen at (-1: unconstrained)
@@ -474,66 +470,60 @@ class _Chunk(NamedTuple):
     emitted: jax.Array  # bool: the slot was active at that step
 
 
-def cache_prefix(cache: KVCache, size: int) -> KVCache:
-    """The first ``size`` slots of every row of ``cache`` (K/V holding ``size`` positions, ``valid``
-    ``[B, size]``; write positions unchanged): a decode step on it attends over ``size`` slots
-    instead of the whole capacity. Rows whose write position is ``>= size`` must be idle (their
-    writes fall past the prefix and are dropped)."""
-    part = positions_slice(cache.layout, size)
-    layers = tuple(LayerKV(layer.k[part], layer.v[part], layer.layout) for layer in cache.layers)
-    return KVCache(layers, cache.valid[:, :size], cache.write_pos)
+def _decode_chunk(graphdef, params, pool: Pool, controls: SlotControls, flat: Optional[FlatPages], root_key, steps: int,
+                  filtered: bool, layout=None, tries=None, max_branch: int = 0, *, sampler: str = "inverse_cdf",
+                  inner: int = 1, kernel: Optional[KernelTarget] = None, view_pages: int = 0):
+    """Decode up to ``steps`` tokens for every active slot: each step is the model's own forward
+    over the paged cache with ``T = 1`` (idle slots masked out: they write nothing), then sampling.
 
+    Before the loop, the controls' page copies run (a shared partial page copied for the sequence
+    that writes into it next) and each slot's key is made from its parts. On the CPU the steps
+    attend over a view of the pages they read, gathered once here
+    (:func:`~asyncrl.model.paged_attention.with_views`): ``view_pages`` (static) > 0, each slot's
+    first that many pages; else ``flat``, every active slot's pages as one list covering its
+    positions to the chunk's end (its length a size class). Neither (GPUs, TPUs): attention reads
+    each slot's page table itself.
 
-def cache_put_prefix(full: KVCache, prefix: KVCache) -> KVCache:
-    """``full`` with its first ``prefix.capacity`` slots replaced by ``prefix`` (its write positions
-    taken from ``prefix``): the inverse of :func:`cache_prefix` after the prefix was decoded into."""
-    put = lambda whole, part: jax.lax.dynamic_update_slice(whole, part, (0,) * whole.ndim)
-    layers = tuple(LayerKV(put(w.k, p.k), put(w.v, p.v), w.layout) for w, p in zip(full.layers, prefix.layers))
-    return KVCache(layers, put(full.valid, prefix.valid), prefix.write_pos)
-
-
-def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, steps: int, filtered: bool, layout=None,
-                  tries=None, max_branch: int = 0, *, sampler: str = "inverse_cdf", attend: int = 0, inner: int = 1,
-                  kernel: Optional[KernelTarget] = None):
-    """Decode up to ``steps`` tokens for every active slot: each step is the model's own
-    KV-cache :func:`~asyncrl.model.transformer.forward` with ``T = 1`` (idle slots masked out).
-
-    Returns the new state and ``tokens`` int32, ``logprobs`` float32, ``emitted`` bool, each
+    Returns the new pool and ``tokens`` int32, ``logprobs`` float32, ``emitted`` bool, each
     [S, steps]: ``emitted`` marks the steps at which the slot was active and produced the token.
-    ``layout`` (static): the state's shardings on an engine mesh, or None. ``tries``: the
+    ``layout`` (static): the pool's shardings on an engine mesh, or None. ``tries``: the
     engine's trie pool (:class:`~asyncrl.engine.constraints.TrieTables`, device arrays) when
     some slot is constrained (``controls.node >= 0``), else None; ``max_branch`` (static) its
     widest node. A constrained slot samples from the masked distribution, ignores stop ids,
     and ends when it reaches a leaf. ``sampler`` (static): :func:`draw_tokens`' sampler.
-    ``attend`` (static): decode over the cache's first ``attend`` slots only
-    (:func:`cache_prefix`; 0 or the capacity: all of it); the caller picks it at least as large
-    as every active slot's write position plus ``steps`` (:mod:`asyncrl.engine.attention_buckets`),
-    so every valid slot and every write of the chunk lies inside it and the results equal the
-    full cache's. ``inner`` (static): decode steps per iteration of the chunk's loop
+    ``inner`` (static): decode steps per iteration of the chunk's loop
     (``engine.decode_inner_steps``): the early exit is tested once every ``inner`` steps, so on a
     GPU the host, which reads the loop's predicate, is in the loop once per ``inner`` tokens;
     a slot that finished idles at most ``inner - 1`` more steps before the chunk can end. Steps
     past ``steps`` (when ``inner`` does not divide it) run with every slot idle and emit nothing.
-    ``kernel`` (static): the engine's devices, as in :func:`_prefill_insert` (its mesh, when it has
-    one, runs the decode attention kernel per device).
+    ``kernel`` (static): the engine's devices, as in :func:`_prefill`.
     """
     count_trace(("decode_chunk_topk_topp" if filtered else "decode_chunk") + ("_trie" if tries is not None else "")
-                 + (f"_{sampler}" if sampler != "inverse_cdf" else "") + (f"_attend{attend}" if attend else ""))
+                 + (f"_{sampler}" if sampler != "inverse_cdf" else "")
+                 + (f"_flat{flat.pages.shape[0]}" if flat is not None else "")
+                 + (f"_view{view_pages}" if view_pages else ""))
     slots = controls.active.shape[0]
     vocab = params["embed_tokens"]["embedding"].shape[0]
     stop_vocab = jax.nn.one_hot(controls.stop_ids, vocab, dtype=bool).any(axis=1)  # [S, V]; -1 pads hit nothing
+    keys = jax.vmap(slot_key, in_axes=(None, 0, 0, 0))(root_key, controls.sample_id, controls.key_index, controls.turn)
+    pool = _copy_pages(pool, jnp.asarray(controls.copy_src, jnp.int32), jnp.asarray(controls.copy_dst, jnp.int32), layout)
+    page_table = jnp.asarray(controls.page_table, jnp.int32)
+    if view_pages or flat is not None:
+        with kernel_context(kernel):
+            pool = with_views(pool, page_table, view_pages, None if view_pages else flat)
+        flat = None if view_pages else flat
 
     def step(c: _Chunk) -> tuple[_Chunk, tuple[jax.Array, jax.Array, jax.Array]]:
         # One decode step: the next carry (its output buffers untouched) and what the step emits,
         # (token, log-prob, emitted) each [S], which ``body`` writes. Past ``steps`` no slot runs (an
-        # idle slot's step changes nothing: its K/V land on its next, still invalid, cache position
-        # and its write position stays).
+        # idle slot's step writes nothing and keeps its length).
         if inner > 1:
             c = c._replace(active=c.active & (c.step < steps))
-        logits, cache = forward(graphdef, params, c.last_token[:, None], None, c.active[:, None], c.cache)
+        cache = PagedKVCache(c.pool, page_table, c.lengths, flat)
+        logits, cache = forward(graphdef, params, c.last_token[:, None], None, c.active[:, None], cache)
         assert cache is not None  # forward returns the updated cache when given one
         allowed = None if tries is None else allowed_vocab(tries, c.node, vocab, max_branch)
-        token, log_p, is_stop = _choose_tokens(logits[:, 0], controls, stop_vocab, state.keys, c.generated, filtered, allowed,
+        token, log_p, is_stop = _choose_tokens(logits[:, 0], controls, stop_vocab, keys, c.generated, filtered, allowed,
                                                sampler)
         node = c.node
         if tries is not None:
@@ -542,8 +532,9 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
             node = jnp.where(c.active, next_node, c.node)
         generated = c.generated + c.active.astype(jnp.int32)
         done = is_stop | (generated >= controls.max_new_tokens)
-        return c._replace(step=c.step + 1, cache=cache, last_token=jnp.where(c.active, token, c.last_token),
-                          generated=generated, node=node, active=c.active & ~done), (token, log_p, c.active)
+        return c._replace(step=c.step + 1, pool=cache.layers, lengths=cache.lengths,
+                          last_token=jnp.where(c.active, token, c.last_token), generated=generated, node=node,
+                          active=c.active & ~done), (token, log_p, c.active)
 
     def body(c: _Chunk) -> _Chunk:
         # ``inner`` steps, then their outputs written as one [S, inner] block per buffer at the
@@ -558,8 +549,8 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
         for _ in range(inner):
             c, out = step(c)
             if inner > 1:
-                cache, out = jax.lax.optimization_barrier((c.cache, out))
-                c = c._replace(cache=cache)
+                pool, out = jax.lax.optimization_barrier((c.pool, out))
+                c = c._replace(pool=pool)
             emitted.append(out)
         if inner == 1:
             block = lambda buffer, values: buffer.at[:, start].set(values[0], mode="drop")
@@ -568,11 +559,11 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
         token, log_p, was_active = zip(*emitted)
         return c._replace(tokens=block(c.tokens, token), logprobs=block(c.logprobs, log_p), emitted=block(c.emitted, was_active))
 
-    bucketed = 0 < attend < state.cache.capacity
     written = -(-steps // inner) * inner  # the output buffers' steps: whole iterations (sliced to ``steps`` at the end)
     init = _Chunk(
         step=jnp.int32(0),
-        cache=cache_prefix(state.cache, attend) if bucketed else state.cache,
+        pool=pool,
+        lengths=jnp.asarray(controls.lengths, jnp.int32),
         last_token=jnp.asarray(controls.last_token, jnp.int32),
         generated=jnp.asarray(controls.generated, jnp.int32),
         node=jnp.asarray(controls.node, jnp.int32),
@@ -590,15 +581,14 @@ def _decode_chunk(graphdef, params, state: SlotState, controls: SlotControls, st
         refill = (free > free_at_start) & (free >= controls.refill_free)
         return (c.step < steps) & jnp.any(c.active) & ~refill
 
-    # The engine's devices pick the decode attention's path (asyncrl.model.decode_attention): on a
-    # mesh the kernel runs per device in a shard_map.
+    # The engine's devices pick the decode attention's path (asyncrl.model.attention.paged_decode_attention);
+    # on a mesh it runs per device in a shard_map.
     with kernel_context(kernel):
         out = jax.lax.while_loop(more, body, init)
-    cache = cache_put_prefix(state.cache, out.cache) if bucketed else out.cache
-    return (constrain_state(SlotState(cache, state.keys), layout), out.tokens[:, :steps], out.logprobs[:, :steps],
-            out.emitted[:, :steps])
+    pool = tuple(PagedLayerKV(layer.kv, layer.layout) for layer in out.pool)  # the views end with the chunk
+    return (constrain_state(pool, layout), out.tokens[:, :steps], out.logprobs[:, :steps], out.emitted[:, :steps])
 
 
-prefill_insert_jit = jax.jit(_prefill_insert, static_argnums=(0, 5, 6), donate_argnums=2)
-decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 4, 5, 6, 8),
-                           static_argnames=("sampler", "attend", "inner", "kernel"), donate_argnums=2)
+prefill_jit = jax.jit(_prefill, static_argnums=(0, 4, 5, 6), donate_argnums=2)
+decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 6, 7, 8, 10),
+                           static_argnames=("sampler", "inner", "kernel", "view_pages"), donate_argnums=2)

@@ -1,8 +1,12 @@
 """How the engine's arrays lie in each platform's memory, chosen in one place.
 
-* The KV cache (:func:`kv_cache_layout`): ``bksd`` (``[slots, kv_heads, capacity, head_dim]``) on
-  GPUs and the CPU, ``bskd`` (``[slots, capacity, kv_heads, head_dim]``) on TPUs. The model's cache
-  functions take either (:mod:`asyncrl.model.transformer`); the engine picks.
+* The KV page pool (:func:`kv_page_layout`) and its page size (:func:`page_size_for`): ``2kpsd``
+  (``[2, kv_heads, pages, page_size, head_dim]``) on GPUs and the CPU, ``ps2kd`` (``[pages,
+  page_size, 2 * kv_heads, head_dim]``, each head's key and value interleaved) on TPUs; pages of
+  16 positions on GPUs and the CPU, 64 on TPUs. The model's paged cache takes either
+  (:mod:`asyncrl.model.kv_cache`); the engine picks.
+* A beam search's own contiguous cache (:func:`kv_cache_layout`): ``bksd`` on GPUs and the CPU,
+  ``bskd`` on TPUs.
 * The serving copy's memory layouts (:func:`serving_formats`): on TPUs, XLA's decode program
   reads some weights in another order than row-major (the attention's q/k/v kernels with the input
   dimension minor), and given row-major ones it copies each of them once per chunk, before its
@@ -19,34 +23,62 @@ from typing import Any, Optional
 
 import jax
 
+PAGE_SIZES = {"cpu": 16, "gpu": 16, "rocm": 16, "tpu": 64}
+"""``engine.page_size: auto`` per platform: 16 positions (vLLM's and SGLang's block on GPUs; on the
+CPU the flat attention's gather works in pages, and small pages waste least of a sequence's last
+one); 64 on TPUs, where ``ragged_paged_attention`` walks a sequence's pages from scalar registers
+(its tuning table keeps a sequence to a few dozen pages: 16 of 64 for 1,024 positions)."""
+
+
+def kv_page_layout(platform: str) -> str:
+    """The KV page pool's layout for the devices of ``platform`` (``cpu``, ``gpu``, ``tpu``): one
+    rule. ``ps2kd`` on TPUs: the layout of JAX's ``ragged_paged_attention`` (a page's positions,
+    then each head's key and value side by side, so one DMA brings a page for every head).
+    ``2kpsd`` elsewhere: a head's page is one contiguous ``[page_size, head_dim]`` block, what the GPU
+    decode kernel (:mod:`asyncrl.model.decode_attention`) and XLA's CPU dot read."""
+    return "ps2kd" if platform == "tpu" else "2kpsd"
+
+
+def page_size_for(choice: "int | str", platform: str, capacity: int) -> int:
+    """``engine.page_size`` on ``platform``: a number as given (it must divide ``capacity``, which
+    the config checks); ``auto``: :data:`PAGE_SIZES`' size for the platform, halved until it divides
+    ``engine.kv_capacity`` (so every config runs on every platform)."""
+    if isinstance(choice, int):
+        if capacity % choice:
+            raise ValueError(f"engine.page_size = {choice} does not divide engine.kv_capacity = {capacity}")
+        return choice
+    size = PAGE_SIZES.get(platform, 16)
+    while capacity % size:
+        size //= 2
+    return size
+
 
 def kv_cache_layout(platform: str) -> str:
-    """The KV cache's layout for the devices of ``platform`` (``cpu``, ``gpu``, ``tpu``). ``bskd`` on
-    TPUs: XLA's TPU decode loop lays a layer's cache out with the positions before the heads (each
-    step writes one ``[kv_heads, head_dim]`` tile per row), and given a heads-first cache it copies
-    the whole cache in and out of the loop at every chunk (a v6e-8's decode of Qwen3-1.7B held
-    14 GiB of such copies). ``bksd`` elsewhere: XLA's CPU dot and the GPU decode kernel
-    (:mod:`asyncrl.model.decode_attention`) read each head's keys as one contiguous
-    ``[capacity, head_dim]`` matrix."""
+    """The layout of a beam search's own contiguous KV cache on ``platform``. ``bskd`` on TPUs:
+    XLA's TPU decode loop lays a layer's cache out with the positions before the heads (each step
+    writes one ``[kv_heads, head_dim]`` tile per row), and given a heads-first cache it copies the
+    whole cache in and out of the loop. ``bksd`` elsewhere: XLA's CPU dot reads each head's keys as
+    one contiguous ``[capacity, head_dim]`` matrix."""
     return "bskd" if platform == "tpu" else "bksd"
 
 
-def serving_formats(cfg: Any, shardings: Any, state_shardings: Any, *, slots: int, capacity: int, platform: str,
-                    decode: dict[str, Any], max_stop_ids: int, layout: Any = None) -> Optional[Any]:
+def serving_formats(cfg: Any, shardings: Any, pool_shardings: Any, *, slots: int, pages: int, page_size: int,
+                    capacity: int, platform: str, decode: dict[str, Any], max_stop_ids: int,
+                    layout: Any = None) -> Optional[Any]:
     """The memory layouts XLA's decode program wants for the serving copy (a pytree of
     ``jax.experimental.layout.Format`` shaped like ``shardings``), or None where they are
     row-major (every platform but TPUs). ``cfg``: the model's DecoderConfig; ``shardings``: the serving
-    copy's; ``state_shardings``: the slot state's (a :class:`~asyncrl.engine.jax_programs.SlotState`
-    of shardings, or one sharding for all of it); ``decode``: the decode program's static options
-    (sampler, steps per iteration, kernel target); ``layout``: the state's layout on an engine mesh
-    (the programs' static argument), or None."""
+    copy's; ``pool_shardings``: the page pool's (a pool-shaped tree of shardings, or one sharding for
+    all of it); ``pages``: the pool's pages (every replica's); ``decode``: the decode program's
+    static options (sampler, steps per iteration, kernel target); ``layout``: the pool's layout on
+    an engine mesh (the programs' static argument), or None."""
     if platform != "tpu":
         return None
     import numpy as np
     from flax import nnx
     from jax.experimental.layout import Format, Layout
 
-    from asyncrl.engine.jax_programs import _decode_chunk, idle_controls, init_slot_state
+    from asyncrl.engine.jax_programs import _decode_chunk, idle_controls, init_pool
     from asyncrl.model.compute_copy import cast_for_compute
     from asyncrl.model.transformer import Decoder, split_params
 
@@ -55,27 +87,27 @@ def serving_formats(cfg: Any, shardings: Any, state_shardings: Any, *, slots: in
         {"layer_types": cfg.layer_types[:proxy_layers]} if cfg.layer_types is not None else {}))
     proxy_graphdef, proxy_shapes = split_params(nnx.eval_shape(lambda: Decoder(proxy_cfg, nnx.Rngs(0))))
     proxy_shardings = _for_proxy(shardings, proxy_shapes)
-    cache_layout = kv_cache_layout(platform)
-    state_shapes = jax.eval_shape(lambda: init_slot_state(proxy_cfg, slots, capacity, cache_layout))
-    proxy_state = _proxy_state_shardings(state_shardings, state_shapes, proxy_layers)
-    proxy_layout = None if layout is None else _proxy_state_shardings(layout, state_shapes, proxy_layers)
-    controls = idle_controls(slots, max_stop_ids)
+    pool_shapes = jax.eval_shape(lambda: init_pool(proxy_cfg, pages, page_size, kv_page_layout(platform)))
+    proxy_pool = _proxy_pool(pool_shardings, pool_shapes, proxy_layers)
+    proxy_layout = None if layout is None else _proxy_pool(layout, pool_shapes, proxy_layers)
+    controls = idle_controls(slots, max_stop_ids, capacity // page_size, pages)
     first = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))[0]
     replicated = (jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
                   if isinstance(first, jax.sharding.NamedSharding) else first)
     control_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated),
                                   controls)
+    key_shape = jax.ShapeDtypeStruct((2,), np.uint32, sharding=replicated)
     placed = lambda shapes, where: jax.tree.map(  # noqa: E731
         lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w), shapes, where)
     serving_shapes = jax.eval_shape(lambda p: cast_for_compute(p, cfg.compute_dtype), proxy_shapes)
 
-    def decode_chunk(params: Any, state: Any, controls: Any) -> Any:
-        return _decode_chunk(proxy_graphdef, params, state, controls, 1, False, proxy_layout, **decode)
+    def decode_chunk(params: Any, pool: Any, controls: Any, key: Any) -> Any:
+        return _decode_chunk(proxy_graphdef, params, pool, controls, None, key, 1, False, proxy_layout, **decode)
 
     auto = jax.tree.map(lambda s: Format(Layout.AUTO, s), proxy_shardings)
-    compiled = jax.jit(decode_chunk, in_shardings=(auto, proxy_state, jax.tree.map(lambda _: replicated, controls)),
-                       donate_argnums=1).lower(placed(serving_shapes, proxy_shardings), placed(state_shapes, proxy_state),
-                                               control_shapes).compile()
+    compiled = jax.jit(decode_chunk, in_shardings=(auto, proxy_pool, jax.tree.map(lambda _: replicated, controls), replicated),
+                       donate_argnums=1).lower(placed(serving_shapes, proxy_shardings), placed(pool_shapes, proxy_pool),
+                                               control_shapes, key_shape).compile()
     wanted = compiled.input_formats[0][0]
     return _from_proxy(wanted, shardings, kinds)
 
@@ -117,9 +149,8 @@ def _at(tree: Any, path: tuple) -> Any:
     return tree
 
 
-def _proxy_state_shardings(state_shardings: Any, state_shapes: Any, layers: int) -> Any:
-    """The slot state's shardings for the proxy's ``layers`` layers (every layer's cache lies alike)."""
-    if isinstance(state_shardings, jax.sharding.Sharding):
-        return jax.tree.map(lambda _: state_shardings, state_shapes)
-    cache = state_shardings.cache
-    return state_shardings._replace(cache=cache._replace(layers=cache.layers[:layers]))
+def _proxy_pool(pool_shardings: Any, pool_shapes: Any, layers: int) -> Any:
+    """The pool's shardings for the proxy's ``layers`` layers (every layer's pool lies alike)."""
+    if isinstance(pool_shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda _: pool_shardings, pool_shapes)
+    return tuple(pool_shardings[:layers])

@@ -1,7 +1,7 @@
-"""The JaxEngine's host-side records of its work: a submitted request and its samples' progress
-(:class:`Pending`, :class:`Sample`), a published version waiting for a chunk boundary
-(:class:`Update`), and the cumulative counters behind its metrics (:class:`EngineStats`). The
-scheduler thread (:mod:`asyncrl.engine.jax_scheduler`) owns them once a request is admitted."""
+"""The JaxEngine's host-side records of its work: a submitted request (:class:`Pending`) and each
+of its samples' state in one record (:class:`Sequence`), a published version waiting for a chunk
+boundary (:class:`Update`), and the cumulative counters behind its metrics (:class:`EngineStats`).
+The scheduler thread (:mod:`asyncrl.engine.scheduler`) owns them once a request is admitted."""
 
 from __future__ import annotations
 
@@ -16,17 +16,52 @@ import numpy as np
 from asyncrl.engine.protocol import GenerationRequest, GenerationResponse, RequestUsage, StopReason
 
 
-class Sample:
-    __slots__ = ("tokens", "logprobs", "versions", "stop_reason", "slot", "node", "score")
+class Sequence:
+    """One sample of a request, everything the engine knows of it: what it generated (tokens,
+    log-probs, versions), where it decodes (its row of the decode batch, None while it waits or
+    when it ended), the oldest weights version a reused prefix it attends to was computed with,
+    its trie node and why it ended."""
 
-    def __init__(self) -> None:
+    __slots__ = ("pending", "index", "tokens", "logprobs", "versions", "stop_reason", "row", "node", "score",
+                 "version_floor", "kv", "order")
+
+    def __init__(self, pending: "Pending", index: int) -> None:
+        self.pending = pending
+        self.index = index  # j: the sample's index within its request (its key's index_in_group + j)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.stop_reason: Optional[StopReason] = None
-        self.slot: Optional[int] = None
+        self.row: Optional[int] = None
         self.node = 0  # the trie node after the tokens so far (constrained requests only)
         self.score: Optional[float] = None  # beam search's ranking score
+        self.version_floor: Optional[int] = None  # set when it reuses KV of older weights (across_versions)
+        self.kv: Any = None  # its pages (asyncrl.engine.kv_cache_manager.SequenceKV) while admitted; None while it waits
+        self.order = -1  # when it was first admitted (the latest admitted is preempted first)
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.pending.request
+
+    @property
+    def context(self) -> int:
+        """KV positions it holds: its prompt but the last token, and the tokens it generated but the last."""
+        return len(self.pending.request.prompt_ids) - 1 + len(self.tokens)
+
+    def context_ids(self) -> list[int]:
+        """The token ids of :attr:`context` (what it must hold again when it resumes after a preemption)."""
+        return [*self.pending.request.prompt_ids, *self.tokens][: self.context]
+
+    @property
+    def last_token(self) -> int:
+        """The token its next decode step feeds."""
+        return int(self.tokens[-1]) if self.tokens else int(self.pending.request.prompt_ids[-1])
+
+    @property
+    def positions(self) -> int:
+        """The most KV positions its decode steps can write to: its prompt but the last token, then one
+        per step (the step that samples its last token feeds the token before it)."""
+        return len(self.pending.request.prompt_ids) - 1 + self.pending.request.max_new_tokens
 
 
 class Pending:
@@ -40,7 +75,7 @@ class Pending:
         self.future: Future = Future()
         self.submitted = time.monotonic()
         self.deadline = deadline
-        self.samples = [Sample() for _ in range(request.n)]
+        self.sequences = [Sequence(self, j) for j in range(request.n)]
         self.usage = RequestUsage()  # this request's share of the engine's counters
 
     def response(self) -> list[GenerationResponse]:
@@ -53,7 +88,7 @@ class Pending:
                 score=s.score,
                 usage=self.usage,
             )
-            for s in self.samples
+            for s in self.sequences
         ]
 
 
@@ -82,6 +117,7 @@ class EngineStats:
     prefill_calls: int = 0  # prefill-insert program calls
     prefill_tokens: int = 0  # prompt tokens prefilled (computed: a reused prefix's are not)
     prefix_hit_tokens: int = 0  # prompt tokens whose KV was reused from a kept prefix
+    preemptions: int = 0  # sequences preempted (pages released, resumed later) when the pool ran out
     prefill_s: float = 0.0
     decode_steps: int = 0  # decode steps (every slot advances one token per step)
     decode_tokens: int = 0  # tokens the samples kept from decode steps (none past a stop)

@@ -389,6 +389,7 @@ def cached_attention(q, k, v, mask, cache: LayerKV, write_idx, choice: str,
     XLA's batched dot wants; ``bskd`` on TPUs: positions-first keys); no transposed copy of the cache
     is made per step. Several new tokens (prefill into a cache) go through
     ``model.attention``'s implementation (``choice``) on a transposed view, once per call.
+    (A paged cache goes to :func:`asyncrl.model.paged_attention.paged_attention` instead.)
     """
     layout = cache.layout
     if isinstance(mask, SelfAttentionMask):  # an empty cache (prefill): the call's tokens attend among themselves
@@ -525,3 +526,4 @@ def _split_specs(mesh, rows: int, heads: int, kv_heads: int):
     row = ("data", "fsdp") if replicas > 1 else None
     head = "tensor" if tensor > 1 else None
     return P(row, None, head, None), P(row, head, None, None), P(row), P(row, None, None)
+

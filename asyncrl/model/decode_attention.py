@@ -143,3 +143,102 @@ def pallas_decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k:
     )(new, new, new, write_pos[:, None].astype(jnp.int32), new_valid[:, None].astype(jnp.int32), k, v,
       mask.astype(jnp.int32))
     return out.reshape(b, heads, d), k, v
+
+
+# --------------------------------------------------------------------------- through page tables
+
+PAGES_PER_BLOCK = 8
+"""Pages a step of the paged kernel's loop reads (8 x 16 positions: the contiguous kernel's block)."""
+
+
+def _paged_kernel(q_ref, k_new_ref, v_new_ref, row_ref, table_ref, kv_ref, o_ref, kv_out_ref, *, scale: float,
+                  pages: int, window: Optional[int]):
+    q = q_ref[...].astype(jnp.float32) * scale  # [G, D]
+    k_new = k_new_ref[...]  # [D]: the new token's key and value, written at (row_ref's page, offset) below
+    v_new = v_new_ref[...]
+    position, page, offset, real = row_ref[0], row_ref[1], row_ref[2], row_ref[3] != 0
+    page_size = kv_ref.shape[2]
+    span = pages * page_size
+    # The new token enters the online softmax first, from registers (its page is written in place below).
+    first = jnp.where(real, jnp.sum(q * k_new.astype(jnp.float32)[None, :], axis=1), _MASKED)  # [G]
+
+    def step(i, carry):
+        top, total, acc = carry
+        listed = table_ref[pl_ds(i * pages, pages)]  # [pages]: this block's pages of the row
+        k = kv_ref[0, listed].reshape(span, -1).astype(jnp.float32)  # [pages * page_size, D]
+        v = kv_ref[1, listed].reshape(span, -1)
+        keys = i * span + jax.lax.broadcasted_iota(jnp.int32, (span,), 0)
+        keep = keys < position  # the positions before the new token's (its own came from registers)
+        if window is not None:
+            keep = keep & (keys > position - window)
+        scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())))  # [G, span]
+        scores = jnp.where(keep[None, :], scores, _MASKED)
+        new_top = jnp.maximum(top, jnp.max(scores, axis=1))
+        rescale = jnp.exp(top - new_top)
+        p = jnp.where(keep[None, :], jnp.exp(scores - new_top[:, None]), 0.0)
+        total = total * rescale + jnp.sum(p, axis=1)
+        acc = acc * rescale[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return new_top, total, acc
+
+    heads, dim = q.shape
+    start = 0 if window is None else jnp.maximum(position - window + 1, 0) // span
+    stop = position // span + 1  # the block holding the new token's position
+    init = (first, jnp.ones((heads,), jnp.float32), jnp.broadcast_to(v_new.astype(jnp.float32)[None, :], (heads, dim)))
+    _, total, acc = jax.lax.fori_loop(start, stop, step, init)
+    o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
+
+    @pl_when(real)
+    def _write():
+        kv_out_ref[0, page, pl_ds(offset, 1), :] = k_new[None, :].astype(kv_out_ref.dtype)
+        kv_out_ref[1, page, pl_ds(offset, 1), :] = v_new[None, :].astype(kv_out_ref.dtype)
+
+
+def pallas_paged_decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv: jax.Array, page_table: jax.Array,
+                                  positions: jax.Array, real: jax.Array, scale: float, window: Optional[int] = None,
+                                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The paged kernel: ``q [B, heads, D]`` (one token per row) and its ``k_new, v_new [B, kv_heads,
+    D]``, written into the pool ``kv [2, kv_heads, pages, page_size, D]`` (keys at 0, values at 1:
+    the ``2kpsd`` layout) at ``positions`` int32 [B] through ``page_table`` int32 ``[B, P]`` where
+    ``real`` (bool [B]), in place (the output aliases ``kv``), then attended over the row's positions
+    up to its own (within Gemma 3's ``window``). Returns ``(out [B, heads, D] in q's dtype, kv)``.
+    One program per (row, KV head) walks the row's pages :data:`PAGES_PER_BLOCK` at a time up to its
+    position, with an online softmax in float32. ``interpret``: Pallas' interpreter (tests)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    b, heads, d = q.shape
+    _, kv_heads, pool, page_size, _ = kv.shape
+    group = heads // kv_heads
+    pages = min(PAGES_PER_BLOCK, page_table.shape[1])
+    width = -(-page_table.shape[1] // pages) * pages
+    # past a row's own pages its table holds the pool's size ("none"): read page 0 there instead (masked)
+    table = jnp.where(page_table < pool, page_table, 0)
+    table = jnp.pad(table, ((0, 0), (0, width - table.shape[1]))).astype(jnp.int32)
+    slot = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
+    page = jnp.take_along_axis(page_table, slot[:, None], axis=1)[:, 0]
+    real = real & (page < pool) & (positions < page_table.shape[1] * page_size)
+    row = jnp.stack([positions, jnp.where(real, page, 0), positions % page_size, real.astype(jnp.int32)], axis=1)
+    tile = max(_GROUP_TILE, 1 << (group - 1).bit_length())
+    kernel = functools.partial(_paged_kernel, scale=scale, pages=pages, window=window)
+    pool_spec = pl.BlockSpec((2, None, pool, page_size, d), lambda i, h: (0, h, 0, 0, 0))
+    new = jnp.concatenate([q.reshape(b, kv_heads, group, d), k_new.astype(q.dtype)[:, :, None],
+                           v_new.astype(q.dtype)[:, :, None]], axis=2)
+    out, kv = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((b, kv_heads, group, d), q.dtype), jax.ShapeDtypeStruct(kv.shape, kv.dtype)),
+        grid=(b, kv_heads),
+        in_specs=[
+            pl.BlockSpec((None, None, tile, d), lambda i, h: (i, h, 0, 0)),  # rows past the group: unused
+            pl.BlockSpec((None, None, None, d), lambda i, h: (i, h, group, 0)),
+            pl.BlockSpec((None, None, None, d), lambda i, h: (i, h, group + 1, 0)),
+            pl.BlockSpec((None, 4), lambda i, h: (i, 0)),
+            pl.BlockSpec((None, width), lambda i, h: (i, 0)),
+            pool_spec,
+        ],
+        out_specs=(pl.BlockSpec((None, None, tile, d), lambda i, h: (i, h, 0, 0)), pool_spec),
+        input_output_aliases={5: 1},
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        name="paged_decode_attention",
+    )(new, new, new, row, table, kv)
+    return out.reshape(b, heads, d), kv

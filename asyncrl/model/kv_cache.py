@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -144,3 +144,162 @@ def kv_cache_clear_rows(cache: KVCache, rows: jax.Array) -> KVCache:
     valid = jnp.where(rows[:, None], False, cache.valid)
     write_pos = jnp.where(rows, 0, cache.write_pos).astype(jnp.int32)
     return KVCache(cache.layers, valid, write_pos)
+
+
+# --------------------------------------------------------------------------- the paged cache
+
+PAGE_LAYOUTS = ("2kpsd", "ps2kd")
+"""A layer's page pool as ``[2, kv_heads, pages, page_size, head_dim]`` (keys at 0, values at 1) or
+``[pages, page_size, 2 * kv_heads, head_dim]`` (each head's key then its value, interleaved: the
+layout of JAX's TPU ``ragged_paged_attention``)."""
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kv", "view"], meta_fields=["layout"])
+@dataclasses.dataclass(frozen=True)
+class PagedLayerKV:
+    """One decoder layer's keys and values in pages of a fixed number of positions (compute dtype);
+    ``view``: a decode chunk's copy of the pages its rows read (:func:`gather_view`; the CPU's), or None."""
+
+    kv: jax.Array  # 2kpsd: [2, kv_heads, pages, page_size, head_dim]; ps2kd: [pages, page_size, 2 * kv_heads, head_dim]
+    layout: str = "2kpsd"  # static: which of PAGE_LAYOUTS
+    view: Any = None  # (keys, values) each [B, kv_heads, positions, head_dim] (each row's first pages) or [N, kv_heads, page_size, head_dim] (flat)
+
+    @property
+    def pages(self) -> int:
+        return self.kv.shape[2] if self.layout == "2kpsd" else self.kv.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.shape[3] if self.layout == "2kpsd" else self.kv.shape[1]
+
+
+class FlatPages(NamedTuple):
+    """The pages of a decode chunk's rows as one flat list (the CPU's ragged attention): entry ``i``
+    is page ``pages[i]`` of row ``rows[i]`` (``>= B``: padding, attended by nobody), holding that
+    row's positions ``[starts[i], starts[i] + page_size)``; a row's pages are consecutive entries
+    from ``first[row]`` on."""
+
+    pages: Any  # int32 [N] (host or device arrays)
+    rows: Any  # int32 [N]
+    starts: Any  # int32 [N]
+    first: Any  # int32 [B]
+
+
+class PagedKVCache(NamedTuple):
+    """A paged KV cache (a pytree): per layer a pool of pages shared by every row, and each row's
+    page table. The protocol: a call with ``T`` new tokens per row (right-padded, real tokens
+    first: ``attention_mask``) writes row ``b``'s real token ``t`` at position ``lengths[b] + t``,
+    i.e. into page ``page_table[b, position // page_size]`` at offset ``position % page_size``
+    (entries past the pool are dropped: unallocated positions), lets it attend to the row's
+    positions up to its own, and returns ``lengths`` advanced by the real tokens. Padding writes
+    nothing. Positions are contiguous from 0, so a row's valid positions are ``[0, lengths[b])``
+    and the rotary position of a token is its cache position."""
+
+    layers: tuple[PagedLayerKV, ...]
+    page_table: jax.Array  # int32 [B, pages per row]
+    lengths: jax.Array  # int32 [B]: positions each row holds
+    flat: Optional[FlatPages] = None  # one-token calls on the CPU: the rows' pages as one list
+
+    @property
+    def page_size(self) -> int:
+        return self.layers[0].page_size
+
+
+def page_pool_shape(cfg: DecoderConfig, pages: int, page_size: int, layout: str = "2kpsd") -> tuple[int, ...]:
+    """One layer's page pool shape in ``layout``."""
+    if layout not in PAGE_LAYOUTS:
+        raise ValueError(f"KV page layout {layout!r}: one of {PAGE_LAYOUTS}")
+    if layout == "2kpsd":
+        return (2, cfg.num_kv_heads, pages, page_size, cfg.head_dim)
+    return (pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+
+
+def init_page_pool(cfg: DecoderConfig, pages: int, page_size: int, layout: str = "2kpsd",
+                   dtype: Any = None) -> tuple[PagedLayerKV, ...]:
+    """Every layer's page pool, zeros, in the compute dtype and ``layout``."""
+    dtype = dtype or dtype_of(cfg.compute_dtype)
+    shape = page_pool_shape(cfg, pages, page_size, layout)
+    return tuple(PagedLayerKV(jnp.zeros(shape, dtype), layout) for _ in range(cfg.num_layers))
+
+
+def write_pages(layer: PagedLayerKV, k: jax.Array, v: jax.Array, page_table: jax.Array, positions: jax.Array,
+                real: jax.Array) -> PagedLayerKV:
+    """``layer`` with the new ``k, v`` ``[B, T, kv_heads, D]`` written at ``positions`` int32 [B, T]
+    of each row (through ``page_table`` [B, P]) where ``real`` (bool [B, T]); nothing elsewhere."""
+    page_size = layer.page_size
+    rows = jnp.arange(positions.shape[0])[:, None]
+    slot = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
+    page = jnp.where(real & (positions < page_table.shape[1] * page_size), page_table[rows, slot], layer.pages)
+    offset = positions % page_size
+    dtype = layer.kv.dtype
+    if layer.layout == "2kpsd":  # adjacent advanced indices (page, offset) stay in place: the block is [2, kv_heads, B, T, D]
+        values = jnp.stack([k, v]).transpose(0, 3, 1, 2, 4).astype(dtype)
+        return PagedLayerKV(layer.kv.at[:, :, page, offset].set(values, mode="drop"), layer.layout)
+    b, t, heads, d = k.shape
+    values = jnp.stack([k, v], axis=3).reshape(b, t, 2 * heads, d).astype(dtype)  # each head's key, then its value
+    return PagedLayerKV(layer.kv.at[page, offset].set(values, mode="drop"), layer.layout)
+
+
+def gather_rows(layer: PagedLayerKV, page_table: jax.Array) -> tuple[jax.Array, jax.Array, str]:
+    """Each row's pages in order, as keys and values over its positions ``[0, P * page_size)``:
+    ``(k, v, spec)`` with ``spec`` the einsum letters of their layout (``kbsd`` or ``bskd``)."""
+    if layer.layout == "2kpsd":
+        kv = layer.kv[:, :, page_table]  # [2, kv_heads, B, P, page_size, D]
+        two, heads, b, p, size, d = kv.shape
+        kv = kv.reshape(two, heads, b, p * size, d)
+        return kv[0], kv[1], "kbsd"
+    kv = layer.kv[page_table]  # [B, P, page_size, 2 * kv_heads, D]
+    b, p, size, combined, d = kv.shape
+    kv = kv.reshape(b, p * size, combined // 2, 2, d)
+    return kv[..., 0, :], kv[..., 1, :], "bskd"
+
+
+def gather_view(layer: PagedLayerKV, page_table: jax.Array, pages: int,
+                flat: Optional[FlatPages] = None) -> tuple[jax.Array, jax.Array]:
+    """A copy of the pages a decode chunk's rows read, keys and values apart and rows (or list
+    entries) first whatever the pool's layout, so each step's attention reads them as they lie (a
+    slice of one array would be copied at every step): each row's first ``pages`` pages in order
+    (``[B, kv_heads, pages x page_size, D]`` each: the ``bksd`` of a contiguous cache), or with
+    ``flat`` its listed pages (``[N, kv_heads, page_size, D]`` each)."""
+    if flat is not None:
+        if layer.layout == "2kpsd":  # (a scalar and an array index around a slice: the listed pages first)
+            return layer.kv[0, :, flat.pages], layer.kv[1, :, flat.pages]  # [N, kv_heads, page_size, D]
+        kv = layer.kv[flat.pages]  # [N, page_size, 2 * kv_heads, D]
+        n, size, combined, d = kv.shape
+        kv = kv.reshape(n, size, combined // 2, 2, d)
+        return kv[..., 0, :].transpose(0, 2, 1, 3), kv[..., 1, :].transpose(0, 2, 1, 3)
+    table = page_table[:, :pages]
+    b, p = table.shape
+    if layer.layout == "2kpsd":
+        k, v = layer.kv[0, :, table], layer.kv[1, :, table]  # [B, pages, kv_heads, page_size, D]
+        heads, size, d = k.shape[2:]
+        return tuple(x.transpose(0, 2, 1, 3, 4).reshape(b, heads, p * size, d) for x in (k, v))  # type: ignore[return-value]
+    kv = layer.kv[table]  # [B, pages, page_size, 2 * kv_heads, D]
+    size, combined, d = kv.shape[2:]
+    kv = kv.reshape(b, p * size, combined // 2, 2, d)
+    return kv[..., 0, :].transpose(0, 2, 1, 3), kv[..., 1, :].transpose(0, 2, 1, 3)
+
+
+def write_view(view: tuple[jax.Array, jax.Array], k: jax.Array, v: jax.Array, positions: jax.Array, real: jax.Array,
+               page_size: int, flat: Optional[FlatPages] = None) -> tuple[jax.Array, jax.Array]:
+    """``view`` (:func:`gather_view`) with the new ``k, v`` ``[B, 1, kv_heads, D]`` written where
+    their rows' positions lie in it (the pool gets them too: :func:`write_pages`)."""
+    view_k, view_v = view
+    b = positions.shape[0]
+    position = positions[:, 0]
+    if flat is None:  # [B, kv_heads, positions, D]: advanced indices around a slice, the block is [B, kv_heads, D]
+        where: tuple = (jnp.arange(b), slice(None), jnp.where(real[:, 0] & (position < view_k.shape[2]), position,
+                                                              view_k.shape[2]))
+    else:  # [N, kv_heads, page_size, D]
+        where = (jnp.where(real[:, 0], flat.first + position // page_size, view_k.shape[0]), slice(None),
+                 position % page_size)
+    return (view_k.at[where].set(k[:, 0].astype(view_k.dtype), mode="drop"),
+            view_v.at[where].set(v[:, 0].astype(view_v.dtype), mode="drop"))
+
+
+def copy_pages(layer: PagedLayerKV, src: jax.Array, dst: jax.Array) -> PagedLayerKV:
+    """``layer`` with pages ``dst`` (int32 [C]; entries past the pool: none) holding pages ``src``'
+    contents (all read before any is written)."""
+    if layer.layout == "2kpsd":
+        return PagedLayerKV(layer.kv.at[:, :, dst].set(layer.kv[:, :, src], mode="drop"), layer.layout)
+    return PagedLayerKV(layer.kv.at[dst].set(layer.kv[src], mode="drop"), layer.layout)

@@ -40,7 +40,8 @@ from flax import nnx
 from asyncrl.model.attention import SelfAttentionMask, attend, cached_attention, current_target
 from asyncrl.model.blocks import ACTIVATIONS, dtype_of, linear, normal_init, sliding_window_mask, softcap
 from asyncrl.model.config import DecoderConfig
-from asyncrl.model.kv_cache import KVCache, LayerKV
+from asyncrl.model.kv_cache import KVCache, LayerKV, PagedKVCache, PagedLayerKV
+from asyncrl.model.paged_attention import PagedQueries, paged_attention
 from asyncrl.model.sharding import vocab_parallel_head
 
 # --------------------------------------------------------------------------- rotary
@@ -147,6 +148,9 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
+        if isinstance(cache, PagedLayerKV):
+            out, new_cache = paged_attention(q, k, v, mask, cache, cfg.attention, scale)
+            return _dense(self.o_proj, out.reshape(b, t, cfg.num_heads * cfg.head_dim)), new_cache
         if cache is not None:
             out, new_cache = cached_attention(q, k, v, mask, cache, write_idx, cfg.attention, scale)
             return _dense(self.o_proj, out.reshape(b, t, cfg.num_heads * cfg.head_dim)), new_cache
@@ -291,12 +295,12 @@ class Decoder(nnx.Module):
         input_ids: jax.Array,
         positions: Optional[jax.Array] = None,
         attention_mask: Optional[jax.Array] = None,
-        kv_cache: Optional[KVCache] = None,
+        kv_cache: Optional[KVCache | PagedKVCache] = None,
         segment_ids: Optional[jax.Array] = None,
         *,
         unrolled: bool = False,
         empty_cache: bool = False,
-    ) -> tuple[jax.Array, Optional[KVCache]]:
+    ) -> tuple[jax.Array, Optional[KVCache | PagedKVCache]]:
         """Final-norm hidden states [B, T, hidden] (compute dtype) and the updated cache.
 
         ``segment_ids`` int32 [B, T] (packed rows, no cache; 0 = padding): attention stays within
@@ -317,6 +321,8 @@ class Decoder(nnx.Module):
         running = jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1
         if segment_ids is not None and kv_cache is not None:
             raise ValueError("Decoder.hidden_states: segment_ids (packed rows) are for cache-free forwards only")
+        if isinstance(kv_cache, PagedKVCache):
+            return self._paged(input_ids, positions, attention_mask, kv_cache, empty_cache)
         mask: Any
         if kv_cache is None or empty_cache:
             if positions is None:
@@ -365,6 +371,32 @@ class Decoder(nnx.Module):
         last_real = jnp.max(jnp.where(attention_mask, t_idx, -1), axis=1)
         write_pos = (kv_cache.write_pos + last_real + 1).astype(jnp.int32)
         return x, KVCache(tuple(new_layers), valid, write_pos)
+
+    def _paged(self, input_ids: jax.Array, positions: Optional[jax.Array], attention_mask: jax.Array, cache: PagedKVCache,
+               fresh: bool) -> tuple[jax.Array, PagedKVCache]:
+        """:meth:`hidden_states` over a paged cache (:class:`~asyncrl.model.kv_cache.PagedKVCache`'s
+        protocol): each real token lands at its row's next position, which is also its rotary
+        position; ``fresh``: the rows hold nothing yet (a prefill)."""
+        cfg = self.cfg
+        running = jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
+        written = cache.lengths[:, None] + running  # [B, T]
+        positions = written if positions is None else positions
+        queries = PagedQueries(written, attention_mask, cache.page_table, cache.flat, None, fresh)
+        by_type = {"full_attention": (*rope_cos_sin(cfg, positions), queries)}
+        if cfg.layer_types is not None and "sliding_attention" in cfg.layer_types:
+            local = cfg if cfg.rope_local_theta is None else cfg.replace(rope_theta=cfg.rope_local_theta, rope_type="default")
+            by_type["sliding_attention"] = (*rope_cos_sin(local, positions), queries.with_window(cfg.sliding_window))
+        x = self.embed_tokens(input_ids)
+        if cfg.scale_embeddings:
+            x = x * jnp.asarray(cfg.hidden_size**0.5, dtype_of(cfg.param_dtype)).astype(x.dtype)
+        call = _REMAT_CALLS[cfg.remat_policy] if cfg.remat else _call_layer
+        new_layers = []
+        for i, layer in enumerate(self.layers):
+            cos, sin, layer_queries = by_type[cfg.layer_type(i)]
+            x, layer_cache = call(layer, x, cos, sin, layer_queries, cache.layers[i], None)
+            new_layers.append(layer_cache)
+        lengths = (cache.lengths + attention_mask.sum(axis=1)).astype(jnp.int32)
+        return self.norm(x), cache._replace(layers=tuple(new_layers), lengths=lengths)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits [..., vocab] from final hidden states [..., hidden] (one 2-D matmul
@@ -434,8 +466,8 @@ def forward(
     input_ids: jax.Array,
     positions: Optional[jax.Array] = None,
     attention_mask: Optional[jax.Array] = None,
-    kv_cache: Optional[KVCache] = None,
-) -> tuple[jax.Array, Optional[KVCache]]:
+    kv_cache: Optional[KVCache | PagedKVCache] = None,
+) -> tuple[jax.Array, Any]:
     """Pure forward: ``(logits float32 [B, T, V], new_kv_cache or None)``.
 
     ``graphdef, params = nnx.split(model)``; ``params`` may be the State or a pure

@@ -25,12 +25,14 @@ from asyncrl.plan.formulas import (
     MemoryPlan,
     choose_tensor_parallel,
     minimum_slots,
+    pages_for_budget,
     plan_config,
     plan_layout,
     planned_slots,
     read_decoder_config,
     slots_for_budget,
     stage_decoder_config,
+    with_pages,
     with_slots,
     with_tensor_parallel,
 )
@@ -301,6 +303,17 @@ def plan_auto_choices(cfg: Config, device_memory: Optional[int], devices: int, p
         cfg = _plan_auto_tensor_parallel(cfg, device_memory, devices, processes, backend)
     if cfg.engine.slots == "auto":
         cfg = _plan_auto_slots(cfg, device_memory, devices, processes, backend)
+    if cfg.engine.kv_pages == "auto" and device_memory is not None and cfg.engine.remote is None:
+        import sys
+
+        try:
+            pages = pages_for_budget(cfg, int(AUTO_SLOTS_HEADROOM * device_memory), devices, processes, backend=backend)
+        except ConfigError as err:  # the plan below says what does not fit, with the changes that do
+            print(f"asyncrl plan: {err.problems[0]}", file=sys.stderr)
+        else:
+            print(f"asyncrl plan: engine.kv_pages: auto -> {pages} pages per replica ({AUTO_SLOTS_HEADROOM:.0%} of "
+                  "--device-memory)", file=sys.stderr)
+            cfg = with_pages(cfg, pages)
     if micro_batches:
         cfg = plan_auto_micro_batches(cfg, device_memory, devices, processes, backend)
     return cfg
@@ -345,10 +358,11 @@ def _plan_auto_tensor_parallel(cfg: Config, device_memory: Optional[int], device
     import sys
 
     budget = None if device_memory is None else int(AUTO_SLOTS_HEADROOM * device_memory)
-    degree, totals = choose_tensor_parallel(cfg, budget, devices, processes, backend=backend)
+    degree, totals, sequences = choose_tensor_parallel(cfg, budget, devices, processes, backend=backend)
     why = ("the smallest, without a device memory to size it against" if budget is None or device_memory is None else
-           f"the plan {totals[degree] / GIB:.2f} GiB per device, {'within' if totals[degree] <= budget else 'over (none fits)'} "
-           f"{AUTO_SLOTS_HEADROOM:.0%} of the device's {device_memory / GIB:.2f} GiB")
+           f"{sequences[degree]} sequences decoded together at the mean length, the most within "
+           f"{AUTO_SLOTS_HEADROOM:.0%} of the device's {device_memory / GIB:.2f} GiB" if sequences else
+           f"none fits {AUTO_SLOTS_HEADROOM:.0%} of the device's {device_memory / GIB:.2f} GiB: a run refuses it")
     if len(totals) > 1 or budget is not None:
         print(f"asyncrl plan: engine.tensor_parallel: auto -> {degree} ({why}; degrees "
               f"{', '.join(f'{d}: {t / GIB:.2f} GiB' for d, t in totals.items())})", file=sys.stderr)

@@ -11,7 +11,7 @@ mesh (:func:`~asyncrl.cluster.placement.engine_mesh`, more than one):
 * :func:`lower_train_step`: :func:`asyncrl.trainer.step.train_step` at a batch shape (with a
   critic for ``algo.estimator: gae``: the same one program then also runs the critic);
 * :func:`lower_prefill`, :func:`lower_decode_chunk`, :func:`lower_beam_search`: the engine's
-  programs (:mod:`asyncrl.engine.jax_programs`) on its serving copy of the weights;
+  programs (:mod:`asyncrl.engine.jax_programs`) on its serving copy of the weights and its KV page pool;
 * :func:`lower_publish`: the largest program of a publish, laying the trainer's arrays out as the
   engine's serving copy (:func:`asyncrl.engine.device_copy.serving_copy`).
 
@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 
 from asyncrl.config import Config
 from asyncrl.plan.activations import batch_shape
-from asyncrl.plan.formulas import Layout, planned_slots
+from asyncrl.plan.formulas import Layout, planned_pages, planned_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,10 +236,10 @@ class EngineArgs:
     """In ``model.param_dtype``, as published to the engine."""
     serving: Any
     """The serving copy the programs run on (compute dtype)."""
-    state: Any
-    """The slot state (KV cache, keys)."""
+    pool: Any
+    """The KV page pool (every replica's pages)."""
     layout: Any
-    """The state's shardings on the engine's own mesh (a static argument), or None on the trainer's arrays."""
+    """The pool's shardings on the engine's own mesh (a static argument), or None on the trainer's arrays."""
     slots: int
     sampler: str
     inner_steps: int = 1
@@ -247,26 +247,32 @@ class EngineArgs:
     kernel: Any = None
     """The attention kernels' target (``JaxEngine.kernel``: the engine's mesh, or its devices' platform and count)."""
     cache_layout: str = "bksd"
-    """The KV cache's layout (:func:`~asyncrl.engine.layouts.kv_cache_layout`)."""
+    """A beam search's own cache layout (:func:`~asyncrl.engine.layouts.kv_cache_layout`)."""
     replicas: int = 1
     """The engine's replicas (each prefills its own prompts and decodes its share of the slots)."""
+    page_size: int = 16
+    pages_per_replica: int = 1
+    pages_per_seq: int = 1
+    flat_sizes: tuple[int, ...] = ()
+    """The CPU decode attention's size classes (empty where attention reads page tables: GPUs, TPUs)."""
 
 
 def engine_args(cfg: Config, model_cfg: Any, placement: Any, platform: str, mesh: Any = None) -> EngineArgs:
     """The engine of ``cfg`` on ``placement``'s devices, abstract: on the trainer's arrays (the
-    default placement of one process: parameters sharded by the trainer's mesh, the slot state
-    replicated over it) or on its own mesh (parameters by the partition rules, the slot state by
-    :func:`~asyncrl.engine.jax_programs.slot_state_shardings`). ``platform``: the sampler's
-    (``engine.sampler: auto``). ``mesh``: the trainer's mesh when already built (else built
-    from ``placement.trainer_devices``)."""
+    default placement of one process: parameters sharded by the trainer's mesh, the pool
+    replicated over it) or on its own mesh (parameters by the partition rules, the pool by
+    :func:`~asyncrl.engine.jax_programs.pool_shardings`). ``platform``: the sampler's, the page
+    layout's and size's. ``mesh``: the trainer's mesh when already built (else built from
+    ``placement.trainer_devices``)."""
     import jax
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
     from asyncrl.cluster.mesh import build_mesh
     from asyncrl.cluster.placement import engine_mesh, slots_for_replicas
-    from asyncrl.engine.jax_programs import init_slot_state, slot_state_shardings
-    from asyncrl.engine.layouts import kv_cache_layout, serving_formats
+    from asyncrl.engine.attention_buckets import attention_buckets
+    from asyncrl.engine.jax_programs import init_pool, pool_shardings
+    from asyncrl.engine.layouts import kv_cache_layout, kv_page_layout, page_size_for, serving_formats
     from asyncrl.engine.platform import resolve_inner_steps, resolve_sampler
     from asyncrl.model.attention import KernelTarget
     from asyncrl.model.compute_copy import cast_for_compute
@@ -275,17 +281,21 @@ def engine_args(cfg: Config, model_cfg: Any, placement: Any, platform: str, mesh
 
     graphdef, shapes = split_params(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))
     slots = planned_slots(cfg)
+    replicas = 1 if placement.shares_trainer_arrays else placement.engine_replicas
     if not placement.shares_trainer_arrays:  # a multiple of the replicas, as the run rounds it
-        slots = slots_for_replicas(slots, placement.engine_replicas)
-    cache_layout = kv_cache_layout(platform)
-    state_shapes = jax.eval_shape(lambda: init_slot_state(model_cfg, slots, cfg.engine.kv_capacity, cache_layout))
+        slots = slots_for_replicas(slots, replicas)
+    page_size = page_size_for(cfg.engine.page_size, platform, cfg.engine.kv_capacity)
+    pages_per_seq = cfg.engine.kv_capacity // page_size
+    pages = planned_pages(cfg, page_size, slots // replicas)
+    page_layout = kv_page_layout(platform)
+    pool_shapes = jax.eval_shape(lambda: init_pool(model_cfg, pages * replicas, page_size, page_layout))
     if placement.shares_trainer_arrays:
         mesh = mesh if mesh is not None else build_mesh(cfg.mesh, devices=list(placement.trainer_devices))
         layout = None
-        state_shardings: Any = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), state_shapes)
+        state_shardings: Any = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), pool_shapes)
     else:
         mesh = engine_mesh(placement)
-        layout = slot_state_shardings(model_cfg, slots, mesh, cache_layout)
+        layout = pool_shardings(model_cfg, mesh, page_layout)
         state_shardings = layout
     shardings = param_shardings(model_cfg, shapes, mesh)
     params = _placed(shapes, shardings)
@@ -294,13 +304,14 @@ def engine_args(cfg: Config, model_cfg: Any, placement: Any, platform: str, mesh
     inner = resolve_inner_steps(cfg.engine.decode_inner_steps, platform)
     replicated = NamedSharding(mesh, PartitionSpec())
     formats = serving_formats(model_cfg, shardings, layout if layout is not None else replicated, slots=slots,
-                              capacity=cfg.engine.kv_capacity, platform=platform,
-                              decode={"sampler": sampler, "inner": inner, "kernel": kernel, "attend": 0},
+                              pages=pages * replicas, page_size=page_size, capacity=cfg.engine.kv_capacity,
+                              platform=platform, decode={"sampler": sampler, "inner": inner, "kernel": kernel},
                               max_stop_ids=cfg.engine.max_stop_ids, layout=layout)
     serving = _placed(jax.eval_shape(lambda p: cast_for_compute(p, model_cfg.compute_dtype), shapes),
                       shardings if formats is None else formats)
-    return EngineArgs(graphdef, params, serving, _placed(state_shapes, state_shardings), layout, slots, sampler, inner,
-                      kernel, cache_layout, 1 if layout is None else placement.engine_replicas)
+    flat_sizes = attention_buckets(slots // replicas * pages_per_seq, cfg.engine.attention_buckets) if platform == "cpu" else ()
+    return EngineArgs(graphdef, params, serving, _placed(pool_shapes, state_shardings), layout, slots, sampler, inner,
+                      kernel, kv_cache_layout(platform), replicas, page_size, pages, pages_per_seq, flat_sizes)
 
 
 def _replicated_like(engine: EngineArgs, tree: Any) -> Any:
@@ -315,27 +326,29 @@ def _replicated_like(engine: EngineArgs, tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated), tree)
 
 
-def lower_decode_chunk(cfg: Config, engine: EngineArgs, attend: int = 0) -> Any:
+def lower_decode_chunk(cfg: Config, engine: EngineArgs) -> Any:
     """The ``Lowered`` of the engine's plain decode chunk (``decode_chunk_jit``: ``engine.decode_chunk``
-    steps, no top-k/top-p, no trie) attending over the cache's first ``attend`` slots (0: all)."""
-    from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls
-
-    controls = _replicated_like(engine, idle_controls(engine.slots, cfg.engine.max_stop_ids))
-    attend = 0 if attend >= cfg.engine.kv_capacity else attend
-    return decode_chunk_jit.lower(engine.graphdef, engine.serving, engine.state, controls, cfg.engine.decode_chunk, False,
-                                  engine.layout, sampler=engine.sampler, attend=attend, inner=engine.inner_steps,
-                                  kernel=engine.kernel)
-
-
-def lower_prefill(cfg: Config, engine: EngineArgs, bucket: int) -> Any:
-    """The ``Lowered`` of the engine's prefill-insert of one prompt bucket (``prefill_rows`` prompts)."""
+    steps, no top-k/top-p, no trie); on the CPU over its largest view (every slot's longest context)."""
     import numpy as np
 
-    from asyncrl.engine.jax_programs import PrefillPlan, prefill_insert_jit, prefill_rows
+    from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls
 
-    plan = _replicated_like(engine, PrefillPlan.empty(prefill_rows(engine.slots, engine.replicas), bucket, engine.slots))
-    key = _replicated_like(engine, np.zeros(2, np.uint32))  # the engine's root key (uint32 [2])
-    return prefill_insert_jit.lower(engine.graphdef, engine.serving, engine.state, plan, key, engine.layout, engine.kernel)
+    controls = _replicated_like(engine, idle_controls(engine.slots, cfg.engine.max_stop_ids, engine.pages_per_seq,
+                                                      engine.pages_per_replica))
+    key = _replicated_like(engine, np.zeros(2, np.uint32))
+    return decode_chunk_jit.lower(engine.graphdef, engine.serving, engine.pool, controls, None, key, cfg.engine.decode_chunk,
+                                  False, engine.layout, sampler=engine.sampler, inner=engine.inner_steps,
+                                  kernel=engine.kernel, view_pages=engine.pages_per_seq if engine.flat_sizes else 0)
+
+
+def lower_prefill(cfg: Config, engine: EngineArgs, bucket: int, fresh: bool = True) -> Any:
+    """The ``Lowered`` of the engine's prefill of one bucket (``prefill_rows`` rows: first chunks, or
+    with ``fresh`` false chunks after what the rows' pages hold)."""
+    from asyncrl.engine.jax_programs import PrefillPlan, prefill_jit, prefill_rows
+
+    plan = _replicated_like(engine, PrefillPlan.empty(prefill_rows(engine.slots, engine.replicas), bucket,
+                                                      engine.pages_per_seq, engine.pages_per_replica))
+    return prefill_jit.lower(engine.graphdef, engine.serving, engine.pool, plan, engine.layout, engine.kernel, fresh)
 
 
 def lower_beam_search(cfg: Config, engine: EngineArgs, bucket: int) -> Any:

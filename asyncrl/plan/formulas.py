@@ -20,11 +20,12 @@ trainer
     budget: the two are never alive together);
 engine
     its weights (none when it serves the trainer's own arrays, the default placement of one
-    process; a copy on its own devices otherwise; LoRA's merged weights), the KV cache
-    (``slots x kv_capacity x layers x 2 x kv_heads x head_dim x`` compute-dtype bytes, slots
-    split over the engine's replicas when it has a mesh of its own, whole on every device when it
-    serves the trainer's arrays, KV heads over ``engine.tensor_parallel``) and one decode step's
-    logits. Where ``model.compute_dtype`` differs from ``model.param_dtype`` both hold a
+    process; a copy on its own devices otherwise; LoRA's merged weights), the KV page pool
+    (``kv_pages`` per replica ``x page_size x layers x 2 x kv_heads x head_dim x`` compute-dtype
+    bytes, with the sequences it holds at ``kv_capacity`` and at the stated mean length
+    (:func:`mean_tokens`); each device holds its replica's pool, KV heads split over
+    ``engine.tensor_parallel``), one decode step's logits and, on the CPU, the pages its flat
+    attention gathers. Where ``model.compute_dtype`` differs from ``model.param_dtype`` both hold a
     compute-dtype copy of the weights (the trainer's for the backward, the engine's serving copy
     cast at each publish; measured on the Qwen2.5-0.5B shape).
 
@@ -36,7 +37,8 @@ GPU and TPU figures are calibrated against XLA's own memory analysis of the comp
 
 A device that hosts both (colocated, the default) holds both sides' resident state and the larger
 of their programs' temporaries (:attr:`MemoryPlan.total_bytes`: the programs take turns on a device). ``engine.slots: auto`` is sized
-from the same accounting (:func:`slots_for_budget`, used by :mod:`asyncrl.run.auto_slots`).
+and ``engine.kv_pages: auto`` from the same accounting (:func:`size_engine`, used by
+:mod:`asyncrl.run.auto_slots`).
 
 It stays one file: every line of the device total, the trainer's and the engine's, is counted
 here, so the figures that add up to it are read side by side.
@@ -505,19 +507,28 @@ def _engine_lines(cfg: Config, model_cfg: Any, layout: Layout, params: dict, bas
         lines.append(Line("engine", "serving copy", serving, f"the weights in {model_cfg.compute_dtype} on the engine's mesh: "
                           f"{replicas} replica(s) x tensor_parallel {tp}", resident=True))
     slots = slots_for_replicas(planned_slots(cfg), replicas) // replicas
+    page_size = engine_page_size(cfg, backend)
+    pages_per_seq = engine.kv_capacity // page_size
+    pages = planned_pages(cfg, page_size, slots)
     kv_heads = model_cfg.num_kv_heads // tp
-    per_slot = engine.kv_capacity * model_cfg.num_layers * 2 * kv_heads * model_cfg.head_dim * c_bytes
-    kv = slots * (per_slot + engine.kv_capacity)  # + the valid mask
+    per_page = page_size * model_cfg.num_layers * 2 * kv_heads * model_cfg.head_dim * c_bytes
+    layer_page = per_page // model_cfg.num_layers  # one layer's keys and values of a page
+    mean = mean_tokens(cfg)
     vocab = model_cfg.vocab_size // tp if model_cfg.vocab_size % tp == 0 else model_cfg.vocab_size
     lines += [
-        Line("engine", "KV cache", kv, f"{slots} slots x {engine.kv_capacity} tokens x {model_cfg.num_layers} layers x 2 x "
-                                         f"{kv_heads} KV heads x {model_cfg.head_dim} x {c_bytes} B"
-             + ("; kept prefixes live in free slots" if engine.prefix_cache.enabled else ""), resident=True),
+        Line("engine", "KV cache", pages * per_page,
+             f"a pool of {pages} pages of {page_size} tokens per replica x {model_cfg.num_layers} layers x 2 x {kv_heads} KV "
+             f"heads x {model_cfg.head_dim} x {c_bytes} B: {pages // pages_per_seq} sequences at kv_capacity "
+             f"{engine.kv_capacity}, {pages * page_size // mean} at the mean length {mean} (prompt + half the new tokens)"
+             + ("; kept prefixes live in pages nobody runs on" if engine.prefix_cache.enabled else ""), resident=True),
         # The chunk's stop-id mask (bool [slots, vocab], asyncrl/engine/jax_programs.py) is carried through its loop.
         Line("engine", "decode step", decode_logit_copies(backend) * slots * vocab * 4 + slots * model_cfg.vocab_size,
              "float32 logits of one step, the slots' stop-id mask", program="decode_chunk"),
-        _decode_cache_copy(engine, kv),
     ]
+    if backend == "cpu":  # a chunk's view of the pages its slots read, every layer's (asyncrl/model/paged_attention.py)
+        lines.append(Line("engine", "decode views", slots * pages_per_seq * per_page,
+                          f"the chunk's copy of the pages its slots read, at most {slots} slots x {pages_per_seq} pages, "
+                          "every layer", program="decode_chunk"))
     if serving and tp > 1:  # a publish gathers each group of leaves whole on every device, then keeps its shards
         largest = max(int(math.prod(x.shape)) for x in _leaves(params)) * c_bytes
         lines.append(Line("engine", "publish staging", min(max(COPY_GROUP_BYTES, largest), serving * tp),
@@ -526,10 +537,10 @@ def _engine_lines(cfg: Config, model_cfg: Any, layout: Layout, params: dict, bas
     if lora and not layout.shares_trainer_arrays:
         lines.append(Line("engine", "merged LoRA weights", base * p_bytes, "the adapters merged into the base for a publish",
                           program="publish"))
-    if engine.prefix_cache.enabled:
-        rows = min(PREFILL_ROWS, slots)
-        lines.append(Line("engine", "prefix extension", rows * (per_slot + engine.kv_capacity),
-                          f"{rows} slots' cache rows gathered to prefill after their kept prefixes", program="prefix_reuse"))
+    rows = min(PREFILL_ROWS, slots)  # a chunk after cached pages reads each row's pages, one layer at a time
+    lines.append(Line("engine", "prefill after cached pages", rows * pages_per_seq * layer_page,
+                      f"{rows} rows' pages gathered (one layer) for a long prompt's later chunks or the rest after a "
+                      "reused prefix", program="prefix_reuse"))
     return lines
 
 
@@ -539,20 +550,26 @@ def _leaves(tree: Any) -> list:
     return jax.tree.leaves(tree)
 
 
-def _decode_cache_copy(engine: Any, kv: int) -> Line:
-    """What the decode chunk holds of the cache as temporaries, at its largest: with
-    ``engine.attention_buckets`` > 1, the prefix a bucketed chunk takes before its loop and puts
-    back after it, at the largest bucket below the capacity (0.75 GiB at 512 of 1,024 positions of
-    the 0.5B recipe on an H100). A chunk over the whole cache holds no copy of it on any platform
-    (the cache lies in each platform's layout: :mod:`asyncrl.engine.layouts`)."""
-    from asyncrl.engine.attention_buckets import attention_buckets
+def engine_page_size(cfg: Config, backend: Optional[str] = None) -> int:
+    """``engine.page_size`` resolved for ``backend`` (:func:`~asyncrl.engine.layouts.page_size_for`)."""
+    from asyncrl.engine.layouts import page_size_for
 
-    sizes = attention_buckets(engine.kv_capacity, engine.attention_buckets)
-    if len(sizes) < 2:
-        return Line("engine", "decode cache copy", 0, "one attention bucket: no prefix copy", program="decode_chunk")
-    return Line("engine", "decode cache copy", kv * sizes[-2] // engine.kv_capacity,
-                f"the prefix of the {sizes[-2]}-position attention bucket, taken and put back around the loop",
-                program="decode_chunk")
+    return page_size_for(cfg.engine.page_size, resolve_backend(backend), cfg.engine.kv_capacity)
+
+
+def mean_tokens(cfg: Config) -> int:
+    """The stated mean length of a sequence the plan sizes the pool at: the prompt budget and half
+    the new tokens (``data.max_prompt_tokens + rollout.max_new_tokens / 2``), at most
+    ``engine.kv_capacity``."""
+    return max(1, min(cfg.engine.kv_capacity, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens // 2))
+
+
+def planned_pages(cfg: Config, page_size: int, rows_per_replica: int) -> int:
+    """Pages of each replica's KV pool: ``engine.kv_pages``, or for ``auto`` (sized at start from
+    the memory left) the most a replica's rows use: ``rows x kv_capacity / page_size``."""
+    if isinstance(cfg.engine.kv_pages, int):
+        return cfg.engine.kv_pages
+    return rows_per_replica * (cfg.engine.kv_capacity // page_size)
 
 
 def planned_slots(cfg: Config) -> int:
@@ -618,20 +635,50 @@ def tensor_parallel_degrees(cfg: Config, model_cfg: Any, devices: int, processes
     return [d for d in range(1, engine_devices + 1) if engine_devices % d == 0 and model_cfg.num_kv_heads % d == 0]
 
 
+def at_least(cfg: Config, backend: Optional[str] = None) -> Config:
+    """``cfg`` with ``engine.slots: auto`` at :func:`minimum_slots` and ``engine.kv_pages: auto`` at
+    one sequence's longest context: the least engine the run can work with."""
+    engine = cfg.engine
+    update: dict[str, Any] = {}
+    if engine.slots == "auto":
+        update["slots"] = minimum_slots(cfg)
+    if engine.kv_pages == "auto":
+        update["kv_pages"] = engine.kv_capacity // engine_page_size(cfg, backend)
+    return cfg.model_copy(update={"engine": engine.model_copy(update=update)}) if update else cfg
+
+
+def concurrency(cfg: Config, devices: int, processes: int, backend: Optional[str] = None) -> int:
+    """The sequences the engine of ``cfg`` (slots and pages numbers) decodes together at the
+    stated mean length (:func:`mean_tokens`): its slots, or fewer where its pools hold fewer."""
+    replicas = max(plan_layout(cfg, devices, processes).engine_replicas, 1)
+    page_size = engine_page_size(cfg, backend)
+    pages = planned_pages(cfg, page_size, planned_slots(cfg) // replicas)
+    return min(planned_slots(cfg), replicas * (pages * page_size // mean_tokens(cfg)))
+
+
 def choose_tensor_parallel(cfg: Config, budget: Optional[int], devices: int = 1, processes: int = 1, model_cfg: Any = None,
-                           backend: Optional[str] = None) -> tuple[int, dict[int, int]]:
-    """``engine.tensor_parallel: auto``'s degree: the smallest of :func:`tensor_parallel_degrees`
-    whose plan fits ``budget`` bytes per device (None: no budget, the smallest), else the largest
-    (the least memory); with each degree's device total. ``engine.slots: auto`` is planned at its
-    minimum here (it is sized after, in what the chosen degree leaves)."""
+                           backend: Optional[str] = None) -> tuple[int, dict[int, int], dict[int, int]]:
+    """``engine.tensor_parallel: auto``'s degree: of :func:`tensor_parallel_degrees` whose least engine
+    (:func:`at_least`) fits ``budget`` bytes per device, the one that decodes the most sequences
+    together once ``engine.slots`` and ``engine.kv_pages`` (``auto``) are sized in what it leaves
+    (:func:`concurrency`), the smallest degree among equals (fewer collectives per step); without a
+    budget the smallest; when none fits the largest (the least memory: the caller refuses it).
+    Returns the degree, each degree's least total and each fitting degree's concurrency."""
     if model_cfg is None:
         model_cfg = stage_decoder_config(cfg, backend=backend)
     degrees = tensor_parallel_degrees(cfg, model_cfg, devices, processes)
-    totals = {d: plan_config(with_tensor_parallel(cfg, d), devices, processes, model_cfg, backend).total_bytes for d in degrees}
+    totals = {d: plan_config(at_least(with_tensor_parallel(cfg, d), backend), devices, processes, model_cfg,
+                             backend).total_bytes for d in degrees}
     if budget is None:
-        return degrees[0], totals
-    fitting = [d for d in degrees if totals[d] <= budget]
-    return (fitting[0] if fitting else degrees[-1]), totals
+        return degrees[0], totals, {}
+    sequences: dict[int, int] = {}
+    for d in degrees:
+        if totals[d] <= budget:
+            sized = size_engine(with_tensor_parallel(cfg, d), budget, devices, processes, model_cfg, backend)
+            sequences[d] = concurrency(sized, devices, processes, backend)
+    if not sequences:
+        return degrees[-1], totals, sequences
+    return max(sequences, key=lambda d: (sequences[d], -d)), totals, sequences
 
 
 def with_slots(cfg: Config, slots: int) -> Config:
@@ -639,30 +686,79 @@ def with_slots(cfg: Config, slots: int) -> Config:
     return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"slots": slots})})
 
 
+def with_pages(cfg: Config, pages: int) -> Config:
+    """``cfg`` with ``engine.kv_pages = pages`` (per replica)."""
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kv_pages": pages})})
+
+
+def with_mean_pages(cfg: Config, slots: int, replicas: int = 1, backend: Optional[str] = None) -> Config:
+    """``cfg`` with ``slots``, and with ``engine.kv_pages: auto`` at the pages those slots hold at the
+    mean length (at least one longest context)."""
+    cfg = with_slots(cfg, slots)
+    if cfg.engine.kv_pages != "auto":
+        return cfg
+    page_size = engine_page_size(cfg, backend)
+    per_seq = cfg.engine.kv_capacity // page_size
+    return with_pages(cfg, max(per_seq, -(-slots // replicas) * -(-mean_tokens(cfg) // page_size)))
+
+
 def slots_for_budget(cfg: Config, budget: int, devices: int = 1, processes: int = 1, model_cfg: Any = None,
                      backend: Optional[str] = None) -> int:
-    """The most slots (:mod:`asyncrl.run.auto_slots` says within which bounds) whose plan of ``cfg`` fits ``budget`` bytes per
-    device; a ConfigError naming ``engine.slots`` when even :func:`minimum_slots` does not."""
+    """The most slots (:mod:`asyncrl.run.auto_slots` says within which bounds) whose plan of ``cfg``
+    fits ``budget`` bytes per device, with ``engine.kv_pages: auto`` planned at the pages they hold
+    at the stated mean length (:func:`mean_tokens`); a ConfigError naming ``engine.slots`` when
+    even :func:`minimum_slots` does not."""
     replicas = max(plan_layout(cfg, devices, processes).engine_replicas, 1)
-    total = lambda per_replica: plan_config(with_slots(cfg, per_replica * replicas), devices, processes, model_cfg,
-                                            backend).total_bytes
+    total = lambda slots: plan_config(with_mean_pages(cfg, slots, replicas, backend), devices, processes, model_cfg,  # noqa: E731
+                                      backend).total_bytes
     least = minimum_slots(cfg)
-    # The plan is linear in the slots: two valid counts (at least the run's minimum) give its line.
-    low = -(-least // replicas)
-    at_low, at_high = total(low), total(low + 1)
-    per_slot, fixed = at_high - at_low, at_low - low * (at_high - at_low)
+    least = -(-least // replicas) * replicas
     most = max(cfg.rollout.max_concurrent * cfg.rollout.group_size, least)
-    fitting = (budget - fixed) // per_slot * replicas if per_slot > 0 else most
-    slots = min(fitting, most)
-    if slots >= AUTO_SLOTS_ROUND_TO * replicas:
-        slots -= slots % (AUTO_SLOTS_ROUND_TO * replicas)
-    if slots < least:
-        need = fixed + -(-least // replicas) * per_slot
-        raise ConfigError([f"engine.slots: auto: the {least} slots the run needs (rollout.group_size, eval's beam width) "
-                           f"take {need / GIB:.2f} GiB per device with the trainer, over the {budget / GIB:.2f} GiB "
-                           "budget; lower engine.kv_capacity or the trainer's memory (asyncrl plan --device-memory "
-                           "lists changes), or give a number"])
-    return int(slots)
+    step = AUTO_SLOTS_ROUND_TO * replicas
+    counts = sorted({least, most, *range(step, most + 1, step)} & set(range(least, most + 1)))
+    if total(least) > budget:
+        raise ConfigError([f"engine.slots: auto: the {minimum_slots(cfg)} slots the run needs (rollout.group_size, eval's "
+                           f"beam width) take {total(least) / GIB:.2f} GiB per device with the trainer, over the "
+                           f"{budget / GIB:.2f} GiB budget; lower engine.kv_capacity or the trainer's memory (asyncrl plan "
+                           "--device-memory lists changes), or give a number"])
+    lo, hi = 0, len(counts) - 1  # counts[lo] fits; find the last that does
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if total(counts[mid]) <= budget else (lo, mid - 1)
+    return int(counts[lo])
+
+
+def pages_for_budget(cfg: Config, budget: int, devices: int = 1, processes: int = 1, model_cfg: Any = None,
+                     backend: Optional[str] = None) -> int:
+    """``engine.kv_pages: auto`` for ``cfg`` (a number of slots): the most pages per replica whose plan
+    fits ``budget`` bytes per device, at most the slots' longest contexts (``rows x kv_capacity /
+    page_size``, more would hold only kept prefixes); a ConfigError naming ``engine.kv_pages`` when
+    not even one longest context fits."""
+    replicas = max(plan_layout(cfg, devices, processes).engine_replicas, 1)
+    page_size = engine_page_size(cfg, backend)
+    per_seq = cfg.engine.kv_capacity // page_size
+    most = max(per_seq, -(-planned_slots(cfg) // replicas) * per_seq)
+    total = lambda pages: plan_config(with_pages(cfg, pages), devices, processes, model_cfg, backend).total_bytes  # noqa: E731
+    at_least_one = total(per_seq)
+    per_page = total(per_seq + 1) - at_least_one
+    if at_least_one > budget:
+        raise ConfigError([f"engine.kv_pages: auto: one sequence's longest context ({per_seq} pages of {page_size} tokens, "
+                           f"engine.kv_capacity {cfg.engine.kv_capacity}) takes the plan to {at_least_one / GIB:.2f} GiB "
+                           f"per device, over the {budget / GIB:.2f} GiB budget; lower engine.kv_capacity, engine.slots or "
+                           "the trainer's memory (asyncrl plan --device-memory lists changes)"])
+    fitting = per_seq + (budget - at_least_one) // per_page if per_page > 0 else most
+    return int(min(fitting, most))
+
+
+def size_engine(cfg: Config, budget: int, devices: int = 1, processes: int = 1, model_cfg: Any = None,
+                backend: Optional[str] = None) -> Config:
+    """``cfg`` with ``engine.slots: auto`` (:func:`slots_for_budget`), then ``engine.kv_pages: auto``
+    (:func:`pages_for_budget`, in what the slots leave) sized for ``budget`` bytes per device."""
+    if cfg.engine.slots == "auto":
+        cfg = with_slots(cfg, slots_for_budget(cfg, budget, devices, processes, model_cfg, backend))
+    if cfg.engine.kv_pages == "auto":
+        cfg = with_pages(cfg, pages_for_budget(cfg, budget, devices, processes, model_cfg, backend))
+    return cfg
 
 
 # --------------------------------------------------------------------------- optim.micro_batches: auto

@@ -177,7 +177,6 @@ def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_d
     (the compiling process); ``dump_dir``: XLA's dump directory (GPU targets), read after each
     decode chunk's compile."""
     from asyncrl.cluster.placement import resolve_placement
-    from asyncrl.engine.attention_buckets import attention_buckets
 
     found = target_devices(target, devices, hosts)
     memory = device_memory_bytes(target)
@@ -216,11 +215,13 @@ def target_reports(cfg: Config, target: Target, devices: int, hosts: int, dump_d
                 lowered = _lower("prefill", target, lower_prefill, flat, engine, bucket)
                 yield report("prefill", f"bucket {bucket}", lowered, plan_bytes_for("prefill", plan, flat, model_cfg))
         if wanted("decode_chunk"):
-            for attend in attention_buckets(flat.engine.kv_capacity, flat.engine.attention_buckets):
+            for size in engine.flat_sizes[-1:] or (0,):  # the CPU's largest view (the most memory)
                 before = _dumped(dump_dir)
-                lowered = _lower("decode_chunk", target, lower_decode_chunk, flat, engine, attend)
-                done = report("decode_chunk", f"{engine.slots} slots x {attend} cache positions, {flat.engine.decode_chunk} "
-                              f"steps, {engine.sampler}", lowered, plan_bytes_for("decode_chunk", plan, flat, model_cfg))
+                lowered = _lower("decode_chunk", target, lower_decode_chunk, flat, engine)
+                listed = f", attention over a view of {engine.pages_per_seq} pages per slot" if size else ""
+                done = report("decode_chunk", f"{engine.slots} slots, {engine.pages_per_replica} pages of {engine.page_size} per "
+                              f"replica{listed}, {flat.engine.decode_chunk} steps, {engine.sampler}", lowered,
+                              plan_bytes_for("decode_chunk", plan, flat, model_cfg))
                 compiled["engine"] = max(compiled.get("engine", done.memory), done.memory, key=lambda m: m.peak)
                 yield dataclasses.replace(done, decode=_decode_structure(dump_dir, before, model_cfg.num_layers))
         if flat.eval.decoding.strategy == "beam" and wanted("beam_search"):

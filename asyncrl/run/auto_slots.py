@@ -1,20 +1,22 @@
 """The choices a run makes from its devices' memory at start: ``engine.tensor_parallel: auto``
-(:func:`resolve_auto_tensor_parallel`), ``engine.slots: auto`` (as many decode slots as the device's
-memory holds after the trainer), the slot count rounded to the engine's replicas
+(:func:`resolve_auto_tensor_parallel`), ``engine.slots: auto`` and ``engine.kv_pages: auto`` (the
+decode batch and each replica's KV page pool, in the memory the trainer leaves:
+:func:`resolve_auto_slots`), the slot count rounded to the engine's replicas
 (:func:`round_slots_to_replicas`), ``model.remat_policy: auto`` (:func:`resolve_auto_remat`), and
 the trainer's ``optim.micro_batches: auto`` (:func:`resolve_auto_micro_batches`: a token budget per
 micro-batch from the memory the engine leaves).
 
-The count comes from ``asyncrl plan``'s accounting (:func:`~asyncrl.plan.formulas.slots_for_budget`), so a
-run sized here and the plan printed for it agree. A plan's total is affine in the slots each
-engine replica holds (the KV cache and one decode step's logits per slot; every other line is
-fixed), so two plans give the fixed bytes and the bytes per slot, and the count is the largest
-that fits the budget, within:
+The figures come from ``asyncrl plan``'s accounting (:func:`~asyncrl.plan.formulas.size_engine`), so
+a run sized here and the plan printed for it agree:
 
-* at least :func:`~asyncrl.plan.formulas.minimum_slots` (a group's samples decode together; a beam needs its width);
-* at most ``rollout.max_concurrent x rollout.group_size`` (more slots than samples in flight
-  never fill);
-* a multiple of 8 from 8 up (tile-friendly batch rows on accelerators), of the engine replicas.
+* ``engine.slots: auto``: the most slots whose plan fits the budget with the pool at the pages
+  they hold at the plan's mean length (prompt + half the new tokens), at least
+  :func:`~asyncrl.plan.formulas.minimum_slots` (a group's samples decode together; a beam needs
+  its width), at most ``rollout.max_concurrent x rollout.group_size`` (more slots than samples in
+  flight never fill), a multiple of 8 from 8 up (tile-friendly batch rows on accelerators), of the
+  engine replicas;
+* ``engine.kv_pages: auto``: then the most pages per replica that fit, at most every slot at its
+  longest context (longer sequences than the mean are held by preempting the latest admitted).
 
 The budget is the device's memory as JAX's allocator reports it (``memory_stats()['bytes_limit']``:
 what XLA may allocate, after ``XLA_PYTHON_CLIENT_MEM_FRACTION``) or, on a CPU, which reports none,
@@ -34,10 +36,14 @@ from asyncrl.plan.formulas import AUTO_SLOTS_HEADROOM as HEADROOM
 from asyncrl.plan.formulas import (
     GIB,
     choose_tensor_parallel,
+    engine_page_size,
+    mean_tokens,
+    pages_for_budget,
     plan_layout,
     read_decoder_config,
     slots_for_budget,
     tensor_parallel_degrees,
+    with_pages,
     with_slots,
     with_tensor_parallel,
 )
@@ -66,18 +72,29 @@ def device_budget(device: Any) -> tuple[int, str]:
 
 
 def resolve_auto_slots(cfg: Config, model_cfg: Any) -> Config:
-    """``cfg`` with ``engine.slots: auto`` replaced by the count this process's devices hold
-    (:func:`slots_for_budget` on the first local device's :func:`device_budget`), logged;
-    ``cfg`` itself when the slots are a number."""
-    if cfg.engine.slots != "auto":
+    """``cfg`` with ``engine.slots: auto`` and ``engine.kv_pages: auto`` replaced by what this
+    process's devices hold (:func:`~asyncrl.plan.formulas.size_engine` on the first local device's
+    :func:`device_budget`), each logged in one line; ``cfg`` itself when both are numbers."""
+    if cfg.engine.slots != "auto" and cfg.engine.kv_pages != "auto":
         return cfg
     import jax
 
     budget, source = device_budget(jax.local_devices()[0])
-    slots = slots_for_budget(cfg, budget, jax.device_count(), jax.process_count(), model_cfg, jax.default_backend())
-    log.info("engine.slots: auto -> %d slots of %d tokens (the plan within %.2f GiB per device: %s)", slots,
-             cfg.engine.kv_capacity, budget / GIB, source)
-    return with_slots(cfg, slots)
+    devices, processes, backend = jax.device_count(), jax.process_count(), jax.default_backend()
+    if cfg.engine.slots == "auto":
+        slots = slots_for_budget(cfg, budget, devices, processes, model_cfg, backend)
+        log.info("engine.slots: auto -> %d slots of %d tokens (the plan within %.2f GiB per device: %s)", slots,
+                 cfg.engine.kv_capacity, budget / GIB, source)
+        cfg = with_slots(cfg, slots)
+    if cfg.engine.kv_pages == "auto":
+        pages = pages_for_budget(cfg, budget, devices, processes, model_cfg, backend)
+        cfg = with_pages(cfg, pages)
+        page_size = engine_page_size(cfg, backend)
+        log.info("engine.kv_pages: auto -> %d pages of %d tokens per replica (%d sequences at kv_capacity %d, %d at the "
+                 "mean length %d; the plan within %.2f GiB per device)", pages, page_size,
+                 pages * page_size // cfg.engine.kv_capacity, cfg.engine.kv_capacity, pages * page_size // mean_tokens(cfg),
+                 mean_tokens(cfg), budget / GIB)
+    return cfg
 
 
 def resolve_auto_remat(cfg: Config) -> Config:
@@ -107,11 +124,12 @@ def resolve_auto_remat(cfg: Config) -> Config:
 
 
 def resolve_auto_tensor_parallel(cfg: Config, model_cfg: Any = None) -> Config:
-    """``cfg`` with ``engine.tensor_parallel: auto`` replaced by the smallest degree (of those
-    :func:`~asyncrl.plan.formulas.tensor_parallel_degrees` allows: dividing the model's KV heads
-    and the engine's devices) whose plan fits this process's :func:`device_budget`, logged in one
-    line; a number is checked against the same budget and refused (a ConfigError naming the degrees
-    that fit) when it does not fit. ``cfg`` itself with ``engine.remote`` (servers place themselves)."""
+    """``cfg`` with ``engine.tensor_parallel: auto`` replaced by the degree (of those
+    :func:`~asyncrl.plan.formulas.tensor_parallel_degrees` allows: dividing the model's KV heads and
+    the engine's devices) that decodes the most sequences together within this process's
+    :func:`device_budget` (:func:`~asyncrl.plan.formulas.choose_tensor_parallel`), logged in one
+    line; refused (a ConfigError naming the field) when none fits, as a number that does not fit is
+    (naming the degrees that do). ``cfg`` itself with ``engine.remote`` (servers place themselves)."""
     if cfg.engine.remote is not None:
         return cfg
     import jax
@@ -127,19 +145,25 @@ def resolve_auto_tensor_parallel(cfg: Config, model_cfg: Any = None) -> Config:
         log.info("engine.tensor_parallel: auto -> 1 (one engine device)")
         return with_tensor_parallel(cfg, 1)
     budget, source = device_budget(jax.local_devices()[0])
-    chosen, totals = choose_tensor_parallel(cfg, budget, devices, processes, model_cfg, jax.default_backend())
+    chosen, totals, sequences = choose_tensor_parallel(cfg, budget, devices, processes, model_cfg, jax.default_backend())
     fitting = [d for d in degrees if totals[d] <= budget]
+    fits = ", ".join(map(str, fitting)) if fitting else "none (use more devices or less memory: asyncrl plan)"
     given = cfg.engine.tensor_parallel
     if given != "auto":
         if given in totals and totals[given] > budget:
-            fits = ", ".join(map(str, fitting)) if fitting else "none (use more devices or less memory: asyncrl plan)"
             raise ConfigError([f"engine.tensor_parallel = {given}: the plan needs {totals[given] / GIB:.2f} GiB per device, "
                                f"over the {budget / GIB:.2f} GiB budget ({source}); degrees that fit: {fits}"])
         return cfg
+    if not fitting:
+        least = min(totals.values())
+        raise ConfigError([f"engine.tensor_parallel: auto: no degree fits: the least engine needs {least / GIB:.2f} GiB per "
+                           f"device at best (degrees {', '.join(f'{d}: {t / GIB:.2f}' for d, t in totals.items())} GiB), over "
+                           f"the {budget / GIB:.2f} GiB budget ({source}); use more devices, a smaller engine.kv_capacity or "
+                           "less trainer memory (asyncrl plan --device-memory lists changes)"])
     replicas = plan_layout(with_tensor_parallel(cfg, chosen), devices, processes).engine_replicas
-    verdict = "fits" if fitting else "does NOT fit at any degree"
-    log.info("engine.tensor_parallel: auto -> %d (%d replica(s); the plan %.2f GiB per device, %s %.2f GiB: %s)", chosen,
-             replicas, totals[chosen] / GIB, verdict, budget / GIB, source)
+    log.info("engine.tensor_parallel: auto -> %d (%d replica(s); %d sequences decoded together at the mean length, the "
+             "most of the degrees that fit %.2f GiB per device (%s): %s)", chosen, replicas, sequences[chosen], budget / GIB,
+             source, ", ".join(f"{d}: {n}" for d, n in sequences.items()))
     return with_tensor_parallel(cfg, chosen)
 
 

@@ -69,7 +69,7 @@ class RunEngine(InferenceEngine, Protocol):
 
 
 ENGINE_COUNTERS = ("engine/requests", "engine/samples_aborted", "engine/prefill_tokens", "engine/prefix_hit_tokens",
-                   "engine/decode_tokens", "engine/decode_steps", "engine/swaps")
+                   "engine/decode_tokens", "engine/decode_steps", "engine/swaps", "engine/preemptions")
 """Cumulative engine counters: saved in checkpoints and continued by a resumed run, so its
 curves go on from where they were (the resumed process's engine counts from zero). In a
 multi-process run they are totals over the hosts, and each host's ``engine/host{i}/requests`` and

@@ -119,7 +119,7 @@ def decode_at(graphdef: Any, params: Any, slots: int, args: argparse.Namespace, 
         seconds, ms_per_step = busy_decode(engine, prompts, args.new, args.repeats)
         out = {"slots": slots, "ms_per_step": round(ms_per_step, 3), "tokens_per_s": round(slots * args.new / seconds),
                "prefill_tokens_per_s": round(prefill_rate(engine, prompts)), "sampler": engine.sampler,
-               "attention_buckets": list(engine.attention_buckets), "compiles": int(engine.metrics()["engine/compiles"])}
+               "flat_sizes": list(engine.flat_sizes), "compiles": int(engine.metrics()["engine/compiles"])}
         if profile is not None:
             out["profile"] = profile_round(engine, prompts, args.new, profile)
     return out

@@ -56,26 +56,33 @@ def measure_trainer(cfg: Any, graphdef: Any, params: Any) -> dict:
 
 def measure_engine(cfg: Any, graphdef: Any, params: Any) -> dict:
     import jax
+    import numpy as np
     from flax import nnx
 
-    from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls, init_slot_state
+    from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls, init_pool
+    from asyncrl.engine.layouts import page_size_for
 
     model_cfg = nnx.merge(graphdef, params).cfg
     engine = cfg.engine
-    controls = idle_controls(engine.slots, engine.max_stop_ids)
+    page_size = page_size_for(engine.page_size, "cpu", engine.kv_capacity)
+    per_slot = engine.kv_capacity // page_size
+    pages = engine.kv_pages if isinstance(engine.kv_pages, int) else engine.slots * per_slot
+    controls = idle_controls(engine.slots, engine.max_stop_ids, per_slot, pages)
     controls.active[:] = True
     controls.max_new_tokens[:] = engine.decode_chunk
     controls.refill_free[...] = engine.slots + 1
-    state = init_slot_state(model_cfg, engine.slots, engine.kv_capacity)  # compile the state's creation first
-    compiled = decode_chunk_jit.lower(graphdef, params, state, controls, engine.decode_chunk, False).compile()
+    controls.page_table[:] = np.arange(engine.slots * per_slot).reshape(engine.slots, per_slot) % pages
+    key = np.zeros(2, np.uint32)
+    state = init_pool(model_cfg, pages, page_size)  # compile the pool's creation first
+    compiled = decode_chunk_jit.lower(graphdef, params, state, controls, None, key, engine.decode_chunk, False).compile()
     del state
-    state = jax.block_until_ready(init_slot_state(model_cfg, engine.slots, engine.kv_capacity))
-    # The cache is zeros: pages the OS maps lazily, resident only once written. Count its
+    state = jax.block_until_ready(init_pool(model_cfg, pages, page_size))
+    # The pool is zeros: pages the OS maps lazily, resident only once written. Count its
     # allocated bytes (what a device allocates) and the decode step's resident growth above it.
     allocated = sum(x.nbytes for x in jax.tree.leaves(state))
     before = rss_bytes()
     reset_peak_rss()
-    out = jax.block_until_ready(compiled(params, state, controls))
+    out = jax.block_until_ready(compiled(params, state, controls, None, key))
     peak = rss_bytes("VmHWM")
     del out
     return {"engine_state": allocated, "engine_measured": allocated + peak - before}

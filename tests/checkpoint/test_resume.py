@@ -546,8 +546,8 @@ def test_sigint_then_resume_continues_every_engine_counter_exactly(sync_referenc
 
 MULTI_TURN: dict[str, Any] = {
     **MULTI_TURN_ON_TINY,
-    # min_tokens 4: a turn extends the kept KV of the turn before (the default 64 exceeds these contexts)
-    "engine": {"kv_capacity": 32, "prefill_buckets": [16, 31], "prefix_cache": {"min_tokens": 4}},
+    # pages of 8: a turn extends the kept pages of the turn before (these contexts are shorter than the default 16)
+    "engine": {"kv_capacity": 32, "prefill_buckets": [16, 31], "page_size": 8},
     "logging": {"dump_every_steps": 1, "dump_groups": 2},
 }
 

@@ -137,7 +137,7 @@ import numpy as np, jax
 import jax._src.array as jax_array
 from asyncrl.config import EngineConfig, load_config
 from asyncrl.engine.jax_engine import JaxEngine
-from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls
+from asyncrl.engine.jax_programs import decode_chunk_jit, empty_flat
 from asyncrl.engine.protocol import GenerationRequest
 from asyncrl.model import load_model
 from asyncrl.model.sharding import shard_params
@@ -165,15 +165,19 @@ for tp in [int(t) for t in os.environ["ENGINE_TENSOR_PARALLEL"].split(",")]:
     placement = resolve_placement(cfg)
     engine = JaxEngine(graphdef, params, config=cfg.engine, mesh=engine_mesh(placement))
     assert tokens(engine) == reference, tp
-    k = engine._state.cache.layers[0].k  # [slots, kv_heads, capacity, head_dim]
-    assert k.sharding.device_set == set(placement.engine_devices)
-    per_device = (8 // (4 // tp), 4 // tp, 48, 16)
-    assert {s.data.shape for s in k.addressable_shards} == {per_device}, (tp, k.sharding)
-    # XLA's own program works on those shards: the compiled decode step's cache operands are per-device slices.
-    hlo = decode_chunk_jit.lower(graphdef, engine._params, engine._state, idle_controls(8, 8), 4, False,
-                                 engine._layout).compile().as_text()
-    assert "f32[%d,%d,48,16]" % per_device[:2] in hlo and "f32[8,4,48,16]" not in hlo, tp
-    q = engine._params["layers"][0]["self_attn"]["q_proj"]["kernel"]
+    kv = engine.runner.pool[0].kv  # [2, kv_heads, pages, page_size, head_dim]: pages by replica, heads over tensor
+    assert kv.sharding.device_set == set(placement.engine_devices)
+    replicas = 4 // tp
+    pages = 8 // replicas * 3  # each replica's rows x 48 / 16 pages
+    per_device = (2, 4 // tp, pages, 16, 16)
+    assert {s.data.shape for s in kv.addressable_shards} == {per_device}, (tp, kv.sharding)
+    # XLA's own program works on those shards: the compiled decode step's pool operands are per-device slices.
+    controls = engine.runner.idle_controls()
+    flat = empty_flat(engine.flat_sizes[-1], 8 // replicas, replicas)
+    hlo = decode_chunk_jit.lower(graphdef, engine.runner.serving, engine.runner.pool, controls, flat, np.zeros(2, np.uint32),
+                                 4, False, engine.runner.layout).compile().as_text()
+    assert "f32[2,%d,%d,16,16]" % per_device[1:3] in hlo and "f32[2,4,%d,16,16]" % (pages * replicas) not in hlo, tp
+    q = engine.runner.params["layers"][0]["self_attn"]["q_proj"]["kernel"]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "tensor"), q.sharding
     # Publish from the trainer's (data x fsdp) arrays: device to device, never through host numpy.
     trainer_params = shard_params(lm.config, params, build_mesh(cfg.mesh, devices=placement.trainer_devices))
@@ -246,7 +250,7 @@ host_reads = []
 real_value = jax_array.ArrayImpl._value
 # The default placement on 8 devices: the engine's own mesh over the trainer's devices.
 for tp, mesh_cfg in [(1, {"fsdp": 8}), (2, {"fsdp": 8}), (2, {"data": 4, "fsdp": 2})]:
-    cfg = load_config(data={"mesh": mesh_cfg, "engine": {**ENGINE, "tensor_parallel": tp, "prefix_cache": {"min_tokens": 4}},
+    cfg = load_config(data={"mesh": mesh_cfg, "engine": {**ENGINE, "tensor_parallel": tp},
                             "data": {"max_prompt_tokens": 16}, "rollout": {"max_new_tokens": 16, "group_size": 2}})
     placement = resolve_placement(cfg)
     assert placement.colocated and not placement.shares_trainer_arrays and placement.engine_replicas == 8 // tp
@@ -254,8 +258,8 @@ for tp, mesh_cfg in [(1, {"fsdp": 8}), (2, {"fsdp": 8}), (2, {"data": 4, "fsdp":
     engine = JaxEngine(graphdef, trainer_params, config=cfg.engine, mesh=engine_mesh(placement))
     same(samples(engine), reference, (tp, mesh_cfg))
     assert engine.metrics()["engine/prefix_hit_tokens"] > 0, "no prefix was reused"
-    k = engine._state.cache.layers[0].k  # [slots, kv_heads, capacity, head_dim]: split by slots and KV heads
-    assert {s.data.shape for s in k.addressable_shards} == {(8 // (8 // tp), 4 // tp, 48, 16)}, (tp, k.sharding)
+    kv = engine.runner.pool[0].kv  # [2, kv_heads, pages, page_size, head_dim]: pages by replica, heads over tensor
+    assert {s.data.shape for s in kv.addressable_shards} == {(2, 4 // tp, 8 // (8 // tp) * 3, 16, 16)}, (tp, kv.sharding)
     # A publish reshards the trainer's arrays device to device: nothing is read back to the host.
     jax_array.ArrayImpl._value = property(lambda self: (host_reads.append(self.shape), real_value.fget(self))[1])
     try:
@@ -266,6 +270,23 @@ for tp, mesh_cfg in [(1, {"fsdp": 8}), (2, {"fsdp": 8}), (2, {"data": 4, "fsdp":
     engine.shutdown()
 assert host_reads == [], host_reads
 print("colocated engines match")
+# engine.tensor_parallel: auto on these 8 devices, with a budget that makes the choice matter (Qwen3-1.7B's
+# recipe, fsdp 8): the degree whose pools decode the most sequences, and a refusal when none fits
+import asyncrl.run.auto_slots as auto_slots
+from asyncrl.plan.formulas import GIB
+from asyncrl.errors import ConfigError
+recipe = load_config("configs/gsm8k_grpo.yaml", ["model.path=configs/models/qwen3-1.7b", "mesh.fsdp=8"])
+budget = auto_slots.device_budget
+auto_slots.device_budget = lambda device: (8 * GIB, "a test budget")
+assert auto_slots.resolve_auto_tensor_parallel(recipe).engine.tensor_parallel == 4
+auto_slots.device_budget = lambda device: (5 * GIB, "a test budget")
+try:
+    auto_slots.resolve_auto_tensor_parallel(recipe)
+    raise AssertionError("tensor_parallel: auto took a degree that does not fit")
+except ConfigError as err:
+    assert str(err).startswith("engine.tensor_parallel: auto: no degree fits"), err
+auto_slots.device_budget = budget
+print("auto tensor parallel: the most sequences, refused when none fits")
 out = sys.argv[1]
 BASE = ["stages=[]", "run.total_steps=3", "rollout.max_staleness=0", "eval.every_steps=0", "checkpoint.every_steps=0",
         "logging.dump_every_steps=0", "rollout.batch_size=4", "model.path=tiny:kv_heads=4,layers=1", "engine.slots=32"]
@@ -330,10 +351,12 @@ def test_colocated_engine_on_eight_devices_equals_one_device(tmp_path):
     """The default placement on 8 devices gives the engine its own mesh over the trainer's devices
     (8 replicas, or 4 replicas x tensor-parallel 2): the one-device engine's greedy and sampled
     tokens exactly and its log-probs within 1e-5, before and after a publish that reads nothing
-    back to the host; the KV cache split by slots and KV heads; and a seeded synchronous run's
-    rewards equal the one-device run's."""
+    back to the host; the KV page pool split by replicas and KV heads; ``engine.tensor_parallel:
+    auto`` takes the degree whose pools decode the most sequences within a test budget (refused
+    when none fits); and a seeded synchronous run's rewards equal the one-device run's."""
     proc = run_python(COLOCATED_CODE, env=EIGHT, timeout=280, args=(str(tmp_path),))
     assert "colocated engines match" in proc.stdout and "colocated runs match" in proc.stdout
+    assert "auto tensor parallel: the most sequences, refused when none fits" in proc.stdout
 
 
 @pytest.fixture(scope="module")

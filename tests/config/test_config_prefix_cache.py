@@ -1,6 +1,5 @@
 """engine.prefix_cache: settings the run cannot honour are one line naming the field; settings that
-only narrow reuse (a min_tokens no prompt reaches, the default buckets beside a small capacity)
-are valid."""
+only narrow reuse (the default buckets beside a small capacity) are valid."""
 
 from __future__ import annotations
 
@@ -46,10 +45,3 @@ def test_extension_buckets_must_fit_the_capacity():
     # The default [32, 128] beside a 32-token capacity: 128 is left out, as the engine does.
     assert load_config(QUICKSTART).engine.prefix_cache.extend_buckets == [32, 128]
     assert load_config(QUICKSTART, ["engine.prefix_cache.extend_buckets=[24, 8]"]).engine.prefix_cache.extend_buckets == [24, 8]
-
-
-def test_min_tokens_no_prompt_reaches_reuses_whole_contexts_only():
-    cfg = load_config(QUICKSTART, ["engine.prefix_cache.min_tokens=1000"])
-    assert cfg.engine.prefix_cache.min_tokens == 1000
-    (line,) = problems("engine.prefix_cache.min_tokens=0")
-    assert line.startswith("engine.prefix_cache.min_tokens: ")

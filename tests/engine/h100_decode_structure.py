@@ -30,7 +30,7 @@ def main(layers: int, inner: int) -> dict:
     import numpy as np
     from flax import nnx
 
-    from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls, init_slot_state
+    from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls, init_pool
     from asyncrl.model.compute_copy import compute_copy
     from asyncrl.model.transformer import Decoder, split_params
     from asyncrl.plan.formulas import read_decoder_config
@@ -44,9 +44,12 @@ def main(layers: int, inner: int) -> dict:
     graphdef, params = split_params(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=on_device), tree)
     serving = abstract(jax.eval_shape(lambda p: compute_copy(p, cfg.compute_dtype), params))
-    state = abstract(jax.eval_shape(lambda: init_slot_state(cfg, 128, 1024)))
-    controls = abstract(jax.tree.map(np.asarray, idle_controls(128, 8)))
-    decode_chunk_jit.lower(graphdef, serving, state, controls, 16, False, None, sampler="gumbel", inner=inner).compile()
+    pages = 128 * 1024 // 16  # every slot at its longest context, in pages of 16 (the GPU's)
+    pool = abstract(jax.eval_shape(lambda: init_pool(cfg, pages, 16)))
+    controls = abstract(jax.tree.map(np.asarray, idle_controls(128, 8, 1024 // 16, pages)))
+    key = abstract(np.zeros(2, np.uint32))
+    decode_chunk_jit.lower(graphdef, serving, pool, controls, None, key, 16, False, None, sampler="gumbel",
+                           inner=inner).compile()
     (thunks,) = glob.glob(f"{dump}/*decode_chunk*thunk_sequence_after_thunk_passes.txt")
     with open(thunks) as f:
         structure = decode_structure(f.read(), layers)

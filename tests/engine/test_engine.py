@@ -71,13 +71,13 @@ def perturbed(params, scale: float, seed: int):
 
 def slow_decode(engine, seconds: float):
     """Make each decode chunk take at least ``seconds`` (an instance-level patch)."""
-    original = engine._decode
+    original = engine.scheduler._decode
 
     def decode():
         time.sleep(seconds)
         original()
 
-    engine._decode = decode
+    engine.scheduler._decode = decode
     return original
 
 
@@ -232,7 +232,7 @@ def test_requests_admitted_together_are_prefilled_together(tiny_split):
     ]  # contexts 2, 6 (bucket 8) and 10, 14, 18 (bucket 32); 7 samples in all
     alone = [engine.generate(r) for r in requests]
     calls = engine.prefill_calls
-    with engine._cond:  # the scheduler cannot take any of them before all five wait
+    with engine.scheduler.cond:  # the scheduler cannot take any of them before all five wait
         futures = [engine.submit(r) for r in requests]
     together = [f.result(timeout=60) for f in futures]
     assert engine.prefill_rows == 2 and engine.prefill_calls - calls == 3  # [2, 6] and [10, 14], [18]
@@ -374,7 +374,7 @@ def test_crash_reaches_every_caller(tiny_split):
         def boom():
             raise RuntimeError("scripted device failure")
 
-        eng._decode = boom
+        eng.scheduler._decode = boom
         futures = [eng.submit(GenerationRequest(prompt_ids=[7, 8], sample_id=i)) for i in range(3)]
         for f in futures:
             with pytest.raises(EngineCrashed, match="scripted device failure"):
@@ -467,18 +467,19 @@ def test_inverse_cdf_sampler_across_blocks():
 def test_decode_chunk_ends_early_when_a_finished_slot_can_be_refilled(tiny_split):
     """A slot that finishes inside a chunk ends it once ``refill_free`` slots are free (so the
     scheduler refills it at once); with ``refill_free`` above the slot count the chunk runs on."""
-    from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls, init_slot_state
+    from asyncrl.engine.jax_programs import decode_chunk_jit, idle_controls, init_pool
 
     lm, graphdef, params = tiny_split
-    controls = idle_controls(2, 8)
+    controls = idle_controls(2, 8, pages_per_seq=2, pool_pages=4)
     controls.active[:] = True
     controls.max_new_tokens[:] = [3, 20]
     controls.last_token[:] = [7, 9]
+    controls.page_table[:] = [[0, 1], [2, 3]]
     emitted = {}
     for refill_free in (1, 2, 3):
         controls.refill_free[...] = refill_free
-        state = init_slot_state(lm.model.cfg, 2, 32)
-        _, _, _, out = decode_chunk_jit(graphdef, params, state, controls, 8, False, None)
+        pool = init_pool(lm.model.cfg, 4, 16)
+        _, _, _, out = decode_chunk_jit(graphdef, params, pool, controls, None, np.zeros(2, np.uint32), 8, False, None)
         emitted[refill_free] = np.asarray(out).sum(axis=1).tolist()
     assert emitted[1] == [3, 3]  # slot 0 ended at step 3 and one free slot is enough to refill
     assert emitted[2] == [3, 8]  # two free slots needed: slot 1 is still running
@@ -496,5 +497,9 @@ def test_engine_config_cross_field_checks():
         load_config(overrides=["engine.slots=2", "rollout.group_size=4"])
     with pytest.raises(ConfigError, match="engine.prefill_buckets"):
         load_config(overrides=["engine.prefill_buckets=[16, 1024]"])
-    with pytest.raises(ConfigError, match="engine.prefill_buckets"):
-        load_config(overrides=["data.max_prompt_tokens=300", "engine.prefill_buckets=[16, 128]"])
+    # prompts longer than the largest bucket are prefilled in chunks of it
+    assert load_config(overrides=["data.max_prompt_tokens=300", "engine.prefill_buckets=[16, 128]"])
+    with pytest.raises(ConfigError, match="engine.page_size: 24 does not divide engine.kv_capacity"):
+        load_config(overrides=["engine.page_size=24"])
+    with pytest.raises(ConfigError, match="engine.kv_pages: 8 pages of 16 tokens hold less than one sequence"):
+        load_config(overrides=["engine.page_size=16", "engine.kv_pages=8"])

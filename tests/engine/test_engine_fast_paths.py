@@ -151,21 +151,23 @@ def test_gumbel_engine_logprobs_exact_and_seeded(tiny_split):
 def test_attention_bucket_sizes():
     assert attention_buckets(512, 1) == (512,)
     assert attention_buckets(512, 4) == (64, 128, 256, 512)
-    assert attention_buckets(100, 3) == (32, 64, 100)  # 25 and 50 rounded up to multiples of 16
-    assert attention_buckets(20, 4) == (16, 20)  # merged duplicates, never above the capacity
+    assert attention_buckets(100, 3) == (32, 64, 100)  # 25 and 50 pages rounded up to multiples of 16
+    assert attention_buckets(20, 4) == (16, 20)  # merged duplicates, never above the pool
     with pytest.raises(ValueError, match="engine.attention_buckets"):
         attention_buckets(64, 0)
     buckets = (64, 128, 256, 512)
-    assert chunk_bucket(buckets, [10, 56], 8) == 64  # 56 + 8 fits exactly
-    assert chunk_bucket(buckets, [10, 57], 8) == 128
-    assert chunk_bucket(buckets, [], 8) == 512
-    assert chunk_bucket(buckets, [600], 8) == 512
+    assert chunk_bucket(buckets, 64) == 64  # pages the busiest replica's sequences reach
+    assert chunk_bucket(buckets, 65) == 128
+    assert chunk_bucket(buckets, 0) == 64
+    assert chunk_bucket(buckets, 600) == 512
 
 
 def test_bucketed_attention_equals_full_attention(tiny_split):
-    """Requests whose contexts cross several size classes (prompts of 5 to 60 tokens, up to 64 new
-    tokens in a 160-token cache): sampled and greedy tokens and log-probs equal those of attention
-    over the whole cache, and the smaller classes were used (their programs were compiled)."""
+    """Requests whose pages cross several size classes of the CPU's flat attention as they run and
+    end (prompts of 5 to 60 tokens, up to 64 new tokens, 10 pages per row), on 9 of 32 rows: sampled
+    and greedy tokens and log-probs equal those of attention over a list of every row's pages on 6
+    rows, and the smaller classes were used (their programs were compiled; the chunks ran 16 of the
+    32 rows, the busy ones and idle ones)."""
     from asyncrl.engine import jax_programs
 
     lm, graphdef, params = tiny_split
@@ -175,15 +177,24 @@ def test_bucketed_attention_equals_full_attention(tiny_split):
                 for i, (length, new) in enumerate([(5, 40), (30, 60), (60, 30), (12, 64)])]
     requests.append(GenerationRequest(prompt_ids=prompt_of(9, 20), greedy=True, max_new_tokens=50, stop_token_ids=[]))
 
-    def run(buckets: int) -> list:
-        config = cfg.model_copy(update={"attention_buckets": buckets})
+    def run(buckets: int, slots: int) -> tuple[list, set]:
+        config = cfg.model_copy(update={"attention_buckets": buckets, "slots": slots})
         with JaxEngine(graphdef, params, stop_token_ids=lm.stop_token_ids, config=config, seed=4) as engine:
-            return [engine.generate(r) for r in requests]
+            rows: set[int] = set()
+            decode = engine.runner.decode
 
-    full = run(1)
-    bucketed = run(3)
+            def counted(controls, *args):
+                rows.add(len(controls.active))
+                return decode(controls, *args)
+
+            engine.runner.decode = counted  # type: ignore[method-assign]
+            return [f.result() for f in [engine.submit(r) for r in requests]], rows  # together: 45 pages at first
+
+    full, full_rows = run(1, 6)
+    bucketed, bucketed_rows = run(5, 32)
     traced = {name for name in jax_programs._compiles if isinstance(name, str)}
-    assert {"decode_chunk_attend48", "decode_chunk_attend80"} <= traced  # 160 / 4 and 160 / 2, rounded up to 16
+    assert {"decode_chunk_flat32", "decode_chunk_flat48"} <= traced  # 320 / 16 and 320 / 8, rounded up to 16
+    assert full_rows == {6} and bucketed_rows == {16}  # 32 rows, 16 and 32 the row classes
     for request, want, got in zip(requests, full, bucketed):
         for a, b in zip(want, got):
             assert a.output_ids.tolist() == b.output_ids.tolist()
@@ -255,7 +266,7 @@ def bf16_compute_tiny():
 
 
 def test_serving_copy_casts_matrices_only_and_decodes_bitwise_alike(bf16_compute_tiny):
-    from asyncrl.engine.jax_programs import decode_chunk_jit, graphdef_config, idle_controls, init_slot_state
+    from asyncrl.engine.jax_programs import decode_chunk_jit, graphdef_config, idle_controls, init_pool
     from asyncrl.model.compute_copy import compute_copy
 
     graphdef, params = bf16_compute_tiny
@@ -266,15 +277,17 @@ def test_serving_copy_casts_matrices_only_and_decodes_bitwise_alike(bf16_compute
     assert compute_copy(serving, "bfloat16") is serving  # nothing left to cast: no copy
     assert compute_copy(params, "float32") is params
 
-    controls = idle_controls(3, 8)
+    controls = idle_controls(3, 8, pages_per_seq=2, pool_pages=6)
     controls.active[:] = True
     controls.max_new_tokens[:] = 12
     controls.last_token[:] = [7, 9, 11]
     controls.greedy[:] = [True, False, False]
+    controls.page_table[:] = [[0, 1], [2, 3], [4, 5]]
     outs = []
     for weights in (params, serving):  # the per-call cast, then the copy
-        state = init_slot_state(graphdef_config(graphdef, params), 3, 32)
-        outs.append([np.asarray(x) for x in decode_chunk_jit(graphdef, weights, state, controls, 12, False, None)[1:]])
+        pool = init_pool(graphdef_config(graphdef, params), 6, 16)
+        outs.append([np.asarray(x) for x in decode_chunk_jit(graphdef, weights, pool, controls, None, np.zeros(2, np.uint32),
+                                                             12, False, None)[1:]])
     for per_call, copied in zip(*outs):
         np.testing.assert_array_equal(copied, per_call)
 
@@ -286,11 +299,11 @@ def test_engine_serves_the_copy_and_refreshes_it_at_each_publish(bf16_compute_ti
                                 sample_id=4)
     with JaxEngine(graphdef, params, config=cfg) as engine:
         assert engine.served_params["embed_tokens"]["embedding"].dtype == jnp.float32  # what asyncrl serve reuses
-        assert engine._serving["embed_tokens"]["embedding"].dtype == jnp.bfloat16
+        assert engine.runner.serving["embed_tokens"]["embedding"].dtype == jnp.bfloat16
         before = engine.generate(request)
         moved = jax.tree.map(lambda x: x * 1.5, params)
         engine.update_weights(moved, 1)
-        np.testing.assert_array_equal(np.asarray(engine._serving["embed_tokens"]["embedding"], np.float32),
+        np.testing.assert_array_equal(np.asarray(engine.runner.serving["embed_tokens"]["embedding"], np.float32),
                                       np.asarray(moved["embed_tokens"]["embedding"].astype(jnp.bfloat16), np.float32))
         after = engine.generate(request)
     assert [r.versions.tolist() for r in after] == [[1] * 16] * 2

@@ -1,8 +1,10 @@
-"""Prefix reuse (engine.prefix_cache): the store's rules, and the engine's results with reuse
-against the same engine without it: greedy tokens exactly, sampled tokens exactly for the same
-keys, log-probs within 1e-5 (float32); whole contexts copied bit for bit; nothing reused across a
-publish unless asked, and then with the oldest version on the tokens; eviction never holding a
-request back; memory flat over many publishes."""
+"""Prefix reuse (engine.prefix_cache) over the paged KV cache: the prefix tree's rules (pages
+matched token for token, a partial page copied on write, least recently used eviction of what
+nobody runs on, publishes and flushes), the manager's sharing of a group's prompt pages, and the
+engine's results with reuse against the same engine without it: greedy tokens exactly, sampled
+tokens exactly for the same keys, log-probs within 1e-5 (float32); whole contexts shared bit for
+bit; nothing reused across a publish unless asked, and then with the oldest version on the tokens;
+an agent's history kept while another episode runs; memory flat over many publishes."""
 
 from __future__ import annotations
 
@@ -14,69 +16,100 @@ import pytest
 
 from asyncrl.config import EngineConfig
 from asyncrl.engine.jax_engine import JaxEngine
-from asyncrl.engine.prefix_cache import KEPT, RUNNING, AdmissionRound, PrefixStore
+from asyncrl.engine.kv_cache_manager import KVCacheManager
 from asyncrl.engine.protocol import GenerationRequest
+from asyncrl.engine.radix_tree import PrefixTree
 
 pytestmark = pytest.mark.timeout(180)
 
 
-# ----------------------------------------------------------------------------- the store (pure)
+# ----------------------------------------------------------------------------- the tree (pure)
 
 
-def store_with(contexts: dict[int, list[int]], slots: int = 4, version: int = 0, **kwargs) -> PrefixStore:
-    store = PrefixStore(slots, 32, min_tokens=kwargs.pop("min_tokens", 3), **kwargs)
-    for slot, tokens in contexts.items():
-        store.start(slot, np.asarray(tokens, np.int32), version)
-        store.keep(slot)
-    return store
+def kept_sequence(tree: PrefixTree, tokens: list[int], version: int = 0, first_page: int = 0) -> list:
+    """The nodes of a sequence of ``tokens`` written into pages ``first_page, first_page + 1, ...``,
+    then released (kept)."""
+    nodes, parent = [], tree.root
+    for i, start in enumerate(range(0, len(tokens), tree.page_size)):
+        part = tokens[start : start + tree.page_size]
+        node = tree.add(parent, part, [version] * len(part), first_page + i)
+        tree.reference(node)
+        nodes.append(node)
+        parent = node
+    for node in reversed(nodes):
+        assert tree.release(node) is None  # kept in the tree
+    return nodes
 
 
-def test_match_is_token_exact_versioned_and_worth_it():
-    store = store_with({0: [5, 6, 7, 8, 9], 1: [5, 6, 1]})
-    m = store.match(np.array([5, 6, 7, 8, 2]), 0)
-    assert (m.slot, m.length) == (0, 4)
-    assert store.match(np.array([5, 6]), 0).length == 2  # a whole context is reused, however short
-    assert store.match(np.array([5, 6, 2, 2, 2]), 0) is None  # 2 shared positions: under min_tokens = 3
-    assert store.match(np.array([5, 6, 7, 8, 2]), 1) is None  # computed with version 0, served version 1
-    across = store_with({0: [5, 6, 7, 8, 9]}, across_versions=True)
-    assert across.match(np.array([5, 6, 7, 8, 2]), 3).length == 4 and across.version_floor(0, 4) == 0
-    assert store.match(np.array([5, 6, 7, 8, 2]), 0, exclude=[0]) is None
+def test_match_is_page_exact_then_a_partial_page_to_copy():
+    tree = PrefixTree(page_size=4)
+    a = kept_sequence(tree, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])  # pages [1-4], [5-8], [9, 10]
+    found = tree.match([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], 0)
+    assert found.nodes == a[:2] and found.partial is a[2] and found.extra == 2 and found.length(4) == 10
+    found = tree.match([1, 2, 3, 4, 5, 6, 0, 0], 0)  # diverges inside the second page: its first 2 tokens, copied
+    assert found.nodes == a[:1] and found.partial is a[1] and found.extra == 2
+    assert tree.match([9, 9, 9], 0).length(4) == 0
+    assert tree.kept == 3 and all(node.refs == 0 for node in a)
+    duplicate = tree.add(tree.root, [1, 2, 3, 4], [0] * 4, 7)  # the same page computed again: its sequence's own
+    tree.reference(duplicate)
+    assert not duplicate.attached and tree.release(duplicate) == 7  # freed with its last reference
+    assert tree.kept == 3
 
 
-def test_fed_tokens_extend_what_a_running_slot_holds():
-    store = PrefixStore(2, 16, min_tokens=1)
-    store.start(0, np.array([1, 2, 3], np.int32), 0)
-    store.fed(0, [4, 5], 1)  # two decode steps at version 1
-    assert store.lengths[0] == 5 and store.state[0] == RUNNING
-    assert store.match(np.array([1, 2, 3, 4, 5, 6]), 1) is None  # positions 0-2 are of version 0
-    assert store.match(np.array([1, 2, 3, 4, 5, 6]), 0).length == 3
-    store.keep(0)
-    assert store.state[0] == KEPT
+def test_the_manager_reuses_a_whole_page_or_a_whole_context_only():
+    manager = KVCacheManager(page_size=4, pages_per_replica=16, capacity=32)
+    kept_sequence(manager.trees[0], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert manager.match(0, [1, 2, 9, 9, 9, 9, 9, 9], 0).length(4) == 0  # 2 tokens: under a page
+    assert manager.match(0, [1, 2], 0).length(4) == 2  # the whole context: worth a page copy
+    assert manager.match(0, [1, 2, 3, 4, 5, 9], 0).length(4) == 5  # a page, then a copy of the next one's first token
 
 
-def test_destinations_take_empty_slots_then_the_least_recently_used():
-    store = store_with({0: [1, 1, 1], 2: [2, 2, 2]})
-    store.keep(0)  # 0 used after 2
-    assert store.destinations(4, [0, 1, 2, 3], protected=set()) == [1, 3, 2, 0]
-    assert store.destinations(4, [0, 1, 2, 3], protected={2}) == [1, 3, 0]
+def test_unreferenced_leaves_are_evicted_least_recently_used_first():
+    tree = PrefixTree(page_size=2)
+    old = kept_sequence(tree, [1, 1, 2, 2], first_page=0)
+    new = kept_sequence(tree, [3, 3, 4, 4], first_page=2)
+    tree.match([1, 1, 2, 2, 5], 0)  # the older sequence is used again: now the most recent
+    assert tree.evict(1) == [3]  # the other's last page goes first
+    for node in old:  # a running sequence continues the older one: its pages are not evictable
+        tree.reference(node)
+    assert tree.evict(10) == [2]  # the other's first page, a leaf now
+    for node in reversed(old):
+        tree.release(node)
+    assert tree.evict(10) == [1, 0] and tree.kept == 0 and not tree.root.children
+    assert not new[0].attached
 
 
-def test_a_round_shares_a_fresh_prompt_and_never_overwrites_its_sources():
-    store = store_with({0: [9, 9, 9, 9, 9]}, slots=3)
-    round_ = AdmissionRound(store, [0, 1, 2], version=0)
-    group = np.array([1, 2, 3, 4], np.int32)
-    leader = round_.take(group, 1)
-    assert leader.fresh and leader.slots == (1,)  # empty slots first: slot 0 keeps its prefix
-    follower = round_.take(group, 1)
-    assert (follower.source, follower.length) == (1, 4) and follower.slots == (2,)  # copies the leader's whole context
-    assert round_.take(np.array([9, 9, 9, 9, 9, 7], np.int32), 1) is not None  # slot 0, in place
-    assert round_.take(group, 1) is None  # no slot left: waits for the next round
-    # A source of the round is never a destination: the request waits rather than overwrite it.
-    store = store_with({0: [9, 9, 9, 9, 9]}, slots=2)
-    round_ = AdmissionRound(store, [0, 1], version=0)
-    taken = round_.take(np.array([9, 9, 9, 9, 8], np.int32), 1)
-    assert taken.slots == (0,) and taken.source == 0  # in place
-    assert round_.take(np.array([9, 9, 9, 9, 7], np.int32), 2) is None
+def test_a_publish_detaches_everything_and_a_flush_frees_what_nobody_runs_on():
+    tree = PrefixTree(page_size=2)
+    kept = kept_sequence(tree, [1, 1, 2, 2], first_page=0)
+    running = tree.add(tree.root, [3, 3], [0, 0], 2)
+    tree.reference(running)
+    assert sorted(tree.flush()) == [0, 1] and running.attached  # a running sequence keeps its pages, matchable
+    assert tree.match([3, 3, 7], 0).nodes == [running]
+    assert tree.detach_all() == [] and not running.attached  # referenced: freed with its last reference
+    assert tree.release(running) == 2 and tree.match([3, 3, 7], 0).length(2) == 0
+    assert not kept[0].attached
+
+
+def test_a_group_holds_its_prompt_pages_once():
+    """16 samples of a 1,024-token prompt: the prompt's 64 pages once (page-aligned: nothing to
+    copy), then each sample's own pages as it grows; a prompt ending inside a page adds one copy
+    of that page per sample but the first."""
+    manager = KVCacheManager(page_size=16, pages_per_replica=200, capacity=2048)
+    prompt = np.arange(1024) % 97
+    found = manager.match(0, prompt, 0)
+    part = manager.place(0, prompt, found, 16, 0, 256)
+    assert 200 - len(manager.free[0]) == 64 and len(part.chunks) == 4 and not part.copies
+    assert all(kv.pages == part.kvs[0].pages for kv in part.kvs)
+    for kv in part.kvs:
+        assert manager.grow(kv, 1024 + 40)  # 40 new tokens: 3 pages of its own each
+    assert 200 - len(manager.free[0]) == 64 + 16 * 3
+    manager.settle()  # the prefills were dispatched
+    used = 200 - len(manager.free[0])
+    ragged = manager.place(0, prompt[:1000], manager.match(0, prompt[:1000], 0), 4, 0, 256)
+    # 62 whole pages shared, the 63rd's first 8 tokens copied for each sample: the whole context, no prefill
+    assert ragged.reused == 1000 and len(ragged.copies) == 4 and not ragged.chunks
+    assert 200 - len(manager.free[0]) == used + 4
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -87,7 +120,7 @@ ENGINE = dict(slots=8, kv_capacity=160, decode_chunk=4, prefill_buckets=[16, 64,
 
 def make_engine(tiny_split, reuse: bool, **prefix) -> JaxEngine:
     _, graphdef, params = tiny_split
-    cfg = EngineConfig.model_validate({**ENGINE, "prefix_cache": {"enabled": reuse, "min_tokens": 8, **prefix}})
+    cfg = EngineConfig.model_validate({**ENGINE, "prefix_cache": {"enabled": reuse, **prefix}})
     return JaxEngine(graphdef, params, config=cfg, seed=1)
 
 
@@ -171,7 +204,7 @@ def test_a_publish_makes_kept_prefixes_stale_unless_asked(tiny_split):
 
 def test_attention_buckets_and_reuse(tiny_split):
     _, graphdef, params = tiny_split
-    cfgs = [EngineConfig(**ENGINE, attention_buckets=3, prefix_cache={"enabled": on, "min_tokens": 8}) for on in (True, False)]
+    cfgs = [EngineConfig(**ENGINE, attention_buckets=3, prefix_cache={"enabled": on}) for on in (True, False)]
     engines = [JaxEngine(graphdef, params, config=cfg, seed=1) for cfg in cfgs]
     try:
         got, want = (episode(engine, True) for engine in engines)
@@ -184,15 +217,16 @@ def test_attention_buckets_and_reuse(tiny_split):
 
 
 def test_kept_prefixes_never_hold_a_request_back(tiny_split):
-    """Every slot keeps a prefix; a request that needs all of them still starts (evicting them)."""
+    """Kept pages fill most of a pool of one longest context; a request that needs them all still
+    starts (the least recently used are evicted)."""
     _, graphdef, params = tiny_split
-    engine = JaxEngine(graphdef, params, config=EngineConfig(**{**ENGINE, "slots": 4}), seed=1)
+    engine = JaxEngine(graphdef, params, config=EngineConfig(**{**ENGINE, "slots": 4, "kv_pages": 10}), seed=1)
     try:
         for i in range(4):
             engine.generate(request([6 + i] * 20, True, sample_id=i))
-        assert (engine._prefixes.state == KEPT).all()
-        (out,) = engine.generate(request([20] * 30, True, sample_id=9, n=4))[:1]
-        assert len(out.output_ids) == 10
+        assert engine.cache.trees[0].kept == 8 and engine.metrics()["engine/kv_pages_kept"] == 0.8
+        out = engine.generate(request([20] * 30, True, sample_id=9, n=4))
+        assert [len(r.output_ids) for r in out] == [10] * 4 and engine.metrics()["engine/preemptions"] == 0
     finally:
         engine.shutdown()
 

@@ -113,9 +113,11 @@ def test_every_endpoint_speaks_sglang_protocol(two, model):
 
 def test_the_servers_prefix_cache_is_reported_and_flushed(two, model):
     """``asyncrl serve`` runs the engine's prefix reuse: a prompt whose context a finished sample's
-    slot holds is not computed again (``meta_info.cached_tokens``, as SGLang reports its radix
-    cache's), ``/flush_cache`` forgets it, and a RemoteEngine counts what the servers computed and
-    reused (engine/prefill_tokens, engine/prefix_hit_tokens)."""
+    pages hold is not computed again (``meta_info.cached_tokens``, from the engine's prefix tree, as
+    SGLang reports its radix cache's), ``/flush_cache`` forgets it, an agent's history survives
+    another episode sharing its system prompt (A, B, then A's next turn: A's whole history), and a
+    RemoteEngine counts what the servers computed and reused (engine/prefill_tokens,
+    engine/prefix_hit_tokens)."""
     tmp, (server, _) = two
     _, loaded = model
     prompt = [int(t) for t in np.random.default_rng(54).integers(5, 28, size=20)]
@@ -129,6 +131,20 @@ def test_the_servers_prefix_cache_is_reported_and_flushed(two, model):
     assert cached() == len(prompt) - 1  # the whole context (the last prompt token is the first decode step's)
     assert httpx.post(f"{server.url}/flush_cache", headers=AUTH).text == "Cache flushed."
     assert cached() == 0
+
+    def turn(ids: list[int]) -> sp.GenerateItem:  # 4 greedy tokens (the server's contexts hold 32: pages of 16)
+        body = sp.GenerateReqInput(input_ids=ids, sampling_params=sp.SamplingParams(max_new_tokens=4, temperature=0,
+                                                                                      ignore_eos=True))
+        answer = httpx.post(f"{server.url}/generate", json=body.model_dump(exclude_none=True), headers=AUTH, timeout=60)
+        return sp.GenerateItem.model_validate(answer.json())
+
+    rng = np.random.default_rng(55)
+    system = [int(t) for t in rng.integers(5, 28, size=16)]  # one page
+    a, b = (system + [int(t) for t in rng.integers(5, 28, size=3)] for _ in range(2))
+    first = turn(a)
+    assert turn(b).meta_info.cached_tokens >= 16  # the system prompt's page (and whatever of B's A's next page holds)
+    again = turn(a + first.output_ids + [7, 8])
+    assert again.meta_info.cached_tokens == len(a) - 1 + len(first.output_ids)  # all of A's history, B in between
 
     engine = remote_engine(tmp, [server], loaded)
     try:

@@ -117,7 +117,7 @@ def test_two_processes_each_write_their_own_tensors_and_a_server_loads_them(tmp_
         answer = httpx.post(f"{server.url}/update_weights_from_disk", json=body, timeout=120,
                             headers={"Authorization": f"Bearer {API_KEY}"})
         assert answer.status_code == 200 and answer.json()["success"], answer.text
-        served = hf_tensors_from_params(tiny.config, server.state.engine._params)  # what it installed
+        served = hf_tensors_from_params(tiny.config, server.state.engine.served_params)  # what it installed
         info = httpx.get(f"{server.url}/get_model_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert info["weight_version"] == "1"
     for name, value in reference.items():
@@ -192,13 +192,13 @@ def test_a_server_update_holds_one_serving_copy_at_its_peak(tmp_path, tiny):
               str(path / "model.safetensors"))
     assert state.base_params() is engine.served_params
     live = lambda: sum(a.nbytes for a in jax.live_arrays())  # noqa: E731
-    install, peaks = engine._take, []
+    install, peaks = engine.runner.install, []
 
     def measured_take(new):
         install(new)
         peaks.append(live())  # the new serving copy is in place; what else is still alive
 
-    engine._take = measured_take
+    engine.runner.install = measured_take
     before = live()
     try:
         state.load_and_install(path, "1")

@@ -16,6 +16,7 @@ from asyncrl.model.attention import kernels_seen
 from asyncrl.model.tiny import TinySpec, tiny_decoder_config
 from asyncrl.plan.compiled import CompiledMemory, lower_train_step
 from asyncrl.plan.targets import get_target, plugin_installed, target_devices
+from tests.helpers import REPO_ROOT
 
 LENGTH = 256  # distinct from every model dimension, so a [T, T] operand is recognisable
 
@@ -85,3 +86,23 @@ def test_v6e_train_step_runs_splash_attention_per_chip():
     assert "tpu_custom_call" not in xla_text and peak < xla_peak
     packed_text, _, packed_seen = compiled("v6e-8", 8, "auto", fsdp=8, pack=True)
     assert packed_seen == {"splash segment ids"} and "splash" in packed_text
+
+
+@pytest.mark.skipif(not plugin_installed("tpu"), reason="libtpu is not installed (tests/README.md: the aot venv)")
+@pytest.mark.timeout(900)
+def test_v6e_decode_chunk_attends_through_ragged_paged_attention_per_layer():
+    """The quickstart's decode chunk compiled for a v6e-8 (8 engine replicas) on a tiny model with
+    heads of 128 (whole lane tiles): each layer's attention over the page pool is a TPU kernel
+    (JAX's ragged paged attention), not XLA's einsum."""
+    from asyncrl.cluster.placement import resolve_placement
+    from asyncrl.plan.compiled import engine_args, lower_decode_chunk
+    from asyncrl.plan.formulas import stage_decoder_config
+
+    cfg = load_config(REPO_ROOT / "configs" / "quickstart.yaml", ["stages=[]", "rollout.batch_size=2", "engine.slots=16", "mesh.fsdp=8",
+                                                                   "model.path=tiny:hidden=256,heads=2,kv_heads=2"])
+    flat = next(flat for _, flat in cfg.stage_configs())
+    model_cfg = stage_decoder_config(flat, backend="tpu")
+    placement = resolve_placement(flat, target_devices(get_target("v6e-8"), 8), 1)
+    text = lower_decode_chunk(flat, engine_args(flat, model_cfg, placement, "tpu")).compile().as_text()
+    kernels = [line for line in text.splitlines() if "custom-call(" in line and "tpu_custom_call" in line]
+    assert len(kernels) == model_cfg.num_layers and all("ragged_paged_attention" in k for k in kernels), kernels[:2]

@@ -1,11 +1,15 @@
-"""The decode attention kernel (asyncrl.model.decode_attention) against the scatter-and-einsum path it
-replaces on GPUs, run by Pallas' interpreter on the CPU: the shapes the engine uses (grouped KV heads
-of 7 and 2 query heads, one KV head per query head, attention buckets of 16 to 1024 slots), masks of
-valid slots, causality and Gemma 3's sliding window, idle (fully masked) rows and writes past the
-attended prefix (dropped), float32 and bfloat16: the same output and the same updated cache."""
+"""The decode attention kernels (asyncrl.model.decode_attention) against the paths they replace on
+GPUs, run by Pallas' interpreter on the CPU. The contiguous cache's (a beam search's): the shapes
+it takes (grouped KV heads of 7 and 2 query heads, one KV head per query head, 16 to 1024 slots),
+masks of valid slots, causality and Gemma 3's sliding window, idle (fully masked) rows and writes
+past the attended prefix (dropped), float32 and bfloat16: the same output and the same updated
+cache. The paged one's, through scattered page tables: the einsum over each row's gathered pages
+and the same pool after its write; and those paths (and the CPU's flat one), in both page layouts,
+against JAX's own ``ref_ragged_paged_attention``."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -80,3 +84,70 @@ def test_kernel_blocks_and_platform_choice():
         want = jax.jit(reference)(q, k_new, v_new, k, v, write, mask)
         for a, b in zip(got, want):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --------------------------------------------------------------------------- over pages
+
+
+def _paged_inputs(layout: str, window=None, seed=0):
+    """Three rows over a pool of 12 pages of 16 (one idle, its table empty), scattered pages, the
+    new tokens at positions 35, 70 and 5; GQA of 4 query heads on 2 KV heads."""
+    from asyncrl.model.kv_cache import PagedLayerKV, write_pages
+    from asyncrl.model.paged_attention import PagedQueries
+
+    rng = np.random.default_rng(seed)
+    b, heads, kv_heads, d, pool, size, per_seq = 3, 4, 2, 16, 12, 16, 5
+    shape = (2, kv_heads, pool, size, d) if layout == "2kpsd" else (pool, size, 2 * kv_heads, d)
+    layer = PagedLayerKV(jnp.asarray(rng.normal(size=shape), jnp.float32), layout)
+    table = np.full((b, per_seq), pool, np.int32)
+    table[0, :3], table[1, :5], table[2, :1] = [4, 1, 7], [0, 2, 3, 5, 6], [9]
+    positions, real = np.array([[35], [70], [5]], np.int32), np.array([[True], [True], [False]])
+    q = jnp.asarray(rng.normal(size=(b, 1, heads, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, 1, kv_heads, d)), jnp.float32) for _ in range(2))
+    queries = PagedQueries(jnp.asarray(positions), jnp.asarray(real), jnp.asarray(table), None, window)
+    written = write_pages(layer, k, v, queries.page_table, queries.positions, queries.real)
+    return q, k, v, layer, written, queries
+
+
+@pytest.mark.parametrize("window", [20, pytest.param(None, marks=pytest.mark.slow)])
+def test_paged_kernel_equals_the_reference(window):
+    """The GPU's paged decode kernel (Pallas' interpreter here) against the einsum over each row's
+    gathered pages: the same output, and the same pool after its in-place write."""
+    from asyncrl.model.decode_attention import pallas_paged_decode_attention
+    from asyncrl.model.paged_attention import reference_paged_attention
+
+    q, k, v, layer, written, queries = _paged_inputs("2kpsd", window)
+    want = reference_paged_attention(q, written, queries, 0.25)
+    out, kv = pallas_paged_decode_attention(q[:, 0], k[:, 0], v[:, 0], layer.kv, queries.page_table,
+                                            queries.positions[:, 0], queries.real[:, 0], 0.25, window, interpret=True)
+    np.testing.assert_array_equal(np.asarray(kv), np.asarray(written.kv))
+    np.testing.assert_allclose(np.asarray(out)[:2], np.asarray(want)[:2, 0], atol=1e-6, rtol=0)  # the idle row: unused
+
+
+@pytest.mark.parametrize("layout", ["2kpsd", "ps2kd"])
+def test_paged_attention_paths_equal_jax_ragged_paged_attention_reference(layout):
+    """The reference over gathered pages and the CPU's flat path, in both page layouts, against
+    JAX's own ``ref_ragged_paged_attention`` (the TPU kernel's reference, on the ``ps2kd`` pool:
+    each row one query at its position)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+    from asyncrl.model.kv_cache import FlatPages, gather_view
+    from asyncrl.model.paged_attention import flat_paged_attention, reference_paged_attention
+
+    q, _, _, _, written, queries = _paged_inputs(layout, seed=1)
+    combined = written.kv  # ps2kd is the kernel's layout; 2kpsd [2, kv, pages, size, d] -> [pages, size, 2 * kv, d]
+    if layout == "2kpsd":
+        combined = jnp.transpose(written.kv, (2, 3, 1, 0, 4)).reshape(12, 16, 4, 16)
+    table = jnp.where(queries.page_table < 12, queries.page_table, 0)
+    want = ref_ragged_paged_attention(q[:2, 0], combined, queries.positions[:2, 0] + 1, table[:2], jnp.arange(3, dtype=jnp.int32),
+                                      jnp.array([2], jnp.int32), sm_scale=0.25)
+    got = reference_paged_attention(q, written, queries, 0.25)
+    np.testing.assert_allclose(np.asarray(got)[:2, 0], np.asarray(want), atol=1e-5, rtol=0)
+    pages = [(row, i) for row, count in ((0, 3), (1, 5)) for i in range(count)]
+    flat = FlatPages(jnp.asarray([int(queries.page_table[r, i]) for r, i in pages] + [0], jnp.int32),
+                     jnp.asarray([r for r, _ in pages] + [3], jnp.int32), jnp.asarray([16 * i for _, i in pages] + [0], jnp.int32),
+                     jnp.asarray([0, 3, 8], jnp.int32))
+    flat_queries = dataclasses.replace(queries, flat=flat)
+    view = gather_view(written, queries.page_table, 0, flat)
+    flat_out = flat_paged_attention(q, view[0], view[1], flat_queries, 0.25)
+    np.testing.assert_allclose(np.asarray(flat_out)[:2], np.asarray(got)[:2], atol=1e-6, rtol=0)

@@ -160,7 +160,7 @@ cfg = load_config(data={"placement": {"trainer": "0:2", "engine": "2:4"}, "engin
                         "data": {"max_prompt_tokens": 16}, "rollout": {"max_new_tokens": 16, "group_size": 2}})
 engine = JaxEngine(graphdef, params, config=cfg.engine, mesh=engine_mesh(resolve_placement(cfg)))
 assert tokens(engine) == reference
-assert {s.data.shape[1] for s in engine._state.cache.layers[0].k.addressable_shards} == {1}  # one KV head per device
+assert {s.data.shape[1] for s in engine.runner.pool[0].kv.addressable_shards} == {1}  # one KV head per device
 engine.shutdown()
 print("tensor-parallel gemma3 engine matches")
 """

@@ -1,5 +1,7 @@
-"""``engine.slots: auto``: the most slots whose ``asyncrl plan`` fits a budget, within the run's
-bounds; the plan shows the count; a run's engine gets it from the memory it finds."""
+"""``engine.slots: auto`` and ``engine.kv_pages: auto``: the most slots whose ``asyncrl plan`` fits a
+budget (the pool at the pages they hold at the plan's mean length), within the run's bounds, then
+the most pages per replica in what they leave; the plan shows both; a run's engine gets them from
+the memory it finds."""
 
 from __future__ import annotations
 
@@ -11,7 +13,17 @@ from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.errors import ConfigError
 from asyncrl.plan.formulas import AUTO_SLOTS_HEADROOM as HEADROOM
-from asyncrl.plan.formulas import GIB, minimum_slots, plan_config, slots_for_budget, with_slots
+from asyncrl.plan.formulas import (
+    GIB,
+    mean_tokens,
+    minimum_slots,
+    pages_for_budget,
+    plan_config,
+    slots_for_budget,
+    with_mean_pages,
+    with_pages,
+    with_slots,
+)
 from asyncrl.run.auto_slots import resolve_auto_slots
 from tests.helpers import REPO_ROOT
 
@@ -24,7 +36,7 @@ def recipe(*overrides: str):
 
 
 def total(cfg, slots: int) -> int:
-    return plan_config(with_slots(cfg, slots), backend="gpu").total_bytes
+    return plan_config(with_mean_pages(cfg, slots, backend="gpu"), backend="gpu").total_bytes
 
 
 def test_auto_slots_is_the_most_that_fit_a_planned_budget():
@@ -33,6 +45,15 @@ def test_auto_slots_is_the_most_that_fit_a_planned_budget():
     slots = slots_for_budget(cfg, budget, backend="gpu")
     assert slots % 8 == 0 and minimum_slots(cfg) <= slots < cfg.rollout.max_concurrent * cfg.rollout.group_size
     assert total(cfg, slots) <= budget < total(cfg, slots + 8)
+    # then the pool: the most pages per replica in what those slots leave, at most every slot's longest context
+    sized = with_slots(cfg, slots)
+    pages = pages_for_budget(sized, budget, backend="gpu")
+    pool = lambda pages: plan_config(with_pages(sized, pages), backend="gpu").total_bytes  # noqa: E731
+    assert slots * -(-mean_tokens(cfg) // 16) <= pages < slots * 1024 // 16  # mean 640 of kv_capacity 1024
+    assert pool(pages) <= budget < pool(pages + 1)
+    assert pages_for_budget(sized, 1000 * GIB, backend="gpu") == slots * 1024 // 16
+    with pytest.raises(ConfigError, match="engine.kv_pages: auto: one sequence's longest context"):
+        pages_for_budget(sized, 10 * GIB, backend="gpu")
 
 
 def test_auto_slots_bounds_and_a_budget_too_small():
@@ -58,7 +79,7 @@ def test_plan_sizes_auto_slots_for_the_device_memory(capsys):
     expected = slots_for_budget(recipe(), int(HEADROOM * 24 * GIB), backend="gpu")
     captured = capsys.readouterr()
     assert f"engine.slots: auto -> {expected} slots" in captured.err
-    assert f"{expected} slots x 1024 tokens" in captured.out  # the KV cache line is planned at that count
+    assert "engine.kv_pages: auto -> " in captured.err and "pages of 16 tokens per replica" in captured.out
     assert main(argv) == 0
     assert "planned at its minimum, 8 slots" in capsys.readouterr().err
 
@@ -80,6 +101,24 @@ def test_a_run_engine_gets_auto_slots_from_memory(tiny_split, caplog):
     finally:
         engine.shutdown()
     assert "engine.slots: auto -> 6 slots of 64 tokens" in caplog.text
+    # the pool: at most every slot's longest context (the host's memory holds far more)
+    assert engine.kv_pages == 6 * 64 // 16 and "engine.kv_pages: auto -> 24 pages of 16 tokens per replica" in caplog.text
+
+
+def test_auto_tensor_parallel_takes_the_degree_that_decodes_the_most_sequences():
+    """Qwen3-1.7B's recipe over 8 devices (fsdp 8; the engine's degrees 1, 2, 4, 8): with 8 GiB per
+    device degree 2 fits but its pools hold 108 sequences at the mean length, degree 4 holds all 128
+    slots (so does 8: the smaller degree, fewer collectives); with 10 GiB every degree holds them
+    (1); with 5 GiB none fits (the largest is returned for the caller to refuse)."""
+    from asyncrl.plan.formulas import choose_tensor_parallel
+
+    cfg = load_config(str(REPO_ROOT / "configs" / "gsm8k_grpo.yaml"),
+                      [f"model.path={REPO_ROOT / 'configs' / 'models' / 'qwen3-1.7b'}", "mesh.fsdp=8"])
+    degree, totals, sequences = choose_tensor_parallel(cfg, 8 * GIB, 8, 1, backend="cpu")
+    assert degree == 4 and sequences == {2: 108, 4: 128, 8: 128}
+    assert min(d for d in totals if totals[d] <= 8 * GIB) == 2  # the smallest that fits is not the choice
+    assert choose_tensor_parallel(cfg, 10 * GIB, 8, 1, backend="cpu")[0] == 1
+    assert choose_tensor_parallel(cfg, 5 * GIB, 8, 1, backend="cpu")[::2] == (8, {})
 
 
 def test_slots_are_rounded_up_to_the_replicas_so_a_group_still_fits(caplog):

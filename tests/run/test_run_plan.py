@@ -43,13 +43,17 @@ def test_tiny_parameters_optimizer_and_kv_cache_by_hand():
     assert got["gradients"] == 8 * TINY_PARAMS  # float32 accumulator + one micro-batch's float32 gradients
     assert got["optimizer state"] == 8 * TINY_PARAMS  # AdamW: mu and nu in float32
     assert "weights" not in got and "serving copy" not in got  # one device: the engine serves the trainer's own arrays
-    assert got["KV cache"] == 8 * 288 * LAYERS * 2 * KV * D * 4 + 8 * 288  # + the valid mask
+    # a pool of every slot's longest context: 8 x 288 / 16 pages of 16 tokens
+    assert got["KV cache"] == 144 * 16 * LAYERS * 2 * KV * D * 4 == 8 * 288 * LAYERS * 2 * KV * D * 4
     assert got["decode step"] == 3 * 8 * V * 4 + 8 * V  # + the bool stop-id mask
-    assert got["prefix extension"] == 2 * (288 * LAYERS * 2 * KV * D * 4 + 288)  # two slots' rows, gathered
+    page = 16 * 2 * KV * D * 4  # one layer's keys and values of a page
+    assert got["decode views"] == got["KV cache"]  # the CPU's view of every slot's pages at most, every layer
+    assert got["prefill after cached pages"] == 2 * 18 * page  # two rows' pages, one layer gathered
     # One device holds both sides' resident state and the larger of their temporaries (they take turns).
     resident = got["parameters"] + got["optimizer state"] + got["KV cache"]
     train = got["new parameters"] + got["gradients"] + got["activations"] + got["lm head"] + got["batch"]
-    assert plan.layout.colocated and plan.total_bytes == resident + max(train, got["decode step"], got["prefix extension"])
+    decode = got["decode step"] + got["decode views"]
+    assert plan.layout.colocated and plan.total_bytes == resident + max(train, decode, got["prefill after cached pages"])
 
 
 def test_activation_formula_by_hand():
@@ -399,21 +403,22 @@ def test_the_packed_step_compiles_for_plan_xla(capsys):
 
 # XLA's per-device peaks (arguments + outputs - aliased + temporaries) of the programs compiled for the
 # target on this CPU (jax 0.10.2, jax-cuda13-plugin 0.10.2, libtpu 0.0.42.1), docs/benchmarks.md "The
-# plan's formulas against XLA": (config, overrides, devices, backend, train step bytes, the largest decode chunk's
-# bytes: on the h100 the 512-position attention bucket's, as `asyncrl plan --target h100` prints it in GiB). On several
-# devices the engine has its own mesh over the trainer's (8 replicas: `engine.tensor_parallel: auto` takes 1).
+# plan's formulas against XLA": (config, overrides, devices, backend, train step bytes, the decode chunk's bytes
+# with the KV page pool the plan counts: every slot's longest context, `asyncrl plan --target ... --program
+# decode_chunk --json`'s xla_peak_bytes). On several devices the engine has its own mesh over the trainer's (8
+# replicas: `engine.tensor_parallel: auto` takes 1).
 XLA_PEAKS = [
     pytest.param("gsm8k_grpo_qwen2.5_0.5b.yaml", ["model.path=qwen2.5-0.5b-instruct"], 1, "gpu", 15319305794,
-                 int(3.26 * GIB), id="0.5b-h100"),
-    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-1.7b", "mesh.fsdp=8"], 8, "gpu", 6006976770, int(4.97 * GIB),
+                 2697402172, id="0.5b-h100"),
+    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-1.7b", "mesh.fsdp=8"], 8, "gpu", 6006976770, 5349921052,
                  id="1.7b-fsdp8-8xh100"),
     # The recipe's own target (its header's one 80 GB GPU), with what `auto` takes there.
     pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-1.7b", "model.remat_policy=save_dots"], 1, "gpu", 61674412290,
-                 18572442092, id="1.7b-h100"),
+                 18728246812, id="1.7b-h100"),
     # The TPU row's train step: XLA's own peak (xla_reported_peak_bytes, 5.19 GiB), not the sum of its parts
     # (6.42 GiB: libtpu counts 1.07 GiB of temporaries that no buffer of its buffer assignment holds;
     # docs/performance.md "The formulas against XLA"), against which the plan is 0.89.
-    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-1.7b", "mesh.fsdp=8"], 8, "tpu", 5571959520, int(5.02 * GIB),
+    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-1.7b", "mesh.fsdp=8"], 8, "tpu", 5571959520, 5378804160,
                  id="1.7b-fsdp8-v6e-8"),
     # Gemma 3 1B's TPU variant (save_dots, auto's choice on a v5e-8): its buffer assignment's 5.52 GiB of HBM
     # (the sum of its parts is 7.56: libtpu counts 1.93 GiB of temporaries that no buffer holds), three of
@@ -421,27 +426,27 @@ XLA_PEAKS = [
     # layers' relaid kernels are not counted, and other lines are above XLA's by about as much).
     pytest.param("gsm8k_grpo_gemma3_1b.yaml", ["model.path=gemma-3-1b-it", "model.lora=null", "model.param_dtype=float32",
                                                "mesh.fsdp=8", "model.remat_policy=save_dots"], 8, "tpu", 5928492032,
-                 2489311232, id="gemma3-1b-fsdp8-v5e-8"),
+                 2480651264, id="gemma3-1b-fsdp8-v5e-8"),
     # Qwen3-8B's abstract parameters (the plan's shapes) take a second or two more.
-    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-8b", "mesh.fsdp=8"], 8, "gpu", 27489106354, int(17.52 * GIB),
+    pytest.param("gsm8k_grpo.yaml", ["model.path=qwen3-8b", "mesh.fsdp=8"], 8, "gpu", 27489106354, 18835889508,
                  marks=pytest.mark.slow, id="8b-fsdp8-8xh100"),
 ]
 
 
-def test_the_colocated_engine_has_its_own_mesh_and_no_cache_copy():
-    """On the trainer's 8 chips the engine keeps one bf16 serving copy per replica and an eighth of the
-    KV cache per chip (slots split over 8 replicas); the decode chunk over the whole cache holds no
-    copy of it on TPUs (the cache in their positions-first layout); a tensor-parallel degree splits
-    the copy and the KV heads."""
+def test_the_colocated_engine_has_its_own_mesh_and_its_own_pool_per_replica():
+    """On the trainer's 8 chips the engine keeps one bf16 serving copy per replica and a page pool
+    per replica on each chip (by default every one of its slots' longest contexts: 16 slots x 1,024
+    tokens in pages of 64 on TPUs); the decode chunk gathers no pages on TPUs or GPUs (their kernels
+    read the page tables); a tensor-parallel degree splits the copy and the KV heads."""
     sets = [f"model.path={MODELS}/qwen3-1.7b", "mesh.fsdp=8", "engine.slots=128"]
     plan = plan_config(load_config(CONFIGS / "gsm8k_grpo.yaml", sets), 8, backend="tpu")
     got = _lines(plan)
     assert plan.layout.engine_replicas == 8 and not plan.layout.shares_trainer_arrays
-    assert got["decode cache copy"] == 0
+    assert "decode attention pages" not in got
     assert 3.1 * GIB < got["serving copy"] < 3.3 * GIB  # 1.72B parameters in bfloat16 on every chip
-    assert got["KV cache"] == 16 * (1024 * 28 * 2 * 8 * 128 * 2 + 1024)  # 128 slots / 8 replicas
+    assert got["KV cache"] == 16 * 16 * 64 * 28 * 2 * 8 * 128 * 2  # 128 slots / 8 replicas, 16 pages of 64 each
     tp2 = _lines(plan_config(load_config(CONFIGS / "gsm8k_grpo.yaml", [*sets, "engine.tensor_parallel=2"]), 8, backend="tpu"))
-    assert tp2["KV cache"] == 32 * (1024 * 28 * 2 * 4 * 128 * 2 + 1024)  # 4 replicas, 4 KV heads each
+    assert tp2["KV cache"] == 32 * 16 * 64 * 28 * 2 * 4 * 128 * 2  # 4 replicas, 4 KV heads each
     assert tp2["serving copy"] < 0.55 * got["serving copy"]  # halved, but the replicated norms and biases
 
 
