@@ -18,13 +18,14 @@ class RaisingWorkflow(RolloutWorkflow):
 
 
 class LongPromptWorkflow(RolloutWorkflow):
-    """Asks the engine for a prompt longer than its largest prefill bucket (an engine request error)."""
+    """Asks the engine for a context longer than the longest one a sequence may reach
+    (``engine.kv_capacity``): an engine request error."""
 
     def run_episode(self, engine, sample):
-        largest = max(self.cfg.engine.prefill_buckets)
-        engine.generate(GenerationRequest(prompt_ids=[1] * (largest + 8), temperature=self.cfg.rollout.temperature,
-                                          max_new_tokens=2, sample_id=sample["sample_id"]))
-        raise AssertionError("the engine accepted a prompt longer than its largest prefill bucket")
+        engine.generate(GenerationRequest(prompt_ids=[1] * (self.cfg.engine.kv_capacity + 8),
+                                          temperature=self.cfg.rollout.temperature, max_new_tokens=2,
+                                          sample_id=sample["sample_id"]))
+        raise AssertionError("the engine accepted a context longer than engine.kv_capacity")
 
 
 class InterruptingWorkflow(SingleTurnWorkflow):

@@ -13,7 +13,9 @@ batching, the early end of a chunk and the paired refills are described in
 
 Callers (any thread) reach it only through :meth:`Scheduler.submit`, :meth:`Scheduler.post_update`,
 :meth:`Scheduler.post_abort`, :meth:`Scheduler.post_flush` and :meth:`Scheduler.close`, under its
-condition; every other attribute is the scheduler thread's.
+condition; every other attribute is the scheduler thread's. The module stays one file for that
+reason: its methods are the steps of one thread's loop over state no other thread touches, and a
+split would spread one owner's state over several modules.
 """
 
 from __future__ import annotations

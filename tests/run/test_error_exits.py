@@ -50,7 +50,7 @@ def _kinds(tmp: Path) -> dict[str, Kind]:
         "eval_workflow": Kind(("workflow=tests.failing_components:RaisingWorkflow", "eval.every_steps=2"), 1,
                               "asyncrl: error: eval: workflow 'RaisingWorkflow' failed on eval sample"),
         "engine_request": Kind(("workflow=tests.failing_components:LongPromptWorkflow",), 1,
-                               "longer than the largest engine.prefill_buckets entry"),
+                               "exceeds engine.kv_capacity"),
         "reward": Kind(("rewards=[{fn: 'tests.failing_components:raising_reward'}]",
                         "rollout.max_consecutive_reward_failures=2"), 1, "raising_reward"),
         # An SFT stage after the RL one (the engine has run) whose data has no reference responses.

@@ -166,14 +166,14 @@ def _crash_config(tmp_path, *extra: str):
 
 
 def test_engine_crash_ends_the_run_with_the_engine_traceback(tmp_path, monkeypatch):
-    from asyncrl.engine import jax_engine
+    from asyncrl.engine import scheduler
     from asyncrl.errors import EngineCrashed
     from asyncrl.run.loop import train
 
     def broken(self, *args, **kwargs):
         raise RuntimeError("injected engine failure")
 
-    monkeypatch.setattr(jax_engine.JaxEngine, "_decode", broken)
+    monkeypatch.setattr(scheduler.Scheduler, "_decode", broken)
     before = set(threading.enumerate())
     with pytest.raises(EngineCrashed) as info:
         train(_crash_config(tmp_path), console=io.StringIO())
