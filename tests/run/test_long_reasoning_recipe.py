@@ -35,6 +35,11 @@ def test_recipe_validates_as_written_with_dapo_s_choices(capsys):
     assert cfg.algo.clip_high == 0.28 and cfg.algo.aggregation == "token-mean" and cfg.rollout.filter_zero_variance
     assert cfg.packs and cfg.optim.micro_batches == "auto" and cfg.rollout.max_staleness == 4 and cfg.algo.decoupled
     assert "/" not in cfg.model.path.split("Qwen/", 1)[-1]  # a hub id, not a path
+    # Every sample in flight decodes at once, and each replica's pool holds its share of them at the
+    # recipe's stated mean length (about 1,550 tokens) with room for the long tail.
+    engine, replicas, mean = cfg.engine, 8, 1550
+    assert engine.slots == cfg.rollout.max_concurrent * cfg.rollout.group_size and engine.slots % replicas == 0
+    assert engine.kv_pages * engine.page_size // mean >= 2 * engine.slots // replicas
     argv = documented_smoke_command()
     assert main([*argv, "--print-config"]) == 0
     assert "long_reasoning_cpu_smoke" in capsys.readouterr().out
