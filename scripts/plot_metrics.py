@@ -64,11 +64,7 @@ def plot(rows: list[dict], out: Path, title: str) -> list[str]:
             ax.legend(fontsize=8)
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
-    fig.suptitle(title)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    _save(fig, out, title)
     return drawn
 
 
@@ -97,13 +93,20 @@ def plot_compare(runs: list[tuple[str, list[dict]]], out: Path, title: str) -> d
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    _save(fig, out, title)
+    return drawn
+
+
+
+def _save(fig, out: Path, title: str) -> None:
+    """Title, lay out and write ``fig`` to ``out`` (its folder made), then free it."""
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
-    return drawn
-
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
