@@ -42,6 +42,10 @@ log = logging.getLogger("asyncrl.run.loop")  # the run's records under the loop'
 THREAD_JOIN_S = 60.0
 """How long :meth:`Run.close` waits, in all, for the threads that call into the runtime (rollout
 workers, the train step's background compile) to end after the engine stopped."""
+SIGNAL_CLOSE_S = 12.0
+"""Of the shutdown guard's grace after a signal, the seconds :meth:`Run.close` keeps for closing
+the trackers (``logging.tracker_flush_timeout_s``, 10 s by default) and logs after it stops
+waiting for threads."""
 
 Params = Any
 """A pytree of arrays: the model's parameters (or a LoRA run's adapters), on devices or as host numpy."""
@@ -268,12 +272,19 @@ class Run:
         self.console.close()
 
     def _join_threads(self) -> None:
-        deadline = time.monotonic() + THREAD_JOIN_S
+        budget = THREAD_JOIN_S
+        remaining = self.guard.remaining_s()
+        if remaining is not None:
+            # After a signal the guard's deadline ends the process with a bare message: stop waiting
+            # early enough that the run still closes its logs and exits with its own status and line
+            # (a thread inside an XLA compile cannot be interrupted, only left behind).
+            budget = min(budget, max(0.0, remaining - SIGNAL_CLOSE_S))
+        deadline = time.monotonic() + budget
         running = [name for join in self._thread_joins for name in join(max(0.0, deadline - time.monotonic()))]
         self._thread_joins.clear()
         if running:
             log.warning("%d thread(s) still running %.0f s after the run stopped (%s); the command exits without "
-                        "waiting for them", len(running), THREAD_JOIN_S, ", ".join(running[:4]))
+                        "waiting for them", len(running), budget, ", ".join(running[:4]))
 
     def resumed_inside(self, stage: Stage) -> Checkpoint:
         """The checkpoint ``stage`` resumes inside of (only when ``stage.done`` is not None)."""

@@ -79,6 +79,7 @@ class ShutdownGuard:
         self._pipe: Optional[tuple[int, int]] = None
         self._watcher: Optional[threading.Thread] = None
         self._deadline: Optional[threading.Timer] = None
+        self._deadline_at: Optional[float] = None  # time.monotonic() when the deadline fires
         self._entered = False
         self._lock = threading.Lock()
 
@@ -98,6 +99,12 @@ class ShutdownGuard:
     def exit_code(self) -> int:
         """The status to exit with: 128 + the signal number (130 for SIGINT, 143 for SIGTERM)."""
         return 128 + (self._signum if self._signum is not None else int(signal.SIGINT))
+
+    def remaining_s(self) -> Optional[float]:
+        """Seconds left before the deadline armed by the first signal exits the process, or None
+        when none is armed: what the run's own shutdown (joining its threads) may still spend."""
+        with self._lock:
+            return None if self._deadline_at is None else max(0.0, self._deadline_at - time.monotonic())
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until a shutdown is requested or ``timeout`` passes; returns :attr:`requested`."""
@@ -154,6 +161,7 @@ class ShutdownGuard:
             if self._deadline is not None:
                 self._deadline.cancel()
                 self._deadline = None
+                self._deadline_at = None
         self.installed = False
 
     # ------------------------------------------------------------------ signal handling
@@ -207,6 +215,7 @@ class ShutdownGuard:
         message = f"asyncrl: shutdown did not finish within {self.grace_s:g} s of the signal: exiting now\n"
         with self._lock:
             self._deadline = threading.Timer(self.grace_s, _exit_now, args=(code, message))
+            self._deadline_at = time.monotonic() + self.grace_s
             self._deadline.daemon = True
             self._deadline.start()
 

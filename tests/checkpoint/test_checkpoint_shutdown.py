@@ -35,11 +35,16 @@ LOOP = textwrap.dedent(
             time.sleep(0.005)  # one "step"
             steps += 1
         print("REQUESTED", guard.signum, guard.exit_code, steps > 0, flush=True)
+        for _ in range(400):  # the watcher thread arms the deadline just after setting the flag
+            if guard.remaining_s() is not None:
+                break
+            time.sleep(0.005)
+        print("GRACE LEFT", 25 < (guard.remaining_s() or 0) <= 30, flush=True)
         with open(marker, "w") as handle:
             handle.write("checkpoint")
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
     assert signal.set_wakeup_fd(-1) == -1
-    print("RESTORED", flush=True)
+    print("RESTORED", guard.remaining_s(), flush=True)
     sys.exit(guard.exit_code)
     """
 )
@@ -99,7 +104,7 @@ def test_first_signal_sets_the_flag_and_the_loop_checkpoints_then_exits_with_128
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == code, (out, err)
-    assert f"REQUESTED {int(signum)} {code} True" in out and "RESTORED" in out
+    assert f"REQUESTED {int(signum)} {code} True" in out and "GRACE LEFT True" in out and "RESTORED None" in out
     assert marker.read_text() == "checkpoint"
     name = signal.Signals(signum).name
     assert f"{name} received: finishing the current step, writing a checkpoint, then exiting with status {code}" in err
@@ -207,3 +212,21 @@ def test_a_signal_while_the_command_is_exiting_exits_at_once_without_a_traceback
     assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
     assert proc.stderr.strip() == ("asyncrl: interrupted (SIGINT) while exiting; the command had finished (exit "
                                    "status 0) and checkpoints already written are intact"), proc.stderr
+
+
+@pytest.mark.parametrize("remaining, budget", [(None, 60.0), (20.0, 8.0), (5.0, 0.0)])
+def test_the_run_waits_for_its_threads_only_within_the_grace_left(remaining, budget, caplog):
+    """After a signal :meth:`Run.close` stops waiting for its threads (one inside an XLA compile
+    cannot be interrupted) early enough to close its logs and exit with its own status and line
+    before the guard's deadline ends the process; without a signal it waits ``THREAD_JOIN_S``."""
+    from types import SimpleNamespace
+
+    from asyncrl.run.run_state import SIGNAL_CLOSE_S, THREAD_JOIN_S, Run
+
+    assert (THREAD_JOIN_S, SIGNAL_CLOSE_S) == (60.0, 12.0)
+    given = []
+    run = SimpleNamespace(guard=SimpleNamespace(remaining_s=lambda: remaining),
+                          _thread_joins=[lambda timeout: given.append(timeout) or ["asyncrl-engine"]])
+    Run._join_threads(run)
+    assert budget - 0.5 <= given[0] <= budget and run._thread_joins == []
+    assert f"still running {budget:.0f} s after the run stopped (asyncrl-engine)" in caplog.text
