@@ -147,8 +147,14 @@ def pallas_decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k:
 
 # --------------------------------------------------------------------------- through page tables
 
-PAGES_PER_BLOCK = 8
-"""Pages a step of the paged kernel's loop reads (8 x 16 positions: the contiguous kernel's block)."""
+BLOCK_POSITIONS = 128
+"""Positions a step of the paged kernel's loop reads: whole pages, 8 of 16 positions, 4 of 32, 2 of
+64 (a block of keys and one of values stay inside an H100's shared memory whatever the page size)."""
+
+
+def pages_per_block(page_size: int) -> int:
+    """Pages a step of the paged kernel's loop reads: :data:`BLOCK_POSITIONS` of them, at least one."""
+    return max(1, BLOCK_POSITIONS // page_size)
 
 
 def _paged_kernel(q_ref, k_new_ref, v_new_ref, row_ref, table_ref, kv_ref, o_ref, kv_out_ref, *, scale: float,
@@ -219,7 +225,7 @@ def pallas_paged_decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Arr
     the ``2kpsd`` layout) at ``positions`` int32 [B] through ``page_table`` int32 ``[B, P]`` where
     ``real`` (bool [B]), in place (the output aliases ``kv``), then attended over the row's positions
     up to its own (within Gemma 3's ``window``). Returns ``(out [B, heads, D] in q's dtype, kv)``.
-    One program per (row, KV head) walks the row's pages :data:`PAGES_PER_BLOCK` at a time up to its
+    One program per (row, KV head) walks the row's pages :func:`pages_per_block` at a time up to its
     position, with an online softmax in float32. ``interpret``: Pallas' interpreter (tests)."""
     return paged_decode_kernel(grouped_new_tokens(q, k_new, v_new), kv, page_table, positions, real, scale, window,
                                interpret)
@@ -246,7 +252,7 @@ def paged_decode_kernel(new: jax.Array, kv: jax.Array, page_table: jax.Array, po
     else:
         key_at = lambda i, h: (i, h, group, 0)
         value_at = lambda i, h: (i, h, group + 1, 0)
-    pages = min(PAGES_PER_BLOCK, page_table.shape[1])
+    pages = min(pages_per_block(page_size), page_table.shape[1])
     width = -(-page_table.shape[1] // pages) * pages
     # past a row's own pages its table holds the pool's size ("none"): read page 0 there instead (masked)
     table = jnp.where(page_table < pool, page_table, 0)

@@ -182,14 +182,15 @@ def with_views(pool: tuple, page_table: jax.Array, pages: int, flat: Optional[Fl
 def _gpu_kernel_takes(q: jax.Array, layer: PagedLayerKV, choice: str) -> bool:
     """Whether one token per row goes to the GPU paged decode kernel: ``model.attention`` allows it
     (:func:`~asyncrl.model.attention.attention_kernel`), the pool is in the GPU's layout, and the
-    shapes make whole ``tl.dot`` tiles (a block of pages of at least 16 positions, heads of 16 or
-    more); CUDA lowerings only: others take the reference there (:func:`_decode_on_gpu`)."""
+    shapes make whole ``tl.dot`` tiles (a block of pages of a power of two of at least 16 positions,
+    heads of 16 or more); CUDA lowerings only: others take the reference there (:func:`_decode_on_gpu`)."""
     from asyncrl.model.attention import attention_kernel
-    from asyncrl.model.decode_attention import PAGES_PER_BLOCK
+    from asyncrl.model.decode_attention import pages_per_block
 
     if layer.layout != "2kpsd" or attention_kernel(choice, q.dtype, q.shape[-1], decode=True) != "pallas":
         return False
-    return layer.page_size * PAGES_PER_BLOCK % 16 == 0 and q.shape[-1] % 16 == 0 and q.shape[2] % layer.kv.shape[1] == 0
+    span = layer.page_size * pages_per_block(layer.page_size)
+    return span >= 16 and span & (span - 1) == 0 and q.shape[-1] % 16 == 0 and q.shape[2] % layer.kv.shape[1] == 0
 
 
 def _decode_on_gpu(q, k, v, queries: PagedQueries, layer: PagedLayerKV, choice: str, scale: Optional[float],

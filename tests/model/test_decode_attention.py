@@ -76,6 +76,9 @@ def test_kernel_blocks_and_platform_choice():
     assert kernel_block(1024) == 128 and kernel_block(96) == 32 and kernel_block(48) == 16
     assert kernel_block(1024, head_dim=256) == 32  # Gemma 3: a smaller block of its wider heads
     assert kernel_block(40) is None  # no block of 16 or more: the einsum path
+    from asyncrl.model.decode_attention import pages_per_block
+
+    assert [pages_per_block(size) for size in (16, 32, 64, 256)] == [8, 4, 2, 1]  # 128 positions a step, whole pages
     reference = functools.partial(_scatter_and_attend, scale=0.25)
     # On the CPU the kernel's entry is the scatter-and-einsum path itself (bitwise).
     for slots in (40, 48):
