@@ -23,7 +23,9 @@ Compiled programs
   scheduler to refill: ``SlotControls.refill_free``), in two variants: plain sampling, and sampling with
   top-k/top-p (two threshold searches over the vocabulary), used only for chunks in which
   some slot asks for it; each also with a trie mask (``_trie``), used only for chunks in which
-  some slot is constrained (compiled once per size class of the engine's trie pool).
+  some slot is constrained (compiled once per size class of the engine's trie pool);
+* ``copy_pages``: the page copies of a prefill's or a decode chunk's rows (a shared partial page
+  copied for the sequence that writes into it next), run before that call and only when it has one.
 
 * ``beam_search``: one request's whole beam search (:mod:`asyncrl.engine.beam_search`), compiled per
   prompt bucket, width, ``max_new_tokens`` and trie size class; used only by beam requests.
@@ -227,7 +229,7 @@ def kernel_context(kernel: Optional[KernelTarget]) -> Any:
 def _prefill(graphdef, params, pool: Pool, plan: PrefillPlan, layout=None, kernel=None, fresh: bool = True) -> Pool:
     """Write ``plan``'s tokens into their rows' pages: the model's forward over the paged cache
     (:class:`~asyncrl.model.kv_cache.PagedKVCache`), each token attending over what its row held and
-    the tokens before it. ``fresh`` (static): every row held nothing (a first chunk), so the tokens
+    the tokens before it (the plan's page copies are made before the call: :func:`_copy_pages`). ``fresh`` (static): every row held nothing (a first chunk), so the tokens
     attend among themselves by ``model.attention``'s kernel, as a cache-free forward. ``layout``
     (static): the pool's shardings on an engine mesh, or None; ``kernel`` (static): the engine's
     devices as a :class:`~asyncrl.model.attention.KernelTarget`."""
@@ -235,8 +237,6 @@ def _prefill(graphdef, params, pool: Pool, plan: PrefillPlan, layout=None, kerne
     if layout is not None:  # each replica prefills its own rows, as one device does alone
         rows = row_sharding(layout[0].kv.mesh)
         plan = PrefillPlan(*(jax.lax.with_sharding_constraint(x, rows) for x in plan))
-    if not fresh:
-        pool = _copy_pages(pool, plan.copy_src, plan.copy_dst, layout)
     cache = PagedKVCache(pool, plan.page_table, plan.lengths)
     with kernel_context(kernel):
         _, cache = hidden_states(graphdef, params, plan.token_ids, None, plan.token_mask, cache, empty_cache=fresh)
@@ -244,20 +244,26 @@ def _prefill(graphdef, params, pool: Pool, plan: PrefillPlan, layout=None, kerne
 
 
 def _copy_pages(pool: Pool, src, dst, layout=None) -> Pool:
-    """Every layer's pages ``dst`` take pages ``src``' contents (int32 [slots]; ``dst`` past the
-    pool: no copy), skipped when there is none (most calls: the copies only start sequences); on
-    an engine mesh each replica copies its own (page numbers local to it)."""
+    """Every layer's pages ``dst`` take pages ``src``' contents (int32 [rows]; ``dst`` past the
+    pool: no copy); on an engine mesh each replica copies its own (page numbers local to it).
+
+    A program of its own, which the runner calls only when some row has a copy to make
+    (:meth:`~asyncrl.engine.model_runner.ModelRunner.copy_pages`, before a prefill or a decode
+    chunk): a branch over the pool inside those programs (copy or not) would make the pool a
+    conditional's result, a buffer apart from the donated one: XLA:GPU then holds a second pool
+    through the whole program and copies it back at its end."""
+    count_trace("copy_pages")
+
     def copy(pool, src, dst):
-        pages = pool[0].pages
-        return jax.lax.cond(jnp.any(dst < pages), lambda p: tuple(copy_pages(layer, src, dst) for layer in p),
-                            lambda p: p, pool)
+        return tuple(copy_pages(layer, src, dst) for layer in pool)
 
     if layout is None:
         return copy(pool, src, dst)
     mesh = layout[0].kv.mesh
     specs = jax.tree.map(lambda sharding: sharding.spec, layout)
     rows = row_sharding(mesh).spec
-    return jax.shard_map(copy, mesh=mesh, in_specs=(specs, rows, rows), out_specs=specs, check_vma=False)(pool, src, dst)
+    pool = jax.shard_map(copy, mesh=mesh, in_specs=(specs, rows, rows), out_specs=specs, check_vma=False)(pool, src, dst)
+    return constrain_state(pool, layout)
 
 
 def slot_key(root_key, sample_id, key_index, turn):
@@ -476,8 +482,9 @@ def _decode_chunk(graphdef, params, pool: Pool, controls: SlotControls, flat: Op
     """Decode up to ``steps`` tokens for every active slot: each step is the model's own forward
     over the paged cache with ``T = 1`` (idle slots masked out: they write nothing), then sampling.
 
-    Before the loop, the controls' page copies run (a shared partial page copied for the sequence
-    that writes into it next) and each slot's key is made from its parts. On the CPU the steps
+    The controls' page copies (a shared partial page copied for the sequence that writes into it
+    next) are made before the call, by :func:`_copy_pages`. Before the loop each slot's key is made
+    from its parts. On the CPU the steps
     attend over a view of the pages they read, gathered once here
     (:func:`~asyncrl.model.paged_attention.with_views`): ``view_pages`` (static) > 0, each slot's
     first that many pages; else ``flat``, every active slot's pages as one list covering its
@@ -506,7 +513,6 @@ def _decode_chunk(graphdef, params, pool: Pool, controls: SlotControls, flat: Op
     vocab = params["embed_tokens"]["embedding"].shape[0]
     stop_vocab = jax.nn.one_hot(controls.stop_ids, vocab, dtype=bool).any(axis=1)  # [S, V]; -1 pads hit nothing
     keys = jax.vmap(slot_key, in_axes=(None, 0, 0, 0))(root_key, controls.sample_id, controls.key_index, controls.turn)
-    pool = _copy_pages(pool, jnp.asarray(controls.copy_src, jnp.int32), jnp.asarray(controls.copy_dst, jnp.int32), layout)
     page_table = jnp.asarray(controls.page_table, jnp.int32)
     if view_pages or flat is not None:
         with kernel_context(kernel):
@@ -590,5 +596,6 @@ def _decode_chunk(graphdef, params, pool: Pool, controls: SlotControls, flat: Op
 
 
 prefill_jit = jax.jit(_prefill, static_argnums=(0, 4, 5, 6), donate_argnums=2)
+copy_pages_jit = jax.jit(_copy_pages, static_argnums=3, donate_argnums=0)
 decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 6, 7, 8, 10),
                            static_argnames=("sampler", "inner", "kernel", "view_pages"), donate_argnums=2)

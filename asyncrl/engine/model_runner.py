@@ -25,6 +25,7 @@ from asyncrl.engine.device_copy import serving_copy
 from asyncrl.engine.jax_programs import (
     PrefillPlan,
     SlotControls,
+    copy_pages_jit,
     decode_chunk_jit,
     empty_flat,
     graphdef_config,
@@ -153,8 +154,26 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ programs
 
+    def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Every layer's pages ``dst`` take pages ``src``' contents (host int32 [rows], each replica's
+        rows in turn, page numbers local to it; ``dst`` the replica's pool size: no copy), by a
+        program of its own, called only when some row has a copy to make and compiled once: each
+        replica's copies go first in a block of a replica's slots."""
+        src, dst = np.asarray(src, np.int32), np.asarray(dst, np.int32)
+        if not np.any(dst < self.pages_per_replica):
+            return
+        per = self.slots // self.replicas
+        blocks = np.zeros((2, self.replicas, per), np.int32)
+        blocks[1] = self.pages_per_replica
+        for r, (s, d) in enumerate(zip(np.split(src, self.replicas), np.split(dst, self.replicas))):
+            copies = d < self.pages_per_replica
+            blocks[:, r, : int(copies.sum())] = s[copies], d[copies]
+        self.pool = copy_pages_jit(self.pool, blocks[0].reshape(-1), blocks[1].reshape(-1), self.layout)
+
     def prefill(self, plan: PrefillPlan, fresh: bool) -> None:
-        """Write ``plan``'s tokens into their rows' pages (``fresh``: every row starts empty)."""
+        """Write ``plan``'s tokens into their rows' pages (``fresh``: every row starts empty), after
+        its page copies."""
+        self.copy_pages(plan.copy_src, plan.copy_dst)
         self.pool = prefill_jit(self.graphdef, self.serving, self.pool, plan, self.layout, self.kernel, fresh)
 
     def prefill_chunks(self, chunks: Sequence[tuple[int, int, np.ndarray, np.ndarray, Optional[tuple[int, int]]]],
@@ -187,7 +206,9 @@ class ModelRunner:
     def decode(self, controls: SlotControls, flat: Optional[FlatPages], root_key: Any, steps: int, filtered: bool,
                tries: Any, max_branch: int, view_pages: int = 0) -> tuple[Any, Any, Any]:
         """One decode chunk; returns its ``(tokens, logprobs, emitted)`` device arrays ``[slots, steps]``
-        (the CPU's: over a view of each slot's first ``view_pages`` pages, else of ``flat``'s)."""
+        (the CPU's: over a view of each slot's first ``view_pages`` pages, else of ``flat``'s), after the
+        controls' page copies."""
+        self.copy_pages(controls.copy_src, controls.copy_dst)
         self.pool, tokens, logprobs, emitted = decode_chunk_jit(
             self.graphdef, self.serving, self.pool, controls, flat, root_key, steps, filtered, self.layout, tries,
             max_branch, **self.decode_options(), view_pages=view_pages)
@@ -219,6 +240,8 @@ class ModelRunner:
             self.prefill(self.empty_plan(bucket), fresh=True)
         for bucket in extend_buckets:
             self.prefill(self.empty_plan(bucket), fresh=False)
+        none = np.full((self.slots,), self.pages_per_replica, np.int32)
+        self.pool = copy_pages_jit(self.pool, none, none, self.layout)  # (copies nothing)
         for rows in (*row_sizes, self.slots // self.replicas):
             idle = idle_controls(rows * self.replicas, self.config.max_stop_ids, self.pages_per_seq, self.pages_per_replica)
             views = [(None, size) for size in view_sizes] + [(empty_flat(size, rows, self.replicas), 0) for size in flat_sizes

@@ -147,8 +147,14 @@ def pallas_decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k:
 
 # --------------------------------------------------------------------------- through page tables
 
-PAGES_PER_BLOCK = 8
-"""Pages a step of the paged kernel's loop reads (8 x 16 positions: the contiguous kernel's block)."""
+BLOCK_POSITIONS = 128
+"""Positions a step of the paged kernel's loop reads: whole pages, 8 of 16 positions, 4 of 32, 2 of
+64 (a block of keys and one of values stay inside an H100's shared memory whatever the page size)."""
+
+
+def pages_per_block(page_size: int) -> int:
+    """Pages a step of the paged kernel's loop reads: :data:`BLOCK_POSITIONS` of them, at least one."""
+    return max(1, BLOCK_POSITIONS // page_size)
 
 
 def _paged_kernel(q_ref, k_new_ref, v_new_ref, row_ref, table_ref, kv_ref, o_ref, kv_out_ref, *, scale: float,
@@ -193,6 +199,24 @@ def _paged_kernel(q_ref, k_new_ref, v_new_ref, row_ref, table_ref, kv_ref, o_ref
         kv_out_ref[1, page, pl_ds(offset, 1), :] = v_new[None, :].astype(kv_out_ref.dtype)
 
 
+def grouped_new_tokens(q: jax.Array, k_new: jax.Array, v_new: jax.Array) -> jax.Array:
+    """The paged kernel's one input of new tokens: each KV head's query heads, then its new key and
+    value, ``[B, kv_heads, group + 2, D]`` in ``q``'s dtype, from ``q [B, heads, D]`` and ``k_new,
+    v_new [B, kv_heads, D]``. XLA computes it in one fusion with what produces them (bias, rope,
+    the q/k norms) where three separate operands took a fusion each."""
+    b, heads, d = q.shape
+    kv_heads = k_new.shape[1]
+    return jnp.concatenate([q.reshape(b, kv_heads, heads // kv_heads, d), k_new.astype(q.dtype)[:, :, None],
+                            v_new.astype(q.dtype)[:, :, None]], axis=2)
+
+
+def projections_fit(heads: int, kv_heads: int) -> bool:
+    """Whether :func:`paged_decode_kernel` can read the new tokens in the projections' order: each
+    KV head's query heads one row of ``group`` and the keys and values whole rows of it too."""
+    group = heads // kv_heads
+    return (2 * kv_heads) % group == 0
+
+
 def pallas_paged_decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv: jax.Array, page_table: jax.Array,
                                   positions: jax.Array, real: jax.Array, scale: float, window: Optional[int] = None,
                                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -201,15 +225,34 @@ def pallas_paged_decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Arr
     the ``2kpsd`` layout) at ``positions`` int32 [B] through ``page_table`` int32 ``[B, P]`` where
     ``real`` (bool [B]), in place (the output aliases ``kv``), then attended over the row's positions
     up to its own (within Gemma 3's ``window``). Returns ``(out [B, heads, D] in q's dtype, kv)``.
-    One program per (row, KV head) walks the row's pages :data:`PAGES_PER_BLOCK` at a time up to its
+    One program per (row, KV head) walks the row's pages :func:`pages_per_block` at a time up to its
     position, with an online softmax in float32. ``interpret``: Pallas' interpreter (tests)."""
+    return paged_decode_kernel(grouped_new_tokens(q, k_new, v_new), kv, page_table, positions, real, scale, window,
+                               interpret)
+
+
+def paged_decode_kernel(new: jax.Array, kv: jax.Array, page_table: jax.Array, positions: jax.Array, real: jax.Array,
+                        scale: float, window: Optional[int] = None, interpret: bool = False,
+                        projections: bool = False) -> tuple[jax.Array, jax.Array]:
+    """:func:`pallas_paged_decode_attention` over the new tokens laid out by
+    :func:`grouped_new_tokens` (``new [B, kv_heads, group + 2, D]``), or with ``projections`` in the
+    projections' own order, every query head, then every key, then every value, as ``[B, (heads +
+    2 kv_heads) / group, group, D]`` (see :func:`projections_fit`). Returns ``(out [B, heads, D] in
+    new's dtype, kv)``."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
-    b, heads, d = q.shape
+    b, rows, per_row, d = new.shape
     _, kv_heads, pool, page_size, _ = kv.shape
-    group = heads // kv_heads
-    pages = min(PAGES_PER_BLOCK, page_table.shape[1])
+    group = per_row if projections else per_row - 2
+    heads = kv_heads * group
+    if projections:  # key h is row heads + h of the projections, value h row heads + kv_heads + h
+        key_at = lambda i, h: (i, (heads + h) // group, (heads + h) % group, 0)
+        value_at = lambda i, h: (i, (heads + kv_heads + h) // group, (heads + kv_heads + h) % group, 0)
+    else:
+        key_at = lambda i, h: (i, h, group, 0)
+        value_at = lambda i, h: (i, h, group + 1, 0)
+    pages = min(pages_per_block(page_size), page_table.shape[1])
     width = -(-page_table.shape[1] // pages) * pages
     # past a row's own pages its table holds the pool's size ("none"): read page 0 there instead (masked)
     table = jnp.where(page_table < pool, page_table, 0)
@@ -221,16 +264,14 @@ def pallas_paged_decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Arr
     tile = max(_GROUP_TILE, 1 << (group - 1).bit_length())
     kernel = functools.partial(_paged_kernel, scale=scale, pages=pages, window=window)
     pool_spec = pl.BlockSpec((2, None, pool, page_size, d), lambda i, h: (0, h, 0, 0, 0))
-    new = jnp.concatenate([q.reshape(b, kv_heads, group, d), k_new.astype(q.dtype)[:, :, None],
-                           v_new.astype(q.dtype)[:, :, None]], axis=2)
     out, kv = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((b, kv_heads, group, d), q.dtype), jax.ShapeDtypeStruct(kv.shape, kv.dtype)),
+        out_shape=(jax.ShapeDtypeStruct((b, kv_heads, group, d), new.dtype), jax.ShapeDtypeStruct(kv.shape, kv.dtype)),
         grid=(b, kv_heads),
         in_specs=[
             pl.BlockSpec((None, None, tile, d), lambda i, h: (i, h, 0, 0)),  # rows past the group: unused
-            pl.BlockSpec((None, None, None, d), lambda i, h: (i, h, group, 0)),
-            pl.BlockSpec((None, None, None, d), lambda i, h: (i, h, group + 1, 0)),
+            pl.BlockSpec((None, None, None, d), key_at),
+            pl.BlockSpec((None, None, None, d), value_at),
             pl.BlockSpec((None, 4), lambda i, h: (i, 0)),
             pl.BlockSpec((None, width), lambda i, h: (i, 0)),
             pool_spec,

@@ -60,11 +60,40 @@ jax.tree_util.register_dataclass(PagedQueries, data_fields=["positions", "real",
                                  meta_fields=["window", "fresh"])
 
 
+@dataclasses.dataclass(frozen=True)
+class QKPrologue:
+    """What turns a layer's projected queries and keys into the ones attention takes: the rotary
+    ``cos, sin`` float32 ``[B, T, D]`` (:func:`~asyncrl.model.transformer.rope_cos_sin`) after
+    the q/k RMSNorms (``norms``: their weights ``[D]``, or None for models without them; ``eps``,
+    ``plus_one`` as :class:`~asyncrl.model.transformer.RMSNorm`'s)."""
+
+    cos: jax.Array
+    sin: jax.Array
+    norms: Optional[tuple[jax.Array, jax.Array]] = None
+    eps: float = 1e-6
+    plus_one: bool = False
+
+    def apply(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``q [B, T, heads, D]`` and ``k [B, T, kv_heads, D]`` normed (when the model has the
+        norms), then rotated: the attention module's own order of operations."""
+        from asyncrl.model.transformer import apply_rope, rms_norm
+
+        if self.norms is not None:
+            q, k = (rms_norm(x, w, self.eps, self.plus_one) for x, w in zip((q, k), self.norms))
+        return apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
+
+
+jax.tree_util.register_dataclass(QKPrologue, data_fields=["cos", "sin", "norms"], meta_fields=["eps", "plus_one"])
+
+
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, queries: PagedQueries, layer: PagedLayerKV,
-                    choice: str, scale: Optional[float] = None) -> tuple[jax.Array, PagedLayerKV]:
+                    choice: str, scale: Optional[float] = None,
+                    prologue: Optional[QKPrologue] = None) -> tuple[jax.Array, PagedLayerKV]:
     """Attention of ``q [B, T, heads, D]`` over a paged layer after writing the new ``k, v``
     ``[B, T, kv_heads, D]`` into the rows' pages (:func:`~asyncrl.model.kv_cache.write_pages`).
-    Returns ``(out [B, T, heads, D], the updated layer)``.
+    Returns ``(out [B, T, heads, D], the updated layer)``. With a ``prologue``, ``q`` and ``k`` are
+    the projections it norms and rotates first (:meth:`QKPrologue.apply`; on the GPU decode
+    kernel's path in the same fusion that lays the new tokens out for the kernel).
 
     A prefill into empty rows (``queries.fresh``) attends among its own tokens by
     ``model.attention``'s kernel, as a cache-free forward does. Otherwise
@@ -76,6 +105,10 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, queries: PagedQuer
     on its own device, and would gather the pool around every access (and does not partition the
     kernels)."""
     mesh = current_target().mesh
+    on_gpu_kernel = layer.view is None and not queries.fresh and q.shape[1] == 1 and _gpu_kernel_takes(q, layer, choice)
+    if prologue is not None and not on_gpu_kernel:
+        q, k = prologue.apply(q, k)
+        prologue = None
     if layer.view is not None:  # one token per row over the chunk's copy of its pages (the CPU)
         def viewed(q, k, v, layer, positions, page_table, real, *flat):
             here = dataclasses.replace(queries, positions=positions, page_table=page_table, real=real,
@@ -86,16 +119,16 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, queries: PagedQuer
         kinds = ("kv", "kv", "kv", "viewed", "rows", "rows", "rows", "flat")[:7 + len(flat)]
         return _per_device(mesh, viewed, layer.layout, kinds, ("kv", "viewed"), q, k, v, layer, queries.positions,
                            queries.page_table, queries.real, *flat)
-    if not queries.fresh and q.shape[1] == 1 and _gpu_kernel_takes(q, layer, choice):
-        def fused(q, k, v, layer, positions, page_table, real, *flat):
+    if on_gpu_kernel:
+        def fused(q, k, v, layer, positions, page_table, real, prologue, *flat):
             here = dataclasses.replace(queries, positions=positions, page_table=page_table, real=real,
                                        flat=flat[0] if flat else None)
-            return _decode_on_gpu(q, k, v, here, layer, choice, scale)
+            return _decode_on_gpu(q, k, v, here, layer, choice, scale, prologue)
 
         flat = () if queries.flat is None else (queries.flat,)
-        kinds = ("kv", "kv", "kv", "pool", "rows", "rows", "rows", "flat")[:7 + len(flat)]
+        kinds = ("kv", "kv", "kv", "pool", "rows", "rows", "rows", "prologue", "flat")[:8 + len(flat)]
         return _per_device(mesh, fused, layer.layout, kinds, ("kv", "pool"), q, k, v, layer, queries.positions,
-                           queries.page_table, queries.real, *flat)
+                           queries.page_table, queries.real, prologue, *flat)
     layer = _per_device(mesh, lambda layer, k, v, t, p, r: write_pages(layer, k, v, t, p, r), layer.layout,
                         ("pool", "kv", "kv", "rows", "rows", "rows"), "pool",
                         layer, k, v, queries.page_table, queries.positions, queries.real)
@@ -149,39 +182,75 @@ def with_views(pool: tuple, page_table: jax.Array, pages: int, flat: Optional[Fl
 def _gpu_kernel_takes(q: jax.Array, layer: PagedLayerKV, choice: str) -> bool:
     """Whether one token per row goes to the GPU paged decode kernel: ``model.attention`` allows it
     (:func:`~asyncrl.model.attention.attention_kernel`), the pool is in the GPU's layout, and the
-    shapes make whole ``tl.dot`` tiles (a block of pages of at least 16 positions, heads of 16 or
-    more); CUDA lowerings only: others take the reference there (:func:`_decode_on_gpu`)."""
+    shapes make whole ``tl.dot`` tiles (a block of pages of a power of two of at least 16 positions,
+    heads of 16 or more); CUDA lowerings only: others take the reference there (:func:`_decode_on_gpu`)."""
     from asyncrl.model.attention import attention_kernel
-    from asyncrl.model.decode_attention import PAGES_PER_BLOCK
+    from asyncrl.model.decode_attention import pages_per_block
 
     if layer.layout != "2kpsd" or attention_kernel(choice, q.dtype, q.shape[-1], decode=True) != "pallas":
         return False
-    return layer.page_size * PAGES_PER_BLOCK % 16 == 0 and q.shape[-1] % 16 == 0 and q.shape[2] % layer.kv.shape[1] == 0
+    span = layer.page_size * pages_per_block(layer.page_size)
+    return span >= 16 and span & (span - 1) == 0 and q.shape[-1] % 16 == 0 and q.shape[2] % layer.kv.shape[1] == 0
 
 
-def _decode_on_gpu(q, k, v, queries: PagedQueries, layer: PagedLayerKV, choice: str,
-                   scale: Optional[float]) -> tuple[jax.Array, PagedLayerKV]:
+def _decode_on_gpu(q, k, v, queries: PagedQueries, layer: PagedLayerKV, choice: str, scale: Optional[float],
+                   prologue: Optional[QKPrologue] = None) -> tuple[jax.Array, PagedLayerKV]:
     """One token per row on a CUDA GPU: the paged decode kernel writes the new key and value and
-    attends, in one kernel per layer; other lowerings (``jax.lax.platform_dependent`` picks when
-    the program is lowered) write then attend by :func:`paged_decode_attention`, its reference."""
-    from asyncrl.model.decode_attention import pallas_paged_decode_attention
+    attends, in one kernel per layer, reading the new tokens from one fusion that norms and rotates
+    the queries and keys (``prologue``) in the projections' order where the heads allow
+    (:func:`_prologue_in_projection_order`); other lowerings (``jax.lax.platform_dependent`` picks
+    when the program is lowered) apply the prologue, write, then attend by
+    :func:`paged_decode_attention`, its reference."""
+    from asyncrl.model.decode_attention import grouped_new_tokens, paged_decode_kernel, projections_fit
 
     d = q.shape[-1]
     scale_ = d**-0.5 if scale is None else scale
+    in_order = prologue is not None and projections_fit(q.shape[2], k.shape[2])
 
-    def kernel(q, k, v, kv, positions, page_table, real):
-        out, kv = pallas_paged_decode_attention(q[:, 0], k[:, 0], v[:, 0], kv, page_table, positions[:, 0], real[:, 0],
-                                                scale_, queries.window)
+    def kernel(q, k, v, kv, positions, page_table, real, prologue):
+        if in_order:
+            new = _prologue_in_projection_order(q[:, 0], k[:, 0], v[:, 0], prologue)
+        else:
+            if prologue is not None:
+                q, k = prologue.apply(q, k)
+            new = grouped_new_tokens(q[:, 0], k[:, 0], v[:, 0])
+        out, kv = paged_decode_kernel(new, kv, page_table, positions[:, 0], real[:, 0], scale_, queries.window,
+                                      projections=in_order)
         return out[:, None], kv
 
-    def reference(q, k, v, kv, positions, page_table, real):
+    def reference(q, k, v, kv, positions, page_table, real, prologue):
+        if prologue is not None:
+            q, k = prologue.apply(q, k)
         written = write_pages(PagedLayerKV(kv, layer.layout), k, v, page_table, positions, real)
         here = dataclasses.replace(queries, positions=positions, page_table=page_table, real=real)
         return paged_decode_attention(q, written, here, choice, scale), written.kv
 
     out, kv = jax.lax.platform_dependent(q, k, v, layer.kv, queries.positions, queries.page_table, queries.real,
-                                         cuda=kernel, default=reference)
+                                         prologue, cuda=kernel, default=reference)
     return out, PagedLayerKV(kv, layer.layout)
+
+
+def _prologue_in_projection_order(q: jax.Array, k: jax.Array, v: jax.Array, prologue: QKPrologue) -> jax.Array:
+    """:meth:`QKPrologue.apply` over one token per row's ``q [B, heads, D]`` and ``k [B, kv_heads,
+    D]``, the values ``v`` passed through, as one expression over the three in the projections'
+    order (``[B, heads + 2 kv_heads, D]``, every head normed and rotated, the values' rows then
+    taken as they were), so that the norms, the rotation and the values are one fusion and the
+    kernel reads its result as it lies (``projections`` of
+    :func:`~asyncrl.model.decode_attention.paged_decode_kernel`): ``[B, (heads + 2 kv_heads) /
+    group, group, D]``."""
+    from asyncrl.model.transformer import apply_rope, rms_norm
+
+    b, heads, d = q.shape
+    kv_heads = k.shape[1]
+    x = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=1)  # [B, heads + 2 kv_heads, D]
+    head = jnp.arange(heads + 2 * kv_heads)[:, None]
+    turned = x
+    if prologue.norms is not None:  # per-row weights by a select (elementwise: it fuses; a concatenation would not)
+        q_weight, k_weight = prologue.norms
+        turned = rms_norm(x, jnp.where(head < heads, q_weight[None, :], k_weight[None, :]), prologue.eps, prologue.plus_one)
+    turned = apply_rope(turned[:, None], prologue.cos, prologue.sin)[:, 0]
+    group = heads // kv_heads
+    return jnp.where(head >= heads + kv_heads, x, turned).reshape(b, (heads + 2 * kv_heads) // group, group, d)
 
 
 def paged_decode_attention(q: jax.Array, layer: PagedLayerKV, queries: PagedQueries, choice: str,
@@ -271,6 +340,16 @@ def flat_paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, queries: Page
     return out.reshape(b, 1, heads, d).astype(q.dtype)
 
 
+def _prologue_spec(prologue: Optional[QKPrologue], rows: Any) -> Any:
+    """A :class:`QKPrologue`'s split on an engine mesh: rotations by row, norm weights whole."""
+    from jax.sharding import PartitionSpec as P
+
+    if prologue is None:
+        return None
+    norms = None if prologue.norms is None else (P(), P())
+    return QKPrologue(P(rows), P(rows), norms, prologue.eps, prologue.plus_one)  # type: ignore[arg-type]
+
+
 def _per_device(mesh: Any, fn: Any, layout: str, kinds: tuple[str, ...], out_kind: "str | tuple[str, ...]",
                 *args: Any) -> Any:
     """``fn(*args)`` per device of an engine ``mesh`` in a ``shard_map`` (directly without one, or
@@ -278,7 +357,7 @@ def _per_device(mesh: Any, fn: Any, layout: str, kinds: tuple[str, ...], out_kin
     pages over the replicas, KV heads over ``tensor``), ``viewed`` (such a pool with a decode chunk's
     view: its rows or listed pages over the replicas), ``kv`` (``[B, T, heads, D]``: rows and
     heads), ``rows`` (rows first), ``flat`` (a :class:`~asyncrl.model.kv_cache.FlatPages`, each
-    replica's part in turn)."""
+    replica's part in turn), ``prologue`` (a :class:`QKPrologue` or None)."""
     if mesh is None or mesh.size == 1:
         return fn(*args)
     from jax.sharding import PartitionSpec as P
@@ -292,6 +371,6 @@ def _per_device(mesh: Any, fn: Any, layout: str, kinds: tuple[str, ...], out_kin
     spec_of = {"pool": PagedLayerKV(pages, layout, None), "viewed": PagedLayerKV(pages, layout, view),  # type: ignore[arg-type]
                "kv": P(rows, None, heads, None), "rows": P(rows),
                "flat": FlatPages(P(rows), P(rows), P(rows), P(rows))}
-    in_specs = tuple(spec_of[kind] for kind in kinds)
+    in_specs = tuple(_prologue_spec(arg, rows) if kind == "prologue" else spec_of[kind] for kind, arg in zip(kinds, args))
     out_specs = tuple(spec_of[kind] for kind in out_kind) if isinstance(out_kind, tuple) else spec_of[out_kind]
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)

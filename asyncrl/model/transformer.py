@@ -41,7 +41,7 @@ from asyncrl.model.attention import SelfAttentionMask, attend, cached_attention,
 from asyncrl.model.blocks import ACTIVATIONS, dtype_of, linear, normal_init, sliding_window_mask, softcap
 from asyncrl.model.config import DecoderConfig
 from asyncrl.model.kv_cache import KVCache, LayerKV, PagedKVCache, PagedLayerKV
-from asyncrl.model.paged_attention import PagedQueries, paged_attention
+from asyncrl.model.paged_attention import PagedQueries, QKPrologue, paged_attention
 from asyncrl.model.sharding import vocab_parallel_head
 
 # --------------------------------------------------------------------------- rotary
@@ -100,12 +100,21 @@ class RMSNorm(nnx.Module):
         self.plus_one = plus_one
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dtype = x.dtype
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        if self.plus_one:
-            return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(dtype)
-        return self.weight[...].astype(dtype) * x32.astype(dtype)
+        return rms_norm(x, self.weight[...], self.eps, self.plus_one)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False,
+             skip: Optional[jax.Array] = None) -> jax.Array:
+    """:class:`RMSNorm`'s arithmetic over ``x``'s last axis, ``weight`` broadcast against ``x``;
+    ``skip`` (bool, broadcast against ``x[..., :1]``): rows left unnormalised, which a weight of 1
+    (0 with ``plus_one``) returns exactly as they are."""
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    factor = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    x32 = x32 * (factor if skip is None else jnp.where(skip, 1.0, factor))
+    if plus_one:
+        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(dtype)
+    return weight.astype(dtype) * x32.astype(dtype)
 
 
 def _norm(cfg: DecoderConfig, dim: int) -> RMSNorm:
@@ -144,13 +153,15 @@ class Attention(nnx.Module):
         q = _dense(self.q_proj, x).reshape(b, t, cfg.num_heads, cfg.head_dim)
         k = _dense(self.k_proj, x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = _dense(self.v_proj, x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
+        if isinstance(cache, PagedLayerKV):  # the q/k norms and rope applied there (fused into one step on GPUs)
+            norms = (self.q_norm.weight[...], self.k_norm.weight[...]) if cfg.qk_norm else None
+            prologue = QKPrologue(cos, sin, norms, cfg.rms_norm_eps, cfg.norm_plus_one)
+            out, new_cache = paged_attention(q, k, v, mask, cache, cfg.attention, scale, prologue)
+            return _dense(self.o_proj, out.reshape(b, t, cfg.num_heads * cfg.head_dim)), new_cache
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
-        if isinstance(cache, PagedLayerKV):
-            out, new_cache = paged_attention(q, k, v, mask, cache, cfg.attention, scale)
-            return _dense(self.o_proj, out.reshape(b, t, cfg.num_heads * cfg.head_dim)), new_cache
         if cache is not None:
             out, new_cache = cached_attention(q, k, v, mask, cache, write_idx, cfg.attention, scale)
             return _dense(self.o_proj, out.reshape(b, t, cfg.num_heads * cfg.head_dim)), new_cache

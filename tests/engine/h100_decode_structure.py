@@ -5,7 +5,8 @@ process of its own: XLA reads ``XLA_FLAGS``, the dump folder and the command-buf
 
 prints :class:`asyncrl.plan.thunk_sequence.DecodeStructure` as a JSON line (kernels per step, per
 layer and outside the layers, steps per loop iteration, whether the body and the loop are inside
-command buffers, host round trips per token). The model is Qwen2.5-0.5B's shape
+command buffers, host round trips per token) with the program's temporaries and the page pool's
+bytes (``temp_bytes``, ``pool_bytes``). The model is Qwen2.5-0.5B's shape
 (configs/models/qwen2.5-0.5b) with ``LAYERS`` layers, bf16 compute, 128 slots, a 1024-slot cache,
 16-step chunks (the 0.5B recipe's engine) and ``INNER`` steps per loop iteration, Gumbel sampling
 (the GPU's), on the ``h100`` target of ``asyncrl plan --target`` (asyncrl/plan/targets.py). Used by
@@ -48,13 +49,16 @@ def main(layers: int, inner: int) -> dict:
     pool = abstract(jax.eval_shape(lambda: init_pool(cfg, pages, 16)))
     controls = abstract(jax.tree.map(np.asarray, idle_controls(128, 8, 1024 // 16, pages)))
     key = abstract(np.zeros(2, np.uint32))
-    decode_chunk_jit.lower(graphdef, serving, pool, controls, None, key, 16, False, None, sampler="gumbel",
-                           inner=inner).compile()
+    compiled = decode_chunk_jit.lower(graphdef, serving, pool, controls, None, key, 16, False, None, sampler="gumbel",
+                                      inner=inner).compile()
+    memory = compiled.memory_analysis()
+    assert memory is not None, "no memory analysis for the h100 target"
     (thunks,) = glob.glob(f"{dump}/*decode_chunk*thunk_sequence_after_thunk_passes.txt")
     with open(thunks) as f:
         structure = decode_structure(f.read(), layers)
     assert structure is not None, f"{thunks}: no while loop"
-    return dataclasses.asdict(structure)
+    pool_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(pool))
+    return {**dataclasses.asdict(structure), "temp_bytes": memory.temp_size_in_bytes, "pool_bytes": pool_bytes}
 
 
 if __name__ == "__main__":

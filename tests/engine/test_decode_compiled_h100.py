@@ -3,8 +3,8 @@ plugin is importable (the aot venv: ``JAX_PLATFORMS=cpu ~/.cache/asyncrl-aot-cud
 tests/engine/test_decode_compiled_h100.py``; the CI venv skips it). Qwen2.5-0.5B's layers (3 of
 them), 128 slots, a 1024-slot cache, 16-step chunks and the GPU's 8 steps per loop iteration, read
 by ``asyncrl plan --target``'s own parser (asyncrl/plan/thunk_sequence.py): at most 10 kernels per
-layer and at most 15 outside the layers per step, and the loop's body one command buffer of 8 steps (one host
-round trip per 8 tokens)."""
+layer and at most 15 outside the layers per step, the loop's body one command buffer of 8 steps (one host
+round trip per 8 tokens), and the page pool written in place (temporaries below its bytes)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def test_decode_step_kernels_and_host_round_trips_on_h100():
     assert s["host_round_trips_per_token"] <= 1 / 8, s
     assert s["kernels_per_layer"] <= 10, s  # (16 without the decode attention kernel)
     assert s["kernels_outside_layers"] <= 15, s
+    assert s["temp_bytes"] < s["pool_bytes"], s  # the pool is written in place: no second copy among the temporaries
 
 
 def test_engine_mesh_runs_the_kernel_per_device_on_gpus():

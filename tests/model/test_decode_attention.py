@@ -76,6 +76,9 @@ def test_kernel_blocks_and_platform_choice():
     assert kernel_block(1024) == 128 and kernel_block(96) == 32 and kernel_block(48) == 16
     assert kernel_block(1024, head_dim=256) == 32  # Gemma 3: a smaller block of its wider heads
     assert kernel_block(40) is None  # no block of 16 or more: the einsum path
+    from asyncrl.model.decode_attention import pages_per_block
+
+    assert [pages_per_block(size) for size in (16, 32, 64, 256)] == [8, 4, 2, 1]  # 128 positions a step, whole pages
     reference = functools.partial(_scatter_and_attend, scale=0.25)
     # On the CPU the kernel's entry is the scatter-and-einsum path itself (bitwise).
     for slots in (40, 48):
@@ -122,6 +125,31 @@ def test_paged_kernel_equals_the_reference(window):
                                             queries.positions[:, 0], queries.real[:, 0], 0.25, window, interpret=True)
     np.testing.assert_array_equal(np.asarray(kv), np.asarray(written.kv))
     np.testing.assert_allclose(np.asarray(out)[:2], np.asarray(want)[:2, 0], atol=1e-6, rtol=0)  # the idle row: unused
+
+
+@pytest.mark.parametrize("plus_one", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_paged_kernel_over_projections_with_norms_and_rope_equals_the_reference(plus_one):
+    """The GPU path's one fusion before the kernel (q/k norms and rotation over the projections in
+    their own order, the values passed through) and the kernel reading that layout (Pallas'
+    interpreter here), against the attention module's own order: norms, rope, write, reference."""
+    from asyncrl.model.decode_attention import paged_decode_kernel, projections_fit
+    from asyncrl.model.kv_cache import write_pages
+    from asyncrl.model.paged_attention import QKPrologue, _prologue_in_projection_order, reference_paged_attention
+
+    q, k, v, layer, _, queries = _paged_inputs("2kpsd", 20)
+    rng = np.random.default_rng(1)
+    cos, sin = (jnp.asarray(rng.normal(size=(3, 1, 16)), jnp.float32) for _ in range(2))
+    norms = tuple(jnp.asarray(rng.normal(size=(16,)), jnp.float32) for _ in range(2))
+    prologue = QKPrologue(cos, sin, norms, 1e-6, plus_one)
+    assert projections_fit(4, 2)
+    q_turned, k_turned = prologue.apply(q, k)
+    written = write_pages(layer, k_turned, v, queries.page_table, queries.positions, queries.real)
+    want = reference_paged_attention(q_turned, written, queries, 0.25)
+    new = _prologue_in_projection_order(q[:, 0], k[:, 0], v[:, 0], prologue)
+    out, kv = paged_decode_kernel(new, layer.kv, queries.page_table, queries.positions[:, 0], queries.real[:, 0], 0.25, 20,
+                                  interpret=True, projections=True)
+    np.testing.assert_array_equal(np.asarray(kv), np.asarray(written.kv))
+    np.testing.assert_allclose(np.asarray(out)[:2], np.asarray(want)[:2, 0], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("layout", ["2kpsd", "ps2kd"])
