@@ -47,18 +47,10 @@ def busy_decode(engine: Any, prompts: list[list[int]], new: int, repeats: int) -
     as one request for exactly ``new`` tokens (EOS ignored: every slot stays busy to the end).
     Seconds: the median of ``repeats`` rounds after two untimed ones; ms per step: the engine's
     own decode time over its decode steps in those rounds (its host work included)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from asyncrl.engine.protocol import GenerationRequest
-
     rounds = itertools.count()
 
     def one_round() -> None:
-        base = next(rounds) * len(prompts)  # sample ids unique across rounds
-        requests = [GenerationRequest(prompt_ids=p, max_new_tokens=new, stop_token_ids=[], sample_id=base + i)
-                    for i, p in enumerate(prompts)]
-        with ThreadPoolExecutor(len(requests)) as pool:
-            assert all(len(r[0].output_ids) == new for r in pool.map(engine.generate, requests))
+        busy_round(engine, prompts, new, next(rounds) * len(prompts))  # sample ids unique across rounds
 
     one_round()  # compiles
     before = engine.metrics()
@@ -66,6 +58,24 @@ def busy_decode(engine: Any, prompts: list[list[int]], new: int, repeats: int) -
     after = engine.metrics()
     steps = after["engine/decode_steps"] - before["engine/decode_steps"]
     return seconds, 1e3 * (after["engine/decode_s"] - before["engine/decode_s"]) / steps
+
+
+def busy_round(engine: Any, prompts: list[list[int]], new: int, first_sample_id: int) -> tuple[float, float, float]:
+    """One round of :func:`busy_decode`: ``prompts``, each sent from its own thread as one request
+    for exactly ``new`` tokens (sample ids from ``first_sample_id`` on). Returns ``(wall seconds,
+    the engine's decode seconds, its decode steps)`` of the round."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncrl.engine.protocol import GenerationRequest
+
+    requests = [GenerationRequest(prompt_ids=p, max_new_tokens=new, stop_token_ids=[], sample_id=first_sample_id + i)
+                for i, p in enumerate(prompts)]
+    before, started = engine.metrics(), time.perf_counter()
+    with ThreadPoolExecutor(len(requests)) as pool:
+        assert all(len(r[0].output_ids) == new for r in pool.map(engine.generate, requests))
+    seconds, after = time.perf_counter() - started, engine.metrics()
+    return (seconds, after["engine/decode_s"] - before["engine/decode_s"],
+            after["engine/decode_steps"] - before["engine/decode_steps"])
 
 
 def copy_bandwidth(mib: int = 256) -> float:
