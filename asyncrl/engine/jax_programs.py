@@ -24,8 +24,7 @@ Compiled programs
   top-k/top-p (two threshold searches over the vocabulary), used only for chunks in which
   some slot asks for it; each also with a trie mask (``_trie``), used only for chunks in which
   some slot is constrained (compiled once per size class of the engine's trie pool);
-* ``copy_pages``: the page copies of a prefill's or a decode chunk's rows (a shared partial page
-  copied for the sequence that writes into it next), run before that call and only when it has one.
+* ``copy_pages``: a prefill's or a decode chunk's page copies (copy on write), before it, when any.
 
 * ``beam_search``: one request's whole beam search (:mod:`asyncrl.engine.beam_search`), compiled per
   prompt bucket, width, ``max_new_tokens`` and trie size class; used only by beam requests.
@@ -229,10 +228,11 @@ def kernel_context(kernel: Optional[KernelTarget]) -> Any:
 def _prefill(graphdef, params, pool: Pool, plan: PrefillPlan, layout=None, kernel=None, fresh: bool = True) -> Pool:
     """Write ``plan``'s tokens into their rows' pages: the model's forward over the paged cache
     (:class:`~asyncrl.model.kv_cache.PagedKVCache`), each token attending over what its row held and
-    the tokens before it (the plan's page copies are made before the call: :func:`_copy_pages`). ``fresh`` (static): every row held nothing (a first chunk), so the tokens
-    attend among themselves by ``model.attention``'s kernel, as a cache-free forward. ``layout``
-    (static): the pool's shardings on an engine mesh, or None; ``kernel`` (static): the engine's
-    devices as a :class:`~asyncrl.model.attention.KernelTarget`."""
+    the tokens before it (the plan's page copies are made before the call: :func:`_copy_pages`).
+    ``fresh`` (static): every row held nothing (a first chunk), so the tokens attend among
+    themselves by ``model.attention``'s kernel, as a cache-free forward. ``layout`` (static): the
+    pool's shardings on an engine mesh, or None; ``kernel`` (static): the engine's devices as a
+    :class:`~asyncrl.model.attention.KernelTarget`."""
     count_trace("prefill" if fresh else "prefill_after_cache")
     if layout is not None:  # each replica prefills its own rows, as one device does alone
         rows = row_sharding(layout[0].kv.mesh)
@@ -484,9 +484,8 @@ def _decode_chunk(graphdef, params, pool: Pool, controls: SlotControls, flat: Op
 
     The controls' page copies (a shared partial page copied for the sequence that writes into it
     next) are made before the call, by :func:`_copy_pages`. Before the loop each slot's key is made
-    from its parts. On the CPU the steps
-    attend over a view of the pages they read, gathered once here
-    (:func:`~asyncrl.model.paged_attention.with_views`): ``view_pages`` (static) > 0, each slot's
+    from its parts. On the CPU the steps attend over a view of the pages they read, gathered once
+    here (:func:`~asyncrl.model.paged_attention.with_views`): ``view_pages`` (static) > 0, each slot's
     first that many pages; else ``flat``, every active slot's pages as one list covering its
     positions to the chunk's end (its length a size class). Neither (GPUs, TPUs): attention reads
     each slot's page table itself.

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from asyncrl.model.attention import SelfAttentionMask, attend, current_target, einsum_attention
+from asyncrl.model.blocks import apply_rope, rms_norm
 from asyncrl.model.kv_cache import FlatPages, PagedLayerKV, gather_rows, gather_view, write_pages, write_view
 
 _ROW_AXES = ("data", "fsdp")  # the mesh axes rows (and their replicas' pages) are split over
@@ -76,8 +77,6 @@ class QKPrologue:
     def apply(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``q [B, T, heads, D]`` and ``k [B, T, kv_heads, D]`` normed (when the model has the
         norms), then rotated: the attention module's own order of operations."""
-        from asyncrl.model.transformer import apply_rope, rms_norm
-
         if self.norms is not None:
             q, k = (rms_norm(x, w, self.eps, self.plus_one) for x, w in zip((q, k), self.norms))
         return apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
@@ -238,7 +237,6 @@ def _prologue_in_projection_order(q: jax.Array, k: jax.Array, v: jax.Array, prol
     kernel reads its result as it lies (``projections`` of
     :func:`~asyncrl.model.decode_attention.paged_decode_kernel`): ``[B, (heads + 2 kv_heads) /
     group, group, D]``."""
-    from asyncrl.model.transformer import apply_rope, rms_norm
 
     b, heads, d = q.shape
     kv_heads = k.shape[1]

@@ -38,7 +38,16 @@ import numpy as np
 from flax import nnx
 
 from asyncrl.model.attention import SelfAttentionMask, attend, cached_attention, current_target
-from asyncrl.model.blocks import ACTIVATIONS, dtype_of, linear, normal_init, sliding_window_mask, softcap
+from asyncrl.model.blocks import (
+    ACTIVATIONS,
+    apply_rope,
+    dtype_of,
+    linear,
+    normal_init,
+    rms_norm,
+    sliding_window_mask,
+    softcap,
+)
 from asyncrl.model.config import DecoderConfig
 from asyncrl.model.kv_cache import KVCache, LayerKV, PagedKVCache, PagedLayerKV
 from asyncrl.model.paged_attention import PagedQueries, QKPrologue, paged_attention
@@ -77,15 +86,6 @@ def rope_cos_sin(cfg: DecoderConfig, positions: jax.Array) -> tuple[jax.Array, j
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half rotary embedding of x [B, T, heads, D]; cos/sin [B, T, D]."""
-    cos = cos[:, :, None, :].astype(x.dtype)
-    sin = sin[:, :, None, :].astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
-
-
 # --------------------------------------------------------------------------- modules
 
 
@@ -101,20 +101,6 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.weight[...], self.eps, self.plus_one)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False,
-             skip: Optional[jax.Array] = None) -> jax.Array:
-    """:class:`RMSNorm`'s arithmetic over ``x``'s last axis, ``weight`` broadcast against ``x``;
-    ``skip`` (bool, broadcast against ``x[..., :1]``): rows left unnormalised, which a weight of 1
-    (0 with ``plus_one``) returns exactly as they are."""
-    dtype = x.dtype
-    x32 = x.astype(jnp.float32)
-    factor = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    x32 = x32 * (factor if skip is None else jnp.where(skip, 1.0, factor))
-    if plus_one:
-        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(dtype)
-    return weight.astype(dtype) * x32.astype(dtype)
 
 
 def _norm(cfg: DecoderConfig, dim: int) -> RMSNorm:
