@@ -1,5 +1,6 @@
 """Test-wide settings: JAX's persistent compilation cache (under ``.pytest_cache/``, never the
-user's cache directory that runs use by default), CPU only, and the slow marker.
+user's cache directory that runs use by default), CPU only, XLA's compiles without LLVM's
+optimisation passes (``tests/helpers.py: TEST_XLA_FLAGS``), and the slow marker.
 
 The settings go through environment variables so that subprocesses started by tests
 (mesh and multi-process tests) inherit them too.
@@ -29,6 +30,10 @@ def pytest_configure(config):
     # across processes, and small programs are most of what they compile.
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    from asyncrl.engine.platform import merge_xla_flags
+    from tests.helpers import TEST_XLA_FLAGS
+
+    os.environ["XLA_FLAGS"] = merge_xla_flags(os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -19,11 +19,22 @@ SHARED_DATA = Path(os.environ.get("ASYNCRL_SHARED_DATA") or REPO_ROOT.parent / "
 """The shared data (GSM8K) beside the checkout; ``$ASYNCRL_SHARED_DATA`` for a checkout elsewhere (a worktree)."""
 
 
+TEST_XLA_FLAGS = ["--xla_backend_optimization_level=0"]
+"""XLA flags of every test process (``tests/conftest.py``) and child (:func:`subprocess_env`): the
+tiny programs of the tests run for milliseconds, so LLVM's optimisation passes, most of a CPU
+compile's time, cost more than they save. Numbers are unchanged: no fast-math either way."""
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """The environment for a child Python: this checkout first on the path."""
+    """The environment for a child Python: this checkout first on the path; a given ``XLA_FLAGS``
+    keeps :data:`TEST_XLA_FLAGS`."""
+    from asyncrl.engine.platform import merge_xla_flags
+
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(extra)
+    if "XLA_FLAGS" in extra:
+        env["XLA_FLAGS"] = merge_xla_flags(extra["XLA_FLAGS"], TEST_XLA_FLAGS)
     return env
 
 
