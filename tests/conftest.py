@@ -8,6 +8,7 @@ The settings go through environment variables so that subprocesses started by te
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -137,8 +138,17 @@ def workspace(tmp_path):
     return tmp_path
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    # After a test file's last test, its fixtures released: what is still alive (imports, JAX's
+    # caches, compiled programs) stays to the end of the session. Frozen, it is out of the
+    # collector's generations, so each later full collection no longer walks it again: those
+    # walks grow with the session and were a tenth of the suite's time.
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        gc.freeze()
+
+
 def pytest_unconfigure(config):
-    import gc
 
     # The interpreter's last garbage collection walks every object the run made (over a million):
     # tens of seconds after the summary, for nothing. Frozen objects are skipped.

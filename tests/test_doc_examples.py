@@ -95,9 +95,9 @@ EXAMPLE_CHAINS["constrained_workflow"] = (  # docs/decoding.md: a workflow of on
          QUICKSTART_QUICK, prepare=_saves("mypkg/recommend.py")),
 )
 
-SLOW_EXAMPLE_CHAINS = {"agent_examples", "constrained_workflow"}
+SLOW_EXAMPLE_CHAINS = {"agent_examples", "constrained_workflow", "workflow_example"}
 """Runs of tens of seconds here (the HTTP agent's episodes each build a client; the trie's
-programs compile): run by name or with --runslow."""
+programs compile; the multi-turn workflow trains its SFT and RL stages): run by name or with --runslow."""
 
 def _example_params():
     for name, chain in EXAMPLE_CHAINS.items():

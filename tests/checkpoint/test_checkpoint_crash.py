@@ -127,6 +127,7 @@ def check_each_stage(tmp_path, writers) -> None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow  # a kill at every stage of a save stays in the default selection
 def test_sigkill_at_random_moments_while_saving_never_leaves_a_complete_looking_partial_checkpoint(tmp_path):
     rng = random.Random(9)
     out = tmp_path / "run"

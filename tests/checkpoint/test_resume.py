@@ -270,6 +270,7 @@ def sync_reference(tmp_path_factory):
     return config, out, read_rows(out)
 
 
+@pytest.mark.slow  # each resume test compares against an uninterrupted seeded run
 def test_two_synchronous_runs_give_identical_metrics(sync_reference, tmp_path):
     _, _, want = sync_reference
     out = tmp_path / "again"
@@ -503,6 +504,7 @@ def test_signal_checkpoints_and_exits(signum, stall, tmp_path):
     assert "THREADS_LEFT []" in stdout, stdout
 
 
+@pytest.mark.slow  # the SIGINT checkpoint and the bit-for-bit resume stay in the default selection
 def test_sigint_then_resume_continues_every_engine_counter_exactly(sync_reference, tmp_path, monkeypatch):
     """A SIGINT stop, then --resume, gives the uninterrupted run's rows to the bit, the
     engine's request and token counters included. The stop's checkpoint waits for the one in
@@ -552,7 +554,7 @@ MULTI_TURN: dict[str, Any] = {
 }
 
 
-@pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "no_reuse"])
+@pytest.mark.parametrize("reuse", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["reuse", "no_reuse"])
 def test_resume_reproduces_the_run_bit_for_bit_with_prefix_reuse_on_and_off(tmp_path, reuse):
     """A seeded synchronous multi-turn run with prefix reuse on (a group's requests copy one
     prefill, a turn extends the KV its trajectory's last turn kept), resumed from its step-2
@@ -601,6 +603,7 @@ SFT_THEN_RL: dict[str, Any] = {  # two SFT steps, then two RL steps
 }
 
 
+@pytest.mark.slow  # a resume mid-RL with every engine counter stays in the default selection
 def test_resume_from_the_end_of_sft_continues_every_engine_counter(tmp_path):
     """A seeded synchronous SFT-then-RL run with eval, resumed from the checkpoint that ends its SFT
     stage, gives the uninterrupted run's rows to the bit, engine counters included: that

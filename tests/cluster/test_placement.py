@@ -347,6 +347,7 @@ def _loop(out, steps: int, *layouts: str, engine_tensor_parallel: str = "") -> s
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # the 8-device placement drill; its mesh and ranges stay in the default selection
 def test_colocated_engine_on_eight_devices_equals_one_device(tmp_path):
     """The default placement on 8 devices gives the engine its own mesh over the trainer's devices
     (8 replicas, or 4 replicas x tensor-parallel 2): the one-device engine's greedy and sampled

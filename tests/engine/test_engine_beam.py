@@ -83,6 +83,7 @@ def test_free_beam_search_equals_exhaustive_search(engine, tiny_split, length_pe
         assert r.stop_reason == ("eos" if r.output_ids[-1] in stops else "length")
 
 
+@pytest.mark.slow  # beams beside samples stay in the default selection
 def test_constrained_beam_search_equals_exhaustive_search(engine, tiny_split):
     """A 10-sequence trie and k = 10: every sequence comes back, ranked by its masked score."""
     _, graphdef, params = tiny_split

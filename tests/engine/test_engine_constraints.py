@@ -174,6 +174,7 @@ def test_constrained_sampling_never_leaves_the_trie_and_matches_the_masked_distr
         np.testing.assert_allclose(r.logprobs, lg[np.arange(len(r.output_ids)), r.output_ids] - logz, atol=1e-4)
 
 
+@pytest.mark.slow  # sampling under the trie and the trainer's scores stay in the default selection
 def test_greedy_under_a_trie_is_the_best_valid_path(engine, tiny_split):
     """Greedy under a trie takes, at every step, the most likely token the trie allows: the path
     found by enumerating the trie's sequences (each step's argmax over the allowed tokens)."""

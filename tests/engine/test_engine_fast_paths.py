@@ -205,7 +205,7 @@ def test_bucketed_attention_equals_full_attention(tiny_split):
 # --------------------------------------------------------------------------- steps per loop iteration
 
 
-@pytest.mark.parametrize("variants", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("variants", [pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=pytest.mark.slow)])  # GPUs' default
 def test_inner_steps_decode_the_same_tokens_stops_and_versions(tiny_split, variants):
     """Three decode steps per loop iteration (not dividing the 4-step chunk: the last two steps of
     an iteration run idle) against one: the same tokens, log-probs, stop reasons and versions for
@@ -292,6 +292,7 @@ def test_serving_copy_casts_matrices_only_and_decodes_bitwise_alike(bf16_compute
         np.testing.assert_array_equal(copied, per_call)
 
 
+@pytest.mark.slow  # the copy's cast and bitwise decode stay in the default selection
 def test_engine_serves_the_copy_and_refreshes_it_at_each_publish(bf16_compute_tiny):
     graphdef, params = bf16_compute_tiny
     cfg = EngineConfig(slots=2, kv_capacity=48, decode_chunk=4, prefill_buckets=[16])

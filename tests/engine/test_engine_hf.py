@@ -30,7 +30,7 @@ MAX_NEW = 16
 CFG = EngineConfig(slots=4, kv_capacity=48, decode_chunk=8, prefill_buckets=[32])  # buckets: see test_engine.py
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", [f if f == "qwen2" else pytest.param(f, marks=pytest.mark.slow) for f in sorted(FAMILIES)])
 def test_greedy_matches_transformers_generate(family, tmp_path):
     import torch
 

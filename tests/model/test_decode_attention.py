@@ -152,7 +152,7 @@ def test_paged_kernel_over_projections_with_norms_and_rope_equals_the_reference(
     np.testing.assert_allclose(np.asarray(out)[:2], np.asarray(want)[:2, 0], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("layout", ["2kpsd", "ps2kd"])
+@pytest.mark.parametrize("layout", ["2kpsd", pytest.param("ps2kd", marks=pytest.mark.slow)])
 def test_paged_attention_paths_equal_jax_ragged_paged_attention_reference(layout):
     """The reference over gathered pages and the CPU's flat path, in both page layouts, against
     JAX's own ``ref_ragged_paged_attention`` (the TPU kernel's reference, on the ``ps2kd`` pool:

@@ -156,7 +156,7 @@ def test_old_layout_config_gives_same_model(checkpoints, tmp_path):
     assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", pytest.param("llama", marks=pytest.mark.slow), pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_kv_cache_decoding_matches_full_forward(checkpoints, family):
     _, _, lm = checkpoints[family]
     graphdef, params = lm.split()
@@ -188,6 +188,7 @@ def test_kv_cache_decoding_matches_full_forward(checkpoints, family):
         assert not np.asarray(cache.valid)[:, SEQ:].any()
 
 
+@pytest.mark.slow  # the contiguous slot cache; the engine's paged cache is tested in tests/engine
 def test_prefix_copied_into_engine_slots(checkpoints):
     """The engine's pattern: prefill one prompt into a small cache, copy it into n slots of
     the slot cache, then decode all slots together (idle slots masked out)."""
@@ -269,6 +270,7 @@ def test_chunked_and_rematerialised_gradients_match_plain(checkpoints):
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(plain, grads(*save_dots.split()))) < 1e-5
 
 
+@pytest.mark.slow  # remat's math stays in the default selection (chunked and rematerialised gradients)
 def test_the_save_dots_policy_recomputes_only_attention_matmuls():
     """What each remat policy recomputes shows in the compiled backward's matmuls: with
     ``save_dots`` only attention's two einsums per layer run again (their operands have batch

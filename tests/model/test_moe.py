@@ -76,7 +76,7 @@ def test_routing_matches_transformers_router(checkpoint):
     np.testing.assert_allclose(np.asarray(ours_w), weights.numpy(), atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-5), pytest.param(jnp.bfloat16, 3e-2, marks=pytest.mark.slow)])
 def test_grouped_experts_equal_the_dense_reference(dtype, atol):
     rng = np.random.default_rng(0)
     tokens, hidden, inter, experts, k = 37, 16, 8, 5, 2
@@ -223,6 +223,7 @@ def test_router_logits_are_sown_only_for_callers_who_pop_them(checkpoint):
     assert len(router) == 1 and router[0].shape == (ids.size, 4) and router[0].dtype == jnp.float32
 
 
+@pytest.mark.slow  # scanned layers without experts stay in the default selection (test_scanned_layers.py)
 def test_router_logits_reach_the_trainer_with_scanned_layers(checkpoint):
     """model.scan_layers (the default on accelerators) must not lose the sown router logits: the
     captured forward runs unrolled, and the log-probs equal the scanned forward's."""
@@ -348,6 +349,7 @@ print("REPORT" + json.dumps(report))
 """
 
 
+@pytest.mark.slow  # the dense model's sharded head stays in the default selection (test_model_sharding.py)
 def test_experts_shard_over_fsdp_and_the_sharded_forward_matches(checkpoint):
     import json
 

@@ -34,7 +34,7 @@ def _loss_and_grads(cfg: DecoderConfig):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("remat", [None, "save_dots"])
+@pytest.mark.parametrize("remat", [None, pytest.param("save_dots", marks=pytest.mark.slow)])
 def test_scanned_layers_give_the_unrolled_loss_and_gradients(remat):
     options = {} if remat is None else {"remat": True, "remat_policy": remat}
     loss, grads = _loss_and_grads(_config(**options))

@@ -226,6 +226,7 @@ def test_a_remote_engine_config_needs_nothing_of_the_engine(same_tokenizer_rm):
     np.testing.assert_allclose([t.reward for t in group.trajectories], expected, atol=1e-5)
 
 
+@pytest.mark.slow  # a second tokenizer; the policy's own tokens are scored in the default selection
 def test_another_tokenizer_rescores_the_re_rendered_conversation(tmp_path):
     own = char_tokenizer(chars="abcdefghijklmnopqrstuvwxyz0123456789 +-=?.:!", system=True)  # another vocabulary
     path = write_reward_model(tmp_path, own, seed=3)

@@ -327,6 +327,7 @@ def test_docs_yaml_and_loop_examples_run(docs_module):
     assert namespace["engine"].version == 2 and namespace["params"][0] > 0
 
 
+@pytest.mark.slow  # a second family's loading path
 def test_qwen2_sliding_window_covering_no_layer_loads_as_full_attention(tmp_path):
     """use_sliding_window with max_window_layers = every layer is full attention in
     transformers; it loads and matches transformers' logits past the window length."""

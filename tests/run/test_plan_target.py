@@ -165,6 +165,7 @@ def test_one_line_errors_before_any_compile(args, message, capsys):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # every program of the cpu target stays in the default selection
 def test_program_compiles_only_the_programs_named():
     rows = _plan_json("--target", "cpu", "--program", "decode_chunk", "--program", "prefill")
     assert [r["program"] for r in rows] == ["prefill", "decode_chunk"]  # no train step: no device total either

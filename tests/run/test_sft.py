@@ -180,6 +180,7 @@ def test_order_is_seeded_and_resumable(tiny_loaded):
         _ = SFTData(no_response, workflow, cfg, eos_token_id=eos, batch_size=8).next_batch().batch
 
 
+@pytest.mark.slow  # every config validates and loads in tests/run/test_configs_from_a_clone.py
 def test_gsm8k_sft_config_runs_two_steps_on_tiny(tiny_loaded):
     """configs/gsm8k_sft.yaml validates, and two SFT steps run with the tiny model: its
     character vocabulary maps characters it cannot spell to <unk>; over-long examples are

@@ -109,6 +109,7 @@ def test_provenance_and_trajectory_dump(quick_run):
     assert all(2 <= v <= 5 for v in first["versions"])
 
 
+@pytest.mark.slow  # the export's parity with transformers stays in the default selection (tests/model/test_model.py)
 def test_export_loads_in_transformers_with_the_trained_logits(quick_run):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM

@@ -97,10 +97,11 @@ def _loss_and_grads(graphdef, params, batch, algo, packed: bool):
 
 @pytest.mark.parametrize("algo_section", [
     {"aggregation": "token-mean", "kl_coef": 0.05, "entropy_coef": 0.01},
-    {"aggregation": "seq-mean-token-mean"},
-    {"aggregation": "seq-mean-token-sum-norm", "loss_norm_tokens": 24, "estimator": "dr_grpo"},
-    {"ratio": "sequence", "aggregation": "seq-mean-token-mean", "estimator": "rloo"},
-    {"truncated": "mask", "kl_coef": 0.1, "kl_estimator": "k2"},
+    # the other sections by name (one compiled step each): --runslow
+    pytest.param({"aggregation": "seq-mean-token-mean"}, marks=pytest.mark.slow),
+    pytest.param({"aggregation": "seq-mean-token-sum-norm", "loss_norm_tokens": 24, "estimator": "dr_grpo"}, marks=pytest.mark.slow),
+    pytest.param({"ratio": "sequence", "aggregation": "seq-mean-token-mean", "estimator": "rloo"}, marks=pytest.mark.slow),
+    pytest.param({"truncated": "mask", "kl_coef": 0.1, "kl_estimator": "k2"}, marks=pytest.mark.slow),
 ])
 def test_packed_loss_and_gradients_equal_unpacked(tiny_one_layer, algo_section):
     graphdef, params = tiny_one_layer

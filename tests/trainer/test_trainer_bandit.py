@@ -67,7 +67,7 @@ def run_bandit(seed: int) -> list[float]:
     return history
 
 
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("seed", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_bandit_learns_third_ranked_token(seed):
     """Three seeds (model init, sampling): each converges in about 6 steps, well inside 50."""
     history = run_bandit(seed=seed)

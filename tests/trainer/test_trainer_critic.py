@@ -95,6 +95,7 @@ def test_micro_batches_do_not_change_the_step(tiny):
         assert abs(m1[key] - m4[key]) < 1e-5, key
 
 
+@pytest.mark.slow  # the critic's step and targets stay in the default selection; checkpoints round-trip in tests/checkpoint
 def test_state_round_trip_includes_the_critic(tiny):
     graphdef, params = tiny
     cfg = gae_config()

@@ -32,7 +32,7 @@ _reference_grad = jax.jit(jax.grad(
     argnums=(0, 1)))
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("temperature", [1.0, pytest.param(0.7, marks=pytest.mark.slow)])
 def test_chosen_logprob_gradient_equals_autodiff_of_log_softmax(temperature):
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(3, 5, 37)) * 3, jnp.float32)
