@@ -4,7 +4,7 @@ soft-capping, and the gated MLP's activations by ``hidden_act``."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,15 +65,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False,
-             skip: Optional[jax.Array] = None) -> jax.Array:
-    """:class:`~asyncrl.model.transformer.RMSNorm`'s arithmetic over ``x``'s last axis, ``weight`` broadcast against ``x``;
-    ``skip`` (bool, broadcast against ``x[..., :1]``): rows left unnormalised, which a weight of 1
-    (0 with ``plus_one``) returns exactly as they are."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+    """:class:`~asyncrl.model.transformer.RMSNorm`'s arithmetic over ``x``'s last axis, ``weight``
+    broadcast against ``x``."""
     dtype = x.dtype
     x32 = x.astype(jnp.float32)
-    factor = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    x32 = x32 * (factor if skip is None else jnp.where(skip, 1.0, factor))
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     if plus_one:
         return (x32 * (1.0 + weight.astype(jnp.float32))).astype(dtype)
     return weight.astype(dtype) * x32.astype(dtype)
