@@ -17,14 +17,19 @@ which happens between two chunks (at once when idle).
 
 Device state and programs (:mod:`asyncrl.engine.jax_programs`)
 ---------------------------------------------------------------
-A fixed number of batch slots (``engine.slots``) over one model KV cache of fixed capacity
-(``engine.kv_capacity``; :mod:`asyncrl.model.transformer` documents the slot protocol),
-plus one random key per slot (:class:`~asyncrl.engine.jax_programs.SlotState`). A request
-with ``n`` samples prefills ``prompt[:-1]`` once into one row of a small cache whose capacity
-is the smallest prefill bucket that holds it, and that row is copied into ``n`` free slots;
-the requests admitted at one chunk boundary are prefilled together, ``PREFILL_ROWS`` prompts
-of one bucket per program call (a fixed row count, so a prompt's KV is bitwise the same
-whatever is prefilled beside it). The
+Each engine replica owns one pool of KV pages (``engine.kv_pages`` pages of ``engine.page_size``
+positions; :class:`~asyncrl.model.kv_cache.PagedKVCache`). A sequence holds the pages of its own
+tokens and takes more page by page as it grows; sequences with a common prefix (a group's
+samples, an episode's turns) hold that prefix's pages once, by reference, and a kept prefix stays
+in the KV cache manager's radix tree until the pool needs its pages (least recently used first).
+``engine.slots`` is the most sequences decoded together, ``engine.kv_capacity`` the longest
+context one may reach. When the pool runs out, the most recently admitted sequence is preempted:
+its pages go back, it is requeued with the tokens it has, and it later resumes with the same
+keys, so it draws the same tokens (``engine/preemptions`` counts these). The requests admitted at
+one chunk boundary are prefilled together, in chunks of at most the largest prefill bucket,
+:data:`~asyncrl.engine.jax_programs.PREFILL_ROWS` rows per replica and call (a fixed row count,
+so a prompt's KV is bitwise the same whatever is prefilled beside it); a request with ``n``
+samples prefills ``prompt[:-1]`` once and its samples share those pages. The
 last prompt token is fed by the first decode step, so every sampled token (the first one
 included) comes out of the same decode program: the model's own KV-cache forward, one step
 for all slots, then sampling. What each slot asks for (temperature, top-k/top-p, stops,
@@ -36,10 +41,8 @@ more, for two prompts (with none waiting: callers typically submit again at once
 slot idles for at most the steps until the next finish rather than the rest of a chunk plus a
 whole one, and refills come in pairs, prefilled in one call that costs about what one prompt
 alone costs (small prefills read all the weights for few tokens). The programs are
-module-level jits shared by every engine with the same model shapes: one prefill per bucket
-and two decode variants per attention bucket (``engine.attention_buckets``:
-:mod:`asyncrl.engine.attention_buckets`) (:func:`compile_count`, reported as
-``engine/compiles``). The sampler (``engine.sampler``), the XLA flags and the decode steps per
+module-level jits shared by every engine with the same model shapes, listed in
+:mod:`asyncrl.engine.jax_programs` (:func:`compile_count`, reported as ``engine/compiles``). The sampler (``engine.sampler``), the XLA flags and the decode steps per
 iteration of a chunk's loop (``engine.decode_inner_steps``: 8 on GPUs, where the host reads the
 loop's exit test, so a chunk's early exit comes at most 7 steps late there; 1 elsewhere) are
 chosen per platform (:mod:`asyncrl.engine.platform`).

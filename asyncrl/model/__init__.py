@@ -22,13 +22,11 @@ to ``cumsum(mask) - 1`` so left padding is fine)::
     logits, _ = forward_jit(graphdef, params, input_ids, None, attention_mask)  # float32 [B, T, V]
 
 Forward with a KV cache (prefill, then decode 1 or more tokens per call; see
-:mod:`asyncrl.model.transformer` for the slot/position protocol and how the engine
-copies one prefilled row into n slots)::
+:mod:`asyncrl.model.kv_cache` for the slot/position protocol and the paged cache the engine uses)::
 
     cache = init_kv_cache(model.cfg, batch=B, capacity=C)
     logits, cache = forward_jit(graphdef, params, prompt_ids, None, prompt_mask, cache)
     logits, cache = forward_jit(graphdef, params, next_ids[:, None], None, active[:, None], cache)
-    cache = kv_cache_copy_rows(slots_cache, prefill_cache, src_rows, dst_rows)
 
 Log-probabilities (docs/design.md "Log-probabilities": aligned with input_ids, 0 at t=0 and on padding,
 temperature before log_softmax, float32, entropy alongside; differentiable)::
@@ -53,7 +51,7 @@ set), ``tiny-qwen3`` (on disk, cached: Qwen3-shaped with a BPE tokenizer trained
 
 from asyncrl.model.config import DecoderConfig, from_hf_config, to_hf_config
 from asyncrl.model.hf import LoadedModel, export_hf
-from asyncrl.model.kv_cache import KVCache, init_kv_cache, kv_cache_clear_rows, kv_cache_copy_rows
+from asyncrl.model.kv_cache import KVCache, init_kv_cache
 from asyncrl.model.loading import load_model
 from asyncrl.model.logprobs import per_token_logprobs, per_token_logprobs_jit, token_logprobs_from_logits
 from asyncrl.model.tiny import TINY_ALPHABET, bench_40m_config, build_tiny_tokenizer, ensure_tiny
@@ -80,7 +78,5 @@ __all__ = [
     "hidden_states",
     "init_decoder",
     "init_kv_cache",
-    "kv_cache_clear_rows",
-    "kv_cache_copy_rows",
     "split_params",
 ]

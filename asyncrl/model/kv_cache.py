@@ -1,5 +1,5 @@
-"""The decoder's KV cache: a fixed-capacity pytree of every layer's keys and values, and the
-functions that move rows of it (the slot protocol the engine's continuous batching builds on).
+"""The decoder's KV caches: a fixed-capacity pytree of every layer's keys and values (the slot
+protocol below), and the paged cache the engine decodes over (:class:`PagedKVCache`).
 
 A fixed-capacity pytree: ``layers``, one :class:`LayerKV` per decoder layer with ``k, v`` in
 the compute dtype and in one of two layouts, chosen per platform by the engine
@@ -27,16 +27,10 @@ one past row ``b``'s last real token of the call (it stays put when the row had 
   count of real tokens in the call (``cumsum(mask) - 1``), so pads never shift the
   rotary positions; pass ``positions`` only to override.
 
-The continuous-batching engine (:mod:`asyncrl.engine.jax_programs`) keeps one cache of
-``num_slots`` rows and decodes all slots together through :func:`~asyncrl.model.transformer.forward` with ``T = 1``
-(``attention_mask[b, 0] = False`` for idle slots). To start requests it prefills their
-prompts into a small cache (one row per request, capacity = the prompts' bucket) with
-:func:`~asyncrl.model.transformer.forward` and copies each row into its request's free slots with
-:func:`kv_cache_copy_rows` (``src_rows = [0] * n`` for one request with ``n`` samples):
-the slots get the prefix KV, the same ``valid`` and
-``write_pos``, and everything past the prefix marked invalid. A finished slot needs no
-clearing: the next prefill into it overwrites ``valid`` and ``write_pos`` whole
-(:func:`kv_cache_clear_rows` empties rows for callers that reuse them otherwise).
+This cache serves a fixed batch of rows decoded together (beam search,
+:mod:`asyncrl.engine.beam_search`, and direct calls of :func:`~asyncrl.model.transformer.forward`).
+The engine keeps its sequences in the paged cache below (:class:`PagedKVCache`): a pool of pages
+per layer, each row's page table and length, pages shared by reference between rows.
 """
 
 from __future__ import annotations
@@ -106,44 +100,6 @@ def init_kv_cache(cfg: DecoderConfig, batch: int, capacity: int, dtype: Any = No
         valid=jnp.zeros((batch, capacity), bool),
         write_pos=jnp.zeros((batch,), jnp.int32),
     )
-
-
-def positions_slice(layout: str, stop: int) -> tuple:
-    """The index of a layer's K/V that takes its first ``stop`` positions, whole rows and heads."""
-    return (slice(None), slice(None), slice(0, stop)) if layout == "bksd" else (slice(None), slice(0, stop))
-
-
-def kv_cache_copy_rows(dst: KVCache, src: KVCache, src_rows: jax.Array, dst_rows: jax.Array) -> KVCache:
-    """Copy rows ``src_rows`` of ``src`` into rows ``dst_rows`` of ``dst`` (int32 [n] each).
-
-    ``src``'s capacity may be smaller than ``dst``'s: the copied rows get the source
-    slots at ``[0, src.capacity)`` and invalid slots after. Copying one prefilled
-    prompt into ``n`` sampling slots is ``src_rows = [0] * n``. Entries of ``dst_rows``
-    ``>=`` the destination batch are skipped (a fixed-size ``n`` can carry unused entries).
-    Both caches have one layout. Pure; jit it with ``donate_argnums=0`` to update in place.
-    """
-    if src.capacity > dst.capacity:
-        raise ValueError(f"source cache capacity {src.capacity} exceeds destination capacity {dst.capacity}")
-    if src.layout != dst.layout:
-        raise ValueError(f"KV cache layouts differ: source {src.layout}, destination {dst.layout}")
-    c = src.capacity
-    where = (dst_rows, *positions_slice(dst.layout, c)[1:])
-
-    def copy(d: jax.Array, s: jax.Array) -> jax.Array:
-        return d.at[where].set(s[src_rows].astype(d.dtype), mode="drop")
-
-    layers = tuple(LayerKV(copy(d.k, s.k), copy(d.v, s.v), d.layout) for d, s in zip(dst.layers, src.layers))
-    valid_rows = jnp.zeros((src_rows.shape[0], dst.capacity), bool).at[:, :c].set(src.valid[src_rows])
-    valid = dst.valid.at[dst_rows].set(valid_rows, mode="drop")
-    write_pos = dst.write_pos.at[dst_rows].set(src.write_pos[src_rows], mode="drop")
-    return KVCache(layers, valid, write_pos)
-
-
-def kv_cache_clear_rows(cache: KVCache, rows: jax.Array) -> KVCache:
-    """Mark rows (bool [B]) empty: every slot invalid, write position 0. K/V are left as is."""
-    valid = jnp.where(rows[:, None], False, cache.valid)
-    write_pos = jnp.where(rows, 0, cache.write_pos).astype(jnp.int32)
-    return KVCache(cache.layers, valid, write_pos)
 
 
 # --------------------------------------------------------------------------- the paged cache

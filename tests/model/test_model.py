@@ -17,8 +17,6 @@ from asyncrl.model import (
     export_hf,
     forward_jit,
     init_kv_cache,
-    kv_cache_clear_rows,
-    kv_cache_copy_rows,
     load_model,
     per_token_logprobs_jit,
     split_params,
@@ -186,41 +184,6 @@ def test_kv_cache_decoding_matches_full_forward(checkpoints, family):
         assert np.asarray(cache.write_pos).tolist() == [SEQ, SEQ, SEQ - 4]
         assert np.array_equal(np.asarray(cache.valid)[:, :SEQ], mask)
         assert not np.asarray(cache.valid)[:, SEQ:].any()
-
-
-@pytest.mark.slow  # the contiguous slot cache; the engine's paged cache is tested in tests/engine
-def test_prefix_copied_into_engine_slots(checkpoints):
-    """The engine's pattern: prefill one prompt into a small cache, copy it into n slots of
-    the slot cache, then decode all slots together (idle slots masked out)."""
-    _, _, lm = checkpoints["qwen2"]
-    graphdef, params = lm.split()
-    vocab = FAMILIES["qwen2"]["vocab_size"]
-    rng = np.random.RandomState(7)
-    prompt_a, prompt_b = rng.randint(5, vocab, 5), rng.randint(5, vocab, 7)
-    next_tokens = np.array([11, 0, 12, 13], np.int32)  # slot 1 idle
-
-    def prefill(prompt, left_pad):
-        ids = np.zeros((1, 8), np.int32)
-        bucket_mask = np.zeros((1, 8), bool)
-        where = slice(8 - len(prompt), 8) if left_pad else slice(0, len(prompt))
-        ids[0, where], bucket_mask[0, where] = prompt, True
-        return forward_jit(graphdef, params, jnp.asarray(ids), None, jnp.asarray(bucket_mask), init_kv_cache(lm.config, 1, 8))[1]
-
-    copy_rows = jax.jit(kv_cache_copy_rows, donate_argnums=0)
-    slots = init_kv_cache(lm.config, batch=4, capacity=16)
-    slots = copy_rows(slots, prefill(prompt_a, left_pad=False), jnp.array([0, 0]), jnp.array([0, 2]))
-    # A fixed-size copy (the engine's): destination rows past the batch (4 here) are skipped.
-    slots = copy_rows(slots, prefill(prompt_b, left_pad=True), jnp.array([0, 0]), jnp.array([3, 4]))
-    active = np.array([True, False, True, True])
-    logits, slots = forward_jit(graphdef, params, jnp.asarray(next_tokens[:, None]), None, jnp.asarray(active[:, None]), slots)
-    for slot, prompt in ((0, prompt_a), (2, prompt_a), (3, prompt_b)):
-        seq = np.concatenate([prompt, next_tokens[slot : slot + 1]])[None].astype(np.int32)
-        ref = np.asarray(forward_jit(graphdef, params, jnp.asarray(seq))[0])[0, -1]
-        assert np.abs(np.asarray(logits)[slot, 0] - ref).max() < 1e-5
-    assert int(slots.write_pos[1]) == 0 and not bool(slots.valid[1].any())
-    assert len(slots.layers) == lm.config.num_layers and slots.layers[0].k.shape == (4, lm.config.num_kv_heads, 16, lm.config.head_dim)
-    cleared = kv_cache_clear_rows(slots, jnp.array([False, False, True, False]))
-    assert int(cleared.write_pos[2]) == 0 and not bool(cleared.valid[2].any()) and bool(cleared.valid[0].any())
 
 
 def test_logprobs_of_a_row_do_not_depend_on_batch_padding_bucket_or_chunking(checkpoints):
