@@ -32,8 +32,10 @@ def _beam_search(graphdef, params, prompt_ids, prompt_mask, last_token, stop_voc
     ``prompt[:-1]`` right-padded and ``last_token`` [] the last prompt token (fed by the first
     step, as in the engine's decode). ``stop_vocab`` bool [V]: the stop ids (free decoding);
     ``tries``: ``(trie pool tables, the constraint's root node)`` or None (unconstrained);
-    ``max_branch`` (static) the pool's widest node; ``kernel`` (static) as in :func:`_prefill_insert`;
-    ``cache_layout`` (static) the beams' KV cache layout (the engine's).
+    ``max_branch`` (static) the pool's widest node; ``kernel`` (static) the engine's devices (a
+    :class:`~asyncrl.model.attention.KernelTarget`, as in :func:`~asyncrl.engine.jax_programs._prefill`);
+    ``cache_layout`` (static) the beams' own contiguous KV cache layout
+    (:func:`~asyncrl.engine.layouts.kv_cache_layout` of the engine's platform).
 
     Each step extends the ``k`` live beams by every token (log-softmax of the masked logits,
     T = 1), keeps the ``2k`` best extensions, moves those that end (a stop id, a trie leaf, or

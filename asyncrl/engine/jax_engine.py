@@ -10,7 +10,8 @@ request can reuse) and the model runner (:mod:`asyncrl.engine.model_runner`: the
 the serving copy and its shardings, the jitted programs). ``generate``/``submit`` (any thread)
 validate the request on the caller's thread and hand it to the scheduler's queue. The scheduler's
 daemon thread makes every device call through the runner: it installs published weights, admits
-waiting requests into free slots (prefill + copy), decodes one chunk of tokens for all slots,
+waiting requests into free slots (their contexts prefilled into pages, less what they share),
+decodes one chunk of tokens for all slots,
 hands finished requests back through their futures, and repeats. ``update_weights`` (the
 trainer's thread) hands the new parameters to the scheduler and waits until they are installed,
 which happens between two chunks (at once when idle).
@@ -113,8 +114,8 @@ class JaxEngine:
             put on the same shardings.
         mesh: the engine's own device mesh (axes ``data``, ``fsdp``, ``tensor``: replicas x 1 x
             tensor-parallel degree; :func:`asyncrl.cluster.placement.engine_mesh` builds it). Params
-            are placed on it by the model's partition rules, the KV cache is split by KV heads
-            over ``tensor`` and by slots over the replicas, and published params are laid out on
+            are placed on it by the model's partition rules, each replica has a KV page pool of its
+            own (pages split over the replicas, KV heads over ``tensor``), and published params are laid out on
             it device to device (:func:`~asyncrl.engine.device_copy.serving_copy`: the engine keeps
             only that compute-dtype copy, made at the next chunk boundary after the previous one
             is dropped).
@@ -297,8 +298,8 @@ class JaxEngine:
 
     @property
     def prefill_calls(self) -> int:
-        """Prefill program calls so far (one per ``prefill_rows`` prompts of one bucket admitted
-        together). Not in :meth:`metrics`: how arrivals group into calls depends on timing."""
+        """Prefill program calls so far (one per ``prefill_rows`` context chunks of one bucket
+        admitted together). Not in :meth:`metrics`: how arrivals group into calls depends on timing."""
         return self._stats.prefill_calls
 
     @property
@@ -307,8 +308,8 @@ class JaxEngine:
         return self.scheduler.crash
 
     def warmup(self) -> int:
-        """Compile every program (each prefill and extension bucket, both decode variants per size
-        class of the CPU's attention); returns the compile count."""
+        """Compile every program (each prefill and extension bucket, the page copy, both decode
+        variants per size class of the CPU's attention and rows); returns the compile count."""
         self.runner.warmup(self.buckets, self.extend_buckets, self.flat_sizes, self.view_sizes, self._root_key,
                            self.scheduler.row_sizes)
         return compile_count()

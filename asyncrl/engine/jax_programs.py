@@ -30,8 +30,8 @@ Compiled programs
   prompt bucket, width, ``max_new_tokens`` and trie size class; used only by beam requests.
 
 Each decode variant is compiled once per sampler (``engine.sampler``), steps per iteration and, on
-the CPU, size class of the flat list of pages its attention reads (``engine.attention_buckets``:
-:mod:`asyncrl.engine.attention_buckets`). :func:`compile_count` counts traces (each trace is one
+the CPU, size class of the pages its attention reads (each row's first pages, or a flat list) and
+of the rows it runs (``engine.attention_buckets``: :mod:`asyncrl.engine.attention_buckets`). :func:`compile_count` counts traces (each trace is one
 compilation) and is reported as ``engine/compiles``.
 
 Sampling (docs/design.md "Randomness", "Log-probabilities")

@@ -114,9 +114,9 @@ class EngineStats:
     admitted: int = 0  # requests given slots
     queue_wait_s: float = 0.0  # summed wait from submit to admission
     queue_wait_max_s: float = 0.0
-    prefill_calls: int = 0  # prefill-insert program calls
-    prefill_tokens: int = 0  # prompt tokens prefilled (computed: a reused prefix's are not)
-    prefix_hit_tokens: int = 0  # prompt tokens whose KV was reused from a kept prefix
+    prefill_calls: int = 0  # prefill program calls
+    prefill_tokens: int = 0  # context tokens prefilled (a prompt's, or a preempted sequence's again; a reused prefix's are not)
+    prefix_hit_tokens: int = 0  # context tokens whose KV was reused from a kept prefix
     preemptions: int = 0  # sequences preempted (pages released, resumed later) when the pool ran out
     prefill_s: float = 0.0
     decode_steps: int = 0  # decode steps (every slot advances one token per step)

@@ -483,8 +483,9 @@ def _engine_lines(cfg: Config, model_cfg: Any, layout: Layout, params: dict, bas
                   p_bytes: int, c_bytes: int, backend: str) -> list[Line]:
     """The engine's lines on ``layout``: on one device the trainer's arrays it serves (its cast copy
     where the compute dtype differs), else its serving copy on its own mesh (``replicas x
-    tensor_parallel`` over its devices, the trainer's or its own); its KV cache split by slots over
-    the replicas and by KV heads over ``tensor``; the temporaries of its programs (one at a time)."""
+    tensor_parallel`` over its devices, the trainer's or its own); its KV page pool, one per replica
+    (pages split over the replicas, KV heads over ``tensor``); the temporaries of its programs (one at
+    a time)."""
     from asyncrl.cluster.placement import slots_for_replicas
     from asyncrl.engine.device_copy import COPY_GROUP_BYTES
     from asyncrl.engine.jax_programs import PREFILL_ROWS  # per replica: the rows each device prefills
