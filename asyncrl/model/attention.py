@@ -8,7 +8,7 @@ the decoder's: query ``t`` attends key ``s`` iff ``s <= t``, key ``s`` is real, 
 packed segment, and ``t - s < window``. The kernels:
 
 * ``reference`` / ``xla``: the dense boolean mask built from the structure (:meth:`SelfAttentionMask.dense`),
-  by asyncrl's einsum or ``jax.nn.dot_product_attention(implementation="xla")``, as before;
+  by asyncrl's einsum or ``jax.nn.dot_product_attention(implementation="xla")``;
 * ``cudnn`` (GPUs, bfloat16/float16 compute): cuDNN's flash attention through
   ``jax.nn.dot_product_attention(implementation="cudnn")`` in its causal mode with per-row sequence
   lengths (``key_valid.sum(-1)``: a row's real tokens are its first ones, as in every right-padded
@@ -32,8 +32,8 @@ Padding queries (``key_valid`` false) attend differently per kernel (uniform wei
 padding, or zeros); their outputs never reach a real token and are never scored.
 
 ``model.attention: auto`` picks the kernel of the platform the program is compiled for:
-:func:`compiled_for` (the train step enters it with its mesh; the engine's prefill with its
-layout) names the devices, else this process's default backend. So compiling for a compile-only
+:func:`compiled_for` (the train step enters it with its mesh; the engine's programs with its
+devices: its mesh, or their platform and count) names the devices, else this process's default backend. So compiling for a compile-only
 ``h100`` or ``v6e-8`` target on a CPU gets the target's kernel. A model or shape a kernel cannot
 take falls back to ``xla`` with one log line naming why (:func:`attention_kernel`).
 """
@@ -190,8 +190,10 @@ def attention_kernel(choice: str, dtype: Any, head_dim: int, *, packed: bool = F
     or ``splash`` is checked, not second-guessed. One new token over a cache (``decode``):
     ``pallas`` (the GPU decode kernel, :mod:`asyncrl.model.decode_attention`, on CUDA lowerings; the
     einsum path on others) unless ``choice`` is ``xla`` or ``reference``, which decode by einsum
-    everywhere (``einsum``). TPUs decode by einsum over their positions-first cache: a paged
-    kernel (``ragged_paged_attention``) needs a paged cache the engine does not keep."""
+    everywhere (``einsum``). One switch for both caches: the contiguous one
+    (:func:`cached_attention`) and the engine's pages (:mod:`asyncrl.model.paged_attention`, whose
+    GPU kernel is the paged one); on TPUs the contiguous cache decodes by einsum over its
+    positions-first layout, and the pages by JAX's ``ragged_paged_attention``."""
     if decode:
         return "einsum" if choice in ("xla", "reference") else "pallas"
     target = target or current_target()

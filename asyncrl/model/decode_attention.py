@@ -1,19 +1,28 @@
-"""The GPU decode-attention kernel: one new token per row over a filled KV cache (a decode step).
+"""The GPU decode-attention kernels: one new token per row attending over its KV (a decode step),
+over a contiguous cache or through page tables.
 
 :func:`pallas_decode_attention` (Pallas, lowered through Triton) computes the scores, the softmax
 and the weighted values of one query token in one kernel, instead of XLA's five (the scores GEMM,
-two softmax reductions, the normalisation, the values GEMM). When it runs is decided in one place,
+two softmax reductions, the normalisation, the values GEMM), over a contiguous cache (beam search's,
+:mod:`asyncrl.model.kv_cache`). When it runs is decided in one place,
 :func:`asyncrl.model.attention.cached_attention` (on CUDA lowerings, for the shapes it takes; the
 einsum path, :func:`asyncrl.model.attention.einsum_attention`, everywhere else and as its reference).
 
 The kernel runs one program per (row, KV head): the query heads of the group (padded to 16, the
 smallest ``tl.dot`` tile) against the row's keys and values in blocks of up to 128 cache slots, with
 an online softmax in float32 (running maximum and sum, the normalisation once at the end). The mask
-``[B, S]`` carries everything position-dependent: the valid slots, causality, Gemma 3's sliding
-windows and the attention bucket (``S`` is the attended prefix), so the kernel needs no window or
-bucket arguments; masked scores get the same finite ``-1e30`` as the einsum path, so a fully masked
-row (an idle slot) averages its values uniformly there too, never NaN. The models asyncrl loads
-have no attention-logit soft-capping (Gemma 3 has none; its final-logit cap is outside attention).
+``[B, S]`` carries everything position-dependent: the valid slots, causality and Gemma 3's sliding
+windows, so the kernel needs no window argument; masked scores get the same finite ``-1e30`` as the
+einsum path, so a fully masked row (an idle one) averages its values uniformly there too, never NaN.
+The models asyncrl loads have no attention-logit soft-capping (Gemma 3 has none; its final-logit cap
+is outside attention).
+
+:func:`pallas_paged_decode_attention` is the engine's: the same online softmax per (row, KV head),
+walking the row's page table :func:`pages_per_block` pages (:data:`BLOCK_POSITIONS` positions) at a
+time up to the new token's position (within Gemma 3's window), the new key and value written into
+the pool in place. :mod:`asyncrl.model.paged_attention` decides when it runs (CUDA lowerings, the
+GPU's page layout, shapes of whole ``tl.dot`` tiles; elsewhere
+:func:`~asyncrl.model.paged_attention.paged_decode_attention`, its reference).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ one past row ``b``'s last real token of the call (it stays put when the row had 
 * a left-padded prompt ``[pad pad a b c]`` fills slots 0..4 (0, 1 invalid) and the
   next token goes to slot 5; a right-padded one ``[a b c pad pad]`` fills 0..4 (3, 4
   invalid) and the next token overwrites slot 3;
-* a row whose mask is all false in a call (an idle engine slot) keeps its valid slots
+* a row whose mask is all false in a call (an idle row) keeps its valid slots
   and write position (K/V at and after ``write_pos`` may be overwritten, but those
   slots are invalid: every valid slot lies before ``write_pos``);
 * positions default to the number of valid slots before the call plus the running

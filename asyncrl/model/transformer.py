@@ -10,18 +10,22 @@ Numerics follow transformers' PyTorch models: RMSNorm normalises in float32 and
 multiplies by its weight in the compute dtype; rotary embeddings use the rotate-half
 convention with cos/sin computed in float32; attention scores and softmax run in
 float32; logits are float32. Attention over more than one new token (training, scoring,
-prefill) goes through ``model.attention``'s kernel with the mask as structure
+prefill into an empty cache; a prefill chunk after pages a row holds takes the einsum reference over
+them) goes through ``model.attention``'s kernel with the mask as structure
 (:mod:`asyncrl.model.attention`: ``auto`` is cuDNN's flash attention on GPUs, Pallas' splash
-attention on TPUs, XLA's on the CPU), decoding one token by einsum on the cache
-(:func:`cached_attention`); they apply the same mask rule and agree to float32 rounding.
+attention on TPUs, XLA's on the CPU), decoding one token over a cache: the contiguous cache by
+:func:`cached_attention` (einsum, or the GPU decode kernel), the engine's paged cache by
+:func:`~asyncrl.model.paged_attention.paged_attention` (the einsum reference over its pages, or the
+platform's paged kernel); they apply the same mask rule and agree to float32 rounding.
 Gemma 3's sliding-window layers narrow that mask to the last ``sliding_window`` tokens
-(:func:`sliding_window_mask`, the one rule for training, scoring, prefill and decoding) and use
-their own rope base.
+(``kv_idx > q_idx - window``, as transformers': :func:`sliding_window_mask` on the dense masks, the
+fused kernels' and the paged paths' own window argument elsewhere) and use their own rope base.
 
-KV cache: :mod:`asyncrl.model.kv_cache` (:class:`~asyncrl.model.kv_cache.KVCache`, its slot
-protocol, the layouts). Attention, its kernels and the choice among them:
-:mod:`asyncrl.model.attention` (:func:`~asyncrl.model.attention.cached_attention`,
-:func:`~asyncrl.model.attention.attend`).
+KV caches: :mod:`asyncrl.model.kv_cache` (:class:`~asyncrl.model.kv_cache.KVCache`, its slot
+protocol, the layouts; :class:`~asyncrl.model.kv_cache.PagedKVCache`, the engine's pages and page
+tables). Attention, its kernels and the choice among them: :mod:`asyncrl.model.attention`
+(:func:`~asyncrl.model.attention.cached_attention`, :func:`~asyncrl.model.attention.attend`) and,
+over pages, :mod:`asyncrl.model.paged_attention`.
 """
 
 from __future__ import annotations
