@@ -379,7 +379,7 @@ class PrefixCacheConfig(Section):
     across_versions: bool = False
     """Also reuse KV computed with older weights (after a publish); the tokens a request then generates carry the oldest version among the KV they attend to, so staleness accounting stays exact. False: a publish makes every kept prefix stale, as SGLang's cache flush at a weight update does. Needs ``rollout.max_staleness`` >= 1 (a reusing sample is older than the weights it is generated at). Refused with ``engine.remote`` (the servers keep their own cache, SGLang's flushed at each weight update, and a server's tokens must carry a version it served since the request was sent)."""
     extend_buckets: list[int] = Field(default_factory=lambda: [32, 128])
-    """Token counts the prefill of a prompt's rest (after its reused prefix) is compiled for, besides ``engine.prefill_buckets``; a rest uses the smallest that holds it. Any order; each at most ``engine.kv_capacity`` (the default's larger entries are left out)."""
+    """Token counts the prefill of tokens after what a sequence's pages hold is compiled for (the rest of a prompt after its reused prefix, a long context's later chunks), besides ``engine.prefill_buckets``; such a chunk uses the smallest that holds it. Used with reuse off too (long contexts). Any order; each at most ``engine.kv_capacity`` (the default's larger entries are left out)."""
 
     @field_validator("extend_buckets")
     @classmethod
