@@ -79,8 +79,9 @@ def run_config(args: argparse.Namespace, model: str, prompts: Path, out: Path, s
 
 
 def serve_config(cfg: dict) -> dict:
-    """The server's config: the run's engine, with a prefill bucket for a resubmitted prompt (a
-    publish cuts requests in flight; each comes back as prompt + its tokens so far)."""
+    """The server's config: the run's engine, with a prefill bucket of ``kv_capacity``, so that a
+    resubmitted prompt (a publish cuts requests in flight; each comes back as prompt + its tokens
+    so far) is prefilled in one chunk."""
     served = json.loads(json.dumps(cfg))
     engine = served["engine"]
     engine["prefill_buckets"] = sorted({*engine["prefill_buckets"], engine["kv_capacity"]})

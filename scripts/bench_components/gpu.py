@@ -20,9 +20,9 @@ short keeps the parts before), then the command prints a summary line:
   sent together once more, each for one token (compiled already: no compile in the figure). The
   engine runs with ``--sampler`` and ``--attention-buckets`` (``engine.sampler``,
   ``engine.attention_buckets``).
-* ``decode_baseline``: the same at ``--baseline-slots`` with the engine's previous path
-  (``sampler: inverse_cdf``, ``attention_buckets: 1``), and ``fast_over_baseline`` per slot
-  count (> 1: the new path is faster). On a GPU also ``decode_without_command_buffers``: the
+* ``decode_baseline``: the same at ``--baseline-slots`` with the plain paths
+  (``sampler: inverse_cdf``, ``attention_buckets: 1``; the latter acts on the CPU only), and
+  ``fast_over_baseline`` per slot count (> 1: the chosen paths are faster). On a GPU also ``decode_without_command_buffers``: the
   same in a child process with ``ASYNCRL_XLA_PLATFORM_FLAGS=0`` (XLA reads its flags once per
   process).
 * ``hf_generate``: transformers' ``generate`` (torch, same device, same dtype, same lengths,
