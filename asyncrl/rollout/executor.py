@@ -582,7 +582,7 @@ def _drop_hint(reason: str, cfg: Config) -> str:
                 "rollout.max_seq_len to the longest episode (prompt, every turn and tool output; see docs/workflows.md)")
     if reason == "prompt_too_long":
         return (f"the prompt is longer than data.max_prompt_tokens = {cfg.data.max_prompt_tokens} tokens after the chat "
-                "template; raise data.max_prompt_tokens (and engine.kv_capacity, engine.prefill_buckets)")
+                "template; raise data.max_prompt_tokens (and engine.kv_capacity with it)")
     if reason == "aborted":
         return "the engine aborted a request (its timeout_s ran out, or the engine shut down)"
     return f"the workflow raised SkipSample('{reason}')"

@@ -156,8 +156,8 @@ def _check_prompts_fit(scfg: Config, train: Any, workflow: Any, tokenizer: Any, 
         raise DataError(
             f"{where}data.dataset ({_target(scfg.data.dataset)}): no usable prompt: 0 of {len(lengths)} train prompts "
             f"checked (of {len(train)}) fit data.max_prompt_tokens = {limit} (the shortest has {min(lengths)} tokens, "
-            "chat template included); raise data.max_prompt_tokens (with engine.kv_capacity and "
-            "engine.prefill_buckets) or shorten the prompts"
+            "chat template included); raise data.max_prompt_tokens (with engine.kv_capacity) or shorten "
+            "the prompts"
         )
     if fit < len(lengths):
         log.info("%sdata.dataset: %d of %d train prompts checked are longer than data.max_prompt_tokens = %d and "
