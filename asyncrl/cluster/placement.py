@@ -90,8 +90,8 @@ def resolve_placement(cfg: Any, devices: Optional[Sequence[Any]] = None, process
         )
     trainer = trainer[:size]
     engine = _engine_devices(placement, hosts[index], [d for d in trainer if d.process_index == index], holder)
-    # auto is the smallest degree whose engine fits the devices' memory: without a memory budget to
-    # size it against (the run and asyncrl plan resolve it first, asyncrl.run.auto_slots), that is 1.
+    # auto is chosen from the devices' memory (the degree that decodes the most sequences together:
+    # the run and asyncrl plan resolve it first, asyncrl.run.auto_slots); without a memory budget, 1.
     tp = 1 if cfg.engine.tensor_parallel == "auto" else cfg.engine.tensor_parallel
     if len(engine) % tp:
         where = f"placement.engine = {placement.engine!r}" if placement.engine else "placement.engine (colocated)"
