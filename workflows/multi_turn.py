@@ -114,24 +114,24 @@ class CalculatorWorkflow(SingleTurnWorkflow):
         except CalcError as err:
             return self.error_template.format(reason=err.reason), True
 
-    def budgets(self, prompt_len: int) -> tuple[int, int]:
-        """(last token index after the prompt allowed, longest continuation prompt the engine takes)."""
+    def budget(self, prompt_len: int) -> int:
+        """The most tokens a trajectory may hold: its prompt plus ``rollout.max_new_tokens``, within
+        ``max_seq_len`` and ``engine.kv_capacity`` (the engine prefills any context below that in chunks)."""
         cfg = self.cfg
-        total = min(prompt_len + cfg.rollout.max_new_tokens, cfg.max_seq_len, cfg.engine.kv_capacity)
-        return total, max(cfg.engine.prefill_buckets) + 1
+        return min(prompt_len + cfg.rollout.max_new_tokens, cfg.max_seq_len, cfg.engine.kv_capacity)
 
     # ------------------------------------------------------------------ one trajectory
 
     def run_trajectory(self, engine: InferenceEngine, prompt_ids: list[int], sample_id: int, index: int) -> tuple[TrajectoryBuilder, dict]:
         """Turns of trajectory ``index``: returns the builder and its episode metrics (and texts)."""
         builder = TrajectoryBuilder().add_tokens(prompt_ids)
-        total, longest_prompt = self.budgets(len(prompt_ids))
+        total = self.budget(len(prompt_ids))
         texts: list[str] = []
         stats: dict[str, Any] = {"turns": 0.0, "tool_calls": 0.0, "tool_errors": 0.0, "truncated": 0.0}
         for turn in range(self.max_turns):
             context = builder.input_ids.tolist()
             room = total - len(context)
-            if room < 1 or (turn > 0 and len(context) > longest_prompt):
+            if room < 1:
                 stats["truncated"] = 1.0
                 break
             response = self._generate(engine, context, room, sample_id, index, turn)

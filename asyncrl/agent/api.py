@@ -72,7 +72,7 @@ class Limits:
     max_total_tokens: Optional[int] = None
     """Prompt + completion at most this (``max_seq_len`` when training); None: unbounded."""
     max_prompt_tokens: Optional[int] = None
-    """Longest prompt taken (the engine's largest prefill); None: unbounded."""
+    """Longest prompt taken; None: only ``max_total_tokens`` bounds it."""
     default_temperature: float = 1.0
     """``temperature`` when the request gives none."""
     required_temperature: Optional[float] = None

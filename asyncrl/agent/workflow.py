@@ -100,8 +100,9 @@ class AgentWorkflow(RolloutWorkflow):
         self.turn_discount = turn_discount
         self.http = http
         rollout = cfg.rollout
-        limits = Limits(max_new_tokens=rollout.max_new_tokens, max_total_tokens=cfg.max_seq_len,
-                        max_prompt_tokens=max(cfg.engine.prefill_buckets) + 1, required_temperature=rollout.temperature)
+        # The engine prefills a context of any length in chunks: only the context's total bounds a call.
+        limits = Limits(max_new_tokens=rollout.max_new_tokens, max_total_tokens=min(cfg.max_seq_len, cfg.engine.kv_capacity),
+                        required_temperature=rollout.temperature)
         self.endpoint = OpenAIEndpoint(tokenizer, model_name, limits=limits, tool_format=tool_format,
                                        template_kwargs=cfg.data.chat_template_kwargs)
         self._totals = {"completions": 0, "trajectories": 0, "splits": 0, "tool_calls": 0, "malformed_tool_calls": 0}

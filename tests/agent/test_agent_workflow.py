@@ -22,12 +22,12 @@ TOK = qwen_char_tokenizer()
 DATA = [{"prompt": f"say {k}", "answer": str(k)} for k in range(12)]
 
 
-def cfg_for(group_size=2, **rollout):
+def cfg_for(group_size=2, prefill_buckets=(64, 128, 256), **rollout):
     return load_config(data={
         "rollout": {"batch_size": 4, "group_size": group_size, "max_new_tokens": 16, "length_bucket": 16,
                     "max_staleness": 1, "max_concurrent": 4, "max_seq_len": 256, **rollout},
         "data": {"max_prompt_tokens": 64},
-        "engine": {"kv_capacity": 256, "prefill_buckets": [64, 128, 256]},
+        "engine": {"kv_capacity": 256, "prefill_buckets": list(prefill_buckets)},
     })
 
 
@@ -160,6 +160,15 @@ def test_a_reissued_episode_draws_the_same_tokens():
         np.testing.assert_array_equal(a.input_ids, b.input_ids)
         np.testing.assert_array_equal(a.behavior_logprobs, b.behavior_logprobs)
     assert len({tuple(t.input_ids) for t in first.trajectories}) == len(first.trajectories)  # runs differ
+
+
+def test_a_call_whose_context_passes_the_largest_prefill_bucket_is_served():
+    """The engine prefills a context of any length in chunks of its largest bucket, so the agent's
+    endpoint bounds a call only by the context's total (``max_seq_len``, ``engine.kv_capacity``)."""
+    engine = text_engine(TOK, echo, version=0)
+    group = Echo(cfg_for(prefill_buckets=(16,)), TOK).run_episode(engine, {**DATA[3], "sample_id": 3})
+    for traj in group.trajectories:
+        assert traj.prompt_length > 17 and traj.reward == 1.0 and traj.metadata["episode_metrics"]["completions"] == 2.0
 
 
 def test_the_calculator_agents_demonstrations_are_its_own_turns():

@@ -66,12 +66,12 @@ def ids(text: str) -> list[int]:
     return TOK.encode(text, add_special_tokens=False)
 
 
-def cfg_for(group_size=2, max_new_tokens=64, **rollout):
+def cfg_for(group_size=2, max_new_tokens=64, prefill_buckets=None, **rollout):
     raw = {
         "data": {"max_prompt_tokens": 48},
         "rollout": {"batch_size": 2, "group_size": group_size, "max_new_tokens": max_new_tokens, "length_bucket": 16,
                     "max_staleness": 1, "max_concurrent": 4, **rollout},
-        "engine": {"kv_capacity": 48 + max_new_tokens, "prefill_buckets": [32, 64, 32 + max_new_tokens]},
+        "engine": {"kv_capacity": 48 + max_new_tokens, "prefill_buckets": prefill_buckets or [32, 64, 32 + max_new_tokens]},
         "rewards": [{"fn": "gsm8k_correct"}, {"fn": "gsm8k_format", "weight": 0.1}],
         "workflow": {"target": "multi_turn", "kwargs": {"system_prompt": None, "max_turns": 3}},
     }
@@ -130,6 +130,15 @@ def test_the_length_budget_bounds_every_trajectory():
     workflow, group = run({0: "<calc>1+1</calc>", 1: "x" * 80}, max_new_tokens=40)
     traj = group.trajectories[0]
     assert traj.num_tokens - traj.prompt_length <= 40 and traj.stop_reason == "length"
+
+
+def test_a_turn_whose_context_passes_the_largest_prefill_bucket_is_taken():
+    """The engine prefills a context of any length in chunks, so only the length budget ends an episode."""
+    workflow, group = run({0: "so <calc>12*7</calc> and", 1: " the answer\n#### 84"}, prefill_buckets=[16])
+    traj = group.trajectories[0]
+    assert traj.prompt_length + len(ids("so <calc>12*7</calc><result>84</result>")) > 17  # the second turn's context
+    assert traj.metadata["episode_metrics"] == {"turns": 2.0, "tool_calls": 1.0, "tool_errors": 0.0, "truncated": 0.0}
+    assert traj.reward == pytest.approx(1.1)
 
 
 # --------------------------------------------------------------------------- resume

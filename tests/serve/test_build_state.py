@@ -28,6 +28,8 @@ def test_a_run_config_with_auto_fields_serves_the_runs_engine(tmp_path):
         assert engine.config.tensor_parallel == 1  # auto, resolved as a run resolves it on one device
         [answer] = engine.generate(GenerationRequest(prompt_ids=[5, 6, 7], max_new_tokens=3, greedy=True))
         assert len(answer.output_ids) == 3 and state.label == "0"
+        limits = state.openai.limits  # a chat prompt is bounded by the context only: long ones are prefilled in chunks
+        assert limits.max_prompt_tokens is None and limits.max_total_tokens == engine.config.kv_capacity
     finally:
         state.engine.shutdown()
 
