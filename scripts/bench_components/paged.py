@@ -10,7 +10,8 @@ Parts and fields (``*_paged``, ``*_contiguous``, their ratio):
 * ``long_tail``: bench-40m, prompts of 256 tokens, new-token budgets log-uniform between 16 and
   2,048 (``16 * 2 ** U(0, 7)``, rounded down: median about 181, mean about 419; EOS ignored, so each
   request generates its budget), a stream: as many client threads as the engine has slots, each
-  sending its next request as soon as its last returns (rollout workers), measured over
+  sending its next request as soon as its last returns (rollout workers; with ``--long-group g``,
+  each run of ``g`` consecutive requests shares one prompt, as a GRPO group's samples do), measured over
   ``--window-s`` seconds after ``--skip-s`` (a program first used in the window compiles in it). The same KV bytes on
   both sides: the contiguous engine's 8 slots of 2,304 positions, the paged engine's pool of
   8 x 2,304 / 16 = 1,152 pages of 16 with ``--paged-slots`` slots (64). In the window:
@@ -59,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-s", type=float, default=240.0, help="seconds the long-tailed stream is measured")
     parser.add_argument("--skip-s", type=float, default=90.0, help="seconds of the stream before the window")
     parser.add_argument("--paged-slots", type=int, default=64, help="the paged engine's slots in the long-tailed round")
+    parser.add_argument("--long-group", type=int, default=1,
+                        help="samples per prompt in the long-tailed stream (GRPO's group: consecutive requests share a prompt)")
     parser.add_argument("--short-slots", type=int, default=256, help="busy slots of the short round")
     parser.add_argument("--repeats", type=int, default=4, help="timed rounds of each side in the short part (after two untimed ones)")
     parser.add_argument("--rl-steps", type=int, default=8, help="RL steps of each prefix run")
@@ -78,6 +81,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.baseline is not None:
         sides["contiguous"] = Path(args.baseline).resolve()
     result: dict = {"requests": args.requests, "budgets": "16 * 2 ** U(0, 7) new tokens (log-uniform 16 to 2048)",
+                    "long_group": args.long_group,
                     "baseline": str(sides.get("contiguous"))}
     figures: dict[str, dict] = {side: {} for side in sides}
     short_ratio = None
@@ -88,6 +92,7 @@ def run(args: argparse.Namespace) -> dict:
         if engine_parts:
             argv = [sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "paged", "--child", side, "--root", str(root),
                     "--parts", *engine_parts, "--requests", str(args.requests), "--paged-slots", str(args.paged_slots),
+                    "--long-group", str(args.long_group),
                     "--window-s", str(args.window_s), "--skip-s", str(args.skip_s),
                     "--short-slots", str(args.short_slots), "--repeats", str(args.repeats)]
             figures[side].update(_last_json(_child(argv, side, env=child_env(JAX_PLATFORMS="cpu"))))
@@ -208,7 +213,7 @@ def child(args: argparse.Namespace) -> dict:
     paged = args.child == "paged"
     out: dict = {}
     if "long_tail" in args.parts:
-        out.update(long_tail(paged, args.requests, args.paged_slots, args.window_s, args.skip_s))
+        out.update(long_tail(paged, args.requests, args.paged_slots, args.window_s, args.skip_s, args.long_group))
     if "group" in args.parts:
         out.update(group(paged))
     if "short" in args.parts:
@@ -242,7 +247,7 @@ def _prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(0, vocab, size=length)] for _ in range(count)]
 
 
-def long_tail(paged: bool, requests: int, paged_slots: int, window_s: float, skip_s: float) -> dict:
+def long_tail(paged: bool, requests: int, paged_slots: int, window_s: float, skip_s: float, group: int = 1) -> dict:
     import threading
     import time
 
@@ -260,9 +265,9 @@ def long_tail(paged: bool, requests: int, paged_slots: int, window_s: float, ski
     vocab = int(params["embed_tokens"]["embedding"].shape[0])
     rng = np.random.default_rng(7)
     budgets = [int(16 * 2 ** rng.uniform(0, 7)) for _ in range(requests)]
-    prompts = _prompts(vocab, requests, PROMPT, 8)
-    calls = [GenerationRequest(prompt_ids=p, max_new_tokens=b, stop_token_ids=[], sample_id=i)
-             for i, (p, b) in enumerate(zip(prompts, budgets))]
+    prompts = _prompts(vocab, -(-requests // group), PROMPT, 8)
+    calls = [GenerationRequest(prompt_ids=prompts[i // group], max_new_tokens=b, stop_token_ids=[], sample_id=i)
+             for i, b in enumerate(budgets)]
     engine = _engine(graphdef, params, **config)  # programs compile on first use (most before the window)
     taken, lock, stop = iter(calls), threading.Lock(), threading.Event()
 
@@ -290,7 +295,7 @@ def long_tail(paged: bool, requests: int, paged_slots: int, window_s: float, ski
         engine.shutdown()
     delta = lambda name: last.get(name, 0.0) - first.get(name, 0.0)  # noqa: E731
     assert next(taken, None) is not None, "--requests ran out inside the window: give more"
-    return {"slots": config["slots"], "budget_median": float(np.median(budgets)), "budget_mean": float(np.mean(budgets)),
+    return {"slots": config["slots"], "group": group, "budget_median": float(np.median(budgets)), "budget_mean": float(np.mean(budgets)),
             "sequences_per_step": round(delta("engine/decode_tokens") / max(delta("engine/decode_steps"), 1), 2),
             "new_tokens_per_s": round(delta("engine/decode_tokens") / seconds, 1), "window_s": round(seconds, 1),
             "preemptions": delta("engine/preemptions")}
