@@ -243,14 +243,6 @@ def is_leaf_node(xp: Any, tables: TrieTables, nodes: Any) -> Any:
     return (nodes >= 0) & (tables.first_edge[n] == tables.first_edge[n + 1])
 
 
-def masked_logprobs_reference(logits: np.ndarray, token: int, allowed: np.ndarray, temperature: float = 1.0) -> float:
-    """``log_softmax`` over the ``allowed`` tokens of ``logits / T`` at ``token`` (numpy float64; tests' reference)."""
-    z = np.asarray(logits, np.float64) / temperature
-    sub = z[np.asarray(allowed)]
-    top = sub.max()
-    return float(z[token] - top - np.log(np.exp(sub - top).sum()))
-
-
 def _size_class(n: int, floor: int) -> int:
     """The power of two >= ``max(n, floor)``."""
     return 1 << max(int(n), floor, 1).__sub__(1).bit_length()

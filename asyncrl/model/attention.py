@@ -132,13 +132,6 @@ def device_platform(device: Any) -> str:
     return platform
 
 
-def kernel_target_of(array: Any) -> KernelTarget:
-    """The target of a program over ``array``'s devices with no mesh of its own (the engine's
-    prefill and beam search): their platform and count, compile-only devices included."""
-    devices = array.sharding.device_set
-    return KernelTarget(device_platform(next(iter(devices))), devices=len(devices))
-
-
 @contextlib.contextmanager
 def compiled_for(mesh: Any = None, platform: Optional[str] = None, devices: int = 0, segments: int = 0) -> Iterator[None]:
     """Within it, ``model.attention: auto`` picks the kernel of ``mesh``'s devices (or of
@@ -350,14 +343,6 @@ def row_shards_divide(mesh: Any, rows: int) -> bool:
 
 
 # --------------------------------------------------------------------------- attention, over a cache or not
-
-
-def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention by einsum: ``q [B, T, heads, D]``, ``k, v [B, S, kv_heads, D]``,
-    ``mask`` bool ``[B, T, S]`` -> ``[B, T, heads, D]``. Scores and softmax in float32; a fully
-    masked query row gets uniform weights (never NaN). The path of one-token calls without a
-    cache and of ``model.attention: reference``; cached decoding uses :func:`cached_attention`."""
-    return einsum_attention(q, k, v, mask, kv_spec="bskd")
 
 
 def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, kv_spec: str,

@@ -579,14 +579,6 @@ def planned_slots(cfg: Config) -> int:
     return cfg.engine.slots if isinstance(cfg.engine.slots, int) else minimum_slots(cfg)
 
 
-def engine_base_bytes(model_cfg: Any, params: dict, layout: Layout, trainer_base: int) -> int:
-    """Bytes of the weights one engine device reads, in ``model.param_dtype``."""
-    if layout.shares_trainer_arrays:
-        return trainer_base * DTYPE_BYTES[model_cfg.param_dtype]
-    engine_base, _ = params_per_device(model_cfg, params, _mesh_view(layout.engine_replicas, 1, layout.tensor_parallel))
-    return engine_base * DTYPE_BYTES[model_cfg.param_dtype]
-
-
 def stage_decoder_config(flat: Config, model_cfg: Any = None, backend: Optional[str] = None) -> Any:
     """The DecoderConfig of a stage's flat config: ``model_cfg`` (else ``model.path``'s config.json)
     with the ``model`` section's runtime options; ``compute_dtype: auto`` as on ``backend``
