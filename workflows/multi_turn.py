@@ -18,8 +18,8 @@ calls, or when the next turn would not fit the length budget.
 * Trained tokens are exactly the ids the engine sampled: each turn's output is appended as
   it came back (``TrajectoryBuilder.add_generation``); only tool results are tokenised.
 * The budget: everything after the prompt (model and tool tokens) stays within
-  ``rollout.max_new_tokens``, and every continuation prompt within the engine's largest
-  prefill bucket, so trajectories fit ``max_seq_len`` and the engine.
+  ``rollout.max_new_tokens``, and the whole trajectory within ``max_seq_len`` and
+  ``engine.kv_capacity`` (the engine prefills a long context in chunks).
 * Rewards: the configured reward functions score the model's own text (every turn,
   without the tool results), so a tool result is never mistaken for the model's answer.
 * Per-episode metrics in ``metadata["episode_metrics"]``: ``turns``, ``tool_calls``,
@@ -116,9 +116,8 @@ class CalculatorWorkflow(SingleTurnWorkflow):
 
     def budget(self, prompt_len: int) -> int:
         """The most tokens a trajectory may hold: its prompt plus ``rollout.max_new_tokens``, within
-        ``max_seq_len`` and ``engine.kv_capacity`` (the engine prefills any context below that in chunks)."""
-        cfg = self.cfg
-        return min(prompt_len + cfg.rollout.max_new_tokens, cfg.max_seq_len, cfg.engine.kv_capacity)
+        :attr:`~asyncrl.config.Config.context_limit` (the engine prefills any context below it in chunks)."""
+        return min(prompt_len + self.cfg.rollout.max_new_tokens, self.cfg.context_limit[0])
 
     # ------------------------------------------------------------------ one trajectory
 

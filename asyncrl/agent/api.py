@@ -70,7 +70,9 @@ class Limits:
     max_new_tokens: int = 256
     """Default and cap of ``max_tokens`` (``rollout.max_new_tokens`` when training)."""
     max_total_tokens: Optional[int] = None
-    """Prompt + completion at most this (``max_seq_len`` when training); None: unbounded."""
+    """Prompt + completion at most this (when training: ``Config.context_limit``); None: unbounded."""
+    total_field: str = "max_total_tokens"
+    """The setting ``max_total_tokens`` comes from, named when a prompt leaves no room under it."""
     max_prompt_tokens: Optional[int] = None
     """Longest prompt taken; None: only ``max_total_tokens`` bounds it."""
     default_temperature: float = 1.0
@@ -232,12 +234,13 @@ class OpenAIEndpoint:
         max_new = min(max_tokens or limits.max_new_tokens, limits.max_new_tokens)
         if limits.max_prompt_tokens is not None and len(prompt_ids) > limits.max_prompt_tokens:
             raise ApiError(400, f"messages: the prompt has {len(prompt_ids)} tokens, more than the {limits.max_prompt_tokens} "
-                           "the engine takes", param="messages", code="context_length_exceeded")
+                           "this server takes", param="messages", code="context_length_exceeded")
         if limits.max_total_tokens is not None:
             room = limits.max_total_tokens - len(prompt_ids)
             if room < 1:
                 raise ApiError(400, f"messages: the prompt has {len(prompt_ids)} tokens, leaving no room under the "
-                               f"{limits.max_total_tokens}-token context (max_seq_len)", param="messages", code="context_length_exceeded")
+                               f"{limits.max_total_tokens}-token context ({limits.total_field})", param="messages",
+                               code="context_length_exceeded")
             max_new = min(max_new, room)
         stop = body.get("stop")
         stops = [stop] if isinstance(stop, str) else list(stop or [])

@@ -101,7 +101,8 @@ class AgentWorkflow(RolloutWorkflow):
         self.http = http
         rollout = cfg.rollout
         # The engine prefills a context of any length in chunks: only the context's total bounds a call.
-        limits = Limits(max_new_tokens=rollout.max_new_tokens, max_total_tokens=min(cfg.max_seq_len, cfg.engine.kv_capacity),
+        context, context_field = cfg.context_limit
+        limits = Limits(max_new_tokens=rollout.max_new_tokens, max_total_tokens=context, total_field=context_field,
                         required_temperature=rollout.temperature)
         self.endpoint = OpenAIEndpoint(tokenizer, model_name, limits=limits, tool_format=tool_format,
                                        template_kwargs=cfg.data.chat_template_kwargs)

@@ -332,6 +332,15 @@ class Config(Section):
         return self.data.max_prompt_tokens + self.rollout.max_new_tokens
 
     @property
+    def context_limit(self) -> tuple[int, str]:
+        """The most tokens one rollout's context may reach, and the setting that bounds it:
+        :attr:`max_seq_len`, or ``engine.kv_capacity`` when smaller and the engine is in-process
+        (servers of ``engine.remote`` have their own context length)."""
+        if self.engine.remote is None and self.engine.kv_capacity < self.max_seq_len:
+            return self.engine.kv_capacity, "engine.kv_capacity"
+        return self.max_seq_len, "rollout.max_seq_len"
+
+    @property
     def longest_row(self) -> int:
         """The longest batch length ``L`` a step can have: :attr:`max_seq_len` rounded up to ``rollout.length_bucket``."""
         bucket = self.rollout.length_bucket

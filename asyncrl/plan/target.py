@@ -12,7 +12,7 @@ placement, on its own mesh):
 * ``train_step`` at the predicted first batch shape (:func:`~asyncrl.trainer.precompile.expected_first_shape`;
   with ``rollout.pack`` the packed worst case, every sequence in a row of its own); with
   ``algo.estimator: gae`` the same one program also runs the critic and is reported as ``critic_step``;
-* the engine's ``prefill`` at each prompt bucket, its ``decode_chunk`` at each attention bucket,
+* the engine's ``prefill`` at each prompt bucket, its ``decode_chunk`` (on the CPU over its largest view),
   ``beam_search`` when eval decodes with beams, and ``publish`` (the largest of the programs that
   lay the trainer's arrays out as the engine's serving copy at each publish, with the seconds the
   plan gives it at the target's interconnect), on the engine's own mesh over its devices;

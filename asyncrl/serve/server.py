@@ -50,7 +50,7 @@ def build_state(model_or_config: str, *, weights_root: Optional[str], api_key: O
                            seed=0 if seed is None else seed)
     engine_cfg = engine.config
     root = Path(weights_root) if weights_root else None
-    limits = Limits(max_new_tokens=engine_cfg.kv_capacity, max_total_tokens=engine_cfg.kv_capacity)
+    limits = Limits(max_new_tokens=engine_cfg.kv_capacity, max_total_tokens=engine_cfg.kv_capacity, total_field="engine.kv_capacity")
     return ServeState(engine, loaded.model.cfg, str(loaded.path), weights_root=root, api_key=api_key,
                       weight_version=weight_version, tokenizer=_tokenizer_of(Path(loaded.path)), openai_limits=limits)
 

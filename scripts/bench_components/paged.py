@@ -71,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.long_group < 1:
+        raise SystemExit(f"bench.py paged: --long-group must be at least 1 (given {args.long_group})")
     if args.child is not None:
         return child(args)
     from bench_common import load_avg, load_avg_since

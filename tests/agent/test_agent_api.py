@@ -128,10 +128,11 @@ def test_unsupported_parameters_are_a_400_naming_the_parameter(kwargs, param):
 
 
 def test_a_prompt_past_the_context_is_a_400_context_length_exceeded():
-    client, _ = client_for(text_engine(TOK, lambda r, i: "x"), limits=Limits(max_total_tokens=10), sync=True)
+    limits = Limits(max_total_tokens=10, total_field="engine.kv_capacity")
+    client, _ = client_for(text_engine(TOK, lambda r, i: "x"), limits=limits, sync=True)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="m", messages=USER)
-    assert info.value.code == "context_length_exceeded"
+    assert info.value.code == "context_length_exceeded" and "10-token context (engine.kv_capacity)" in info.value.message
 
 
 # --------------------------------------------------------------------------- trajectories

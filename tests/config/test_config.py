@@ -202,3 +202,13 @@ def test_a_field_validators_message_is_the_line_as_it_wrote_it(field):
     with pytest.raises(ConfigError) as err:
         load_config(data={"engine": {field: 0}})
     assert str(err.value) == f"engine.{field}: at least 1, or auto (given 0)"
+
+
+def test_the_context_limit_is_max_seq_len_or_the_in_process_engines_smaller_capacity():
+    """A rollout's context is bounded by ``rollout.max_seq_len``, and by ``engine.kv_capacity`` when
+    that is smaller and the engine runs in process (remote servers have their own context length)."""
+    long = {"rollout": {"max_seq_len": 2048}, "engine": {"kv_capacity": 1024}}
+    assert load_config(data=long).context_limit == (1024, "engine.kv_capacity")
+    remote = {**long, "engine": {**long["engine"], "remote": {"urls": ["http://127.0.0.1:1"]}}}
+    assert load_config(data=remote).context_limit == (2048, "rollout.max_seq_len")
+    assert load_config(data={"rollout": {"max_seq_len": 300}, "engine": {"kv_capacity": 1024}}).context_limit == (300, "rollout.max_seq_len")

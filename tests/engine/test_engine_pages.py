@@ -60,6 +60,19 @@ def test_a_prompt_longer_than_every_bucket_is_prefilled_in_chunks(tiny_split):
         assert again.usage.prefix_hit_tokens == 80 + 6 and again.usage.prefill_tokens == 2  # its 86 kept positions reused
 
 
+def test_a_prompt_at_the_longest_context_is_prefilled_in_chunks_without_reuse(tiny_split):
+    """``kv_capacity - 1`` prompt tokens (95 of 96) with prefix reuse off: every chunk after the
+    first attends over the pages the earlier ones wrote, and the one new token's log-prob is the
+    whole sequence's."""
+    _, graphdef, params = tiny_split
+    prompt = prompt_of(1, 95)
+    with engine(tiny_split, prefix_cache={"enabled": False}) as eng:
+        (sampled,) = eng.generate(GenerationRequest(prompt_ids=prompt, temperature=0.8, max_new_tokens=1, stop_token_ids=[],
+                                                    sample_id=2))
+        np.testing.assert_allclose(sampled.logprobs, reference_logprobs(graphdef, params, prompt, sampled, 0.8), atol=1e-5)
+        assert len(sampled.output_ids) == 1 and sampled.usage.prefill_tokens == 94 and sampled.usage.prefix_hit_tokens == 0
+
+
 def workload() -> list[GenerationRequest]:
     """Four sequences that reach 5 of the 6 pages of a 96-token context, sampled and greedy."""
     return [GenerationRequest(prompt_ids=prompt_of(10 + i, 18 + 3 * i), greedy=i % 2 == 1, temperature=0.9,
