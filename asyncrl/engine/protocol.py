@@ -149,6 +149,11 @@ class GenerationResponse:
     usage: Optional[RequestUsage] = None
     """The whole request's cost to the engine (one object shared by its ``n`` samples); None where
     the engine does not count it (the fake)."""
+    cached_tokens: Optional[int] = None
+    """This sample's prompt tokens whose KV the engine did not compute for it (a kept prefix it
+    reused, or the pages it shares with its request's first sample), of ``len(prompt_ids) - 1``
+    (the last is fed by the first decode step); None where the engine does not count it per sample
+    (the fake, remote servers, beam search)."""
 
 
 @runtime_checkable

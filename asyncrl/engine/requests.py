@@ -23,7 +23,7 @@ class Sequence:
     its trie node and why it ended."""
 
     __slots__ = ("pending", "index", "tokens", "logprobs", "versions", "stop_reason", "row", "node", "score",
-                 "version_floor", "kv", "order")
+                 "version_floor", "kv", "order", "prompt_computed")
 
     def __init__(self, pending: "Pending", index: int) -> None:
         self.pending = pending
@@ -38,6 +38,7 @@ class Sequence:
         self.version_floor: Optional[int] = None  # set when it reuses KV of older weights (across_versions)
         self.kv: Any = None  # its pages (asyncrl.engine.kv_cache_manager.SequenceKV) while admitted; None while it waits
         self.order = -1  # when it was first admitted (the latest admitted is preempted first)
+        self.prompt_computed = 0  # prompt tokens whose KV was computed for it (again after a preemption)
 
     @property
     def request(self) -> GenerationRequest:
@@ -87,9 +88,15 @@ class Pending:
                 stop_reason=s.stop_reason or "aborted",
                 score=s.score,
                 usage=self.usage,
+                cached_tokens=None if self.request.beam else max(self.context_tokens - s.prompt_computed, 0),
             )
             for s in self.sequences
         ]
+
+    @property
+    def context_tokens(self) -> int:
+        """The prompt tokens a sample's prefill holds: all but the last, which its first decode step feeds."""
+        return max(len(self.request.prompt_ids) - 1, 0)
 
 
 class Update:

@@ -398,6 +398,10 @@ class Scheduler:
                 self.stats.prefix_hit_tokens += part.reused
                 usage.prefill_tokens += context - part.reused
                 usage.prefix_hit_tokens += part.reused
+                # The part's first sample computes what it did not reuse; the others share its pages.
+                prompt = sequences[0].pending.context_tokens
+                for j, sequence in enumerate(sequences):
+                    sequence.prompt_computed += max(prompt - (part.reused if j == 0 else context), 0)
         for stage in sorted({chunk.stage for chunk in chunks}):
             for fresh in (True, False):
                 self._prefill([c for c in chunks if c.stage == stage and (c.start == 0) == fresh], fresh)

@@ -183,12 +183,9 @@ class ServeState:
         for (req, count), fut in zip(requests, futures):
             responses = [None] * count if fut is None else await fut
             prompt_len = len(req.prompt_ids) if req is not None else 0
-            for k, response in enumerate(responses):
-                # The engine computes a request's context once (less what it reused: its usage);
-                # its other samples share the first's pages (engine/prefix_hit_tokens: docs/agents.md).
-                hit = response.usage.prefix_hit_tokens if response is not None and response.usage is not None else 0
-                cached = hit if k == 0 else max(prompt_len - 1, 0)
-                out.append(self.item(response, prompt_len, with_logprobs, cached if response is not None else 0))
+            for response in responses:
+                cached = response.cached_tokens if response is not None and response.cached_tokens is not None else 0
+                out.append(self.item(response, prompt_len, with_logprobs, cached))
         return out if body.is_batch or len(out) != 1 else out[0]
 
     # ------------------------------------------------------------------ control

@@ -139,3 +139,14 @@ def test_an_agent_history_survives_another_episode(tiny_split):
         (again,) = eng.generate(GenerationRequest(prompt_ids=next_turn, greedy=True, max_new_tokens=4, stop_token_ids=[]))
         assert again.usage.prefix_hit_tokens == len(a_prompt) - 1 + len(a.output_ids)
         assert again.usage.prefill_tokens == len(next_turn) - 1 - again.usage.prefix_hit_tokens
+
+
+def test_each_sample_reports_the_prompt_tokens_it_did_not_compute(tiny_split):
+    """``GenerationResponse.cached_tokens``: a request's first sample computes its prompt (less a kept
+    prefix), its other samples share those pages; a later request on the same prompt reuses it all."""
+    prompt = prompt_of(2, 40)
+    with engine(tiny_split) as eng:
+        first = eng.generate(GenerationRequest(prompt_ids=prompt, n=3, max_new_tokens=2, stop_token_ids=[], sample_id=5))
+        again = eng.generate(GenerationRequest(prompt_ids=prompt, n=2, max_new_tokens=2, stop_token_ids=[], sample_id=6))
+    assert [r.cached_tokens for r in first] == [0, 39, 39] and first[0].usage.prefill_tokens == 39
+    assert [r.cached_tokens for r in again] == [39, 39] and again[0].usage.prefix_hit_tokens == 39
