@@ -16,7 +16,10 @@ Parts and fields (``*_paged``, ``*_contiguous``, their ratio):
   both sides: the contiguous engine's 8 slots of 2,304 positions, the paged engine's pool of
   8 x 2,304 / 16 = 1,152 pages of 16 with ``--paged-slots`` slots (64). In the window:
   ``sequences_per_step`` is decode tokens over decode steps (sequences decoding together; target
-  paged >= 4x), ``new_tokens_per_s`` decode tokens per second (target >= 2x), ``preemptions``. Both
+  paged >= 4x), ``new_tokens_per_s`` decode tokens per second (target >= 2x), ``preemptions``; the
+  paged side's ``kv_pages_used_mean`` (the pool's share running sequences hold, sampled every second)
+  and ``positions_per_sequence`` (those positions over ``sequences_per_step``: what bounds how many
+  sequences the pool holds at once). Both
   engines with ``engine.attention_buckets: 4``.
 * ``group``: 16 samples (``n = 16``) of a 1,024-token prompt, 64 new tokens each, on bench-40m:
   ``group_pages_max`` is the most pool pages in use during the request (sampled every few
@@ -287,7 +290,10 @@ def long_tail(paged: bool, requests: int, paged_slots: int, window_s: float, ski
             thread.start()
         time.sleep(skip_s)  # past the start, where every sequence is short at once
         first, started = engine.metrics(), time.monotonic()
-        time.sleep(window_s)
+        used = []  # the pool's share running sequences hold, once a second (the paged engine's metric)
+        while time.monotonic() < started + window_s:
+            time.sleep(min(1.0, max(started + window_s - time.monotonic(), 0.0)))
+            used.append(engine.metrics().get("engine/kv_pages_used"))
         last, seconds = engine.metrics(), time.monotonic() - started
         stop.set()
         engine.abort_all()
@@ -297,10 +303,16 @@ def long_tail(paged: bool, requests: int, paged_slots: int, window_s: float, ski
         engine.shutdown()
     delta = lambda name: last.get(name, 0.0) - first.get(name, 0.0)  # noqa: E731
     assert next(taken, None) is not None, "--requests ran out inside the window: give more"
-    return {"slots": config["slots"], "group": group, "budget_median": float(np.median(budgets)), "budget_mean": float(np.mean(budgets)),
-            "sequences_per_step": round(delta("engine/decode_tokens") / max(delta("engine/decode_steps"), 1), 2),
-            "new_tokens_per_s": round(delta("engine/decode_tokens") / seconds, 1), "window_s": round(seconds, 1),
-            "preemptions": delta("engine/preemptions")}
+    sequences = delta("engine/decode_tokens") / max(delta("engine/decode_steps"), 1)
+    out = {"slots": config["slots"], "group": group, "budget_median": float(np.median(budgets)), "budget_mean": float(np.mean(budgets)),
+           "sequences_per_step": round(sequences, 2), "new_tokens_per_s": round(delta("engine/decode_tokens") / seconds, 1),
+           "window_s": round(seconds, 1), "preemptions": delta("engine/preemptions")}
+    if paged and all(u is not None for u in used):
+        # What the pool holds per running sequence: its pages over the sequences decoding together.
+        positions = float(np.mean(used)) * config["kv_pages"] * PAGE
+        out.update(kv_pages_used_mean=round(float(np.mean(used)), 3),
+                   positions_per_sequence=round(positions / max(sequences, 1e-9), 1))
+    return out
 
 
 def group(paged: bool) -> dict:
