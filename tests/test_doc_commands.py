@@ -50,7 +50,7 @@ def _json_line(_: Path, output: str) -> None:
 
 
 def _bench_line(name: str) -> Callable[[Path, str], None]:
-    """A ``scripts/bench.py NAME`` line: named, with the load average at its start and end."""
+    """A ``scripts/bench.py NAME`` line: its ``bench`` name and its ``load_avg`` field (``start``, ``end``)."""
     def check(_: Path, output: str) -> None:
         result = json.loads(output.strip().splitlines()[-1])
         assert result["bench"] == name and set(result["load_avg"]) == {"start", "end"}, result

@@ -49,7 +49,7 @@ def test_every_config_field_has_a_description():
 HISTORY = re.compile(r"\bissues? \d+|\bsessions? \d+|\bseed 00\d|\b(?:first|second|third|fourth) pass\b"
                      r"|(?<![-\w])items? \d+", re.I)
 """How the project got here, which belongs in commit messages and CHANGELOG.md: an issue number, a
-numbered work session, a planning document's name ("seed 002"), a numbered pass of work or an
+numbered work session, a numbered planning document ("seed" and its number), a numbered pass of work or an
 issue's numbered item ("item 4"; not an option such as ``--items 16``)."""
 
 
@@ -94,14 +94,14 @@ def test_the_docs_say_what_the_product_is_not_how_it_got_here():
 
 
 def test_a_history_line_put_back_is_caught(tmp_path):
-    (tmp_path / "guide.md").write_text("# Guide\n\nThe plan counts it since the third pass (issue 44).\n")
-    (tmp_path / "recipe.yaml").write_text("# Seed 002's job on a v6e-8\nmodel: {path: x}  # session 9\nname: issue 3\n")
+    (tmp_path / "guide.md").write_text("# Guide\n\nThe plan counts it since the third pass (issue 1234).\n")
+    (tmp_path / "recipe.yaml").write_text("# Seed 009's example\nmodel: {path: x}  # session 99\nname: issue 3\n")
     (tmp_path / "module.py").write_text('"""Calibrated in the fourth pass."""\nx = "issue 12"  # fine here\nissue_7 = 1\n'
                                         '"""Item 4: the run stops."""\nx = "make_trie.py --items 16"\n')
     found = history_lines(sorted(tmp_path.iterdir()))
     assert [f.split(": ", 1)[0].rsplit("/", 1)[1] for f in found] == [
         "guide.md:3", "module.py:1", "module.py:2", "module.py:4", "recipe.yaml:1", "recipe.yaml:2"], found
-    assert history_lines([tmp_path / "guide.md"]) == [f"{tmp_path / 'guide.md'}:3: The plan counts it since the third pass (issue 44)."]
+    assert history_lines([tmp_path / "guide.md"]) == [f"{tmp_path / 'guide.md'}:3: The plan counts it since the third pass (issue 1234)."]
     assert not (REPO_ROOT / "CHANGELOG.md") in _documentation()
     assert REPO_ROOT / "tests" / "run" / "test_train_loop.py" in _documentation()
 

@@ -1,6 +1,6 @@
 """The measuring tools: the compilation cache of runs (where it goes, its switch, that it really
 caches small CPU programs) and the arithmetic of scripts/bench_rl.py, bench_async.py,
-bench_vs_trl.py and bench.py's engine, accel and prefix. The scripts themselves run in
+bench_vs_trl.py and bench.py's engine, accel and prefix, and bench.py paged's refusal of a bad --long-group. The scripts themselves run in
 tests/test_doc_commands.py (their quick forms); bench_async's split layout and bench.py's prefix
 and colocated also here (slow, by name)."""
 
@@ -370,3 +370,10 @@ def test_bench_help_is_whole_and_the_readme_lists_every_subcommand():
         assert summary.endswith("."), (name, summary)
         assert "".join(summary.split()[-3:]) in "".join(listing.split()), (name, summary)  # argparse wraps at hyphens
         assert f"python scripts/bench.py {name} " in readme or f"`bench.py {name}" in readme, name
+
+
+def test_bench_paged_refuses_a_long_group_below_one():
+    """``bench.py paged --long-group 0``: one line naming the option, exit status 1, before any engine starts."""
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "paged", "--parts", "long_tail", "--long-group", "0"],
+                          capture_output=True, text=True, env=subprocess_env(), cwd=REPO_ROOT, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == "bench.py paged: --long-group must be at least 1 (given 0)"
