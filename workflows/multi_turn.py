@@ -18,8 +18,8 @@ calls, or when the next turn would not fit the length budget.
 * Trained tokens are exactly the ids the engine sampled: each turn's output is appended as
   it came back (``TrajectoryBuilder.add_generation``); only tool results are tokenised.
 * The budget: everything after the prompt (model and tool tokens) stays within
-  ``rollout.max_new_tokens``, and the whole trajectory within ``max_seq_len`` and
-  ``engine.kv_capacity`` (the engine prefills a long context in chunks).
+  ``rollout.max_new_tokens``, and the whole trajectory within ``Config.context_limit``
+  (``max_seq_len``, and the in-process engine's ``kv_capacity``; it prefills a long context in chunks).
 * Rewards: the configured reward functions score the model's own text (every turn,
   without the tool results), so a tool result is never mistaken for the model's answer.
 * Per-episode metrics in ``metadata["episode_metrics"]``: ``turns``, ``tool_calls``,

@@ -88,14 +88,14 @@ class Pending:
                 stop_reason=s.stop_reason or "aborted",
                 score=s.score,
                 usage=self.usage,
-                cached_tokens=None if self.request.beam else max(self.context_tokens - s.prompt_computed, 0),
+                cached_tokens=None if self.request.beam else max(self.prompt_kv_tokens - s.prompt_computed, 0),
             )
             for s in self.sequences
         ]
 
     @property
-    def context_tokens(self) -> int:
-        """The prompt tokens a sample's prefill holds: all but the last, which its first decode step feeds."""
+    def prompt_kv_tokens(self) -> int:
+        """The prompt tokens whose KV a sample's prefill holds: all but the last, which its first decode step feeds."""
         return max(len(self.request.prompt_ids) - 1, 0)
 
 

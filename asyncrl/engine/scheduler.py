@@ -399,7 +399,7 @@ class Scheduler:
                 usage.prefill_tokens += context - part.reused
                 usage.prefix_hit_tokens += part.reused
                 # The part's first sample computes what it did not reuse; the others share its pages.
-                prompt = sequences[0].pending.context_tokens
+                prompt = sequences[0].pending.prompt_kv_tokens
                 for j, sequence in enumerate(sequences):
                     sequence.prompt_computed += max(prompt - (part.reused if j == 0 else context), 0)
         for stage in sorted({chunk.stage for chunk in chunks}):

@@ -309,9 +309,9 @@ def long_tail(paged: bool, requests: int, paged_slots: int, window_s: float, ski
            "window_s": round(seconds, 1), "preemptions": delta("engine/preemptions")}
     if paged and all(u is not None for u in used):
         # What the pool holds per running sequence: its pages over the sequences decoding together.
-        positions = float(np.mean(used)) * config["kv_pages"] * PAGE
-        out.update(kv_pages_used_mean=round(float(np.mean(used)), 3),
-                   positions_per_sequence=round(positions / max(sequences, 1e-9), 1))
+        used_mean = float(np.mean(used))
+        out.update(kv_pages_used_mean=round(used_mean, 3),
+                   positions_per_sequence=round(used_mean * config["kv_pages"] * PAGE / max(sequences, 1e-9), 1))
     return out
 
 
